@@ -1,0 +1,106 @@
+//! `mpipemoe check`: run reference cases through a configuration of the layer.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use burn::backend::{Autodiff, Flex, NdArray};
+use clap::{Args, ValueEnum};
+use mpipemoe::cases::{check_case, Case, CheckOptions};
+use mpipemoe::{ExchangePath, Partitions, Strategy};
+
+/// Tolerance on the relative error of y, dx and every gradient.
+const TOLERANCE: f64 = 1e-4;
+
+#[derive(Args, Debug)]
+pub struct CheckArgs {
+    /// Case files (canonical safetensors with expected outputs and gradients).
+    #[arg(required = true)]
+    files: Vec<PathBuf>,
+    /// Which implementation of the exchange to run.
+    #[arg(long, value_enum, default_value_t = PathArg::Fused)]
+    path: PathArg,
+    /// Expert-parallel ranks (threads); tokens are split contiguously over them.
+    #[arg(long, default_value_t = 1)]
+    ranks: usize,
+    /// Partitions of the exchange (the paper's n).
+    #[arg(long, default_value_t = 1)]
+    partitions: usize,
+    /// Memory-reuse strategy.
+    #[arg(long, value_enum, default_value_t = StrategyArg::None)]
+    strategy: StrategyArg,
+    /// CPU backend.
+    #[arg(long, value_enum, default_value_t = BackendArg::Flex)]
+    backend: BackendArg,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug)]
+enum PathArg {
+    Fused,
+    Reference,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug)]
+enum StrategyArg {
+    None,
+    S1,
+    S2,
+    S3,
+    S4,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug)]
+enum BackendArg {
+    Flex,
+    Ndarray,
+}
+
+pub fn run(args: CheckArgs) -> ExitCode {
+    let options = CheckOptions {
+        path: match args.path {
+            PathArg::Fused => ExchangePath::Fused,
+            PathArg::Reference => ExchangePath::Reference,
+        },
+        n_ranks: args.ranks,
+        partitions: Partitions::Fixed(args.partitions),
+        strategy: match args.strategy {
+            StrategyArg::None => Strategy::None,
+            StrategyArg::S1 => Strategy::S1,
+            StrategyArg::S2 => Strategy::S2,
+            StrategyArg::S3 => Strategy::S3,
+            StrategyArg::S4 => Strategy::S4,
+        },
+    };
+    let mut failed = false;
+    for file in &args.files {
+        let name = file
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let result = Case::load(file).and_then(|case| match args.backend {
+            BackendArg::Flex => check_case::<Autodiff<Flex>>(&case, &options, &Default::default()),
+            BackendArg::Ndarray => check_case::<Autodiff<NdArray>>(&case, &options, &Default::default()),
+        });
+        match result {
+            Ok(report) if report.passed(TOLERANCE) => {
+                println!("{name} ok max_rel_err={:.3e}", report.max_rel_err());
+            }
+            Ok(report) => {
+                failed = true;
+                let worst = report.worst();
+                println!(
+                    "{name} FAIL max_rel_err={:.3e} (worst: {})",
+                    worst.rel_err, worst.name
+                );
+            }
+            Err(err) => {
+                failed = true;
+                println!("{name} FAIL error: {err}");
+            }
+        }
+    }
+    if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}

@@ -1,0 +1,87 @@
+//! One reference case: a layer, an input, and the expected output and gradients.
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::TensorData;
+
+use crate::error::{MoeError, Result};
+use crate::layer::{parameter_shapes, read_safetensors, LayerMeta, TensorMap};
+use crate::MoeLayerConfig;
+
+/// A reference case (see `shared/cases/README.md`): weights in the canonical layout, `x`,
+/// `probe` (the loss is `sum(y · probe)`), and the expected `y`, `dx` and `grad.<param>`.
+#[derive(Debug, Clone)]
+pub struct Case {
+    /// File stem, e.g. `paper_top1_gelu_bias`.
+    pub name: String,
+    /// Where it was read from.
+    pub path: PathBuf,
+    /// The meta JSON.
+    pub meta: LayerMeta,
+    /// The layer config the meta describes, for this case's batch.
+    pub config: MoeLayerConfig,
+    /// Every tensor in the file.
+    pub tensors: TensorMap,
+}
+
+impl Case {
+    /// Reads and checks a case file. Every tensor the function needs must be present with its
+    /// shape; errors name the file and the tensor.
+    pub fn load(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let (tensors, meta) = read_safetensors(path)?;
+        let meta = meta.ok_or_else(|| MoeError::file(path, "no `meta` key in the safetensors metadata"))?;
+        let meta = LayerMeta::parse(&meta).map_err(|e| MoeError::file(path, e))?;
+        let x = tensors
+            .get("x")
+            .ok_or_else(|| MoeError::file(path, "missing tensor `x`"))?;
+        if x.shape.len() != 2 {
+            return Err(MoeError::file(
+                path,
+                format!("tensor `x` has shape {:?}, expected [T, M]", x.shape.to_vec()),
+            ));
+        }
+        let n_tokens = x.shape[0];
+        let config = meta
+            .to_config(Some(n_tokens))
+            .map_err(|e| MoeError::file(path, e))?;
+        let case = Self {
+            name: path
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            path: path.to_path_buf(),
+            meta,
+            config,
+            tensors,
+        };
+        for (name, shape) in case.expected_shapes() {
+            crate::layer::expect_tensor(&case.tensors, &name, &shape, path)?;
+        }
+        Ok(case)
+    }
+
+    /// Tokens in the case's batch.
+    pub fn n_tokens(&self) -> usize {
+        self.tensors["x"].shape[0]
+    }
+
+    /// Every tensor a case must hold, with its shape.
+    pub fn expected_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let tokens = vec![self.n_tokens(), self.config.d_model];
+        let mut out: Vec<(String, Vec<usize>)> = ["x", "y", "probe", "dx"]
+            .into_iter()
+            .map(|n| (n.to_string(), tokens.clone()))
+            .collect();
+        for (name, shape) in parameter_shapes(&self.config) {
+            out.push((name.to_string(), shape.clone()));
+            out.push((format!("grad.{name}"), shape));
+        }
+        out
+    }
+
+    /// A tensor of the case (present after [`Case::load`] succeeded for expected names).
+    pub fn tensor(&self, name: &str) -> &TensorData {
+        &self.tensors[name]
+    }
+}

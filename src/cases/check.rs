@@ -1,0 +1,209 @@
+//! Running a case through one configuration of the layer and comparing.
+
+use std::collections::BTreeMap;
+
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Tensor, TensorData};
+
+use super::Case;
+use crate::dispatch::chunk_range;
+use crate::error::Result;
+use crate::layer::{ExchangePath, MoeLayer, ParamKind, Partitions};
+use crate::memory::{MemoryReuse, Strategy};
+use crate::{LocalGroup, MoeBackend};
+
+/// One configuration to check a case with.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CheckOptions {
+    /// Fused op or reference twin.
+    pub path: ExchangePath,
+    /// Expert-parallel ranks (threads); the case's tokens are split contiguously over them.
+    pub n_ranks: usize,
+    /// Partitions of the exchange.
+    pub partitions: Partitions,
+    /// Memory strategy.
+    pub strategy: Strategy,
+}
+
+impl Default for CheckOptions {
+    fn default() -> Self {
+        Self {
+            path: ExchangePath::Fused,
+            n_ranks: 1,
+            partitions: Partitions::Fixed(1),
+            strategy: Strategy::None,
+        }
+    }
+}
+
+/// The relative error of one tensor.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorError {
+    /// `y`, `dx` or `grad.<param>`.
+    pub name: String,
+    /// `‖got − want‖ / ‖want‖` (or `‖got‖` where `want` is all zeros).
+    pub rel_err: f64,
+}
+
+/// Errors of every compared tensor of one case, in a fixed order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CheckReport {
+    /// The case's name.
+    pub case: String,
+    /// One entry per tensor.
+    pub errors: Vec<TensorError>,
+    /// What was computed, gathered over ranks: `y`, `dx` and `grad.<param>` (f64, row-major).
+    pub tensors: BTreeMap<String, Vec<f64>>,
+}
+
+impl CheckReport {
+    /// The tensor with the largest relative error.
+    pub fn worst(&self) -> &TensorError {
+        self.errors
+            .iter()
+            .max_by(|a, b| a.rel_err.total_cmp(&b.rel_err))
+            .expect("a report compares at least y")
+    }
+
+    /// The largest relative error.
+    pub fn max_rel_err(&self) -> f64 {
+        self.worst().rel_err
+    }
+
+    /// Whether every tensor is within `tolerance`.
+    pub fn passed(&self, tolerance: f64) -> bool {
+        self.errors.iter().all(|e| e.rel_err <= tolerance)
+    }
+}
+
+/// `‖got − want‖₂ / ‖want‖₂`; where `want` is all zeros, `‖got‖₂`.
+pub fn relative_error(got: &[f64], want: &[f64]) -> f64 {
+    if got.len() != want.len() {
+        return f64::INFINITY;
+    }
+    let diff = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (g - w) * (g - w))
+        .sum::<f64>()
+        .sqrt();
+    let norm = want.iter().map(|w| w * w).sum::<f64>().sqrt();
+    if norm == 0.0 {
+        diff
+    } else {
+        diff / norm
+    }
+}
+
+fn values(data: &TensorData) -> Vec<f64> {
+    data.clone().convert::<f64>().into_vec::<f64>().expect("f64 data")
+}
+
+/// What one rank computed.
+struct RankResult {
+    y: Vec<f64>,
+    dx: Vec<f64>,
+    grads: Vec<(&'static str, ParamKind, Vec<f64>)>,
+}
+
+/// Runs `case` through the layer configured by `options` on backend `B`, with `loss =
+/// sum(y · probe)`, and compares `y`, `dx` and every parameter gradient with the case.
+///
+/// The case's tokens are split into contiguous slices over the ranks (the count need not
+/// divide); outputs and `dx` are gathered in token order, expert gradients come from their
+/// owning rank, router and shared-expert gradients are summed over ranks.
+pub fn check_case<B>(case: &Case, options: &CheckOptions, device: &B::Device) -> Result<CheckReport>
+where
+    B: AutodiffBackend + MoeBackend,
+{
+    let config = case
+        .config
+        .clone()
+        .with_path(options.path)
+        .with_partitions(options.partitions)
+        .with_memory_reuse(MemoryReuse::from(options.strategy));
+    config.validate_for_ranks(options.n_ranks)?;
+    let n_tokens = case.n_tokens();
+    let d_model = config.d_model;
+    let x_all = values(case.tensor("x"));
+    let probe_all = values(case.tensor("probe"));
+
+    let ranks = LocalGroup::run(options.n_ranks, |ctx| {
+        let layer =
+            MoeLayer::<B>::from_tensor_map(&config, &case.tensors, &case.path, device, ctx.comm.clone())?;
+        let rows = chunk_range(n_tokens, ctx.n_ranks, ctx.rank);
+        let slice = |all: &[f64]| all[rows.start * d_model..rows.end * d_model].to_vec();
+        let shape = [rows.len(), d_model];
+        let x = Tensor::<B, 2>::from_data(
+            TensorData::new(slice(&x_all), shape).convert::<B::FloatElem>(),
+            device,
+        )
+        .require_grad();
+        let probe = Tensor::<B, 2>::from_data(
+            TensorData::new(slice(&probe_all), shape).convert::<B::FloatElem>(),
+            device,
+        );
+        let out = layer.try_forward(x.clone())?;
+        let y = values(&out.output.to_data());
+        let grads = (out.output * probe).sum().backward();
+        let dx = x
+            .grad(&grads)
+            .map(|g| values(&g.into_data()))
+            .unwrap_or_else(|| vec![0.0; rows.len() * d_model]);
+        let params = layer
+            .grads_by_name(&grads)
+            .into_iter()
+            .map(|(name, kind, g)| (name, kind, g.map(|g| values(&g))))
+            .collect::<Vec<_>>();
+        Ok((y, dx, params))
+    })?;
+
+    // Gather: token-ordered y and dx; experts concatenated in rank order; replicas summed.
+    let mut results = Vec::with_capacity(ranks.len());
+    for (y, dx, params) in ranks {
+        results.push(RankResult {
+            y,
+            dx,
+            grads: params
+                .into_iter()
+                .map(|(name, kind, g)| (name, kind, g.unwrap_or_default()))
+                .collect(),
+        });
+    }
+    let y: Vec<f64> = results.iter().flat_map(|r| r.y.iter().copied()).collect();
+    let dx: Vec<f64> = results.iter().flat_map(|r| r.dx.iter().copied()).collect();
+    let mut grads: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    for r in &results {
+        for (name, kind, g) in &r.grads {
+            let want_len = case.tensor(name).num_elements();
+            let entry = grads.entry(name).or_default();
+            match kind {
+                // A rank whose experts received no rows may have no gradient for them at
+                // all on the reference path: its share is zeros.
+                ParamKind::Expert if g.is_empty() => {
+                    entry.extend(std::iter::repeat_n(0.0, want_len / options.n_ranks))
+                }
+                ParamKind::Expert => entry.extend_from_slice(g),
+                ParamKind::Replicated => {
+                    entry.resize(want_len, 0.0);
+                    entry.iter_mut().zip(g).for_each(|(acc, v)| *acc += v);
+                }
+            }
+        }
+    }
+
+    let mut tensors = BTreeMap::from([("y".to_string(), y), ("dx".to_string(), dx)]);
+    tensors.extend(grads.into_iter().map(|(name, g)| (format!("grad.{name}"), g)));
+    let errors = tensors
+        .iter()
+        .map(|(name, got)| TensorError {
+            name: name.clone(),
+            rel_err: relative_error(got, &values(case.tensor(name))),
+        })
+        .collect();
+    Ok(CheckReport {
+        case: case.name.clone(),
+        errors,
+        tensors,
+    })
+}

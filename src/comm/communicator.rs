@@ -1,0 +1,205 @@
+//! The [`Communicator`] trait and the collectives built on its one primitive.
+
+use std::fmt;
+
+use crate::error::{MoeError, Result};
+
+/// One message from one rank to another.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Payload {
+    /// Raw tensor bytes (rows of any float dtype, row-major).
+    Bytes(Vec<u8>),
+    /// Integer bookkeeping: counts, token totals.
+    Counts(Vec<usize>),
+    /// Floating-point values reduced by the collectives (gradients, loss shares).
+    Values(Vec<f64>),
+}
+
+impl Payload {
+    fn kind(&self) -> &'static str {
+        match self {
+            Payload::Bytes(_) => "bytes",
+            Payload::Counts(_) => "counts",
+            Payload::Values(_) => "values",
+        }
+    }
+}
+
+/// A group of expert-parallel ranks that can exchange data.
+///
+/// Every rank must call the same collectives in the same order (as with NCCL or MPI). A
+/// collective that cannot complete — a peer died, errored, or did not arrive within the
+/// group's timeout — returns [`MoeError::Comm`] naming the collective and the rank at fault;
+/// it never hangs.
+pub trait Communicator: Send + Sync + fmt::Debug {
+    /// This rank's index in `0..n_ranks`.
+    fn rank(&self) -> usize;
+
+    /// The number of ranks in the group.
+    fn n_ranks(&self) -> usize;
+
+    /// Sends `outgoing[dst]` to every rank `dst` and returns what every rank sent to this one,
+    /// indexed by source rank. `outgoing.len()` must equal `n_ranks`.
+    fn exchange(&self, op: &'static str, outgoing: Vec<Payload>) -> Result<Vec<Payload>>;
+
+    /// All-to-all with uneven counts over rows of `row_bytes` bytes each.
+    ///
+    /// `send` holds `sum(send_counts)` rows grouped by destination rank (`send_counts[dst]`
+    /// rows for `dst`, in rank order). Returns the received rows grouped by source rank, and
+    /// how many rows came from each source.
+    fn all_to_all_v(
+        &self,
+        send: &[u8],
+        row_bytes: usize,
+        send_counts: &[usize],
+    ) -> Result<(Vec<u8>, Vec<usize>)> {
+        let op = "all_to_all_v";
+        check_len(self, op, "send_counts", send_counts.len())?;
+        let total: usize = send_counts.iter().sum();
+        if total * row_bytes != send.len() {
+            return Err(MoeError::comm(
+                op,
+                self.rank(),
+                format!(
+                    "send buffer has {} bytes, but send_counts sum to {total} rows of {row_bytes} bytes",
+                    send.len()
+                ),
+            ));
+        }
+        let mut outgoing = Vec::with_capacity(send_counts.len());
+        let mut start = 0;
+        for &count in send_counts {
+            let end = start + count * row_bytes;
+            outgoing.push(Payload::Bytes(send[start..end].to_vec()));
+            start = end;
+        }
+        let incoming = self.exchange(op, outgoing)?;
+        let mut recv = Vec::new();
+        let mut recv_counts = Vec::with_capacity(incoming.len());
+        for (src, payload) in incoming.into_iter().enumerate() {
+            let bytes = expect_bytes(self, op, src, payload)?;
+            if row_bytes > 0 && bytes.len() % row_bytes != 0 {
+                return Err(MoeError::comm(
+                    op,
+                    self.rank(),
+                    format!(
+                        "rank {src} sent {} bytes, not a whole number of {row_bytes}-byte rows",
+                        bytes.len()
+                    ),
+                ));
+            }
+            recv_counts.push(bytes.len().checked_div(row_bytes).unwrap_or(0));
+            recv.extend_from_slice(&bytes);
+        }
+        Ok((recv, recv_counts))
+    }
+
+    /// Exchanges blocks of counts: `send[dst * per_rank..(dst + 1) * per_rank]` goes to `dst`.
+    /// Returns the blocks received, concatenated in source-rank order.
+    fn all_to_all_counts(&self, send: &[usize], per_rank: usize) -> Result<Vec<usize>> {
+        let op = "all_to_all_counts";
+        check_len(self, op, "send", send.len() / per_rank.max(1))?;
+        let outgoing = (0..self.n_ranks())
+            .map(|dst| Payload::Counts(send[dst * per_rank..(dst + 1) * per_rank].to_vec()))
+            .collect();
+        let incoming = self.exchange(op, outgoing)?;
+        let mut out = Vec::with_capacity(send.len());
+        for (src, payload) in incoming.into_iter().enumerate() {
+            out.extend(expect_counts(self, op, src, payload, per_rank)?);
+        }
+        Ok(out)
+    }
+
+    /// Gathers every rank's `local` counts (all of the same length) on every rank,
+    /// concatenated in rank order.
+    fn all_gather_counts(&self, local: &[usize]) -> Result<Vec<usize>> {
+        let op = "all_gather_counts";
+        let outgoing = vec![Payload::Counts(local.to_vec()); self.n_ranks()];
+        let incoming = self.exchange(op, outgoing)?;
+        let mut out = Vec::with_capacity(local.len() * self.n_ranks());
+        for (src, payload) in incoming.into_iter().enumerate() {
+            out.extend(expect_counts(self, op, src, payload, local.len())?);
+        }
+        Ok(out)
+    }
+
+    /// Sums `values` over all ranks, in place. Every rank adds the contributions in rank
+    /// order, so the result is bitwise identical on every rank and from run to run.
+    fn all_reduce_sum(&self, values: &mut [f64]) -> Result<()> {
+        let op = "all_reduce_sum";
+        if self.n_ranks() == 1 {
+            return Ok(());
+        }
+        let outgoing = vec![Payload::Values(values.to_vec()); self.n_ranks()];
+        let incoming = self.exchange(op, outgoing)?;
+        values.iter_mut().for_each(|v| *v = 0.0);
+        for (src, payload) in incoming.into_iter().enumerate() {
+            match payload {
+                Payload::Values(v) if v.len() == values.len() => {
+                    values.iter_mut().zip(v).for_each(|(acc, x)| *acc += x)
+                }
+                other => return Err(mismatch(self, op, src, "values", &other)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Returns once every rank has called it.
+    fn barrier(&self) -> Result<()> {
+        let outgoing = vec![Payload::Counts(Vec::new()); self.n_ranks()];
+        self.exchange("barrier", outgoing).map(|_| ())
+    }
+}
+
+fn check_len<C: Communicator + ?Sized>(comm: &C, op: &str, what: &str, len: usize) -> Result<()> {
+    if len == comm.n_ranks() {
+        Ok(())
+    } else {
+        Err(MoeError::comm(
+            op,
+            comm.rank(),
+            format!("`{what}` covers {len} ranks, the group has {}", comm.n_ranks()),
+        ))
+    }
+}
+
+fn mismatch<C: Communicator + ?Sized>(comm: &C, op: &str, src: usize, want: &str, got: &Payload) -> MoeError {
+    MoeError::comm(
+        op,
+        comm.rank(),
+        format!(
+            "rank {src} sent a {} payload where {want} was expected (ranks called different collectives)",
+            got.kind()
+        ),
+    )
+}
+
+fn expect_bytes<C: Communicator + ?Sized>(
+    comm: &C,
+    op: &str,
+    src: usize,
+    payload: Payload,
+) -> Result<Vec<u8>> {
+    match payload {
+        Payload::Bytes(bytes) => Ok(bytes),
+        other => Err(mismatch(comm, op, src, "bytes", &other)),
+    }
+}
+
+fn expect_counts<C: Communicator + ?Sized>(
+    comm: &C,
+    op: &str,
+    src: usize,
+    payload: Payload,
+    len: usize,
+) -> Result<Vec<usize>> {
+    match payload {
+        Payload::Counts(counts) if counts.len() == len => Ok(counts),
+        Payload::Counts(counts) => Err(MoeError::comm(
+            op,
+            comm.rank(),
+            format!("rank {src} sent {} counts, expected {len}", counts.len()),
+        )),
+        other => Err(mismatch(comm, op, src, "counts", &other)),
+    }
+}

@@ -1,0 +1,316 @@
+//! N ranks as threads of one process.
+//!
+//! The ranks meet in a shared hub: for each collective (numbered by a per-rank sequence
+//! counter, which agrees across ranks because every rank calls the same collectives in the
+//! same order) each rank deposits one payload per destination, waits until all ranks have
+//! deposited, and takes the payloads addressed to it. A rank whose closure returns an error
+//! or panics marks the group failed, which wakes every waiting rank with an error naming it;
+//! a rank that is still missing after the timeout is named in a timeout error. Nothing blocks
+//! forever.
+
+use std::collections::BTreeMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::{Communicator, Payload};
+use crate::error::{MoeError, Result};
+
+/// Options for a [`LocalGroup`].
+#[derive(Debug, Clone, Copy)]
+pub struct GroupOptions {
+    /// How long a rank waits in one collective for its peers before giving up.
+    pub timeout: Duration,
+}
+
+impl Default for GroupOptions {
+    fn default() -> Self {
+        Self {
+            timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+/// What each rank's closure receives from [`LocalGroup::run`].
+#[derive(Debug, Clone)]
+pub struct RankContext {
+    /// This rank's index.
+    pub rank: usize,
+    /// The number of ranks.
+    pub n_ranks: usize,
+    /// This rank's handle to the group.
+    pub comm: Arc<dyn Communicator>,
+}
+
+/// Runs N ranks as threads of this process.
+///
+/// ```
+/// use mpipemoe::{Communicator, LocalGroup};
+/// let sums = LocalGroup::run(3, |ctx| {
+///     let mut v = [ctx.rank as f64];
+///     ctx.comm.all_reduce_sum(&mut v)?;
+///     Ok(v[0])
+/// })
+/// .unwrap();
+/// assert_eq!(sums, vec![3.0, 3.0, 3.0]);
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LocalGroup;
+
+impl LocalGroup {
+    /// Runs `f` on `n_ranks` threads, one per rank, and returns their results in rank order.
+    ///
+    /// If any rank fails, returns the root cause: the first error that is not a peer's
+    /// report of that failure (a rank's own error is preferred over the others' comm errors).
+    pub fn run<T, F>(n_ranks: usize, f: F) -> Result<Vec<T>>
+    where
+        T: Send,
+        F: Fn(RankContext) -> Result<T> + Sync,
+    {
+        Self::run_with(GroupOptions::default(), n_ranks, f)
+    }
+
+    /// [`LocalGroup::run`] with explicit options.
+    pub fn run_with<T, F>(options: GroupOptions, n_ranks: usize, f: F) -> Result<Vec<T>>
+    where
+        T: Send,
+        F: Fn(RankContext) -> Result<T> + Sync,
+    {
+        let results = Self::run_each(options, n_ranks, f);
+        let root_cause = results
+            .iter()
+            .filter_map(|r| r.as_ref().err())
+            .find(|e| !matches!(e, MoeError::Comm { reason, .. } if reason.starts_with(PEER_PREFIX)))
+            .cloned();
+        if let Some(err) = root_cause {
+            return Err(err);
+        }
+        results.into_iter().collect()
+    }
+
+    /// Runs `f` on every rank and returns each rank's own result, errors included.
+    pub fn run_each<T, F>(options: GroupOptions, n_ranks: usize, f: F) -> Vec<Result<T>>
+    where
+        T: Send,
+        F: Fn(RankContext) -> Result<T> + Sync,
+    {
+        let comms = Self::communicators(options, n_ranks);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = comms
+                .into_iter()
+                .map(|comm| {
+                    let f = &f;
+                    scope.spawn(move || {
+                        let rank = comm.rank;
+                        let hub = comm.hub.clone();
+                        let ctx = RankContext {
+                            rank,
+                            n_ranks,
+                            comm: Arc::new(comm),
+                        };
+                        let result = catch_unwind(AssertUnwindSafe(|| f(ctx)))
+                            .unwrap_or_else(|payload| Err(MoeError::from_panic(payload, rank)));
+                        match &result {
+                            Ok(_) => hub.exit(rank),
+                            Err(err) => hub.fail(rank, err.to_string()),
+                        }
+                        result
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .enumerate()
+                .map(|(rank, h)| h.join().unwrap_or_else(|p| Err(MoeError::from_panic(p, rank))))
+                .collect()
+        })
+    }
+
+    /// The communicators of a fresh group, for callers that manage their own threads.
+    pub fn communicators(options: GroupOptions, n_ranks: usize) -> Vec<LocalComm> {
+        assert!(n_ranks > 0, "a group needs at least one rank");
+        let hub = Arc::new(Hub {
+            n_ranks,
+            timeout: options.timeout,
+            state: Mutex::new(HubState {
+                rounds: BTreeMap::new(),
+                failed: None,
+                exited: vec![false; n_ranks],
+            }),
+            wake: Condvar::new(),
+        });
+        (0..n_ranks)
+            .map(|rank| LocalComm {
+                rank,
+                hub: hub.clone(),
+                seq: AtomicU64::new(0),
+            })
+            .collect()
+    }
+}
+
+/// Prefix of the reason of an error that reports another rank's failure.
+const PEER_PREFIX: &str = "peer failure:";
+
+/// One rank's handle to a [`LocalGroup`].
+#[derive(Debug)]
+pub struct LocalComm {
+    rank: usize,
+    hub: Arc<Hub>,
+    seq: AtomicU64,
+}
+
+#[derive(Debug)]
+struct Hub {
+    n_ranks: usize,
+    timeout: Duration,
+    state: Mutex<HubState>,
+    wake: Condvar,
+}
+
+#[derive(Debug)]
+struct HubState {
+    rounds: BTreeMap<u64, Round>,
+    failed: Option<(usize, String)>,
+    exited: Vec<bool>,
+}
+
+#[derive(Debug)]
+struct Round {
+    op: &'static str,
+    /// `deposits[src][dst]`: what `src` sent to `dst`, until `dst` takes it.
+    deposits: Vec<Option<Vec<Option<Payload>>>>,
+    arrived: usize,
+    taken: usize,
+}
+
+impl Hub {
+    fn lock(&self) -> MutexGuard<'_, HubState> {
+        // A rank that panicked while holding the lock leaves consistent state (every update
+        // is a single assignment), so a poisoned lock is safe to keep using.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn fail(&self, rank: usize, reason: String) {
+        let mut state = self.lock();
+        if state.failed.is_none() {
+            state.failed = Some((rank, reason));
+        }
+        self.wake.notify_all();
+    }
+
+    fn exit(&self, rank: usize) {
+        self.lock().exited[rank] = true;
+        self.wake.notify_all();
+    }
+}
+
+impl Communicator for LocalComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn n_ranks(&self) -> usize {
+        self.hub.n_ranks
+    }
+
+    fn exchange(&self, op: &'static str, outgoing: Vec<Payload>) -> Result<Vec<Payload>> {
+        let n = self.hub.n_ranks;
+        if outgoing.len() != n {
+            return Err(MoeError::comm(
+                op,
+                self.rank,
+                format!("{} payloads for a group of {n} ranks", outgoing.len()),
+            ));
+        }
+        let seq = self.seq.fetch_add(1, Ordering::SeqCst);
+        let deadline = Instant::now() + self.hub.timeout;
+        let mut state = self.hub.lock();
+        let peer_error = |state: &HubState| {
+            state.failed.as_ref().map(|(rank, reason)| {
+                MoeError::comm(
+                    op,
+                    self.rank,
+                    format!("{PEER_PREFIX} rank {rank} failed: {reason}"),
+                )
+            })
+        };
+        if let Some(err) = peer_error(&state) {
+            return Err(err);
+        }
+
+        // Deposit this rank's payloads.
+        let round = state.rounds.entry(seq).or_insert_with(|| Round {
+            op,
+            deposits: (0..n).map(|_| None).collect(),
+            arrived: 0,
+            taken: 0,
+        });
+        if round.op != op {
+            let reason = format!(
+                "collective #{seq}: this rank called `{op}`, another called `{}`",
+                round.op
+            );
+            drop(state);
+            self.hub.fail(self.rank, reason.clone());
+            return Err(MoeError::comm(op, self.rank, reason));
+        }
+        round.deposits[self.rank] = Some(outgoing.into_iter().map(Some).collect());
+        round.arrived += 1;
+        self.hub.wake.notify_all();
+
+        // Wait for every peer.
+        loop {
+            if let Some(err) = peer_error(&state) {
+                return Err(err);
+            }
+            let round = &state.rounds[&seq];
+            if round.arrived == n {
+                break;
+            }
+            let missing: Vec<usize> = (0..n).filter(|&r| round.deposits[r].is_none()).collect();
+            if let Some(&gone) = missing.iter().find(|&&r| state.exited[r]) {
+                return Err(MoeError::comm(
+                    op,
+                    self.rank,
+                    format!("rank {gone} finished without joining collective #{seq}"),
+                ));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let reason = format!(
+                    "timed out after {:.1?} waiting for rank(s) {missing:?} in collective #{seq}",
+                    self.hub.timeout
+                );
+                drop(state);
+                self.hub.fail(self.rank, reason.clone());
+                return Err(MoeError::comm(op, self.rank, reason));
+            }
+            state = self
+                .hub
+                .wake
+                .wait_timeout(state, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+
+        // Take what every source sent to this rank.
+        let round = state
+            .rounds
+            .get_mut(&seq)
+            .expect("round exists until all ranks took");
+        let incoming = (0..n)
+            .map(|src| {
+                round.deposits[src].as_mut().expect("all ranks arrived")[self.rank]
+                    .take()
+                    .expect("each payload is taken once")
+            })
+            .collect();
+        round.taken += 1;
+        if round.taken == n {
+            state.rounds.remove(&seq);
+        }
+        Ok(incoming)
+    }
+}

@@ -1,0 +1,14 @@
+//! Host-side bookkeeping of step 2 (DESIGN §1): which rows go where, in which partition.
+//!
+//! Nothing here is differentiated. [`DispatchPlan`] orders this rank's (token, choice)
+//! assignments into the rows of `T_I` and back; [`ExchangePlan`] is what the exchange op
+//! needs: row counts for every (source rank, destination rank, expert) and how each
+//! partition cuts them.
+
+mod capacity;
+mod partition;
+mod plan;
+
+pub use capacity::{capacity_for, CapacityDecision};
+pub use partition::{chunk_len, chunk_range, PartitionPlan, SplitScheme};
+pub use plan::{build_plans, DispatchPlan, ExchangePlan, RoutingStats};

@@ -1,0 +1,241 @@
+//! Building the dispatch and exchange plans from the router's choices.
+
+use super::{chunk_len, chunk_range, CapacityDecision, PartitionPlan, SplitScheme};
+use crate::comm::Communicator;
+use crate::error::{MoeError, Result};
+
+/// What the router did with a batch, over all ranks.
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize)]
+pub struct RoutingStats {
+    /// Assignments each expert took after capacity, over the global batch. `[n_experts]`
+    pub tokens_per_expert: Vec<usize>,
+    /// Assignments dropped by capacity over the global batch.
+    pub dropped: usize,
+    /// Assignments of this rank's tokens dropped by capacity.
+    pub local_dropped: usize,
+    /// The per-expert limit, if capacity is on.
+    pub capacity: Option<usize>,
+    /// Tokens in the global batch.
+    pub n_tokens_global: usize,
+}
+
+/// How this rank's (token, choice) assignments become the rows of `T_I` and come back.
+///
+/// Rows are ordered partition-major, then by destination rank and local expert (that is,
+/// by global expert), then by token, so that each partition is a contiguous block of `T_I`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DispatchPlan {
+    /// Tokens on this rank.
+    pub n_tokens: usize,
+    /// Choices per token.
+    pub top_k: usize,
+    /// Token of each row of `T_I`. `[n_rows]`
+    pub row_token: Vec<usize>,
+    /// Assignment of each row: `t * top_k + j`. `[n_rows]`
+    pub row_slot: Vec<usize>,
+    /// Fraction of all assignments (global, before capacity) routed to each expert: the
+    /// `f_e` of the load-balancing loss. `[n_experts]`
+    pub expert_fraction: Vec<f64>,
+    /// Counts for reporting.
+    pub stats: RoutingStats,
+}
+
+impl DispatchPlan {
+    /// Rows of `T_I` (kept assignments on this rank).
+    pub fn n_rows(&self) -> usize {
+        self.row_token.len()
+    }
+}
+
+/// Row counts of the exchange for every (rank, rank, expert) triple this rank is part of,
+/// and how they are cut into partitions.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExchangePlan {
+    /// This rank.
+    pub rank: usize,
+    /// Ranks in the group.
+    pub n_ranks: usize,
+    /// Experts per rank.
+    pub n_local_experts: usize,
+    /// Rows this rank sends to each (destination rank, local expert). `[n_ranks * n_local_experts]`
+    pub send_counts: Vec<usize>,
+    /// Rows this rank receives from each (source rank, local expert). `[n_ranks * n_local_experts]`
+    pub recv_counts: Vec<usize>,
+    /// How the exchange is cut.
+    pub scheme: SplitScheme,
+    /// The partitions, in schedule order.
+    pub partitions: Vec<PartitionPlan>,
+}
+
+impl ExchangePlan {
+    /// Builds the partitions of an exchange from its group counts.
+    pub fn new(
+        rank: usize,
+        n_ranks: usize,
+        n_local_experts: usize,
+        send_counts: Vec<usize>,
+        recv_counts: Vec<usize>,
+        scheme: SplitScheme,
+    ) -> Self {
+        let n_parts = scheme.n_partitions(n_ranks);
+        let mut partitions = Vec::with_capacity(n_parts);
+        let mut offset = 0;
+        for i in 0..n_parts {
+            let send = partition_groups(&send_counts, scheme, n_ranks, n_local_experts, i, |p| {
+                (rank + p) % n_ranks
+            });
+            let recv = partition_groups(&recv_counts, scheme, n_ranks, n_local_experts, i, |p| {
+                (rank + n_ranks - p) % n_ranks
+            });
+            let part = PartitionPlan::new(offset, &send, &recv, n_ranks, n_local_experts);
+            offset += part.send_rows();
+            partitions.push(part);
+        }
+        Self {
+            rank,
+            n_ranks,
+            n_local_experts,
+            send_counts,
+            recv_counts,
+            scheme,
+            partitions,
+        }
+    }
+
+    /// Rows of `T_I` (and `T_O`).
+    pub fn send_rows(&self) -> usize {
+        self.send_counts.iter().sum()
+    }
+
+    /// Rows received over all partitions (`T_DI`).
+    pub fn recv_rows(&self) -> usize {
+        self.recv_counts.iter().sum()
+    }
+
+    /// Number of partitions.
+    pub fn n_partitions(&self) -> usize {
+        self.partitions.len()
+    }
+}
+
+/// Partition `i`'s share of each (rank, expert) group. `peer(i)` is the only rank partition
+/// `i` talks to under [`SplitScheme::Ranks`].
+fn partition_groups(
+    counts: &[usize],
+    scheme: SplitScheme,
+    n_ranks: usize,
+    n_local: usize,
+    i: usize,
+    peer: impl Fn(usize) -> usize,
+) -> Vec<usize> {
+    match scheme {
+        SplitScheme::Tokens(n) => counts.iter().map(|&c| chunk_len(c, n, i)).collect(),
+        SplitScheme::Ranks => {
+            let peer = peer(i);
+            (0..n_ranks * n_local)
+                .map(|g| if g / n_local == peer { counts[g] } else { 0 })
+                .collect()
+        }
+    }
+}
+
+/// Builds both plans for this rank's routing decision.
+///
+/// This is the layer's only host-side synchronisation: one all-gather of per-expert counts
+/// (for the global capacity order, the load-balancing fractions and the global token count)
+/// and one all-to-all of per-(rank, expert) row counts.
+///
+/// `indices` are this rank's choices, `[n_tokens * top_k]`, best first within a token.
+#[allow(clippy::too_many_arguments)]
+pub fn build_plans(
+    indices: &[usize],
+    n_tokens: usize,
+    top_k: usize,
+    n_experts: usize,
+    capacity_factor: Option<f64>,
+    scheme: SplitScheme,
+    comm: &dyn Communicator,
+) -> Result<(DispatchPlan, ExchangePlan)> {
+    let (rank, n_ranks) = (comm.rank(), comm.n_ranks());
+    if n_experts % n_ranks != 0 {
+        return Err(MoeError::config(
+            "n_experts",
+            format!("{n_experts} experts cannot be split evenly over {n_ranks} ranks"),
+        ));
+    }
+    debug_assert_eq!(indices.len(), n_tokens * top_k);
+    let n_local = n_experts / n_ranks;
+
+    // 1. Global counts: tokens and raw assignments per expert on every rank.
+    let mut local = vec![0usize; n_experts + 1];
+    local[0] = n_tokens;
+    for &e in indices {
+        local[e + 1] += 1;
+    }
+    let gathered = comm.all_gather_counts(&local)?;
+    let per_rank: Vec<&[usize]> = gathered.chunks_exact(n_experts + 1).collect();
+    let n_tokens_global: usize = per_rank.iter().map(|c| c[0]).sum();
+    let mut before = vec![0usize; n_experts];
+    let mut global = vec![0usize; n_experts];
+    for (r, counts) in per_rank.iter().enumerate() {
+        for e in 0..n_experts {
+            global[e] += counts[e + 1];
+            if r < rank {
+                before[e] += counts[e + 1];
+            }
+        }
+    }
+
+    // 2. Capacity, decided globally in token order.
+    let capacity = capacity_factor.map(|f| super::capacity_for(f, n_tokens_global, top_k, n_experts));
+    let decision = CapacityDecision::decide(indices, n_experts, capacity, &before);
+    let tokens_per_expert: Vec<usize> = global.iter().map(|&g| capacity.map_or(g, |c| g.min(c))).collect();
+    let dropped = global.iter().sum::<usize>() - tokens_per_expert.iter().sum::<usize>();
+    let local_dropped = decision.kept.iter().filter(|&&k| !k).count();
+    let assignments = (n_tokens_global * top_k).max(1) as f64;
+    let expert_fraction = global.iter().map(|&g| g as f64 / assignments).collect();
+
+    // 3. Row counts per (destination, expert): global expert order is (rank, local expert).
+    let send_counts = decision.kept_per_expert.clone();
+    let recv_counts = comm.all_to_all_counts(&send_counts, n_local)?;
+    let exchange = ExchangePlan::new(rank, n_ranks, n_local, send_counts, recv_counts, scheme);
+
+    // 4. Row order of T_I: partition-major, then expert, then token.
+    let mut rows_of_expert: Vec<Vec<usize>> = vec![Vec::new(); n_experts];
+    for (slot, (&e, &keep)) in indices.iter().zip(&decision.kept).enumerate() {
+        if keep {
+            rows_of_expert[e].push(slot);
+        }
+    }
+    let n_rows = exchange.send_rows();
+    let mut row_slot = Vec::with_capacity(n_rows);
+    let n_parts = exchange.n_partitions();
+    for i in 0..n_parts {
+        for (e, slots) in rows_of_expert.iter().enumerate() {
+            let range = match scheme {
+                SplitScheme::Tokens(n) => chunk_range(slots.len(), n, i),
+                SplitScheme::Ranks if e / n_local == (rank + i) % n_ranks => 0..slots.len(),
+                SplitScheme::Ranks => 0..0,
+            };
+            row_slot.extend_from_slice(&slots[range]);
+        }
+    }
+    debug_assert_eq!(row_slot.len(), n_rows);
+    let row_token = row_slot.iter().map(|&s| s / top_k).collect();
+
+    let dispatch = DispatchPlan {
+        n_tokens,
+        top_k,
+        row_token,
+        row_slot,
+        expert_fraction,
+        stats: RoutingStats {
+            tokens_per_expert,
+            dropped,
+            local_dropped,
+            capacity,
+            n_tokens_global,
+        },
+    };
+    Ok((dispatch, exchange))
+}

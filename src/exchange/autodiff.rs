@@ -1,0 +1,197 @@
+//! `MoeBackend` for `Autodiff<B>`: one backward node for the whole exchange, and a
+//! differentiable all-to-all for the reference twin.
+
+use std::sync::Arc;
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::Autodiff;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Shape, TensorMetadata};
+
+use super::{ExchangeGrads, ExchangeRun, MoeBackend};
+use crate::comm::Communicator;
+use crate::dispatch::ExchangePlan;
+use crate::error::Result;
+use crate::experts::ExpertTensors;
+
+/// The exchange's backward node. Parents: `T_I`, `w_in`, `b_in`, `w_out`, `b_out` (absent
+/// biases are stood in for by untracked placeholders, so they receive nothing).
+#[derive(Debug)]
+struct ExchangeBackward;
+
+#[derive(Debug, Clone)]
+struct ExchangeState<S> {
+    saved: S,
+    plan: Arc<ExchangePlan>,
+    run: ExchangeRun,
+}
+
+impl<B: MoeBackend> Backward<B, 5> for ExchangeBackward {
+    type State = ExchangeState<B::Saved>;
+
+    fn backward(self, ops: Ops<Self::State, 5>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad_out = grads.consume::<B>(&ops.node);
+        let ExchangeState { saved, plan, run } = ops.state;
+        // Burn's backward has no error channel: a failed collective is raised as a panic
+        // carrying the MoeError, which LocalGroup::run turns back into an error.
+        let g = B::exchange_backward(grad_out, saved, &plan, &run).unwrap_or_else(|e| e.raise());
+        let [input, w_in, b_in, w_out, b_out] = ops.parents;
+        let pairs = [
+            (input, Some(g.input)),
+            (w_in, Some(g.experts.w_in)),
+            (b_in, g.experts.b_in),
+            (w_out, Some(g.experts.w_out)),
+            (b_out, g.experts.b_out),
+        ];
+        for (parent, grad) in pairs {
+            if let (Some(parent), Some(grad)) = (parent, grad) {
+                grads.register::<B>(parent.id, grad);
+            }
+        }
+    }
+}
+
+/// The all-to-all's backward node: the reverse all-to-all of the gradient.
+#[derive(Debug)]
+struct AllToAllBackward;
+
+#[derive(Debug, Clone)]
+struct AllToAllState {
+    send_per_rank: Vec<usize>,
+    recv_per_rank: Vec<usize>,
+    comm: Arc<dyn Communicator>,
+}
+
+impl<B: MoeBackend> Backward<B, 1> for AllToAllBackward {
+    type State = AllToAllState;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let s = ops.state;
+        let back =
+            B::all_to_all(grad, &s.recv_per_rank, &s.send_per_rank, &s.comm).unwrap_or_else(|e| e.raise());
+        if let [Some(parent)] = ops.parents {
+            grads.register::<B>(parent.id, back);
+        }
+    }
+}
+
+fn inner_experts<B: MoeBackend, C: CheckpointStrategy>(
+    experts: &ExpertTensors<Autodiff<B, C>>,
+) -> ExpertTensors<B> {
+    ExpertTensors {
+        w_in: experts.w_in.primitive.clone(),
+        b_in: experts.b_in.as_ref().map(|b| b.primitive.clone()),
+        w_out: experts.w_out.primitive.clone(),
+        b_out: experts.b_out.as_ref().map(|b| b.primitive.clone()),
+    }
+}
+
+fn outer_experts<B: MoeBackend, C: CheckpointStrategy>(
+    experts: ExpertTensors<B>,
+) -> ExpertTensors<Autodiff<B, C>> {
+    ExpertTensors {
+        w_in: Autodiff::<B, C>::from_inner(experts.w_in),
+        b_in: experts.b_in.map(Autodiff::<B, C>::from_inner),
+        w_out: Autodiff::<B, C>::from_inner(experts.w_out),
+        b_out: experts.b_out.map(Autodiff::<B, C>::from_inner),
+    }
+}
+
+impl<B: MoeBackend, C: CheckpointStrategy> MoeBackend for Autodiff<B, C> {
+    type Saved = B::Saved;
+
+    fn exchange_forward(
+        input: FloatTensor<Self>,
+        experts: ExpertTensors<Self>,
+        plan: &ExchangePlan,
+        run: &ExchangeRun,
+    ) -> Result<(FloatTensor<Self>, Self::Saved)> {
+        let (out, saved) = B::exchange_forward(input.primitive, inner_experts(&experts), plan, run)?;
+        Ok((Self::from_inner(out), saved))
+    }
+
+    fn exchange_backward(
+        grad_out: FloatTensor<Self>,
+        saved: Self::Saved,
+        plan: &ExchangePlan,
+        run: &ExchangeRun,
+    ) -> Result<ExchangeGrads<Self>> {
+        let g = B::exchange_backward(grad_out.primitive, saved, plan, run)?;
+        Ok(ExchangeGrads {
+            input: Self::from_inner(g.input),
+            experts: outer_experts(g.experts),
+        })
+    }
+
+    fn exchange(
+        input: FloatTensor<Self>,
+        experts: ExpertTensors<Self>,
+        plan: Arc<ExchangePlan>,
+        run: &ExchangeRun,
+    ) -> Result<FloatTensor<Self>> {
+        let placeholder = || {
+            let device = B::float_device(&input.primitive);
+            Self::from_inner(B::float_zeros(
+                Shape::new([1]),
+                &device,
+                input.primitive.dtype().into(),
+            ))
+        };
+        let node =
+            |t: &Option<FloatTensor<Self>>| t.as_ref().map_or_else(|| placeholder().node, |t| t.node.clone());
+        let nodes = [
+            input.node.clone(),
+            experts.w_in.node.clone(),
+            node(&experts.b_in),
+            experts.w_out.node.clone(),
+            node(&experts.b_out),
+        ];
+        let inner = inner_experts(&experts);
+        match ExchangeBackward.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (out, saved) = B::exchange_forward(input.primitive, inner, &plan, run)?;
+                let state = ExchangeState {
+                    saved,
+                    plan,
+                    run: run.clone(),
+                };
+                Ok(prep.finish(state, out))
+            }
+            OpsKind::UnTracked(prep) => {
+                let (out, _) = B::exchange_forward(input.primitive, inner, &plan, run)?;
+                Ok(prep.finish(out))
+            }
+        }
+    }
+
+    fn all_to_all(
+        x: FloatTensor<Self>,
+        send_per_rank: &[usize],
+        recv_per_rank: &[usize],
+        comm: &Arc<dyn Communicator>,
+    ) -> Result<FloatTensor<Self>> {
+        let out = B::all_to_all(x.primitive.clone(), send_per_rank, recv_per_rank, comm)?;
+        Ok(
+            match AllToAllBackward
+                .prepare::<C>([x.node.clone()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish(
+                    AllToAllState {
+                        send_per_rank: send_per_rank.to_vec(),
+                        recv_per_rank: recv_per_rank.to_vec(),
+                        comm: comm.clone(),
+                    },
+                    out,
+                ),
+                OpsKind::UnTracked(prep) => prep.finish(out),
+            },
+        )
+    }
+}

@@ -1,0 +1,160 @@
+//! The `MoeBackend` extension trait: the fused exchange op's backend contract.
+
+use std::fmt::Debug;
+use std::sync::Arc;
+
+use burn::backend::ndarray::{
+    FloatNdArrayElement, IntNdArrayElement, NdArrayTensor, QuantElement, SharedArray,
+};
+use burn::backend::{Flex, NdArray};
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+
+use super::fused;
+use super::rows;
+use crate::comm::Communicator;
+use crate::dispatch::ExchangePlan;
+use crate::error::Result;
+use crate::experts::{Activation, ExpertTensors};
+use crate::memory::{HostStore, Strategy};
+
+/// Everything the exchange op needs besides tensors and the plan.
+#[derive(Debug, Clone)]
+pub struct ExchangeRun {
+    /// The expert-parallel group.
+    pub comm: Arc<dyn Communicator>,
+    /// The experts' activation.
+    pub activation: Activation,
+    /// How `T_DI` and `T_M` survive until backward.
+    pub strategy: Strategy,
+    /// Where offloaded partitions wait (S1–S3).
+    pub host: HostStore,
+}
+
+/// Gradients of the exchange op's inputs.
+#[derive(Debug, Clone)]
+pub struct ExchangeGrads<B: Backend> {
+    /// `[n_rows, d_model]`, the gradient of `T_I`.
+    pub input: FloatTensor<B>,
+    /// Gradients of the expert tensors, shaped like them.
+    pub experts: ExpertTensors<B>,
+}
+
+/// A backend that can run the fused exchange op (step 4 of DESIGN §1): dispatch all-to-all,
+/// local expert FFNs, combine all-to-all, over `n` partitions, with the memory strategy's
+/// restore in backward.
+///
+/// Backends implement [`exchange_forward`](MoeBackend::exchange_forward) and
+/// [`exchange_backward`](MoeBackend::exchange_backward); the layer calls
+/// [`exchange`](MoeBackend::exchange), which `Autodiff<B>` overrides to record one backward
+/// node. CPU backends share one generic implementation written with primitive ops.
+pub trait MoeBackend: Backend {
+    /// What the forward pass keeps for backward under the run's strategy.
+    type Saved: Clone + Send + Sync + Debug + 'static;
+
+    /// Forward of the exchange: returns `T_O` and what backward needs.
+    ///
+    /// # Shapes
+    /// - input (`T_I`): `[n_rows, d_model]`, rows in the plan's order
+    /// - returns `T_O`: `[n_rows, d_model]`, row `i` the expert output for input row `i`
+    fn exchange_forward(
+        input: FloatTensor<Self>,
+        experts: ExpertTensors<Self>,
+        plan: &ExchangePlan,
+        run: &ExchangeRun,
+    ) -> Result<(FloatTensor<Self>, Self::Saved)>;
+
+    /// Backward of the exchange: gradients of `T_I` and of every expert tensor.
+    ///
+    /// Runs the same collectives on every rank whether or not this rank's input needs a
+    /// gradient, because its peers are waiting for its rows.
+    fn exchange_backward(
+        grad_out: FloatTensor<Self>,
+        saved: Self::Saved,
+        plan: &ExchangePlan,
+        run: &ExchangeRun,
+    ) -> Result<ExchangeGrads<Self>>;
+
+    /// The layer's entry point: the forward, with a backward node where the backend tracks
+    /// gradients. Plain backends drop `Saved` at once.
+    fn exchange(
+        input: FloatTensor<Self>,
+        experts: ExpertTensors<Self>,
+        plan: Arc<ExchangePlan>,
+        run: &ExchangeRun,
+    ) -> Result<FloatTensor<Self>> {
+        Self::exchange_forward(input, experts, &plan, run).map(|(out, _)| out)
+    }
+
+    /// The uneven all-to-all of rows, differentiable where the backend tracks gradients (its
+    /// backward is the reverse all-to-all). Used by the reference twin.
+    ///
+    /// # Shapes
+    /// - x: `[sum(send_per_rank), width]` → `[sum(recv_per_rank), width]`
+    fn all_to_all(
+        x: FloatTensor<Self>,
+        send_per_rank: &[usize],
+        recv_per_rank: &[usize],
+        comm: &Arc<dyn Communicator>,
+    ) -> Result<FloatTensor<Self>> {
+        rows::all_to_all_rows::<Self>(comm.as_ref(), x, send_per_rank, recv_per_rank)
+    }
+
+    /// `grad · d gelu(z)/dz` for the exact (erf) GELU. The default composes it from primitive
+    /// ops; backends with an exact fused kernel override it.
+    fn gelu_backward_exact(z: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::experts::gelu_backward_composed::<Self>(z, grad)
+    }
+}
+
+impl<E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement> MoeBackend for NdArray<E, I, Q>
+where
+    NdArrayTensor: From<SharedArray<E>> + From<SharedArray<I>>,
+{
+    type Saved = fused::Saved<Self>;
+
+    fn exchange_forward(
+        input: FloatTensor<Self>,
+        experts: ExpertTensors<Self>,
+        plan: &ExchangePlan,
+        run: &ExchangeRun,
+    ) -> Result<(FloatTensor<Self>, Self::Saved)> {
+        fused::forward::<Self>(input, experts, plan, run)
+    }
+
+    fn exchange_backward(
+        grad_out: FloatTensor<Self>,
+        saved: Self::Saved,
+        plan: &ExchangePlan,
+        run: &ExchangeRun,
+    ) -> Result<ExchangeGrads<Self>> {
+        fused::backward::<Self>(grad_out, saved, plan, run)
+    }
+}
+
+impl MoeBackend for Flex {
+    type Saved = fused::Saved<Self>;
+
+    fn exchange_forward(
+        input: FloatTensor<Self>,
+        experts: ExpertTensors<Self>,
+        plan: &ExchangePlan,
+        run: &ExchangeRun,
+    ) -> Result<(FloatTensor<Self>, Self::Saved)> {
+        fused::forward::<Self>(input, experts, plan, run)
+    }
+
+    fn exchange_backward(
+        grad_out: FloatTensor<Self>,
+        saved: Self::Saved,
+        plan: &ExchangePlan,
+        run: &ExchangeRun,
+    ) -> Result<ExchangeGrads<Self>> {
+        fused::backward::<Self>(grad_out, saved, plan, run)
+    }
+
+    /// Flex's own `gelu_backward` is the exact erf derivative in one fused pass.
+    fn gelu_backward_exact(z: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        <Self as burn::tensor::ops::ActivationOps<Self>>::gelu_backward(z, grad)
+    }
+}

@@ -1,0 +1,372 @@
+//! The fused exchange op for any backend, written with primitive ops (the CPU implementation).
+//!
+//! The schedule is DESIGN §3's: forward issues S_0, then for each partition i: S_{i+1}, C_i,
+//! R_i; backward mirrors it on gradients. On the CPU the steps run in that order on the rank's
+//! thread, which keeps exactly the buffers the paper's schedule keeps live: two dispatched
+//! partitions (the one being computed and the next one received), one hidden activation, and
+//! the output being returned. What survives into backward is the strategy's choice.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::TensorMetadata;
+
+use super::rows::{
+    all_to_all_rows, cat_rows, dims2, expert_matrix, expert_row, gather_rows, narrow_rows, stack_matrices,
+    to_data, zeros_like_rows,
+};
+use super::{ExchangeGrads, ExchangeRun, MoeBackend};
+use crate::comm::Communicator;
+use crate::dispatch::{ExchangePlan, PartitionPlan};
+use crate::error::{MoeError, Result};
+use crate::experts::{activation_backward, activation_forward, Activation, ExpertTensors};
+use crate::memory::{HostBlock, HostStore, Restore};
+
+/// What the fused forward keeps for backward.
+#[derive(Debug, Clone)]
+pub struct Saved<B: Backend> {
+    experts: ExpertTensors<B>,
+    /// `T_I`, kept only when `T_DI` is re-communicated (S2, S4).
+    input: Option<FloatTensor<B>>,
+    partitions: Vec<SavedPartition<B>>,
+    device: B::Device,
+}
+
+#[derive(Debug, Clone)]
+struct SavedPartition<B: Backend> {
+    /// `T_DI_i` in expert-major order.
+    dispatched: Stash<B>,
+    /// `T_M_i` (pre-activation) per local expert; `None` for experts without rows.
+    hidden: Vec<Option<Stash<B>>>,
+}
+
+/// One activation between forward and backward.
+#[derive(Debug, Clone)]
+enum Stash<B: Backend> {
+    Device(FloatTensor<B>),
+    Host(HostBlock),
+    /// Restored by re-communication or recomputation.
+    Dropped,
+}
+
+impl<B: Backend> Stash<B> {
+    fn new(tensor: FloatTensor<B>, restore: Restore, host: &HostStore) -> Self {
+        match restore {
+            Restore::Keep => Stash::Device(tensor),
+            Restore::Offload => Stash::Host(host.offload(to_data::<B, 2>(tensor))),
+            Restore::Recommunicate | Restore::Recompute => Stash::Dropped,
+        }
+    }
+
+    /// The tensor, if it was kept or offloaded.
+    fn restore(self, device: &B::Device) -> Option<FloatTensor<B>> {
+        match self {
+            Stash::Device(t) => Some(t),
+            Stash::Host(block) => {
+                let data = block.take().expect("an offloaded partition is prefetched once");
+                Some(B::float_from_data(data, device))
+            }
+            Stash::Dropped => None,
+        }
+    }
+}
+
+/// Forward: `T_O` from `T_I` over the plan's partitions.
+pub(crate) fn forward<B: MoeBackend>(
+    input: FloatTensor<B>,
+    experts: ExpertTensors<B>,
+    plan: &ExchangePlan,
+    run: &ExchangeRun,
+) -> Result<(FloatTensor<B>, Saved<B>)> {
+    check_input::<B>(&input, &experts, plan)?;
+    let comm = run.comm.as_ref();
+    let strategy = run.strategy;
+    let [_, d_model] = dims2::<B>(&input);
+    let mut saved = Saved {
+        experts,
+        input: strategy.keeps_input().then(|| input.clone()),
+        partitions: Vec::with_capacity(plan.n_partitions()),
+        device: B::float_device(&input),
+    };
+    let mut outputs = Vec::with_capacity(plan.n_partitions());
+
+    // S_0
+    let mut next = Some(dispatch::<B>(&input, &plan.partitions[0], comm)?);
+    for (i, part) in plan.partitions.iter().enumerate() {
+        let dispatched = next.take().expect("dispatched one partition ahead");
+        // S_{i+1} before C_i: the next partition is received while this one is computed.
+        if let Some(following) = plan.partitions.get(i + 1) {
+            next = Some(dispatch::<B>(&input, following, comm)?);
+        }
+        // C_i
+        let (out, hidden) = compute::<B>(dispatched.clone(), part, &saved.experts, run.activation);
+        saved.partitions.push(SavedPartition {
+            dispatched: Stash::new(dispatched, strategy.dispatched(), &run.host),
+            hidden: hidden
+                .into_iter()
+                .map(|z| z.map(|z| Stash::new(z, strategy.hidden(), &run.host)))
+                .collect(),
+        });
+        // R_i
+        outputs.push(combine::<B>(out, part, comm)?);
+    }
+    Ok((cat_rows::<B>(outputs, &input, d_model), saved))
+}
+
+/// Backward: gradients of `T_I` and the experts from the gradient of `T_O`.
+pub(crate) fn backward<B: MoeBackend>(
+    grad_out: FloatTensor<B>,
+    saved: Saved<B>,
+    plan: &ExchangePlan,
+    run: &ExchangeRun,
+) -> Result<ExchangeGrads<B>> {
+    let comm = run.comm.as_ref();
+    let Saved {
+        experts,
+        input,
+        partitions,
+        device,
+    } = saved;
+    let [_, d_model] = dims2::<B>(&grad_out);
+    let mut acc = ExpertGradAcc::<B>::new(&experts);
+    let mut input_grads = Vec::with_capacity(plan.n_partitions());
+
+    let mut stashes = partitions.into_iter();
+    let mut restore = |part: &PartitionPlan| -> Result<Restored<B>> {
+        let stash = stashes.next().expect("one saved partition per planned one");
+        // S'_i: the gradient of T_O's partition goes to the experts' ranks ...
+        let grad = dispatch::<B>(&grad_out, part, comm)?;
+        // ... and T_DI_i comes back: kept, prefetched from the host, or dispatched again.
+        let x = match stash.dispatched.restore(&device) {
+            Some(x) => x,
+            None => {
+                let input = input.as_ref().ok_or_else(|| {
+                    MoeError::Memory("re-communication needs T_I, which was not kept".into())
+                })?;
+                dispatch::<B>(input, part, comm)?
+            }
+        };
+        let hidden = stash
+            .hidden
+            .into_iter()
+            .map(|z| z.and_then(|z| z.restore(&device)))
+            .collect();
+        Ok(Restored { grad, x, hidden })
+    };
+
+    let mut next = Some(restore(&plan.partitions[0])?);
+    for (i, part) in plan.partitions.iter().enumerate() {
+        let current = next.take().expect("restored one partition ahead");
+        if let Some(following) = plan.partitions.get(i + 1) {
+            next = Some(restore(following)?);
+        }
+        // C'_i
+        let grad_x = compute_backward::<B>(current, part, &experts, run.activation, &mut acc);
+        // R'_i
+        input_grads.push(combine::<B>(grad_x, part, comm)?);
+    }
+    Ok(ExchangeGrads {
+        input: cat_rows::<B>(input_grads, &grad_out, d_model),
+        experts: acc.finish(),
+    })
+}
+
+fn check_input<B: Backend>(
+    input: &FloatTensor<B>,
+    experts: &ExpertTensors<B>,
+    plan: &ExchangePlan,
+) -> Result<()> {
+    let [rows, width] = dims2::<B>(input);
+    let w = experts.w_in.shape().to_vec();
+    if rows != plan.send_rows() || width != w[1] || w[0] != plan.n_local_experts || plan.partitions.is_empty()
+    {
+        return Err(MoeError::Input(format!(
+            "exchange: T_I is [{rows}, {width}], the plan sends {} rows over {} partitions, \
+             the experts are [{}, {}, {}] for {} local experts",
+            plan.send_rows(),
+            plan.n_partitions(),
+            w[0],
+            w[1],
+            w[2],
+            plan.n_local_experts
+        )));
+    }
+    Ok(())
+}
+
+/// S_i: sends partition `i` of `rows` (a `[n_rows, width]` tensor in plan order) to the
+/// experts' ranks and returns what this rank receives, in expert-major order.
+fn dispatch<B: Backend>(
+    rows: &FloatTensor<B>,
+    part: &PartitionPlan,
+    comm: &dyn Communicator,
+) -> Result<FloatTensor<B>> {
+    let send = narrow_rows::<B>(rows.clone(), part.send_offset, part.send_rows());
+    let recv = all_to_all_rows::<B>(comm, send, &part.send_per_rank, &part.recv_per_rank)?;
+    Ok(match &part.to_expert_major {
+        Some(perm) => gather_rows::<B>(recv, perm),
+        None => recv,
+    })
+}
+
+/// R_i: returns expert-major rows to the ranks they came from.
+fn combine<B: Backend>(
+    rows: FloatTensor<B>,
+    part: &PartitionPlan,
+    comm: &dyn Communicator,
+) -> Result<FloatTensor<B>> {
+    let by_source = match &part.from_expert_major {
+        Some(perm) => gather_rows::<B>(rows, perm),
+        None => rows,
+    };
+    all_to_all_rows::<B>(comm, by_source, &part.recv_per_rank, &part.send_per_rank)
+}
+
+/// `x_e · w_in[e] + b_in[e]`: the first GEMM of expert `e`, i.e. `T_M` before activation.
+fn first_gemm<B: Backend>(x: FloatTensor<B>, experts: &ExpertTensors<B>, e: usize) -> FloatTensor<B> {
+    let z = B::float_matmul(x, expert_matrix::<B>(&experts.w_in, e));
+    match &experts.b_in {
+        Some(b) => B::float_add(z, expert_row::<B>(b, e)),
+        None => z,
+    }
+}
+
+/// C_i: every local expert on its rows of the expert-major partition. Returns the outputs
+/// (expert-major, `[rows, d_model]`) and each expert's pre-activation `T_M`.
+fn compute<B: MoeBackend>(
+    x: FloatTensor<B>,
+    part: &PartitionPlan,
+    experts: &ExpertTensors<B>,
+    act: Activation,
+) -> (FloatTensor<B>, Vec<Option<FloatTensor<B>>>) {
+    let [_, d_model] = dims2::<B>(&x);
+    let mut outs = Vec::with_capacity(part.rows_per_expert.len());
+    let mut hidden = Vec::with_capacity(part.rows_per_expert.len());
+    let mut offset = 0;
+    for (e, &rows) in part.rows_per_expert.iter().enumerate() {
+        if rows == 0 {
+            hidden.push(None);
+            continue;
+        }
+        let z = first_gemm::<B>(narrow_rows::<B>(x.clone(), offset, rows), experts, e);
+        let a = activation_forward::<B>(act, z.clone());
+        let mut out = B::float_matmul(a, expert_matrix::<B>(&experts.w_out, e));
+        if let Some(b) = &experts.b_out {
+            out = B::float_add(out, expert_row::<B>(b, e));
+        }
+        outs.push(out);
+        hidden.push(Some(z));
+        offset += rows;
+    }
+    (cat_rows::<B>(outs, &x, d_model), hidden)
+}
+
+/// A partition's tensors, back for its backward step.
+struct Restored<B: Backend> {
+    /// Gradient of the expert outputs, expert-major. `[rows, d_model]`
+    grad: FloatTensor<B>,
+    /// `T_DI_i`, expert-major. `[rows, d_model]`
+    x: FloatTensor<B>,
+    /// `T_M_i` per expert where it was kept or offloaded; `None` where it is recomputed.
+    hidden: Vec<Option<FloatTensor<B>>>,
+}
+
+/// C'_i: the FFN backward of every local expert on one partition. Returns the gradient of
+/// the partition's expert-major inputs and adds the weight gradients to `acc`.
+fn compute_backward<B: MoeBackend>(
+    restored: Restored<B>,
+    part: &PartitionPlan,
+    experts: &ExpertTensors<B>,
+    act: Activation,
+    acc: &mut ExpertGradAcc<B>,
+) -> FloatTensor<B> {
+    let Restored { grad, x, hidden } = restored;
+    let [_, d_model] = dims2::<B>(&x);
+    let mut grads_x = Vec::with_capacity(part.rows_per_expert.len());
+    let mut offset = 0;
+    for (e, (&rows, z)) in part.rows_per_expert.iter().zip(hidden).enumerate() {
+        if rows == 0 {
+            continue;
+        }
+        let x_e = narrow_rows::<B>(x.clone(), offset, rows);
+        let g_e = narrow_rows::<B>(grad.clone(), offset, rows);
+        offset += rows;
+        let z = z.unwrap_or_else(|| first_gemm::<B>(x_e.clone(), experts, e));
+        let a = activation_forward::<B>(act, z.clone());
+        acc.w_out[e].add(B::float_matmul(B::float_transpose(a), g_e.clone()));
+        if experts.b_out.is_some() {
+            acc.b_out[e].add(B::float_sum_dim(g_e.clone(), 0));
+        }
+        let grad_a = B::float_matmul(g_e, B::float_transpose(expert_matrix::<B>(&experts.w_out, e)));
+        let grad_z = activation_backward::<B>(act, z, grad_a);
+        acc.w_in[e].add(B::float_matmul(B::float_transpose(x_e), grad_z.clone()));
+        if experts.b_in.is_some() {
+            acc.b_in[e].add(B::float_sum_dim(grad_z.clone(), 0));
+        }
+        grads_x.push(B::float_matmul(
+            grad_z,
+            B::float_transpose(expert_matrix::<B>(&experts.w_in, e)),
+        ));
+    }
+    cat_rows::<B>(grads_x, &x, d_model)
+}
+
+/// A running sum that starts empty (experts without rows contribute nothing).
+struct Sum<B: Backend>(Option<FloatTensor<B>>);
+
+impl<B: Backend> Sum<B> {
+    fn add(&mut self, t: FloatTensor<B>) {
+        self.0 = Some(match self.0.take() {
+            Some(acc) => B::float_add(acc, t),
+            None => t,
+        });
+    }
+}
+
+/// Expert weight gradients summed over partitions, per local expert.
+struct ExpertGradAcc<B: Backend> {
+    w_in: Vec<Sum<B>>,
+    b_in: Vec<Sum<B>>,
+    w_out: Vec<Sum<B>>,
+    b_out: Vec<Sum<B>>,
+    like: ExpertTensors<B>,
+}
+
+impl<B: Backend> ExpertGradAcc<B> {
+    fn new(experts: &ExpertTensors<B>) -> Self {
+        let n = experts.w_in.shape().to_vec()[0];
+        let sums = || (0..n).map(|_| Sum(None)).collect::<Vec<_>>();
+        Self {
+            w_in: sums(),
+            b_in: sums(),
+            w_out: sums(),
+            b_out: sums(),
+            like: experts.clone(),
+        }
+    }
+
+    fn finish(self) -> ExpertTensors<B> {
+        let matrices = |sums: Vec<Sum<B>>, like: &FloatTensor<B>| {
+            let d = like.shape().to_vec();
+            stack_matrices::<B>(
+                sums.into_iter()
+                    .map(|s| s.0.unwrap_or_else(|| zeros_like_rows::<B>(like, d[1], d[2])))
+                    .collect(),
+            )
+        };
+        let rows = |sums: Vec<Sum<B>>, like: &FloatTensor<B>| {
+            let width = like.shape().to_vec()[1];
+            let parts = sums
+                .into_iter()
+                .map(|s| s.0.unwrap_or_else(|| zeros_like_rows::<B>(like, 1, width)))
+                .collect();
+            let out = B::float_cat(parts, 0);
+            B::float_reshape(out, like.shape())
+        };
+        ExpertTensors {
+            w_in: matrices(self.w_in, &self.like.w_in),
+            b_in: self.like.b_in.as_ref().map(|b| rows(self.b_in, b)),
+            w_out: matrices(self.w_out, &self.like.w_out),
+            b_out: self.like.b_out.as_ref().map(|b| rows(self.b_out, b)),
+        }
+    }
+}

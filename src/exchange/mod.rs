@@ -1,0 +1,17 @@
+//! Step 4 of DESIGN §1: the exchange op (dispatch all-to-all → local experts → combine
+//! all-to-all), in partitions, with memory reuse.
+//!
+//! [`MoeBackend`] is the backend contract; `fused` is its generic implementation for CPU
+//! backends, `autodiff` records it as one backward node, and [`exchange_reference`] is the
+//! same function built from ordinary differentiable tensor ops, which the tests hold the
+//! fused op to.
+
+mod autodiff;
+mod backend;
+mod fused;
+mod reference;
+pub(crate) mod rows;
+
+pub use backend::{ExchangeGrads, ExchangeRun, MoeBackend};
+pub use fused::Saved;
+pub use reference::exchange_reference;

@@ -1,0 +1,13 @@
+//! The experts: feed-forward networks, one per expert, stored as stacked weight tensors.
+
+mod activation;
+mod init;
+mod module;
+mod shared;
+
+pub use activation::Activation;
+pub(crate) use activation::{activation_backward, activation_forward, gelu_backward_composed};
+pub(crate) use init::HostInit;
+pub(crate) use module::ExpertsSpec;
+pub use module::{ExpertTensors, Experts};
+pub use shared::SharedExpert;

@@ -1,0 +1,148 @@
+//! The stacked expert weights of one rank.
+
+use burn::module::{Module, Param};
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorPrimitive};
+
+use super::init::stacked;
+use super::Activation;
+
+/// The experts one rank owns: `n_local_experts` FFNs stacked along the first dimension.
+///
+/// Expert `e` computes `act(v · w_in[e] + b_in[e]) · w_out[e] + b_out[e]`.
+///
+/// # Shapes
+/// - w_in: `[n_local_experts, d_model, d_inner]` (`d_inner` = d_hidden, or 2·d_hidden for SwiGLU,
+///   gate half first)
+/// - b_in: `[n_local_experts, d_inner]`
+/// - w_out: `[n_local_experts, d_hidden, d_model]`
+/// - b_out: `[n_local_experts, d_model]`
+#[derive(Module, Debug)]
+pub struct Experts<B: Backend> {
+    /// First GEMM's weights.
+    pub w_in: Param<Tensor<B, 3>>,
+    /// First GEMM's bias, if the experts have biases.
+    pub b_in: Option<Param<Tensor<B, 2>>>,
+    /// Second GEMM's weights.
+    pub w_out: Param<Tensor<B, 3>>,
+    /// Second GEMM's bias, if the experts have biases.
+    pub b_out: Option<Param<Tensor<B, 2>>>,
+    /// The activation between the two GEMMs.
+    #[module(skip)]
+    pub activation: Activation,
+    /// Global index of this rank's first expert.
+    pub first_expert: usize,
+}
+
+/// The expert weights as backend primitives, the form the exchange op takes.
+#[derive(Debug, Clone)]
+pub struct ExpertTensors<B: Backend> {
+    /// `[n_local_experts, d_model, d_inner]`
+    pub w_in: FloatTensor<B>,
+    /// `[n_local_experts, d_inner]`
+    pub b_in: Option<FloatTensor<B>>,
+    /// `[n_local_experts, d_hidden, d_model]`
+    pub w_out: FloatTensor<B>,
+    /// `[n_local_experts, d_model]`
+    pub b_out: Option<FloatTensor<B>>,
+}
+
+/// Shape and placement of a rank's experts, for [`Experts::init`].
+#[derive(Debug, Clone)]
+pub(crate) struct ExpertsSpec {
+    pub experts: std::ops::Range<usize>,
+    pub d_model: usize,
+    pub d_hidden: usize,
+    pub activation: Activation,
+    pub bias: bool,
+    pub seed: u64,
+}
+
+fn primitive<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
+    match t.into_primitive() {
+        TensorPrimitive::Float(p) => p,
+        TensorPrimitive::QFloat(_) => panic!("quantized expert weights are not supported"),
+    }
+}
+
+impl<B: Backend> Experts<B> {
+    /// Initialises the experts in `spec.experts` (global indices), uniform in
+    /// ±1/sqrt(fan_in) like `nn::Linear`, drawn per expert so that the weights do not depend
+    /// on which rank owns them.
+    pub(crate) fn init(spec: &ExpertsSpec, device: &B::Device) -> Self {
+        let (m, h) = (spec.d_model, spec.d_hidden);
+        let f = spec.activation.d_inner(h);
+        let range = spec.experts.clone();
+        let seed = spec.seed;
+        let w_in = stacked::<B, 2, 3>(seed, "experts.w_in", range.clone(), [m, f], m, device);
+        let w_out = stacked::<B, 2, 3>(seed, "experts.w_out", range.clone(), [h, m], h, device);
+        let (b_in, b_out) = if spec.bias {
+            (
+                Some(Param::from_tensor(stacked::<B, 1, 2>(
+                    seed,
+                    "experts.b_in",
+                    range.clone(),
+                    [f],
+                    m,
+                    device,
+                ))),
+                Some(Param::from_tensor(stacked::<B, 1, 2>(
+                    seed,
+                    "experts.b_out",
+                    range.clone(),
+                    [m],
+                    h,
+                    device,
+                ))),
+            )
+        } else {
+            (None, None)
+        };
+        Self {
+            w_in: Param::from_tensor(w_in),
+            b_in,
+            w_out: Param::from_tensor(w_out),
+            b_out,
+            activation: spec.activation,
+            first_expert: range.start,
+        }
+    }
+
+    /// Number of experts on this rank.
+    pub fn n_local_experts(&self) -> usize {
+        self.w_in.dims()[0]
+    }
+
+    /// The weights as primitives (cheap: shares the buffers).
+    pub fn tensors(&self) -> ExpertTensors<B> {
+        ExpertTensors {
+            w_in: primitive(self.w_in.val()),
+            b_in: self.b_in.as_ref().map(|b| primitive(b.val())),
+            w_out: primitive(self.w_out.val()),
+            b_out: self.b_out.as_ref().map(|b| primitive(b.val())),
+        }
+    }
+
+    /// Expert `e` (local index) applied to `rows` with ordinary tensor ops: the reference
+    /// twin of the fused op's compute step.
+    ///
+    /// # Shapes
+    /// - rows: `[n_rows, d_model]` → `[n_rows, d_model]`
+    pub fn forward_expert(&self, e: usize, rows: Tensor<B, 2>) -> Tensor<B, 2> {
+        let [_, m, f] = self.w_in.dims();
+        let h = self.w_out.dims()[1];
+        let w_in = self.w_in.val().slice([e..e + 1, 0..m, 0..f]).reshape([m, f]);
+        let mut z = rows.matmul(w_in);
+        if let Some(b) = &self.b_in {
+            z = z + b.val().slice([e..e + 1, 0..f]);
+        }
+        let a = self.activation.forward(z);
+        let w_out = self.w_out.val().slice([e..e + 1, 0..h, 0..m]).reshape([h, m]);
+        let mut out = a.matmul(w_out);
+        if let Some(b) = &self.b_out {
+            out = out + b.val().slice([e..e + 1, 0..m]);
+        }
+        out
+    }
+}

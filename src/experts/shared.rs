@@ -1,0 +1,67 @@
+//! The shared (always-on) expert of Qwen2-MoE / DeepSeek-style layers.
+
+use burn::module::{Module, Param};
+use burn::tensor::activation::{sigmoid, silu};
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+
+use super::HostInit;
+
+/// A SwiGLU FFN that every token passes through, scaled by a sigmoid gate:
+/// `y = σ(x · gate^T) · (silu(x · w_in[:, :H]) ⊙ x · w_in[:, H:]) · w_out`.
+///
+/// It is replicated on every rank (data parallel), like the router.
+///
+/// # Shapes
+/// - w_in: `[d_model, 2·d_shared]` (gate half first, then up)
+/// - w_out: `[d_shared, d_model]`
+/// - gate: `[1, d_model]`
+#[derive(Module, Debug)]
+pub struct SharedExpert<B: Backend> {
+    /// Gate and up projections, side by side.
+    pub w_in: Param<Tensor<B, 2>>,
+    /// Down projection.
+    pub w_out: Param<Tensor<B, 2>>,
+    /// The scalar gate's weights.
+    pub gate: Param<Tensor<B, 2>>,
+}
+
+impl<B: Backend> SharedExpert<B> {
+    pub(crate) fn init(d_model: usize, d_shared: usize, seed: u64, device: &B::Device) -> Self {
+        Self {
+            w_in: Param::from_tensor(HostInit::new(seed, "shared.w_in", 0).tensor(
+                [d_model, 2 * d_shared],
+                d_model,
+                device,
+            )),
+            w_out: Param::from_tensor(HostInit::new(seed, "shared.w_out", 0).tensor(
+                [d_shared, d_model],
+                d_shared,
+                device,
+            )),
+            gate: Param::from_tensor(HostInit::new(seed, "shared.gate.weight", 0).tensor(
+                [1, d_model],
+                d_model,
+                device,
+            )),
+        }
+    }
+
+    /// Width of the shared expert's hidden layer.
+    pub fn d_shared(&self) -> usize {
+        self.w_out.dims()[0]
+    }
+
+    /// # Shapes
+    /// - x: `[n_tokens, d_model]` → `[n_tokens, d_model]`
+    pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        let [n_tokens, _] = x.dims();
+        let h = self.d_shared();
+        let inner = x.clone().matmul(self.w_in.val());
+        let gate_half = inner.clone().slice([0..n_tokens, 0..h]);
+        let up_half = inner.slice([0..n_tokens, h..2 * h]);
+        let hidden = silu(gate_half) * up_half;
+        let scale = sigmoid(x.matmul(self.gate.val().transpose()));
+        hidden.matmul(self.w_out.val()) * scale
+    }
+}

@@ -1,0 +1,198 @@
+//! `MoeLayerConfig`: everything that defines a layer, and its validation.
+
+use std::sync::Arc;
+
+use burn::config::Config;
+use burn::tensor::backend::Backend;
+use serde::{Deserialize, Serialize};
+
+use super::{MoeContext, MoeLayer};
+use crate::comm::{Communicator, SingleRank};
+use crate::error::{MoeError, Result};
+use crate::experts::Activation;
+use crate::memory::MemoryReuse;
+
+/// How many partitions the exchange is cut into (the paper's `n`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum Partitions {
+    /// Always `n` partitions along the token dimension.
+    Fixed(usize),
+    /// FasterMoE's split: one partition per peer rank (point-to-point steps). A baseline.
+    ByRank,
+}
+
+/// Which implementation of the exchange the layer runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+pub enum ExchangePath {
+    /// The fused op with its own backward: partitions and memory reuse apply.
+    #[default]
+    Fused,
+    /// Plain differentiable tensor ops (the reference twin), unpartitioned.
+    Reference,
+}
+
+impl ExchangePath {
+    /// `fused` or `reference`.
+    pub fn name(self) -> &'static str {
+        match self {
+            ExchangePath::Fused => "fused",
+            ExchangePath::Reference => "reference",
+        }
+    }
+}
+
+/// Configuration of a [`MoeLayer`].
+///
+/// ```
+/// use mpipemoe::{Activation, MemoryReuse, MoeLayerConfig, Partitions};
+/// let config = MoeLayerConfig::new(64, 256, 8, 2)
+///     .with_activation(Activation::SwiGlu)
+///     .with_normalize_topk(true)
+///     .with_partitions(Partitions::Fixed(4))
+///     .with_memory_reuse(MemoryReuse::S4);
+/// assert!(config.validate().is_ok());
+/// ```
+#[derive(Config, Debug)]
+pub struct MoeLayerConfig {
+    /// Token width `M`.
+    pub d_model: usize,
+    /// Expert hidden width `H`.
+    pub d_hidden: usize,
+    /// Number of experts `E` over all ranks.
+    pub n_experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// The experts' activation.
+    #[config(default = "Activation::Gelu")]
+    pub activation: Activation,
+    /// Whether the experts' GEMMs have biases.
+    #[config(default = false)]
+    pub bias: bool,
+    /// Whether the router has a bias.
+    #[config(default = false)]
+    pub router_bias: bool,
+    /// Divide each token's top-k weights by their sum (Mixtral); off keeps the softmax
+    /// probabilities (Switch, Qwen2-MoE).
+    #[config(default = false)]
+    pub normalize_topk: bool,
+    /// Expert capacity as a factor: each expert takes at most
+    /// `floor(factor · n_tokens · top_k / n_experts)` assignments of the global batch, first
+    /// come (token order, best choice first) first served. `None` is dropless.
+    #[config(default = "None")]
+    pub capacity_factor: Option<f64>,
+    /// Hidden width of a shared, sigmoid-gated SwiGLU expert that every token passes through.
+    #[config(default = "None")]
+    pub shared_expert: Option<usize>,
+    /// Weight of the Switch load-balancing loss (0 turns it off).
+    #[config(default = 0.0)]
+    pub aux_loss_coef: f64,
+    /// Weight of the router z-loss (0 turns it off).
+    #[config(default = 0.0)]
+    pub z_loss_coef: f64,
+    /// Partitions of the exchange (the paper's `n`).
+    #[config(default = "Partitions::Fixed(1)")]
+    pub partitions: Partitions,
+    /// Memory reuse and the strategy that restores activations in backward.
+    #[config(default = "MemoryReuse::Off")]
+    pub memory_reuse: MemoryReuse,
+    /// Fused op or reference twin.
+    #[config(default = "ExchangePath::Fused")]
+    pub path: ExchangePath,
+    /// Seed of the parameter initialisation.
+    #[config(default = 0)]
+    pub seed: u64,
+    /// Reject inputs with NaN or infinite values (one extra pass over the input).
+    #[config(default = true)]
+    pub check_finite: bool,
+}
+
+impl MoeLayerConfig {
+    /// Checks every field; the error names the first bad one.
+    pub fn validate(&self) -> Result<()> {
+        for (field, value) in [
+            ("d_model", self.d_model),
+            ("d_hidden", self.d_hidden),
+            ("n_experts", self.n_experts),
+        ] {
+            if value == 0 {
+                return Err(MoeError::config(field, "must be at least 1"));
+            }
+        }
+        if self.top_k == 0 || self.top_k > self.n_experts {
+            return Err(MoeError::config(
+                "top_k",
+                format!("is {}, must be in 1..={} (n_experts)", self.top_k, self.n_experts),
+            ));
+        }
+        if let Some(f) = self.capacity_factor {
+            if !(f > 0.0 && f.is_finite()) {
+                return Err(MoeError::config(
+                    "capacity_factor",
+                    format!("is {f}, must be a finite number > 0 (or None for dropless)"),
+                ));
+            }
+        }
+        if self.shared_expert == Some(0) {
+            return Err(MoeError::config(
+                "shared_expert",
+                "hidden width must be at least 1",
+            ));
+        }
+        for (field, value) in [
+            ("aux_loss_coef", self.aux_loss_coef),
+            ("z_loss_coef", self.z_loss_coef),
+        ] {
+            if !(value >= 0.0 && value.is_finite()) {
+                return Err(MoeError::config(
+                    field,
+                    format!("is {value}, must be finite and >= 0"),
+                ));
+            }
+        }
+        if self.partitions == Partitions::Fixed(0) {
+            return Err(MoeError::config("partitions", "Fixed(n) needs n >= 1"));
+        }
+        Ok(())
+    }
+
+    /// Checks that the layer can be sharded over `n_ranks`.
+    pub fn validate_for_ranks(&self, n_ranks: usize) -> Result<()> {
+        self.validate()?;
+        if n_ranks == 0 || self.n_experts % n_ranks != 0 {
+            return Err(MoeError::config(
+                "n_experts",
+                format!(
+                    "{} experts cannot be split evenly over {n_ranks} ranks",
+                    self.n_experts
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// A single-rank layer with freshly initialised weights.
+    ///
+    /// # Panics
+    /// If the config is invalid; use [`try_init`](Self::try_init) to get the error instead.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> MoeLayer<B> {
+        self.try_init(device).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// A single-rank layer with freshly initialised weights.
+    pub fn try_init<B: Backend>(&self, device: &B::Device) -> Result<MoeLayer<B>> {
+        self.init_rank(device, Arc::new(SingleRank))
+    }
+
+    /// This rank's part of an expert-parallel layer: the replicated router (and shared
+    /// expert) and experts `[r·E/N, (r+1)·E/N)`. Weights are drawn per expert from `seed`, so
+    /// the layer computes the same function for every rank count.
+    pub fn init_rank<B: Backend>(
+        &self,
+        device: &B::Device,
+        comm: Arc<dyn Communicator>,
+    ) -> Result<MoeLayer<B>> {
+        self.validate_for_ranks(comm.n_ranks())?;
+        Ok(MoeLayer::init(self, device, MoeContext::new(self.clone(), comm)))
+    }
+}

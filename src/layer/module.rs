@@ -1,0 +1,294 @@
+//! `MoeLayer`: the burn module and its forward pass.
+
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn::tensor::backend::Backend;
+use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData, TensorPrimitive};
+
+use super::{ExchangePath, MoeContext, MoeLayerConfig, MoeOutput, MoeStats, Partitions};
+use crate::dispatch::{build_plans, DispatchPlan, ExchangePlan, SplitScheme};
+use crate::error::{MoeError, Result};
+use crate::exchange::{exchange_reference, ExchangeRun, MoeBackend};
+use crate::experts::{Experts, ExpertsSpec, SharedExpert};
+use crate::router::{load_balancing_loss, z_loss, Router};
+
+/// A Mixture-of-Experts layer: a drop-in replacement for a transformer FFN.
+///
+/// Build it from a [`MoeLayerConfig`]; with expert parallelism, each rank builds its part
+/// with [`MoeLayerConfig::init_rank`] and calls `forward` on its slice of the batch.
+///
+/// ```
+/// use burn::backend::{Autodiff, NdArray};
+/// use burn::tensor::Tensor;
+/// use mpipemoe::MoeLayerConfig;
+///
+/// type B = Autodiff<NdArray>;
+/// let device = Default::default();
+/// let layer = MoeLayerConfig::new(16, 32, 4, 2).init::<B>(&device);
+/// let x = Tensor::<B, 3>::ones([2, 5, 16], &device);
+/// let out = layer.forward(x);
+/// assert_eq!(out.output.dims(), [2, 5, 16]);
+/// let loss = out.output.sum() + out.aux_loss;
+/// let _grads = loss.backward();
+/// ```
+#[derive(Module, Debug)]
+pub struct MoeLayer<B: Backend> {
+    /// The gate (replicated on every rank).
+    pub router: Router<B>,
+    /// This rank's experts.
+    pub experts: Experts<B>,
+    /// The shared expert, if configured (replicated on every rank).
+    pub shared: Option<SharedExpert<B>>,
+    #[module(skip)]
+    ctx: MoeContext,
+}
+
+impl<B: Backend> MoeLayer<B> {
+    pub(crate) fn init(config: &MoeLayerConfig, device: &B::Device, ctx: MoeContext) -> Self {
+        let (rank, n_ranks) = (ctx.comm.rank(), ctx.comm.n_ranks());
+        let n_local = config.n_experts / n_ranks;
+        let spec = ExpertsSpec {
+            experts: rank * n_local..(rank + 1) * n_local,
+            d_model: config.d_model,
+            d_hidden: config.d_hidden,
+            activation: config.activation,
+            bias: config.bias,
+            seed: config.seed,
+        };
+        Self {
+            router: Router::init(
+                config.n_experts,
+                config.d_model,
+                config.router_bias,
+                config.seed,
+                device,
+            ),
+            experts: Experts::init(&spec, device),
+            shared: config
+                .shared_expert
+                .map(|h| SharedExpert::init(config.d_model, h, config.seed, device)),
+            ctx,
+        }
+    }
+
+    pub(crate) fn from_parts(
+        router: Router<B>,
+        experts: Experts<B>,
+        shared: Option<SharedExpert<B>>,
+        ctx: MoeContext,
+    ) -> Self {
+        Self {
+            router,
+            experts,
+            shared,
+            ctx,
+        }
+    }
+
+    /// The layer's configuration.
+    pub fn config(&self) -> &MoeLayerConfig {
+        &self.ctx.config
+    }
+
+    /// The layer's context: communicator, host store, meter.
+    pub fn context(&self) -> &MoeContext {
+        &self.ctx
+    }
+
+    /// The same weights with other run settings (partitions, memory reuse, path, ...).
+    ///
+    /// # Errors
+    /// If `config` changes the layer's shape or parameters, or is invalid.
+    pub fn with_config(mut self, config: MoeLayerConfig) -> Result<Self> {
+        let old = &self.ctx.config;
+        let same_shape = (
+            old.d_model,
+            old.d_hidden,
+            old.n_experts,
+            old.activation,
+            old.bias,
+            old.router_bias,
+            old.shared_expert,
+        ) == (
+            config.d_model,
+            config.d_hidden,
+            config.n_experts,
+            config.activation,
+            config.bias,
+            config.router_bias,
+            config.shared_expert,
+        );
+        if !same_shape {
+            return Err(MoeError::config(
+                "with_config",
+                "may change run settings only, not the layer's shape or parameters",
+            ));
+        }
+        config.validate_for_ranks(self.ctx.comm.n_ranks())?;
+        self.ctx.config = config;
+        Ok(self)
+    }
+}
+
+impl<B: MoeBackend> MoeLayer<B> {
+    /// Runs the layer on `[..., d_model]` tokens.
+    ///
+    /// # Panics
+    /// With the [`MoeError`] message where [`try_forward`](Self::try_forward) would return it.
+    pub fn forward<const D: usize>(&self, input: Tensor<B, D>) -> MoeOutput<B, D> {
+        self.try_forward(input).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Runs the layer on `[..., d_model]` tokens: `[n_tokens, d_model]`,
+    /// `[batch, seq, d_model]`, or any leading dimensions.
+    ///
+    /// # Errors
+    /// [`MoeError::Input`] if the last dimension is not `d_model` or (with `check_finite`) a
+    /// value is NaN or infinite; [`MoeError::Comm`] if a peer rank fails.
+    pub fn try_forward<const D: usize>(&self, input: Tensor<B, D>) -> Result<MoeOutput<B, D>> {
+        let config = &self.ctx.config;
+        // 1. Flatten to [n_tokens, d_model] and check the input.
+        let shape = input.dims();
+        let x = self.flatten(input)?;
+        let [n_tokens, d_model] = x.dims();
+
+        // 2. Route: top-k experts and their weights per token.
+        let routing = self.router.route(x.clone(), config.top_k, config.normalize_topk);
+
+        // 3. Plan: count with the other ranks, apply capacity, order the rows.
+        let (dispatch, exchange) = build_plans(
+            &routing.indices,
+            n_tokens,
+            config.top_k,
+            config.n_experts,
+            config.capacity_factor,
+            self.split_scheme(),
+            self.ctx.comm.as_ref(),
+        )?;
+
+        // 4. Permute: T_I = the input rows in plan order.
+        let t_i = x
+            .clone()
+            .select(0, index_tensor::<B>(&dispatch.row_token, &x.device()));
+
+        // 5. Exchange: dispatch, local experts, combine — fused or reference.
+        let n_partitions = exchange.n_partitions();
+        let t_o = self.exchange(t_i, exchange)?;
+
+        // 6. Unpermute: y[t] += w[t, j] · T_O[row(t, j)].
+        let mut y = unpermute(t_o, routing.weights, &dispatch, d_model);
+
+        // 7. Shared expert.
+        if let (Some(shared), true) = (&self.shared, n_tokens > 0) {
+            y = y + shared.forward(x);
+        }
+
+        // 8. Auxiliary losses (this rank's shares of the global-batch losses).
+        let n_global = dispatch.stats.n_tokens_global;
+        let aux_loss = load_balancing_loss(
+            routing.probs,
+            &dispatch.expert_fraction,
+            n_global,
+            config.aux_loss_coef,
+        );
+        let z_loss = z_loss(routing.logits, n_global, config.z_loss_coef);
+
+        Ok(MoeOutput {
+            output: y.reshape(shape),
+            aux_loss,
+            z_loss,
+            stats: MoeStats {
+                routing: dispatch.stats,
+                n_partitions,
+                strategy: config.memory_reuse.strategy(),
+                path: config.path,
+            },
+        })
+    }
+
+    fn flatten<const D: usize>(&self, input: Tensor<B, D>) -> Result<Tensor<B, 2>> {
+        let dims = input.dims();
+        let d_model = self.ctx.config.d_model;
+        if D < 2 {
+            return Err(MoeError::Input(format!(
+                "expected [n_tokens, {d_model}] or [batch, seq, {d_model}], got a {D}-d tensor {dims:?}"
+            )));
+        }
+        if dims[D - 1] != d_model {
+            return Err(MoeError::Input(format!(
+                "last dimension is {}, expected d_model = {d_model} (input shape {dims:?})",
+                dims[D - 1]
+            )));
+        }
+        let n_tokens = dims[..D - 1].iter().product();
+        let x = input.reshape([n_tokens, d_model]);
+        if self.ctx.config.check_finite && n_tokens > 0 {
+            let bad = x.clone().is_finite().bool_not().any().into_scalar();
+            if burn::tensor::ElementConversion::elem::<bool>(bad) {
+                return Err(MoeError::Input(format!(
+                    "input {dims:?} contains NaN or infinite values"
+                )));
+            }
+        }
+        Ok(x)
+    }
+
+    fn split_scheme(&self) -> SplitScheme {
+        let config = &self.ctx.config;
+        match (config.path, config.partitions) {
+            (ExchangePath::Reference, _) => SplitScheme::Tokens(1),
+            (ExchangePath::Fused, Partitions::Fixed(n)) => SplitScheme::Tokens(n),
+            (ExchangePath::Fused, Partitions::ByRank) => SplitScheme::Ranks,
+        }
+    }
+
+    fn exchange(&self, t_i: Tensor<B, 2>, plan: ExchangePlan) -> Result<Tensor<B, 2>> {
+        let config = &self.ctx.config;
+        match config.path {
+            ExchangePath::Reference => exchange_reference(t_i, &self.experts, &plan, &self.ctx.comm),
+            ExchangePath::Fused => {
+                let run = ExchangeRun {
+                    comm: self.ctx.comm.clone(),
+                    activation: config.activation,
+                    strategy: config.memory_reuse.strategy(),
+                    host: self.ctx.host.clone(),
+                };
+                let out = B::exchange(
+                    t_i.into_primitive().tensor(),
+                    self.experts.tensors(),
+                    Arc::new(plan),
+                    &run,
+                )?;
+                Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+            }
+        }
+    }
+}
+
+fn index_tensor<B: Backend>(idx: &[usize], device: &B::Device) -> Tensor<B, 1, Int> {
+    let data = TensorData::new(idx.iter().map(|&i| i as i64).collect::<Vec<_>>(), [idx.len()]);
+    Tensor::from_data(data, device)
+}
+
+/// Step 6: scatter-adds each row of `T_O`, scaled by its combine weight, onto its token.
+/// Dropped assignments have no row and add nothing.
+fn unpermute<B: Backend>(
+    t_o: Tensor<B, 2>,
+    weights: Tensor<B, 2>,
+    plan: &DispatchPlan,
+    d_model: usize,
+) -> Tensor<B, 2> {
+    let device = t_o.device();
+    let n_slots = plan.n_tokens * plan.top_k;
+    let row_weights = weights
+        .reshape([n_slots])
+        .select(0, index_tensor::<B>(&plan.row_slot, &device));
+    let contributions = t_o * row_weights.unsqueeze_dim(1);
+    Tensor::zeros([plan.n_tokens, d_model], &device).select_assign(
+        0,
+        index_tensor::<B>(&plan.row_token, &device),
+        contributions,
+        IndexingUpdateOp::Add,
+    )
+}

@@ -1,0 +1,38 @@
+//! What a forward pass returns.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+
+use super::ExchangePath;
+use crate::dispatch::RoutingStats;
+use crate::memory::Strategy;
+
+/// The result of [`MoeLayer::forward`](super::MoeLayer::forward).
+///
+/// Add `aux_loss` and `z_loss` to the training loss (they are already scaled by their
+/// coefficients, and zero when those are zero). With expert parallelism each is this rank's
+/// additive share of the global-batch loss: summed over ranks they give the single-rank value.
+#[derive(Debug, Clone)]
+pub struct MoeOutput<B: Backend, const D: usize> {
+    /// The layer's output, shaped like its input.
+    pub output: Tensor<B, D>,
+    /// Load-balancing loss share. `[1]`
+    pub aux_loss: Tensor<B, 1>,
+    /// Router z-loss share. `[1]`
+    pub z_loss: Tensor<B, 1>,
+    /// Routing and scheduling facts about this call.
+    pub stats: MoeStats,
+}
+
+/// Routing and scheduling facts about one forward pass.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct MoeStats {
+    /// Assignments per expert, capacity drops, global token count.
+    pub routing: RoutingStats,
+    /// Partitions the exchange ran with.
+    pub n_partitions: usize,
+    /// Memory strategy the exchange ran with.
+    pub strategy: Strategy,
+    /// Fused op or reference twin.
+    pub path: ExchangePath,
+}

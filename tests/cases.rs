@@ -1,0 +1,279 @@
+//! The reference cases (DESIGN §7): every case file through both paths, every strategy,
+//! n ∈ {1, 2, 3} and ranks ∈ {1, 2, 4} where the experts divide, on NdArray and Flex.
+//!
+//! Cases are read from `tests/data/cases` (the project's copy) and from `../shared/cases`
+//! when that folder exists, so new shared cases are checked as soon as they appear; a
+//! separate test fails while the copy differs from the shared folder.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use burn::backend::{Autodiff, Flex, NdArray};
+use burn::tensor::backend::AutodiffBackend;
+use mpipemoe::cases::{check_case, relative_error, Case, CheckOptions};
+use mpipemoe::{ExchangePath, MoeBackend, Partitions, Strategy};
+
+const TOLERANCE: f64 = 1e-4;
+const STRATEGY_AGREEMENT: f64 = 1e-5;
+
+fn local_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/cases")
+}
+
+fn shared_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/cases")
+}
+
+fn files_in(dir: &Path) -> BTreeMap<String, PathBuf> {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok())
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                .map(|p| (p.file_name().unwrap().to_string_lossy().into_owned(), p))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The union of the local copy and the shared folder (shared wins on a name clash).
+fn case_files() -> Vec<PathBuf> {
+    let mut files = files_in(&local_dir());
+    files.extend(files_in(&shared_dir()));
+    assert!(!files.is_empty(), "no case files in {}", local_dir().display());
+    files.into_values().collect()
+}
+
+#[test]
+fn local_copy_matches_shared_cases() {
+    let shared = shared_dir();
+    if !shared.is_dir() {
+        eprintln!("{} not present: nothing to compare", shared.display());
+        return;
+    }
+    let mut names: Vec<String> = std::fs::read_dir(&shared)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().is_file())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    for name in &names {
+        let want = std::fs::read(shared.join(name)).unwrap();
+        let got = std::fs::read(local_dir().join(name)).unwrap_or_default();
+        assert!(
+            got == want,
+            "tests/data/cases/{name} differs from ../shared/cases/{name}: copy it again"
+        );
+    }
+    let local: Vec<String> = files_in(&local_dir()).into_keys().collect();
+    for name in local {
+        assert!(
+            names.contains(&name),
+            "tests/data/cases/{name} is not in ../shared/cases"
+        );
+    }
+}
+
+/// Every configuration a case must pass in: the reference path at each rank count, and the
+/// fused path at each rank count × partitions × strategy.
+fn configurations(n_experts: usize) -> Vec<CheckOptions> {
+    let mut out = Vec::new();
+    for n_ranks in [1, 2, 4].into_iter().filter(|r| n_experts % r == 0) {
+        out.push(CheckOptions {
+            path: ExchangePath::Reference,
+            n_ranks,
+            ..CheckOptions::default()
+        });
+        for n in 1..=3 {
+            for strategy in Strategy::ALL {
+                out.push(CheckOptions {
+                    path: ExchangePath::Fused,
+                    n_ranks,
+                    partitions: Partitions::Fixed(n),
+                    strategy,
+                });
+            }
+        }
+    }
+    out
+}
+
+fn check_all<B: AutodiffBackend + MoeBackend>(backend: &str) {
+    let device = Default::default();
+    let mut failures = Vec::new();
+    for file in case_files() {
+        let case = Case::load(&file).unwrap_or_else(|e| panic!("{e}"));
+        // The strategy-agreement baseline for each (ranks, n): strategy `none`.
+        let mut baseline: BTreeMap<(usize, String), BTreeMap<String, Vec<f64>>> = BTreeMap::new();
+        for options in configurations(case.config.n_experts) {
+            let label = format!(
+                "{backend} {} {} ranks={} {:?} {}",
+                case.name,
+                options.path.name(),
+                options.n_ranks,
+                options.partitions,
+                options.strategy
+            );
+            let report = check_case::<B>(&case, &options, &device).unwrap_or_else(|e| panic!("{label}: {e}"));
+            if !report.passed(TOLERANCE) {
+                let worst = report.worst();
+                failures.push(format!("{label}: {} rel err {:.3e}", worst.name, worst.rel_err));
+            }
+            if options.path == ExchangePath::Fused {
+                let key = (options.n_ranks, format!("{:?}", options.partitions));
+                match baseline.get(&key) {
+                    None => {
+                        baseline.insert(key, report.tensors);
+                    }
+                    Some(base) => {
+                        for (name, got) in &report.tensors {
+                            let err = relative_error(got, &base[name]);
+                            if err > STRATEGY_AGREEMENT {
+                                failures
+                                    .push(format!("{label}: {name} differs from strategy none by {err:.3e}"));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn every_case_every_configuration_ndarray() {
+    check_all::<Autodiff<NdArray>>("ndarray");
+}
+
+#[test]
+fn every_case_every_configuration_flex() {
+    check_all::<Autodiff<Flex>>("flex");
+}
+
+/// The float64 oracle that generated cases rely on reproduces every shared case.
+#[test]
+fn the_float64_oracle_reproduces_every_case() {
+    for file in case_files() {
+        let case = Case::load(&file).unwrap();
+        let inputs = case
+            .tensors
+            .iter()
+            .filter(|(name, _)| !name.starts_with("grad.") && *name != "y" && *name != "dx")
+            .map(|(n, d)| (n.clone(), d.clone()))
+            .collect();
+        let regenerated = Case::from_parts(&case.name, &case.config, inputs).unwrap();
+        for (name, _) in case.expected_shapes() {
+            let err = relative_error(
+                &regenerated
+                    .tensor(&name)
+                    .clone()
+                    .convert::<f64>()
+                    .into_vec::<f64>()
+                    .unwrap(),
+                &case
+                    .tensor(&name)
+                    .clone()
+                    .convert::<f64>()
+                    .into_vec::<f64>()
+                    .unwrap(),
+            );
+            assert!(err < 1e-5, "{}: oracle's {name} differs by {err:e}", case.name);
+        }
+    }
+}
+
+#[test]
+fn bad_case_files_name_the_file_and_tensor() {
+    let dir = std::env::temp_dir().join(format!("mpipemoe-badcase-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+
+    let missing = dir.join("does_not_exist.safetensors");
+    let err = Case::load(&missing).unwrap_err().to_string();
+    assert!(
+        err.contains("does_not_exist.safetensors") && err.contains("cannot read"),
+        "{err}"
+    );
+
+    let garbage = dir.join("garbage.safetensors");
+    std::fs::write(&garbage, b"not a safetensors file at all").unwrap();
+    let err = Case::load(&garbage).unwrap_err().to_string();
+    assert!(
+        err.contains("garbage.safetensors") && err.contains("not a safetensors file"),
+        "{err}"
+    );
+
+    // A real case with one tensor removed, one reshaped, and one with bad meta.
+    let source = case_files()[0].clone();
+    let case = Case::load(&source).unwrap();
+    let write = |name: &str, edit: &dyn Fn(&mut BTreeMap<String, burn::tensor::TensorData>, &mut String)| {
+        let mut tensors = case.tensors.clone();
+        let mut meta = serde_json::to_string(&case.meta).unwrap();
+        edit(&mut tensors, &mut meta);
+        let path = dir.join(name);
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+            .iter()
+            .map(|(n, d)| {
+                (
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(
+                        safetensors::Dtype::F32,
+                        d.shape.to_vec(),
+                        d.as_bytes(),
+                    )
+                    .unwrap(),
+                )
+            })
+            .collect();
+        let info = std::collections::HashMap::from([("meta".to_string(), meta)]);
+        std::fs::write(&path, safetensors::serialize(views, Some(info)).unwrap()).unwrap();
+        path
+    };
+    let path = write("no_router.safetensors", &|t, _| {
+        t.remove("router.weight");
+    });
+    let err = Case::load(&path).unwrap_err().to_string();
+    assert!(
+        err.contains("no_router.safetensors") && err.contains("missing tensor `router.weight`"),
+        "{err}"
+    );
+
+    let path = write("bad_shape.safetensors", &|t, _| {
+        let d = t["experts.w_out"].clone();
+        let dims = d.shape.to_vec();
+        let flat = burn::tensor::TensorData::from_bytes_vec(
+            d.as_bytes().to_vec(),
+            vec![dims.iter().product::<usize>()],
+            d.dtype,
+        );
+        t.insert("experts.w_out".into(), flat);
+    });
+    let err = Case::load(&path).unwrap_err().to_string();
+    assert!(
+        err.contains("bad_shape.safetensors") && err.contains("tensor `experts.w_out` has shape"),
+        "{err}"
+    );
+
+    let path = write("bad_meta.safetensors", &|_, m| {
+        *m = m.replace("\"top_k\"", "\"topk\"");
+    });
+    let err = Case::load(&path).unwrap_err().to_string();
+    assert!(
+        err.contains("bad_meta.safetensors") && err.contains("top_k"),
+        "{err}"
+    );
+
+    let path = write("bad_activation.safetensors", &|_, m| {
+        *m = m.replace(&format!("\"{}\"", case.meta.activation), "\"tanh\"");
+    });
+    let err = Case::load(&path).unwrap_err().to_string();
+    assert!(err.contains("activation") && err.contains("tanh"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -1,0 +1,298 @@
+//! The layer on the CPU: config and input validation, reference vs fused on random configs,
+//! routing edge cases, save/load. (The auxiliary losses' float64 checks are in router.rs.)
+
+use std::sync::Arc;
+
+use burn::backend::{Autodiff, Flex, NdArray};
+use burn::tensor::{Tensor, TensorData};
+use mpipemoe::cases::{check_case, relative_error, Case, CheckOptions};
+use mpipemoe::{
+    Activation, ExchangePath, MemoryReuse, MoeError, MoeLayer, MoeLayerConfig, Partitions, SingleRank,
+    Strategy,
+};
+use proptest::prelude::*;
+use proptest::strategy::Strategy as PropStrategy;
+
+type B = Autodiff<NdArray>;
+
+fn config_error(config: MoeLayerConfig) -> String {
+    match config.validate() {
+        Err(MoeError::Config { field, reason }) => format!("{field}: {reason}"),
+        other => panic!("expected a config error, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_config_fields_are_named() {
+    let base = MoeLayerConfig::new(8, 16, 4, 2);
+    assert!(base.validate().is_ok());
+    let with = |edit: fn(&mut MoeLayerConfig)| {
+        let mut c = base.clone();
+        edit(&mut c);
+        c
+    };
+    assert!(config_error(with(|c| c.top_k = 0)).starts_with("top_k"));
+    assert!(config_error(with(|c| c.top_k = 5)).starts_with("top_k"));
+    assert!(config_error(with(|c| c.d_model = 0)).starts_with("d_model"));
+    assert!(config_error(with(|c| c.d_hidden = 0)).starts_with("d_hidden"));
+    assert!(config_error(MoeLayerConfig::new(8, 16, 0, 1)).starts_with("n_experts"));
+    assert!(config_error(base.clone().with_capacity_factor(Some(0.0))).starts_with("capacity_factor"));
+    assert!(config_error(base.clone().with_capacity_factor(Some(-1.0))).starts_with("capacity_factor"));
+    assert!(config_error(base.clone().with_capacity_factor(Some(f64::NAN))).starts_with("capacity_factor"));
+    assert!(config_error(base.clone().with_shared_expert(Some(0))).starts_with("shared_expert"));
+    assert!(config_error(base.clone().with_aux_loss_coef(-0.1)).starts_with("aux_loss_coef"));
+    assert!(config_error(base.clone().with_partitions(Partitions::Fixed(0))).starts_with("partitions"));
+    let err = base.validate_for_ranks(3).unwrap_err().to_string();
+    assert!(
+        err.contains("n_experts") && err.contains('4') && err.contains('3'),
+        "{err}"
+    );
+    // `init` reports the same error.
+    let err = std::panic::catch_unwind(|| MoeLayerConfig::new(8, 16, 4, 0).init::<B>(&Default::default()))
+        .unwrap_err()
+        .downcast::<String>()
+        .unwrap();
+    assert!(err.contains("top_k"), "{err}");
+}
+
+#[test]
+fn bad_input_is_an_error_not_a_panic() {
+    let device = Default::default();
+    let layer = MoeLayerConfig::new(8, 16, 4, 2).init::<B>(&device);
+    let wrong_width = Tensor::<B, 2>::ones([3, 7], &device);
+    let err = layer.try_forward(wrong_width).unwrap_err().to_string();
+    assert!(err.contains("d_model = 8") && err.contains('7'), "{err}");
+    let vector = Tensor::<B, 1>::ones([8], &device);
+    assert!(matches!(layer.try_forward(vector), Err(MoeError::Input(_))));
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let mut values = vec![0.5f32; 24];
+        values[13] = bad;
+        let x = Tensor::<B, 2>::from_data(TensorData::new(values, [3, 8]), &device);
+        let err = layer.try_forward(x).unwrap_err().to_string();
+        assert!(err.contains("NaN or infinite"), "{err}");
+    }
+}
+
+#[test]
+fn three_d_input_keeps_its_shape_and_matches_flat_input() {
+    let device = Default::default();
+    let layer = MoeLayerConfig::new(8, 16, 4, 2).with_seed(3).init::<B>(&device);
+    let x = Tensor::<B, 3>::random([2, 5, 8], burn::tensor::Distribution::Default, &device);
+    let y3 = layer.forward(x.clone()).output;
+    assert_eq!(y3.dims(), [2, 5, 8]);
+    let y2 = layer.forward(x.reshape([10, 8])).output;
+    y3.reshape([10, 8]).into_data().assert_eq(&y2.into_data(), true);
+}
+
+/// A random layer config small enough to check many times.
+fn arb_config() -> impl PropStrategy<Value = (MoeLayerConfig, usize, u64)> {
+    (
+        prop::sample::select(vec![2usize, 4, 8]),
+        1usize..=3,
+        prop::sample::select(vec![4usize, 8, 12]),
+        prop::sample::select(vec![4usize, 6, 16]),
+        prop::sample::select(vec![Activation::Gelu, Activation::Relu, Activation::SwiGlu]),
+        any::<(bool, bool, bool)>(),
+        prop::option::of(0.5f64..2.0),
+        prop::option::of(prop::sample::select(vec![3usize, 8])),
+        0usize..30,
+        any::<u64>(),
+    )
+        .prop_map(
+            |(e, k, m, h, act, (bias, router_bias, norm), cap, shared, tokens, seed)| {
+                let config = MoeLayerConfig::new(m, h, e, k.min(e))
+                    .with_activation(act)
+                    .with_bias(bias)
+                    .with_router_bias(router_bias)
+                    .with_normalize_topk(norm)
+                    .with_capacity_factor(cap)
+                    .with_shared_expert(shared);
+                (config, tokens, seed)
+            },
+        )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// Reference and fused paths agree to 1e-5 on random configs (every rank count that
+    /// divides the experts, random partitions and strategy), and both match the float64
+    /// reference to 1e-4.
+    #[test]
+    fn reference_and_fused_agree_on_random_configs(
+        (config, tokens, seed) in arb_config(),
+        n in 1usize..5,
+        strategy in prop::sample::select(Strategy::ALL.to_vec()),
+    ) {
+        let case = Case::generate("random", &config, tokens, seed).unwrap();
+        let device = Default::default();
+        for n_ranks in [1usize, 2].into_iter().filter(|r| config.n_experts % r == 0) {
+            let reference = check_case::<B>(&case, &CheckOptions { path: ExchangePath::Reference, n_ranks, ..CheckOptions::default() }, &device).unwrap();
+            let fused = check_case::<B>(&case, &CheckOptions { path: ExchangePath::Fused, n_ranks, partitions: Partitions::Fixed(n), strategy }, &device).unwrap();
+            prop_assert!(reference.passed(1e-4), "reference vs f64: {:?}", reference.worst());
+            prop_assert!(fused.passed(1e-4), "fused vs f64: {:?}", fused.worst());
+            for (name, got) in &fused.tensors {
+                let err = relative_error(got, &reference.tensors[name]);
+                prop_assert!(err <= 1e-5, "{name}: fused vs reference {err:e} (ranks {n_ranks}, n {n}, {strategy})");
+            }
+        }
+    }
+}
+
+/// A case where every token goes to expert 0 (router weights zero, bias favouring it).
+fn all_to_one_expert_case(n_experts: usize, tokens: usize) -> Case {
+    let config = MoeLayerConfig::new(6, 8, n_experts, 1)
+        .with_router_bias(true)
+        .with_bias(true);
+    let base = Case::generate("all_to_one", &config, tokens, 9).unwrap();
+    let mut tensors = base.tensors.clone();
+    tensors.insert(
+        "router.weight".into(),
+        TensorData::zeros::<f32, _>([n_experts, 6]),
+    );
+    let mut bias = vec![0f32; n_experts];
+    bias[0] = 4.0;
+    tensors.insert("router.bias".into(), TensorData::new(bias, [n_experts]));
+    Case::from_parts("all_to_one", &config, tensors).unwrap()
+}
+
+#[test]
+fn all_tokens_to_one_expert_and_ranks_without_rows_are_exact() {
+    let device = Default::default();
+    let case = all_to_one_expert_case(4, 10);
+    for n_ranks in [1, 2, 4] {
+        for path in [ExchangePath::Reference, ExchangePath::Fused] {
+            for strategy in Strategy::ALL {
+                let options = CheckOptions {
+                    path,
+                    n_ranks,
+                    partitions: Partitions::Fixed(3),
+                    strategy,
+                };
+                let report = check_case::<B>(&case, &options, &device).unwrap();
+                assert!(report.passed(1e-4), "{options:?}: {:?}", report.worst());
+            }
+        }
+    }
+}
+
+#[test]
+fn ranks_with_zero_input_tokens_are_exact() {
+    let device = Default::default();
+    // 3 tokens over 4 ranks: rank 3 has none; 0 tokens: every rank has none.
+    for tokens in [3, 1, 0] {
+        let config = MoeLayerConfig::new(6, 8, 4, 2)
+            .with_shared_expert(Some(4))
+            .with_capacity_factor(Some(1.0));
+        let case = Case::generate("few_tokens", &config, tokens, 4).unwrap();
+        for path in [ExchangePath::Reference, ExchangePath::Fused] {
+            let options = CheckOptions {
+                path,
+                n_ranks: 4,
+                partitions: Partitions::Fixed(2),
+                strategy: Strategy::S2,
+            };
+            let report = check_case::<Autodiff<Flex>>(&case, &options, &device).unwrap();
+            assert!(
+                report.passed(1e-4),
+                "tokens {tokens} {options:?}: {:?}",
+                report.worst()
+            );
+        }
+    }
+}
+
+#[test]
+fn capacity_drops_are_counted_and_rank_independent() {
+    let device = Default::default();
+    let config = MoeLayerConfig::new(6, 8, 4, 2).with_capacity_factor(Some(0.5));
+    let case = Case::generate("capacity", &config, 16, 21).unwrap();
+    let layer =
+        MoeLayer::<B>::from_tensor_map(&config, &case.tensors, &case.path, &device, Arc::new(SingleRank))
+            .unwrap();
+    let x = Tensor::<B, 2>::from_data(case.tensor("x").clone(), &device);
+    let stats = layer.forward(x).stats.routing;
+    assert_eq!(stats.capacity, Some(4));
+    assert!(stats.tokens_per_expert.iter().all(|&c| c <= 4));
+    assert_eq!(stats.tokens_per_expert.iter().sum::<usize>() + stats.dropped, 32);
+    for n_ranks in [2, 4] {
+        let options = CheckOptions {
+            n_ranks,
+            ..CheckOptions::default()
+        };
+        assert!(check_case::<B>(&case, &options, &device).unwrap().passed(1e-4));
+    }
+}
+
+#[test]
+fn save_and_load_round_trip_across_rank_counts() {
+    let device = Default::default();
+    let dir = std::env::temp_dir().join(format!("mpipemoe-io-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = MoeLayerConfig::new(8, 12, 4, 2)
+        .with_activation(Activation::SwiGlu)
+        .with_bias(true)
+        .with_shared_expert(Some(6))
+        .with_capacity_factor(Some(1.5))
+        .with_seed(77);
+    // Two ranks save the layer together; one rank loads it.
+    let path = dir.join("layer.safetensors");
+    mpipemoe::LocalGroup::run(2, |ctx| {
+        config
+            .init_rank::<NdArray>(&device, ctx.comm.clone())?
+            .save_safetensors(&path)
+    })
+    .unwrap();
+    let loaded = MoeLayer::<NdArray>::load_safetensors(&path, &device).unwrap();
+    let fresh = config.init::<NdArray>(&device);
+    assert_eq!(loaded.config().capacity_factor, Some(1.5));
+    let x = Tensor::<NdArray, 2>::random([9, 8], burn::tensor::Distribution::Default, &device);
+    loaded
+        .forward(x.clone())
+        .output
+        .into_data()
+        .assert_eq(&fresh.forward(x).output.into_data(), true);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn run_settings_change_without_touching_weights() {
+    let device = Default::default();
+    let layer = MoeLayerConfig::new(8, 12, 4, 2).init::<B>(&device);
+    let x = Tensor::<B, 2>::random([10, 8], burn::tensor::Distribution::Default, &device);
+    let base = layer.forward(x.clone()).output;
+    let tuned = layer
+        .clone()
+        .with_config(
+            layer
+                .config()
+                .clone()
+                .with_partitions(Partitions::Fixed(3))
+                .with_memory_reuse(MemoryReuse::S1),
+        )
+        .unwrap();
+    let out = tuned.forward(x);
+    assert_eq!(out.stats.n_partitions, 3);
+    assert_eq!(out.stats.strategy, Strategy::S1);
+    let diff = (out.output - base).abs().max().into_scalar();
+    assert!(diff < 1e-6);
+    let err = layer.with_config(MoeLayerConfig::new(8, 16, 4, 2)).unwrap_err();
+    assert!(err.to_string().contains("shape"));
+}
+
+/// Regression guard for the reason burn-ndarray's `simd` feature is off (Cargo.toml): its
+/// f32 `recip` was an approximate reciprocal, which made every division's gradient inexact.
+#[test]
+fn ndarray_reciprocal_is_exact() {
+    let device = Default::default();
+    let values: Vec<f32> = (0..256).map(|i| 0.37 + i as f32 * 0.113).collect();
+    let x = Tensor::<NdArray, 1>::from_data(TensorData::new(values.clone(), [256]), &device);
+    let got: Vec<f32> = x.recip().into_data().to_vec().unwrap();
+    for (g, v) in got.iter().zip(&values) {
+        let want = 1.0 / *v as f64;
+        assert!(
+            ((*g as f64 - want) / want).abs() < 2e-7,
+            "recip({v}) = {g}, want {want}"
+        );
+    }
+}
