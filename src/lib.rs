@@ -41,6 +41,7 @@ mod exchange;
 mod experts;
 mod layer;
 mod memory;
+pub mod report;
 mod router;
 
 pub use comm::{Communicator, GroupOptions, LocalComm, LocalGroup, Payload, RankContext, SingleRank};
@@ -55,5 +56,8 @@ pub use layer::{
     read_safetensors, ExchangePath, LayerMeta, MoeContext, MoeLayer, MoeLayerConfig, MoeOutput, MoeStats,
     ParamKind, Partitions, SharedMeta, TensorMap,
 };
-pub use memory::{HostBlock, HostStore, MemoryMeter, MemoryReport, MemoryReuse, Restore, Strategy};
+pub use memory::{
+    measure_layer_memory, CountingAllocator, HostBlock, HostStore, ImplementationModel, LayerShape,
+    MemoryMeasurement, MemoryMeter, MemoryReport, MemoryReuse, PaperTerms, Restore, Strategy, Term,
+};
 pub use router::{load_balancing_loss, top_k_host, z_loss, Router, Routing};

@@ -8,10 +8,10 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::TensorMetadata;
+use burn::tensor::{Shape, Slice, TensorMetadata};
 
 use super::rows::{
-    all_to_all_rows, cat_rows, dims2, expert_matrix, expert_row, gather_rows, narrow_rows, stack_matrices,
+    all_to_all_rows, cat_rows, dims2, expert_matrix, expert_row, float_dtype, gather_rows, narrow_rows,
     to_data, zeros_like_rows,
 };
 use super::{ExchangeGrads, ExchangeRun, MoeBackend};
@@ -49,12 +49,12 @@ enum Stash<B: Backend> {
 }
 
 impl<B: Backend> Stash<B> {
-    fn new(tensor: FloatTensor<B>, restore: Restore, host: &HostStore) -> Self {
-        match restore {
+    fn new(tensor: FloatTensor<B>, restore: Restore, host: &HostStore) -> Result<Self> {
+        Ok(match restore {
             Restore::Keep => Stash::Device(tensor),
-            Restore::Offload => Stash::Host(host.offload(to_data::<B, 2>(tensor))),
+            Restore::Offload => Stash::Host(host.offload(to_data::<B, 2>(tensor))?),
             Restore::Recommunicate | Restore::Recompute => Stash::Dropped,
-        }
+        })
     }
 
     /// The tensor, if it was kept or offloaded.
@@ -80,14 +80,13 @@ pub(crate) fn forward<B: MoeBackend>(
     check_input::<B>(&input, &experts, plan)?;
     let comm = run.comm.as_ref();
     let strategy = run.strategy;
-    let [_, d_model] = dims2::<B>(&input);
     let mut saved = Saved {
         experts,
         input: strategy.keeps_input().then(|| input.clone()),
         partitions: Vec::with_capacity(plan.n_partitions()),
         device: B::float_device(&input),
     };
-    let mut outputs = Vec::with_capacity(plan.n_partitions());
+    let mut output = RowAssembler::<B>::new(&input, plan);
 
     // S_0
     let mut next = Some(dispatch::<B>(&input, &plan.partitions[0], comm)?);
@@ -100,16 +99,16 @@ pub(crate) fn forward<B: MoeBackend>(
         // C_i
         let (out, hidden) = compute::<B>(dispatched.clone(), part, &saved.experts, run.activation);
         saved.partitions.push(SavedPartition {
-            dispatched: Stash::new(dispatched, strategy.dispatched(), &run.host),
+            dispatched: Stash::new(dispatched, strategy.dispatched(), &run.host)?,
             hidden: hidden
                 .into_iter()
-                .map(|z| z.map(|z| Stash::new(z, strategy.hidden(), &run.host)))
-                .collect(),
+                .map(|z| z.map(|z| Stash::new(z, strategy.hidden(), &run.host)).transpose())
+                .collect::<Result<_>>()?,
         });
         // R_i
-        outputs.push(combine::<B>(out, part, comm)?);
+        output.place(part, combine::<B>(out, part, comm)?);
     }
-    Ok((cat_rows::<B>(outputs, &input, d_model), saved))
+    Ok((output.finish(), saved))
 }
 
 /// Backward: gradients of `T_I` and the experts from the gradient of `T_O`.
@@ -126,9 +125,8 @@ pub(crate) fn backward<B: MoeBackend>(
         partitions,
         device,
     } = saved;
-    let [_, d_model] = dims2::<B>(&grad_out);
     let mut acc = ExpertGradAcc::<B>::new(&experts);
-    let mut input_grads = Vec::with_capacity(plan.n_partitions());
+    let mut input_grad = RowAssembler::<B>::new(&grad_out, plan);
 
     let mut stashes = partitions.into_iter();
     let mut restore = |part: &PartitionPlan| -> Result<Restored<B>> {
@@ -162,10 +160,10 @@ pub(crate) fn backward<B: MoeBackend>(
         // C'_i
         let grad_x = compute_backward::<B>(current, part, &experts, run.activation, &mut acc);
         // R'_i
-        input_grads.push(combine::<B>(grad_x, part, comm)?);
+        input_grad.place(part, combine::<B>(grad_x, part, comm)?);
     }
     Ok(ExchangeGrads {
-        input: cat_rows::<B>(input_grads, &grad_out, d_model),
+        input: input_grad.finish(),
         experts: acc.finish(),
     })
 }
@@ -292,15 +290,23 @@ fn compute_backward<B: MoeBackend>(
         offset += rows;
         let z = z.unwrap_or_else(|| first_gemm::<B>(x_e.clone(), experts, e));
         let a = activation_forward::<B>(act, z.clone());
-        acc.w_out[e].add(B::float_matmul(B::float_transpose(a), g_e.clone()));
+        acc.add(
+            Param::WOut,
+            e,
+            B::float_matmul(B::float_transpose(a), g_e.clone()),
+        );
         if experts.b_out.is_some() {
-            acc.b_out[e].add(B::float_sum_dim(g_e.clone(), 0));
+            acc.add(Param::BOut, e, B::float_sum_dim(g_e.clone(), 0));
         }
         let grad_a = B::float_matmul(g_e, B::float_transpose(expert_matrix::<B>(&experts.w_out, e)));
         let grad_z = activation_backward::<B>(act, z, grad_a);
-        acc.w_in[e].add(B::float_matmul(B::float_transpose(x_e), grad_z.clone()));
+        acc.add(
+            Param::WIn,
+            e,
+            B::float_matmul(B::float_transpose(x_e), grad_z.clone()),
+        );
         if experts.b_in.is_some() {
-            acc.b_in[e].add(B::float_sum_dim(grad_z.clone(), 0));
+            acc.add(Param::BIn, e, B::float_sum_dim(grad_z.clone(), 0));
         }
         grads_x.push(B::float_matmul(
             grad_z,
@@ -310,63 +316,107 @@ fn compute_backward<B: MoeBackend>(
     cat_rows::<B>(grads_x, &x, d_model)
 }
 
-/// A running sum that starts empty (experts without rows contribute nothing).
-struct Sum<B: Backend>(Option<FloatTensor<B>>);
+/// Collects per-partition row blocks into one `[n_rows, width]` tensor in `T_I` order.
+///
+/// With one partition the block is the result. With several, each block is written into a
+/// preallocated output (in place where the backend owns it uniquely, as NdArray and Flex do),
+/// so the full-size tensor never exists twice.
+struct RowAssembler<B: Backend> {
+    out: Option<FloatTensor<B>>,
+    single: bool,
+}
 
-impl<B: Backend> Sum<B> {
-    fn add(&mut self, t: FloatTensor<B>) {
-        self.0 = Some(match self.0.take() {
-            Some(acc) => B::float_add(acc, t),
-            None => t,
-        });
+impl<B: Backend> RowAssembler<B> {
+    fn new(like: &FloatTensor<B>, plan: &ExchangePlan) -> Self {
+        let [_, width] = dims2::<B>(like);
+        let single = plan.n_partitions() == 1;
+        Self {
+            out: (!single).then(|| zeros_like_rows::<B>(like, plan.send_rows(), width)),
+            single,
+        }
+    }
+
+    fn place(&mut self, part: &PartitionPlan, rows: FloatTensor<B>) {
+        if self.single {
+            self.out = Some(rows);
+            return;
+        }
+        let [n, width] = dims2::<B>(&rows);
+        if n == 0 {
+            return;
+        }
+        let out = self.out.take().expect("preallocated");
+        let range = part.send_offset..part.send_offset + n;
+        self.out = Some(B::float_slice_assign(
+            out,
+            &[Slice::from(range), Slice::from(0..width)],
+            rows,
+        ));
+    }
+
+    fn finish(self) -> FloatTensor<B> {
+        self.out.expect("every partition placed")
     }
 }
 
-/// Expert weight gradients summed over partitions, per local expert.
+/// Which expert parameter a gradient belongs to.
+#[derive(Clone, Copy)]
+enum Param {
+    WIn,
+    BIn,
+    WOut,
+    BOut,
+}
+
+/// Expert weight gradients summed over partitions, accumulated in place into stacked
+/// tensors shaped like the parameters (zero for experts without rows).
 struct ExpertGradAcc<B: Backend> {
-    w_in: Vec<Sum<B>>,
-    b_in: Vec<Sum<B>>,
-    w_out: Vec<Sum<B>>,
-    b_out: Vec<Sum<B>>,
-    like: ExpertTensors<B>,
+    w_in: Option<FloatTensor<B>>,
+    b_in: Option<FloatTensor<B>>,
+    w_out: Option<FloatTensor<B>>,
+    b_out: Option<FloatTensor<B>>,
 }
 
 impl<B: Backend> ExpertGradAcc<B> {
     fn new(experts: &ExpertTensors<B>) -> Self {
-        let n = experts.w_in.shape().to_vec()[0];
-        let sums = || (0..n).map(|_| Sum(None)).collect::<Vec<_>>();
+        let zeros = |like: &FloatTensor<B>| {
+            B::float_zeros(like.shape(), &B::float_device(like), float_dtype::<B>(like))
+        };
         Self {
-            w_in: sums(),
-            b_in: sums(),
-            w_out: sums(),
-            b_out: sums(),
-            like: experts.clone(),
+            w_in: Some(zeros(&experts.w_in)),
+            b_in: experts.b_in.as_ref().map(zeros),
+            w_out: Some(zeros(&experts.w_out)),
+            b_out: experts.b_out.as_ref().map(zeros),
         }
     }
 
+    /// Adds `grad` (expert `e`'s `[rows, cols]` matrix, or `[1, cols]` bias row) to the
+    /// stacked gradient. The view of the current value is consumed by the add before the
+    /// write, so the stacked tensor stays uniquely owned and is updated in place.
+    fn add(&mut self, param: Param, e: usize, grad: FloatTensor<B>) {
+        let slot = match param {
+            Param::WIn => &mut self.w_in,
+            Param::BIn => &mut self.b_in,
+            Param::WOut => &mut self.w_out,
+            Param::BOut => &mut self.b_out,
+        };
+        let acc = slot.take().expect("gradient slot exists for this parameter");
+        let dims = acc.shape().to_vec();
+        let mut slices = vec![Slice::from(e..e + 1)];
+        slices.extend(dims[1..].iter().map(|&d| Slice::from(0..d)));
+        let mut one = dims.clone();
+        one[0] = 1;
+        let grad = B::float_reshape(grad, Shape::from(one));
+        let sum = B::float_add(grad, B::float_slice(acc.clone(), &slices));
+        *slot = Some(B::float_slice_assign(acc, &slices, sum));
+    }
+
     fn finish(self) -> ExpertTensors<B> {
-        let matrices = |sums: Vec<Sum<B>>, like: &FloatTensor<B>| {
-            let d = like.shape().to_vec();
-            stack_matrices::<B>(
-                sums.into_iter()
-                    .map(|s| s.0.unwrap_or_else(|| zeros_like_rows::<B>(like, d[1], d[2])))
-                    .collect(),
-            )
-        };
-        let rows = |sums: Vec<Sum<B>>, like: &FloatTensor<B>| {
-            let width = like.shape().to_vec()[1];
-            let parts = sums
-                .into_iter()
-                .map(|s| s.0.unwrap_or_else(|| zeros_like_rows::<B>(like, 1, width)))
-                .collect();
-            let out = B::float_cat(parts, 0);
-            B::float_reshape(out, like.shape())
-        };
         ExpertTensors {
-            w_in: matrices(self.w_in, &self.like.w_in),
-            b_in: self.like.b_in.as_ref().map(|b| rows(self.b_in, b)),
-            w_out: matrices(self.w_out, &self.like.w_out),
-            b_out: self.like.b_out.as_ref().map(|b| rows(self.b_out, b)),
+            w_in: self.w_in.expect("w_in gradient"),
+            b_in: self.b_in,
+            w_out: self.w_out.expect("w_out gradient"),
+            b_out: self.b_out,
         }
     }
 }

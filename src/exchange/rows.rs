@@ -5,9 +5,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{
-    DType, FloatDType, Shape, Slice, Tensor, TensorData, TensorMetadata, TensorPrimitive,
-};
+use burn::tensor::{DType, FloatDType, Shape, Slice, Tensor, TensorData, TensorMetadata, TensorPrimitive};
 
 use crate::comm::Communicator;
 use crate::error::{MoeError, Result};
@@ -86,18 +84,6 @@ pub(crate) fn expert_matrix<B: Backend>(w: &FloatTensor<B>, e: usize) -> FloatTe
 pub(crate) fn expert_row<B: Backend>(b: &FloatTensor<B>, e: usize) -> FloatTensor<B> {
     let d = b.shape().to_vec();
     B::float_slice(b.clone(), &[Slice::from(e..e + 1), Slice::from(0..d[1])])
-}
-
-/// Stacks `[rows, cols]` matrices into `[n, rows, cols]`.
-pub(crate) fn stack_matrices<B: Backend>(parts: Vec<FloatTensor<B>>) -> FloatTensor<B> {
-    let parts = parts
-        .into_iter()
-        .map(|p| {
-            let d = p.shape().to_vec();
-            B::float_reshape(p, Shape::new([1, d[0], d[1]]))
-        })
-        .collect();
-    B::float_cat(parts, 0)
 }
 
 /// The uneven all-to-all of a `[rows, width]` primitive over `comm`.

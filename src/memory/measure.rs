@@ -1,0 +1,77 @@
+//! Measuring the peak memory of one forward + backward pass of the layer on the CPU.
+
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Tensor, TensorData};
+use serde::Serialize;
+
+use super::CountingAllocator;
+use crate::error::Result;
+use crate::experts::HostInit;
+use crate::{LocalGroup, MoeBackend, MoeLayerConfig};
+
+/// What one measurement found, per rank.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct MemoryMeasurement {
+    /// Peak bytes allocated during forward + backward above what was live before, divided by
+    /// the rank count (ranks are threads of one process and run in lockstep). Offloaded
+    /// partitions are not included: the host store lives outside the allocator.
+    pub peak_device_bytes: usize,
+    /// Most bytes this rank's host store held at once.
+    pub host_bytes: usize,
+}
+
+/// Measures one forward + backward of a layer with `config` on `n_ranks` ranks, each with
+/// `tokens_per_rank` tokens, with `loss = sum(y · probe)`.
+///
+/// `alloc` must be the process's global allocator. With `warm_up`, each rank first runs one
+/// unmeasured pass, so lazily created thread pools and buffers are live before the count
+/// starts; once per process and shape is enough, since the count is of live bytes. Then, with
+/// all ranks idle at a barrier, the allocator's peak is reset, one pass runs, and the peak is
+/// read at the next barrier. Counts are process-wide, so nothing else may run meanwhile.
+pub fn measure_layer_memory<B>(
+    alloc: &CountingAllocator,
+    config: &MoeLayerConfig,
+    tokens_per_rank: usize,
+    n_ranks: usize,
+    warm_up: bool,
+    device: &B::Device,
+) -> Result<MemoryMeasurement>
+where
+    B: AutodiffBackend + MoeBackend,
+{
+    let results = LocalGroup::run(n_ranks, |ctx| {
+        let layer = config.init_rank::<B>(device, ctx.comm.clone())?;
+        let m = config.d_model;
+        let data = |name: &str| {
+            let values = HostInit::new(config.seed, name, ctx.rank).uniform(tokens_per_rank * m, 1.0);
+            TensorData::new(values, [tokens_per_rank, m]).convert::<B::FloatElem>()
+        };
+        let x = Tensor::<B, 2>::from_data(data("x"), device).require_grad();
+        let probe = Tensor::<B, 2>::from_data(data("probe"), device);
+        let pass = || -> Result<()> {
+            let out = layer.try_forward(x.clone())?;
+            let grads = (out.output * probe.clone()).sum().backward();
+            drop(grads);
+            Ok(())
+        };
+        if warm_up {
+            pass()?;
+        }
+        ctx.comm.barrier()?;
+        let base = (ctx.rank == 0).then(|| alloc.reset_peak());
+        layer.context().meter().reset_peak();
+        ctx.comm.barrier()?;
+        pass()?;
+        ctx.comm.barrier()?;
+        let peak = base.map(|base| alloc.peak().saturating_sub(base));
+        let host = layer.context().meter().report().host_peak_bytes;
+        ctx.comm.barrier()?;
+        Ok((peak, host))
+    })?;
+    let peak = results[0].0.expect("rank 0 reads the allocator");
+    let host = results.iter().map(|r| r.1).sum::<usize>() / n_ranks;
+    Ok(MemoryMeasurement {
+        peak_device_bytes: peak / n_ranks,
+        host_bytes: host,
+    })
+}
