@@ -43,11 +43,13 @@ mod layer;
 mod memory;
 pub mod report;
 mod router;
+pub mod sim;
+pub mod tuning;
 
 pub use comm::{Communicator, GroupOptions, LocalComm, LocalGroup, Payload, RankContext, SingleRank};
 pub use dispatch::{
     build_plans, capacity_for, chunk_len, chunk_range, CapacityDecision, DispatchPlan, ExchangePlan,
-    PartitionPlan, RoutingStats, SplitScheme,
+    PartitionPlan, RoutingCounts, RoutingStats, SplitScheme,
 };
 pub use error::{MoeError, Result};
 pub use exchange::{exchange_reference, ExchangeGrads, ExchangeRun, MoeBackend, Saved};
@@ -57,7 +59,8 @@ pub use layer::{
     ParamKind, Partitions, SharedMeta, TensorMap,
 };
 pub use memory::{
-    measure_layer_memory, CountingAllocator, HostBlock, HostStore, ImplementationModel, LayerShape,
-    MemoryMeasurement, MemoryMeter, MemoryReport, MemoryReuse, PaperTerms, Restore, Strategy, Term,
+    measure_layer_memory, CountingAllocator, HostBlock, HostStore, ImplementationModel, ImplementationTerms,
+    LayerShape, MemoryMeasurement, MemoryMeter, MemoryPlan, MemoryReport, MemoryReuse, PaperTerms, Restore,
+    Strategy, Term,
 };
 pub use router::{load_balancing_loss, top_k_host, z_loss, Router, Routing};

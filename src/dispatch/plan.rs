@@ -139,13 +139,159 @@ fn partition_groups(
     }
 }
 
-/// Builds both plans for this rank's routing decision.
-///
-/// This is the layer's only host-side synchronisation: one all-gather of per-expert counts
-/// (for the global capacity order, the load-balancing fractions and the global token count)
-/// and one all-to-all of per-(rank, expert) row counts.
-///
-/// `indices` are this rank's choices, `[n_tokens * top_k]`, best first within a token.
+/// The routing decision of one rank with everything the other ranks told it: capacity
+/// decisions, row counts per (rank, expert) in both directions, and global totals. Built by
+/// one collective step; plans for any split are then pure functions of it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoutingCounts {
+    rank: usize,
+    n_ranks: usize,
+    n_local: usize,
+    n_tokens: usize,
+    top_k: usize,
+    /// Kept assignment slots (`t * top_k + j`) per global expert, in token order.
+    rows_of_expert: Vec<Vec<usize>>,
+    send_counts: Vec<usize>,
+    recv_counts: Vec<usize>,
+    expert_fraction: Vec<f64>,
+    stats: RoutingStats,
+}
+
+impl RoutingCounts {
+    /// The collective step: one all-gather of per-expert counts (for the global capacity
+    /// order, the load-balancing fractions and the global token count) and one all-to-all of
+    /// per-(rank, expert) row counts.
+    ///
+    /// `indices` are this rank's choices, `[n_tokens * top_k]`, best first within a token.
+    pub fn gather(
+        indices: &[usize],
+        n_tokens: usize,
+        top_k: usize,
+        n_experts: usize,
+        capacity_factor: Option<f64>,
+        comm: &dyn Communicator,
+    ) -> Result<Self> {
+        let (rank, n_ranks) = (comm.rank(), comm.n_ranks());
+        if n_experts % n_ranks != 0 {
+            return Err(MoeError::config(
+                "n_experts",
+                format!("{n_experts} experts cannot be split evenly over {n_ranks} ranks"),
+            ));
+        }
+        debug_assert_eq!(indices.len(), n_tokens * top_k);
+        let n_local = n_experts / n_ranks;
+
+        let mut local = vec![0usize; n_experts + 1];
+        local[0] = n_tokens;
+        for &e in indices {
+            local[e + 1] += 1;
+        }
+        let gathered = comm.all_gather_counts(&local)?;
+        let per_rank: Vec<&[usize]> = gathered.chunks_exact(n_experts + 1).collect();
+        let n_tokens_global: usize = per_rank.iter().map(|c| c[0]).sum();
+        let mut before = vec![0usize; n_experts];
+        let mut global = vec![0usize; n_experts];
+        for (r, counts) in per_rank.iter().enumerate() {
+            for e in 0..n_experts {
+                global[e] += counts[e + 1];
+                if r < rank {
+                    before[e] += counts[e + 1];
+                }
+            }
+        }
+
+        let capacity = capacity_factor.map(|f| super::capacity_for(f, n_tokens_global, top_k, n_experts));
+        let decision = CapacityDecision::decide(indices, n_experts, capacity, &before);
+        let tokens_per_expert: Vec<usize> =
+            global.iter().map(|&g| capacity.map_or(g, |c| g.min(c))).collect();
+        let dropped = global.iter().sum::<usize>() - tokens_per_expert.iter().sum::<usize>();
+        let local_dropped = decision.kept.iter().filter(|&&k| !k).count();
+        let assignments = (n_tokens_global * top_k).max(1) as f64;
+        let expert_fraction = global.iter().map(|&g| g as f64 / assignments).collect();
+
+        let send_counts = decision.kept_per_expert.clone();
+        let recv_counts = comm.all_to_all_counts(&send_counts, n_local)?;
+        let mut rows_of_expert: Vec<Vec<usize>> = vec![Vec::new(); n_experts];
+        for (slot, (&e, &keep)) in indices.iter().zip(&decision.kept).enumerate() {
+            if keep {
+                rows_of_expert[e].push(slot);
+            }
+        }
+        Ok(Self {
+            rank,
+            n_ranks,
+            n_local,
+            n_tokens,
+            top_k,
+            rows_of_expert,
+            send_counts,
+            recv_counts,
+            expert_fraction,
+            stats: RoutingStats {
+                tokens_per_expert,
+                dropped,
+                local_dropped,
+                capacity,
+                n_tokens_global,
+            },
+        })
+    }
+
+    /// Tokens over all ranks.
+    pub fn n_tokens_global(&self) -> usize {
+        self.stats.n_tokens_global
+    }
+
+    /// Rows this rank sends (kept assignments).
+    pub fn send_rows(&self) -> usize {
+        self.send_counts.iter().sum()
+    }
+
+    /// The exchange plan for `scheme` (pure).
+    pub fn exchange_plan(&self, scheme: SplitScheme) -> ExchangePlan {
+        ExchangePlan::new(
+            self.rank,
+            self.n_ranks,
+            self.n_local,
+            self.send_counts.clone(),
+            self.recv_counts.clone(),
+            scheme,
+        )
+    }
+
+    /// Both plans for `scheme`: `T_I`'s rows ordered partition-major, then by expert, then by
+    /// token (pure).
+    pub fn plans(&self, scheme: SplitScheme) -> (DispatchPlan, ExchangePlan) {
+        let exchange = self.exchange_plan(scheme);
+        let mut row_slot = Vec::with_capacity(exchange.send_rows());
+        for i in 0..exchange.n_partitions() {
+            for (e, slots) in self.rows_of_expert.iter().enumerate() {
+                let range = match scheme {
+                    SplitScheme::Tokens(n) => chunk_range(slots.len(), n, i),
+                    SplitScheme::Ranks if e / self.n_local == (self.rank + i) % self.n_ranks => {
+                        0..slots.len()
+                    }
+                    SplitScheme::Ranks => 0..0,
+                };
+                row_slot.extend_from_slice(&slots[range]);
+            }
+        }
+        debug_assert_eq!(row_slot.len(), exchange.send_rows());
+        let row_token = row_slot.iter().map(|&s| s / self.top_k).collect();
+        let dispatch = DispatchPlan {
+            n_tokens: self.n_tokens,
+            top_k: self.top_k,
+            row_token,
+            row_slot,
+            expert_fraction: self.expert_fraction.clone(),
+            stats: self.stats.clone(),
+        };
+        (dispatch, exchange)
+    }
+}
+
+/// Builds both plans for this rank's routing decision: [`RoutingCounts::gather`] (the
+/// layer's only host-side synchronisation) followed by [`RoutingCounts::plans`].
 #[allow(clippy::too_many_arguments)]
 pub fn build_plans(
     indices: &[usize],
@@ -156,86 +302,5 @@ pub fn build_plans(
     scheme: SplitScheme,
     comm: &dyn Communicator,
 ) -> Result<(DispatchPlan, ExchangePlan)> {
-    let (rank, n_ranks) = (comm.rank(), comm.n_ranks());
-    if n_experts % n_ranks != 0 {
-        return Err(MoeError::config(
-            "n_experts",
-            format!("{n_experts} experts cannot be split evenly over {n_ranks} ranks"),
-        ));
-    }
-    debug_assert_eq!(indices.len(), n_tokens * top_k);
-    let n_local = n_experts / n_ranks;
-
-    // 1. Global counts: tokens and raw assignments per expert on every rank.
-    let mut local = vec![0usize; n_experts + 1];
-    local[0] = n_tokens;
-    for &e in indices {
-        local[e + 1] += 1;
-    }
-    let gathered = comm.all_gather_counts(&local)?;
-    let per_rank: Vec<&[usize]> = gathered.chunks_exact(n_experts + 1).collect();
-    let n_tokens_global: usize = per_rank.iter().map(|c| c[0]).sum();
-    let mut before = vec![0usize; n_experts];
-    let mut global = vec![0usize; n_experts];
-    for (r, counts) in per_rank.iter().enumerate() {
-        for e in 0..n_experts {
-            global[e] += counts[e + 1];
-            if r < rank {
-                before[e] += counts[e + 1];
-            }
-        }
-    }
-
-    // 2. Capacity, decided globally in token order.
-    let capacity = capacity_factor.map(|f| super::capacity_for(f, n_tokens_global, top_k, n_experts));
-    let decision = CapacityDecision::decide(indices, n_experts, capacity, &before);
-    let tokens_per_expert: Vec<usize> = global.iter().map(|&g| capacity.map_or(g, |c| g.min(c))).collect();
-    let dropped = global.iter().sum::<usize>() - tokens_per_expert.iter().sum::<usize>();
-    let local_dropped = decision.kept.iter().filter(|&&k| !k).count();
-    let assignments = (n_tokens_global * top_k).max(1) as f64;
-    let expert_fraction = global.iter().map(|&g| g as f64 / assignments).collect();
-
-    // 3. Row counts per (destination, expert): global expert order is (rank, local expert).
-    let send_counts = decision.kept_per_expert.clone();
-    let recv_counts = comm.all_to_all_counts(&send_counts, n_local)?;
-    let exchange = ExchangePlan::new(rank, n_ranks, n_local, send_counts, recv_counts, scheme);
-
-    // 4. Row order of T_I: partition-major, then expert, then token.
-    let mut rows_of_expert: Vec<Vec<usize>> = vec![Vec::new(); n_experts];
-    for (slot, (&e, &keep)) in indices.iter().zip(&decision.kept).enumerate() {
-        if keep {
-            rows_of_expert[e].push(slot);
-        }
-    }
-    let n_rows = exchange.send_rows();
-    let mut row_slot = Vec::with_capacity(n_rows);
-    let n_parts = exchange.n_partitions();
-    for i in 0..n_parts {
-        for (e, slots) in rows_of_expert.iter().enumerate() {
-            let range = match scheme {
-                SplitScheme::Tokens(n) => chunk_range(slots.len(), n, i),
-                SplitScheme::Ranks if e / n_local == (rank + i) % n_ranks => 0..slots.len(),
-                SplitScheme::Ranks => 0..0,
-            };
-            row_slot.extend_from_slice(&slots[range]);
-        }
-    }
-    debug_assert_eq!(row_slot.len(), n_rows);
-    let row_token = row_slot.iter().map(|&s| s / top_k).collect();
-
-    let dispatch = DispatchPlan {
-        n_tokens,
-        top_k,
-        row_token,
-        row_slot,
-        expert_fraction,
-        stats: RoutingStats {
-            tokens_per_expert,
-            dropped,
-            local_dropped,
-            capacity,
-            n_tokens_global,
-        },
-    };
-    Ok((dispatch, exchange))
+    Ok(RoutingCounts::gather(indices, n_tokens, top_k, n_experts, capacity_factor, comm)?.plans(scheme))
 }

@@ -20,6 +20,9 @@ pub enum Partitions {
     Fixed(usize),
     /// FasterMoE's split: one partition per peer rank (point-to-point steps). A baseline.
     ByRank,
+    /// Algorithm 1: chosen per batch size by timing trials of `adaptive_candidates`, with
+    /// the answers kept in the layer's granularity table.
+    Adaptive,
 }
 
 /// Which implementation of the exchange the layer runs.
@@ -96,6 +99,13 @@ pub struct MoeLayerConfig {
     /// Memory reuse and the strategy that restores activations in backward.
     #[config(default = "MemoryReuse::Off")]
     pub memory_reuse: MemoryReuse,
+    /// Device bytes per rank the exchange may hold at its peak, for `MemoryReuse::Auto`
+    /// (this implementation's memory model). `None`: no limit, so no reuse is chosen.
+    #[config(default = "None")]
+    pub memory_budget: Option<usize>,
+    /// Partition counts `Partitions::Adaptive` tries.
+    #[config(default = "vec![1, 2, 4, 8, 16]")]
+    pub adaptive_candidates: Vec<usize>,
     /// Fused op or reference twin.
     #[config(default = "ExchangePath::Fused")]
     pub path: ExchangePath,
@@ -152,6 +162,23 @@ impl MoeLayerConfig {
         }
         if self.partitions == Partitions::Fixed(0) {
             return Err(MoeError::config("partitions", "Fixed(n) needs n >= 1"));
+        }
+        if self.partitions == Partitions::Adaptive
+            && (self.adaptive_candidates.is_empty() || self.adaptive_candidates.contains(&0))
+        {
+            return Err(MoeError::config(
+                "adaptive_candidates",
+                format!(
+                    "is {:?}; needs at least one partition count, all >= 1",
+                    self.adaptive_candidates
+                ),
+            ));
+        }
+        if self.memory_budget == Some(0) {
+            return Err(MoeError::config(
+                "memory_budget",
+                "must be at least 1 byte (or None)",
+            ));
         }
         Ok(())
     }

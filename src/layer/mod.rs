@@ -6,6 +6,7 @@ mod grads;
 mod io;
 mod module;
 mod output;
+mod tuning;
 
 pub use config::{ExchangePath, MoeLayerConfig, Partitions};
 pub use context::MoeContext;

@@ -7,10 +7,11 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData, TensorPrimitive};
 
 use super::{ExchangePath, MoeContext, MoeLayerConfig, MoeOutput, MoeStats, Partitions};
-use crate::dispatch::{build_plans, DispatchPlan, ExchangePlan, SplitScheme};
+use crate::dispatch::{DispatchPlan, ExchangePlan, RoutingCounts, SplitScheme};
 use crate::error::{MoeError, Result};
-use crate::exchange::{exchange_reference, ExchangeRun, MoeBackend};
+use crate::exchange::{exchange_reference, MoeBackend};
 use crate::experts::{Experts, ExpertsSpec, SharedExpert};
+use crate::memory::Strategy;
 use crate::router::{load_balancing_loss, z_loss, Router};
 
 /// A Mixture-of-Experts layer: a drop-in replacement for a transformer FFN.
@@ -41,7 +42,7 @@ pub struct MoeLayer<B: Backend> {
     /// The shared expert, if configured (replicated on every rank).
     pub shared: Option<SharedExpert<B>>,
     #[module(skip)]
-    ctx: MoeContext,
+    pub(super) ctx: MoeContext,
 }
 
 impl<B: Backend> MoeLayer<B> {
@@ -156,16 +157,16 @@ impl<B: MoeBackend> MoeLayer<B> {
         // 2. Route: top-k experts and their weights per token.
         let routing = self.router.route(x.clone(), config.top_k, config.normalize_topk);
 
-        // 3. Plan: count with the other ranks, apply capacity, order the rows.
-        let (dispatch, exchange) = build_plans(
+        // 3. Plan: count with the other ranks, apply capacity; choose n and the strategy.
+        let counts = RoutingCounts::gather(
             &routing.indices,
             n_tokens,
             config.top_k,
             config.n_experts,
             config.capacity_factor,
-            self.split_scheme(),
             self.ctx.comm.as_ref(),
         )?;
+        let (scheme, strategy, dispatch, exchange) = self.plan(&counts, &x)?;
 
         // 4. Permute: T_I = the input rows in plan order.
         let t_i = x
@@ -174,7 +175,7 @@ impl<B: MoeBackend> MoeLayer<B> {
 
         // 5. Exchange: dispatch, local experts, combine — fused or reference.
         let n_partitions = exchange.n_partitions();
-        let t_o = self.exchange(t_i, exchange)?;
+        let t_o = self.exchange(t_i, exchange, strategy)?;
 
         // 6. Unpermute: y[t] += w[t, j] · T_O[row(t, j)].
         let mut y = unpermute(t_o, routing.weights, &dispatch, d_model);
@@ -201,7 +202,8 @@ impl<B: MoeBackend> MoeLayer<B> {
             stats: MoeStats {
                 routing: dispatch.stats,
                 n_partitions,
-                strategy: config.memory_reuse.strategy(),
+                split: scheme,
+                strategy,
                 path: config.path,
             },
         })
@@ -234,26 +236,39 @@ impl<B: MoeBackend> MoeLayer<B> {
         Ok(x)
     }
 
-    fn split_scheme(&self) -> SplitScheme {
-        let config = &self.ctx.config;
-        match (config.path, config.partitions) {
-            (ExchangePath::Reference, _) => SplitScheme::Tokens(1),
-            (ExchangePath::Fused, Partitions::Fixed(n)) => SplitScheme::Tokens(n),
-            (ExchangePath::Fused, Partitions::ByRank) => SplitScheme::Ranks,
-        }
+    /// Step 3's choices and plans. With adaptive partitions a miss in the granularity table
+    /// times trials on this batch's `T_I` (in the unpartitioned order: trials only need the
+    /// row counts).
+    #[allow(clippy::type_complexity)]
+    fn plan(
+        &self,
+        counts: &RoutingCounts,
+        x: &Tensor<B, 2>,
+    ) -> Result<(SplitScheme, Strategy, DispatchPlan, ExchangePlan)> {
+        let adaptive =
+            self.ctx.config.partitions == Partitions::Adaptive && self.ctx.config.path == ExchangePath::Fused;
+        let scheme = if adaptive {
+            let (dispatch, _) = counts.plans(SplitScheme::Tokens(1));
+            let t_i = x
+                .clone()
+                .select(0, index_tensor::<B>(&dispatch.row_token, &x.device()));
+            self.resolve_split(counts, &t_i)?.0
+        } else {
+            self.resolve_split(counts, x)?.0
+        };
+        let (dispatch, exchange) = counts.plans(scheme);
+        let strategy = match self.ctx.config.path {
+            ExchangePath::Reference => Strategy::None,
+            ExchangePath::Fused => self.resolve_strategy(counts, exchange.n_partitions())?,
+        };
+        Ok((scheme, strategy, dispatch, exchange))
     }
 
-    fn exchange(&self, t_i: Tensor<B, 2>, plan: ExchangePlan) -> Result<Tensor<B, 2>> {
-        let config = &self.ctx.config;
-        match config.path {
+    fn exchange(&self, t_i: Tensor<B, 2>, plan: ExchangePlan, strategy: Strategy) -> Result<Tensor<B, 2>> {
+        match self.ctx.config.path {
             ExchangePath::Reference => exchange_reference(t_i, &self.experts, &plan, &self.ctx.comm),
             ExchangePath::Fused => {
-                let run = ExchangeRun {
-                    comm: self.ctx.comm.clone(),
-                    activation: config.activation,
-                    strategy: config.memory_reuse.strategy(),
-                    host: self.ctx.host.clone(),
-                };
+                let run = self.exchange_run(strategy);
                 let out = B::exchange(
                     t_i.into_primitive().tensor(),
                     self.experts.tensors(),

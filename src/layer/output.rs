@@ -4,7 +4,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
 use super::ExchangePath;
-use crate::dispatch::RoutingStats;
+use crate::dispatch::{RoutingStats, SplitScheme};
 use crate::memory::Strategy;
 
 /// The result of [`MoeLayer::forward`](super::MoeLayer::forward).
@@ -31,6 +31,8 @@ pub struct MoeStats {
     pub routing: RoutingStats,
     /// Partitions the exchange ran with.
     pub n_partitions: usize,
+    /// How the exchange was split.
+    pub split: SplitScheme,
     /// Memory strategy the exchange ran with.
     pub strategy: Strategy,
     /// Fused op or reference twin.

@@ -7,9 +7,16 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 ///
 /// The library never installs it; a binary that measures memory does:
 ///
-/// ```ignore
+/// ```
 /// #[global_allocator]
 /// static ALLOC: mpipemoe::CountingAllocator = mpipemoe::CountingAllocator::new();
+///
+/// fn main() {
+///     let before = ALLOC.reset_peak();
+///     let block = vec![1u8; 1 << 20];
+///     assert!(ALLOC.peak() >= before + (1 << 20));
+///     drop(block);
+/// }
 /// ```
 ///
 /// Counts are process-wide (every thread), so measure one thing at a time.

@@ -12,5 +12,5 @@ pub use alloc::CountingAllocator;
 pub use host_store::{HostBlock, HostStore};
 pub use measure::{measure_layer_memory, MemoryMeasurement};
 pub use meter::{MemoryMeter, MemoryReport};
-pub use model::{ImplementationModel, LayerShape, PaperTerms, Term};
+pub use model::{ImplementationModel, ImplementationTerms, LayerShape, MemoryPlan, PaperTerms, Term};
 pub use strategy::{MemoryReuse, Restore, Strategy};

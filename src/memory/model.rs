@@ -259,3 +259,104 @@ impl ImplementationModel {
         Self::sum(&self.host)
     }
 }
+
+/// This implementation's counterparts of Eq. 1–9, under the same names (elements).
+///
+/// - `m_ms`: 4 × (router and this rank's expert parameters, biases and SwiGLU's `2H`
+///   included) — parameters, gradients, Adam's two moments.
+/// - `m_act`: what is kept from forward to backward at `n = 1` without reuse: `T_DI`, `T_M`,
+///   and `T_O` (held by the combine's backward).
+/// - `m_buf`: the backward's working set at its peak at `n = 1`.
+/// - `m_act_pipe`: kept at `n` partitions without reuse (the same tensors as `m_act`).
+/// - `delta_m_act`: `m_act_pipe` minus what is kept at `n` with reuse (S4 keeps `T_I`, `T_O`).
+/// - `delta_m_buf`: `m_buf` minus the backward's working set at `n` with reuse (S4).
+/// - `phi`: `(delta_m_act + delta_m_buf) / (m_ms + m_act_pipe + pipelined working set)`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct ImplementationTerms {
+    /// Model states.
+    pub m_ms: f64,
+    /// Activations kept at `n = 1`.
+    pub m_act: f64,
+    /// Backward working set at `n = 1`.
+    pub m_buf: f64,
+    /// Activations kept at `n` without reuse.
+    pub m_act_pipe: f64,
+    /// Activations saved by reuse at `n`.
+    pub delta_m_act: f64,
+    /// Working set saved by partitioned reuse at `n`.
+    pub delta_m_buf: f64,
+    /// The saving ratio.
+    pub phi: f64,
+}
+
+impl ImplementationTerms {
+    /// The terms for `shape` (biases counted when `bias` is set).
+    pub fn new(shape: &LayerShape, bias: bool) -> Self {
+        let b = shape.rows();
+        let (m, h, f) = (shape.d_model as f64, shape.d_hidden as f64, shape.d_inner as f64);
+        let (e, local) = (shape.n_experts as f64, shape.local_experts() as f64);
+        let biases = if bias { e + local * (f + m) } else { 0.0 };
+        let m_ms = 4.0 * (e * m + local * (m * f + h * m) + biases);
+        let sum = |terms: &[Term]| terms.iter().map(|t| t.elements).sum::<f64>();
+        let at = |n: usize, strategy: Strategy| {
+            ImplementationModel::new(
+                &LayerShape {
+                    n_partitions: n,
+                    ..*shape
+                },
+                strategy,
+            )
+        };
+        let t_o = b * m;
+        let one = at(1, Strategy::None);
+        let pipe = at(shape.n_partitions, Strategy::None);
+        let reuse = at(shape.n_partitions, Strategy::S4);
+        let m_act = sum(&one.saved) + t_o;
+        let m_buf = sum(&one.backward);
+        let m_act_pipe = sum(&pipe.saved) + t_o;
+        let delta_m_act = m_act_pipe - (sum(&reuse.saved) + t_o);
+        let delta_m_buf = m_buf - sum(&reuse.backward);
+        let phi = (delta_m_act + delta_m_buf) / (m_ms + m_act_pipe + sum(&pipe.backward));
+        Self {
+            m_ms,
+            m_act,
+            m_buf,
+            m_act_pipe,
+            delta_m_act,
+            delta_m_buf,
+            phi,
+        }
+    }
+}
+
+/// The planner's answer (`mpipemoe plan`): Eq. 1–9 as the paper prints them next to this
+/// implementation's model, in elements, with the element size to turn them into bytes.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct MemoryPlan {
+    /// The shape planned for.
+    pub shape: LayerShape,
+    /// Bytes per element of the dtype.
+    pub dtype_bytes: usize,
+    /// Eq. 1–9.
+    pub paper: PaperTerms,
+    /// This implementation's counterparts.
+    pub implementation: ImplementationTerms,
+    /// This implementation's peak device elements per strategy at `n`, term by term.
+    pub strategies: Vec<(Strategy, ImplementationModel)>,
+}
+
+impl MemoryPlan {
+    /// Plans `shape` for elements of `dtype_bytes` bytes.
+    pub fn new(shape: &LayerShape, dtype_bytes: usize, bias: bool) -> Self {
+        Self {
+            shape: *shape,
+            dtype_bytes,
+            paper: PaperTerms::new(shape),
+            implementation: ImplementationTerms::new(shape, bias),
+            strategies: Strategy::ALL
+                .into_iter()
+                .map(|s| (s, ImplementationModel::new(shape, s)))
+                .collect(),
+        }
+    }
+}

@@ -113,17 +113,21 @@ pub enum MemoryReuse {
     S3,
     /// Re-communicate `T_DI`, recompute `T_M`.
     S4,
+    /// The cheapest strategy by the cost model (Eq. 13) that fits `memory_budget`, from the
+    /// layer's hardware profile.
+    Auto,
 }
 
 impl MemoryReuse {
-    /// The fixed strategy this setting names.
-    pub fn strategy(self) -> Strategy {
+    /// The fixed strategy this setting names; `None` for [`MemoryReuse::Auto`].
+    pub fn fixed(self) -> Option<Strategy> {
         match self {
-            MemoryReuse::Off => Strategy::None,
-            MemoryReuse::S1 => Strategy::S1,
-            MemoryReuse::S2 => Strategy::S2,
-            MemoryReuse::S3 => Strategy::S3,
-            MemoryReuse::S4 => Strategy::S4,
+            MemoryReuse::Off => Some(Strategy::None),
+            MemoryReuse::S1 => Some(Strategy::S1),
+            MemoryReuse::S2 => Some(Strategy::S2),
+            MemoryReuse::S3 => Some(Strategy::S3),
+            MemoryReuse::S4 => Some(Strategy::S4),
+            MemoryReuse::Auto => None,
         }
     }
 }

@@ -1,6 +1,10 @@
 //! The `mpipemoe` command-line tool.
 
 mod check;
+mod plan;
+mod profile;
+mod shape;
+mod simulate;
 
 use std::process::ExitCode;
 
@@ -18,11 +22,20 @@ struct Cli {
 enum Command {
     /// Check reference cases: forward, backward and every gradient against the expected tensors.
     Check(check::CheckArgs),
+    /// Memory plan: the paper's Eq. 1-9 and this implementation's model for a layer shape.
+    Plan(plan::PlanArgs),
+    /// Measure this machine's stream rates and slowdowns (a profile for the cost model).
+    Profile(profile::ProfileArgs),
+    /// Simulate forward + backward on three streams for every (n, strategy) on a profile.
+    Simulate(simulate::SimulateArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Check(args) => check::run(args),
+        Command::Plan(args) => plan::run(args),
+        Command::Profile(args) => profile::run(args),
+        Command::Simulate(args) => simulate::run(args),
     }
 }

@@ -1,0 +1,105 @@
+//! The model flags `plan` and `simulate` share.
+
+use clap::{Args, ValueEnum};
+use mpipemoe::LayerShape;
+
+/// The paper's Table I shapes (64 experts each).
+#[derive(ValueEnum, Clone, Copy, Debug)]
+pub enum Preset {
+    /// MoE-GPT3-S: d_model 768, d_hidden 3072.
+    Gpt3S,
+    /// MoE-GPT3-XL: d_model 2048, d_hidden 8192.
+    Gpt3Xl,
+    /// MoE-BERT-L: d_model 1024, d_hidden 4096.
+    BertL,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq)]
+pub enum Dtype {
+    F32,
+    Bf16,
+}
+
+impl Dtype {
+    pub fn bytes(self) -> usize {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::Bf16 => 2,
+        }
+    }
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct ShapeArgs {
+    /// A Table I model (sets d-model, d-hidden and 64 experts).
+    #[arg(long, value_enum)]
+    pub preset: Option<Preset>,
+    /// Token width M (without --preset).
+    #[arg(long)]
+    pub d_model: Option<usize>,
+    /// Expert hidden width H (without --preset).
+    #[arg(long)]
+    pub d_hidden: Option<usize>,
+    /// Experts E over all GPUs (without --preset).
+    #[arg(long)]
+    pub experts: Option<usize>,
+    /// Tokens B per GPU.
+    #[arg(long, default_value_t = 8192)]
+    pub tokens: usize,
+    /// GPUs N.
+    #[arg(long, default_value_t = 8)]
+    pub gpus: usize,
+    /// Experts per token (the paper's k = 1).
+    #[arg(long, default_value_t = 1)]
+    pub top_k: usize,
+    /// Element type.
+    #[arg(long, value_enum, default_value_t = Dtype::F32)]
+    pub dtype: Dtype,
+}
+
+impl ShapeArgs {
+    /// The layer shape, or a one-line error naming the missing or bad flag.
+    pub fn shape(&self, n_partitions: usize) -> Result<LayerShape, String> {
+        let (m, h, e) = match self.preset {
+            Some(Preset::Gpt3S) => (768, 3072, 64),
+            Some(Preset::Gpt3Xl) => (2048, 8192, 64),
+            Some(Preset::BertL) => (1024, 4096, 64),
+            None => (
+                self.d_model.ok_or("give --preset or --d-model")?,
+                self.d_hidden.ok_or("give --preset or --d-hidden")?,
+                self.experts.ok_or("give --preset or --experts")?,
+            ),
+        };
+        let m = self.d_model.unwrap_or(m);
+        let h = self.d_hidden.unwrap_or(h);
+        let e = self.experts.unwrap_or(e);
+        for (flag, v) in [
+            ("--d-model", m),
+            ("--d-hidden", h),
+            ("--experts", e),
+            ("--gpus", self.gpus),
+            ("--top-k", self.top_k),
+            ("--partitions", n_partitions),
+        ] {
+            if v == 0 {
+                return Err(format!("{flag} must be at least 1"));
+            }
+        }
+        if e % self.gpus != 0 {
+            return Err(format!(
+                "--experts {e} cannot be split evenly over --gpus {}",
+                self.gpus
+            ));
+        }
+        Ok(LayerShape {
+            tokens: self.tokens,
+            top_k: self.top_k,
+            d_model: m,
+            d_hidden: h,
+            d_inner: h,
+            n_experts: e,
+            n_ranks: self.gpus,
+            n_partitions,
+        })
+    }
+}

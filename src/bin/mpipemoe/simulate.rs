@@ -1,0 +1,162 @@
+//! `mpipemoe simulate`: predicted time and memory of every (n, strategy) on a profile.
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use clap::Args;
+use mpipemoe::sim::{sweep, SimResult};
+use mpipemoe::tuning::{CostModel, Profile};
+use mpipemoe::Strategy;
+use serde::Serialize;
+
+use crate::shape::ShapeArgs;
+
+#[derive(Args, Debug)]
+pub struct SimulateArgs {
+    #[command(flatten)]
+    shape: ShapeArgs,
+    /// A preset (`a100-cluster-N`, `h100-node-N`; N defaults to --gpus) or a profile JSON file.
+    #[arg(long, default_value = "a100-cluster")]
+    profile: String,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct Row {
+    n: usize,
+    strategy: Strategy,
+    time_ms: f64,
+    forward_ms: f64,
+    peak_device_mib: f64,
+    host_mib: f64,
+}
+
+#[derive(Serialize)]
+struct Report {
+    profile: Profile,
+    rows: Vec<Row>,
+    best: Row,
+    best_per_strategy: Vec<Row>,
+    cost_model_choice: Strategy,
+}
+
+fn row(r: &SimResult) -> Row {
+    Row {
+        n: r.n_partitions,
+        strategy: r.strategy,
+        time_ms: r.time * 1e3,
+        forward_ms: r.forward * 1e3,
+        peak_device_mib: r.peak_bytes / (1024.0 * 1024.0),
+        host_mib: r.host_bytes / (1024.0 * 1024.0),
+    }
+}
+
+/// A preset name (with the GPU count filled in when omitted) or a JSON file.
+pub fn load_profile(name: &str, gpus: usize) -> Result<Profile, String> {
+    let with_gpus = if name
+        .rsplit_once('-')
+        .is_some_and(|(_, n)| n.chars().all(|c| c.is_ascii_digit()))
+    {
+        name.to_string()
+    } else {
+        format!("{name}-{gpus}")
+    };
+    if let Some(p) = Profile::preset(&with_gpus) {
+        return Ok(p);
+    }
+    let path = Path::new(name);
+    if path.exists() {
+        return Profile::load(path).map_err(|e| e.to_string());
+    }
+    Err(format!(
+        "--profile {name:?} is neither a preset (a100-cluster-N, h100-node-N) nor a file"
+    ))
+}
+
+pub fn run(args: SimulateArgs) -> ExitCode {
+    let (shape, profile) = match args
+        .shape
+        .shape(1)
+        .and_then(|s| load_profile(&args.profile, args.shape.gpus).map(|p| (s, p)))
+    {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let bytes = args.shape.dtype.bytes();
+    let results = sweep(&shape, &[1, 2, 4, 8, 16], &Strategy::ALL, &profile, bytes);
+    let best = &results[0];
+    let best_per_strategy: Vec<&SimResult> = Strategy::ALL
+        .iter()
+        .filter_map(|s| results.iter().find(|r| r.strategy == *s))
+        .collect();
+    let shape_n = mpipemoe::LayerShape {
+        n_partitions: best.n_partitions,
+        ..shape
+    };
+    let choice = CostModel::new(profile.clone())
+        .choose(&shape_n, bytes, None)
+        .map(|c| c.best)
+        .unwrap_or(Strategy::None);
+    if args.json {
+        let mut rows: Vec<Row> = results.iter().map(row).collect();
+        rows.sort_by(|a, b| (a.n, a.strategy.name()).cmp(&(b.n, b.strategy.name())));
+        let report = Report {
+            profile,
+            rows,
+            best: row(best),
+            best_per_strategy: best_per_strategy.iter().map(|r| row(r)).collect(),
+            cost_model_choice: choice,
+        };
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).expect("reports serialize")
+        );
+        return ExitCode::SUCCESS;
+    }
+    println!(
+        "{} | B={} tokens/GPU, M={}, H={}, E={}, N={}, {} bytes/element",
+        profile.name, shape.tokens, shape.d_model, shape.d_hidden, shape.n_experts, shape.n_ranks, bytes
+    );
+    println!(
+        "{:>3} {:<5} {:>10} {:>10} {:>10} {:>9}",
+        "n", "strat", "time ms", "fwd ms", "peak MiB", "host MiB"
+    );
+    let mut sorted: Vec<&SimResult> = results.iter().collect();
+    sorted.sort_by(|a, b| (a.n_partitions, a.strategy.name()).cmp(&(b.n_partitions, b.strategy.name())));
+    for r in sorted {
+        let x = row(r);
+        println!(
+            "{:>3} {:<5} {:>10.3} {:>10.3} {:>10.1} {:>9.1}",
+            x.n,
+            x.strategy.name(),
+            x.time_ms,
+            x.forward_ms,
+            x.peak_device_mib,
+            x.host_mib
+        );
+    }
+    println!(
+        "\nbest: n={} {} ({:.3} ms)",
+        best.n_partitions,
+        best.strategy,
+        best.time * 1e3
+    );
+    for r in best_per_strategy {
+        println!(
+            "  best {:<4}: n={:<2} {:.3} ms",
+            r.strategy.name(),
+            r.n_partitions,
+            r.time * 1e3
+        );
+    }
+    println!(
+        "cost model (Eq. 13) at n={} without a memory budget: {choice}",
+        best.n_partitions
+    );
+    ExitCode::SUCCESS
+}

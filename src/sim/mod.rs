@@ -1,0 +1,7 @@
+//! The stream simulator: predicts time and memory of the exchange for any `(n, strategy)`,
+//! rank count and batch on a [`Profile`](crate::tuning::Profile), for clusters far larger than
+//! this machine.
+
+mod simulator;
+
+pub use simulator::{simulate, sweep, Op, SimResult, Stream};

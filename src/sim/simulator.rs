@@ -1,0 +1,354 @@
+//! A three-stream replay of the exchange's forward + backward schedule.
+
+use serde::Serialize;
+
+use crate::dispatch::chunk_len;
+use crate::memory::{ImplementationModel, LayerShape, Restore, Strategy};
+use crate::tuning::Profile;
+
+/// The three streams of DESIGN §3 / §6.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Stream {
+    /// Expert GEMMs and small kernels.
+    Compute,
+    /// All-to-alls.
+    Comm,
+    /// Host ↔ device copies.
+    Copy,
+}
+
+impl Stream {
+    fn index(self) -> usize {
+        match self {
+            Stream::Compute => 0,
+            Stream::Comm => 1,
+            Stream::Copy => 2,
+        }
+    }
+}
+
+/// One step of the schedule.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Op {
+    /// `S0`, `C0`, `R0`, `D0` (offload), `S'0`, `T0` (T_DI restore), `H0` (prefetch), ...
+    pub name: String,
+    /// The stream it runs on.
+    pub stream: Stream,
+    /// Fixed cost, seconds (not slowed by other streams).
+    pub latency: f64,
+    /// Work at full speed, seconds (slowed by interference).
+    pub work: f64,
+    /// Ops that must finish first (indices).
+    pub deps: Vec<usize>,
+    /// When it started, seconds (after simulation).
+    pub start: f64,
+    /// When it finished, seconds (after simulation).
+    pub end: f64,
+}
+
+/// What the simulator predicts for one `(n, strategy)`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SimResult {
+    /// Partitions.
+    pub n_partitions: usize,
+    /// Strategy.
+    pub strategy: Strategy,
+    /// Forward + backward of the exchange, seconds.
+    pub time: f64,
+    /// Forward alone, seconds.
+    pub forward: f64,
+    /// Time each stream was busy, seconds: compute, comm, copy.
+    pub busy: [f64; 3],
+    /// Device bytes at the peak (this implementation's memory model).
+    pub peak_bytes: f64,
+    /// Host bytes (offloads).
+    pub host_bytes: f64,
+    /// The replayed schedule.
+    #[serde(skip)]
+    pub ops: Vec<Op>,
+}
+
+/// Builds the schedule of DESIGN §3 for `shape` and `strategy` with the profile's rates.
+fn schedule(
+    shape: &LayerShape,
+    strategy: Strategy,
+    profile: &Profile,
+    elem_bytes: usize,
+) -> (Vec<Op>, usize) {
+    let n = shape.n_partitions.max(1);
+    let rows = (shape.tokens * shape.top_k) as f64;
+    let (m, h, f) = (shape.d_model as f64, shape.d_hidden as f64, shape.d_inner as f64);
+    let bytes = elem_bytes as f64;
+    let part_rows = |i: usize| chunk_len(rows as usize, n, i) as f64;
+    let gemm = |r: f64, count: f64| {
+        // A GEMM over `r` rows runs at w_comp · r / (r + half): fine partitions under-use the device.
+        let flops = count * 2.0 * r * m * h;
+        flops / (profile.w_comp * r / (r + profile.gemm_half_rows)).max(1.0)
+    };
+    let comm = |r: f64| r * m * bytes / profile.w_comm;
+    let copy = |r: f64, width: f64| r * width * bytes / profile.w_mem;
+    let mut ops: Vec<Op> = Vec::new();
+    let push =
+        |ops: &mut Vec<Op>, name: String, stream: Stream, latency: f64, work: f64, deps: Vec<usize>| {
+            ops.push(Op {
+                name,
+                stream,
+                latency,
+                work,
+                deps,
+                start: 0.0,
+                end: 0.0,
+            });
+            ops.len() - 1
+        };
+
+    // Forward: S_0; then for i: S_{i+1}, C_i, R_i (and the offload of what C_i used).
+    let mut s_ops = vec![push(
+        &mut ops,
+        "S0".into(),
+        Stream::Comm,
+        profile.comm_latency,
+        comm(part_rows(0)),
+        vec![],
+    )];
+    let mut last_fw = Vec::new();
+    for i in 0..n {
+        if i + 1 < n {
+            let s = push(
+                &mut ops,
+                format!("S{}", i + 1),
+                Stream::Comm,
+                profile.comm_latency,
+                comm(part_rows(i + 1)),
+                vec![],
+            );
+            s_ops.push(s);
+        }
+        let c = push(
+            &mut ops,
+            format!("C{i}"),
+            Stream::Compute,
+            profile.comp_latency,
+            gemm(part_rows(i), 2.0),
+            vec![s_ops[i]],
+        );
+        let r = push(
+            &mut ops,
+            format!("R{i}"),
+            Stream::Comm,
+            profile.comm_latency,
+            comm(part_rows(i)),
+            vec![c],
+        );
+        last_fw.push(r);
+        let offload_width = match (strategy.dispatched(), strategy.hidden()) {
+            (Restore::Offload, Restore::Offload) => m + f,
+            (Restore::Offload, _) => m,
+            (_, Restore::Offload) => f,
+            _ => 0.0,
+        };
+        if offload_width > 0.0 {
+            let d = push(
+                &mut ops,
+                format!("D{i}"),
+                Stream::Copy,
+                profile.mem_latency,
+                copy(part_rows(i), offload_width),
+                vec![c],
+            );
+            last_fw.push(d);
+        }
+    }
+    let forward_end = last_fw.clone();
+
+    // Backward, mirrored: S'_0 (and the restores of T_DI_0 / T_M_0); then for i: S'_{i+1},
+    // C'_i, R'_i.
+    let restore = |ops: &mut Vec<Op>, i: usize| -> Vec<usize> {
+        let r = part_rows(i);
+        let mut deps = vec![push(
+            ops,
+            format!("S'{i}"),
+            Stream::Comm,
+            profile.comm_latency,
+            comm(r),
+            forward_end.clone(),
+        )];
+        match strategy.dispatched() {
+            Restore::Recommunicate => deps.push(push(
+                ops,
+                format!("T{i}"),
+                Stream::Comm,
+                profile.comm_latency,
+                comm(r),
+                forward_end.clone(),
+            )),
+            Restore::Offload => deps.push(push(
+                ops,
+                format!("H{i}"),
+                Stream::Copy,
+                profile.mem_latency,
+                copy(r, m),
+                forward_end.clone(),
+            )),
+            _ => {}
+        }
+        if strategy.hidden() == Restore::Offload {
+            deps.push(push(
+                ops,
+                format!("HM{i}"),
+                Stream::Copy,
+                profile.mem_latency,
+                copy(r, f),
+                forward_end.clone(),
+            ));
+        }
+        deps
+    };
+    let mut restored = vec![restore(&mut ops, 0)];
+    let recompute = if strategy.hidden() == Restore::Recompute {
+        1.0
+    } else {
+        0.0
+    };
+    for i in 0..n {
+        if i + 1 < n {
+            let next = restore(&mut ops, i + 1);
+            restored.push(next);
+        }
+        let deps = restored[i].clone();
+        let c = push(
+            &mut ops,
+            format!("C'{i}"),
+            Stream::Compute,
+            profile.comp_latency,
+            gemm(part_rows(i), 4.0 + recompute),
+            deps,
+        );
+        push(
+            &mut ops,
+            format!("R'{i}"),
+            Stream::Comm,
+            profile.comm_latency,
+            comm(part_rows(i)),
+            vec![c],
+        );
+    }
+    let forward_ops = forward_end.iter().copied().max().map_or(0, |i| i + 1);
+    (ops, forward_ops)
+}
+
+/// Runs the schedule: each stream executes its ops in issue order, an op starts when its
+/// stream is free and its dependencies are done, and its work proceeds at a speed that
+/// depends on which streams are busy (σ for compute; μ_comp or μ_all for the all-to-all; η_all
+/// for copies while an all-to-all runs).
+fn replay(ops: &mut [Op], profile: &Profile) -> [f64; 3] {
+    let count = ops.len();
+    let mut queues: [Vec<usize>; 3] = [Vec::new(), Vec::new(), Vec::new()];
+    for (i, op) in ops.iter().enumerate() {
+        queues[op.stream.index()].push(i);
+    }
+    let mut head = [0usize; 3];
+    let mut running: [Option<(usize, f64, f64)>; 3] = [None; 3]; // (op, latency left, work left)
+    let mut done = vec![false; count];
+    let mut finished = 0;
+    let mut now = 0.0;
+    let mut busy = [0.0; 3];
+    while finished < count {
+        // Start whatever can start.
+        for s in 0..3 {
+            if running[s].is_none() && head[s] < queues[s].len() {
+                let op = queues[s][head[s]];
+                if ops[op].deps.iter().all(|&d| done[d]) {
+                    ops[op].start = now;
+                    running[s] = Some((op, ops[op].latency, ops[op].work));
+                    head[s] += 1;
+                }
+            }
+        }
+        let active = [running[0].is_some(), running[1].is_some(), running[2].is_some()];
+        let factor = |s: usize| -> f64 {
+            match s {
+                0 if active[1] || active[2] => profile.sigma,
+                1 if active[0] && active[2] => profile.mu_all,
+                1 if active[2] => profile.mu_all,
+                1 if active[0] => profile.mu_comp,
+                2 if active[1] => profile.eta_all,
+                _ => 1.0,
+            }
+        };
+        // Time to the next completion (of a latency phase or of the work).
+        let mut dt = f64::INFINITY;
+        for (s, slot) in running.iter().enumerate() {
+            if let Some((_, lat, work)) = slot {
+                let t = if *lat > 0.0 { *lat } else { work / factor(s) };
+                dt = dt.min(t);
+            }
+        }
+        assert!(
+            dt.is_finite(),
+            "the schedule deadlocked: a dependency is never issued"
+        );
+        now += dt;
+        for s in 0..3 {
+            if let Some((op, lat, work)) = running[s].as_mut() {
+                busy[s] += dt;
+                if *lat > 0.0 {
+                    *lat -= dt;
+                } else {
+                    *work -= dt * factor(s);
+                }
+                if *lat <= 1e-15 && *work <= 1e-15 {
+                    ops[*op].end = now;
+                    done[*op] = true;
+                    finished += 1;
+                    running[s] = None;
+                } else if *lat < 0.0 {
+                    *lat = 0.0;
+                }
+            }
+        }
+    }
+    busy
+}
+
+/// Predicts time and memory of one forward + backward of the exchange with `shape`'s `n`
+/// partitions and `strategy`, on `profile`.
+pub fn simulate(shape: &LayerShape, strategy: Strategy, profile: &Profile, elem_bytes: usize) -> SimResult {
+    let (mut ops, forward_ops) = schedule(shape, strategy, profile, elem_bytes);
+    let busy = replay(&mut ops, profile);
+    let time = ops.iter().map(|o| o.end).fold(0.0, f64::max);
+    let forward = ops[..forward_ops].iter().map(|o| o.end).fold(0.0, f64::max);
+    let model = ImplementationModel::new(shape, strategy);
+    SimResult {
+        n_partitions: shape.n_partitions,
+        strategy,
+        time,
+        forward,
+        busy,
+        peak_bytes: model.peak_device() * elem_bytes as f64,
+        host_bytes: model.host() * elem_bytes as f64,
+        ops,
+    }
+}
+
+/// Simulates every `(n, strategy)` of the grid and returns the results, best first.
+pub fn sweep(
+    shape: &LayerShape,
+    partitions: &[usize],
+    strategies: &[Strategy],
+    profile: &Profile,
+    elem_bytes: usize,
+) -> Vec<SimResult> {
+    let mut out = Vec::new();
+    for &n in partitions {
+        for &strategy in strategies {
+            let s = LayerShape {
+                n_partitions: n,
+                ..*shape
+            };
+            out.push(simulate(&s, strategy, profile, elem_bytes));
+        }
+    }
+    out.sort_by(|a, b| a.time.total_cmp(&b.time));
+    out
+}
