@@ -153,16 +153,7 @@ fn main() -> mpipemoe::Result<()> {
                     if strategy.is_none() {
                         baseline = measured.peak_device_bytes;
                     }
-                    let shape = LayerShape {
-                        tokens,
-                        top_k: 1,
-                        d_model: m,
-                        d_hidden: h,
-                        d_inner: h,
-                        n_experts: ranks,
-                        n_ranks: ranks,
-                        n_partitions: n,
-                    };
+                    let shape = LayerShape::paper(tokens, m, h, ranks, n);
                     let paper = PaperTerms::new(&shape).to_bytes(4);
                     let modelled = match strategy {
                         None => 0.0,

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use burn::backend::{Autodiff, Flex, NdArray};
 use burn::tensor::backend::AutodiffBackend;
-use mpipemoe::cases::{check_case, relative_error, Case, CheckOptions};
+use mpipemoe::cases::{agreement_error, check_case, expected, relative_error, Case, CheckOptions};
 use mpipemoe::{ExchangePath, MoeBackend, Partitions, Strategy};
 
 const TOLERANCE: f64 = 1e-4;
@@ -129,7 +129,7 @@ fn check_all<B: AutodiffBackend + MoeBackend>(backend: &str) {
                     }
                     Some(base) => {
                         for (name, got) in &report.tensors {
-                            let err = relative_error(got, &base[name]);
+                            let err = agreement_error(got, &base[name], &expected(&case, name));
                             if err > STRATEGY_AGREEMENT {
                                 failures
                                     .push(format!("{label}: {name} differs from strategy none by {err:.3e}"));

@@ -16,16 +16,7 @@ static ALLOC: CountingAllocator = CountingAllocator::new();
 type B = Autodiff<Flex>;
 
 fn shape(tokens: usize, m: usize, h: usize, ranks: usize, n: usize) -> LayerShape {
-    LayerShape {
-        tokens,
-        top_k: 1,
-        d_model: m,
-        d_hidden: h,
-        d_inner: h,
-        n_experts: ranks,
-        n_ranks: ranks,
-        n_partitions: n,
-    }
+    LayerShape::paper(tokens, m, h, ranks, n)
 }
 
 #[test]

@@ -208,16 +208,7 @@ fn synthetic(w_comp: f64, w_comm: f64, w_mem: f64) -> Profile {
 }
 
 fn shape(tokens: usize, m: usize, h: usize, n_ranks: usize, n: usize) -> LayerShape {
-    LayerShape {
-        tokens,
-        top_k: 1,
-        d_model: m,
-        d_hidden: h,
-        d_inner: h,
-        n_experts: n_ranks,
-        n_ranks,
-        n_partitions: n,
-    }
+    LayerShape::paper(tokens, m, h, n_ranks, n)
 }
 
 #[test]

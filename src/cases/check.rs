@@ -95,6 +95,32 @@ pub fn relative_error(got: &[f64], want: &[f64]) -> f64 {
     }
 }
 
+/// How far two computed tensors are apart, relative to the true tensor `want`:
+/// `‖a − b‖₂ / ‖want‖₂` (or `‖a − b‖₂` where `want` is all zeros). Two approximations of a
+/// zero gradient are both rounding noise, and their plain relative difference would be ~1.
+pub fn agreement_error(a: &[f64], b: &[f64], want: &[f64]) -> f64 {
+    if a.len() != b.len() {
+        return f64::INFINITY;
+    }
+    let diff = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y) * (x - y))
+        .sum::<f64>()
+        .sqrt();
+    let norm = want.iter().map(|w| w * w).sum::<f64>().sqrt();
+    if norm == 0.0 {
+        diff
+    } else {
+        diff / norm
+    }
+}
+
+/// The expected tensor `name` of `case` as f64.
+pub fn expected(case: &Case, name: &str) -> Vec<f64> {
+    values(case.tensor(name))
+}
+
 fn values(data: &TensorData) -> Vec<f64> {
     data.clone().convert::<f64>().into_vec::<f64>().expect("f64 data")
 }

@@ -8,4 +8,6 @@ mod generate;
 mod golden;
 
 pub use case::Case;
-pub use check::{check_case, relative_error, CheckOptions, CheckReport, TensorError};
+pub use check::{
+    agreement_error, check_case, expected, relative_error, CheckOptions, CheckReport, TensorError,
+};

@@ -359,64 +359,76 @@ impl<B: Backend> RowAssembler<B> {
     }
 }
 
-/// Which expert parameter a gradient belongs to.
+/// Which expert parameter a gradient belongs to (an index into `ExpertGradAcc::sums`).
 #[derive(Clone, Copy)]
 enum Param {
-    WIn,
-    BIn,
-    WOut,
-    BOut,
+    WIn = 0,
+    BIn = 1,
+    WOut = 2,
+    BOut = 3,
 }
 
-/// Expert weight gradients summed over partitions, accumulated in place into stacked
-/// tensors shaped like the parameters (zero for experts without rows).
+/// Expert weight gradients summed over partitions, one running sum per expert (the adds
+/// happen in place where the backend owns the sum uniquely), stacked once at the end: a
+/// reshape when the rank holds one expert, a single concatenation otherwise. (Accumulating
+/// straight into the stacked tensor through slice views measured ~40x slower on Flex.)
 struct ExpertGradAcc<B: Backend> {
-    w_in: Option<FloatTensor<B>>,
-    b_in: Option<FloatTensor<B>>,
-    w_out: Option<FloatTensor<B>>,
-    b_out: Option<FloatTensor<B>>,
+    sums: [Vec<Option<FloatTensor<B>>>; 4],
+    like: ExpertTensors<B>,
 }
 
 impl<B: Backend> ExpertGradAcc<B> {
     fn new(experts: &ExpertTensors<B>) -> Self {
-        let zeros = |like: &FloatTensor<B>| {
-            B::float_zeros(like.shape(), &B::float_device(like), float_dtype::<B>(like))
-        };
+        let n = experts.w_in.shape().to_vec()[0];
+        let empty = || (0..n).map(|_| None).collect::<Vec<_>>();
         Self {
-            w_in: Some(zeros(&experts.w_in)),
-            b_in: experts.b_in.as_ref().map(zeros),
-            w_out: Some(zeros(&experts.w_out)),
-            b_out: experts.b_out.as_ref().map(zeros),
+            sums: [empty(), empty(), empty(), empty()],
+            like: experts.clone(),
         }
     }
 
-    /// Adds `grad` (expert `e`'s `[rows, cols]` matrix, or `[1, cols]` bias row) to the
-    /// stacked gradient. The view of the current value is consumed by the add before the
-    /// write, so the stacked tensor stays uniquely owned and is updated in place.
+    /// Adds `grad` (expert `e`'s `[rows, cols]` matrix, or `[1, cols]` bias row).
     fn add(&mut self, param: Param, e: usize, grad: FloatTensor<B>) {
-        let slot = match param {
-            Param::WIn => &mut self.w_in,
-            Param::BIn => &mut self.b_in,
-            Param::WOut => &mut self.w_out,
-            Param::BOut => &mut self.b_out,
-        };
-        let acc = slot.take().expect("gradient slot exists for this parameter");
-        let dims = acc.shape().to_vec();
-        let mut slices = vec![Slice::from(e..e + 1)];
-        slices.extend(dims[1..].iter().map(|&d| Slice::from(0..d)));
+        let slot = &mut self.sums[param as usize][e];
+        *slot = Some(match slot.take() {
+            Some(acc) => B::float_add(acc, grad),
+            None => grad,
+        });
+    }
+
+    /// Stacks per-expert sums (zeros where an expert had no rows) into `like`'s shape.
+    fn stack(sums: Vec<Option<FloatTensor<B>>>, like: &FloatTensor<B>) -> FloatTensor<B> {
+        let dims = like.shape().to_vec();
         let mut one = dims.clone();
         one[0] = 1;
-        let grad = B::float_reshape(grad, Shape::from(one));
-        let sum = B::float_add(grad, B::float_slice(acc.clone(), &slices));
-        *slot = Some(B::float_slice_assign(acc, &slices, sum));
+        let parts: Vec<FloatTensor<B>> = sums
+            .into_iter()
+            .map(|s| {
+                let s = s.unwrap_or_else(|| {
+                    B::float_zeros(
+                        Shape::from(one.clone()),
+                        &B::float_device(like),
+                        float_dtype::<B>(like),
+                    )
+                });
+                B::float_reshape(s, Shape::from(one.clone()))
+            })
+            .collect();
+        if parts.len() == 1 {
+            parts.into_iter().next().expect("one part")
+        } else {
+            B::float_cat(parts, 0)
+        }
     }
 
     fn finish(self) -> ExpertTensors<B> {
+        let [w_in, b_in, w_out, b_out] = self.sums;
+        let like = self.like;
         ExpertTensors {
-            w_in: self.w_in.expect("w_in gradient"),
-            b_in: self.b_in,
-            w_out: self.w_out.expect("w_out gradient"),
-            b_out: self.b_out,
+            w_in: Self::stack(w_in, &like.w_in),
+            b_in: like.b_in.as_ref().map(|b| Self::stack(b_in, b)),
+            w_out: Self::stack(w_out, &like.w_out),
+            b_out: like.b_out.as_ref().map(|b| Self::stack(b_out, b)),
         }
     }
 }

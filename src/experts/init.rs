@@ -77,3 +77,10 @@ pub(crate) fn stacked<B: Backend, const D: usize, const D1: usize>(
         .collect();
     Tensor::cat(parts, 0)
 }
+
+/// `count` values uniform in `[-bound, bound)`, from the deterministic host stream keyed by
+/// (`seed`, `key`) that the layer's own initialisation uses. Models built around the layer
+/// use it to give every rank identical replicas without touching the backend's global RNG.
+pub fn seeded_uniform(seed: u64, key: &str, count: usize, bound: f64) -> Vec<f32> {
+    HostInit::new(seed, key, 0).uniform(count, bound)
+}

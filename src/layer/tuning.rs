@@ -115,37 +115,10 @@ impl<B: MoeBackend> MoeLayer<B> {
     }
 
     fn average_over_ranks(&self, p: Profile) -> Result<Profile> {
-        let mut v = [
-            p.w_comp,
-            p.gemm_half_rows,
-            p.comp_latency,
-            p.w_comm,
-            p.comm_latency,
-            p.w_mem,
-            p.mem_latency,
-            p.sigma,
-            p.mu_comp,
-            p.mu_all,
-            p.eta_all,
-        ];
-        self.ctx.comm.all_reduce_sum(&mut v)?;
+        let mut values = p.numbers().map(|(_, v)| v);
+        self.ctx.comm.all_reduce_sum(&mut values)?;
         let n = self.ctx.comm.n_ranks() as f64;
-        let [w_comp, gemm_half_rows, comp_latency, w_comm, comm_latency, w_mem, mem_latency, sigma, mu_comp, mu_all, eta_all] =
-            v.map(|x| x / n);
-        Ok(Profile {
-            w_comp,
-            gemm_half_rows,
-            comp_latency,
-            w_comm,
-            comm_latency,
-            w_mem,
-            mem_latency,
-            sigma,
-            mu_comp,
-            mu_all,
-            eta_all,
-            ..p
-        })
+        Ok(p.with_numbers(values.map(|v| v / n)))
     }
 
     pub(crate) fn exchange_run(&self, strategy: Strategy) -> ExchangeRun {

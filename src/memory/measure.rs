@@ -12,8 +12,9 @@ use crate::{LocalGroup, MoeBackend, MoeLayerConfig};
 /// What one measurement found, per rank.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct MemoryMeasurement {
-    /// Peak bytes allocated during forward + backward above what was live before, divided by
-    /// the rank count (ranks are threads of one process and run in lockstep). Offloaded
+    /// Peak bytes allocated by a rank during forward + backward above what it held before, for
+    /// the rank with the largest peak (the one that would run out of memory first). Each rank
+    /// thread is tagged, so every block counts against the rank that allocated it. Offloaded
     /// partitions are not included: the host store lives outside the allocator.
     pub peak_device_bytes: usize,
     /// Most bytes this rank's host store held at once.
@@ -23,7 +24,9 @@ pub struct MemoryMeasurement {
 /// Measures one forward + backward of a layer with `config` on `n_ranks` ranks, each with
 /// `tokens_per_rank` tokens, with `loss = sum(y · probe)`.
 ///
-/// `alloc` must be the process's global allocator. With `warm_up`, each rank first runs one
+/// `alloc` must be the process's global allocator. Each rank thread tags its allocations
+/// with its rank; allocations by helper threads (the backend's worker pool) are not counted.
+/// With `warm_up`, each rank first runs one
 /// unmeasured pass, so lazily created thread pools and buffers are live before the count
 /// starts; once per process and shape is enough, since the count is of live bytes. Then, with
 /// all ranks idle at a barrier, the allocator's peak is reset, one pass runs, and the peak is
@@ -40,6 +43,7 @@ where
     B: AutodiffBackend + MoeBackend,
 {
     let results = LocalGroup::run(n_ranks, |ctx| {
+        CountingAllocator::tag_thread(Some(ctx.rank));
         let layer = config.init_rank::<B>(device, ctx.comm.clone())?;
         let m = config.d_model;
         let data = |name: &str| {
@@ -58,20 +62,22 @@ where
             pass()?;
         }
         ctx.comm.barrier()?;
-        let base = (ctx.rank == 0).then(|| alloc.reset_peak());
+        if ctx.rank == 0 {
+            alloc.reset_peak();
+        }
         layer.context().meter().reset_peak();
         ctx.comm.barrier()?;
+        let base = alloc.rank_current(ctx.rank);
         pass()?;
         ctx.comm.barrier()?;
-        let peak = base.map(|base| alloc.peak().saturating_sub(base));
+        let peak = alloc.rank_peak(ctx.rank).saturating_sub(base);
         let host = layer.context().meter().report().host_peak_bytes;
         ctx.comm.barrier()?;
+        CountingAllocator::tag_thread(None);
         Ok((peak, host))
     })?;
-    let peak = results[0].0.expect("rank 0 reads the allocator");
-    let host = results.iter().map(|r| r.1).sum::<usize>() / n_ranks;
     Ok(MemoryMeasurement {
-        peak_device_bytes: peak / n_ranks,
-        host_bytes: host,
+        peak_device_bytes: results.iter().map(|r| r.0).max().unwrap_or(0),
+        host_bytes: results.iter().map(|r| r.1).max().unwrap_or(0),
     })
 }

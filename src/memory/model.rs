@@ -27,6 +27,27 @@ pub struct LayerShape {
 }
 
 impl LayerShape {
+    /// The paper's setting: top-1 routing, one expert per rank (`E = N`), a plain FFN
+    /// (`d_inner = H`).
+    pub fn paper(
+        tokens: usize,
+        d_model: usize,
+        d_hidden: usize,
+        n_ranks: usize,
+        n_partitions: usize,
+    ) -> Self {
+        Self {
+            tokens,
+            top_k: 1,
+            d_model,
+            d_hidden,
+            d_inner: d_hidden,
+            n_experts: n_ranks,
+            n_ranks,
+            n_partitions,
+        }
+    }
+
     /// `B`: rows this rank dispatches (and, with balanced routing, receives).
     pub fn rows(&self) -> f64 {
         (self.tokens * self.top_k) as f64

@@ -164,44 +164,56 @@ impl Profile {
         (elem_bytes as f64 / self.w_mem) / (2.0 * d_hidden as f64 / self.w_comp)
     }
 
-    /// Checks every number is finite and positive (factors in (0, 1]).
-    pub fn validate(&self) -> Result<()> {
-        let positive = [
+    /// The eleven numbers of the profile with their names, in a fixed order.
+    pub fn numbers(&self) -> [(&'static str, f64); 11] {
+        [
             ("w_comp", self.w_comp),
+            ("gemm_half_rows", self.gemm_half_rows),
+            ("comp_latency", self.comp_latency),
             ("w_comm", self.w_comm),
+            ("comm_latency", self.comm_latency),
             ("w_mem", self.w_mem),
-            ("gemm_half_rows", self.gemm_half_rows + 1.0),
-        ];
-        for (field, v) in positive {
-            if !(v.is_finite() && v > 0.0) {
-                return Err(MoeError::config(
-                    "profile",
-                    format!("`{field}` is {v}, must be finite and > 0"),
-                ));
-            }
-        }
-        for (field, v) in [
+            ("mem_latency", self.mem_latency),
             ("sigma", self.sigma),
             ("mu_comp", self.mu_comp),
             ("mu_all", self.mu_all),
             ("eta_all", self.eta_all),
-        ] {
-            if !(v > 0.0 && v <= 1.5) {
-                return Err(MoeError::config(
-                    "profile",
-                    format!("`{field}` is {v}, must be in (0, 1.5]"),
-                ));
-            }
+        ]
+    }
+
+    /// This profile with its numbers replaced by `values` (in [`numbers`](Self::numbers) order).
+    pub fn with_numbers(&self, values: [f64; 11]) -> Self {
+        let [w_comp, gemm_half_rows, comp_latency, w_comm, comm_latency, w_mem, mem_latency, sigma, mu_comp, mu_all, eta_all] =
+            values;
+        Self {
+            w_comp,
+            gemm_half_rows,
+            comp_latency,
+            w_comm,
+            comm_latency,
+            w_mem,
+            mem_latency,
+            sigma,
+            mu_comp,
+            mu_all,
+            eta_all,
+            ..self.clone()
         }
-        for (field, v) in [
-            ("comp_latency", self.comp_latency),
-            ("comm_latency", self.comm_latency),
-            ("mem_latency", self.mem_latency),
-        ] {
-            if !(v.is_finite() && v >= 0.0) {
+    }
+
+    /// Checks every number: rates finite and > 0, latencies and `gemm_half_rows` finite and
+    /// >= 0, slowdown factors in (0, 1.5] (a little above 1 is measurement noise).
+    pub fn validate(&self) -> Result<()> {
+        for (field, v) in self.numbers() {
+            let (ok, rule) = match field {
+                "w_comp" | "w_comm" | "w_mem" => (v.is_finite() && v > 0.0, "finite and > 0"),
+                "sigma" | "mu_comp" | "mu_all" | "eta_all" => (v > 0.0 && v <= 1.5, "in (0, 1.5]"),
+                _ => (v.is_finite() && v >= 0.0, "finite and >= 0"),
+            };
+            if !ok {
                 return Err(MoeError::config(
                     "profile",
-                    format!("`{field}` is {v}, must be finite and >= 0"),
+                    format!("`{field}` is {v}, must be {rule}"),
                 ));
             }
         }

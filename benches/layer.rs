@@ -1,0 +1,263 @@
+//! Forward + backward of the MoE layer on the CPU (Flex), for the paper's GPT3-S and BERT-L
+//! expert shapes at token counts the CPU can run, 1 and 2 ranks, against its baselines on the
+//! same code path:
+//!
+//! - FastMoE-style: one partition, no reuse;
+//! - FasterMoE-style: the exchange split by destination rank (`Partitions::ByRank`);
+//! - PipeMoE: `n` partitions, no reuse;
+//! - MPipeMoE's strategies S1–S4 at `n` partitions.
+//!
+//! `cargo bench --bench layer` prints criterion's report, then a table of medians, and writes
+//! `target/bench/layer.json` and `target/bench/layer.png`.
+
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::{Distribution, Tensor};
+use criterion::{criterion_group, criterion_main, Criterion};
+use mpipemoe::report::{write_panels, Panel, Series};
+use mpipemoe::{LocalGroup, MemoryReuse, MoeLayerConfig, Partitions, Strategy};
+use serde::Serialize;
+
+type B = Autodiff<Flex>;
+
+/// Rank threads that each keep a layer replica and an input, and run one forward + backward
+/// per command, so that benchmark iterations time only the pass.
+struct Ranks {
+    commands: Vec<Sender<bool>>,
+    done: Receiver<Duration>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Ranks {
+    fn new(config: &MoeLayerConfig, n_ranks: usize, tokens: usize) -> Self {
+        let (done_tx, done) = channel();
+        let mut commands = Vec::new();
+        let mut receivers = Vec::new();
+        for _ in 0..n_ranks {
+            let (tx, rx) = channel::<bool>();
+            commands.push(tx);
+            receivers.push(Mutex::new(Some(rx)));
+        }
+        let receivers = Arc::new(receivers);
+        let config = config.clone();
+        let starter = std::thread::spawn(move || {
+            let _ = LocalGroup::run(n_ranks, |ctx| {
+                let device = Default::default();
+                let rx = receivers[ctx.rank].lock().unwrap().take().unwrap();
+                let layer = config.init_rank::<B>(&device, ctx.comm.clone())?;
+                let x = Tensor::<B, 2>::random([tokens, config.d_model], Distribution::Default, &device)
+                    .require_grad();
+                while let Ok(true) = rx.recv() {
+                    let start = Instant::now();
+                    let out = layer.try_forward(x.clone())?;
+                    let _ = (out.output.sum() + out.aux_loss).backward();
+                    done_tx.send(start.elapsed()).unwrap();
+                }
+                Ok(())
+            });
+        });
+        Self {
+            commands,
+            done,
+            threads: vec![starter],
+        }
+    }
+
+    /// One pass on every rank; the slowest rank's time.
+    fn step(&self) -> Duration {
+        for c in &self.commands {
+            c.send(true).unwrap();
+        }
+        (0..self.commands.len())
+            .map(|_| self.done.recv().unwrap())
+            .max()
+            .unwrap()
+    }
+}
+
+impl Drop for Ranks {
+    fn drop(&mut self) {
+        for c in &self.commands {
+            let _ = c.send(false);
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct Row {
+    shape: String,
+    tokens: usize,
+    ranks: usize,
+    system: String,
+    n: usize,
+    strategy: String,
+    median_ms: f64,
+    vs_fastmoe: f64,
+}
+
+fn configs(n_ranks: usize) -> Vec<(String, Partitions, Strategy)> {
+    let mut out = vec![("FastMoE".to_string(), Partitions::Fixed(1), Strategy::None)];
+    if n_ranks > 1 {
+        out.push(("FasterMoE".to_string(), Partitions::ByRank, Strategy::None));
+    }
+    for n in [2, 4] {
+        out.push(("PipeMoE".to_string(), Partitions::Fixed(n), Strategy::None));
+        for s in [Strategy::S1, Strategy::S2, Strategy::S3, Strategy::S4] {
+            out.push(("MPipeMoE".to_string(), Partitions::Fixed(n), s));
+        }
+    }
+    out
+}
+
+fn layer(c: &mut Criterion) {
+    let shapes = [("GPT3-S", 768, 3072), ("BERT-L", 1024, 4096)];
+    let tokens = 1024;
+    let mut rows = Vec::new();
+    for (name, m, h) in shapes {
+        for n_ranks in [1usize, 2] {
+            let mut group = c.benchmark_group(format!("{name}/{tokens}tok/{n_ranks}rank"));
+            group
+                .sample_size(10)
+                .warm_up_time(Duration::from_millis(500))
+                .measurement_time(Duration::from_secs(3));
+            let mut baseline = None;
+            for (system, partitions, strategy) in configs(n_ranks) {
+                // Two experts per rank, top-1 (the paper's k): each rank's experts see its
+                // tokens' worth of rows.
+                let config = MoeLayerConfig::new(m, h, 2 * n_ranks, 1)
+                    .with_partitions(partitions)
+                    .with_memory_reuse(MemoryReuse::from(strategy));
+                let ranks = Ranks::new(&config, n_ranks, tokens);
+                let samples = Mutex::new(Vec::new());
+                let n = match partitions {
+                    Partitions::Fixed(n) => n,
+                    _ => n_ranks,
+                };
+                let id = format!("{system}/n{n}/{}", strategy.name());
+                group.bench_function(&id, |b| {
+                    b.iter_custom(|iters| {
+                        let mut total = Duration::ZERO;
+                        for _ in 0..iters {
+                            let t = ranks.step();
+                            samples.lock().unwrap().push(t);
+                            total += t;
+                        }
+                        total
+                    })
+                });
+                let mut s = samples.into_inner().unwrap();
+                s.sort();
+                let median = s[s.len() / 2].as_secs_f64() * 1e3;
+                let base = *baseline.get_or_insert(median);
+                rows.push(Row {
+                    shape: name.to_string(),
+                    tokens,
+                    ranks: n_ranks,
+                    system,
+                    n,
+                    strategy: strategy.name().to_string(),
+                    median_ms: median,
+                    vs_fastmoe: base / median,
+                });
+            }
+            group.finish();
+        }
+    }
+    report(&rows);
+}
+
+fn report(rows: &[Row]) {
+    println!(
+        "\n{:<7} {:>6} {:>5} {:<10} {:>2} {:<5} {:>10} {:>11}",
+        "shape", "tokens", "ranks", "system", "n", "strat", "median ms", "vs FastMoE"
+    );
+    for r in rows {
+        println!(
+            "{:<7} {:>6} {:>5} {:<10} {:>2} {:<5} {:>10.1} {:>10.2}x",
+            r.shape, r.tokens, r.ranks, r.system, r.n, r.strategy, r.median_ms, r.vs_fastmoe
+        );
+    }
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("layer.json"),
+        serde_json::to_string_pretty(rows).unwrap(),
+    )
+    .unwrap();
+    let mut panels = Vec::new();
+    for shape in ["GPT3-S", "BERT-L"] {
+        for ranks in [1, 2] {
+            let group: Vec<&Row> = rows
+                .iter()
+                .filter(|r| r.shape == shape && r.ranks == ranks)
+                .collect();
+            if group.is_empty() {
+                continue;
+            }
+            let fast = group
+                .iter()
+                .find(|r| r.system == "FastMoE")
+                .map(|r| r.median_ms)
+                .unwrap_or(0.0);
+            let mut series = vec![Series {
+                name: "FastMoE (n=1)".into(),
+                points: vec![(1.0, fast), (4.0, fast)],
+            }];
+            if let Some(f) = group.iter().find(|r| r.system == "FasterMoE") {
+                series.push(Series {
+                    name: "FasterMoE (by rank)".into(),
+                    points: vec![(1.0, f.median_ms), (4.0, f.median_ms)],
+                });
+            }
+            for strategy in ["none", "s1", "s2", "s3", "s4"] {
+                let points: Vec<(f64, f64)> = group
+                    .iter()
+                    .filter(|r| r.strategy == strategy && r.system != "FastMoE" && r.system != "FasterMoE")
+                    .map(|r| (r.n as f64, r.median_ms))
+                    .collect();
+                series.push(Series {
+                    name: if strategy == "none" {
+                        "PipeMoE".into()
+                    } else {
+                        strategy.to_uppercase()
+                    },
+                    points,
+                });
+            }
+            panels.push(Panel {
+                title: format!("{shape}, 1024 tokens/rank, {ranks} rank(s)"),
+                x_label: "partitions n".into(),
+                y_label: "fwd+bwd ms (median)".into(),
+                series,
+                log_x: true,
+            });
+        }
+    }
+    if let Err(e) = write_panels(
+        &dir.join("layer.png"),
+        "MoE layer forward + backward, CPU (Flex, 2 cores)",
+        &panels,
+        2,
+    ) {
+        eprintln!("chart not written: {e}");
+    }
+}
+
+fn criterion() -> Criterion {
+    // Criterion's own plots need a system font; this bench draws its chart itself.
+    Criterion::default().without_plots()
+}
+
+criterion_group! {
+    name = benches;
+    config = criterion();
+    targets = layer
+}
+criterion_main!(benches);

@@ -1,0 +1,246 @@
+//! Train a small byte-level GPT whose FFNs are MoE layers, with expert parallelism over
+//! threads.
+//!
+//! ```text
+//! cargo run --release --example train_gpt_moe -- [--data FILE] [--ranks 2] [--partitions N|auto]
+//!     [--strategy none|s1|s2|s3|s4|auto] [--steps N] [--seed S] [--backend flex|ndarray] [--json]
+//! ```
+//!
+//! Every rank holds a replica of the non-expert parameters and `n_experts / ranks` experts;
+//! the global batch is split over the ranks, replicated gradients are summed over ranks, and
+//! each rank takes the same AdamW step, so the run computes the same losses for any rank
+//! count. Without `--data` the corpus is this crate's own sources and docs.
+
+mod data;
+mod model;
+mod train;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use burn::backend::{Autodiff, Flex, NdArray};
+use clap::{Parser, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use mpipemoe::{LocalGroup, MemoryReuse, Partitions};
+use serde::Serialize;
+
+use data::Corpus;
+use model::GptMoeConfig;
+use train::{train_rank, StepLog, TrainOptions, TrainReport};
+
+#[derive(ValueEnum, Clone, Copy, Debug)]
+enum BackendArg {
+    Flex,
+    Ndarray,
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "Train a toy GPT-MoE on bytes with mpipemoe MoE layers")]
+struct Args {
+    /// Text to train on (default: this crate's sources and docs).
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Expert-parallel ranks (threads).
+    #[arg(long, default_value_t = 2)]
+    ranks: usize,
+    /// Partitions of the exchange: a number, or `auto` (Algorithm 1).
+    #[arg(long, default_value = "2")]
+    partitions: String,
+    /// Memory reuse: none, s1..s4, or auto (the cost model, with --memory-budget-mib).
+    #[arg(long, default_value = "none")]
+    strategy: String,
+    /// Per-rank device memory budget of each MoE exchange, MiB (for --strategy auto).
+    #[arg(long)]
+    memory_budget_mib: Option<f64>,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 3000)]
+    steps: usize,
+    /// Sequences per step over all ranks.
+    #[arg(long, default_value_t = 16)]
+    batch: usize,
+    /// Learning rate.
+    #[arg(long, default_value_t = 3e-3)]
+    lr: f64,
+    /// Seed of weights, batches and sampling.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Validate every N steps.
+    #[arg(long, default_value_t = 250)]
+    eval_every: usize,
+    /// CPU backend.
+    #[arg(long, value_enum, default_value_t = BackendArg::Flex)]
+    backend: BackendArg,
+    /// Print a JSON summary instead of the final line.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct Summary<'a> {
+    corpus: &'a str,
+    unigram_entropy: f64,
+    ranks: usize,
+    partitions: &'a str,
+    strategy: &'a str,
+    steps: usize,
+    initial_loss: f64,
+    train_loss: f64,
+    val_loss: f64,
+    tokens_per_s: f64,
+    seconds: f64,
+    n_partitions: usize,
+    chosen_strategy: String,
+    losses: &'a [f64],
+    val_losses: &'a [(usize, f64)],
+    sample: &'a str,
+}
+
+fn parse_partitions(s: &str) -> Result<Partitions, String> {
+    match s {
+        "auto" => Ok(Partitions::Adaptive),
+        n => n
+            .parse::<usize>()
+            .ok()
+            .filter(|&n| n >= 1)
+            .map(Partitions::Fixed)
+            .ok_or_else(|| format!("--partitions must be a number >= 1 or `auto`, not {s:?}")),
+    }
+}
+
+fn parse_strategy(s: &str) -> Result<MemoryReuse, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "none" => Ok(MemoryReuse::Off),
+        "s1" => Ok(MemoryReuse::S1),
+        "s2" => Ok(MemoryReuse::S2),
+        "s3" => Ok(MemoryReuse::S3),
+        "s4" => Ok(MemoryReuse::S4),
+        "auto" => Ok(MemoryReuse::Auto),
+        _ => Err(format!(
+            "--strategy must be none, s1, s2, s3, s4 or auto, not {s:?}"
+        )),
+    }
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &Args) -> Result<(), String> {
+    let partitions = parse_partitions(&args.partitions)?;
+    let memory_reuse = parse_strategy(&args.strategy)?;
+    if args.ranks == 0 || args.batch < args.ranks {
+        return Err(format!(
+            "--batch {} must be at least --ranks {} (>= 1)",
+            args.batch, args.ranks
+        ));
+    }
+    let corpus = match &args.data {
+        Some(path) => Corpus::from_file(path)?,
+        None => Corpus::builtin()?,
+    };
+    let model = GptMoeConfig::new();
+    if model.n_experts % args.ranks != 0 {
+        return Err(format!(
+            "{} experts cannot be split over --ranks {}",
+            model.n_experts, args.ranks
+        ));
+    }
+    let options = TrainOptions {
+        model,
+        steps: args.steps,
+        batch: args.batch,
+        lr: args.lr,
+        seed: args.seed,
+        partitions,
+        memory_reuse,
+        memory_budget: args.memory_budget_mib.map(|m| (m * 1024.0 * 1024.0) as usize),
+        eval_every: args.eval_every,
+        eval_batches: 4,
+        sample_len: 160,
+    };
+    let entropy = corpus.unigram_entropy();
+    eprintln!(
+        "corpus: {} ({} training bytes, unigram entropy {entropy:.3} nats/byte); {} ranks, partitions {}, strategy {}",
+        corpus.name,
+        corpus.train_len(),
+        args.ranks,
+        args.partitions,
+        args.strategy
+    );
+    let bar = ProgressBar::new(args.steps as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:25}] {pos}/{len} {msg}")
+            .map_err(|e| e.to_string())?,
+    );
+    let on_step = |log: &StepLog| {
+        bar.set_position(log.step as u64 + 1);
+        bar.set_message(format!(
+            "loss {:.3} val {} | {:.0} tok/s | n={} {}",
+            log.loss,
+            log.val_loss.map_or("-".into(), |v| format!("{v:.3}")),
+            log.tokens_per_s,
+            log.n_partitions,
+            log.strategy
+        ));
+    };
+    let reports: Vec<TrainReport> = LocalGroup::run(args.ranks, |ctx| {
+        let quiet = |_: &StepLog| {};
+        let log: &(dyn Fn(&StepLog) + Sync) = if ctx.rank == 0 { &on_step } else { &quiet };
+        match args.backend {
+            BackendArg::Flex => {
+                train_rank::<Autodiff<Flex>>(&ctx, &corpus, &options, &Default::default(), log)
+            }
+            BackendArg::Ndarray => {
+                train_rank::<Autodiff<NdArray>>(&ctx, &corpus, &options, &Default::default(), log)
+            }
+        }
+    })
+    .map_err(|e| e.to_string())?;
+    bar.finish();
+    let report = &reports[0];
+    let initial = report.losses.first().copied().unwrap_or(f64::NAN);
+    // The last few steps' mean: one batch's loss is noisy.
+    let tail = &report.losses[report.losses.len().saturating_sub(10)..];
+    let train_loss = tail.iter().sum::<f64>() / tail.len().max(1) as f64;
+    let val_loss = report.val_losses.last().map_or(f64::NAN, |v| v.1);
+    let tokens_per_s = (args.steps * args.batch * options.model.seq_len) as f64 / report.seconds;
+    if args.json {
+        let summary = Summary {
+            corpus: &corpus.name,
+            unigram_entropy: entropy,
+            ranks: args.ranks,
+            partitions: &args.partitions,
+            strategy: &args.strategy,
+            steps: args.steps,
+            initial_loss: initial,
+            train_loss,
+            val_loss,
+            tokens_per_s,
+            seconds: report.seconds,
+            n_partitions: report.n_partitions,
+            chosen_strategy: report.strategy.to_string(),
+            losses: &report.losses,
+            val_losses: &report.val_losses,
+            sample: &report.sample,
+        };
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&summary).map_err(|e| e.to_string())?
+        );
+        return Ok(());
+    }
+    println!("sample: {}", report.sample.replace('\n', "\n        "));
+    println!(
+        "{:.1} s, {tokens_per_s:.0} tokens/s; last step: n={} strategy={}; unigram entropy {entropy:.3}",
+        report.seconds, report.n_partitions, report.strategy
+    );
+    println!("final: initial_loss={initial:.4} train_loss={train_loss:.4} val_loss={val_loss:.4}");
+    Ok(())
+}

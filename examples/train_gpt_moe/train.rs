@@ -1,0 +1,301 @@
+//! One rank's training loop: data-parallel replicas of everything but the experts.
+
+use std::time::Instant;
+
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::tensor::activation::log_softmax;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Int, Tensor, TensorData};
+use mpipemoe::{chunk_range, seeded_uniform, MemoryReuse, MoeBackend, Partitions, RankContext, Strategy};
+use serde::Serialize;
+
+use super::data::Corpus;
+use super::model::{GptMoe, GptMoeConfig};
+
+/// What to train.
+#[derive(Debug, Clone)]
+pub struct TrainOptions {
+    /// The model.
+    pub model: GptMoeConfig,
+    /// Optimizer steps.
+    pub steps: usize,
+    /// Sequences per step over all ranks.
+    pub batch: usize,
+    /// AdamW learning rate.
+    pub lr: f64,
+    /// Seed of weights, batches and sampling.
+    pub seed: u64,
+    /// Partitions of every MoE layer's exchange.
+    pub partitions: Partitions,
+    /// Memory reuse of every MoE layer.
+    pub memory_reuse: MemoryReuse,
+    /// Device bytes per rank the exchange may use (for `MemoryReuse::Auto`).
+    pub memory_budget: Option<usize>,
+    /// Validate every this many steps (and at the end).
+    pub eval_every: usize,
+    /// Held-out batches per validation.
+    pub eval_batches: usize,
+    /// Bytes to generate at the end (0: none).
+    pub sample_len: usize,
+}
+
+/// One step, for the progress bar.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepLog {
+    /// Step index.
+    pub step: usize,
+    /// Mean cross-entropy over the global batch (nats per byte).
+    pub loss: f64,
+    /// Auxiliary losses (load balancing and z-loss, all layers).
+    pub aux: f64,
+    /// Tokens per second over all ranks.
+    pub tokens_per_s: f64,
+    /// Partitions the first MoE layer used.
+    pub n_partitions: usize,
+    /// Strategy the first MoE layer used.
+    pub strategy: Strategy,
+    /// Latest validation loss, if any.
+    pub val_loss: Option<f64>,
+}
+
+/// One rank's summary of a run.
+#[derive(Debug, Clone, Serialize)]
+pub struct TrainReport {
+    /// Training loss of every step.
+    pub losses: Vec<f64>,
+    /// `(step, validation loss)`.
+    pub val_losses: Vec<(usize, f64)>,
+    /// Generated text.
+    pub sample: String,
+    /// Wall time, seconds.
+    pub seconds: f64,
+    /// Partitions and strategy of the last step (first MoE layer).
+    pub n_partitions: usize,
+    /// Strategy of the last step.
+    pub strategy: Strategy,
+}
+
+/// Bytes `range` of every row as token ids. `[rows, range.len()]`
+fn tokens<B: AutodiffBackend>(
+    rows: &[Vec<u8>],
+    range: std::ops::Range<usize>,
+    device: &B::Device,
+) -> Tensor<B, 2, Int> {
+    let values: Vec<i64> = rows
+        .iter()
+        .flat_map(|r| r[range.clone()].iter().map(|&b| b as i64))
+        .collect();
+    Tensor::from_data(
+        TensorData::new(values, [rows.len(), range.len()]).convert::<B::IntElem>(),
+        device,
+    )
+}
+
+/// Sum over this rank's tokens of the cross-entropy, `[1]`.
+fn cross_entropy_sum<B: AutodiffBackend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+    let [b, s, v] = logits.dims();
+    let log_probs = log_softmax(logits.reshape([b * s, v]), 1);
+    let picked = log_probs.gather(1, targets.reshape([b * s, 1]));
+    picked.sum().neg()
+}
+
+/// Collects the gradients of replicated parameters, in visiting order.
+struct Collect<'a> {
+    grads: &'a mut GradientsParams,
+    skip: &'a [ParamId],
+    values: Vec<f64>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Collect<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if self.skip.contains(&param.id) {
+            return;
+        }
+        let count: usize = param.val().dims().iter().product();
+        match self.grads.remove::<B::InnerBackend, D>(param.id) {
+            Some(g) => self
+                .values
+                .extend(g.into_data().convert::<f64>().into_vec::<f64>().expect("f64")),
+            // A rank whose tokens never reached a parameter contributes zero to its sum.
+            None => self.values.extend(std::iter::repeat_n(0.0, count)),
+        }
+    }
+}
+
+/// Puts the summed gradients back, in the same visiting order.
+struct Register<'a> {
+    grads: &'a mut GradientsParams,
+    skip: &'a [ParamId],
+    values: std::vec::IntoIter<f64>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Register<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if self.skip.contains(&param.id) {
+            return;
+        }
+        let dims = param.val().dims();
+        let count: usize = dims.iter().product();
+        let values: Vec<f64> = self.values.by_ref().take(count).collect();
+        let data = TensorData::new(values, dims).convert::<B::FloatElem>();
+        let device = param.val().device();
+        self.grads
+            .register::<B::InnerBackend, D>(param.id, Tensor::from_data(data, &device));
+    }
+}
+
+/// Sums the gradients of every replicated parameter over the ranks (one all-reduce), so
+/// every replica takes the same step: the gradient of the global-batch loss.
+fn all_reduce_replicated<B: AutodiffBackend + MoeBackend>(
+    model: &GptMoe<B>,
+    grads: &mut GradientsParams,
+    ctx: &RankContext,
+) -> mpipemoe::Result<()> {
+    let skip = model.expert_param_ids();
+    let mut collect = Collect {
+        grads,
+        skip: &skip,
+        values: Vec::new(),
+    };
+    model.visit(&mut collect);
+    let mut values = collect.values;
+    ctx.comm.all_reduce_sum(&mut values)?;
+    model.visit(&mut Register {
+        grads,
+        skip: &skip,
+        values: values.into_iter(),
+    });
+    Ok(())
+}
+
+/// Trains this rank's replica; every rank must call it with the same options.
+pub fn train_rank<B>(
+    ctx: &RankContext,
+    corpus: &Corpus,
+    options: &TrainOptions,
+    device: &B::Device,
+    on_step: &(dyn Fn(&StepLog) + Sync),
+) -> mpipemoe::Result<TrainReport>
+where
+    B: AutodiffBackend + MoeBackend,
+{
+    let o = options;
+    let seq = o.model.seq_len;
+    let moe = o
+        .model
+        .moe()
+        .with_partitions(o.partitions)
+        .with_memory_reuse(o.memory_reuse)
+        .with_memory_budget(o.memory_budget);
+    let mut model = o.model.init::<B>(&moe, o.seed, device, ctx.comm.clone())?;
+    let mut optimizer = AdamWConfig::new().with_weight_decay(0.01).init::<B, GptMoe<B>>();
+    let mine = chunk_range(o.batch, ctx.n_ranks, ctx.rank);
+    let global_tokens = (o.batch * seq) as f64;
+    let start = Instant::now();
+    let mut losses = Vec::with_capacity(o.steps);
+    let mut val_losses = Vec::new();
+    let (mut n_partitions, mut strategy) = (1, Strategy::None);
+
+    let evaluate = |model: &GptMoe<B>| -> mpipemoe::Result<f64> {
+        let mut total = vec![0.0];
+        for i in 0..o.eval_batches {
+            let rows = corpus.val_batch(i, o.eval_batches, o.batch, seq);
+            let rows = &rows[mine.clone()];
+            let out = model.forward(tokens::<B>(rows, 0..seq, device))?;
+            let ce = cross_entropy_sum(out.logits, tokens::<B>(rows, 1..seq + 1, device));
+            total[0] += ce.into_scalar().into_f64_lossy();
+        }
+        ctx.comm.all_reduce_sum(&mut total)?;
+        Ok(total[0] / (global_tokens * o.eval_batches as f64))
+    };
+
+    for step in 0..o.steps {
+        let step_start = Instant::now();
+        let rows = corpus.batch(o.seed, step, o.batch, seq);
+        let rows = &rows[mine.clone()];
+        let out = model.forward(tokens::<B>(rows, 0..seq, device))?;
+        let ce = cross_entropy_sum(out.logits, tokens::<B>(rows, 1..seq + 1, device)) / global_tokens;
+        let loss = ce.clone() + out.aux.clone();
+        let mut logged = vec![
+            ce.into_scalar().into_f64_lossy(),
+            out.aux.into_scalar().into_f64_lossy(),
+        ];
+        let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+        all_reduce_replicated(&model, &mut grads, ctx)?;
+        model = optimizer.step(o.lr, model, grads);
+        ctx.comm.all_reduce_sum(&mut logged)?;
+        losses.push(logged[0]);
+        n_partitions = out.stats[0].n_partitions;
+        strategy = out.stats[0].strategy;
+        let last = step + 1 == o.steps;
+        if (o.eval_every > 0 && (step + 1) % o.eval_every == 0) || last {
+            val_losses.push((step + 1, evaluate(&model)?));
+        }
+        on_step(&StepLog {
+            step,
+            loss: logged[0],
+            aux: logged[1],
+            tokens_per_s: global_tokens / step_start.elapsed().as_secs_f64(),
+            n_partitions,
+            strategy,
+            val_loss: val_losses.last().map(|v| v.1),
+        });
+    }
+
+    let sample = generate(&model, o, device)?;
+    Ok(TrainReport {
+        losses,
+        val_losses,
+        sample,
+        seconds: start.elapsed().as_secs_f64(),
+        n_partitions,
+        strategy,
+    })
+}
+
+/// Samples `sample_len` bytes after a prompt, identically on every rank (same logits, same
+/// seeded draws), so that the ranks' MoE collectives stay in step.
+fn generate<B: AutodiffBackend + MoeBackend>(
+    model: &GptMoe<B>,
+    o: &TrainOptions,
+    device: &B::Device,
+) -> mpipemoe::Result<String> {
+    let seq = o.model.seq_len;
+    let mut text: Vec<u8> = b"fn forward(".to_vec();
+    let draws = seeded_uniform(o.seed, "sample", o.sample_len, 1.0);
+    for &draw in &draws {
+        let context: Vec<u8> = text[text.len().saturating_sub(seq)..].to_vec();
+        let len = context.len();
+        let out = model.forward(tokens::<B>(&[context], 0..len, device))?;
+        let [_, _, vocab] = out.logits.dims();
+        let last = out.logits.slice([0..1, len - 1..len, 0..vocab]).reshape([vocab]) / 0.8;
+        let probs: Vec<f64> = burn::tensor::activation::softmax(last, 0)
+            .into_data()
+            .convert::<f64>()
+            .into_vec()
+            .expect("f64");
+        let mut target = (draw as f64 + 1.0) / 2.0;
+        let mut choice = vocab - 1;
+        for (i, p) in probs.iter().enumerate() {
+            if target < *p {
+                choice = i;
+                break;
+            }
+            target -= p;
+        }
+        text.push(choice as u8);
+    }
+    Ok(String::from_utf8_lossy(&text).into_owned())
+}
+
+/// f64 from a backend element.
+trait IntoF64 {
+    fn into_f64_lossy(self) -> f64;
+}
+
+impl<E: burn::tensor::ElementConversion> IntoF64 for E {
+    fn into_f64_lossy(self) -> f64 {
+        self.elem::<f64>()
+    }
+}
