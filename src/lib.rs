@@ -46,14 +46,16 @@ mod router;
 pub mod sim;
 pub mod tuning;
 
-pub use comm::{Communicator, GroupOptions, LocalComm, LocalGroup, Payload, RankContext, SingleRank};
+pub use comm::{
+    Communicator, GroupOptions, HostLoopback, LocalComm, LocalGroup, Payload, RankContext, SingleRank,
+};
 pub use dispatch::{
     build_plans, capacity_for, chunk_len, chunk_range, CapacityDecision, DispatchPlan, ExchangePlan,
     PartitionPlan, RoutingCounts, RoutingStats, SplitScheme,
 };
 pub use error::{MoeError, Result};
 pub use exchange::{exchange_reference, ExchangeGrads, ExchangeRun, MoeBackend, Saved};
-pub use experts::{Activation, ExpertTensors, Experts, SharedExpert};
+pub use experts::{seeded_uniform, Activation, ExpertTensors, Experts, SharedExpert};
 pub use layer::{
     read_safetensors, ExchangePath, LayerMeta, MoeContext, MoeLayer, MoeLayerConfig, MoeOutput, MoeStats,
     ParamKind, Partitions, SharedMeta, TensorMap,

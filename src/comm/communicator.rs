@@ -38,6 +38,12 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     /// The number of ranks in the group.
     fn n_ranks(&self) -> usize;
 
+    /// Whether an all-to-all may be skipped because it would return its input unchanged
+    /// (one rank). A communicator that emulates a network on one rank says `false`.
+    fn is_identity(&self) -> bool {
+        self.n_ranks() == 1
+    }
+
     /// Sends `outgoing[dst]` to every rank `dst` and returns what every rank sent to this one,
     /// indexed by source rank. `outgoing.len()` must equal `n_ranks`.
     fn exchange(&self, op: &'static str, outgoing: Vec<Payload>) -> Result<Vec<Payload>>;

@@ -8,8 +8,10 @@
 
 mod communicator;
 mod local;
+mod loopback;
 mod single;
 
 pub use communicator::{Communicator, Payload};
 pub use local::{GroupOptions, LocalComm, LocalGroup, RankContext};
+pub use loopback::HostLoopback;
 pub use single::SingleRank;

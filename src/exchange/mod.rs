@@ -8,6 +8,8 @@
 
 mod autodiff;
 mod backend;
+#[cfg(feature = "cubecl")]
+mod cubecl;
 mod fused;
 mod reference;
 pub(crate) mod rows;

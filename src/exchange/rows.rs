@@ -89,15 +89,15 @@ pub(crate) fn expert_row<B: Backend>(b: &FloatTensor<B>, e: usize) -> FloatTenso
 /// The uneven all-to-all of a `[rows, width]` primitive over `comm`.
 ///
 /// `send_per_rank[dst]` rows of `x` (in order) go to `dst`; the result holds
-/// `recv_per_rank[src]` rows from each `src`, in source order. With one rank it is the
-/// identity and moves nothing.
+/// `recv_per_rank[src]` rows from each `src`, in source order. Where the communicator is the
+/// identity (one rank) it moves nothing.
 pub(crate) fn all_to_all_rows<B: Backend>(
     comm: &dyn Communicator,
     x: FloatTensor<B>,
     send_per_rank: &[usize],
     recv_per_rank: &[usize],
 ) -> Result<FloatTensor<B>> {
-    if comm.n_ranks() == 1 {
+    if comm.is_identity() {
         return Ok(x);
     }
     let [_, width] = dims2::<B>(&x);

@@ -1,0 +1,133 @@
+//! Every reference case on CUDA, through every strategy and n ∈ {1, 2, 4}, in f32 (1e-4) and
+//! bf16 (at bf16's own tolerance), plus the reference path.
+//!
+//! ```text
+//! gpu_check [CASE_DIR]      # default: ../shared/cases, else tests/data/cases
+//! ```
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use burn::backend::Autodiff;
+use burn::tensor::bf16;
+use mpipemoe::cases::{check_case, Case, CheckOptions};
+use mpipemoe::{ExchangePath, Partitions, Strategy};
+use mpipemoe_cuda::{cuda_available, CudaMoe};
+
+fn case_files(dir: Option<String>) -> Vec<PathBuf> {
+    let dir = dir.map(PathBuf::from).unwrap_or_else(|| {
+        let shared = PathBuf::from("../shared/cases");
+        if shared.is_dir() {
+            shared
+        } else {
+            PathBuf::from("tests/data/cases")
+        }
+    });
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                .collect()
+        })
+        .unwrap_or_default();
+    files.sort();
+    files
+}
+
+fn main() -> ExitCode {
+    if let Err(e) = cuda_available() {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
+    let files = case_files(std::env::args().nth(1));
+    if files.is_empty() {
+        eprintln!("error: no case files found");
+        return ExitCode::from(2);
+    }
+    let device = Default::default();
+    let mut failed = 0;
+    let mut total = 0;
+    for file in &files {
+        let case = match Case::load(file) {
+            Ok(c) => c,
+            Err(e) => {
+                println!("{} FAIL error: {e}", file.display());
+                failed += 1;
+                continue;
+            }
+        };
+        let mut runs = vec![(
+            "f32",
+            CheckOptions {
+                path: ExchangePath::Reference,
+                ..CheckOptions::default()
+            },
+        )];
+        for n in [1, 2, 4] {
+            for strategy in Strategy::ALL {
+                runs.push((
+                    "f32",
+                    CheckOptions {
+                        path: ExchangePath::Fused,
+                        n_ranks: 1,
+                        partitions: Partitions::Fixed(n),
+                        strategy,
+                    },
+                ));
+                runs.push((
+                    "bf16",
+                    CheckOptions {
+                        path: ExchangePath::Fused,
+                        n_ranks: 1,
+                        partitions: Partitions::Fixed(n),
+                        strategy,
+                    },
+                ));
+            }
+        }
+        for (dtype, options) in runs {
+            total += 1;
+            let (result, tolerance) = match dtype {
+                "f32" => (
+                    check_case::<Autodiff<CudaMoe<f32>>>(&case, &options, &device),
+                    1e-4,
+                ),
+                // bf16 keeps 8 bits of mantissa: about 4e-3 relative per value, more after
+                // two GEMMs and a softmax.
+                _ => (
+                    check_case::<Autodiff<CudaMoe<bf16>>>(&case, &options, &device),
+                    3e-2,
+                ),
+            };
+            let label = format!(
+                "{} {dtype} {} n={:?} {}",
+                case.name,
+                options.path.name(),
+                options.partitions,
+                options.strategy
+            );
+            match result {
+                Ok(r) if r.passed(tolerance) => println!("{label} ok max_rel_err={:.3e}", r.max_rel_err()),
+                Ok(r) => {
+                    failed += 1;
+                    println!(
+                        "{label} FAIL max_rel_err={:.3e} (worst: {})",
+                        r.max_rel_err(),
+                        r.worst().name
+                    );
+                }
+                Err(e) => {
+                    failed += 1;
+                    println!("{label} FAIL error: {e}");
+                }
+            }
+        }
+    }
+    println!("\n{} of {total} checks passed", total - failed);
+    if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Build the GPU binaries here (no GPU needed) and stage them in .gpu/ for the device machine.
+#   scripts/gpu/build.sh
+# Then, with the device tool: run with carry [".gpu"] and the command
+#   . .gpu/device-env.sh && .gpu/run.sh 2>&1 | tee $OUT/log.txt
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export CUDARC_CUDA_VERSION=13000
+cargo build --release -p mpipemoe-cuda --features cuda --example gpu_check --example gpu_bench
+mkdir -p .gpu/cases
+for name in gpu_check gpu_bench; do
+  cp "target/release/examples/$name" ".gpu/$name"
+  strip ".gpu/$name"
+done
+cp scripts/gpu/run.sh .gpu/run.sh
+cp tests/data/cases/*.safetensors .gpu/cases/
+if [ -f ../shared/gpu/device-env.sh ]; then
+  cp ../shared/gpu/device-env.sh .gpu/
+else
+  cp scripts/gpu/device-env.sh .gpu/
+fi
+du -sh .gpu
+ls -l .gpu
+size=$(du -sb .gpu | cut -f1)
+if [ "$size" -gt $((64 * 1024 * 1024)) ]; then
+  echo "error: .gpu is $size bytes, over the 64 MiB that can be carried" >&2
+  exit 1
+fi
