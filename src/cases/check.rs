@@ -78,21 +78,7 @@ impl CheckReport {
 
 /// `‖got − want‖₂ / ‖want‖₂`; where `want` is all zeros, `‖got‖₂`.
 pub fn relative_error(got: &[f64], want: &[f64]) -> f64 {
-    if got.len() != want.len() {
-        return f64::INFINITY;
-    }
-    let diff = got
-        .iter()
-        .zip(want)
-        .map(|(g, w)| (g - w) * (g - w))
-        .sum::<f64>()
-        .sqrt();
-    let norm = want.iter().map(|w| w * w).sum::<f64>().sqrt();
-    if norm == 0.0 {
-        diff
-    } else {
-        diff / norm
-    }
+    agreement_error(got, want, want)
 }
 
 /// How far two computed tensors are apart, relative to the true tensor `want`:

@@ -10,7 +10,6 @@ use burn::backend::{Flex, NdArray};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 
-use super::fused;
 use super::rows;
 use crate::comm::Communicator;
 use crate::dispatch::ExchangePlan;
@@ -107,51 +106,44 @@ pub trait MoeBackend: Backend {
     }
 }
 
+/// The two required methods of [`MoeBackend`] for a backend that runs the generic fused
+/// implementation written with primitive ops.
+macro_rules! fused_exchange {
+    () => {
+        type Saved = $crate::exchange::fused::Saved<Self>;
+
+        fn exchange_forward(
+            input: burn::tensor::ops::FloatTensor<Self>,
+            experts: $crate::experts::ExpertTensors<Self>,
+            plan: &$crate::dispatch::ExchangePlan,
+            run: &$crate::exchange::ExchangeRun,
+        ) -> $crate::error::Result<(burn::tensor::ops::FloatTensor<Self>, Self::Saved)> {
+            $crate::exchange::fused::forward::<Self>(input, experts, plan, run)
+        }
+
+        fn exchange_backward(
+            grad_out: burn::tensor::ops::FloatTensor<Self>,
+            saved: Self::Saved,
+            plan: &$crate::dispatch::ExchangePlan,
+            run: &$crate::exchange::ExchangeRun,
+        ) -> $crate::error::Result<$crate::exchange::ExchangeGrads<Self>> {
+            $crate::exchange::fused::backward::<Self>(grad_out, saved, plan, run)
+        }
+    };
+}
+// The CubeCL backends' impl (feature `cubecl`) uses it from another module.
+#[cfg(feature = "cubecl")]
+pub(crate) use fused_exchange;
+
 impl<E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement> MoeBackend for NdArray<E, I, Q>
 where
     NdArrayTensor: From<SharedArray<E>> + From<SharedArray<I>>,
 {
-    type Saved = fused::Saved<Self>;
-
-    fn exchange_forward(
-        input: FloatTensor<Self>,
-        experts: ExpertTensors<Self>,
-        plan: &ExchangePlan,
-        run: &ExchangeRun,
-    ) -> Result<(FloatTensor<Self>, Self::Saved)> {
-        fused::forward::<Self>(input, experts, plan, run)
-    }
-
-    fn exchange_backward(
-        grad_out: FloatTensor<Self>,
-        saved: Self::Saved,
-        plan: &ExchangePlan,
-        run: &ExchangeRun,
-    ) -> Result<ExchangeGrads<Self>> {
-        fused::backward::<Self>(grad_out, saved, plan, run)
-    }
+    fused_exchange!();
 }
 
 impl MoeBackend for Flex {
-    type Saved = fused::Saved<Self>;
-
-    fn exchange_forward(
-        input: FloatTensor<Self>,
-        experts: ExpertTensors<Self>,
-        plan: &ExchangePlan,
-        run: &ExchangeRun,
-    ) -> Result<(FloatTensor<Self>, Self::Saved)> {
-        fused::forward::<Self>(input, experts, plan, run)
-    }
-
-    fn exchange_backward(
-        grad_out: FloatTensor<Self>,
-        saved: Self::Saved,
-        plan: &ExchangePlan,
-        run: &ExchangeRun,
-    ) -> Result<ExchangeGrads<Self>> {
-        fused::backward::<Self>(grad_out, saved, plan, run)
-    }
+    fused_exchange!();
 
     /// Flex's own `gelu_backward` is the exact erf derivative in one fused pass.
     fn gelu_backward_exact(z: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {

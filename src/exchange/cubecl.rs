@@ -7,14 +7,10 @@
 //! the `mpipemoe-cuda` crate and is not done yet.
 
 use burn::tensor::backend::DeviceOps;
-use burn::tensor::ops::FloatTensor;
 use burn_cubecl::cubecl::server::ComputeServer;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
-use super::{fused, ExchangeGrads, ExchangeRun, MoeBackend};
-use crate::dispatch::ExchangePlan;
-use crate::error::Result;
-use crate::experts::ExpertTensors;
+use super::MoeBackend;
 
 impl<R, F, I, BT> MoeBackend for CubeBackend<R, F, I, BT>
 where
@@ -25,23 +21,5 @@ where
     I: IntElement,
     BT: BoolElement,
 {
-    type Saved = fused::Saved<Self>;
-
-    fn exchange_forward(
-        input: FloatTensor<Self>,
-        experts: ExpertTensors<Self>,
-        plan: &ExchangePlan,
-        run: &ExchangeRun,
-    ) -> Result<(FloatTensor<Self>, Self::Saved)> {
-        fused::forward::<Self>(input, experts, plan, run)
-    }
-
-    fn exchange_backward(
-        grad_out: FloatTensor<Self>,
-        saved: Self::Saved,
-        plan: &ExchangePlan,
-        run: &ExchangeRun,
-    ) -> Result<ExchangeGrads<Self>> {
-        fused::backward::<Self>(grad_out, saved, plan, run)
-    }
+    super::backend::fused_exchange!();
 }
