@@ -204,21 +204,23 @@ pub fn measure_profile<B: Backend>(
         o.repeats
     );
     sources.insert("all".to_string(), how);
-    let profile = Profile {
-        name: format!("measured-{}", B::name(device)),
-        w_comp,
-        gemm_half_rows,
-        comp_latency,
-        w_comm,
-        comm_latency,
-        w_mem,
-        mem_latency,
-        sigma: factor(t_big, t_big_loaded),
-        mu_comp: factor(t_comm, t_comm_comp),
-        mu_all: factor(t_comm, t_comm_all),
-        eta_all: factor(t_copy, t_copy_all),
+    let profile = Profile::from_numbers(
+        format!("measured-{}", B::name(device)),
         sources,
-    };
+        [
+            w_comp,
+            gemm_half_rows,
+            comp_latency,
+            w_comm,
+            comm_latency,
+            w_mem,
+            mem_latency,
+            factor(t_big, t_big_loaded),
+            factor(t_comm, t_comm_comp),
+            factor(t_comm, t_comm_all),
+            factor(t_copy, t_copy_all),
+        ],
+    );
     profile.validate()?;
     Ok(profile)
 }

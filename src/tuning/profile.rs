@@ -181,11 +181,12 @@ impl Profile {
         ]
     }
 
-    /// This profile with its numbers replaced by `values` (in [`numbers`](Self::numbers) order).
-    pub fn with_numbers(&self, values: [f64; 11]) -> Self {
+    /// A profile named `name` from its eleven numbers, in [`numbers`](Self::numbers) order.
+    pub fn from_numbers(name: String, sources: BTreeMap<String, String>, values: [f64; 11]) -> Self {
         let [w_comp, gemm_half_rows, comp_latency, w_comm, comm_latency, w_mem, mem_latency, sigma, mu_comp, mu_all, eta_all] =
             values;
         Self {
+            name,
             w_comp,
             gemm_half_rows,
             comp_latency,
@@ -197,8 +198,13 @@ impl Profile {
             mu_comp,
             mu_all,
             eta_all,
-            ..self.clone()
+            sources,
         }
+    }
+
+    /// This profile with its numbers replaced by `values` (in [`numbers`](Self::numbers) order).
+    pub fn with_numbers(&self, values: [f64; 11]) -> Self {
+        Self::from_numbers(self.name.clone(), self.sources.clone(), values)
     }
 
     /// Checks every number: rates finite and > 0, latencies and `gemm_half_rows` finite and
