@@ -296,3 +296,68 @@ fn ndarray_reciprocal_is_exact() {
         );
     }
 }
+
+/// The parallel exact GELU kernels on Flex against the f64 formula, on every layout the
+/// exchange op hands them: contiguous, a row slice at an offset, a transposed view, and a
+/// gradient whose buffer is shared (so it cannot be overwritten in place).
+#[test]
+fn flex_gelu_kernels_match_the_f64_formula_on_every_layout() {
+    use burn::tensor::TensorPrimitive;
+    use mpipemoe::MoeBackend;
+
+    let device = Default::default();
+    let n: usize = 40 * 700;
+    let z_values: Vec<f32> = (0..n).map(|i| ((i * 7919) % 2003) as f32 / 200.0 - 5.0).collect();
+    let g_values: Vec<f32> = (0..n)
+        .map(|i| ((i * 104729) % 1009) as f32 / 500.0 - 1.0)
+        .collect();
+    let z_full = Tensor::<Flex, 2>::from_data(TensorData::new(z_values, [40, 700]), &device);
+    let g_full = Tensor::<Flex, 2>::from_data(TensorData::new(g_values, [40, 700]), &device);
+    let prim = |t: &Tensor<Flex, 2>| t.clone().into_primitive().tensor();
+    let host = |t: Tensor<Flex, 2>| t.into_data().to_vec::<f32>().unwrap();
+    let wrap = |p| Tensor::<Flex, 2>::from_primitive(TensorPrimitive::Float(p));
+    let phi = |x: f64| 0.5 * (1.0 + libm::erf(x / std::f64::consts::SQRT_2));
+    let pdf = |x: f64| (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
+
+    let views: [(&str, Tensor<Flex, 2>, Tensor<Flex, 2>); 3] = [
+        ("contiguous", z_full.clone(), g_full.clone()),
+        (
+            "row slice",
+            z_full.clone().narrow(0, 13, 11),
+            g_full.clone().narrow(0, 13, 11),
+        ),
+        (
+            "transposed",
+            z_full.clone().transpose(),
+            g_full.clone().transpose(),
+        ),
+    ];
+    for (name, z, g) in views {
+        let (zs, gs) = (host(z.clone()), host(g.clone()));
+        let gelu = host(wrap(Flex::gelu_exact(prim(&z))));
+        // `g` stays alive here, so the kernel must not write into its buffer.
+        let back = host(wrap(Flex::gelu_backward_exact(prim(&z), prim(&g))));
+        assert_eq!(host(g.clone()), gs, "{name}: the shared gradient was overwritten");
+        for i in 0..zs.len() {
+            let x = zs[i] as f64;
+            let want = x * phi(x);
+            assert!(
+                (gelu[i] as f64 - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                "{name} gelu({x})"
+            );
+            let want = gs[i] as f64 * (phi(x) + x * pdf(x));
+            assert!(
+                (back[i] as f64 - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                "{name} gelu'({x})"
+            );
+        }
+    }
+    // A uniquely owned gradient is overwritten in place and gives the same numbers.
+    let shared = host(wrap(Flex::gelu_backward_exact(prim(&z_full), prim(&g_full))));
+    let unique = Tensor::<Flex, 2>::from_data(g_full.into_data(), &device);
+    let owned = host(wrap(Flex::gelu_backward_exact(
+        prim(&z_full),
+        unique.into_primitive().tensor(),
+    )));
+    assert_eq!(shared, owned);
+}

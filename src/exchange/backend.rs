@@ -99,6 +99,12 @@ pub trait MoeBackend: Backend {
         rows::all_to_all_rows::<Self>(comm.as_ref(), x, send_per_rank, recv_per_rank)
     }
 
+    /// The exact (erf) GELU, `z · Φ(z)`. The default is the backend's own `gelu`; backends
+    /// with a faster exact kernel override it.
+    fn gelu_exact(z: FloatTensor<Self>) -> FloatTensor<Self> {
+        <Self as burn::tensor::ops::ActivationOps<Self>>::gelu(z)
+    }
+
     /// `grad · d gelu(z)/dz` for the exact (erf) GELU. The default composes it from primitive
     /// ops; backends with an exact fused kernel override it.
     fn gelu_backward_exact(z: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -145,8 +151,13 @@ where
 impl MoeBackend for Flex {
     fused_exchange!();
 
-    /// Flex's own `gelu_backward` is the exact erf derivative in one fused pass.
+    /// Flex's element-wise ops run on one thread; this one uses every core.
+    fn gelu_exact(z: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::experts::flex_gelu::gelu(z)
+    }
+
+    /// The exact erf derivative in one pass over every core, in place where it can be.
     fn gelu_backward_exact(z: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        <Self as burn::tensor::ops::ActivationOps<Self>>::gelu_backward(z, grad)
+        crate::experts::flex_gelu::gelu_backward(z, grad)
     }
 }

@@ -76,7 +76,7 @@ impl Activation {
 /// `act(z)` on primitives. `z` is `[n_rows, d_inner]`.
 pub(crate) fn activation_forward<B: MoeBackend>(act: Activation, z: FloatTensor<B>) -> FloatTensor<B> {
     match act {
-        Activation::Gelu => B::gelu(z),
+        Activation::Gelu => B::gelu_exact(z),
         Activation::Relu => B::relu(z),
         Activation::SwiGlu => {
             let (gate, up) = split_halves::<B>(z);

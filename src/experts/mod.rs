@@ -1,6 +1,7 @@
 //! The experts: feed-forward networks, one per expert, stored as stacked weight tensors.
 
 mod activation;
+pub(crate) mod flex_gelu;
 mod init;
 mod module;
 mod shared;
