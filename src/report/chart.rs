@@ -79,9 +79,17 @@ pub fn write_panels(path: &Path, title: &str, panels: &[Panel], columns: usize) 
     let root = BitMapBackend::new(path, size).into_drawing_area();
     root.fill(&WHITE).map_err(|e| chart_err(path, e))?;
     let root = root.titled(title, (FONT, 26)).map_err(|e| chart_err(path, e))?;
+    // A series name keeps one colour in every panel, in order of first appearance, so a
+    // reader can follow "PipeMoE" across panels that show different sets of series.
+    let mut names: Vec<&str> = Vec::new();
+    for series in panels.iter().flat_map(|p| &p.series) {
+        if !names.contains(&series.name.as_str()) {
+            names.push(&series.name);
+        }
+    }
     let areas = root.split_evenly((rows, columns));
     for (panel, area) in panels.iter().zip(areas) {
-        draw_panel(panel, &area).map_err(|e| chart_err(path, e))?;
+        draw_panel(panel, &area, &names).map_err(|e| chart_err(path, e))?;
     }
     root.present().map_err(|e| chart_err(path, e))?;
     Ok(())
@@ -90,6 +98,7 @@ pub fn write_panels(path: &Path, title: &str, panels: &[Panel], columns: usize) 
 fn draw_panel<DB: DrawingBackend>(
     panel: &Panel,
     area: &DrawingArea<DB, plotters::coord::Shift>,
+    names: &[&str],
 ) -> std::result::Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
     let points = || panel.series.iter().flat_map(|s| s.points.iter());
     let (mut x0, mut x1) = points().fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.0), b.max(p.0)));
@@ -113,6 +122,7 @@ fn draw_panel<DB: DrawingBackend>(
         &CYAN,
         &BLACK,
         &RGBColor(230, 140, 0),
+        &RGBColor(120, 60, 160),
     ];
     macro_rules! draw {
         ($chart:expr) => {{
@@ -124,7 +134,8 @@ fn draw_panel<DB: DrawingBackend>(
                 .label_style((FONT, 13))
                 .axis_desc_style((FONT, 14))
                 .draw()?;
-            for (i, series) in panel.series.iter().enumerate() {
+            for series in &panel.series {
+                let i = names.iter().position(|n| *n == series.name).unwrap_or(0);
                 let color = colors[i % colors.len()];
                 chart
                     .draw_series(LineSeries::new(
