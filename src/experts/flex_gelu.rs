@@ -20,16 +20,19 @@ const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
 /// `1 / √(2π)`, the standard normal density at zero.
 const INV_SQRT_2PI: f32 = 0.398_942_3;
 
+/// `Φ(x)`, the standard normal CDF.
+fn cdf_f32(x: f32) -> f32 {
+    0.5 * (1.0 + libm::erff(x * FRAC_1_SQRT_2))
+}
+
 /// `x · Φ(x)`.
 fn gelu_f32(x: f32) -> f32 {
-    0.5 * x * (1.0 + libm::erff(x * FRAC_1_SQRT_2))
+    x * cdf_f32(x)
 }
 
 /// `d gelu(x)/dx = Φ(x) + x · φ(x)`.
 fn gelu_slope_f32(x: f32) -> f32 {
-    let cdf = 0.5 * (1.0 + libm::erff(x * FRAC_1_SQRT_2));
-    let pdf = INV_SQRT_2PI * (-0.5 * x * x).exp();
-    cdf + x * pdf
+    cdf_f32(x) + x * INV_SQRT_2PI * (-0.5 * x * x).exp()
 }
 
 /// The tensor's elements in row-major order, when it is `f32` and contiguous (an offset is
@@ -71,10 +74,9 @@ pub(crate) fn gelu_backward(z: FlexTensor, mut grad: FlexTensor) -> FlexTensor {
     let Some(x) = contiguous_f32(&z).filter(|_| shapes_match) else {
         return <Flex as ActivationOps<Flex>>::gelu_backward(z, grad);
     };
+    // In place only over the whole buffer from offset 0; `try_storage_mut` refuses a shared one.
     let n = x.len();
-    let in_place =
-        grad.dtype() == DType::F32 && grad.layout().contiguous_offsets() == Some((0, n)) && grad.is_unique();
-    if in_place {
+    if grad.dtype() == DType::F32 && grad.layout().contiguous_offsets() == Some((0, n)) {
         if let Some(g) = grad.try_storage_mut::<f32>() {
             g[..n]
                 .par_iter_mut()
