@@ -32,6 +32,20 @@ pub enum MoeError {
         /// What happened, naming the rank at fault where known.
         reason: String,
     },
+    /// A collective could not complete because another rank of the group failed first. The
+    /// failing rank's own error is the root cause; [`LocalGroup::run`](crate::LocalGroup::run)
+    /// reports that one and not these.
+    #[error("comm error in `{op}` on rank {rank}: rank {peer} failed: {reason}")]
+    PeerFailed {
+        /// The collective this rank was in.
+        op: String,
+        /// The rank that reports the failure.
+        rank: usize,
+        /// The rank that failed.
+        peer: usize,
+        /// The failed rank's own error.
+        reason: String,
+    },
     /// A file could not be read or written, or its contents are not what the format says.
     #[error("{}: {reason}", path.display())]
     File {
@@ -72,6 +86,11 @@ impl MoeError {
             rank,
             reason: reason.into(),
         }
+    }
+
+    /// Whether this error only reports another rank's failure ([`MoeError::PeerFailed`]).
+    pub fn is_peer_failure(&self) -> bool {
+        matches!(self, MoeError::PeerFailed { .. })
     }
 
     /// Raises this error as a panic whose payload is the error itself.

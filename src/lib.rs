@@ -1,68 +1,94 @@
 //! # mpipemoe
 //!
 //! Mixture-of-Experts layers for [burn](https://burn.dev) that train faster and in less
-//! memory, after *MPipeMoE* (Zhang et al., IPDPS 2023): expert parallelism with an uneven
-//! all-to-all, micro-batch pipelining of the exchange along the token dimension, adaptive
-//! choice of the number of partitions, and partition-buffer reuse with activations restored
-//! in backward by offloading, re-communication or recomputation.
+//! memory, after *MPipeMoE* (Zhang et al., IPDPS 2023). [`MoeLayer`] replaces a transformer's
+//! FFN: a router picks `top_k` of `n_experts` feed-forward experts per token, the tokens are
+//! exchanged with the ranks that own those experts (an uneven all-to-all), and the results
+//! come back weighted. The exchange is cut into `n` partitions along the token dimension so
+//! that dispatch, expert compute and combine of different partitions overlap, and partition
+//! buffers are reused, with the activations the backward pass needs restored by offloading,
+//! re-communication or recomputation (strategies S1–S4).
 //!
 //! ```
 //! use burn::backend::{Autodiff, NdArray};
-//! use burn::tensor::Tensor;
+//! use burn::tensor::{Distribution, Tensor};
 //! use mpipemoe::{Activation, MemoryReuse, MoeLayerConfig, Partitions};
 //!
 //! type B = Autodiff<NdArray>;
 //! let device = Default::default();
+//! // d_model, d_hidden, n_experts, top_k
 //! let layer = MoeLayerConfig::new(32, 64, 8, 2)
 //!     .with_activation(Activation::SwiGlu)
-//!     .with_partitions(Partitions::Fixed(2))
-//!     .with_memory_reuse(MemoryReuse::S4)
+//!     .with_partitions(Partitions::Fixed(2)) // the paper's n
+//!     .with_memory_reuse(MemoryReuse::S4) // re-communicate T_DI, recompute T_M
 //!     .with_aux_loss_coef(0.01)
 //!     .init::<B>(&device);
-//! let x = Tensor::<B, 3>::random([4, 16, 32], burn::tensor::Distribution::Default, &device);
-//! let out = layer.forward(x);
-//! let loss = out.output.powi_scalar(2).mean() + out.aux_loss;
+//! let x = Tensor::<B, 3>::random([4, 16, 32], Distribution::Default, &device);
+//! let out = layer.forward(x); // out.output: [4, 16, 32]
+//! let loss = out.output.powi_scalar(2).mean() + out.aux_loss + out.z_loss;
 //! let grads = loss.backward();
 //! assert!(layer.experts.w_in.grad(&grads).is_some());
+//! println!("tokens per expert: {:?}", out.stats.routing.tokens_per_expert);
 //! ```
 //!
-//! The crate is organised in rooms (see DESIGN.md): [`layer`](MoeLayer) (config, module,
-//! forward), `router`, `dispatch` (plans), `experts`, `comm` (communicators), `exchange` (the
-//! fused op and its reference twin), `memory` (strategies, host store), and `cases` (the
-//! reference-case harness behind `mpipemoe check`).
+//! With expert parallelism each rank holds `n_experts / n_ranks` experts and calls the layer
+//! on its slice of the batch. On the CPU the ranks are threads ([`LocalGroup`]); the
+//! `mpipemoe-cuda` crate adds NCCL ranks on GPUs.
+//!
+//! ```
+//! use burn::backend::{Autodiff, NdArray};
+//! use burn::tensor::{Distribution, Tensor};
+//! use mpipemoe::{LocalGroup, MoeLayerConfig};
+//!
+//! type B = Autodiff<NdArray>;
+//! let config = MoeLayerConfig::new(16, 32, 4, 2);
+//! let sums = LocalGroup::run(2, |ctx| {
+//!     let device = Default::default();
+//!     // Rank r holds experts [2r, 2r + 2) and the replicated router.
+//!     let layer = config.init_rank::<B>(&device, ctx.comm.clone())?;
+//!     let x = Tensor::<B, 2>::random([6, 16], Distribution::Default, &device);
+//!     let out = layer.try_forward(x)?;
+//!     Ok(out.output.sum().into_scalar())
+//! })
+//! .unwrap();
+//! assert_eq!(sums.len(), 2);
+//! ```
+//!
+//! Where to look:
+//! - [`MoeLayerConfig`] for every setting, [`MoeOutput`] and [`MoeStats`] for what a pass
+//!   returns, [`MoeError`] for what can fail.
+//! - [`hf`]: Hugging Face checkpoints (Mixtral, Qwen2/Qwen3-MoE, OLMoE, DeepSeek-V3) in and out.
+//! - [`comm`]: the [`Communicator`] trait and the in-process group of ranks.
+//! - [`tuning`], [`memory`], [`sim`]: Algorithm 1, the cost model (Eq. 10–13), the memory
+//!   model (Eq. 1–9) and the stream simulator behind `mpipemoe plan` and `simulate`.
+//! - [`backend`]: the [`MoeBackend`] contract, for implementing the fused exchange on a new
+//!   backend.
 
 #![warn(missing_docs)]
 
-pub mod cases;
-mod comm;
+pub mod backend;
+mod cases;
+pub mod comm;
 mod dispatch;
 mod error;
 mod exchange;
 mod experts;
+pub mod format;
+#[doc(hidden)]
+pub mod harness;
 mod layer;
-mod memory;
-pub mod report;
+pub mod memory;
 mod router;
 pub mod sim;
 pub mod tuning;
 
-pub use comm::{
-    Communicator, GroupOptions, HostLoopback, LocalComm, LocalGroup, Payload, RankContext, SingleRank,
-};
-pub use dispatch::{
-    build_plans, capacity_for, chunk_len, chunk_range, CapacityDecision, DispatchPlan, ExchangePlan,
-    PartitionPlan, RoutingCounts, RoutingStats, SplitScheme,
-};
+pub use comm::{Communicator, LocalGroup, RankContext};
+pub use dispatch::{RoutingStats, SplitScheme};
 pub use error::{MoeError, Result};
-pub use exchange::{exchange_reference, ExchangeGrads, ExchangeRun, MoeBackend, Saved};
-pub use experts::{seeded_uniform, Activation, ExpertTensors, Experts, SharedExpert};
+pub use exchange::MoeBackend;
+pub use experts::{seeded_uniform, Activation, Experts, SharedExpert};
 pub use layer::{
-    read_safetensors, ExchangePath, LayerMeta, MoeContext, MoeLayer, MoeLayerConfig, MoeOutput, MoeStats,
-    ParamKind, Partitions, SharedMeta, TensorMap,
+    ExchangePath, MoeContext, MoeLayer, MoeLayerConfig, MoeOutput, MoeStats, ParamKind, Partitions,
 };
-pub use memory::{
-    measure_layer_memory, CountingAllocator, HostBlock, HostStore, ImplementationModel, ImplementationTerms,
-    LayerShape, MemoryMeasurement, MemoryMeter, MemoryPlan, MemoryReport, MemoryReuse, PaperTerms, Restore,
-    Strategy, Term,
-};
-pub use router::{load_balancing_loss, top_k_host, z_loss, Router, Routing};
+pub use memory::{MemoryReuse, Strategy};
+pub use router::{Router, Routing};

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use burn::backend::{Autodiff, Flex, NdArray};
 use burn::tensor::backend::AutodiffBackend;
-use mpipemoe::cases::{agreement_error, check_case, expected, relative_error, Case, CheckOptions};
+use mpipemoe::harness::{agreement_error, check_case, expected, relative_error, Case, CheckOptions};
 use mpipemoe::{ExchangePath, MoeBackend, Partitions, Strategy};
 
 const TOLERANCE: f64 = 1e-4;

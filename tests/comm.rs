@@ -4,8 +4,9 @@ use std::time::{Duration, Instant};
 
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::Tensor;
-use mpipemoe::cases::{check_case, Case, CheckOptions};
-use mpipemoe::{ExchangePath, GroupOptions, LocalGroup, MoeError, MoeLayerConfig, Partitions, Strategy};
+use mpipemoe::comm::GroupOptions;
+use mpipemoe::harness::{check_case, Case, CheckOptions};
+use mpipemoe::{ExchangePath, LocalGroup, MoeError, MoeLayerConfig, Partitions, Strategy};
 use proptest::prelude::*;
 
 type B = Autodiff<NdArray>;
@@ -77,6 +78,18 @@ fn expect_comm_error(result: &mpipemoe::Result<()>, naming: &str) {
     }
 }
 
+/// A peer's echo of another rank's failure is classified by its type, and names the rank.
+fn expect_peer_failure(result: &mpipemoe::Result<()>, failed: usize) {
+    match result {
+        Err(e @ MoeError::PeerFailed { peer, .. }) => {
+            assert_eq!(*peer, failed, "{e}");
+            assert!(e.is_peer_failure());
+            assert!(e.to_string().contains(&format!("rank {failed} failed")), "{e}");
+        }
+        other => panic!("expected a peer failure naming rank {failed}, got {other:?}"),
+    }
+}
+
 #[test]
 fn a_rank_that_errors_mid_exchange_fails_the_others_promptly() {
     let start = Instant::now();
@@ -96,8 +109,8 @@ fn a_rank_that_errors_mid_exchange_fails_the_others_promptly() {
     // Far below the 30 s timeout: the failure is propagated, not waited out.
     assert!(start.elapsed() < Duration::from_secs(5));
     assert!(matches!(results[1], Err(MoeError::Input(_))));
-    expect_comm_error(&results[0], "rank 1 failed");
-    expect_comm_error(&results[2], "rank 1 failed");
+    expect_peer_failure(&results[0], 1);
+    expect_peer_failure(&results[2], 1);
     // `run` reports the root cause, not a peer's echo of it.
     let root = LocalGroup::run(2, |ctx| {
         if ctx.rank == 0 {
@@ -121,7 +134,7 @@ fn a_rank_that_panics_fails_the_others() {
         Err(e) => assert!(e.to_string().contains("rank 0 exploded"), "{e}"),
         Ok(_) => panic!("rank 0 should fail"),
     }
-    expect_comm_error(&results[1], "rank 0");
+    expect_peer_failure(&results[1], 0);
 }
 
 #[test]
@@ -185,7 +198,7 @@ fn a_rank_that_fails_before_backward_fails_its_peers_in_backward() {
         let _ = out.output.sum().backward();
         Ok(())
     });
-    expect_comm_error(&results[0], "rank 1");
+    expect_peer_failure(&results[0], 1);
 }
 
 #[test]

@@ -5,10 +5,9 @@ use std::sync::Arc;
 
 use burn::backend::{Autodiff, Flex, NdArray};
 use burn::tensor::{Tensor, TensorData};
-use mpipemoe::cases::{agreement_error, check_case, expected, Case, CheckOptions};
+use mpipemoe::harness::{agreement_error, check_case, expected, Case, CheckOptions};
 use mpipemoe::{
-    Activation, ExchangePath, MemoryReuse, MoeError, MoeLayer, MoeLayerConfig, Partitions, SingleRank,
-    Strategy,
+    Activation, ExchangePath, MemoryReuse, MoeError, MoeLayer, MoeLayerConfig, Partitions, Strategy,
 };
 use proptest::prelude::*;
 use proptest::strategy::Strategy as PropStrategy;
@@ -207,9 +206,14 @@ fn capacity_drops_are_counted_and_rank_independent() {
     let device = Default::default();
     let config = MoeLayerConfig::new(6, 8, 4, 2).with_capacity_factor(Some(0.5));
     let case = Case::generate("capacity", &config, 16, 21).unwrap();
-    let layer =
-        MoeLayer::<B>::from_tensor_map(&config, &case.tensors, &case.path, &device, Arc::new(SingleRank))
-            .unwrap();
+    let layer = MoeLayer::<B>::from_tensor_map(
+        &config,
+        &case.tensors,
+        &case.path,
+        &device,
+        Arc::new(mpipemoe::comm::SingleRank),
+    )
+    .unwrap();
     let x = Tensor::<B, 2>::from_data(case.tensor("x").clone(), &device);
     let stats = layer.forward(x).stats.routing;
     assert_eq!(stats.capacity, Some(4));
@@ -303,7 +307,7 @@ fn ndarray_reciprocal_is_exact() {
 #[test]
 fn flex_gelu_kernels_match_the_f64_formula_on_every_layout() {
     use burn::tensor::TensorPrimitive;
-    use mpipemoe::MoeBackend;
+    use mpipemoe::backend::ActivationKernels;
 
     let device = Default::default();
     let n: usize = 40 * 700;

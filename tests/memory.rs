@@ -5,10 +5,9 @@
 //! one test function, one configuration at a time.
 
 use burn::backend::{Autodiff, Flex};
-use mpipemoe::{
-    measure_layer_memory, CountingAllocator, ImplementationModel, LayerShape, MemoryReuse, MoeLayerConfig,
-    PaperTerms, Partitions, Strategy,
-};
+use mpipemoe::harness::{measure_layer_memory, CountingAllocator};
+use mpipemoe::memory::{ImplementationModel, LayerShape, PaperTerms};
+use mpipemoe::{MemoryReuse, MoeLayerConfig, Partitions, Strategy};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator::new();

@@ -1,5 +1,6 @@
 //! Tuning: Algorithm 1 with a fake timer, the cost model on synthetic profiles, the
-//! simulator's trends on the paper's cluster, and the planner against Eq. 1–9 by hand.
+//! simulator's trends on the paper's cluster. (The planner's JSON against Eq. 1–9 by hand is
+//! in tools/tests/cli.rs, where the command-line tool lives.)
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -7,9 +8,10 @@ use std::time::Duration;
 
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{Distribution, Tensor};
+use mpipemoe::memory::LayerShape;
 use mpipemoe::sim::{simulate, sweep};
 use mpipemoe::tuning::{search_best_gran, CostModel, GranularityTable, Lookup, Profile, TrialTimer};
-use mpipemoe::{LayerShape, LocalGroup, MemoryReuse, MoeError, MoeLayerConfig, Partitions, Strategy};
+use mpipemoe::{LocalGroup, MemoryReuse, MoeError, MoeLayerConfig, Partitions, Strategy};
 
 type B = Autodiff<NdArray>;
 
@@ -381,58 +383,6 @@ fn strategy_ranking_at_8_and_64_gpus_is_reported() {
             assert_eq!(
                 ranked[0].0, "s4",
                 "at N = {n_gpus} the simulator should put S4 first, as the paper does"
-            );
-        }
-    }
-}
-
-#[test]
-fn plan_json_equals_eq_1_to_9_by_hand_for_two_presets() {
-    for (preset, m, h) in [("gpt3-s", 768.0, 3072.0), ("bert-l", 1024.0, 4096.0)] {
-        let (b, e, n_gpus, n) = (8192.0, 64.0, 8.0, 4.0);
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_mpipemoe"))
-            .args([
-                "plan",
-                "--preset",
-                preset,
-                "--tokens",
-                "8192",
-                "--gpus",
-                "8",
-                "--partitions",
-                "4",
-                "--json",
-            ])
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        let paper = &json["paper"];
-        let local = e / n_gpus;
-        let m_ms = 4.0 * (e * m + 2.0 * h * m * local);
-        let m_act = 4.0 * b * m + b * h;
-        let m_buf = b * m + b * h;
-        let delta = b * (2.0 * m * (n - 2.0) / n + h * (n - 1.0) / n);
-        let phi = 2.0 * delta / (m_ms + 2.0 * m_act);
-        for (key, want) in [
-            ("m_ms", m_ms),
-            ("m_act", m_act),
-            ("m_buf", m_buf),
-            ("m_act_pipe", m_act),
-            ("delta_m_act", delta),
-            ("delta_m_buf", delta),
-            ("phi", phi),
-        ] {
-            let got = paper[key]
-                .as_f64()
-                .unwrap_or_else(|| panic!("{preset}: no paper.{key}"));
-            assert!(
-                (got - want).abs() <= 1e-9 * want.abs(),
-                "{preset} {key}: {got} vs {want}"
-            );
-            assert!(
-                json["implementation"][key].is_number(),
-                "{preset}: no implementation.{key}"
             );
         }
     }

@@ -14,11 +14,10 @@ use std::time::{Duration, Instant};
 
 use burn::backend::Autodiff;
 use burn::tensor::{Distribution, Tensor};
+use mpipemoe::comm::{HostLoopback, SingleRank};
+use mpipemoe::memory::{ImplementationModel, LayerShape};
 use mpipemoe::tuning::Profile;
-use mpipemoe::{
-    Communicator, HostLoopback, ImplementationModel, LayerShape, MemoryReuse, MoeLayer, MoeLayerConfig,
-    Partitions, SingleRank, Strategy,
-};
+use mpipemoe::{Communicator, MemoryReuse, MoeLayer, MoeLayerConfig, Partitions, Strategy};
 use mpipemoe_cuda::{cuda_available, CudaMoe};
 use serde::Serialize;
 

@@ -10,7 +10,7 @@ use std::process::ExitCode;
 
 use burn::backend::Autodiff;
 use burn::tensor::bf16;
-use mpipemoe::cases::{check_case, Case, CheckOptions};
+use mpipemoe::harness::{check_case, Case, CheckOptions};
 use mpipemoe::{ExchangePath, Partitions, Strategy};
 use mpipemoe_cuda::{cuda_available, CudaMoe};
 

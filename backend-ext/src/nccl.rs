@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::safe::{Comm, Id};
-use mpipemoe::{Communicator, MoeError, Payload, Result};
+use mpipemoe::comm::Payload;
+use mpipemoe::{Communicator, MoeError, Result};
 
 /// One rank of an NCCL group.
 #[derive(Debug)]

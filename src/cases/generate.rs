@@ -2,13 +2,12 @@
 
 use std::path::PathBuf;
 
-use burn::backend::NdArray;
 use burn::tensor::TensorData;
 
 use super::golden::golden;
 use super::Case;
 use crate::error::Result;
-use crate::experts::HostInit;
+
 use crate::layer::{LayerMeta, TensorMap};
 use crate::MoeLayerConfig;
 
@@ -44,15 +43,16 @@ impl Case {
 
     /// A case with random weights (the layer's own initialisation with `seed`), random `x`
     /// and `probe` of `n_tokens` tokens, and expected tensors from [`Case::from_parts`].
+    #[cfg(feature = "ndarray")]
     pub fn generate(name: &str, config: &MoeLayerConfig, n_tokens: usize, seed: u64) -> Result<Case> {
         let layer = config
             .clone()
             .with_seed(seed)
-            .try_init::<NdArray>(&Default::default())?;
+            .try_init::<burn::backend::NdArray>(&Default::default())?;
         let mut tensors = layer.gather_tensor_map()?.expect("a single rank is rank 0");
         let m = config.d_model;
         let draw = |tensor: &str| {
-            let values = HostInit::new(seed, tensor, 0).uniform(n_tokens * m, 1.0);
+            let values = crate::experts::HostInit::new(seed, tensor, 0).uniform(n_tokens * m, 1.0);
             TensorData::new(values, [n_tokens, m])
         };
         tensors.insert("x".into(), draw("x"));

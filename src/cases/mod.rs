@@ -1,6 +1,7 @@
 //! The reference-case harness: load a case file, run it through any configuration of the
 //! layer (path, ranks, partitions, strategy), and compare every tensor with the expected one.
-//! `mpipemoe check`, the tests and the benches all use it.
+//! `mpipemoe check`, the tests and the benches all use it (through `harness`, which is not
+//! part of the documented API).
 
 mod case;
 mod check;

@@ -81,7 +81,7 @@ impl LocalGroup {
         let root_cause = results
             .iter()
             .filter_map(|r| r.as_ref().err())
-            .find(|e| !matches!(e, MoeError::Comm { reason, .. } if reason.starts_with(PEER_PREFIX)))
+            .find(|e| !e.is_peer_failure())
             .cloned();
         if let Some(err) = root_cause {
             return Err(err);
@@ -149,9 +149,6 @@ impl LocalGroup {
             .collect()
     }
 }
-
-/// Prefix of the reason of an error that reports another rank's failure.
-const PEER_PREFIX: &str = "peer failure:";
 
 /// One rank's handle to a [`LocalGroup`].
 #[derive(Debug)]
@@ -228,12 +225,11 @@ impl Communicator for LocalComm {
         let deadline = Instant::now() + self.hub.timeout;
         let mut state = self.hub.lock();
         let peer_error = |state: &HubState| {
-            state.failed.as_ref().map(|(rank, reason)| {
-                MoeError::comm(
-                    op,
-                    self.rank,
-                    format!("{PEER_PREFIX} rank {rank} failed: {reason}"),
-                )
+            state.failed.as_ref().map(|(peer, reason)| MoeError::PeerFailed {
+                op: op.to_string(),
+                rank: self.rank,
+                peer: *peer,
+                reason: reason.clone(),
             })
         };
         if let Some(err) = peer_error(&state) {

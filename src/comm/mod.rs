@@ -15,3 +15,10 @@ pub use communicator::{Communicator, Payload};
 pub use local::{GroupOptions, LocalComm, LocalGroup, RankContext};
 pub use loopback::HostLoopback;
 pub use single::SingleRank;
+
+/// The contiguous slice of `total` items that `rank` of `n_ranks` holds when they are split as
+/// evenly as possible (the first `total % n_ranks` ranks hold one more): how the examples and
+/// the case harness split a global batch over ranks.
+pub fn rank_range(total: usize, n_ranks: usize, rank: usize) -> std::ops::Range<usize> {
+    crate::dispatch::chunk_range(total, n_ranks, rank)
+}

@@ -11,4 +11,4 @@ mod plan;
 
 pub use capacity::{capacity_for, CapacityDecision};
 pub use partition::{chunk_len, chunk_range, PartitionPlan, SplitScheme};
-pub use plan::{build_plans, DispatchPlan, ExchangePlan, RoutingCounts, RoutingStats};
+pub use plan::{DispatchPlan, ExchangePlan, RoutingCounts, RoutingStats};

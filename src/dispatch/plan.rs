@@ -289,18 +289,3 @@ impl RoutingCounts {
         (dispatch, exchange)
     }
 }
-
-/// Builds both plans for this rank's routing decision: [`RoutingCounts::gather`] (the
-/// layer's only host-side synchronisation) followed by [`RoutingCounts::plans`].
-#[allow(clippy::too_many_arguments)]
-pub fn build_plans(
-    indices: &[usize],
-    n_tokens: usize,
-    top_k: usize,
-    n_experts: usize,
-    capacity_factor: Option<f64>,
-    scheme: SplitScheme,
-    comm: &dyn Communicator,
-) -> Result<(DispatchPlan, ExchangePlan)> {
-    Ok(RoutingCounts::gather(indices, n_tokens, top_k, n_experts, capacity_factor, comm)?.plans(scheme))
-}

@@ -3,10 +3,6 @@
 use std::fmt::Debug;
 use std::sync::Arc;
 
-use burn::backend::ndarray::{
-    FloatNdArrayElement, IntNdArrayElement, NdArrayTensor, QuantElement, SharedArray,
-};
-use burn::backend::{Flex, NdArray};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 
@@ -14,7 +10,7 @@ use super::rows;
 use crate::comm::Communicator;
 use crate::dispatch::ExchangePlan;
 use crate::error::Result;
-use crate::experts::{Activation, ExpertTensors};
+use crate::experts::{Activation, ActivationKernels, ExpertTensors};
 use crate::memory::{HostStore, Strategy};
 
 /// Everything the exchange op needs besides tensors and the plan.
@@ -46,8 +42,11 @@ pub struct ExchangeGrads<B: Backend> {
 /// Backends implement [`exchange_forward`](MoeBackend::exchange_forward) and
 /// [`exchange_backward`](MoeBackend::exchange_backward); the layer calls
 /// [`exchange`](MoeBackend::exchange), which `Autodiff<B>` overrides to record one backward
-/// node. CPU backends share one generic implementation written with primitive ops.
-pub trait MoeBackend: Backend {
+/// node. CPU backends share one generic implementation written with primitive ops
+/// ([`fused_forward`](crate::backend::fused_forward) and
+/// [`fused_backward`](crate::backend::fused_backward)); the expert FFN's activation kernels
+/// come from the supertrait [`ActivationKernels`].
+pub trait MoeBackend: ActivationKernels {
     /// What the forward pass keeps for backward under the run's strategy.
     type Saved: Clone + Send + Sync + Debug + 'static;
 
@@ -98,22 +97,11 @@ pub trait MoeBackend: Backend {
     ) -> Result<FloatTensor<Self>> {
         rows::all_to_all_rows::<Self>(comm.as_ref(), x, send_per_rank, recv_per_rank)
     }
-
-    /// The exact (erf) GELU, `z · Φ(z)`. The default is the backend's own `gelu`; backends
-    /// with a faster exact kernel override it.
-    fn gelu_exact(z: FloatTensor<Self>) -> FloatTensor<Self> {
-        <Self as burn::tensor::ops::ActivationOps<Self>>::gelu(z)
-    }
-
-    /// `grad · d gelu(z)/dz` for the exact (erf) GELU. The default composes it from primitive
-    /// ops; backends with an exact fused kernel override it.
-    fn gelu_backward_exact(z: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        crate::experts::gelu_backward_composed::<Self>(z, grad)
-    }
 }
 
 /// The two required methods of [`MoeBackend`] for a backend that runs the generic fused
 /// implementation written with primitive ops.
+#[cfg(any(feature = "ndarray", feature = "flex", feature = "cubecl"))]
 macro_rules! fused_exchange {
     () => {
         type Saved = $crate::exchange::fused::Saved<Self>;
@@ -141,23 +129,19 @@ macro_rules! fused_exchange {
 #[cfg(feature = "cubecl")]
 pub(crate) use fused_exchange;
 
-impl<E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement> MoeBackend for NdArray<E, I, Q>
+#[cfg(feature = "ndarray")]
+impl<E, I, Q> MoeBackend for burn::backend::NdArray<E, I, Q>
 where
-    NdArrayTensor: From<SharedArray<E>> + From<SharedArray<I>>,
+    E: burn::backend::ndarray::FloatNdArrayElement,
+    I: burn::backend::ndarray::IntNdArrayElement,
+    Q: burn::backend::ndarray::QuantElement,
+    burn::backend::ndarray::NdArrayTensor:
+        From<burn::backend::ndarray::SharedArray<E>> + From<burn::backend::ndarray::SharedArray<I>>,
 {
     fused_exchange!();
 }
 
-impl MoeBackend for Flex {
+#[cfg(feature = "flex")]
+impl MoeBackend for burn::backend::Flex {
     fused_exchange!();
-
-    /// Flex's element-wise ops run on one thread; this one uses every core.
-    fn gelu_exact(z: FloatTensor<Self>) -> FloatTensor<Self> {
-        crate::experts::flex_gelu::gelu(z)
-    }
-
-    /// The exact erf derivative in one pass over every core, in place where it can be.
-    fn gelu_backward_exact(z: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        crate::experts::flex_gelu::gelu_backward(z, grad)
-    }
 }

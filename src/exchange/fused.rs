@@ -70,8 +70,17 @@ impl<B: Backend> Stash<B> {
     }
 }
 
-/// Forward: `T_O` from `T_I` over the plan's partitions.
-pub(crate) fn forward<B: MoeBackend>(
+/// The generic fused forward: `T_O` from `T_I` over the plan's partitions, on any backend,
+/// with burn's primitive ops and the run's communicator. Backends without a faster exchange
+/// of their own implement [`MoeBackend::exchange_forward`] with it.
+///
+/// # Shapes
+/// - input (`T_I`): `[n_rows, d_model]` in plan order → `T_O`, the same shape
+///
+/// # Errors
+/// [`MoeError::Input`] if `T_I` or the experts disagree with the plan; [`MoeError::Comm`] if a
+/// collective fails; [`MoeError::Memory`] if the host store refuses an offload.
+pub fn forward<B: MoeBackend>(
     input: FloatTensor<B>,
     experts: ExpertTensors<B>,
     plan: &ExchangePlan,
@@ -111,8 +120,12 @@ pub(crate) fn forward<B: MoeBackend>(
     Ok((output.finish(), saved))
 }
 
-/// Backward: gradients of `T_I` and the experts from the gradient of `T_O`.
-pub(crate) fn backward<B: MoeBackend>(
+/// The generic fused backward: gradients of `T_I` and the experts from the gradient of `T_O`,
+/// restoring each partition's `T_DI` and `T_M` as the run's strategy says.
+///
+/// # Errors
+/// [`MoeError::Comm`] if a collective fails.
+pub fn backward<B: MoeBackend>(
     grad_out: FloatTensor<B>,
     saved: Saved<B>,
     plan: &ExchangePlan,

@@ -10,10 +10,9 @@ mod autodiff;
 mod backend;
 #[cfg(feature = "cubecl")]
 mod cubecl;
-mod fused;
+pub(crate) mod fused;
 mod reference;
 pub(crate) mod rows;
 
 pub use backend::{ExchangeGrads, ExchangeRun, MoeBackend};
-pub use fused::Saved;
 pub use reference::exchange_reference;

@@ -6,7 +6,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 
-use crate::exchange::MoeBackend;
+use super::ActivationKernels;
 
 /// The expert FFN's activation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -74,7 +74,7 @@ impl Activation {
 }
 
 /// `act(z)` on primitives. `z` is `[n_rows, d_inner]`.
-pub(crate) fn activation_forward<B: MoeBackend>(act: Activation, z: FloatTensor<B>) -> FloatTensor<B> {
+pub(crate) fn activation_forward<B: ActivationKernels>(act: Activation, z: FloatTensor<B>) -> FloatTensor<B> {
     match act {
         Activation::Gelu => B::gelu_exact(z),
         Activation::Relu => B::relu(z),
@@ -86,7 +86,7 @@ pub(crate) fn activation_forward<B: MoeBackend>(act: Activation, z: FloatTensor<
 }
 
 /// `d act(z) / dz · grad`, on primitives. `z` is `[n_rows, d_inner]`, `grad` `[n_rows, d_hidden]`.
-pub(crate) fn activation_backward<B: MoeBackend>(
+pub(crate) fn activation_backward<B: ActivationKernels>(
     act: Activation,
     z: FloatTensor<B>,
     grad: FloatTensor<B>,
@@ -123,7 +123,7 @@ fn split_halves<B: Backend>(z: FloatTensor<B>) -> (FloatTensor<B>, FloatTensor<B
 }
 
 /// Exact GELU backward, `grad · (Φ(z) + z · φ(z))`, composed from primitives; the default
-/// of [`MoeBackend::gelu_backward_exact`].
+/// of [`ActivationKernels::gelu_backward_exact`].
 pub(crate) fn gelu_backward_composed<B: Backend>(z: FloatTensor<B>, grad: FloatTensor<B>) -> FloatTensor<B> {
     let scaled = B::float_mul_scalar(z.clone(), std::f64::consts::FRAC_1_SQRT_2.into());
     let cdf = B::float_mul_scalar(B::float_add_scalar(B::float_erf(scaled), 1.0.into()), 0.5.into());

@@ -200,7 +200,7 @@ pub fn read_safetensors(path: &Path) -> Result<(TensorMap, Option<String>)> {
 }
 
 /// Writes `tensors` (f32) and the `meta` JSON to a safetensors file.
-pub(crate) fn write_safetensors(path: &Path, tensors: &TensorMap, meta: &str) -> Result<()> {
+pub fn write_safetensors(path: &Path, tensors: &TensorMap, meta: &str) -> Result<()> {
     let views = tensors
         .iter()
         .map(|(name, data)| {

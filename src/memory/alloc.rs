@@ -26,7 +26,7 @@ thread_local! {
 ///
 /// ```
 /// #[global_allocator]
-/// static ALLOC: mpipemoe::CountingAllocator = mpipemoe::CountingAllocator::new();
+/// static ALLOC: mpipemoe::harness::CountingAllocator = mpipemoe::harness::CountingAllocator::new();
 ///
 /// fn main() {
 ///     let before = ALLOC.reset_peak();

@@ -1,16 +1,15 @@
-//! Memory reuse: the strategies S1–S4, the host store for offloaded partitions, and the
-//! meter that keeps device and host bytes apart.
+//! Memory reuse and its models: the strategies S1–S4 ([`Strategy`], [`MemoryReuse`]), the
+//! paper's memory equations (Eq. 1–9, [`PaperTerms`]) next to what this implementation holds
+//! ([`ImplementationModel`]), the planner's answer ([`MemoryPlan`]), and the meter that keeps
+//! host-store bytes apart from device bytes ([`MemoryMeter`]).
 
-mod alloc;
-mod host_store;
-mod measure;
+pub(crate) mod alloc;
+pub(crate) mod host_store;
 mod meter;
 mod model;
 mod strategy;
 
-pub use alloc::CountingAllocator;
-pub use host_store::{HostBlock, HostStore};
-pub use measure::{measure_layer_memory, MemoryMeasurement};
+pub(crate) use host_store::{HostBlock, HostStore};
 pub use meter::{MemoryMeter, MemoryReport};
 pub use model::{ImplementationModel, ImplementationTerms, LayerShape, MemoryPlan, PaperTerms, Term};
 pub use strategy::{MemoryReuse, Restore, Strategy};

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use burn::backend::{Autodiff, Flex, NdArray};
 use clap::{Args, ValueEnum};
-use mpipemoe::cases::{check_case, Case, CheckOptions};
+use mpipemoe::harness::{check_case, Case, CheckOptions};
 use mpipemoe::{ExchangePath, Partitions, Strategy};
 
 /// Tolerance on the relative error of y, dx and every gradient.

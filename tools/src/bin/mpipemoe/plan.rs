@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use mpipemoe::MemoryPlan;
+use mpipemoe::memory::MemoryPlan;
 
 use crate::shape::ShapeArgs;
 

@@ -25,11 +25,10 @@ use std::time::Instant;
 use burn::backend::{Autodiff, Flex};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
-use mpipemoe::report::{write_panels, Panel, Series};
-use mpipemoe::{
-    measure_layer_memory, CountingAllocator, ImplementationModel, LayerShape, MemoryReuse, MoeLayerConfig,
-    PaperTerms, Partitions, Strategy,
-};
+use mpipemoe::harness::{measure_layer_memory, CountingAllocator};
+use mpipemoe::memory::{ImplementationModel, LayerShape, PaperTerms};
+use mpipemoe::{MemoryReuse, MoeLayerConfig, Partitions, Strategy};
+use mpipemoe_tools::report::{write_panels, Panel, Series};
 use serde::Serialize;
 
 #[global_allocator]

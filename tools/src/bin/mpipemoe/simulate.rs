@@ -94,7 +94,7 @@ pub fn run(args: SimulateArgs) -> ExitCode {
         .iter()
         .filter_map(|s| results.iter().find(|r| r.strategy == *s))
         .collect();
-    let shape_n = mpipemoe::LayerShape {
+    let shape_n = mpipemoe::memory::LayerShape {
         n_partitions: best.n_partitions,
         ..shape
     };

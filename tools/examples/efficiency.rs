@@ -21,9 +21,9 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{Distribution, Tensor, TensorMetadata};
 use clap::Parser;
-use mpipemoe::{
-    ExchangeRun, HostStore, MoeBackend, MoeLayerConfig, RoutingCounts, SingleRank, SplitScheme, Strategy,
-};
+use mpipemoe::backend::{ExchangeRun, HostStore, RoutingCounts};
+use mpipemoe::comm::SingleRank;
+use mpipemoe::{MoeBackend, MoeLayerConfig, SplitScheme, Strategy};
 use serde::Serialize;
 
 type B = Autodiff<Flex>;

@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::{Distribution, Tensor};
 use criterion::{criterion_group, criterion_main, Criterion};
-use mpipemoe::report::{write_panels, Panel, Series};
 use mpipemoe::{LocalGroup, MemoryReuse, MoeLayerConfig, Partitions, Strategy};
+use mpipemoe_tools::report::{write_panels, Panel, Series};
 use serde::Serialize;
 
 type B = Autodiff<Flex>;

@@ -1,7 +1,7 @@
 //! The model flags `plan` and `simulate` share.
 
 use clap::{Args, ValueEnum};
-use mpipemoe::LayerShape;
+use mpipemoe::memory::LayerShape;
 
 /// The paper's Table I shapes (64 experts each).
 #[derive(ValueEnum, Clone, Copy, Debug)]

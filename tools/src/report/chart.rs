@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 use plotters::prelude::*;
 use plotters::style::FontStyle;
 
-use crate::error::{MoeError, Result};
+use mpipemoe::{MoeError, Result};
 
 /// One line of a panel.
 #[derive(Debug, Clone, PartialEq)]

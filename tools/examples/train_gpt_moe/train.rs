@@ -7,7 +7,8 @@ use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
-use mpipemoe::{chunk_range, seeded_uniform, MemoryReuse, MoeBackend, Partitions, RankContext, Strategy};
+use mpipemoe::comm::rank_range;
+use mpipemoe::{seeded_uniform, MemoryReuse, MoeBackend, Partitions, RankContext, Strategy};
 use serde::Serialize;
 
 use super::data::Corpus;
@@ -190,7 +191,7 @@ where
         .with_memory_budget(o.memory_budget);
     let mut model = o.model.init::<B>(&moe, o.seed, device, ctx.comm.clone())?;
     let mut optimizer = AdamWConfig::new().with_weight_decay(0.01).init::<B, GptMoe<B>>();
-    let mine = chunk_range(o.batch, ctx.n_ranks, ctx.rank);
+    let mine = rank_range(o.batch, ctx.n_ranks, ctx.rank);
     let global_tokens = (o.batch * seq) as f64;
     let start = Instant::now();
     let mut losses = Vec::with_capacity(o.steps);

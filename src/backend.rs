@@ -1,0 +1,17 @@
+//! For backend authors: the contract of the fused exchange op and what implementing it needs.
+//!
+//! The layer calls [`MoeBackend::exchange`] with `T_I` (this rank's rows in plan order), the
+//! local experts' weights, the [`ExchangePlan`] and an [`ExchangeRun`]. A backend implements
+//! [`MoeBackend::exchange_forward`] and [`MoeBackend::exchange_backward`]; the activation
+//! kernels of the expert FFN come from [`ActivationKernels`] (exact defaults, overridable).
+//! [`fused_forward`] and [`fused_backward`] are the generic implementation written with
+//! burn's primitive ops, which a new backend can start from, and [`exchange_reference`] is the
+//! same function built from differentiable tensor ops, which tests hold an implementation to.
+
+pub use crate::dispatch::{chunk_len, chunk_range, ExchangePlan, PartitionPlan, RoutingCounts};
+pub use crate::exchange::fused::{backward as fused_backward, forward as fused_forward, Saved as FusedSaved};
+pub use crate::exchange::{exchange_reference, ExchangeGrads, ExchangeRun};
+pub use crate::experts::{ActivationKernels, ExpertTensors};
+pub use crate::memory::host_store::{HostBlock, HostStore};
+pub use crate::memory::Restore;
+pub use crate::MoeBackend;

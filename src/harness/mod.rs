@@ -1,0 +1,11 @@
+//! Not part of the API: the reference-case harness and the memory instrumentation that the
+//! `mpipemoe` command-line tool, the tests and the benchmarks share. Nothing here is covered by
+//! semantic versioning.
+
+mod memory;
+
+pub use crate::cases::{
+    agreement_error, check_case, expected, relative_error, Case, CheckOptions, CheckReport, TensorError,
+};
+pub use crate::memory::alloc::CountingAllocator;
+pub use memory::{measure_layer_memory, MemoryMeasurement};
