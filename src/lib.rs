@@ -76,6 +76,7 @@ mod experts;
 pub mod format;
 #[doc(hidden)]
 pub mod harness;
+pub mod hf;
 mod layer;
 pub mod memory;
 mod router;
@@ -91,4 +92,4 @@ pub use layer::{
     ExchangePath, MoeContext, MoeLayer, MoeLayerConfig, MoeOutput, MoeStats, ParamKind, Partitions,
 };
 pub use memory::{MemoryReuse, Strategy};
-pub use router::{Router, Routing};
+pub use router::{Router, Routing, RoutingRule, Scoring};

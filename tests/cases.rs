@@ -1,9 +1,11 @@
 //! The reference cases (DESIGN §7): every case file through both paths, every strategy,
-//! n ∈ {1, 2, 3} and ranks ∈ {1, 2, 4} where the experts divide, on NdArray and Flex.
+//! n ∈ {1, 2, 3} and FasterMoE's split by rank, ranks ∈ {1, 2, 4} where the experts divide,
+//! on NdArray and Flex.
 //!
-//! Cases are read from `tests/data/cases` (the project's copy) and from `../shared/cases`
-//! when that folder exists, so new shared cases are checked as soon as they appear; a
-//! separate test fails while the copy differs from the shared folder.
+//! Cases are read from `tests/data/cases` and `tests/data/hf` (the project's copies) and from
+//! `../shared/cases` and `../shared/hf` when those folders exist, so new shared cases are
+//! checked as soon as they appear; a separate test fails while a copy differs from its shared
+//! folder.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -16,12 +18,13 @@ use mpipemoe::{ExchangePath, MoeBackend, Partitions, Strategy};
 const TOLERANCE: f64 = 1e-4;
 const STRATEGY_AGREEMENT: f64 = 1e-5;
 
-fn local_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/cases")
-}
-
-fn shared_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/cases")
+/// The case folders: (the project's copy, the shared folder it copies).
+fn folders() -> [(PathBuf, PathBuf); 2] {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    [
+        (root.join("tests/data/cases"), root.join("../shared/cases")),
+        (root.join("tests/data/hf"), root.join("../shared/hf")),
+    ]
 }
 
 fn files_in(dir: &Path) -> BTreeMap<String, PathBuf> {
@@ -37,42 +40,64 @@ fn files_in(dir: &Path) -> BTreeMap<String, PathBuf> {
         .unwrap_or_default()
 }
 
-/// The union of the local copy and the shared folder (shared wins on a name clash).
+/// The union of the local copies and the shared folders (shared wins on a name clash).
 fn case_files() -> Vec<PathBuf> {
-    let mut files = files_in(&local_dir());
-    files.extend(files_in(&shared_dir()));
-    assert!(!files.is_empty(), "no case files in {}", local_dir().display());
+    let mut files = BTreeMap::new();
+    for (local, shared) in folders() {
+        files.extend(files_in(&local));
+        files.extend(files_in(&shared));
+    }
+    assert!(
+        files.len() >= 7,
+        "expected the 4 cases and 3 Hugging Face cases, found {files:?}"
+    );
     files.into_values().collect()
 }
 
+/// Every file under `dir`, as paths relative to it.
+fn tree(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![PathBuf::new()];
+    while let Some(rel) = stack.pop() {
+        for entry in std::fs::read_dir(dir.join(&rel)).unwrap().filter_map(|e| e.ok()) {
+            let path = rel.join(entry.file_name());
+            if entry.path().is_dir() {
+                stack.push(path);
+            } else {
+                out.push(path);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
 #[test]
-fn local_copy_matches_shared_cases() {
-    let shared = shared_dir();
-    if !shared.is_dir() {
-        eprintln!("{} not present: nothing to compare", shared.display());
-        return;
-    }
-    let mut names: Vec<String> = std::fs::read_dir(&shared)
-        .unwrap()
-        .filter_map(|e| e.ok())
-        .filter(|e| e.path().is_file())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    for name in &names {
-        let want = std::fs::read(shared.join(name)).unwrap();
-        let got = std::fs::read(local_dir().join(name)).unwrap_or_default();
-        assert!(
-            got == want,
-            "tests/data/cases/{name} differs from ../shared/cases/{name}: copy it again"
-        );
-    }
-    let local: Vec<String> = files_in(&local_dir()).into_keys().collect();
-    for name in local {
-        assert!(
-            names.contains(&name),
-            "tests/data/cases/{name} is not in ../shared/cases"
-        );
+fn local_copies_match_the_shared_folders() {
+    for (local, shared) in folders() {
+        if !shared.is_dir() {
+            eprintln!("{} not present: nothing to compare", shared.display());
+            continue;
+        }
+        let names = tree(&shared);
+        for name in &names {
+            let want = std::fs::read(shared.join(name)).unwrap();
+            let got = std::fs::read(local.join(name)).unwrap_or_default();
+            assert!(
+                got == want,
+                "{} differs from {}: copy it again",
+                local.join(name).display(),
+                shared.join(name).display()
+            );
+        }
+        for name in tree(&local) {
+            assert!(
+                names.contains(&name),
+                "{} is not in {}",
+                local.join(&name).display(),
+                shared.display()
+            );
+        }
     }
 }
 
@@ -86,12 +111,15 @@ fn configurations(n_experts: usize) -> Vec<CheckOptions> {
             n_ranks,
             ..CheckOptions::default()
         });
-        for n in 1..=3 {
+        let splits = [1, 2, 3].map(Partitions::Fixed).into_iter();
+        // FasterMoE's split by destination rank is its own schedule only with several ranks.
+        let by_rank = (n_ranks > 1).then_some(Partitions::ByRank);
+        for partitions in splits.chain(by_rank) {
             for strategy in Strategy::ALL {
                 out.push(CheckOptions {
                     path: ExchangePath::Fused,
                     n_ranks,
-                    partitions: Partitions::Fixed(n),
+                    partitions,
                     strategy,
                 });
             }

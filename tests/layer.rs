@@ -7,7 +7,7 @@ use burn::backend::{Autodiff, Flex, NdArray};
 use burn::tensor::{Tensor, TensorData};
 use mpipemoe::harness::{agreement_error, check_case, expected, Case, CheckOptions};
 use mpipemoe::{
-    Activation, ExchangePath, MemoryReuse, MoeError, MoeLayer, MoeLayerConfig, Partitions, Strategy,
+    Activation, ExchangePath, MemoryReuse, MoeError, MoeLayer, MoeLayerConfig, Partitions, Scoring, Strategy,
 };
 use proptest::prelude::*;
 use proptest::strategy::Strategy as PropStrategy;
@@ -41,6 +41,17 @@ fn bad_config_fields_are_named() {
     assert!(config_error(base.clone().with_shared_expert(Some(0))).starts_with("shared_expert"));
     assert!(config_error(base.clone().with_aux_loss_coef(-0.1)).starts_with("aux_loss_coef"));
     assert!(config_error(base.clone().with_partitions(Partitions::Fixed(0))).starts_with("partitions"));
+    assert!(config_error(base.clone().with_n_group(3)).starts_with("n_group"));
+    assert!(config_error(base.clone().with_n_group(0)).starts_with("n_group"));
+    assert!(config_error(base.clone().with_n_group(2).with_topk_group(3)).starts_with("topk_group"));
+    // Two groups of two experts, one kept: top-3 cannot be chosen from two experts.
+    let err = config_error(
+        MoeLayerConfig::new(8, 16, 4, 3)
+            .with_n_group(2)
+            .with_topk_group(1),
+    );
+    assert!(err.starts_with("top_k") && err.contains("hold only 2"), "{err}");
+    assert!(config_error(base.clone().with_routed_scaling_factor(0.0)).starts_with("routed_scaling_factor"));
     let err = base.validate_for_ranks(3).unwrap_err().to_string();
     assert!(
         err.contains("n_experts") && err.contains('4') && err.contains('3'),
@@ -96,19 +107,66 @@ fn arb_config() -> impl PropStrategy<Value = (MoeLayerConfig, usize, u64)> {
         prop::option::of(prop::sample::select(vec![3usize, 8])),
         0usize..30,
         any::<u64>(),
+        (
+            any::<bool>(),
+            1usize..=4,
+            prop::sample::select(vec![1.0f64, 2.5]),
+            any::<bool>(),
+        ),
     )
         .prop_map(
-            |(e, k, m, h, act, (bias, router_bias, norm), cap, shared, tokens, seed)| {
-                let config = MoeLayerConfig::new(m, h, e, k.min(e))
+            |(e, k, m, h, act, (bias, router_bias, norm), cap, shared, tokens, seed, deepseek)| {
+                let (sigmoid, groups, scaling, shared_gate) = deepseek;
+                let mut config = MoeLayerConfig::new(m, h, e, k.min(e))
                     .with_activation(act)
                     .with_bias(bias)
                     .with_router_bias(router_bias)
                     .with_normalize_topk(norm)
                     .with_capacity_factor(cap)
-                    .with_shared_expert(shared);
+                    .with_shared_expert(shared)
+                    .with_shared_expert_gate(shared_gate)
+                    .with_routed_scaling_factor(scaling);
+                if sigmoid {
+                    // DeepSeek-V3 routing: sigmoid scores, a score bias, and groups of at least
+                    // two experts of which half are kept (when there are groups at all).
+                    let n_group = [1, 2, 4]
+                        .into_iter()
+                        .filter(|g| e % g == 0 && e / g >= 2 && *g <= groups)
+                        .max()
+                        .unwrap_or(1);
+                    let topk_group = n_group
+                        .div_ceil(2)
+                        .max((k.min(e)).div_ceil(e / n_group))
+                        .min(n_group);
+                    config = config
+                        .with_scoring(Scoring::Sigmoid)
+                        .with_score_bias(true)
+                        .with_n_group(n_group)
+                        .with_topk_group(topk_group);
+                }
                 (config, tokens, seed)
             },
         )
+}
+
+/// A generated case, with a random score bias where the config has one (the layer initialises
+/// it to zeros, which would leave its effect on the choice untested).
+fn generate(config: &MoeLayerConfig, tokens: usize, seed: u64) -> Case {
+    let case = Case::generate("random", config, tokens, seed).unwrap();
+    if !config.score_bias {
+        return case;
+    }
+    let mut inputs: std::collections::BTreeMap<String, TensorData> = case
+        .tensors
+        .into_iter()
+        .filter(|(n, _)| !n.starts_with("grad.") && n != "y" && n != "dx")
+        .collect();
+    let bias = mpipemoe::seeded_uniform(seed, "score_bias", config.n_experts, 0.3);
+    inputs.insert(
+        "router.score_bias".into(),
+        TensorData::new(bias, [config.n_experts]),
+    );
+    Case::from_parts("random", config, inputs).unwrap()
 }
 
 proptest! {
@@ -123,7 +181,8 @@ proptest! {
         n in 1usize..5,
         strategy in prop::sample::select(Strategy::ALL.to_vec()),
     ) {
-        let case = Case::generate("random", &config, tokens, seed).unwrap();
+        prop_assert!(config.validate().is_ok(), "{:?}", config.validate());
+        let case = generate(&config, tokens, seed);
         let device = Default::default();
         for n_ranks in [1usize, 2].into_iter().filter(|r| config.n_experts % r == 0) {
             let reference = check_case::<B>(&case, &CheckOptions { path: ExchangePath::Reference, n_ranks, ..CheckOptions::default() }, &device).unwrap();
@@ -364,4 +423,73 @@ fn flex_gelu_kernels_match_the_f64_formula_on_every_layout() {
         unique.into_primitive().tensor(),
     )));
     assert_eq!(shared, owned);
+}
+
+/// The score bias is a buffer: it gets no gradient, moves only by `balance_score_bias`, and is
+/// saved and loaded with the module's record.
+#[test]
+fn the_score_bias_is_a_buffer_saved_with_the_module() {
+    use burn::module::Module;
+    use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+    let device = Default::default();
+    let config = MoeLayerConfig::new(8, 16, 4, 2)
+        .with_scoring(Scoring::Sigmoid)
+        .with_score_bias(true)
+        .with_seed(3);
+    let mut layer = config.init::<B>(&device);
+    let x = Tensor::<B, 2>::random([24, 8], burn::tensor::Distribution::Default, &device);
+    let out = layer.forward(x.clone());
+    let grads = out.output.sum().backward();
+    let bias = layer.router.score_bias.as_ref().unwrap();
+    assert!(
+        bias.grad(&grads).is_none(),
+        "the score bias must not receive a gradient"
+    );
+    let load = out.stats.routing.routed_per_expert.clone();
+    assert_eq!(load.iter().sum::<usize>(), 48);
+    layer.balance_score_bias(&load, 0.25).unwrap();
+    let mean = 12.0;
+    let moved: Vec<f32> = layer
+        .router
+        .score_bias
+        .as_ref()
+        .unwrap()
+        .val()
+        .into_data()
+        .to_vec()
+        .unwrap();
+    for (e, (&l, &b)) in load.iter().zip(&moved).enumerate() {
+        let want = if (l as f64) < mean {
+            0.25
+        } else if (l as f64) > mean {
+            -0.25
+        } else {
+            0.0
+        };
+        assert_eq!(b, want, "expert {e} with load {l}");
+    }
+    let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+    let bytes = recorder.record(layer.clone().into_record(), ()).unwrap();
+    let fresh = config.init::<B>(&device);
+    let loaded = fresh.load_record(recorder.load(bytes, &device).unwrap());
+    let restored: Vec<f32> = loaded
+        .router
+        .score_bias
+        .as_ref()
+        .unwrap()
+        .val()
+        .into_data()
+        .to_vec()
+        .unwrap();
+    assert_eq!(restored, moved);
+    assert!(!loaded.router.score_bias.as_ref().unwrap().val().is_require_grad());
+    // A layer without a score bias says so.
+    let mut plain = MoeLayerConfig::new(8, 16, 4, 2).init::<B>(&device);
+    let err = plain
+        .balance_score_bias(&[1, 2, 3, 4], 0.1)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("score_bias"), "{err}");
+    let err = layer.balance_score_bias(&[1, 2], 0.1).unwrap_err().to_string();
+    assert!(err.contains("one load per expert"), "{err}");
 }

@@ -20,8 +20,11 @@ pub struct Case {
     pub meta: LayerMeta,
     /// The layer config the meta describes, for this case's batch.
     pub config: MoeLayerConfig,
-    /// Every tensor in the file.
+    /// Every tensor in the file (and the generated ones, for a layer file).
     pub tensors: TensorMap,
+    /// Whether `y`, `dx` and the gradients come from the float64 oracle of the spec rather
+    /// than from the file (a layer file with weights only).
+    pub expected_by_oracle: bool,
 }
 
 impl Case {
@@ -31,7 +34,7 @@ impl Case {
         let path = path.as_ref();
         let (tensors, meta) = read_safetensors(path)?;
         let meta = meta.ok_or_else(|| MoeError::file(path, "no `meta` key in the safetensors metadata"))?;
-        let meta = LayerMeta::parse(&meta).map_err(|e| MoeError::file(path, e))?;
+        let meta = LayerMeta::parse(&meta).map_err(|e| MoeError::file(path, e.to_string()))?;
         let x = tensors
             .get("x")
             .ok_or_else(|| MoeError::file(path, "missing tensor `x`"))?;
@@ -44,7 +47,7 @@ impl Case {
         let n_tokens = x.shape[0];
         let config = meta
             .to_config(Some(n_tokens))
-            .map_err(|e| MoeError::file(path, e))?;
+            .map_err(|e| MoeError::file(path, e.to_string()))?;
         let case = Self {
             name: path
                 .file_stem()
@@ -54,10 +57,45 @@ impl Case {
             meta,
             config,
             tensors,
+            expected_by_oracle: false,
         };
         for (name, shape) in case.expected_shapes() {
             crate::layer::expect_tensor(&case.tensors, &name, &shape, path)?;
         }
+        Ok(case)
+    }
+
+    /// Reads a case file, or a canonical layer file with weights only (what `mpipemoe
+    /// convert` writes): then `x` and `probe` are `n_tokens` seeded random tokens and the
+    /// expected tensors come from the float64 oracle of the spec.
+    pub fn load_or_oracle(path: impl AsRef<Path>, n_tokens: usize, seed: u64) -> Result<Self> {
+        let path = path.as_ref();
+        let (tensors, meta) = read_safetensors(path)?;
+        if tensors.contains_key("x") {
+            return Self::load(path);
+        }
+        let meta = meta.ok_or_else(|| MoeError::file(path, "no `meta` key in the safetensors metadata"))?;
+        let meta = LayerMeta::parse(&meta).map_err(|e| MoeError::file(path, e.to_string()))?;
+        let config = meta
+            .to_config(Some(n_tokens))
+            .map_err(|e| MoeError::file(path, e.to_string()))?;
+        let mut inputs = TensorMap::new();
+        for (name, shape) in crate::layer::parameter_shapes(&config) {
+            let data = crate::layer::expect_tensor(&tensors, name, &shape, path)?;
+            inputs.insert(name.to_string(), data.clone().convert::<f32>());
+        }
+        for name in ["x", "probe"] {
+            let values = crate::experts::HostInit::new(seed, name, 0).uniform(n_tokens * config.d_model, 1.0);
+            inputs.insert(name.into(), TensorData::new(values, [n_tokens, config.d_model]));
+        }
+        let stem = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let mut case = Self::from_parts(&stem, &config, inputs)?;
+        case.path = path.to_path_buf();
+        case.meta = meta;
+        case.expected_by_oracle = true;
         Ok(case)
     }
 

@@ -34,6 +34,7 @@ impl Case {
             meta: LayerMeta::from_config(config),
             config: config.clone(),
             tensors,
+            expected_by_oracle: true,
         };
         for (name, shape) in case.expected_shapes() {
             crate::layer::expect_tensor(&case.tensors, &name, &shape, &case.path)?;

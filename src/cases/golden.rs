@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use crate::dispatch::{capacity_for, CapacityDecision};
 use crate::experts::Activation;
 use crate::layer::TensorMap;
+use crate::router::Scoring;
 use crate::MoeLayerConfig;
 
 /// The oracle's results for `loss = sum(y · probe)`.
@@ -113,6 +114,49 @@ fn act_backward(act: Activation, z: &[f64], grad: &[f64]) -> Vec<f64> {
     }
 }
 
+/// The `k` experts a token chooses by `choice` (best first): among the `topk_group` groups of
+/// `n_group` contiguous groups whose two largest values sum highest when `n_group > 1`, among
+/// all experts otherwise. Ties go to the lower index.
+fn choose(choice: &[f64], k: usize, n_group: usize, topk_group: usize) -> Vec<usize> {
+    let e_count = choice.len();
+    let per_group = e_count / n_group;
+    let argmax = |allowed: &dyn Fn(usize) -> bool, values: &[f64]| {
+        (0..values.len())
+            .filter(|&i| allowed(i))
+            .fold(None, |best: Option<usize>, i| match best {
+                Some(b) if values[b] >= values[i] => Some(b),
+                _ => Some(i),
+            })
+            .expect("enough candidates")
+    };
+    let mut allowed = vec![true; e_count];
+    if n_group > 1 && topk_group < n_group {
+        let group_score: Vec<f64> = (0..n_group)
+            .map(|g| {
+                let mut v = choice[g * per_group..(g + 1) * per_group].to_vec();
+                v.sort_by(|a, b| b.total_cmp(a));
+                v.iter().take(2).sum()
+            })
+            .collect();
+        let mut kept = vec![false; n_group];
+        for _ in 0..topk_group {
+            let g = argmax(&|g| !kept[g], &group_score);
+            kept[g] = true;
+        }
+        for (e, a) in allowed.iter_mut().enumerate() {
+            *a = kept[e / per_group];
+        }
+    }
+    let mut taken = vec![false; e_count];
+    (0..k)
+        .map(|_| {
+            let e = argmax(&|e| allowed[e] && !taken[e], choice);
+            taken[e] = true;
+            e
+        })
+        .collect()
+}
+
 /// Runs the reference function forward and backward on `tensors` (weights, `x`, `probe`).
 pub(crate) fn golden(config: &MoeLayerConfig, tensors: &TensorMap) -> Golden {
     let (m, h, e_count, k) = (config.d_model, config.d_hidden, config.n_experts, config.top_k);
@@ -136,8 +180,12 @@ pub(crate) fn golden(config: &MoeLayerConfig, tensors: &TensorMap) -> Golden {
     let mut d_w_out = vec![0.0; e_count * h * m];
     let mut d_b_out = vec![0.0; e_count * m];
 
-    // 1. Routing: softmax over all experts, top-k (ties to the lower index), capacity.
-    let mut probs = vec![0.0; t_count * e_count];
+    // 1. Routing: scores (softmax over all experts, or a sigmoid each), the choice by the
+    // scores plus the score bias (by the logits for a plain softmax router), group-limited
+    // where configured, ties to the lower index; then capacity.
+    let score_bias = optional(tensors, "router.score_bias", config.score_bias);
+    let sigmoid_scoring = config.scoring == Scoring::Sigmoid;
+    let mut scores = vec![0.0; t_count * e_count];
     let mut indices = Vec::with_capacity(t_count * k);
     for t in 0..t_count {
         let xt = &x[t * m..(t + 1) * m];
@@ -147,23 +195,23 @@ pub(crate) fn golden(config: &MoeLayerConfig, tensors: &TensorMap) -> Golden {
                 dot + b_r.as_ref().map_or(0.0, |b| b[e])
             })
             .collect();
-        let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-        let sum: f64 = logits.iter().map(|l| (l - max).exp()).sum();
-        for e in 0..e_count {
-            probs[t * e_count + e] = (logits[e] - max).exp() / sum;
+        let row = &mut scores[t * e_count..(t + 1) * e_count];
+        if sigmoid_scoring {
+            row.iter_mut().zip(&logits).for_each(|(s, l)| *s = sigmoid(*l));
+        } else {
+            let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let sum: f64 = logits.iter().map(|l| (l - max).exp()).sum();
+            row.iter_mut()
+                .zip(&logits)
+                .for_each(|(s, l)| *s = (l - max).exp() / sum);
         }
-        let mut taken = vec![false; e_count];
-        for _ in 0..k {
-            let best = (0..e_count)
-                .filter(|&e| !taken[e])
-                .fold(None, |best: Option<usize>, e| match best {
-                    Some(b) if logits[b] >= logits[e] => Some(b),
-                    _ => Some(e),
-                })
-                .expect("k <= n_experts");
-            taken[best] = true;
-            indices.push(best);
-        }
+        let choice: Vec<f64> = match (&score_bias, sigmoid_scoring) {
+            (None, false) => logits,
+            (bias, _) => (0..e_count)
+                .map(|e| row[e] + bias.as_ref().map_or(0.0, |b| b[e]))
+                .collect(),
+        };
+        indices.extend(choose(&choice, k, config.n_group, config.topk_group));
     }
     let capacity = config
         .capacity_factor
@@ -175,13 +223,16 @@ pub(crate) fn golden(config: &MoeLayerConfig, tensors: &TensorMap) -> Golden {
         let xt = &x[t * m..(t + 1) * m];
         let pt = &probe[t * m..(t + 1) * m];
         let chosen = &indices[t * k..(t + 1) * k];
-        let p: Vec<f64> = chosen.iter().map(|&e| probs[t * e_count + e]).collect();
-        let norm = if config.normalize_topk {
-            p.iter().sum::<f64>()
-        } else {
-            1.0
+        let p: Vec<f64> = chosen.iter().map(|&e| scores[t * e_count + e]).collect();
+        let norm = match (config.normalize_topk, sigmoid_scoring) {
+            (false, _) => 1.0,
+            (true, false) => p.iter().sum::<f64>(),
+            (true, true) => p.iter().sum::<f64>() + 1e-20,
         };
-        let w: Vec<f64> = p.iter().map(|v| v / norm).collect();
+        let scale = config.routed_scaling_factor;
+        // `unit` are the weights before the scaling factor.
+        let unit: Vec<f64> = p.iter().map(|v| v / norm).collect();
+        let w: Vec<f64> = unit.iter().map(|v| v * scale).collect();
         let mut grad_w = vec![0.0; k];
         for (j, &e) in chosen.iter().enumerate() {
             if !kept[t * k + j] {
@@ -221,21 +272,25 @@ pub(crate) fn golden(config: &MoeLayerConfig, tensors: &TensorMap) -> Golden {
                 .for_each(|(d, g)| *d += g);
             mat_vec(wi, &g_z, &mut dx[t * m..(t + 1) * m]);
         }
-        // Through the weights: normalisation, then the softmax over all experts.
+        // Through the weights: scaling, normalisation, then the scores.
         let g_p: Vec<f64> = if config.normalize_topk {
-            let dot: f64 = grad_w.iter().zip(&w).map(|(g, v)| g * v).sum();
-            grad_w.iter().map(|g| (g - dot) / norm).collect()
+            let dot: f64 = grad_w.iter().zip(&unit).map(|(g, v)| g * v).sum();
+            grad_w.iter().map(|g| scale * (g - dot) / norm).collect()
         } else {
-            grad_w
+            grad_w.iter().map(|g| scale * g).collect()
         };
-        let mut g_probs = vec![0.0; e_count];
+        let mut g_scores = vec![0.0; e_count];
         for (j, &e) in chosen.iter().enumerate() {
-            g_probs[e] += g_p[j];
+            g_scores[e] += g_p[j];
         }
-        let row = &probs[t * e_count..(t + 1) * e_count];
-        let dot: f64 = g_probs.iter().zip(row).map(|(g, p)| g * p).sum();
+        let row = &scores[t * e_count..(t + 1) * e_count];
+        let dot: f64 = g_scores.iter().zip(row).map(|(g, p)| g * p).sum();
         for e in 0..e_count {
-            let g_logit = row[e] * (g_probs[e] - dot);
+            let g_logit = if sigmoid_scoring {
+                g_scores[e] * row[e] * (1.0 - row[e])
+            } else {
+                row[e] * (g_scores[e] - dot)
+            };
             d_b_r[e] += g_logit;
             for c in 0..m {
                 d_w_r[e * m + c] += g_logit * xt[c];
@@ -252,16 +307,21 @@ pub(crate) fn golden(config: &MoeLayerConfig, tensors: &TensorMap) -> Golden {
     if config.router_bias {
         grads.insert("router.bias", d_b_r);
     }
+    if config.score_bias {
+        // Used for choosing only: piecewise constant, no gradient.
+        grads.insert("router.score_bias", vec![0.0; e_count]);
+    }
     if config.bias {
         grads.insert("experts.b_in", d_b_in);
         grads.insert("experts.b_out", d_b_out);
     }
 
-    // 3. The shared expert: y += σ(x · gate) · (silu(x · Wg) ⊙ x · Wu) · W_out.
+    // 3. The shared expert: y += σ(x · gate) · (silu(x · Wg) ⊙ x · Wu) · W_out, without the
+    // σ factor where it is ungated.
     if let Some(hs) = config.shared_expert {
         let s_in = values(tensors, "shared.w_in");
         let s_out = values(tensors, "shared.w_out");
-        let gate = values(tensors, "shared.gate.weight");
+        let gate = optional(tensors, "shared.gate.weight", config.shared_expert_gate);
         let (mut d_in, mut d_out, mut d_gate) = (vec![0.0; m * 2 * hs], vec![0.0; hs * m], vec![0.0; m]);
         for t in 0..t_count {
             let xt = &x[t * m..(t + 1) * m];
@@ -271,15 +331,19 @@ pub(crate) fn golden(config: &MoeLayerConfig, tensors: &TensorMap) -> Golden {
             let hidden = act_forward(Activation::SwiGlu, &inner);
             let mut o = vec![0.0; m];
             vec_mat(&hidden, &s_out, m, &mut o);
-            let s = sigmoid(xt.iter().zip(&gate).map(|(a, b)| a * b).sum());
+            let s = gate
+                .as_ref()
+                .map_or(1.0, |g| sigmoid(xt.iter().zip(g).map(|(a, b)| a * b).sum()));
             for c in 0..m {
                 y[t * m + c] += s * o[c];
             }
-            let g_s: f64 = pt.iter().zip(&o).map(|(a, b)| a * b).sum();
-            let g_u = g_s * s * (1.0 - s);
-            for c in 0..m {
-                d_gate[c] += g_u * xt[c];
-                dx[t * m + c] += g_u * gate[c];
+            if let Some(gate) = &gate {
+                let g_s: f64 = pt.iter().zip(&o).map(|(a, b)| a * b).sum();
+                let g_u = g_s * s * (1.0 - s);
+                for c in 0..m {
+                    d_gate[c] += g_u * xt[c];
+                    dx[t * m + c] += g_u * gate[c];
+                }
             }
             let g_o: Vec<f64> = pt.iter().map(|v| v * s).collect();
             outer(&hidden, &g_o, &mut d_out);
@@ -291,7 +355,9 @@ pub(crate) fn golden(config: &MoeLayerConfig, tensors: &TensorMap) -> Golden {
         }
         grads.insert("shared.w_in", d_in);
         grads.insert("shared.w_out", d_out);
-        grads.insert("shared.gate.weight", d_gate);
+        if config.shared_expert_gate {
+            grads.insert("shared.gate.weight", d_gate);
+        }
     }
     Golden { y, dx, grads }
 }

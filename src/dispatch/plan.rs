@@ -9,6 +9,9 @@ use crate::error::{MoeError, Result};
 pub struct RoutingStats {
     /// Assignments each expert took after capacity, over the global batch. `[n_experts]`
     pub tokens_per_expert: Vec<usize>,
+    /// Assignments the router made to each expert over the global batch, before capacity: the
+    /// load that load balancing acts on. `[n_experts]`
+    pub routed_per_expert: Vec<usize>,
     /// Assignments dropped by capacity over the global batch.
     pub dropped: usize,
     /// Assignments of this rank's tokens dropped by capacity.
@@ -38,6 +41,19 @@ pub struct DispatchPlan {
     pub expert_fraction: Vec<f64>,
     /// Counts for reporting.
     pub stats: RoutingStats,
+}
+
+impl RoutingStats {
+    /// The most loaded expert's assignments over the mean (before capacity): 1 is perfectly
+    /// balanced, `n_experts / top_k` is every token on the same experts. 1 for an empty batch.
+    pub fn load_imbalance(&self) -> f64 {
+        let total: usize = self.routed_per_expert.iter().sum();
+        if total == 0 {
+            return 1.0;
+        }
+        let mean = total as f64 / self.routed_per_expert.len() as f64;
+        *self.routed_per_expert.iter().max().expect("non-empty") as f64 / mean
+    }
 }
 
 impl DispatchPlan {
@@ -207,7 +223,7 @@ impl RoutingCounts {
         let dropped = global.iter().sum::<usize>() - tokens_per_expert.iter().sum::<usize>();
         let local_dropped = decision.kept.iter().filter(|&&k| !k).count();
         let assignments = (n_tokens_global * top_k).max(1) as f64;
-        let expert_fraction = global.iter().map(|&g| g as f64 / assignments).collect();
+        let expert_fraction: Vec<f64> = global.iter().map(|&g| g as f64 / assignments).collect();
 
         let send_counts = decision.kept_per_expert.clone();
         let recv_counts = comm.all_to_all_counts(&send_counts, n_local)?;
@@ -229,6 +245,7 @@ impl RoutingCounts {
             expert_fraction,
             stats: RoutingStats {
                 tokens_per_expert,
+                routed_per_expert: global,
                 dropped,
                 local_dropped,
                 capacity,

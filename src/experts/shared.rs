@@ -7,8 +7,9 @@ use burn::tensor::Tensor;
 
 use super::HostInit;
 
-/// A SwiGLU FFN that every token passes through, scaled by a sigmoid gate:
-/// `y = σ(x · gate^T) · (silu(x · w_in[:, :H]) ⊙ x · w_in[:, H:]) · w_out`.
+/// A SwiGLU FFN that every token passes through,
+/// `y = (silu(x · w_in[:, :H]) ⊙ x · w_in[:, H:]) · w_out`, scaled by a sigmoid gate
+/// `σ(x · gate^T)` where it has one (Qwen2-MoE) and ungated otherwise (DeepSeek-V3).
 ///
 /// It is replicated on every rank (data parallel), like the router.
 ///
@@ -22,12 +23,12 @@ pub struct SharedExpert<B: Backend> {
     pub w_in: Param<Tensor<B, 2>>,
     /// Down projection.
     pub w_out: Param<Tensor<B, 2>>,
-    /// The scalar gate's weights.
-    pub gate: Param<Tensor<B, 2>>,
+    /// The scalar gate's weights, if the expert is gated.
+    pub gate: Option<Param<Tensor<B, 2>>>,
 }
 
 impl<B: Backend> SharedExpert<B> {
-    pub(crate) fn init(d_model: usize, d_shared: usize, seed: u64, device: &B::Device) -> Self {
+    pub(crate) fn init(d_model: usize, d_shared: usize, gated: bool, seed: u64, device: &B::Device) -> Self {
         Self {
             w_in: Param::from_tensor(HostInit::new(seed, "shared.w_in", 0).tensor(
                 [d_model, 2 * d_shared],
@@ -39,11 +40,13 @@ impl<B: Backend> SharedExpert<B> {
                 d_shared,
                 device,
             )),
-            gate: Param::from_tensor(HostInit::new(seed, "shared.gate.weight", 0).tensor(
-                [1, d_model],
-                d_model,
-                device,
-            )),
+            gate: gated.then(|| {
+                Param::from_tensor(HostInit::new(seed, "shared.gate.weight", 0).tensor(
+                    [1, d_model],
+                    d_model,
+                    device,
+                ))
+            }),
         }
     }
 
@@ -61,7 +64,10 @@ impl<B: Backend> SharedExpert<B> {
         let gate_half = inner.clone().slice([0..n_tokens, 0..h]);
         let up_half = inner.slice([0..n_tokens, h..2 * h]);
         let hidden = silu(gate_half) * up_half;
-        let scale = sigmoid(x.matmul(self.gate.val().transpose()));
-        hidden.matmul(self.w_out.val()) * scale
+        let out = hidden.matmul(self.w_out.val());
+        match &self.gate {
+            Some(gate) => out * sigmoid(x.matmul(gate.val().transpose())),
+            None => out,
+        }
     }
 }

@@ -11,6 +11,7 @@ use crate::comm::{Communicator, SingleRank};
 use crate::error::{MoeError, Result};
 use crate::experts::Activation;
 use crate::memory::MemoryReuse;
+use crate::router::{RoutingRule, Scoring};
 
 /// How many partitions the exchange is cut into (the paper's `n`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -72,21 +73,47 @@ pub struct MoeLayerConfig {
     /// Whether the experts' GEMMs have biases.
     #[config(default = false)]
     pub bias: bool,
-    /// Whether the router has a bias.
+    /// Whether the router has a bias (added to its logits, trained).
     #[config(default = false)]
     pub router_bias: bool,
-    /// Divide each token's top-k weights by their sum (Mixtral); off keeps the softmax
-    /// probabilities (Switch, Qwen2-MoE).
+    /// How the router scores experts: softmax over all of them, or a sigmoid each
+    /// (DeepSeek-V3).
+    #[config(default = "Scoring::Softmax")]
+    pub scoring: Scoring,
+    /// Divide each token's top-k weights by their sum (Mixtral, Qwen3-MoE, DeepSeek-V3); off
+    /// keeps the scores as they are (Switch, Qwen2-MoE, OLMoE).
     #[config(default = false)]
     pub normalize_topk: bool,
+    /// Group-limited routing (DeepSeek-V3): the experts form `n_group` contiguous groups, and
+    /// a token chooses only among the `topk_group` groups whose two best scores sum highest.
+    /// 1 turns the limit off.
+    #[config(default = 1)]
+    pub n_group: usize,
+    /// Groups each token may choose experts from (with `n_group > 1`).
+    #[config(default = 1)]
+    pub topk_group: usize,
+    /// A per-expert bias added to the scores for *choosing* experts only (DeepSeek-V3's
+    /// `e_score_correction_bias`): a buffer that is saved and loaded with the module but not
+    /// trained by gradient; `MoeLayer::balance_score_bias` moves it towards balanced load.
+    #[config(default = false)]
+    pub score_bias: bool,
+    /// Factor on every combine weight, after normalisation (DeepSeek-V3's
+    /// `routed_scaling_factor`).
+    #[config(default = 1.0)]
+    pub routed_scaling_factor: f64,
     /// Expert capacity as a factor: each expert takes at most
     /// `floor(factor · n_tokens · top_k / n_experts)` assignments of the global batch, first
     /// come (token order, best choice first) first served. `None` is dropless.
     #[config(default = "None")]
     pub capacity_factor: Option<f64>,
-    /// Hidden width of a shared, sigmoid-gated SwiGLU expert that every token passes through.
+    /// Hidden width of a shared SwiGLU expert that every token passes through (DeepSeek's
+    /// `n_shared_experts` experts of width H are one shared expert of width `n · H`).
     #[config(default = "None")]
     pub shared_expert: Option<usize>,
+    /// Whether the shared expert's output is scaled by a sigmoid gate `σ(x · gate^T)`
+    /// (Qwen2-MoE); DeepSeek's shared experts are ungated.
+    #[config(default = true)]
+    pub shared_expert_gate: bool,
     /// Weight of the Switch load-balancing loss (0 turns it off).
     #[config(default = 0.0)]
     pub aux_loss_coef: f64,
@@ -135,6 +162,43 @@ impl MoeLayerConfig {
                 format!("is {}, must be in 1..={} (n_experts)", self.top_k, self.n_experts),
             ));
         }
+        if self.n_group == 0 || self.n_experts % self.n_group != 0 {
+            return Err(MoeError::config(
+                "n_group",
+                format!(
+                    "is {}, must divide n_experts = {} (1 for no group limit)",
+                    self.n_group, self.n_experts
+                ),
+            ));
+        }
+        if self.topk_group == 0 || self.topk_group > self.n_group {
+            return Err(MoeError::config(
+                "topk_group",
+                format!(
+                    "is {}, must be in 1..={} (n_group)",
+                    self.topk_group, self.n_group
+                ),
+            ));
+        }
+        let rule = self.routing_rule();
+        if rule.group_limited() && self.top_k > self.topk_group * (self.n_experts / self.n_group) {
+            return Err(MoeError::config(
+                "top_k",
+                format!(
+                    "is {}, but the {} kept groups of {} experts hold only {}",
+                    self.top_k,
+                    self.topk_group,
+                    self.n_experts / self.n_group,
+                    self.topk_group * (self.n_experts / self.n_group)
+                ),
+            ));
+        }
+        if !(self.routed_scaling_factor > 0.0 && self.routed_scaling_factor.is_finite()) {
+            return Err(MoeError::config(
+                "routed_scaling_factor",
+                format!("is {}, must be a finite number > 0", self.routed_scaling_factor),
+            ));
+        }
         if let Some(f) = self.capacity_factor {
             if !(f > 0.0 && f.is_finite()) {
                 return Err(MoeError::config(
@@ -181,6 +245,18 @@ impl MoeLayerConfig {
             ));
         }
         Ok(())
+    }
+
+    /// How the router routes under this config.
+    pub fn routing_rule(&self) -> RoutingRule {
+        RoutingRule {
+            top_k: self.top_k,
+            scoring: self.scoring,
+            normalize: self.normalize_topk,
+            n_group: self.n_group,
+            topk_group: self.topk_group,
+            scaling: self.routed_scaling_factor,
+        }
     }
 
     /// Checks that the layer can be sharded over `n_ranks`.

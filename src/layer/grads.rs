@@ -32,6 +32,10 @@ impl<B: AutodiffBackend> MoeLayer<B> {
         if let Some(b) = &self.router.bias {
             out.push(("router.bias", Replicated, grad(b, grads)));
         }
+        // Not trained by gradient: it never has one (the cases expect zeros).
+        if let Some(b) = &self.router.score_bias {
+            out.push(("router.score_bias", Replicated, grad(b, grads)));
+        }
         out.push(("experts.w_in", Expert, grad(&self.experts.w_in, grads)));
         if let Some(b) = &self.experts.b_in {
             out.push(("experts.b_in", Expert, grad(b, grads)));
@@ -43,7 +47,9 @@ impl<B: AutodiffBackend> MoeLayer<B> {
         if let Some(s) = &self.shared {
             out.push(("shared.w_in", Replicated, grad(&s.w_in, grads)));
             out.push(("shared.w_out", Replicated, grad(&s.w_out, grads)));
-            out.push(("shared.gate.weight", Replicated, grad(&s.gate, grads)));
+            if let Some(gate) = &s.gate {
+                out.push(("shared.gate.weight", Replicated, grad(gate, grads)));
+            }
         }
         out
     }

@@ -1,9 +1,5 @@
-//! Canonical safetensors files: the reference cases' tensor names, layouts and meta JSON.
-//!
-//! A layer file holds `router.weight [E, M]`, `router.bias [E]`, `experts.w_in [E, M, F]`,
-//! `experts.b_in [E, F]`, `experts.w_out [E, H, M]`, `experts.b_out [E, M]` and, with a shared
-//! expert, `shared.w_in [M, 2Hs]`, `shared.w_out [Hs, M]`, `shared.gate.weight [1, M]`; the
-//! safetensors metadata key `meta` holds the JSON described by [`LayerMeta`].
+//! Canonical safetensors files: the reference cases' tensor names and layouts (see
+//! `crate::format`), and building a layer from named tensors or gathering them back.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -13,139 +9,15 @@ use burn::module::Param;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 use safetensors::{Dtype, SafeTensors};
-use serde::{Deserialize, Serialize};
 
-use super::{MoeContext, MoeLayer, MoeLayerConfig};
+use super::{LayerMeta, MoeContext, MoeLayer, MoeLayerConfig};
 use crate::comm::{Communicator, Payload, SingleRank};
 use crate::error::{MoeError, Result};
-use crate::experts::{Activation, Experts, SharedExpert};
-use crate::router::Router;
+use crate::experts::{Experts, SharedExpert};
+use crate::router::{buffer, Router};
 
 /// Tensors by name, as read from a file (always f32).
 pub type TensorMap = BTreeMap<String, TensorData>;
-
-/// The `meta` JSON of a canonical file. Unknown keys are ignored.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct LayerMeta {
-    /// Experts per token.
-    pub top_k: usize,
-    /// Router scoring function; only `softmax` is defined.
-    #[serde(default = "softmax")]
-    pub scoring: String,
-    /// Renormalise the top-k weights.
-    pub normalize_topk: bool,
-    /// `gelu` (exact erf), `relu` or `swiglu`.
-    pub activation: String,
-    /// Router and expert biases present.
-    pub bias: bool,
-    /// Per-expert capacity limit for the file's own batch; `null` is dropless.
-    #[serde(default)]
-    pub capacity: Option<usize>,
-    /// Number of experts.
-    #[serde(rename = "E")]
-    pub n_experts: usize,
-    /// Token width.
-    #[serde(rename = "M")]
-    pub d_model: usize,
-    /// Expert hidden width.
-    #[serde(rename = "H")]
-    pub d_hidden: usize,
-    /// Shared expert, if any.
-    #[serde(default)]
-    pub shared: Option<SharedMeta>,
-    /// mpipemoe's extension: a router bias setting different from `bias`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub router_bias: Option<bool>,
-    /// mpipemoe's extension: capacity as a factor (takes precedence over `capacity`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub capacity_factor: Option<f64>,
-}
-
-/// The shared expert's part of [`LayerMeta`].
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct SharedMeta {
-    /// Hidden width of the shared expert.
-    #[serde(rename = "H")]
-    pub d_hidden: usize,
-    /// Gate function; only `sigmoid` is defined.
-    pub gate: String,
-}
-
-fn softmax() -> String {
-    "softmax".to_string()
-}
-
-impl LayerMeta {
-    /// Parses the JSON; the error names the missing or malformed key.
-    pub fn parse(json: &str) -> std::result::Result<Self, String> {
-        serde_json::from_str(json).map_err(|e| format!("bad meta JSON: {e}"))
-    }
-
-    /// The layer config this meta describes. A fixed `capacity` is turned into the factor
-    /// that reproduces it for a batch of `n_tokens` (the file's own batch).
-    pub fn to_config(&self, n_tokens: Option<usize>) -> std::result::Result<MoeLayerConfig, String> {
-        if self.scoring != "softmax" {
-            return Err(format!(
-                "meta `scoring` is {:?}; only \"softmax\" is supported",
-                self.scoring
-            ));
-        }
-        let activation = Activation::parse(&self.activation).ok_or_else(|| {
-            format!(
-                "meta `activation` is {:?}; expected gelu, relu or swiglu",
-                self.activation
-            )
-        })?;
-        if let Some(shared) = &self.shared {
-            if shared.gate != "sigmoid" {
-                return Err(format!(
-                    "meta `shared.gate` is {:?}; only \"sigmoid\" is supported",
-                    shared.gate
-                ));
-            }
-        }
-        let capacity_factor = match (self.capacity_factor, self.capacity) {
-            (Some(f), _) => Some(f),
-            (None, None) => None,
-            (None, Some(c)) => {
-                let t = n_tokens.ok_or("meta `capacity` is a fixed limit, which needs the batch size; give `capacity_factor` instead")?;
-                // Half a slot of headroom makes floor(factor · T · k / E) land on c exactly
-                // despite rounding.
-                Some((c as f64 + 0.5) * self.n_experts as f64 / (t.max(1) * self.top_k) as f64)
-            }
-        };
-        let config = MoeLayerConfig::new(self.d_model, self.d_hidden, self.n_experts, self.top_k)
-            .with_activation(activation)
-            .with_bias(self.bias)
-            .with_router_bias(self.router_bias.unwrap_or(self.bias))
-            .with_normalize_topk(self.normalize_topk)
-            .with_capacity_factor(capacity_factor)
-            .with_shared_expert(self.shared.as_ref().map(|s| s.d_hidden));
-        config.validate().map_err(|e| e.to_string())?;
-        Ok(config)
-    }
-
-    /// The meta of a layer with this config.
-    pub fn from_config(config: &MoeLayerConfig) -> Self {
-        Self {
-            top_k: config.top_k,
-            scoring: softmax(),
-            normalize_topk: config.normalize_topk,
-            activation: config.activation.name().to_string(),
-            bias: config.bias,
-            capacity: None,
-            n_experts: config.n_experts,
-            d_model: config.d_model,
-            d_hidden: config.d_hidden,
-            shared: config.shared_expert.map(|h| SharedMeta {
-                d_hidden: h,
-                gate: "sigmoid".into(),
-            }),
-            router_bias: (config.router_bias != config.bias).then_some(config.router_bias),
-            capacity_factor: config.capacity_factor,
-        }
-    }
-}
 
 /// The parameter tensors of a layer with `config` and their full (all-experts) shapes.
 pub(crate) fn parameter_shapes(config: &MoeLayerConfig) -> Vec<(&'static str, Vec<usize>)> {
@@ -154,6 +26,9 @@ pub(crate) fn parameter_shapes(config: &MoeLayerConfig) -> Vec<(&'static str, Ve
     let mut out = vec![("router.weight", vec![e, m])];
     if config.router_bias {
         out.push(("router.bias", vec![e]));
+    }
+    if config.score_bias {
+        out.push(("router.score_bias", vec![e]));
     }
     out.push(("experts.w_in", vec![e, m, f]));
     if config.bias {
@@ -166,7 +41,9 @@ pub(crate) fn parameter_shapes(config: &MoeLayerConfig) -> Vec<(&'static str, Ve
     if let Some(hs) = config.shared_expert {
         out.push(("shared.w_in", vec![m, 2 * hs]));
         out.push(("shared.w_out", vec![hs, m]));
-        out.push(("shared.gate.weight", vec![1, m]));
+        if config.shared_expert_gate {
+            out.push(("shared.gate.weight", vec![1, m]));
+        }
     }
     out
 }
@@ -263,13 +140,16 @@ impl<B: Backend> MoeLayer<B> {
         let path = path.as_ref();
         let (tensors, meta) = read_safetensors(path)?;
         let meta = meta.ok_or_else(|| MoeError::file(path, "no `meta` key in the safetensors metadata"))?;
-        let meta = LayerMeta::parse(&meta).map_err(|e| MoeError::file(path, e))?;
+        let meta = LayerMeta::parse(&meta).map_err(|e| MoeError::file(path, e.to_string()))?;
         let n_tokens = tensors.get("x").map(|x| x.shape.to_vec()[0]);
-        let config = meta.to_config(n_tokens).map_err(|e| MoeError::file(path, e))?;
+        let config = meta
+            .to_config(n_tokens)
+            .map_err(|e| MoeError::file(path, e.to_string()))?;
         Self::from_tensor_map(&config, &tensors, path, device, comm)
     }
 
-    /// Builds this rank's part of a layer from named tensors in the canonical layout.
+    /// Builds this rank's part of a layer from named tensors in the canonical layout, with all
+    /// `n_experts` experts in the expert tensors (this rank keeps its own).
     /// `source` names where they came from, for errors.
     pub fn from_tensor_map(
         config: &MoeLayerConfig,
@@ -279,48 +159,81 @@ impl<B: Backend> MoeLayer<B> {
         comm: Arc<dyn Communicator>,
     ) -> Result<Self> {
         config.validate_for_ranks(comm.n_ranks())?;
-        let shapes: BTreeMap<_, _> = parameter_shapes(config).into_iter().collect();
-        let get = |name: &str| expect_tensor(tensors, name, &shapes[name], source);
         let n_local = config.n_experts / comm.n_ranks();
         let local = comm.rank() * n_local..(comm.rank() + 1) * n_local;
-        // Host data is f32; the backend's float type may differ (f64 for the golden reference).
-        let float = |d: TensorData| d.convert::<B::FloatElem>();
-        let param2 = |d: &TensorData| Param::from_tensor(Tensor::<B, 2>::from_data(float(d.clone()), device));
-        let experts3 = |name: &str| -> Result<Param<Tensor<B, 3>>> {
-            Ok(Param::from_tensor(Tensor::from_data(
-                float(slice_first_dim(get(name)?, local.clone())),
-                device,
-            )))
+        let mut mine = TensorMap::new();
+        for (name, shape) in parameter_shapes(config) {
+            let data = expect_tensor(tensors, name, &shape, source)?;
+            let data = match name.starts_with("experts.") {
+                true => slice_first_dim(data, local.clone()),
+                false => data.clone(),
+            };
+            mine.insert(name.to_string(), data);
+        }
+        Self::from_local_tensors(config, &mine, source, device, comm)
+    }
+
+    /// Builds this rank's part of a layer from named tensors in the canonical layout whose
+    /// expert tensors hold only this rank's `n_experts / n_ranks` experts (what an import that
+    /// reads only its own experts produces). Host data of any float dtype is converted to the
+    /// backend's float type.
+    pub fn from_local_tensors(
+        config: &MoeLayerConfig,
+        tensors: &TensorMap,
+        source: &Path,
+        device: &B::Device,
+        comm: Arc<dyn Communicator>,
+    ) -> Result<Self> {
+        config.validate_for_ranks(comm.n_ranks())?;
+        let n_local = config.n_experts / comm.n_ranks();
+        let shapes: BTreeMap<_, _> = parameter_shapes(config)
+            .into_iter()
+            .map(|(name, mut shape)| {
+                if name.starts_with("experts.") {
+                    shape[0] = n_local;
+                }
+                (name, shape)
+            })
+            .collect();
+        let get = |name: &str| -> Result<TensorData> {
+            Ok(expect_tensor(tensors, name, &shapes[name], source)?
+                .clone()
+                .convert::<B::FloatElem>())
         };
-        let experts2 = |name: &str| -> Result<Param<Tensor<B, 2>>> {
-            Ok(Param::from_tensor(Tensor::from_data(
-                float(slice_first_dim(get(name)?, local.clone())),
-                device,
-            )))
+        let param1 = |name: &str| -> Result<Param<Tensor<B, 1>>> {
+            Ok(Param::from_tensor(Tensor::from_data(get(name)?, device)))
+        };
+        let param2 = |name: &str| -> Result<Param<Tensor<B, 2>>> {
+            Ok(Param::from_tensor(Tensor::from_data(get(name)?, device)))
+        };
+        let param3 = |name: &str| -> Result<Param<Tensor<B, 3>>> {
+            Ok(Param::from_tensor(Tensor::from_data(get(name)?, device)))
         };
         let router = Router {
-            weight: param2(get("router.weight")?),
-            bias: match config.router_bias {
-                true => Some(Param::from_tensor(Tensor::from_data(
-                    float(get("router.bias")?.clone()),
-                    device,
-                ))),
-                false => None,
-            },
+            weight: param2("router.weight")?,
+            bias: config.router_bias.then(|| param1("router.bias")).transpose()?,
+            score_bias: config
+                .score_bias
+                .then(|| Ok::<_, MoeError>(buffer(Tensor::from_data(get("router.score_bias")?, device))))
+                .transpose()?,
         };
+        let rank = comm.rank();
         let experts = Experts {
-            w_in: experts3("experts.w_in")?,
-            b_in: config.bias.then(|| experts2("experts.b_in")).transpose()?,
-            w_out: experts3("experts.w_out")?,
-            b_out: config.bias.then(|| experts2("experts.b_out")).transpose()?,
+            w_in: param3("experts.w_in")?,
+            b_in: config.bias.then(|| param2("experts.b_in")).transpose()?,
+            w_out: param3("experts.w_out")?,
+            b_out: config.bias.then(|| param2("experts.b_out")).transpose()?,
             activation: config.activation,
-            first_expert: local.start,
+            first_expert: rank * n_local,
         };
         let shared = match config.shared_expert {
             Some(_) => Some(SharedExpert {
-                w_in: param2(get("shared.w_in")?),
-                w_out: param2(get("shared.w_out")?),
-                gate: param2(get("shared.gate.weight")?),
+                w_in: param2("shared.w_in")?,
+                w_out: param2("shared.w_out")?,
+                gate: config
+                    .shared_expert_gate
+                    .then(|| param2("shared.gate.weight"))
+                    .transpose()?,
             }),
             None => None,
         };
@@ -346,13 +259,18 @@ impl<B: Backend> MoeLayer<B> {
         if let Some(b) = &self.router.bias {
             own.insert("router.bias".into(), b.val().into_data().convert::<f32>());
         }
+        if let Some(b) = &self.router.score_bias {
+            own.insert("router.score_bias".into(), b.val().into_data().convert::<f32>());
+        }
         if let Some(s) = &self.shared {
             own.insert("shared.w_in".into(), s.w_in.val().into_data().convert::<f32>());
             own.insert("shared.w_out".into(), s.w_out.val().into_data().convert::<f32>());
-            own.insert(
-                "shared.gate.weight".into(),
-                s.gate.val().into_data().convert::<f32>(),
-            );
+            if let Some(gate) = &s.gate {
+                own.insert(
+                    "shared.gate.weight".into(),
+                    gate.val().into_data().convert::<f32>(),
+                );
+            }
         }
         let mut local: Vec<(&str, TensorData)> = vec![
             (

@@ -62,13 +62,14 @@ impl<B: Backend> MoeLayer<B> {
                 config.n_experts,
                 config.d_model,
                 config.router_bias,
+                config.score_bias,
                 config.seed,
                 device,
             ),
             experts: Experts::init(&spec, device),
-            shared: config
-                .shared_expert
-                .map(|h| SharedExpert::init(config.d_model, h, config.seed, device)),
+            shared: config.shared_expert.map(|h| {
+                SharedExpert::init(config.d_model, h, config.shared_expert_gate, config.seed, device)
+            }),
             ctx,
         }
     }
@@ -110,7 +111,9 @@ impl<B: Backend> MoeLayer<B> {
             old.activation,
             old.bias,
             old.router_bias,
+            old.score_bias,
             old.shared_expert,
+            old.shared_expert_gate,
         ) == (
             config.d_model,
             config.d_hidden,
@@ -118,7 +121,9 @@ impl<B: Backend> MoeLayer<B> {
             config.activation,
             config.bias,
             config.router_bias,
+            config.score_bias,
             config.shared_expert,
+            config.shared_expert_gate,
         );
         if !same_shape {
             return Err(MoeError::config(
@@ -155,7 +160,7 @@ impl<B: MoeBackend> MoeLayer<B> {
         let [n_tokens, d_model] = x.dims();
 
         // 2. Route: top-k experts and their weights per token.
-        let routing = self.router.route(x.clone(), config.top_k, config.normalize_topk);
+        let routing = self.router.route(x.clone(), &config.routing_rule());
 
         // 3. Plan: count with the other ranks, apply capacity; choose n and the strategy.
         let counts = RoutingCounts::gather(
@@ -200,6 +205,7 @@ impl<B: MoeBackend> MoeLayer<B> {
             aux_loss,
             z_loss,
             stats: MoeStats {
+                load_imbalance: dispatch.stats.load_imbalance(),
                 routing: dispatch.stats,
                 n_partitions,
                 split: scheme,

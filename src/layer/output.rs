@@ -27,8 +27,11 @@ pub struct MoeOutput<B: Backend, const D: usize> {
 /// Routing and scheduling facts about one forward pass.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct MoeStats {
-    /// Assignments per expert, capacity drops, global token count.
+    /// Assignments per expert (routed and kept), capacity drops, global token count.
     pub routing: RoutingStats,
+    /// The most loaded expert's routed assignments over the mean, over the global batch
+    /// ([`RoutingStats::load_imbalance`]): 1 is perfectly balanced.
+    pub load_imbalance: f64,
     /// Partitions the exchange ran with.
     pub n_partitions: usize,
     /// How the exchange was split.

@@ -121,7 +121,9 @@ fn main() {
 
         // The fused exchange op alone (inner backend, no autodiff): the expert FFNs.
         let x_inner = input.clone().inner();
-        let routing = layer.router.route(input.clone(), top_k, false);
+        let routing = layer
+            .router
+            .route(input.clone(), &mpipemoe::RoutingRule::top_k(top_k, false));
         let counts =
             RoutingCounts::gather(&routing.indices, args.tokens, top_k, experts, None, &SingleRank).unwrap();
         let (dispatch, plan) = counts.plans(SplitScheme::Tokens(1));
@@ -167,7 +169,9 @@ fn main() {
             exchange_split();
         };
         let router = || {
-            let r = layer.router.route(input.clone(), top_k, false);
+            let r = layer
+                .router
+                .route(input.clone(), &mpipemoe::RoutingRule::top_k(top_k, false));
             sync(r.weights);
         };
 

@@ -51,3 +51,103 @@ fn plan_json_equals_eq_1_to_9_by_hand_for_two_presets() {
         }
     }
 }
+
+fn mpipemoe(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_mpipemoe"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn hf_data() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/hf")
+}
+
+/// `convert --from-hf` writes the expected case's canonical tensors exactly; `check` accepts
+/// that file (against the float64 oracle); `convert --to-hf` gives the checkpoint back byte for
+/// byte; `inspect` lists the MoE layers; a dense layer is an error naming it.
+#[test]
+fn convert_check_and_inspect_on_the_hugging_face_checkpoints() {
+    let dir = std::env::temp_dir().join(format!("mpipemoe-cli-hf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (folder, layer) in [
+        ("mixtral-tiny", "1"),
+        ("qwen2-moe-tiny", "0"),
+        ("deepseek-v3-tiny", "1"),
+    ] {
+        let ckpt = hf_data().join(folder);
+        let file = dir.join(format!("{folder}.safetensors"));
+        let out = mpipemoe(&[
+            "convert",
+            "--from-hf",
+            ckpt.to_str().unwrap(),
+            "--layer",
+            layer,
+            "--out",
+            file.to_str().unwrap(),
+        ]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let (got, _) = mpipemoe::format::read_safetensors(&file).unwrap();
+        let case = hf_data().join(format!("{folder}.layer{layer}.safetensors"));
+        let (want, _) = mpipemoe::format::read_safetensors(&case).unwrap();
+        for (name, data) in &got {
+            assert!(data.as_bytes() == want[name].as_bytes(), "{folder}: {name}");
+        }
+        let out = mpipemoe(&[
+            "check",
+            "--ranks",
+            "2",
+            "--partitions",
+            "2",
+            "--strategy",
+            "s4",
+            file.to_str().unwrap(),
+        ]);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains(" ok ") && stdout.contains("oracle"),
+            "{stdout}"
+        );
+
+        let back = dir.join(format!("{folder}-back"));
+        let out = mpipemoe(&[
+            "convert",
+            "--to-hf",
+            ckpt.to_str().unwrap(),
+            "--input",
+            file.to_str().unwrap(),
+            "--out",
+            back.to_str().unwrap(),
+        ]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        for entry in std::fs::read_dir(&ckpt).unwrap() {
+            let name = entry.unwrap().file_name();
+            assert!(
+                std::fs::read(ckpt.join(&name)).unwrap() == std::fs::read(back.join(&name)).unwrap(),
+                "{folder}/{}",
+                name.to_string_lossy()
+            );
+        }
+    }
+    let out = mpipemoe(&["inspect", hf_data().join("qwen2-moe-tiny").to_str().unwrap()]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("qwen2_moe") && stdout.contains("2 MoE layers"),
+        "{stdout}"
+    );
+    let out = mpipemoe(&[
+        "convert",
+        "--from-hf",
+        hf_data().join("deepseek-v3-tiny").to_str().unwrap(),
+        "--layer",
+        "0",
+        "--out",
+        dir.join("dense.safetensors").to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("dense MLP") && stderr.contains("config.json"),
+        "{stderr}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -7,6 +7,9 @@
 #[path = "../examples/train_gpt_moe/data.rs"]
 mod data;
 #[allow(dead_code)]
+#[path = "../examples/train_gpt_moe/load.rs"]
+mod load;
+#[allow(dead_code)]
 #[path = "../examples/train_gpt_moe/model.rs"]
 mod model;
 #[allow(dead_code)]
@@ -17,18 +20,34 @@ use burn::backend::{Autodiff, Flex};
 use mpipemoe::{LocalGroup, MemoryReuse, Partitions};
 
 fn losses(ranks: usize, partitions: Partitions, memory_reuse: MemoryReuse) -> Vec<f64> {
+    run(ranks, partitions, memory_reuse, train::RouterChoice::Softmax, 20).losses
+}
+
+fn run(
+    ranks: usize,
+    partitions: Partitions,
+    memory_reuse: MemoryReuse,
+    router: train::RouterChoice,
+    steps: usize,
+) -> train::TrainReport {
     let corpus = data::Corpus::builtin().unwrap();
+    let n_experts = match router {
+        train::RouterChoice::Softmax => 4,
+        train::RouterChoice::DeepSeek { .. } => 8,
+    };
     let options = train::TrainOptions {
         model: model::GptMoeConfig::new()
             .with_seq_len(32)
             .with_d_model(32)
-            .with_d_hidden(64),
-        steps: 20,
+            .with_d_hidden(64)
+            .with_n_experts(n_experts),
+        steps,
         batch: 8,
         lr: 3e-3,
         seed: 11,
         partitions,
         memory_reuse,
+        router,
         memory_budget: None,
         eval_every: 0,
         eval_batches: 1,
@@ -38,11 +57,12 @@ fn losses(ranks: usize, partitions: Partitions, memory_reuse: MemoryReuse) -> Ve
         train::train_rank::<Autodiff<Flex>>(&ctx, &corpus, &options, &Default::default(), &|_| {})
     })
     .unwrap();
-    // Every rank reports the same global losses.
+    // Every rank reports the same global losses and loads.
     for r in &reports[1..] {
         assert_eq!(r.losses, reports[0].losses);
+        assert_eq!(r.load, reports[0].load);
     }
-    reports[0].losses.clone()
+    reports[0].clone()
 }
 
 #[test]
@@ -67,4 +87,49 @@ fn losses_do_not_depend_on_ranks_partitions_or_strategy() {
         one[0],
         one[19]
     );
+}
+
+/// Mean over layers and steps of the most loaded expert's assignments over the mean.
+fn mean_imbalance(load: &[Vec<Vec<usize>>]) -> f64 {
+    let values: Vec<f64> = load
+        .iter()
+        .flatten()
+        .map(|l| *l.iter().max().unwrap() as f64 * l.len() as f64 / l.iter().sum::<usize>() as f64)
+        .collect();
+    values.iter().sum::<f64>() / values.len() as f64
+}
+
+/// DeepSeek-V3's auxiliary-loss-free balancing evens out the load: the same run with the score
+/// bias moving is better balanced over its second half than with the bias frozen, on one rank
+/// and on two (where the update must be identical on both ranks to keep them in step).
+#[test]
+fn deepseek_routing_balances_load_without_an_auxiliary_loss() {
+    let steps = 60;
+    for ranks in [1, 2] {
+        let frozen = run(
+            ranks,
+            Partitions::Fixed(2),
+            MemoryReuse::Off,
+            train::RouterChoice::DeepSeek { bias_update: 0.0 },
+            steps,
+        );
+        let moving = run(
+            ranks,
+            Partitions::Fixed(2),
+            MemoryReuse::Off,
+            train::RouterChoice::DeepSeek { bias_update: 0.02 },
+            steps,
+        );
+        let (before, after) = (
+            mean_imbalance(&frozen.load[steps / 2..]),
+            mean_imbalance(&moving.load[steps / 2..]),
+        );
+        eprintln!("ranks {ranks}: load max/mean over steps {}..{steps}: frozen bias {before:.3}, balancing {after:.3}", steps / 2);
+        assert!(
+            after < before - 0.05,
+            "ranks {ranks}: balancing did not even the load: {before:.3} -> {after:.3}"
+        );
+        // The model still learns.
+        assert!(moving.losses[steps - 1] < moving.losses[0] - 0.5);
+    }
 }

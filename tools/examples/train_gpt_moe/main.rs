@@ -3,8 +3,15 @@
 //!
 //! ```text
 //! cargo run --release --example train_gpt_moe -- [--data FILE] [--ranks 2] [--partitions N|auto]
-//!     [--strategy none|s1|s2|s3|s4|auto] [--steps N] [--seed S] [--backend flex|ndarray] [--json]
+//!     [--strategy none|s1|s2|s3|s4|auto] [--router softmax|deepseek] [--bias-update G]
+//!     [--steps N] [--seed S] [--backend flex|ndarray] [--out DIR] [--json]
 //! ```
+//!
+//! The progress bar shows the load imbalance of the MoE layers (the most loaded expert's
+//! assignments over the mean); `DIR/load.png` (default `target/train`) is a heatmap of each
+//! expert's load over the steps. With `--router deepseek` the layers route as DeepSeek-V3 does
+//! (sigmoid scores, 8 experts in 4 groups of which 2 are kept, an ungated shared expert) and
+//! balance their load without an auxiliary loss, by moving the score bias after every step.
 //!
 //! Every rank holds a replica of the non-expert parameters and `n_experts / ranks` experts;
 //! the global batch is split over the ranks, replicated gradients are summed over ranks, and
@@ -12,6 +19,7 @@
 //! count. Without `--data` the corpus is this crate's own sources and docs.
 
 mod data;
+mod load;
 mod model;
 mod train;
 
@@ -26,7 +34,15 @@ use serde::Serialize;
 
 use data::Corpus;
 use model::GptMoeConfig;
-use train::{train_rank, StepLog, TrainOptions, TrainReport};
+use train::{train_rank, RouterChoice, StepLog, TrainOptions, TrainReport};
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq)]
+enum RouterArg {
+    /// Softmax top-k with the load-balancing loss.
+    Softmax,
+    /// DeepSeek-V3 routing with auxiliary-loss-free balancing.
+    Deepseek,
+}
 
 #[derive(ValueEnum, Clone, Copy, Debug)]
 enum BackendArg {
@@ -52,6 +68,15 @@ struct Args {
     /// Per-rank device memory budget of each MoE exchange, MiB (for --strategy auto).
     #[arg(long)]
     memory_budget_mib: Option<f64>,
+    /// The MoE layers' router.
+    #[arg(long, value_enum, default_value_t = RouterArg::Softmax)]
+    router: RouterArg,
+    /// Score-bias update speed of auxiliary-loss-free balancing (`--router deepseek`).
+    #[arg(long, default_value_t = 0.001)]
+    bias_update: f64,
+    /// Folder for load.png (the load of every expert over the steps).
+    #[arg(long, default_value = "target/train")]
+    out: PathBuf,
     /// Optimizer steps.
     #[arg(long, default_value_t = 3000)]
     steps: usize,
@@ -90,6 +115,9 @@ struct Summary<'a> {
     seconds: f64,
     n_partitions: usize,
     chosen_strategy: String,
+    router: String,
+    load_imbalance_first: f64,
+    load_imbalance_last: f64,
     losses: &'a [f64],
     val_losses: &'a [(usize, f64)],
     sample: &'a str,
@@ -145,7 +173,17 @@ fn run(args: &Args) -> Result<(), String> {
         Some(path) => Corpus::from_file(path)?,
         None => Corpus::builtin()?,
     };
-    let model = GptMoeConfig::new();
+    let router = match args.router {
+        RouterArg::Softmax => RouterChoice::Softmax,
+        RouterArg::Deepseek => RouterChoice::DeepSeek {
+            bias_update: args.bias_update,
+        },
+    };
+    // DeepSeek-style routing keeps 2 of 4 groups: 8 experts make groups of 2.
+    let model = match args.router {
+        RouterArg::Softmax => GptMoeConfig::new(),
+        RouterArg::Deepseek => GptMoeConfig::new().with_n_experts(8),
+    };
     if model.n_experts % args.ranks != 0 {
         return Err(format!(
             "{} experts cannot be split over --ranks {}",
@@ -160,6 +198,7 @@ fn run(args: &Args) -> Result<(), String> {
         seed: args.seed,
         partitions,
         memory_reuse,
+        router,
         memory_budget: args.memory_budget_mib.map(|m| (m * 1024.0 * 1024.0) as usize),
         eval_every: args.eval_every,
         eval_batches: 4,
@@ -167,12 +206,13 @@ fn run(args: &Args) -> Result<(), String> {
     };
     let entropy = corpus.unigram_entropy();
     eprintln!(
-        "corpus: {} ({} training bytes, unigram entropy {entropy:.3} nats/byte); {} ranks, partitions {}, strategy {}",
+        "corpus: {} ({} training bytes, unigram entropy {entropy:.3} nats/byte); {} ranks, partitions {}, strategy {}, router {:?}",
         corpus.name,
         corpus.train_len(),
         args.ranks,
         args.partitions,
-        args.strategy
+        args.strategy,
+        args.router
     );
     let bar = ProgressBar::new(args.steps as u64);
     bar.set_style(
@@ -181,10 +221,12 @@ fn run(args: &Args) -> Result<(), String> {
     );
     let on_step = |log: &StepLog| {
         bar.set_position(log.step as u64 + 1);
+        let imbalance: Vec<String> = log.imbalance.iter().map(|v| format!("{v:.2}")).collect();
         bar.set_message(format!(
-            "loss {:.3} val {} | {:.0} tok/s | n={} {}",
+            "loss {:.3} val {} | load max/mean {} | {:.0} tok/s | n={} {}",
             log.loss,
             log.val_loss.map_or("-".into(), |v| format!("{v:.3}")),
+            imbalance.join("/"),
             log.tokens_per_s,
             log.n_partitions,
             log.strategy
@@ -211,6 +253,11 @@ fn run(args: &Args) -> Result<(), String> {
     let train_loss = tail.iter().sum::<f64>() / tail.len().max(1) as f64;
     let val_loss = report.val_losses.last().map_or(f64::NAN, |v| v.1);
     let tokens_per_s = (args.steps * args.batch * options.model.seq_len) as f64 / report.seconds;
+    let (imbalance_first, imbalance_last) = load::imbalance_first_and_last(&report.load);
+    let png = args.out.join("load.png");
+    let chart = std::fs::create_dir_all(&args.out)
+        .map_err(|e| mpipemoe::MoeError::file(&args.out, e.to_string()))
+        .and_then(|()| load::write_heatmap(&png, &report.load));
     if args.json {
         let summary = Summary {
             corpus: &corpus.name,
@@ -226,6 +273,9 @@ fn run(args: &Args) -> Result<(), String> {
             seconds: report.seconds,
             n_partitions: report.n_partitions,
             chosen_strategy: report.strategy.to_string(),
+            router: format!("{:?}", args.router).to_lowercase(),
+            load_imbalance_first: imbalance_first,
+            load_imbalance_last: imbalance_last,
             losses: &report.losses,
             val_losses: &report.val_losses,
             sample: &report.sample,
@@ -236,7 +286,14 @@ fn run(args: &Args) -> Result<(), String> {
         );
         return Ok(());
     }
+    match chart {
+        Ok(()) => eprintln!("load per expert over the steps: {}", png.display()),
+        Err(e) => eprintln!("load chart not written: {e}"),
+    }
     println!("sample: {}", report.sample.replace('\n', "\n        "));
+    println!(
+        "load max/mean (mean over layers and the first / last tenth of the steps): {imbalance_first:.3} -> {imbalance_last:.3}"
+    );
     println!(
         "{:.1} s, {tokens_per_s:.0} tokens/s; last step: n={} strategy={}; unigram entropy {entropy:.3}",
         report.seconds, report.n_partitions, report.strategy

@@ -189,6 +189,17 @@ impl<B: MoeBackend> GptMoe<B> {
         })
     }
 
+    /// DeepSeek-V3's auxiliary-loss-free balancing on every MoE layer, from this step's
+    /// global per-expert load (`stats`, one per layer, as `forward` returned them).
+    pub fn balance_score_bias(&mut self, stats: &[MoeStats], gamma: f64) -> mpipemoe::Result<()> {
+        for (block, stats) in self.blocks.iter_mut().zip(stats) {
+            block
+                .moe
+                .balance_score_bias(&stats.routing.routed_per_expert, gamma)?;
+        }
+        Ok(())
+    }
+
     /// Ids of the parameters sharded by expert (their gradients are not all-reduced).
     pub fn expert_param_ids(&self) -> Vec<ParamId> {
         self.blocks

@@ -8,11 +8,46 @@ use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 use mpipemoe::comm::rank_range;
-use mpipemoe::{seeded_uniform, MemoryReuse, MoeBackend, Partitions, RankContext, Strategy};
+use mpipemoe::{
+    seeded_uniform, MemoryReuse, MoeBackend, MoeLayerConfig, Partitions, RankContext, Scoring, Strategy,
+};
 use serde::Serialize;
 
 use super::data::Corpus;
 use super::model::{GptMoe, GptMoeConfig};
+
+/// The MoE layers' router.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RouterChoice {
+    /// Softmax top-k with the load-balancing and z losses (Switch / Mixtral style).
+    Softmax,
+    /// DeepSeek-V3: sigmoid scores, group-limited top-k (4 groups, 2 kept), an ungated shared
+    /// expert, and auxiliary-loss-free balancing of the score bias by `bias_update` per step.
+    DeepSeek {
+        /// The bias update speed `gamma`.
+        bias_update: f64,
+    },
+}
+
+impl RouterChoice {
+    /// The MoE layer config of this router family on `base`.
+    pub fn apply(self, base: MoeLayerConfig) -> MoeLayerConfig {
+        match self {
+            RouterChoice::Softmax => base,
+            RouterChoice::DeepSeek { .. } => {
+                let h = base.d_hidden;
+                base.with_scoring(Scoring::Sigmoid)
+                    .with_score_bias(true)
+                    .with_normalize_topk(true)
+                    .with_n_group(4)
+                    .with_topk_group(2)
+                    .with_shared_expert(Some(h))
+                    .with_shared_expert_gate(false)
+                    .with_aux_loss_coef(0.0)
+            }
+        }
+    }
+}
 
 /// What to train.
 #[derive(Debug, Clone)]
@@ -31,6 +66,8 @@ pub struct TrainOptions {
     pub partitions: Partitions,
     /// Memory reuse of every MoE layer.
     pub memory_reuse: MemoryReuse,
+    /// The MoE layers' router.
+    pub router: RouterChoice,
     /// Device bytes per rank the exchange may use (for `MemoryReuse::Auto`).
     pub memory_budget: Option<usize>,
     /// Validate every this many steps (and at the end).
@@ -58,6 +95,8 @@ pub struct StepLog {
     pub strategy: Strategy,
     /// Latest validation loss, if any.
     pub val_loss: Option<f64>,
+    /// Per MoE layer: the most loaded expert's assignments over the mean, this step.
+    pub imbalance: Vec<f64>,
 }
 
 /// One rank's summary of a run.
@@ -75,6 +114,8 @@ pub struct TrainReport {
     pub n_partitions: usize,
     /// Strategy of the last step.
     pub strategy: Strategy,
+    /// Per step, per MoE layer: assignments routed to each expert over the global batch.
+    pub load: Vec<Vec<Vec<usize>>>,
 }
 
 /// Bytes `range` of every row as token ids. `[rows, range.len()]`
@@ -110,7 +151,8 @@ struct Collect<'a> {
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for Collect<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if self.skip.contains(&param.id) {
+        // Buffers (the score bias) are not trained: no gradient to sum.
+        if self.skip.contains(&param.id) || !param.val().is_require_grad() {
             return;
         }
         let count: usize = param.val().dims().iter().product();
@@ -133,7 +175,7 @@ struct Register<'a> {
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for Register<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if self.skip.contains(&param.id) {
+        if self.skip.contains(&param.id) || !param.val().is_require_grad() {
             return;
         }
         let dims = param.val().dims();
@@ -184,8 +226,8 @@ where
     let o = options;
     let seq = o.model.seq_len;
     let moe = o
-        .model
-        .moe()
+        .router
+        .apply(o.model.moe())
         .with_partitions(o.partitions)
         .with_memory_reuse(o.memory_reuse)
         .with_memory_budget(o.memory_budget);
@@ -197,6 +239,7 @@ where
     let mut losses = Vec::with_capacity(o.steps);
     let mut val_losses = Vec::new();
     let (mut n_partitions, mut strategy) = (1, Strategy::None);
+    let mut load = Vec::with_capacity(o.steps);
 
     let evaluate = |model: &GptMoe<B>| -> mpipemoe::Result<f64> {
         let mut total = vec![0.0];
@@ -225,6 +268,16 @@ where
         let mut grads = GradientsParams::from_grads(loss.backward(), &model);
         all_reduce_replicated(&model, &mut grads, ctx)?;
         model = optimizer.step(o.lr, model, grads);
+        if let RouterChoice::DeepSeek { bias_update } = o.router {
+            // Every rank has the same global load, so every replica moves its bias alike.
+            model.balance_score_bias(&out.stats, bias_update)?;
+        }
+        load.push(
+            out.stats
+                .iter()
+                .map(|s| s.routing.routed_per_expert.clone())
+                .collect(),
+        );
         ctx.comm.all_reduce_sum(&mut logged)?;
         losses.push(logged[0]);
         n_partitions = out.stats[0].n_partitions;
@@ -241,6 +294,7 @@ where
             n_partitions,
             strategy,
             val_loss: val_losses.last().map(|v| v.1),
+            imbalance: out.stats.iter().map(|s| s.load_imbalance).collect(),
         });
     }
 
@@ -252,6 +306,7 @@ where
         seconds: start.elapsed().as_secs_f64(),
         n_partitions,
         strategy,
+        load,
     })
 }
 

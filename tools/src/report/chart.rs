@@ -32,12 +32,12 @@ pub struct Panel {
     pub log_x: bool,
 }
 
-const FONT: &str = "mpipemoe-sans";
+pub(crate) const FONT: &str = "mpipemoe-sans";
 
 /// Loads a TrueType font once per process for plotters' text (plotters keeps its font
 /// registry process-wide). `MPIPEMOE_FONT` names a .ttf file; otherwise common locations of
 /// DejaVu Sans and Liberation Sans are tried.
-fn ensure_font() -> Result<()> {
+pub(crate) fn ensure_font() -> Result<()> {
     static LOADED: OnceLock<std::result::Result<(), String>> = OnceLock::new();
     LOADED
         .get_or_init(|| {
@@ -66,7 +66,7 @@ fn ensure_font() -> Result<()> {
         .map_err(MoeError::Backend)
 }
 
-fn chart_err(path: &Path, e: impl std::fmt::Display) -> MoeError {
+pub(crate) fn chart_err(path: &Path, e: impl std::fmt::Display) -> MoeError {
     MoeError::file(path, format!("cannot draw chart: {e}"))
 }
 

@@ -1,5 +1,7 @@
-//! Reporting: PNG charts for the benchmarks, the memory report and the simulator.
+//! Reporting: PNG charts for the benchmarks, the memory report, the simulator and training.
 
 mod chart;
+mod heatmap;
 
 pub use chart::{write_panels, Panel, Series};
+pub use heatmap::{write_heatmaps, Heatmap};

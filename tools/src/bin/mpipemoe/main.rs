@@ -1,6 +1,8 @@
 //! The `mpipemoe` command-line tool.
 
 mod check;
+mod convert;
+mod inspect;
 mod plan;
 mod profile;
 mod shape;
@@ -22,6 +24,10 @@ struct Cli {
 enum Command {
     /// Check reference cases: forward, backward and every gradient against the expected tensors.
     Check(check::CheckArgs),
+    /// A Hugging Face MoE layer to a canonical float32 layer file (--from-hf), or back (--to-hf).
+    Convert(convert::ConvertArgs),
+    /// List the MoE layers of a Hugging Face checkpoint folder.
+    Inspect(inspect::InspectArgs),
     /// Memory plan: the paper's Eq. 1-9 and this implementation's model for a layer shape.
     Plan(plan::PlanArgs),
     /// Measure this machine's stream rates and slowdowns (a profile for the cost model).
@@ -34,6 +40,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Check(args) => check::run(args),
+        Command::Convert(args) => convert::run(args),
+        Command::Inspect(args) => inspect::run(args),
         Command::Plan(args) => plan::run(args),
         Command::Profile(args) => profile::run(args),
         Command::Simulate(args) => simulate::run(args),

@@ -1,0 +1,195 @@
+//! Writing one MoE layer back into a Hugging Face checkpoint.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use burn::tensor::backend::Backend;
+use safetensors::tensor::TensorView;
+use safetensors::SafeTensors;
+
+use super::checkpoint::{map_file, narrow, parse, Checkpoint};
+use super::import::HfLayer;
+use super::layout::to_hf;
+use crate::error::{MoeError, Result};
+use crate::layer::{MoeLayer, TensorMap};
+
+/// What [`write_layer`] wrote.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ExportReport {
+    /// The shards that hold the layer's tensors, rewritten.
+    pub shards_rewritten: Vec<String>,
+    /// Tensors of the layer written back.
+    pub tensors: usize,
+    /// Other files copied unchanged (0 when writing in place).
+    pub files_copied: usize,
+}
+
+/// Writes MoE layer `layer` back into the checkpoint in `checkpoint`, from its canonical
+/// tensors (all experts), as a complete checkpoint in `out_dir`: every tensor of the layer
+/// under its Hugging Face name, in the dtype and shard it is stored in there; every other
+/// tensor, the index, `config.json` and the other files unchanged. So a fine-tuned layer
+/// loads in transformers again, and a layer imported and exported without training gives the
+/// original bytes back. `out_dir` may be `checkpoint` itself (the shards are replaced
+/// atomically, one by one).
+///
+/// # Errors
+/// [`MoeError::Input`] naming the canonical tensor that is missing or mis-shaped;
+/// [`MoeError::File`] naming the file and tensor where the checkpoint disagrees with its
+/// `config.json` or cannot be read or written.
+pub fn write_layer(
+    checkpoint: impl AsRef<Path>,
+    layer: usize,
+    tensors: &TensorMap,
+    out_dir: impl AsRef<Path>,
+) -> Result<ExportReport> {
+    let (dir, out_dir) = (checkpoint.as_ref(), out_dir.as_ref());
+    let info = HfLayer::read(dir, layer)?;
+    let mut values = to_hf(&info.config, &info.names(), tensors)?;
+    let ckpt = Checkpoint::open(dir)?;
+    let mut by_shard: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for name in values.keys() {
+        by_shard
+            .entry(ckpt.shard_of(name)?.to_string())
+            .or_default()
+            .push(name.clone());
+    }
+    std::fs::create_dir_all(out_dir).map_err(|e| MoeError::file(out_dir, format!("cannot create: {e}")))?;
+    let in_place = same_dir(dir, out_dir);
+    let mut files_copied = 0;
+    if !in_place {
+        for entry in std::fs::read_dir(dir).map_err(|e| MoeError::file(dir, format!("cannot list: {e}")))? {
+            let path = entry.map_err(|e| MoeError::file(dir, e.to_string()))?.path();
+            let name = path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            if path.is_file() && !by_shard.contains_key(&name) {
+                std::fs::copy(&path, out_dir.join(&name))
+                    .map_err(|e| MoeError::file(out_dir.join(&name), format!("cannot copy: {e}")))?;
+                files_copied += 1;
+            }
+        }
+    }
+    let count = values.len();
+    for (shard, names) in &by_shard {
+        let shard_values: HashMap<String, Vec<f32>> = names
+            .iter()
+            .map(|n| (n.clone(), values.remove(n).expect("grouped from these values")))
+            .collect();
+        rewrite_shard(&dir.join(shard), &out_dir.join(shard), &shard_values)?;
+    }
+    Ok(ExportReport {
+        shards_rewritten: by_shard.into_keys().collect(),
+        tensors: count,
+        files_copied,
+    })
+}
+
+fn same_dir(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    }
+}
+
+/// Writes `source` to `target` with the tensors in `replace` (f32 values) narrowed to their
+/// stored dtypes; every other tensor and the header's metadata are kept as they are.
+fn rewrite_shard(source: &Path, target: &Path, replace: &HashMap<String, Vec<f32>>) -> Result<()> {
+    let bytes = {
+        let map = map_file(source)?;
+        let st: SafeTensors<'_> = parse(&map, source)?;
+        let (_, header) = SafeTensors::read_metadata(&map)
+            .map_err(|e| MoeError::file(source, format!("bad safetensors header: {e:?}")))?;
+        let metadata = header.metadata().clone();
+        let mut owned: HashMap<String, Vec<u8>> = HashMap::new();
+        for (name, values) in replace {
+            let view = st
+                .tensor(name)
+                .map_err(|_| MoeError::file(source, format!("missing tensor `{name}`")))?;
+            let count: usize = view.shape().iter().product();
+            if count != values.len() {
+                return Err(MoeError::file(
+                    source,
+                    format!(
+                        "tensor `{name}` has shape {:?} ({count} values), the layer gives {}",
+                        view.shape(),
+                        values.len()
+                    ),
+                ));
+            }
+            let data = narrow(values, view.dtype())
+                .map_err(|reason| MoeError::file(source, format!("tensor `{name}`: {reason}")))?;
+            owned.insert(name.clone(), data);
+        }
+        let views = st
+            .tensors()
+            .into_iter()
+            .map(|(name, view)| {
+                let data = owned.get(&name).map_or(view.data(), Vec::as_slice);
+                let view = TensorView::new(view.dtype(), view.shape().to_vec(), data)
+                    .map_err(|e| MoeError::file(source, format!("tensor `{name}`: {e:?}")))?;
+                Ok((name, view))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        safetensors::serialize(views, metadata)
+            .map_err(|e| MoeError::file(target, format!("cannot encode: {e:?}")))?
+    };
+    // Write beside the target and rename, so that a reader never sees half a shard and an
+    // in-place export never loses the original on failure.
+    let partial = target.with_extension("safetensors.partial");
+    std::fs::write(&partial, bytes).map_err(|e| MoeError::file(&partial, format!("cannot write: {e}")))?;
+    std::fs::rename(&partial, target).map_err(|e| MoeError::file(target, format!("cannot replace: {e}")))
+}
+
+impl<B: Backend> MoeLayer<B> {
+    /// Writes this layer back into MoE layer `layer` of the Hugging Face checkpoint in
+    /// `checkpoint`, as a complete checkpoint in `out_dir` ([`write_layer`]). A collective
+    /// with expert parallelism: every rank calls it; the experts are gathered and rank 0
+    /// writes.
+    ///
+    /// # Errors
+    /// [`MoeError::Config`] if the layer's shape differs from that checkpoint layer's; the
+    /// errors of [`write_layer`].
+    pub fn save_hf(
+        &self,
+        checkpoint: impl AsRef<Path>,
+        layer: usize,
+        out_dir: impl AsRef<Path>,
+    ) -> Result<()> {
+        let info = HfLayer::read(checkpoint.as_ref(), layer)?;
+        let (a, b) = (self.config(), &info.config);
+        let shape = |c: &crate::MoeLayerConfig| {
+            (
+                c.d_model,
+                c.d_hidden,
+                c.n_experts,
+                c.activation,
+                c.bias,
+                c.score_bias,
+                c.shared_expert,
+                c.shared_expert_gate,
+            )
+        };
+        if shape(a) != shape(b) {
+            return Err(MoeError::config(
+                "save_hf",
+                format!(
+                    "the layer (M={}, H={}, E={}, shared={:?}) does not have the shape of layer {layer} of {} (M={}, H={}, E={}, shared={:?})",
+                    a.d_model,
+                    a.d_hidden,
+                    a.n_experts,
+                    a.shared_expert,
+                    checkpoint.as_ref().display(),
+                    b.d_model,
+                    b.d_hidden,
+                    b.n_experts,
+                    b.shared_expert
+                ),
+            ));
+        }
+        if let Some(tensors) = self.gather_tensor_map()? {
+            write_layer(checkpoint, layer, &tensors, out_dir)?;
+        }
+        Ok(())
+    }
+}

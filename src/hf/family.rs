@@ -1,0 +1,325 @@
+//! The Hugging Face MoE families: how `config.json` describes a layer, and its tensor names.
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::error::{MoeError, Result};
+use crate::experts::Activation;
+use crate::layer::MoeLayerConfig;
+use crate::router::Scoring;
+
+/// A supported Hugging Face MoE architecture (`config.json`'s `model_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+pub enum Family {
+    /// `mixtral`: `block_sparse_moe.gate`, `experts.{i}.w1/w2/w3`, renormalised top-k.
+    Mixtral,
+    /// `qwen2_moe`: `mlp.gate`, `mlp.experts.{i}.*_proj`, a sigmoid-gated shared expert.
+    Qwen2Moe,
+    /// `qwen3_moe`: like Qwen2-MoE without the shared expert, renormalised by default.
+    Qwen3Moe,
+    /// `olmoe`: `mlp.gate`, `mlp.experts.{i}.*_proj`, not renormalised by default.
+    Olmoe,
+    /// `deepseek_v3`: sigmoid scores with a score-correction bias, group-limited top-k, a
+    /// routed scaling factor, ungated shared experts, and dense first layers.
+    DeepseekV3,
+}
+
+impl Family {
+    /// Every supported family.
+    pub const ALL: [Family; 5] = [
+        Family::Mixtral,
+        Family::Qwen2Moe,
+        Family::Qwen3Moe,
+        Family::Olmoe,
+        Family::DeepseekV3,
+    ];
+
+    /// The `model_type` string.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Family::Mixtral => "mixtral",
+            Family::Qwen2Moe => "qwen2_moe",
+            Family::Qwen3Moe => "qwen3_moe",
+            Family::Olmoe => "olmoe",
+            Family::DeepseekV3 => "deepseek_v3",
+        }
+    }
+
+    fn parse(model_type: &str) -> Option<Self> {
+        Family::ALL.into_iter().find(|f| f.model_type() == model_type)
+    }
+}
+
+/// Which part of a SwiGLU FFN a tensor is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Part {
+    /// The gate projection `[H, M]` (Mixtral's `w1`).
+    Gate,
+    /// The up projection `[H, M]` (Mixtral's `w3`).
+    Up,
+    /// The down projection `[M, H]` (Mixtral's `w2`).
+    Down,
+}
+
+/// `config.json` read as far as the MoE layers go.
+#[derive(Debug, Clone)]
+pub(crate) struct HfConfig {
+    pub family: Family,
+    pub n_layers: usize,
+    json: Value,
+    source: std::path::PathBuf,
+}
+
+impl HfConfig {
+    /// Reads `dir/config.json`.
+    pub(crate) fn read(dir: &Path) -> Result<Self> {
+        let source = dir.join("config.json");
+        let text = std::fs::read_to_string(&source)
+            .map_err(|e| MoeError::file(&source, format!("cannot read: {e}")))?;
+        let json: Value =
+            serde_json::from_str(&text).map_err(|e| MoeError::file(&source, format!("not JSON: {e}")))?;
+        let model_type = json
+            .get("model_type")
+            .and_then(Value::as_str)
+            .ok_or_else(|| MoeError::file(&source, "no `model_type` string"))?;
+        let family = Family::parse(model_type).ok_or_else(|| {
+            MoeError::file(
+                &source,
+                format!(
+                    "`model_type` {model_type:?} is not a supported MoE family ({})",
+                    Family::ALL.map(Family::model_type).join(", ")
+                ),
+            )
+        })?;
+        let mut config = Self {
+            family,
+            n_layers: 0,
+            json,
+            source,
+        };
+        config.n_layers = config.usize("num_hidden_layers")?;
+        Ok(config)
+    }
+
+    fn error(&self, reason: impl Into<String>) -> MoeError {
+        MoeError::file(&self.source, reason)
+    }
+
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.json.get(key).filter(|v| !v.is_null())
+    }
+
+    fn usize(&self, key: &str) -> Result<usize> {
+        self.get(key)
+            .and_then(Value::as_u64)
+            .map(|v| v as usize)
+            .ok_or_else(|| self.error(format!("missing or non-integer `{key}`")))
+    }
+
+    fn usize_or(&self, key: &str, default: usize) -> Result<usize> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(_) => self.usize(key),
+        }
+    }
+
+    fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| self.error(format!("`{key}` is {v}, expected true or false"))),
+        }
+    }
+
+    fn f64_or(&self, key: &str, default: f64) -> Result<f64> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => v
+                .as_f64()
+                .ok_or_else(|| self.error(format!("`{key}` is {v}, expected a number"))),
+        }
+    }
+
+    /// The `dtype` (or older `torch_dtype`) the checkpoint was saved in, if it says.
+    pub(crate) fn dtype(&self) -> Option<String> {
+        self.get("dtype")
+            .or_else(|| self.get("torch_dtype"))
+            .and_then(Value::as_str)
+            .map(str::to_string)
+    }
+
+    /// Whether layer `layer` is a MoE layer (rather than a dense MLP).
+    pub(crate) fn is_moe(&self, layer: usize) -> Result<bool> {
+        Ok(match self.family {
+            Family::Mixtral | Family::Olmoe => true,
+            Family::Qwen2Moe | Family::Qwen3Moe => {
+                let dense = self
+                    .get("mlp_only_layers")
+                    .and_then(Value::as_array)
+                    .is_some_and(|l| l.iter().any(|v| v.as_u64() == Some(layer as u64)));
+                let step = self.usize_or("decoder_sparse_step", 1)?.max(1);
+                !dense && self.usize("num_experts")? > 0 && (layer + 1) % step == 0
+            }
+            Family::DeepseekV3 => {
+                let first_dense = self.usize_or("first_k_dense_replace", 0)?;
+                let freq = self.usize_or("moe_layer_freq", 1)?.max(1);
+                layer >= first_dense && layer % freq == 0
+            }
+        })
+    }
+
+    /// The MoE layers of the model, in order.
+    pub(crate) fn moe_layers(&self) -> Result<Vec<usize>> {
+        (0..self.n_layers)
+            .filter_map(|l| self.is_moe(l).map(|m| m.then_some(l)).transpose())
+            .collect()
+    }
+
+    /// The layer config of MoE layer `layer`.
+    ///
+    /// # Errors
+    /// [`MoeError::File`] naming `config.json` if the layer does not exist, is dense, or a key
+    /// the layer needs is missing or unsupported.
+    pub(crate) fn layer_config(&self, layer: usize) -> Result<MoeLayerConfig> {
+        if layer >= self.n_layers {
+            return Err(self.error(format!(
+                "layer {layer} does not exist: the model has {} layers (num_hidden_layers)",
+                self.n_layers
+            )));
+        }
+        if !self.is_moe(layer)? {
+            let why = match self.family {
+                Family::DeepseekV3 => format!(
+                    " (first_k_dense_replace = {}, moe_layer_freq = {})",
+                    self.usize_or("first_k_dense_replace", 0)?,
+                    self.usize_or("moe_layer_freq", 1)?
+                ),
+                _ => " (mlp_only_layers / decoder_sparse_step)".to_string(),
+            };
+            return Err(self.error(format!(
+                "layer {layer} is a dense MLP, not a MoE layer{why}; the MoE layers are {:?}",
+                self.moe_layers()?
+            )));
+        }
+        let act = self.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
+        if act != "silu" {
+            return Err(self.error(format!(
+                "`hidden_act` is {act:?}; the experts of {} are SwiGLU, which needs \"silu\"",
+                self.family.model_type()
+            )));
+        }
+        let m = self.usize("hidden_size")?;
+        let k = self.usize("num_experts_per_tok")?;
+        let base = |e: usize, h: usize| MoeLayerConfig::new(m, h, e, k).with_activation(Activation::SwiGlu);
+        let config = match self.family {
+            Family::Mixtral => base(self.usize("num_local_experts")?, self.usize("intermediate_size")?)
+                .with_normalize_topk(true),
+            Family::Qwen2Moe => {
+                let shared = self.usize_or("shared_expert_intermediate_size", 0)?;
+                base(self.usize("num_experts")?, self.usize("moe_intermediate_size")?)
+                    .with_normalize_topk(self.bool_or("norm_topk_prob", false)?)
+                    .with_shared_expert((shared > 0).then_some(shared))
+                    .with_shared_expert_gate(true)
+            }
+            Family::Qwen3Moe => base(self.usize("num_experts")?, self.usize("moe_intermediate_size")?)
+                .with_normalize_topk(self.bool_or("norm_topk_prob", true)?),
+            Family::Olmoe => base(self.usize("num_experts")?, self.usize("intermediate_size")?)
+                .with_normalize_topk(self.bool_or("norm_topk_prob", false)?),
+            Family::DeepseekV3 => {
+                let h = self.usize("moe_intermediate_size")?;
+                let scoring = match self
+                    .get("scoring_func")
+                    .and_then(Value::as_str)
+                    .unwrap_or("sigmoid")
+                {
+                    "sigmoid" => Scoring::Sigmoid,
+                    "softmax" => Scoring::Softmax,
+                    other => {
+                        return Err(self.error(format!(
+                            "`scoring_func` is {other:?}; expected \"sigmoid\" or \"softmax\""
+                        )))
+                    }
+                };
+                let n_group = self.usize_or("n_group", 1)?;
+                let shared = self.usize_or("n_shared_experts", 0)? * h;
+                base(self.usize("n_routed_experts")?, h)
+                    .with_scoring(scoring)
+                    .with_score_bias(true)
+                    .with_normalize_topk(self.bool_or("norm_topk_prob", true)?)
+                    .with_n_group(n_group)
+                    .with_topk_group(self.usize_or("topk_group", n_group)?)
+                    .with_routed_scaling_factor(self.f64_or("routed_scaling_factor", 1.0)?)
+                    .with_shared_expert((shared > 0).then_some(shared))
+                    .with_shared_expert_gate(false)
+            }
+        };
+        config
+            .validate()
+            .map_err(|e| self.error(format!("layer {layer}: {e}")))?;
+        Ok(config)
+    }
+}
+
+/// The Hugging Face tensor names of one MoE layer.
+#[derive(Debug, Clone)]
+pub(crate) struct LayerNames {
+    family: Family,
+    prefix: String,
+}
+
+impl LayerNames {
+    pub(crate) fn new(family: Family, layer: usize) -> Self {
+        let block = match family {
+            Family::Mixtral => "block_sparse_moe",
+            _ => "mlp",
+        };
+        Self {
+            family,
+            prefix: format!("model.layers.{layer}.{block}."),
+        }
+    }
+
+    /// The router's weight `[E, M]`.
+    pub(crate) fn router(&self) -> String {
+        format!("{}gate.weight", self.prefix)
+    }
+
+    /// DeepSeek's score-correction bias `[E]`.
+    pub(crate) fn score_bias(&self) -> String {
+        format!("{}gate.e_score_correction_bias", self.prefix)
+    }
+
+    /// Expert `e`'s projection `part`.
+    pub(crate) fn expert(&self, e: usize, part: Part) -> String {
+        let name = match (self.family, part) {
+            (Family::Mixtral, Part::Gate) => "w1",
+            (Family::Mixtral, Part::Up) => "w3",
+            (Family::Mixtral, Part::Down) => "w2",
+            (_, Part::Gate) => "gate_proj",
+            (_, Part::Up) => "up_proj",
+            (_, Part::Down) => "down_proj",
+        };
+        format!("{}experts.{e}.{name}.weight", self.prefix)
+    }
+
+    /// The shared expert's projection `part`.
+    pub(crate) fn shared(&self, part: Part) -> String {
+        let block = match self.family {
+            Family::DeepseekV3 => "shared_experts",
+            _ => "shared_expert",
+        };
+        let name = match part {
+            Part::Gate => "gate_proj",
+            Part::Up => "up_proj",
+            Part::Down => "down_proj",
+        };
+        format!("{}{block}.{name}.weight", self.prefix)
+    }
+
+    /// The shared expert's sigmoid gate `[1, M]` (Qwen2-MoE).
+    pub(crate) fn shared_gate(&self) -> String {
+        format!("{}shared_expert_gate.weight", self.prefix)
+    }
+}

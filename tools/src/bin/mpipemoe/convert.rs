@@ -1,0 +1,95 @@
+//! `mpipemoe convert`: a Hugging Face MoE layer to a canonical float32 layer file and back.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{ArgGroup, Args};
+use mpipemoe::format::{read_safetensors, LayerMeta};
+use mpipemoe::hf;
+use mpipemoe::MoeError;
+
+#[derive(Args, Debug)]
+#[command(group(ArgGroup::new("direction").required(true).args(["from_hf", "to_hf"])))]
+pub struct ConvertArgs {
+    /// Read MoE layer --layer of this checkpoint folder and write it to --out as a canonical
+    /// float32 layer file (the cases' names and meta, plus kind and hf_layer).
+    #[arg(long, value_name = "DIR")]
+    from_hf: Option<PathBuf>,
+    /// Write the canonical layer file --input back into MoE layer --layer of this checkpoint
+    /// folder (its names, dtypes and shards), as a complete checkpoint in --out.
+    #[arg(long, value_name = "DIR")]
+    to_hf: Option<PathBuf>,
+    /// The MoE layer's index in the model (for --to-hf, defaults to the file's `hf_layer`).
+    #[arg(long)]
+    layer: Option<usize>,
+    /// The canonical layer file to write back (--to-hf).
+    #[arg(long, value_name = "FILE")]
+    input: Option<PathBuf>,
+    /// The canonical file to write (--from-hf), or the checkpoint folder to write (--to-hf;
+    /// the checkpoint's own folder rewrites it in place).
+    #[arg(long)]
+    out: PathBuf,
+}
+
+pub fn run(args: ConvertArgs) -> ExitCode {
+    let result = match (&args.from_hf, &args.to_hf) {
+        (Some(dir), _) => from_hf(dir, &args),
+        (_, Some(dir)) => to_hf(dir, &args),
+        _ => unreachable!("clap requires one direction"),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn from_hf(dir: &PathBuf, args: &ConvertArgs) -> Result<(), MoeError> {
+    let layer = args
+        .layer
+        .ok_or_else(|| MoeError::config("layer", "--from-hf needs --layer (see `mpipemoe inspect DIR`)"))?;
+    let info = hf::convert_to_file(dir, layer, &args.out)?;
+    let c = &info.config;
+    println!(
+        "{}: layer {} ({}, E={}, k={}, M={}, H={}, shared={:?}, stored {}) -> {}",
+        dir.display(),
+        layer,
+        info.family.model_type(),
+        c.n_experts,
+        c.top_k,
+        c.d_model,
+        c.d_hidden,
+        c.shared_expert,
+        info.dtype.as_deref().unwrap_or("?"),
+        args.out.display()
+    );
+    Ok(())
+}
+
+fn to_hf(dir: &PathBuf, args: &ConvertArgs) -> Result<(), MoeError> {
+    let input = args
+        .input
+        .as_ref()
+        .ok_or_else(|| MoeError::config("input", "--to-hf needs --input FILE (a canonical layer file)"))?;
+    let (tensors, meta) = read_safetensors(input)?;
+    let meta = meta
+        .map(|m| LayerMeta::parse(&m))
+        .transpose()
+        .map_err(|e| MoeError::file(input, e.to_string()))?;
+    let layer = args
+        .layer
+        .or(meta.as_ref().and_then(|m| m.hf_layer))
+        .ok_or_else(|| MoeError::config("layer", "give --layer: the file's meta has no `hf_layer`"))?;
+    let report = hf::write_layer(dir, layer, &tensors, &args.out)?;
+    println!(
+        "{} -> layer {layer} of {}: {} tensors in {} (rewritten), {} other files copied",
+        input.display(),
+        args.out.display(),
+        report.tensors,
+        report.shards_rewritten.join(", "),
+        report.files_copied
+    );
+    Ok(())
+}
