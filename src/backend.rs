@@ -7,9 +7,17 @@
 //! [`fused_forward`] and [`fused_backward`] are the generic implementation written with
 //! burn's primitive ops, which a new backend can start from, and [`exchange_reference`] is the
 //! same function built from differentiable tensor ops, which tests hold an implementation to.
+//!
+//! The order of the exchange's steps is data: [`Schedule::forward`] and
+//! [`Schedule::backward`] list every step (dispatch, expert compute, combine, offload,
+//! prefetch, re-dispatch) with its stream, the partition buffers it reads and writes, and
+//! what it waits for. [`execute_on_threads`] runs a schedule with one worker thread per
+//! stream (the CPU executor); a GPU executor runs the same steps on streams and events.
 
 pub use crate::dispatch::{chunk_len, chunk_range, ExchangePlan, PartitionPlan, RoutingCounts};
+pub use crate::exchange::executor::execute as execute_on_threads;
 pub use crate::exchange::fused::{backward as fused_backward, forward as fused_forward, Saved as FusedSaved};
+pub use crate::exchange::schedule::{Op, Role, Schedule, Slot, Span, Step, Stream};
 pub use crate::exchange::{exchange_reference, ExchangeGrads, ExchangeRun};
 pub use crate::experts::{ActivationKernels, ExpertTensors};
 pub use crate::memory::host_store::{HostBlock, HostStore};

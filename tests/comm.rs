@@ -148,7 +148,14 @@ fn a_missing_rank_times_out_by_name() {
         ctx.comm.barrier()
     });
     assert!(start.elapsed() < Duration::from_secs(3));
-    expect_comm_error(&results[0], "rank(s) [2]");
+    // Whichever of ranks 0 and 1 times out first names rank 2; the other either times out
+    // the same way or reports that failure as a peer's.
+    let timed_out = results[..2]
+        .iter()
+        .filter(|r| matches!(r, Err(MoeError::Comm { reason, .. }) if reason.contains("rank(s) [2]")))
+        .count();
+    assert!(timed_out >= 1, "{results:?}");
+    assert!(results[..2].iter().all(|r| r.is_err()), "{results:?}");
 }
 
 #[test]

@@ -399,3 +399,62 @@ fn the_deepseek_case_depends_on_group_limit_score_bias_and_scaling() {
     );
     assert_eq!(rule.scaling, 1.5);
 }
+
+/// A single `model.safetensors` (no index) stored in f16: the layer imports as the f16-rounded
+/// weights, and exports back to the same bytes.
+#[test]
+fn a_single_file_f16_checkpoint_imports_and_exports() {
+    use burn::tensor::f16;
+    let dir = scratch("f16");
+    let source = data().join("mixtral-tiny");
+    let ckpt = dir.join("mixtral-f16");
+    std::fs::create_dir_all(&ckpt).unwrap();
+    std::fs::copy(source.join("config.json"), ckpt.join("config.json")).unwrap();
+    // Every tensor of every shard, in f16, in one file.
+    let mut all: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for entry in std::fs::read_dir(&source).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "safetensors") {
+            let bytes = std::fs::read(&path).unwrap();
+            let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            for (name, view) in st.tensors() {
+                let data = TensorData::from_bytes_vec(
+                    view.data().to_vec(),
+                    view.shape().to_vec(),
+                    burn::tensor::DType::F32,
+                )
+                .convert::<f16>();
+                all.push((name, view.shape().to_vec(), data.as_bytes().to_vec()));
+            }
+        }
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = all
+        .iter()
+        .map(|(n, shape, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F16, shape.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    let info = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+    std::fs::write(
+        ckpt.join("model.safetensors"),
+        safetensors::serialize(views, Some(info)).unwrap(),
+    )
+    .unwrap();
+
+    let (_, f32_tensors) = hf::read_layer(&source, 1, 0..8).unwrap();
+    let (_, f16_tensors) = hf::read_layer(&ckpt, 1, 0..8).unwrap();
+    for (name, data) in &f32_tensors {
+        let rounded = data.clone().convert::<f16>().convert::<f32>();
+        assert!(bytes(&f16_tensors[name]) == bytes(&rounded), "{name}");
+    }
+    let out = dir.join("back");
+    hf::write_layer(&ckpt, 1, &f16_tensors, &out).unwrap();
+    assert!(
+        std::fs::read(ckpt.join("model.safetensors")).unwrap()
+            == std::fs::read(out.join("model.safetensors")).unwrap()
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

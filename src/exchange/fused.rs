@@ -1,24 +1,31 @@
-//! The fused exchange op for any backend, written with primitive ops (the CPU implementation).
+//! The fused exchange op for any backend, written with primitive ops: the [`Schedule`] of
+//! DESIGN §3 run by the CPU executor, one worker per stream.
 //!
-//! The schedule is DESIGN §3's: forward issues S_0, then for each partition i: S_{i+1}, C_i,
-//! R_i; backward mirrors it on gradients. On the CPU the steps run in that order on the rank's
-//! thread, which keeps exactly the buffers the paper's schedule keeps live: two dispatched
-//! partitions (the one being computed and the next one received), one hidden activation, and
-//! the output being returned. What survives into backward is the strategy's choice.
+//! Forward: `S_0`, then per partition `S_{i+1}`, `C_i`, `R_i`, with `T_DI` and `T_M` copied to
+//! the host store behind them where the strategy offloads; backward mirrors it on gradients.
+//! Each step takes its inputs from partition slots and puts its outputs into them; a slot is
+//! emptied by the last reader of its content, so at most two dispatched partitions, one hidden
+//! activation and two output partitions are live at once (and the same in backward), and a
+//! write into a slot that is still occupied is a schedule hazard, reported as an error. What
+//! survives into backward is the strategy's choice.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Shape, Slice, TensorMetadata};
+use burn::tensor::TensorMetadata;
 
-use super::rows::{
-    all_to_all_rows, cat_rows, dims2, expert_matrix, expert_row, float_dtype, gather_rows, narrow_rows,
-    to_data, zeros_like_rows,
-};
+use super::assemble::RowAssembler;
+use super::executor::execute;
+use super::ffn::{compute, compute_backward, ExpertGradAcc, Restored};
+use super::rows::{all_to_all_rows, dims2, gather_rows, narrow_rows, to_data};
+use super::schedule::{Op, Role, Schedule, Slot, Step};
 use super::{ExchangeGrads, ExchangeRun, MoeBackend};
 use crate::comm::Communicator;
 use crate::dispatch::{ExchangePlan, PartitionPlan};
 use crate::error::{MoeError, Result};
-use crate::experts::{activation_backward, activation_forward, Activation, ExpertTensors};
+use crate::experts::ExpertTensors;
 use crate::memory::{HostBlock, HostStore, Restore};
 
 /// What the fused forward keeps for backward.
@@ -35,7 +42,8 @@ pub struct Saved<B: Backend> {
 struct SavedPartition<B: Backend> {
     /// `T_DI_i` in expert-major order.
     dispatched: Stash<B>,
-    /// `T_M_i` (pre-activation) per local expert; `None` for experts without rows.
+    /// `T_M_i` (pre-activation) per local expert; `None` for experts without rows. Empty
+    /// where `T_M` is recomputed.
     hidden: Vec<Option<Stash<B>>>,
 }
 
@@ -49,12 +57,8 @@ enum Stash<B: Backend> {
 }
 
 impl<B: Backend> Stash<B> {
-    fn new(tensor: FloatTensor<B>, restore: Restore, host: &HostStore) -> Result<Self> {
-        Ok(match restore {
-            Restore::Keep => Stash::Device(tensor),
-            Restore::Offload => Stash::Host(host.offload(to_data::<B, 2>(tensor))?),
-            Restore::Recommunicate | Restore::Recompute => Stash::Dropped,
-        })
+    fn offload(tensor: FloatTensor<B>, host: &HostStore) -> Result<Self> {
+        Ok(Stash::Host(host.offload(to_data::<B, 2>(tensor))?))
     }
 
     /// The tensor, if it was kept or offloaded.
@@ -68,6 +72,91 @@ impl<B: Backend> Stash<B> {
             Stash::Dropped => None,
         }
     }
+}
+
+/// What a partition slot holds.
+enum Value<B: Backend> {
+    /// A `[rows, width]` block (`T_DI`, `T_DO`, `dT_DO`, `dT_DI`).
+    Rows(FloatTensor<B>),
+    /// `T_M`: each local expert's pre-activation rows (`None` for an expert without rows).
+    Hidden(Vec<Option<FloatTensor<B>>>),
+}
+
+/// The partition slots of one pass.
+struct Slots<B: Backend> {
+    map: Mutex<HashMap<Slot, Value<B>>>,
+}
+
+impl<B: Backend> Slots<B> {
+    fn new() -> Self {
+        Self {
+            map: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<Slot, Value<B>>> {
+        self.map.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Fills `slot`. It must be empty: its previous content's last reader takes it, so an
+    /// occupied slot means a step is about to overwrite what another has not read yet.
+    fn put(&self, step: &Step, slot: Slot, value: Value<B>) -> Result<()> {
+        if self.lock().insert(slot, value).is_some() {
+            return Err(MoeError::Backend(format!(
+                "schedule hazard: {:?} overwrote {slot:?} before its last reader took it",
+                step.op
+            )));
+        }
+        Ok(())
+    }
+
+    /// The content of `slot`, taken where `step` is its last reader, shared otherwise.
+    fn get(&self, step: &Step, slot: Slot) -> Result<Value<B>> {
+        let mut map = self.lock();
+        let missing = || {
+            MoeError::Backend(format!(
+                "schedule hazard: {:?} read {slot:?} before anything wrote it",
+                step.op
+            ))
+        };
+        if step.takes.contains(&slot) {
+            map.remove(&slot).ok_or_else(missing)
+        } else {
+            match map.get(&slot).ok_or_else(missing)? {
+                Value::Rows(t) => Ok(Value::Rows(t.clone())),
+                Value::Hidden(h) => Ok(Value::Hidden(h.clone())),
+            }
+        }
+    }
+
+    fn rows(&self, step: &Step, role: Role, i: usize) -> Result<FloatTensor<B>> {
+        match self.get(step, slot(role, i))? {
+            Value::Rows(t) => Ok(t),
+            Value::Hidden(_) => unreachable!("{role:?} slots hold row blocks"),
+        }
+    }
+
+    fn hidden(&self, step: &Step, i: usize, index: usize) -> Result<Vec<Option<FloatTensor<B>>>> {
+        match self.get(
+            step,
+            Slot {
+                role: Role::Hidden,
+                index,
+            },
+        )? {
+            Value::Hidden(h) => Ok(h),
+            Value::Rows(_) => unreachable!("hidden slots hold per-expert blocks (partition {i})"),
+        }
+    }
+}
+
+/// The slot of `role` partition `i` uses: the roles with two buffers alternate.
+fn slot(role: Role, i: usize) -> Slot {
+    Slot { role, index: i % 2 }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The generic fused forward: `T_O` from `T_I` over the plan's partitions, on any backend,
@@ -89,35 +178,81 @@ pub fn forward<B: MoeBackend>(
     check_input::<B>(&input, &experts, plan)?;
     let comm = run.comm.as_ref();
     let strategy = run.strategy;
-    let mut saved = Saved {
-        experts,
-        input: strategy.keeps_input().then(|| input.clone()),
-        partitions: Vec::with_capacity(plan.n_partitions()),
-        device: B::float_device(&input),
-    };
-    let mut output = RowAssembler::<B>::new(&input, plan);
-
-    // S_0
-    let mut next = Some(dispatch::<B>(&input, &plan.partitions[0], comm)?);
-    for (i, part) in plan.partitions.iter().enumerate() {
-        let dispatched = next.take().expect("dispatched one partition ahead");
-        // S_{i+1} before C_i: the next partition is received while this one is computed.
-        if let Some(following) = plan.partitions.get(i + 1) {
-            next = Some(dispatch::<B>(&input, following, comm)?);
+    let n = plan.n_partitions();
+    let slots = Slots::<B>::new();
+    let saved: Mutex<Vec<SavedPartition<B>>> = Mutex::new(
+        (0..n)
+            .map(|_| SavedPartition {
+                dispatched: Stash::Dropped,
+                hidden: Vec::new(),
+            })
+            .collect(),
+    );
+    let output = Mutex::new(RowAssembler::<B>::new(&input, plan));
+    let step_fn = |_: usize, step: &Step| -> Result<()> {
+        match step.op {
+            Op::Dispatch(i) => {
+                let rows = dispatch::<B>(&input, &plan.partitions[i], comm)?;
+                slots.put(step, slot(Role::Dispatched, i), Value::Rows(rows))
+            }
+            Op::Offload(Role::Dispatched, i) => {
+                let x = slots.rows(step, Role::Dispatched, i)?;
+                lock(&saved)[i].dispatched = Stash::offload(x, &run.host)?;
+                Ok(())
+            }
+            Op::Compute(i) => {
+                let x = slots.rows(step, Role::Dispatched, i)?;
+                let (out, hidden) = compute::<B>(x.clone(), &plan.partitions[i], &experts, run.activation);
+                if strategy.dispatched() == Restore::Keep {
+                    lock(&saved)[i].dispatched = Stash::Device(x);
+                }
+                match strategy.hidden() {
+                    Restore::Keep => {
+                        lock(&saved)[i].hidden = hidden.into_iter().map(|z| z.map(Stash::Device)).collect();
+                    }
+                    Restore::Offload => {
+                        slots.put(
+                            step,
+                            Slot {
+                                role: Role::Hidden,
+                                index: 0,
+                            },
+                            Value::Hidden(hidden),
+                        )?;
+                    }
+                    Restore::Recommunicate | Restore::Recompute => {}
+                }
+                slots.put(step, slot(Role::Output, i), Value::Rows(out))
+            }
+            Op::Offload(Role::Hidden, i) => {
+                let hidden = slots.hidden(step, i, 0)?;
+                let stashed = hidden
+                    .into_iter()
+                    .map(|z| z.map(|z| Stash::offload(z, &run.host)).transpose())
+                    .collect::<Result<Vec<_>>>()?;
+                lock(&saved)[i].hidden = stashed;
+                Ok(())
+            }
+            Op::Combine(i) => {
+                let out = slots.rows(step, Role::Output, i)?;
+                let rows = combine::<B>(out, &plan.partitions[i], comm)?;
+                lock(&output).place(&plan.partitions[i], rows);
+                Ok(())
+            }
+            other => unreachable!("{other:?} is not a forward step"),
         }
-        // C_i
-        let (out, hidden) = compute::<B>(dispatched.clone(), part, &saved.experts, run.activation);
-        saved.partitions.push(SavedPartition {
-            dispatched: Stash::new(dispatched, strategy.dispatched(), &run.host)?,
-            hidden: hidden
-                .into_iter()
-                .map(|z| z.map(|z| Stash::new(z, strategy.hidden(), &run.host)).transpose())
-                .collect::<Result<_>>()?,
-        });
-        // R_i
-        output.place(part, combine::<B>(out, part, comm)?);
-    }
-    Ok((output.finish(), saved))
+    };
+    run_checked(&Schedule::forward(n, strategy), &step_fn)?;
+    let output = output.into_inner().unwrap_or_else(|e| e.into_inner()).finish();
+    Ok((
+        output,
+        Saved {
+            device: B::float_device(&input),
+            input: strategy.keeps_input().then_some(input),
+            experts,
+            partitions: saved.into_inner().unwrap_or_else(|e| e.into_inner()),
+        },
+    ))
 }
 
 /// The generic fused backward: gradients of `T_I` and the experts from the gradient of `T_O`,
@@ -132,53 +267,100 @@ pub fn backward<B: MoeBackend>(
     run: &ExchangeRun,
 ) -> Result<ExchangeGrads<B>> {
     let comm = run.comm.as_ref();
+    let strategy = run.strategy;
     let Saved {
         experts,
         input,
         partitions,
         device,
     } = saved;
-    let mut acc = ExpertGradAcc::<B>::new(&experts);
-    let mut input_grad = RowAssembler::<B>::new(&grad_out, plan);
-
-    let mut stashes = partitions.into_iter();
-    let mut restore = |part: &PartitionPlan| -> Result<Restored<B>> {
-        let stash = stashes.next().expect("one saved partition per planned one");
-        // S'_i: the gradient of T_O's partition goes to the experts' ranks ...
-        let grad = dispatch::<B>(&grad_out, part, comm)?;
-        // ... and T_DI_i comes back: kept, prefetched from the host, or dispatched again.
-        let x = match stash.dispatched.restore(&device) {
-            Some(x) => x,
-            None => {
-                let input = input.as_ref().ok_or_else(|| {
-                    MoeError::Memory("re-communication needs T_I, which was not kept".into())
-                })?;
-                dispatch::<B>(input, part, comm)?
-            }
-        };
-        let hidden = stash
-            .hidden
+    if strategy.keeps_input() && input.is_none() {
+        return Err(MoeError::Memory(
+            "re-communication needs T_I, which the forward did not keep".into(),
+        ));
+    }
+    let n = plan.n_partitions();
+    let slots = Slots::<B>::new();
+    let stashes: Vec<Mutex<SavedPartition<B>>> = partitions.into_iter().map(Mutex::new).collect();
+    let acc = Mutex::new(ExpertGradAcc::<B>::new(&experts));
+    let input_grad = Mutex::new(RowAssembler::<B>::new(&grad_out, plan));
+    let take_dispatched = |i: usize| std::mem::replace(&mut lock(&stashes[i]).dispatched, Stash::Dropped);
+    let take_hidden = |i: usize| -> Vec<Option<FloatTensor<B>>> {
+        std::mem::take(&mut lock(&stashes[i]).hidden)
             .into_iter()
             .map(|z| z.and_then(|z| z.restore(&device)))
-            .collect();
-        Ok(Restored { grad, x, hidden })
+            .collect()
     };
-
-    let mut next = Some(restore(&plan.partitions[0])?);
-    for (i, part) in plan.partitions.iter().enumerate() {
-        let current = next.take().expect("restored one partition ahead");
-        if let Some(following) = plan.partitions.get(i + 1) {
-            next = Some(restore(following)?);
+    let step_fn = |_: usize, step: &Step| -> Result<()> {
+        match step.op {
+            Op::DispatchGrad(i) => {
+                let grad = dispatch::<B>(&grad_out, &plan.partitions[i], comm)?;
+                slots.put(step, slot(Role::GradOutput, i), Value::Rows(grad))
+            }
+            Op::Redispatch(i) => {
+                let input = input.as_ref().expect("checked above");
+                let x = dispatch::<B>(input, &plan.partitions[i], comm)?;
+                slots.put(step, slot(Role::Dispatched, i), Value::Rows(x))
+            }
+            Op::Prefetch(Role::Dispatched, i) => {
+                let x = take_dispatched(i)
+                    .restore(&device)
+                    .expect("an offloaded T_DI is on the host");
+                slots.put(step, slot(Role::Dispatched, i), Value::Rows(x))
+            }
+            Op::Prefetch(Role::Hidden, i) => {
+                slots.put(step, slot(Role::Hidden, i), Value::Hidden(take_hidden(i)))
+            }
+            Op::ComputeGrad(i) => {
+                let part = &plan.partitions[i];
+                let grad = slots.rows(step, Role::GradOutput, i)?;
+                let x = match strategy.dispatched() {
+                    Restore::Keep => take_dispatched(i)
+                        .restore(&device)
+                        .expect("a kept T_DI is on the device"),
+                    _ => slots.rows(step, Role::Dispatched, i)?,
+                };
+                let hidden = match strategy.hidden() {
+                    Restore::Keep => take_hidden(i),
+                    Restore::Offload => slots.hidden(step, i, i % 2)?,
+                    // Recomputed from T_DI by the expert backward.
+                    Restore::Recommunicate | Restore::Recompute => vec![None; part.rows_per_expert.len()],
+                };
+                let grad_x = compute_backward::<B>(
+                    Restored { grad, x, hidden },
+                    part,
+                    &experts,
+                    run.activation,
+                    &mut lock(&acc),
+                );
+                slots.put(step, slot(Role::GradInput, i), Value::Rows(grad_x))
+            }
+            Op::CombineGrad(i) => {
+                let grad_x = slots.rows(step, Role::GradInput, i)?;
+                let rows = combine::<B>(grad_x, &plan.partitions[i], comm)?;
+                lock(&input_grad).place(&plan.partitions[i], rows);
+                Ok(())
+            }
+            other => unreachable!("{other:?} is not a backward step"),
         }
-        // C'_i
-        let grad_x = compute_backward::<B>(current, part, &experts, run.activation, &mut acc);
-        // R'_i
-        input_grad.place(part, combine::<B>(grad_x, part, comm)?);
-    }
+    };
+    run_checked(&Schedule::backward(n, strategy), &step_fn)?;
     Ok(ExchangeGrads {
-        input: input_grad.finish(),
-        experts: acc.finish(),
+        input: input_grad
+            .into_inner()
+            .unwrap_or_else(|e| e.into_inner())
+            .finish(),
+        experts: acc.into_inner().unwrap_or_else(|e| e.into_inner()).finish(),
     })
+}
+
+/// Runs `schedule` and checks the recorded spans for hazards (a few microseconds: the steps
+/// are counted in tens).
+fn run_checked(schedule: &Schedule, step_fn: &(dyn Fn(usize, &Step) -> Result<()> + Sync)) -> Result<()> {
+    let spans = execute(schedule, step_fn)?;
+    schedule
+        .check_trace(&spans)
+        .map_err(|hazard| MoeError::Backend(format!("schedule hazard: {hazard}")))
 }
 
 fn check_input<B: Backend>(
@@ -230,218 +412,4 @@ fn combine<B: Backend>(
         None => rows,
     };
     all_to_all_rows::<B>(comm, by_source, &part.recv_per_rank, &part.send_per_rank)
-}
-
-/// `x_e · w_in[e] + b_in[e]`: the first GEMM of expert `e`, i.e. `T_M` before activation.
-fn first_gemm<B: Backend>(x: FloatTensor<B>, experts: &ExpertTensors<B>, e: usize) -> FloatTensor<B> {
-    let z = B::float_matmul(x, expert_matrix::<B>(&experts.w_in, e));
-    match &experts.b_in {
-        Some(b) => B::float_add(z, expert_row::<B>(b, e)),
-        None => z,
-    }
-}
-
-/// C_i: every local expert on its rows of the expert-major partition. Returns the outputs
-/// (expert-major, `[rows, d_model]`) and each expert's pre-activation `T_M`.
-fn compute<B: MoeBackend>(
-    x: FloatTensor<B>,
-    part: &PartitionPlan,
-    experts: &ExpertTensors<B>,
-    act: Activation,
-) -> (FloatTensor<B>, Vec<Option<FloatTensor<B>>>) {
-    let [_, d_model] = dims2::<B>(&x);
-    let mut outs = Vec::with_capacity(part.rows_per_expert.len());
-    let mut hidden = Vec::with_capacity(part.rows_per_expert.len());
-    let mut offset = 0;
-    for (e, &rows) in part.rows_per_expert.iter().enumerate() {
-        if rows == 0 {
-            hidden.push(None);
-            continue;
-        }
-        let z = first_gemm::<B>(narrow_rows::<B>(x.clone(), offset, rows), experts, e);
-        let a = activation_forward::<B>(act, z.clone());
-        let mut out = B::float_matmul(a, expert_matrix::<B>(&experts.w_out, e));
-        if let Some(b) = &experts.b_out {
-            out = B::float_add(out, expert_row::<B>(b, e));
-        }
-        outs.push(out);
-        hidden.push(Some(z));
-        offset += rows;
-    }
-    (cat_rows::<B>(outs, &x, d_model), hidden)
-}
-
-/// A partition's tensors, back for its backward step.
-struct Restored<B: Backend> {
-    /// Gradient of the expert outputs, expert-major. `[rows, d_model]`
-    grad: FloatTensor<B>,
-    /// `T_DI_i`, expert-major. `[rows, d_model]`
-    x: FloatTensor<B>,
-    /// `T_M_i` per expert where it was kept or offloaded; `None` where it is recomputed.
-    hidden: Vec<Option<FloatTensor<B>>>,
-}
-
-/// C'_i: the FFN backward of every local expert on one partition. Returns the gradient of
-/// the partition's expert-major inputs and adds the weight gradients to `acc`.
-fn compute_backward<B: MoeBackend>(
-    restored: Restored<B>,
-    part: &PartitionPlan,
-    experts: &ExpertTensors<B>,
-    act: Activation,
-    acc: &mut ExpertGradAcc<B>,
-) -> FloatTensor<B> {
-    let Restored { grad, x, hidden } = restored;
-    let [_, d_model] = dims2::<B>(&x);
-    let mut grads_x = Vec::with_capacity(part.rows_per_expert.len());
-    let mut offset = 0;
-    for (e, (&rows, z)) in part.rows_per_expert.iter().zip(hidden).enumerate() {
-        if rows == 0 {
-            continue;
-        }
-        let x_e = narrow_rows::<B>(x.clone(), offset, rows);
-        let g_e = narrow_rows::<B>(grad.clone(), offset, rows);
-        offset += rows;
-        let z = z.unwrap_or_else(|| first_gemm::<B>(x_e.clone(), experts, e));
-        let a = activation_forward::<B>(act, z.clone());
-        acc.add(
-            Param::WOut,
-            e,
-            B::float_matmul(B::float_transpose(a), g_e.clone()),
-        );
-        if experts.b_out.is_some() {
-            acc.add(Param::BOut, e, B::float_sum_dim(g_e.clone(), 0));
-        }
-        let grad_a = B::float_matmul(g_e, B::float_transpose(expert_matrix::<B>(&experts.w_out, e)));
-        let grad_z = activation_backward::<B>(act, z, grad_a);
-        acc.add(
-            Param::WIn,
-            e,
-            B::float_matmul(B::float_transpose(x_e), grad_z.clone()),
-        );
-        if experts.b_in.is_some() {
-            acc.add(Param::BIn, e, B::float_sum_dim(grad_z.clone(), 0));
-        }
-        grads_x.push(B::float_matmul(
-            grad_z,
-            B::float_transpose(expert_matrix::<B>(&experts.w_in, e)),
-        ));
-    }
-    cat_rows::<B>(grads_x, &x, d_model)
-}
-
-/// Collects per-partition row blocks into one `[n_rows, width]` tensor in `T_I` order.
-///
-/// With one partition the block is the result. With several, each block is written into a
-/// preallocated output (in place where the backend owns it uniquely, as NdArray and Flex do),
-/// so the full-size tensor never exists twice.
-struct RowAssembler<B: Backend> {
-    out: Option<FloatTensor<B>>,
-    single: bool,
-}
-
-impl<B: Backend> RowAssembler<B> {
-    fn new(like: &FloatTensor<B>, plan: &ExchangePlan) -> Self {
-        let [_, width] = dims2::<B>(like);
-        let single = plan.n_partitions() == 1;
-        Self {
-            out: (!single).then(|| zeros_like_rows::<B>(like, plan.send_rows(), width)),
-            single,
-        }
-    }
-
-    fn place(&mut self, part: &PartitionPlan, rows: FloatTensor<B>) {
-        if self.single {
-            self.out = Some(rows);
-            return;
-        }
-        let [n, width] = dims2::<B>(&rows);
-        if n == 0 {
-            return;
-        }
-        let out = self.out.take().expect("preallocated");
-        let range = part.send_offset..part.send_offset + n;
-        self.out = Some(B::float_slice_assign(
-            out,
-            &[Slice::from(range), Slice::from(0..width)],
-            rows,
-        ));
-    }
-
-    fn finish(self) -> FloatTensor<B> {
-        self.out.expect("every partition placed")
-    }
-}
-
-/// Which expert parameter a gradient belongs to (an index into `ExpertGradAcc::sums`).
-#[derive(Clone, Copy)]
-enum Param {
-    WIn = 0,
-    BIn = 1,
-    WOut = 2,
-    BOut = 3,
-}
-
-/// Expert weight gradients summed over partitions, one running sum per expert (the adds
-/// happen in place where the backend owns the sum uniquely), stacked once at the end: a
-/// reshape when the rank holds one expert, a single concatenation otherwise. (Accumulating
-/// straight into the stacked tensor through slice views measured ~40x slower on Flex.)
-struct ExpertGradAcc<B: Backend> {
-    sums: [Vec<Option<FloatTensor<B>>>; 4],
-    like: ExpertTensors<B>,
-}
-
-impl<B: Backend> ExpertGradAcc<B> {
-    fn new(experts: &ExpertTensors<B>) -> Self {
-        let n = experts.w_in.shape().to_vec()[0];
-        let empty = || (0..n).map(|_| None).collect::<Vec<_>>();
-        Self {
-            sums: [empty(), empty(), empty(), empty()],
-            like: experts.clone(),
-        }
-    }
-
-    /// Adds `grad` (expert `e`'s `[rows, cols]` matrix, or `[1, cols]` bias row).
-    fn add(&mut self, param: Param, e: usize, grad: FloatTensor<B>) {
-        let slot = &mut self.sums[param as usize][e];
-        *slot = Some(match slot.take() {
-            Some(acc) => B::float_add(acc, grad),
-            None => grad,
-        });
-    }
-
-    /// Stacks per-expert sums (zeros where an expert had no rows) into `like`'s shape.
-    fn stack(sums: Vec<Option<FloatTensor<B>>>, like: &FloatTensor<B>) -> FloatTensor<B> {
-        let dims = like.shape().to_vec();
-        let mut one = dims.clone();
-        one[0] = 1;
-        let parts: Vec<FloatTensor<B>> = sums
-            .into_iter()
-            .map(|s| {
-                let s = s.unwrap_or_else(|| {
-                    B::float_zeros(
-                        Shape::from(one.clone()),
-                        &B::float_device(like),
-                        float_dtype::<B>(like),
-                    )
-                });
-                B::float_reshape(s, Shape::from(one.clone()))
-            })
-            .collect();
-        if parts.len() == 1 {
-            parts.into_iter().next().expect("one part")
-        } else {
-            B::float_cat(parts, 0)
-        }
-    }
-
-    fn finish(self) -> ExpertTensors<B> {
-        let [w_in, b_in, w_out, b_out] = self.sums;
-        let like = self.like;
-        ExpertTensors {
-            w_in: Self::stack(w_in, &like.w_in),
-            b_in: like.b_in.as_ref().map(|b| Self::stack(b_in, b)),
-            w_out: Self::stack(w_out, &like.w_out),
-            b_out: like.b_out.as_ref().map(|b| Self::stack(b_out, b)),
-        }
-    }
 }

@@ -6,13 +6,17 @@
 //! same function built from ordinary differentiable tensor ops, which the tests hold the
 //! fused op to.
 
+mod assemble;
 mod autodiff;
 mod backend;
 #[cfg(feature = "cubecl")]
 mod cubecl;
+pub(crate) mod executor;
+mod ffn;
 pub(crate) mod fused;
 mod reference;
 pub(crate) mod rows;
+pub(crate) mod schedule;
 
 pub use backend::{ExchangeGrads, ExchangeRun, MoeBackend};
 pub use reference::exchange_reference;

@@ -60,6 +60,18 @@ impl CountingAllocator {
         TAG.with(|t| t.set(tag));
     }
 
+    /// The calling thread's tag, for a helper thread to take over with
+    /// [`set_thread_tag`](Self::set_thread_tag): the exchange's stream workers count against
+    /// the rank that started them.
+    pub fn thread_tag() -> u8 {
+        TAG.try_with(|t| t.get()).unwrap_or(0)
+    }
+
+    /// Sets the calling thread's tag to one read by [`thread_tag`](Self::thread_tag).
+    pub fn set_thread_tag(tag: u8) {
+        let _ = TAG.try_with(|t| t.set(tag));
+    }
+
     /// Bytes allocated and not yet freed, over all threads.
     pub fn current(&self) -> usize {
         self.total.load(Ordering::SeqCst)

@@ -1,0 +1,129 @@
+//! The CPU executor of a [`Schedule`]: one worker thread per stream, each running its steps in
+//! issue order and waiting, before each, for the steps on other streams it depends on.
+//!
+//! On the CPU the streams share the cores, so this buys little speed; what it gives is the
+//! GPU's concurrency, exercised by every CPU test: a step of one partition really runs while
+//! steps of other partitions run on the other streams, so a missing dependency shows up as a
+//! wrong result or a detected hazard here rather than on a GPU.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex};
+
+use super::schedule::{Schedule, Span, Step, Stream};
+use crate::error::{MoeError, Result};
+use crate::memory::alloc::CountingAllocator;
+
+#[derive(Debug)]
+struct Progress {
+    done: Vec<bool>,
+    failed: bool,
+}
+
+/// Runs every step of `schedule` with `run`, each stream on its own thread, and returns when
+/// all have finished, with the span of every step. The first error (or panic) of any step
+/// stops the other workers at their next wait and is returned.
+pub fn execute(schedule: &Schedule, run: &(dyn Fn(usize, &Step) -> Result<()> + Sync)) -> Result<Vec<Span>> {
+    let n = schedule.steps.len();
+    let progress = Mutex::new(Progress {
+        done: vec![false; n],
+        failed: false,
+    });
+    let wake = Condvar::new();
+    let clock = AtomicU64::new(0);
+    let spans: Mutex<Vec<Span>> = Mutex::new(vec![Span { start: 0, end: 0 }; n]);
+    // Helper threads allocate on behalf of the rank that started them.
+    let tag = CountingAllocator::thread_tag();
+
+    let worker = |stream: Stream| -> Result<()> {
+        CountingAllocator::set_thread_tag(tag);
+        for index in schedule.stream_order(stream) {
+            let step = &schedule.steps[index];
+            {
+                let mut p = lock_progress(&progress);
+                while !p.failed && !step.deps.iter().all(|&d| p.done[d]) {
+                    p = wake.wait(p).unwrap_or_else(|e| e.into_inner());
+                }
+                if p.failed {
+                    return Ok(());
+                }
+            }
+            let start = clock.fetch_add(1, Ordering::SeqCst);
+            let result = catch_unwind(AssertUnwindSafe(|| run(index, step)))
+                .unwrap_or_else(|payload| Err(panic_error(payload, step)));
+            let end = clock.fetch_add(1, Ordering::SeqCst);
+            spans.lock().unwrap_or_else(|e| e.into_inner())[index] = Span { start, end };
+            let mut p = lock_progress(&progress);
+            match result {
+                Ok(()) => p.done[index] = true,
+                Err(e) => {
+                    p.failed = true;
+                    wake.notify_all();
+                    return Err(e);
+                }
+            }
+            wake.notify_all();
+        }
+        Ok(())
+    };
+
+    let streams: Vec<Stream> = Stream::ALL
+        .into_iter()
+        .filter(|&s| schedule.steps.iter().any(|step| step.stream() == s))
+        .collect();
+    let results: Vec<Result<()>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = streams
+            .iter()
+            .map(|&s| {
+                std::thread::Builder::new()
+                    .name(format!("moe-{s:?}").to_lowercase())
+                    .spawn_scoped(scope, move || worker(s))
+            })
+            .collect();
+        if handles.iter().any(|h| h.is_err()) {
+            // The started workers may wait for steps of the missing one: stop them.
+            lock_progress(&progress).failed = true;
+            wake.notify_all();
+        }
+        handles
+            .into_iter()
+            .map(|h| match h {
+                Ok(h) => h.join().unwrap_or_else(|_| {
+                    Err(MoeError::Backend(
+                        "a stream worker of the exchange panicked".into(),
+                    ))
+                }),
+                Err(e) => Err(MoeError::Backend(format!("cannot start a stream worker: {e}"))),
+            })
+            .collect()
+    });
+    // A root cause over a peer's echo, as LocalGroup does.
+    let mut errors: Vec<MoeError> = results.into_iter().filter_map(|r| r.err()).collect();
+    if let Some(pos) = errors.iter().position(|e| !e.is_peer_failure()) {
+        return Err(errors.swap_remove(pos));
+    }
+    if let Some(e) = errors.pop() {
+        return Err(e);
+    }
+    Ok(spans.into_inner().unwrap_or_else(|e| e.into_inner()))
+}
+
+/// A panic inside a step: the [`MoeError`] it carries (a collective that failed in a
+/// backward), or its message.
+fn panic_error(payload: Box<dyn std::any::Any + Send>, step: &Step) -> MoeError {
+    match payload.downcast::<MoeError>() {
+        Ok(e) => *e,
+        Err(payload) => {
+            let message = payload
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "non-string panic payload".to_string());
+            MoeError::Backend(format!("exchange step {:?} panicked: {message}", step.op))
+        }
+    }
+}
+
+fn lock_progress(m: &Mutex<Progress>) -> std::sync::MutexGuard<'_, Progress> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}

@@ -1,0 +1,190 @@
+//! The exchange's schedule as data and its CPU executor: the order of the steps on each
+//! stream, the partition buffers, and a hazard check that fails when dependencies are missing.
+
+use std::time::Duration;
+
+use mpipemoe::backend::{execute_on_threads, Op, Role, Schedule, Span, Step, Stream};
+use mpipemoe::Strategy;
+use proptest::prelude::*;
+
+fn ops(schedule: &Schedule, stream: Stream) -> Vec<Op> {
+    schedule
+        .stream_order(stream)
+        .into_iter()
+        .map(|i| schedule.steps[i].op)
+        .collect()
+}
+
+#[test]
+fn forward_alternates_dispatch_and_combine_on_the_comm_stream() {
+    let s = Schedule::forward(3, Strategy::S1);
+    assert_eq!(
+        ops(&s, Stream::Comm),
+        vec![
+            Op::Dispatch(0),
+            Op::Dispatch(1),
+            Op::Combine(0),
+            Op::Dispatch(2),
+            Op::Combine(1),
+            Op::Combine(2)
+        ]
+    );
+    assert_eq!(
+        ops(&s, Stream::Compute),
+        vec![Op::Compute(0), Op::Compute(1), Op::Compute(2)]
+    );
+    assert_eq!(
+        ops(&s, Stream::Copy),
+        vec![
+            Op::Offload(Role::Dispatched, 0),
+            Op::Offload(Role::Dispatched, 1),
+            Op::Offload(Role::Hidden, 0),
+            Op::Offload(Role::Dispatched, 2),
+            Op::Offload(Role::Hidden, 1),
+            Op::Offload(Role::Hidden, 2),
+        ]
+    );
+    // No copies without offloading.
+    assert!(ops(&Schedule::forward(3, Strategy::S4), Stream::Copy).is_empty());
+    assert!(ops(&Schedule::forward(3, Strategy::None), Stream::Copy).is_empty());
+}
+
+#[test]
+fn backward_restores_per_strategy_one_partition_ahead() {
+    let s4 = Schedule::backward(2, Strategy::S4);
+    assert_eq!(
+        ops(&s4, Stream::Comm),
+        vec![
+            Op::DispatchGrad(0),
+            Op::Redispatch(0),
+            Op::DispatchGrad(1),
+            Op::Redispatch(1),
+            Op::CombineGrad(0),
+            Op::CombineGrad(1)
+        ]
+    );
+    let s3 = Schedule::backward(2, Strategy::S3);
+    assert_eq!(
+        ops(&s3, Stream::Copy),
+        vec![
+            Op::Prefetch(Role::Dispatched, 0),
+            Op::Prefetch(Role::Dispatched, 1)
+        ]
+    );
+    let s2 = Schedule::backward(2, Strategy::S2);
+    assert_eq!(
+        ops(&s2, Stream::Copy),
+        vec![Op::Prefetch(Role::Hidden, 0), Op::Prefetch(Role::Hidden, 1)]
+    );
+    assert!(ops(&Schedule::backward(2, Strategy::None), Stream::Copy).is_empty());
+}
+
+/// Two buffers per role (one `T_M` in forward), the dependencies that reuse implies, and every
+/// content taken by its last reader.
+#[test]
+fn buffers_are_reused_with_the_waits_reuse_needs() {
+    let s = Schedule::forward(4, Strategy::S1);
+    let index = |op: Op| s.steps.iter().position(|x| x.op == op).unwrap();
+    for step in &s.steps {
+        for slot in step.reads.iter().chain(&step.writes) {
+            let slots = if slot.role == Role::Hidden { 1 } else { 2 };
+            assert!(slot.index < slots, "{:?} uses {slot:?}", step.op);
+        }
+        for &d in &step.deps {
+            assert!(d < index(step.op), "{:?} waits for a later step", step.op);
+        }
+    }
+    // S_2 reuses C_0's buffer: it waits for C_0 and for the offload of T_DI_0.
+    let s2 = &s.steps[index(Op::Dispatch(2))];
+    assert!(s2.deps.contains(&index(Op::Compute(0))));
+    assert!(s2.deps.contains(&index(Op::Offload(Role::Dispatched, 0))));
+    // C_1 overwrites the one T_M buffer: it waits for the offload of T_M_0.
+    assert!(s.steps[index(Op::Compute(1))]
+        .deps
+        .contains(&index(Op::Offload(Role::Hidden, 0))));
+    // The last reader of T_DI_i (C_i) takes it, after the offload has read it.
+    let c1 = &s.steps[index(Op::Compute(1))];
+    assert!(c1.takes.iter().any(|t| t.role == Role::Dispatched));
+    assert!(c1.deps.contains(&index(Op::Offload(Role::Dispatched, 1))));
+}
+
+/// Runs `schedule` with steps that sleep `micros(step)` and returns the spans.
+fn run_with_delays(schedule: &Schedule, micros: &(dyn Fn(&Step) -> u64 + Sync)) -> Vec<Span> {
+    execute_on_threads(schedule, &|_, step| {
+        std::thread::sleep(Duration::from_micros(micros(step)));
+        Ok(())
+    })
+    .unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// Whatever each step takes, the executor never lets a step overwrite a buffer before its
+    /// last reader has finished, or read one before its writer has.
+    #[test]
+    fn the_executor_respects_every_buffer_dependency(
+        n in 1usize..6,
+        strategy in prop::sample::select(Strategy::ALL.to_vec()),
+        delays in prop::collection::vec(0u64..400, 64),
+    ) {
+        for schedule in [Schedule::forward(n, strategy), Schedule::backward(n, strategy)] {
+            let spans = run_with_delays(&schedule, &|step| {
+                let i = match step.op {
+                    Op::Dispatch(i) | Op::Compute(i) | Op::Offload(_, i) | Op::Combine(i) | Op::DispatchGrad(i)
+                    | Op::Redispatch(i) | Op::Prefetch(_, i) | Op::ComputeGrad(i) | Op::CombineGrad(i) => i,
+                };
+                delays[(i * 7 + step.stream() as usize * 3) % delays.len()]
+            });
+            prop_assert_eq!(schedule.check_trace(&spans), Ok(()));
+        }
+    }
+}
+
+/// The hazard check can fail: without its dependencies, a schedule whose compute steps are
+/// slow lets the combine read an output before the compute has written it, and the check says
+/// so.
+#[test]
+fn dropping_the_dependencies_is_caught() {
+    let mut schedule = Schedule::forward(3, Strategy::S1);
+    for step in &mut schedule.steps {
+        step.deps.clear();
+    }
+    let spans = run_with_delays(&schedule, &|step| {
+        if step.stream() == Stream::Compute {
+            5000
+        } else {
+            0
+        }
+    });
+    let hazard = schedule.check_trace(&spans).unwrap_err();
+    assert!(hazard.contains("before") || hazard.contains("while"), "{hazard}");
+    // With them, the same delays are safe.
+    let schedule = Schedule::forward(3, Strategy::S1);
+    let spans = run_with_delays(&schedule, &|step| {
+        if step.stream() == Stream::Compute {
+            5000
+        } else {
+            0
+        }
+    });
+    assert_eq!(schedule.check_trace(&spans), Ok(()));
+}
+
+/// A failing step stops the run with its error, and the other workers do not hang.
+#[test]
+fn a_failing_step_stops_every_stream() {
+    let schedule = Schedule::forward(4, Strategy::S1);
+    let err = execute_on_threads(&schedule, &|_, step| match step.op {
+        Op::Compute(1) => Err(mpipemoe::MoeError::Input("compute 1 failed".into())),
+        _ => Ok(()),
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("compute 1 failed"), "{err}");
+    let err = execute_on_threads(&schedule, &|_, step| match step.op {
+        Op::Offload(Role::Hidden, 0) => panic!("copy engine exploded"),
+        _ => Ok(()),
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("copy engine exploded"), "{err}");
+}
