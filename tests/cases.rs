@@ -121,6 +121,7 @@ fn configurations(n_experts: usize) -> Vec<CheckOptions> {
                     n_ranks,
                     partitions,
                     strategy,
+                    memory_budget: None,
                 });
             }
         }

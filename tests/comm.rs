@@ -225,6 +225,7 @@ fn results_are_bitwise_identical_run_to_run() {
                 n_ranks,
                 partitions: Partitions::Fixed(3),
                 strategy,
+                memory_budget: None,
             };
             let a = check_case::<B>(&case, &options, &device).unwrap();
             let b = check_case::<B>(&case, &options, &device).unwrap();

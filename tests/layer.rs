@@ -186,7 +186,7 @@ proptest! {
         let device = Default::default();
         for n_ranks in [1usize, 2].into_iter().filter(|r| config.n_experts % r == 0) {
             let reference = check_case::<B>(&case, &CheckOptions { path: ExchangePath::Reference, n_ranks, ..CheckOptions::default() }, &device).unwrap();
-            let fused = check_case::<B>(&case, &CheckOptions { path: ExchangePath::Fused, n_ranks, partitions: Partitions::Fixed(n), strategy }, &device).unwrap();
+            let fused = check_case::<B>(&case, &CheckOptions { path: ExchangePath::Fused, n_ranks, partitions: Partitions::Fixed(n), strategy, memory_budget: None }, &device).unwrap();
             prop_assert!(reference.passed(1e-4), "reference vs f64: {:?}", reference.worst());
             prop_assert!(fused.passed(1e-4), "fused vs f64: {:?}", fused.worst());
             for (name, got) in &fused.tensors {
@@ -226,6 +226,7 @@ fn all_tokens_to_one_expert_and_ranks_without_rows_are_exact() {
                     n_ranks,
                     partitions: Partitions::Fixed(3),
                     strategy,
+                    memory_budget: None,
                 };
                 let report = check_case::<B>(&case, &options, &device).unwrap();
                 assert!(report.passed(1e-4), "{options:?}: {:?}", report.worst());
@@ -249,6 +250,7 @@ fn ranks_with_zero_input_tokens_are_exact() {
                 n_ranks: 4,
                 partitions: Partitions::Fixed(2),
                 strategy: Strategy::S2,
+                memory_budget: None,
             };
             let report = check_case::<Autodiff<Flex>>(&case, &options, &device).unwrap();
             assert!(
@@ -492,4 +494,98 @@ fn the_score_bias_is_a_buffer_saved_with_the_module() {
     assert!(err.contains("score_bias"), "{err}");
     let err = layer.balance_score_bias(&[1, 2], 0.1).unwrap_err().to_string();
     assert!(err.contains("one load per expert"), "{err}");
+}
+
+/// Flex's in-place row assignment writes what `slice_assign` writes, for owned and shared
+/// destinations and for row blocks that are views of a larger tensor.
+#[test]
+fn flex_assign_rows_matches_slice_assign() {
+    use burn::backend::Flex;
+    use burn::tensor::Distribution;
+    use mpipemoe::MoeBackend;
+    let device = Default::default();
+    let dst = Tensor::<Flex, 2>::random([10, 6], Distribution::Default, &device);
+    let big = Tensor::<Flex, 2>::random([9, 6], Distribution::Default, &device);
+    for (start, rows) in [
+        (0usize, big.clone().slice([0..3, 0..6])),
+        (4, big.clone().slice([5..9, 0..6])),
+        (7, big.clone().slice([2..5, 0..6])),
+        (3, big.clone().slice([0..3, 0..6]).transpose().transpose()),
+    ] {
+        let len = rows.dims()[0];
+        let want = dst
+            .clone()
+            .slice_assign([start..start + len, 0..6], rows.clone())
+            .into_data();
+        // Shared destination (dst is still held here), then an owned copy.
+        let shared = Flex::assign_rows(
+            dst.clone().into_primitive().tensor(),
+            start,
+            rows.clone().into_primitive().tensor(),
+        );
+        let owned_dst = Tensor::<Flex, 2>::from_data(dst.to_data(), &device);
+        let owned = Flex::assign_rows(
+            owned_dst.into_primitive().tensor(),
+            start,
+            rows.into_primitive().tensor(),
+        );
+        for got in [shared, owned] {
+            let got =
+                Tensor::<Flex, 2>::from_primitive(burn::tensor::TensorPrimitive::Float(got)).into_data();
+            assert_eq!(got, want, "rows at {start}");
+        }
+    }
+    // The shared destination itself was not written.
+    assert_ne!(
+        dst.clone().slice([0..3, 0..6]).into_data(),
+        big.slice([0..3, 0..6]).into_data()
+    );
+}
+
+/// Every rank's model of every rank's rows (what the memory budget decides on) is exactly
+/// what that rank's own exchange plan moves, for token splits and the split by rank, with
+/// capacity drops.
+#[test]
+fn every_rank_knows_every_ranks_rows() {
+    use mpipemoe::backend::RoutingCounts;
+    use mpipemoe::SplitScheme;
+    for (n_ranks, n_experts, top_k, capacity) in [(2, 4, 2, None), (4, 8, 1, Some(0.7)), (3, 6, 2, Some(1.0))]
+    {
+        let results = mpipemoe::LocalGroup::run(n_ranks, |ctx| {
+            let tokens = 5 + 7 * ctx.rank;
+            let draws = mpipemoe::seeded_uniform(ctx.rank as u64, "routing", tokens * top_k, 1.0);
+            // Skewed towards low experts, distinct within a token.
+            let mut indices = Vec::new();
+            for t in 0..tokens {
+                let first = ((draws[t * top_k].abs() * draws[t * top_k].abs()) * n_experts as f32) as usize
+                    % n_experts;
+                for j in 0..top_k {
+                    indices.push((first + j) % n_experts);
+                }
+            }
+            let counts =
+                RoutingCounts::gather(&indices, tokens, top_k, n_experts, capacity, ctx.comm.as_ref())?;
+            let mut seen = Vec::new();
+            for scheme in [SplitScheme::Tokens(1), SplitScheme::Tokens(3), SplitScheme::Ranks] {
+                let (_, plan) = counts.plans(scheme);
+                let own = counts.rank_rows(ctx.rank, scheme);
+                for (i, part) in plan.partitions.iter().enumerate() {
+                    assert_eq!(own.send[i], part.send_rows(), "{scheme:?} partition {i}");
+                    assert_eq!(own.recv[i], part.rows_per_expert, "{scheme:?} partition {i}");
+                }
+                assert_eq!(own.recv_rows(), plan.recv_rows());
+                assert_eq!(counts.recv_rows_of(ctx.rank), plan.recv_rows());
+                seen.push(
+                    (0..ctx.n_ranks)
+                        .map(|r| counts.rank_rows(r, scheme))
+                        .collect::<Vec<_>>(),
+                );
+            }
+            Ok(seen)
+        })
+        .unwrap();
+        for r in &results[1..] {
+            assert_eq!(r, &results[0], "ranks disagree about the rows");
+        }
+    }
 }

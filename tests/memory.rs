@@ -1,91 +1,284 @@
-//! Memory reuse measured with a counting allocator on a mid-size config, and the paper's
-//! memory model (Eq. 1–9) against hand-computed values.
+//! Memory, measured with a counting allocator: the implementation's model against the
+//! measured peak of every rank, host bytes against the rows each rank received, and the
+//! memory budget under routing skew (every token routed to one rank's experts). The paper's
+//! Eq. 1–9 are checked against hand-computed values.
 //!
-//! The allocator counts every thread of the process, so everything that measures runs inside
-//! one test function, one configuration at a time.
+//! The allocator counts per rank (each rank thread and its stream workers carry the rank's
+//! tag), and the ranks of concurrently running tests would share tags, so everything that
+//! measures runs inside one test function, one configuration at a time.
+
+use std::time::{Duration, Instant};
 
 use burn::backend::{Autodiff, Flex};
-use mpipemoe::harness::{measure_layer_memory, CountingAllocator};
-use mpipemoe::memory::{ImplementationModel, LayerShape, PaperTerms};
-use mpipemoe::{MemoryReuse, MoeLayerConfig, Partitions, Strategy};
+use burn::tensor::{Tensor, TensorData};
+use mpipemoe::comm::GroupOptions;
+use mpipemoe::format::TensorMap;
+use mpipemoe::harness::{
+    agreement_error, check_case, expected, measure_layer_memory_with, Case, CheckOptions, CountingAllocator,
+};
+use mpipemoe::memory::{LayerShape, PaperTerms};
+use mpipemoe::tuning::Profile;
+use mpipemoe::{LocalGroup, MemoryReuse, MoeError, MoeLayer, MoeLayerConfig, Partitions, Strategy};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator::new();
 
 type B = Autodiff<Flex>;
 
-fn shape(tokens: usize, m: usize, h: usize, ranks: usize, n: usize) -> LayerShape {
-    LayerShape::paper(tokens, m, h, ranks, n)
+const M: usize = 128;
+const H: usize = 512;
+const TOKENS: usize = 1024;
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// A 2-rank, 4-expert layer whose router sends every token to rank 0's experts 0 and 1 (zero
+/// weights but for a small random part on those two, and a bias far below for experts 2, 3).
+fn skewed(config: &MoeLayerConfig) -> TensorMap {
+    let layer = config
+        .clone()
+        .try_init::<burn::backend::NdArray>(&Default::default())
+        .unwrap();
+    let mut weights = layer.gather_tensor_map().unwrap().unwrap();
+    let mut w = mpipemoe::seeded_uniform(9, "skew", 4 * M, 0.5);
+    w[2 * M..].iter_mut().for_each(|v| *v = 0.0);
+    weights.insert("router.weight".into(), TensorData::new(w, [4, M]));
+    weights.insert(
+        "router.bias".into(),
+        TensorData::new(vec![0.0f32, 0.0, -30.0, -30.0], [4]),
+    );
+    weights
+}
+
+fn base(n: Partitions, reuse: MemoryReuse) -> MoeLayerConfig {
+    MoeLayerConfig::new(M, H, 4, 1)
+        .with_router_bias(true)
+        .with_seed(3)
+        .with_partitions(n)
+        .with_memory_reuse(reuse)
 }
 
 #[test]
-fn memory_reuse_saves_what_the_model_says() {
-    let (m, h, tokens) = (64, 256, 512);
+fn memory_model_host_bytes_and_the_budget_under_skew() {
     let device = Default::default();
+    // Warm-up: thread pools and allocator caches settle before anything is measured.
+    let warm = base(Partitions::Fixed(1), MemoryReuse::Off);
+    measure_layer_memory_with::<B>(&ALLOC, &warm, Some(&skewed(&warm)), 64, 2, true, &device).unwrap();
+    model_tracks_every_rank(&device);
+    budget_keeps_every_rank_under_it(&device);
+    budget_below_the_floor_is_an_error_before_the_exchange(&device);
+}
+
+/// The model, evaluated on each rank's actual rows (through a budget so large that it only
+/// reports), is within 15% of that rank's measured peak, balanced or skewed, for every
+/// strategy; host bytes are exactly the offloaded rows that rank received.
+fn model_tracks_every_rank(device: &burn::tensor::Device<B>) {
     let mut report = Vec::new();
-    for ranks in [1, 2] {
-        let config = |n: usize, reuse: MemoryReuse| {
-            MoeLayerConfig::new(m, h, ranks, 1)
-                .with_seed(3)
-                .with_partitions(Partitions::Fixed(n))
-                .with_memory_reuse(reuse)
-        };
-        // Every measurement warms up first: at this small size, lazily created pools are
-        // comparable to the peak itself. Then the FastMoE-style baseline.
-        measure_layer_memory::<B>(&ALLOC, &config(1, MemoryReuse::Off), 64, ranks, true, &device).unwrap();
-        let baseline =
-            measure_layer_memory::<B>(&ALLOC, &config(1, MemoryReuse::Off), tokens, ranks, true, &device)
-                .unwrap()
-                .peak_device_bytes as f64;
-        for n in [4, 8] {
+    for (skew, shared) in [(false, None), (true, None), (true, Some(2 * M))] {
+        for n in [1, 4] {
             for strategy in Strategy::ALL {
-                let measured = measure_layer_memory::<B>(
+                let config = base(Partitions::Fixed(n), strategy.into())
+                    .with_shared_expert(shared)
+                    .with_memory_budget(Some(usize::MAX / 4));
+                let weights = skew.then(|| skewed(&config));
+                let measured = measure_layer_memory_with::<B>(
                     &ALLOC,
-                    &config(n, strategy.into()),
-                    tokens,
-                    ranks,
+                    &config,
+                    weights.as_ref(),
+                    TOKENS,
+                    2,
                     true,
-                    &device,
+                    device,
                 )
                 .unwrap();
-                let s = shape(tokens, m, h, ranks, n);
-                let implementation = ImplementationModel::new(&s, strategy);
-                let label = format!("ranks {ranks} n {n} {strategy}");
-                // Host bytes are exactly what the strategy offloads: T_DI and/or T_M.
-                assert_eq!(
-                    measured.host_bytes as f64,
-                    implementation.host() * 4.0,
-                    "{label}: host bytes"
-                );
-                // The implementation's own model predicts the device peak.
-                let model_ratio = measured.peak_device_bytes as f64 / (implementation.peak_device() * 4.0);
-                assert!(
-                    (0.7..1.3).contains(&model_ratio),
-                    "{label}: measured/implementation model {model_ratio:.2}"
-                );
-                let saving = baseline - measured.peak_device_bytes as f64;
-                if strategy.reuses_buffers() {
-                    assert!(saving > 0.0, "{label}: no saving ({saving} bytes)");
-                    let modelled = PaperTerms::new(&s).to_bytes(4).saving_vs_fastmoe(true);
-                    let ratio = saving / modelled;
-                    report.push(format!(
-                        "{label}: saving {saving} B, paper {modelled:.0} B, ratio {ratio:.2}"
-                    ));
-                    if strategy == Strategy::S4 {
-                        assert!(
-                            ratio >= 0.95,
-                            "{label}: measured/modelled saving {ratio:.2} < 0.95"
-                        );
-                    }
+                for (rank, r) in measured.ranks.iter().enumerate() {
+                    let decision = r.stats.memory.as_ref().expect("a budget reports its decision");
+                    assert_eq!((decision.n_partitions, decision.strategy), (n, strategy));
+                    let label = format!(
+                        "skew={skew} shared={shared:?} n={n} {strategy} rank {rank} ({} rows)",
+                        r.recv_rows
+                    );
+                    let modelled = decision.peak_bytes[rank];
+                    let ratio = r.peak_device_bytes as f64 / modelled;
+                    let line = format!(
+                        "{label}: measured {:.2} MiB, model {:.2} MiB, {ratio:.2}",
+                        r.peak_device_bytes as f64 / MIB,
+                        modelled / MIB
+                    );
+                    eprintln!("{line}");
+                    report.push(line);
+                    assert!(
+                        (0.85..=1.15).contains(&ratio),
+                        "{label}: measured/model {ratio:.2}"
+                    );
+                    let width = match strategy {
+                        Strategy::S1 => M + H,
+                        Strategy::S2 => H,
+                        Strategy::S3 => M,
+                        _ => 0,
+                    };
+                    assert_eq!(r.host_bytes, r.recv_rows * width * 4, "{label}: host bytes");
+                    assert_eq!(decision.recv_rows[rank], r.recv_rows, "{label}");
+                }
+                if skew {
+                    assert_eq!(measured.ranks[1].recv_rows, 0, "every token goes to rank 0");
                 }
             }
         }
     }
-    eprintln!("{}", report.join("\n"));
+    assert!(!report.is_empty());
+}
+
+/// All tokens go to rank 0's experts. Without a budget, at n = 1 and no reuse, rank 0's peak
+/// is above the budget; with the budget every rank stays under it, and the result is the
+/// unbudgeted one.
+fn budget_keeps_every_rank_under_it(device: &burn::tensor::Device<B>) {
+    let plain = base(Partitions::Fixed(1), MemoryReuse::Off);
+    let weights = skewed(&plain);
+    let unbudgeted =
+        measure_layer_memory_with::<B>(&ALLOC, &plain, Some(&weights), TOKENS, 2, false, device).unwrap();
+    let rank0 = unbudgeted.ranks[0].peak_device_bytes;
+    let budget = rank0 * 55 / 100;
+    assert!(rank0 > budget);
+    let budgeted_config = base(Partitions::Adaptive, MemoryReuse::Auto)
+        .with_adaptive_candidates(vec![1, 2, 4, 8])
+        .with_memory_budget(Some(budget));
+    let budgeted =
+        measure_layer_memory_with::<B>(&ALLOC, &budgeted_config, Some(&weights), TOKENS, 2, true, device)
+            .unwrap();
+    let decision = budgeted.ranks[0].stats.memory.clone().unwrap();
+    eprintln!(
+        "budget {budget} B (rank 0 unbudgeted: {rank0} B): chose n={} {} ({}); measured {:?}",
+        decision.n_partitions,
+        decision.strategy,
+        decision.reason,
+        budgeted
+            .ranks
+            .iter()
+            .map(|r| r.peak_device_bytes)
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        decision.n_partitions > 1 || decision.strategy != Strategy::None,
+        "{decision:?}"
+    );
+    assert_eq!(
+        budgeted.ranks[1].stats.memory.as_ref(),
+        Some(&decision),
+        "both ranks decide alike"
+    );
+    for (rank, r) in budgeted.ranks.iter().enumerate() {
+        assert!(
+            r.peak_device_bytes <= budget,
+            "rank {rank}: {} B over the budget of {budget} B",
+            r.peak_device_bytes
+        );
+    }
+
+    // The same outputs and gradients as without the budget (the generated case's expected
+    // tensors come from the float64 oracle; both runs are compared with each other).
+    let mut inputs = weights.clone();
+    for name in ["x", "probe"] {
+        let values = mpipemoe::seeded_uniform(11, name, 2 * TOKENS * M, 1.0);
+        inputs.insert(name.into(), TensorData::new(values, [2 * TOKENS, M]));
+    }
+    let case = Case::from_parts("skewed", &plain, inputs).unwrap();
+    let run = |budget: Option<usize>, partitions| {
+        let options = CheckOptions {
+            n_ranks: 2,
+            partitions,
+            memory_budget: budget,
+            ..CheckOptions::default()
+        };
+        let config = case.config.clone().with_adaptive_candidates(vec![1, 2, 4, 8]);
+        let case = Case {
+            config,
+            ..case.clone()
+        };
+        check_case::<B>(&case, &options, device).unwrap()
+    };
+    let free = run(None, Partitions::Fixed(1));
+    let bounded = run(Some(budget), Partitions::Adaptive);
+    assert!(
+        free.passed(1e-4) && bounded.passed(1e-4),
+        "{:?} {:?}",
+        free.worst(),
+        bounded.worst()
+    );
+    for (name, got) in &bounded.tensors {
+        let err = agreement_error(got, &free.tensors[name], &expected(&case, name));
+        assert!(err <= 1e-6, "{name}: budgeted vs unbudgeted {err:e}");
+    }
+}
+
+/// A budget below what the skewed batch needs even at the largest n with S4: every rank
+/// returns the same memory error, promptly, and nothing of the exchange was allocated.
+fn budget_below_the_floor_is_an_error_before_the_exchange(device: &burn::tensor::Device<B>) {
+    let config = base(Partitions::Adaptive, MemoryReuse::Auto)
+        .with_adaptive_candidates(vec![1, 2, 4, 8])
+        .with_memory_budget(Some(64 * 1024));
+    let weights = skewed(&config);
+    let start = Instant::now();
+    let results = LocalGroup::run_each(
+        GroupOptions {
+            timeout: Duration::from_secs(20),
+        },
+        2,
+        |ctx| {
+            CountingAllocator::tag_thread(Some(ctx.rank));
+            let layer = MoeLayer::<B>::from_tensor_map(
+                &config,
+                &weights,
+                "skewed".as_ref(),
+                device,
+                ctx.comm.clone(),
+            )?;
+            // A profile for the cost model is given, so nothing is measured on the first call.
+            layer.context().set_profile(Profile::a100_cluster(2));
+            let values = mpipemoe::seeded_uniform(ctx.rank as u64, "x", TOKENS * M, 1.0);
+            let x = Tensor::<B, 2>::from_data(TensorData::new(values, [TOKENS, M]), device).require_grad();
+            ctx.comm.barrier()?;
+            if ctx.rank == 0 {
+                ALLOC.reset_peak();
+            }
+            ctx.comm.barrier()?;
+            let before = ALLOC.rank_current(ctx.rank);
+            let result = layer.try_forward(x).map(|_| ());
+            let peak = ALLOC.rank_peak(ctx.rank).saturating_sub(before);
+            CountingAllocator::tag_thread(None);
+            Ok((result, peak))
+        },
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        start.elapsed()
+    );
+    let input_bytes = TOKENS * M * 4;
+    let mut messages = Vec::new();
+    for (rank, r) in results.into_iter().enumerate() {
+        let (result, peak) = r.unwrap();
+        match result {
+            Err(MoeError::Memory(msg)) => {
+                assert!(
+                    msg.contains("rank 0 receives 2048 rows") && msg.contains("65536 bytes"),
+                    "{msg}"
+                );
+                messages.push(msg);
+            }
+            other => panic!("rank {rank}: expected a memory error, got {other:?}"),
+        }
+        // The input check and the router only: T_I alone would be another input's worth.
+        eprintln!("rank {rank}: {peak} B allocated before the memory error (the input is {input_bytes} B)");
+        assert!(
+            peak < input_bytes * 3 / 2,
+            "rank {rank} allocated {peak} B before failing"
+        );
+    }
+    assert_eq!(messages[0], messages[1], "both ranks report the same decision");
 }
 
 #[test]
 fn paper_equations_match_hand_computation() {
+    let shape = |tokens, m, h, ranks, n| LayerShape::paper(tokens, m, h, ranks, n);
     // B = 4096 tokens, M = 1024, H = 4096, E = N = 8, n = 4 (BERT-L expert shape).
     let terms = PaperTerms::new(&shape(4096, 1024, 4096, 8, 4));
     let (b, m, h, e, n) = (4096.0, 1024.0, 4096.0, 8.0, 4.0);
@@ -106,17 +299,10 @@ fn paper_equations_match_hand_computation() {
     assert_eq!(bytes.m_act, 2.0 * terms.m_act);
     assert_eq!(bytes.phi, terms.phi);
     // With E/N local experts the model states count this rank's experts only.
-    let sharded = PaperTerms::new(&shape(4096, 1024, 4096, 8, 4).with_experts(64));
-    assert_eq!(sharded.m_ms, 4.0 * (64.0 * m + 2.0 * h * m * 8.0));
-}
-
-trait WithExperts {
-    fn with_experts(self, n_experts: usize) -> Self;
-}
-
-impl WithExperts for LayerShape {
-    fn with_experts(mut self, n_experts: usize) -> Self {
-        self.n_experts = n_experts;
-        self
-    }
+    let mut sharded = shape(4096, 1024, 4096, 8, 4);
+    sharded.n_experts = 64;
+    assert_eq!(
+        PaperTerms::new(&sharded).m_ms,
+        4.0 * (64.0 * m + 2.0 * h * m * 8.0)
+    );
 }

@@ -73,6 +73,7 @@ fn main() -> ExitCode {
                         n_ranks: 1,
                         partitions: Partitions::Fixed(n),
                         strategy,
+                        memory_budget: None,
                     },
                 ));
                 runs.push((
@@ -82,6 +83,7 @@ fn main() -> ExitCode {
                         n_ranks: 1,
                         partitions: Partitions::Fixed(n),
                         strategy,
+                        memory_budget: None,
                     },
                 ));
             }

@@ -23,6 +23,10 @@ pub struct CheckOptions {
     pub partitions: Partitions,
     /// Memory strategy.
     pub strategy: Strategy,
+    /// A memory budget (bytes per rank): the layer then chooses the strategy
+    /// (`MemoryReuse::Auto`) and, if `partitions` is adaptive, the split; `strategy` is
+    /// ignored.
+    pub memory_budget: Option<usize>,
 }
 
 impl Default for CheckOptions {
@@ -32,6 +36,7 @@ impl Default for CheckOptions {
             n_ranks: 1,
             partitions: Partitions::Fixed(1),
             strategy: Strategy::None,
+            memory_budget: None,
         }
     }
 }
@@ -133,7 +138,11 @@ where
         .clone()
         .with_path(options.path)
         .with_partitions(options.partitions)
-        .with_memory_reuse(MemoryReuse::from(options.strategy));
+        .with_memory_reuse(match options.memory_budget {
+            Some(_) => MemoryReuse::Auto,
+            None => MemoryReuse::from(options.strategy),
+        })
+        .with_memory_budget(options.memory_budget);
     config.validate_for_ranks(options.n_ranks)?;
     let n_tokens = case.n_tokens();
     let d_model = config.d_model;

@@ -3,6 +3,7 @@
 use super::{chunk_len, chunk_range, CapacityDecision, PartitionPlan, SplitScheme};
 use crate::comm::Communicator;
 use crate::error::{MoeError, Result};
+use crate::memory::RankRows;
 
 /// What the router did with a batch, over all ranks.
 #[derive(Debug, Clone, PartialEq, Default, serde::Serialize)]
@@ -167,6 +168,11 @@ pub struct RoutingCounts {
     top_k: usize,
     /// Kept assignment slots (`t * top_k + j`) per global expert, in token order.
     rows_of_expert: Vec<Vec<usize>>,
+    /// Kept assignments of every rank to every expert: `[n_ranks][n_experts]`. Every rank
+    /// knows them after the counts exchange, so every rank can model every rank's memory.
+    kept_by_rank: Vec<Vec<usize>>,
+    /// Tokens on every rank.
+    tokens_by_rank: Vec<usize>,
     send_counts: Vec<usize>,
     recv_counts: Vec<usize>,
     expert_fraction: Vec<f64>,
@@ -218,6 +224,23 @@ impl RoutingCounts {
 
         let capacity = capacity_factor.map(|f| super::capacity_for(f, n_tokens_global, top_k, n_experts));
         let decision = CapacityDecision::decide(indices, n_experts, capacity, &before);
+        // Capacity is first come, first served in rank order, so every rank's kept counts
+        // follow from the gathered counts alone.
+        let mut taken = vec![0usize; n_experts];
+        let kept_by_rank: Vec<Vec<usize>> = per_rank
+            .iter()
+            .map(|counts| {
+                (0..n_experts)
+                    .map(|e| {
+                        let want = counts[e + 1];
+                        let kept = capacity.map_or(want, |c| want.min(c.saturating_sub(taken[e])));
+                        taken[e] += want;
+                        kept
+                    })
+                    .collect()
+            })
+            .collect();
+        let tokens_by_rank = per_rank.iter().map(|c| c[0]).collect();
         let tokens_per_expert: Vec<usize> =
             global.iter().map(|&g| capacity.map_or(g, |c| g.min(c))).collect();
         let dropped = global.iter().sum::<usize>() - tokens_per_expert.iter().sum::<usize>();
@@ -240,6 +263,8 @@ impl RoutingCounts {
             n_tokens,
             top_k,
             rows_of_expert,
+            kept_by_rank,
+            tokens_by_rank,
             send_counts,
             recv_counts,
             expert_fraction,
@@ -262,6 +287,68 @@ impl RoutingCounts {
     /// Rows this rank sends (kept assignments).
     pub fn send_rows(&self) -> usize {
         self.send_counts.iter().sum()
+    }
+
+    /// Ranks in the group.
+    pub fn n_ranks(&self) -> usize {
+        self.n_ranks
+    }
+
+    /// Rows rank `rank` receives over all partitions (its experts' kept assignments).
+    pub fn recv_rows_of(&self, rank: usize) -> usize {
+        let experts = rank * self.n_local..(rank + 1) * self.n_local;
+        self.kept_by_rank
+            .iter()
+            .map(|k| k[experts.clone()].iter().sum::<usize>())
+            .sum()
+    }
+
+    /// The rows any rank of the group sends and receives in each partition under `scheme`:
+    /// what the memory model needs to bound that rank's peak. Every rank computes the same
+    /// answer for every rank.
+    pub fn rank_rows(&self, rank: usize, scheme: SplitScheme) -> RankRows {
+        let (n_ranks, n_local) = (self.n_ranks, self.n_local);
+        let n = scheme.n_partitions(n_ranks);
+        let share = |count: usize, i: usize, peer: usize, talks_to: usize| match scheme {
+            SplitScheme::Tokens(n) => chunk_len(count, n, i),
+            SplitScheme::Ranks => {
+                if peer == talks_to {
+                    count
+                } else {
+                    0
+                }
+            }
+        };
+        let send = (0..n)
+            .map(|i| {
+                (0..n_ranks * n_local)
+                    .map(|g| share(self.kept_by_rank[rank][g], i, g / n_local, (rank + i) % n_ranks))
+                    .sum()
+            })
+            .collect();
+        let recv = (0..n)
+            .map(|i| {
+                (0..n_local)
+                    .map(|e| {
+                        (0..n_ranks)
+                            .map(|src| {
+                                share(
+                                    self.kept_by_rank[src][rank * n_local + e],
+                                    i,
+                                    src,
+                                    (rank + n_ranks - i % n_ranks) % n_ranks,
+                                )
+                            })
+                            .sum()
+                    })
+                    .collect()
+            })
+            .collect();
+        RankRows {
+            tokens: self.tokens_by_rank[rank],
+            send,
+            recv,
+        }
     }
 
     /// The exchange plan for `scheme` (pure).

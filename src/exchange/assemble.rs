@@ -5,19 +5,34 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::Slice;
 
 use super::rows::{dims2, zeros_like_rows};
+use super::MoeBackend;
 use crate::dispatch::{ExchangePlan, PartitionPlan};
+
+/// `dst[start..start + rows.len()] = rows`, with burn's `slice_assign`: the default of
+/// [`MoeBackend::assign_rows`].
+///
+/// # Shapes
+/// - dst: `[n_rows, width]`, rows: `[len, width]`; returns `[n_rows, width]`
+pub(crate) fn slice_assign_rows<B: Backend>(
+    dst: FloatTensor<B>,
+    start: usize,
+    rows: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let [n, width] = dims2::<B>(&rows);
+    B::float_slice_assign(dst, &[Slice::from(start..start + n), Slice::from(0..width)], rows)
+}
 
 /// Collects per-partition row blocks into one `[n_rows, width]` tensor in `T_I` order.
 ///
 /// With one partition the block is the result. With several, each block is written into a
-/// preallocated output (in place where the backend owns it uniquely, as NdArray and Flex do),
-/// so the full-size tensor never exists twice.
+/// preallocated output with [`MoeBackend::assign_rows`] (in place on Flex, whose own
+/// `slice_assign` copies the whole destination), so the full-size tensor never exists twice.
 pub(crate) struct RowAssembler<B: Backend> {
     out: Option<FloatTensor<B>>,
     single: bool,
 }
 
-impl<B: Backend> RowAssembler<B> {
+impl<B: MoeBackend> RowAssembler<B> {
     pub(crate) fn new(like: &FloatTensor<B>, plan: &ExchangePlan) -> Self {
         let [_, width] = dims2::<B>(like);
         let single = plan.n_partitions() == 1;
@@ -32,17 +47,12 @@ impl<B: Backend> RowAssembler<B> {
             self.out = Some(rows);
             return;
         }
-        let [n, width] = dims2::<B>(&rows);
+        let [n, _] = dims2::<B>(&rows);
         if n == 0 {
             return;
         }
         let out = self.out.take().expect("preallocated");
-        let range = part.send_offset..part.send_offset + n;
-        self.out = Some(B::float_slice_assign(
-            out,
-            &[Slice::from(range), Slice::from(0..width)],
-            rows,
-        ));
+        self.out = Some(B::assign_rows(out, part.send_offset, rows));
     }
 
     pub(crate) fn finish(self) -> FloatTensor<B> {

@@ -84,6 +84,17 @@ pub trait MoeBackend: ActivationKernels {
         Self::exchange_forward(input, experts, &plan, run).map(|(out, _)| out)
     }
 
+    /// Writes `rows` into `dst` from row `start` on, returning `dst`: how the exchange
+    /// assembles `T_O` and `dT_I` from their partitions. The default is burn's
+    /// `slice_assign`; a backend whose `slice_assign` copies the destination overrides it
+    /// with an in-place write (Flex does), so the assembled tensor is never copied.
+    ///
+    /// # Shapes
+    /// - dst: `[n_rows, width]`, rows: `[len, width]` with `start + len <= n_rows`
+    fn assign_rows(dst: FloatTensor<Self>, start: usize, rows: FloatTensor<Self>) -> FloatTensor<Self> {
+        super::assemble::slice_assign_rows::<Self>(dst, start, rows)
+    }
+
     /// The uneven all-to-all of rows, differentiable where the backend tracks gradients (its
     /// backward is the reverse all-to-all). Used by the reference twin.
     ///
@@ -144,4 +155,9 @@ where
 #[cfg(feature = "flex")]
 impl MoeBackend for burn::backend::Flex {
     fused_exchange!();
+
+    /// In place where Flex owns the destination alone (its `slice_assign` copies it whole).
+    fn assign_rows(dst: FloatTensor<Self>, start: usize, rows: FloatTensor<Self>) -> FloatTensor<Self> {
+        super::flex_rows::assign_rows(dst, start, rows)
+    }
 }

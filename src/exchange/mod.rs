@@ -13,6 +13,8 @@ mod backend;
 mod cubecl;
 pub(crate) mod executor;
 mod ffn;
+#[cfg(feature = "flex")]
+mod flex_rows;
 pub(crate) mod fused;
 mod reference;
 pub(crate) mod rows;

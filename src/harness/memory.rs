@@ -4,33 +4,40 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 use serde::Serialize;
 
-use super::CountingAllocator;
 use crate::error::Result;
 use crate::experts::HostInit;
+use crate::layer::{MoeLayer, MoeStats, TensorMap};
+use crate::memory::alloc::CountingAllocator;
 use crate::{LocalGroup, MoeBackend, MoeLayerConfig};
 
-/// What one measurement found, per rank.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct MemoryMeasurement {
-    /// Peak bytes allocated by a rank during forward + backward above what it held before, for
-    /// the rank with the largest peak (the one that would run out of memory first). Each rank
-    /// thread is tagged, so every block counts against the rank that allocated it. Offloaded
-    /// partitions are not included: the host store lives outside the allocator.
+/// What one rank's measured pass held and did.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RankMemory {
+    /// Peak bytes this rank allocated during forward + backward above what it held before.
+    /// Every block counts against the rank whose thread (or stream worker) allocated it.
+    /// Offloaded partitions are not included: the host store lives outside the allocator.
     pub peak_device_bytes: usize,
     /// Most bytes this rank's host store held at once.
     pub host_bytes: usize,
+    /// Rows this rank's experts received (kept assignments of the global batch).
+    pub recv_rows: usize,
+    /// The layer's stats of the measured pass (split, strategy, the budget's decision).
+    pub stats: MoeStats,
 }
 
-/// Measures one forward + backward of a layer with `config` on `n_ranks` ranks, each with
-/// `tokens_per_rank` tokens, with `loss = sum(y · probe)`.
-///
-/// `alloc` must be the process's global allocator. Each rank thread tags its allocations
-/// with its rank; allocations by helper threads (the backend's worker pool) are not counted.
-/// With `warm_up`, each rank first runs one
-/// unmeasured pass, so lazily created thread pools and buffers are live before the count
-/// starts; once per process and shape is enough, since the count is of live bytes. Then, with
-/// all ranks idle at a barrier, the allocator's peak is reset, one pass runs, and the peak is
-/// read at the next barrier. Counts are process-wide, so nothing else may run meanwhile.
+/// What one measurement found.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct MemoryMeasurement {
+    /// The largest rank peak (the rank that would run out of memory first).
+    pub peak_device_bytes: usize,
+    /// The largest host-store peak of a rank.
+    pub host_bytes: usize,
+    /// Every rank's figures.
+    pub ranks: Vec<RankMemory>,
+}
+
+/// Measures one forward + backward of a freshly initialised layer with `config` on
+/// `n_ranks` ranks, each with `tokens_per_rank` tokens; see [`measure_layer_memory_with`].
 pub fn measure_layer_memory<B>(
     alloc: &CountingAllocator,
     config: &MoeLayerConfig,
@@ -42,9 +49,41 @@ pub fn measure_layer_memory<B>(
 where
     B: AutodiffBackend + MoeBackend,
 {
-    let results = LocalGroup::run(n_ranks, |ctx| {
+    measure_layer_memory_with::<B>(alloc, config, None, tokens_per_rank, n_ranks, warm_up, device)
+}
+
+/// Measures one forward + backward of a layer with `config` (and the canonical `weights`, if
+/// given: a router that routes as a test wants) on `n_ranks` ranks, each with
+/// `tokens_per_rank` seeded tokens, with `loss = sum(y · probe)`.
+///
+/// `alloc` must be the process's global allocator. Each rank thread tags its allocations
+/// with its rank, and the exchange's stream workers take their rank's tag; allocations by the
+/// backend's own worker pool are not counted. With `warm_up`, each rank first runs one
+/// unmeasured pass, so lazily created thread pools and buffers are live before the count
+/// starts. Then, with all ranks idle at a barrier, the allocator's peak is reset, one pass
+/// runs, and each rank's peak is read at the next barrier. Counts are process-wide, so nothing
+/// else may run meanwhile.
+#[allow(clippy::too_many_arguments)]
+pub fn measure_layer_memory_with<B>(
+    alloc: &CountingAllocator,
+    config: &MoeLayerConfig,
+    weights: Option<&TensorMap>,
+    tokens_per_rank: usize,
+    n_ranks: usize,
+    warm_up: bool,
+    device: &B::Device,
+) -> Result<MemoryMeasurement>
+where
+    B: AutodiffBackend + MoeBackend,
+{
+    let ranks = LocalGroup::run(n_ranks, |ctx| {
         CountingAllocator::tag_thread(Some(ctx.rank));
-        let layer = config.init_rank::<B>(device, ctx.comm.clone())?;
+        let layer = match weights {
+            Some(w) => {
+                MoeLayer::<B>::from_tensor_map(config, w, "weights".as_ref(), device, ctx.comm.clone())?
+            }
+            None => config.init_rank::<B>(device, ctx.comm.clone())?,
+        };
         let m = config.d_model;
         let data = |name: &str| {
             let values = HostInit::new(config.seed, name, ctx.rank).uniform(tokens_per_rank * m, 1.0);
@@ -52,32 +91,40 @@ where
         };
         let x = Tensor::<B, 2>::from_data(data("x"), device).require_grad();
         let probe = Tensor::<B, 2>::from_data(data("probe"), device);
-        let pass = || -> Result<()> {
+        let pass = || -> Result<MoeStats> {
             let out = layer.try_forward(x.clone())?;
             let grads = (out.output * probe.clone()).sum().backward();
             drop(grads);
-            Ok(())
+            Ok(out.stats)
         };
         if warm_up {
             pass()?;
         }
         ctx.comm.barrier()?;
-        if ctx.rank == 0 {
-            alloc.reset_peak();
-        }
         layer.context().meter().reset_peak();
-        ctx.comm.barrier()?;
-        let base = alloc.rank_current(ctx.rank);
-        pass()?;
+        // Each rank's base and peak restart at the same instant: a block of this rank freed
+        // by a peer in between would otherwise count as part of the pass.
+        let base = alloc.reset_rank_peak(ctx.rank);
+        let stats = pass()?;
         ctx.comm.barrier()?;
         let peak = alloc.rank_peak(ctx.rank).saturating_sub(base);
         let host = layer.context().meter().report().host_peak_bytes;
         ctx.comm.barrier()?;
         CountingAllocator::tag_thread(None);
-        Ok((peak, host))
+        let n_local = config.n_experts / ctx.n_ranks;
+        let recv_rows = stats.routing.tokens_per_expert[ctx.rank * n_local..(ctx.rank + 1) * n_local]
+            .iter()
+            .sum();
+        Ok(RankMemory {
+            peak_device_bytes: peak,
+            host_bytes: host,
+            recv_rows,
+            stats,
+        })
     })?;
     Ok(MemoryMeasurement {
-        peak_device_bytes: results.iter().map(|r| r.0).max().unwrap_or(0),
-        host_bytes: results.iter().map(|r| r.1).max().unwrap_or(0),
+        peak_device_bytes: ranks.iter().map(|r| r.peak_device_bytes).max().unwrap_or(0),
+        host_bytes: ranks.iter().map(|r| r.host_bytes).max().unwrap_or(0),
+        ranks,
     })
 }

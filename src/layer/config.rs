@@ -126,8 +126,15 @@ pub struct MoeLayerConfig {
     /// Memory reuse and the strategy that restores activations in backward.
     #[config(default = "MemoryReuse::Off")]
     pub memory_reuse: MemoryReuse,
-    /// Device bytes per rank the exchange may hold at its peak, for `MemoryReuse::Auto`
-    /// (this implementation's memory model). `None`: no limit, so no reuse is chosen.
+    /// A guarantee on device memory: the bytes per rank one forward + backward of this layer
+    /// may hold above what was live before it, by this implementation's memory model (with
+    /// headroom for its error). Each batch, every rank computes from every rank's routed rows
+    /// the smallest partition count (the fixed one; or from Algorithm 1's choice upwards) and
+    /// the cheapest allowed strategy that fit on every rank; if none does, the forward returns
+    /// `MoeError::Memory` on every rank before the exchange allocates anything. With
+    /// `MemoryReuse::Auto`, give the layer a profile (`MoeContext::set_profile`) when the
+    /// budget is tight: without one it measures one on its first call, which allocates tens of
+    /// MiB that no budget accounts for. `None`: no limit.
     #[config(default = "None")]
     pub memory_budget: Option<usize>,
     /// Partition counts `Partitions::Adaptive` tries.

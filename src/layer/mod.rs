@@ -1,6 +1,7 @@
 //! The MoE layer: config, module, output, and loading from canonical safetensors files.
 
 mod balance;
+mod budget;
 mod config;
 mod context;
 mod grads;
@@ -10,6 +11,7 @@ mod module;
 mod output;
 mod tuning;
 
+pub use budget::MemoryDecision;
 pub use config::{ExchangePath, MoeLayerConfig, Partitions};
 pub use context::MoeContext;
 pub use grads::ParamKind;

@@ -6,7 +6,7 @@ use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData, TensorPrimitive};
 
-use super::{ExchangePath, MoeContext, MoeLayerConfig, MoeOutput, MoeStats, Partitions};
+use super::{ExchangePath, MemoryDecision, MoeContext, MoeLayerConfig, MoeOutput, MoeStats, Partitions};
 use crate::dispatch::{DispatchPlan, ExchangePlan, RoutingCounts, SplitScheme};
 use crate::error::{MoeError, Result};
 use crate::exchange::{exchange_reference, MoeBackend};
@@ -171,7 +171,7 @@ impl<B: MoeBackend> MoeLayer<B> {
             config.capacity_factor,
             self.ctx.comm.as_ref(),
         )?;
-        let (scheme, strategy, dispatch, exchange) = self.plan(&counts, &x)?;
+        let (scheme, strategy, memory, dispatch, exchange) = self.plan(&counts, &x)?;
 
         // 4. Permute: T_I = the input rows in plan order.
         let t_i = x
@@ -211,6 +211,7 @@ impl<B: MoeBackend> MoeLayer<B> {
                 split: scheme,
                 strategy,
                 path: config.path,
+                memory,
             },
         })
     }
@@ -244,13 +245,20 @@ impl<B: MoeBackend> MoeLayer<B> {
 
     /// Step 3's choices and plans. With adaptive partitions a miss in the granularity table
     /// times trials on this batch's `T_I` (in the unpartitioned order: trials only need the
-    /// row counts).
+    /// row counts). With a memory budget the split and strategy are those that fit every
+    /// rank (`budget.rs`), decided before anything of the exchange is allocated.
     #[allow(clippy::type_complexity)]
     fn plan(
         &self,
         counts: &RoutingCounts,
         x: &Tensor<B, 2>,
-    ) -> Result<(SplitScheme, Strategy, DispatchPlan, ExchangePlan)> {
+    ) -> Result<(
+        SplitScheme,
+        Strategy,
+        Option<MemoryDecision>,
+        DispatchPlan,
+        ExchangePlan,
+    )> {
         let adaptive =
             self.ctx.config.partitions == Partitions::Adaptive && self.ctx.config.path == ExchangePath::Fused;
         let scheme = if adaptive {
@@ -262,12 +270,19 @@ impl<B: MoeBackend> MoeLayer<B> {
         } else {
             self.resolve_split(counts, x)?.0
         };
-        let (dispatch, exchange) = counts.plans(scheme);
-        let strategy = match self.ctx.config.path {
-            ExchangePath::Reference => Strategy::None,
-            ExchangePath::Fused => self.resolve_strategy(counts, exchange.n_partitions())?,
+        let (scheme, strategy, memory) = match (self.ctx.config.path, self.ctx.config.memory_budget) {
+            (ExchangePath::Reference, _) => (scheme, Strategy::None, None),
+            (ExchangePath::Fused, Some(budget)) => {
+                let (scheme, strategy, decision) = self.decide_under_budget(counts, scheme, budget)?;
+                (scheme, strategy, Some(decision))
+            }
+            (ExchangePath::Fused, None) => {
+                let n = scheme.n_partitions(counts.n_ranks());
+                (scheme, self.resolve_strategy(counts, n)?, None)
+            }
         };
-        Ok((scheme, strategy, dispatch, exchange))
+        let (dispatch, exchange) = counts.plans(scheme);
+        Ok((scheme, strategy, memory, dispatch, exchange))
     }
 
     fn exchange(&self, t_i: Tensor<B, 2>, plan: ExchangePlan, strategy: Strategy) -> Result<Tensor<B, 2>> {

@@ -3,7 +3,7 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
-use super::ExchangePath;
+use super::{ExchangePath, MemoryDecision};
 use crate::dispatch::{RoutingStats, SplitScheme};
 use crate::memory::Strategy;
 
@@ -40,4 +40,7 @@ pub struct MoeStats {
     pub strategy: Strategy,
     /// Fused op or reference twin.
     pub path: ExchangePath,
+    /// With a `memory_budget`: what the budget chose and why (received rows and modelled
+    /// peak per rank). `None` without one.
+    pub memory: Option<MemoryDecision>,
 }

@@ -36,7 +36,8 @@ impl<B: MoeBackend> MoeLayer<B> {
 
     /// `searchBestGran(B)`: one forward + backward of the exchange per candidate `n`, timed by
     /// the layer's timer, the times summed over ranks so that every rank picks the same `n`.
-    /// Trials run without memory reuse and record no autodiff graph.
+    /// Trials run without memory reuse (or, under a memory budget, with the strategy the
+    /// budget chooses at their `n`) and record no autodiff graph.
     fn search_partitions(&self, tokens: usize, counts: &RoutingCounts, t_i: &Tensor<B, 2>) -> Result<usize> {
         let config = &self.ctx.config;
         let candidates: Vec<usize> = config
@@ -45,10 +46,31 @@ impl<B: MoeBackend> MoeLayer<B> {
             .copied()
             .filter(|&n| n == 1 || n <= tokens * config.top_k)
             .collect();
-        let run = self.exchange_run(Strategy::None);
+        // Under a memory budget a trial runs with the strategy the budget would choose at its
+        // `n`, and partition counts at which nothing fits are not tried: a trial must not
+        // break the budget either.
+        let mut strategies = std::collections::HashMap::new();
+        let mut candidates = candidates;
+        if let Some(budget) = config.memory_budget {
+            let mut fitting = Vec::new();
+            for n in candidates {
+                if let Some((strategy, _)) = self.fit_at(counts, SplitScheme::Tokens(n), budget)? {
+                    strategies.insert(n, strategy);
+                    fitting.push(n);
+                }
+            }
+            if fitting.is_empty() {
+                let largest = config.adaptive_candidates.iter().copied().max().unwrap_or(1);
+                return self
+                    .decide_under_budget(counts, SplitScheme::Tokens(largest), budget)
+                    .map(|(scheme, _, _)| scheme.n_partitions(counts.n_ranks()));
+            }
+            candidates = fitting;
+        }
         let input: FloatTensor<B> = t_i.clone().into_primitive().tensor();
         let experts = self.experts.tensors();
         let mut trial = |n: usize| -> Result<()> {
+            let run = self.exchange_run(strategies.get(&n).copied().unwrap_or(Strategy::None));
             let plan = counts.exchange_plan(SplitScheme::Tokens(n));
             let (out, saved) = B::exchange_forward(input.clone(), experts.clone(), &plan, &run)?;
             let grad = B::float_ones(out.shape(), &B::float_device(&out), out.dtype().into());
@@ -75,6 +97,24 @@ impl<B: MoeBackend> MoeLayer<B> {
     /// shapes (a few seconds) and averages it over the ranks so that all ranks decide alike.
     /// A collective in that case: every rank must call it.
     pub fn strategy_choice(&self, n_tokens_global: usize, n_partitions: usize) -> Result<StrategyChoice> {
+        self.choose_strategy(n_tokens_global, n_partitions, self.ctx.config.memory_budget)
+    }
+
+    /// [`strategy_choice`](Self::strategy_choice) without the budget: every candidate's cost.
+    pub(crate) fn strategy_choice_unbounded(
+        &self,
+        n_tokens_global: usize,
+        n_partitions: usize,
+    ) -> Result<StrategyChoice> {
+        self.choose_strategy(n_tokens_global, n_partitions, None)
+    }
+
+    fn choose_strategy(
+        &self,
+        n_tokens_global: usize,
+        n_partitions: usize,
+        budget: Option<usize>,
+    ) -> Result<StrategyChoice> {
         let config = &self.ctx.config;
         let profile = self.profile_or_measure()?;
         let n_ranks = self.ctx.comm.n_ranks();
@@ -83,13 +123,14 @@ impl<B: MoeBackend> MoeLayer<B> {
             top_k: config.top_k,
             d_model: config.d_model,
             d_hidden: config.d_hidden,
-            d_inner: config.activation.d_inner(config.d_hidden),
+            activation: config.activation,
+            shared_expert: config.shared_expert,
             n_experts: config.n_experts,
             n_ranks,
             n_partitions,
         };
         let elem_bytes = std::mem::size_of::<B::FloatElem>();
-        CostModel::new(profile).choose(&shape, elem_bytes, config.memory_budget.map(|b| b as f64))
+        CostModel::new(profile).choose(&shape, elem_bytes, budget.map(|b| b as f64))
     }
 
     fn profile_or_measure(&self) -> Result<Profile> {

@@ -92,6 +92,15 @@ impl CountingAllocator {
         self.peak[rank.min(TAGS - 2) + 1].load(Ordering::SeqCst)
     }
 
+    /// Restarts `rank`'s peak from its current level and returns that level: the base of a
+    /// measurement of that rank, read and reset at the same instant.
+    pub fn reset_rank_peak(&self, rank: usize) -> usize {
+        let tag = rank.min(TAGS - 2) + 1;
+        let now = self.current[tag].load(Ordering::SeqCst);
+        self.peak[tag].store(now, Ordering::SeqCst);
+        now
+    }
+
     /// Restarts every peak from the current level and returns the total current level.
     pub fn reset_peak(&self) -> usize {
         for (c, p) in self.current.iter().zip(&self.peak) {

@@ -5,11 +5,17 @@
 
 pub(crate) mod alloc;
 pub(crate) mod host_store;
+mod implementation;
 mod meter;
 mod model;
+mod rows;
 mod strategy;
 
 pub(crate) use host_store::{HostBlock, HostStore};
+pub use implementation::{ImplementationModel, Phase, Term};
 pub use meter::{MemoryMeter, MemoryReport};
-pub use model::{ImplementationModel, ImplementationTerms, LayerShape, MemoryPlan, PaperTerms, Term};
+pub use model::{ImplementationTerms, LayerShape, MemoryPlan, PaperTerms};
+pub use rows::RankRows;
+
+pub use crate::layer::MemoryDecision;
 pub use strategy::{MemoryReuse, Restore, Strategy};

@@ -1,8 +1,9 @@
-//! The memory model: the paper's Eq. 1–9, and what this implementation holds, term by term.
+//! The memory model: the paper's Eq. 1–9, and this implementation's counterparts of them.
 
 use serde::Serialize;
 
-use super::{Restore, Strategy};
+use super::{ImplementationModel, Strategy, Term};
+use crate::experts::Activation;
 
 /// One MoE layer on one rank, in the paper's notation (Table II).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -16,8 +17,11 @@ pub struct LayerShape {
     pub d_model: usize,
     /// `H`
     pub d_hidden: usize,
-    /// Width of the first GEMM's output: `H`, or `2H` for SwiGLU.
-    pub d_inner: usize,
+    /// The experts' activation (SwiGLU doubles the first GEMM's width).
+    pub activation: Activation,
+    /// Hidden width of the shared expert, if the layer has one (it runs on every token, beside
+    /// the exchange).
+    pub shared_expert: Option<usize>,
     /// `E`, over all ranks.
     pub n_experts: usize,
     /// `N`
@@ -27,8 +31,7 @@ pub struct LayerShape {
 }
 
 impl LayerShape {
-    /// The paper's setting: top-1 routing, one expert per rank (`E = N`), a plain FFN
-    /// (`d_inner = H`).
+    /// The paper's setting: top-1 routing, one expert per rank (`E = N`), a GELU FFN.
     pub fn paper(
         tokens: usize,
         d_model: usize,
@@ -41,7 +44,8 @@ impl LayerShape {
             top_k: 1,
             d_model,
             d_hidden,
-            d_inner: d_hidden,
+            activation: Activation::Gelu,
+            shared_expert: None,
             n_experts: n_ranks,
             n_ranks,
             n_partitions,
@@ -51,6 +55,11 @@ impl LayerShape {
     /// `B`: rows this rank dispatches (and, with balanced routing, receives).
     pub fn rows(&self) -> f64 {
         (self.tokens * self.top_k) as f64
+    }
+
+    /// Width of the first GEMM's output: `H`, or `2H` for SwiGLU.
+    pub fn d_inner(&self) -> usize {
+        self.activation.d_inner(self.d_hidden)
     }
 
     /// Experts on this rank.
@@ -152,142 +161,13 @@ impl PaperTerms {
     }
 }
 
-/// One named term of the implementation model, in elements.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Term {
-    /// What the tensor is (`T_DI (kept)`, `dT_DO x2 partitions`, ...).
-    pub name: String,
-    /// Elements.
-    pub elements: f64,
-}
-
-fn term(name: impl Into<String>, elements: f64) -> Term {
-    Term {
-        name: name.into(),
-        elements,
-    }
-}
-
-/// What this implementation holds for one forward + backward of the exchange, term by term
-/// (elements, per rank), following the fused op's schedule (DESIGN §3–4).
-///
-/// `p = B/n` rows per partition (balanced routing: every rank sends and receives `B` rows).
-/// The forward's peak is the last partition's compute: the strategy's saved tensors, the next
-/// dispatched partition, the activation output and the output block. The backward's peak is
-/// a partition's activation backward: the full-size `dT_O` and `dT_I`, the expert weight
-/// gradients, the restored gradient and `T_DI` of this partition and the next, `T_M` where it
-/// is offloaded or recomputed, and `dA`. `dT_M` overwrites `T_M` in place (Flex, the
-/// examples' backend, does so for uniquely owned tensors; NdArray's composed GELU backward
-/// allocates more). The layer around the exchange adds the output's gradient and the
-/// unpermute's gradient during backward. With one rank the all-to-alls move nothing and re-communicated `T_DI` is
-/// a view of `T_I`, so a one-rank measurement can be lower than the model.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ImplementationModel {
-    /// Kept on the device from forward to backward.
-    pub saved: Vec<Term>,
-    /// Kept on the host (offloads).
-    pub host: Vec<Term>,
-    /// Live at the forward's peak besides `saved`.
-    pub forward: Vec<Term>,
-    /// Live at the backward's peak besides `saved`.
-    pub backward: Vec<Term>,
-}
-
-impl ImplementationModel {
-    /// The model for `shape` under `strategy`.
-    pub fn new(shape: &LayerShape, strategy: Strategy) -> Self {
-        let b = shape.rows();
-        let m = shape.d_model as f64;
-        let h = shape.d_hidden as f64;
-        let f = shape.d_inner as f64;
-        let n = shape.n_partitions.max(1) as f64;
-        let p = b / n;
-        let local = shape.local_experts() as f64;
-        let mut saved = Vec::new();
-        let mut host = Vec::new();
-        let dispatched = strategy.dispatched();
-        let hidden = strategy.hidden();
-        match dispatched {
-            Restore::Keep => saved.push(term("T_DI, all partitions", b * m)),
-            Restore::Offload => host.push(term("T_DI, all partitions", b * m)),
-            _ => saved.push(term("T_I, kept to re-communicate T_DI", b * m)),
-        }
-        match hidden {
-            Restore::Keep => saved.push(term("T_M, all partitions", b * f)),
-            Restore::Offload => host.push(term("T_M, all partitions", b * f)),
-            _ => {}
-        }
-        let pipelined = n > 1.0;
-        let assembled = if pipelined { b * m } else { 0.0 };
-        let mut forward = Vec::new();
-        if dispatched != Restore::Recommunicate {
-            forward.push(term("T_I (input)", b * m));
-        }
-        if pipelined {
-            forward.push(term("next T_DI buffer", p * m));
-        }
-        if hidden != Restore::Keep {
-            forward.push(term("T_M buffer", p * f));
-        }
-        forward.push(term("activation output", p * h));
-        forward.push(term("T_DO buffer", p * m));
-        forward.push(term("T_O (preallocated, n > 1)", assembled));
-
-        let restored = if pipelined { 2.0 } else { 1.0 };
-        let tokens = shape.tokens as f64;
-        let mut backward = vec![
-            term("dy (gradient of the layer output)", tokens * m),
-            term("gradient of the weighted rows (unpermute backward)", b * m),
-            term("dT_O (incoming gradient)", b * m),
-            term("dT_I (preallocated, n > 1)", assembled),
-            term("expert weight gradients", local * (m * f + h * m)),
-            term(format!("dT_DO, {restored} partitions"), restored * p * m),
-        ];
-        if dispatched != Restore::Keep {
-            backward.push(term(
-                format!("T_DI restored, {restored} partitions"),
-                restored * p * m,
-            ));
-        }
-        match hidden {
-            Restore::Keep => {}
-            Restore::Offload => backward.push(term(
-                format!("T_M prefetched, {restored} partitions"),
-                restored * p * f,
-            )),
-            _ => backward.push(term("T_M recomputed", p * f)),
-        }
-        backward.push(term("dA", p * h));
-        Self {
-            saved,
-            host,
-            forward,
-            backward,
-        }
-    }
-
-    fn sum(terms: &[Term]) -> f64 {
-        terms.iter().map(|t| t.elements).sum()
-    }
-
-    /// Device elements at the peak: saved activations plus the larger of the two phases.
-    pub fn peak_device(&self) -> f64 {
-        Self::sum(&self.saved) + Self::sum(&self.forward).max(Self::sum(&self.backward))
-    }
-
-    /// Host elements.
-    pub fn host(&self) -> f64 {
-        Self::sum(&self.host)
-    }
-}
-
 /// This implementation's counterparts of Eq. 1–9, under the same names (elements).
 ///
 /// - `m_ms`: 4 × (router and this rank's expert parameters, biases and SwiGLU's `2H`
 ///   included) — parameters, gradients, Adam's two moments.
 /// - `m_act`: what is kept from forward to backward at `n = 1` without reuse: `T_DI`, `T_M`,
-///   and `T_O` (held by the combine's backward).
-/// - `m_buf`: the backward's working set at its peak at `n = 1`.
+///   and `T_O` (held by the unpermute's backward).
+/// - `m_buf`: the backward's working set at its peak at `n = 1` (the peak less what was kept).
 /// - `m_act_pipe`: kept at `n` partitions without reuse (the same tensors as `m_act`).
 /// - `delta_m_act`: `m_act_pipe` minus what is kept at `n` with reuse (S4 keeps `T_I`, `T_O`).
 /// - `delta_m_buf`: `m_buf` minus the backward's working set at `n` with reuse (S4).
@@ -314,7 +194,11 @@ impl ImplementationTerms {
     /// The terms for `shape` (biases counted when `bias` is set).
     pub fn new(shape: &LayerShape, bias: bool) -> Self {
         let b = shape.rows();
-        let (m, h, f) = (shape.d_model as f64, shape.d_hidden as f64, shape.d_inner as f64);
+        let (m, h, f) = (
+            shape.d_model as f64,
+            shape.d_hidden as f64,
+            shape.d_inner() as f64,
+        );
         let (e, local) = (shape.n_experts as f64, shape.local_experts() as f64);
         let biases = if bias { e + local * (f + m) } else { 0.0 };
         let m_ms = 4.0 * (e * m + local * (m * f + h * m) + biases);
@@ -332,12 +216,13 @@ impl ImplementationTerms {
         let one = at(1, Strategy::None);
         let pipe = at(shape.n_partitions, Strategy::None);
         let reuse = at(shape.n_partitions, Strategy::S4);
+        let working = |model: &ImplementationModel| model.backward.elements - sum(&model.saved);
         let m_act = sum(&one.saved) + t_o;
-        let m_buf = sum(&one.backward);
+        let m_buf = working(&one);
         let m_act_pipe = sum(&pipe.saved) + t_o;
         let delta_m_act = m_act_pipe - (sum(&reuse.saved) + t_o);
-        let delta_m_buf = m_buf - sum(&reuse.backward);
-        let phi = (delta_m_act + delta_m_buf) / (m_ms + m_act_pipe + sum(&pipe.backward));
+        let delta_m_buf = m_buf - working(&reuse);
+        let phi = (delta_m_act + delta_m_buf) / (m_ms + m_act_pipe + working(&pipe));
         Self {
             m_ms,
             m_act,

@@ -77,7 +77,11 @@ fn schedule(
 ) -> (Vec<Op>, usize) {
     let n = shape.n_partitions.max(1);
     let rows = (shape.tokens * shape.top_k) as f64;
-    let (m, h, f) = (shape.d_model as f64, shape.d_hidden as f64, shape.d_inner as f64);
+    let (m, h, f) = (
+        shape.d_model as f64,
+        shape.d_hidden as f64,
+        shape.d_inner() as f64,
+    );
     let bytes = elem_bytes as f64;
     let part_rows = |i: usize| chunk_len(rows as usize, n, i) as f64;
     let gemm = |r: f64, count: f64| {

@@ -109,7 +109,7 @@ impl CostModel {
         let b = shape.rows();
         let v_comp = 2.0 * b * shape.d_model as f64 * shape.d_hidden as f64;
         let v_bytes = b * shape.d_model as f64 * elem_bytes as f64;
-        let (q_fw, q_bw) = Self::q(strategy, shape.d_model, shape.d_inner);
+        let (q_fw, q_bw) = Self::q(strategy, shape.d_model, shape.d_inner());
         let copies = matches!(strategy, Strategy::S1 | Strategy::S2 | Strategy::S3);
         let (mu, eta) = if copies {
             (p.mu_all, p.eta_all)

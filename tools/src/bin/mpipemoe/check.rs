@@ -71,6 +71,7 @@ pub fn run(args: CheckArgs) -> ExitCode {
             StrategyArg::S3 => Strategy::S3,
             StrategyArg::S4 => Strategy::S4,
         },
+        memory_budget: None,
     };
     let mut failed = false;
     for file in &args.files {

@@ -2,6 +2,7 @@
 
 use clap::{Args, ValueEnum};
 use mpipemoe::memory::LayerShape;
+use mpipemoe::Activation;
 
 /// The paper's Table I shapes (64 experts each).
 #[derive(ValueEnum, Clone, Copy, Debug)]
@@ -55,6 +56,13 @@ pub struct ShapeArgs {
     /// Element type.
     #[arg(long, value_enum, default_value_t = Dtype::F32)]
     pub dtype: Dtype,
+    /// The experts' activation (SwiGLU doubles the first GEMM's width).
+    #[arg(long, value_parser = parse_activation, default_value = "gelu")]
+    pub activation: Activation,
+}
+
+fn parse_activation(s: &str) -> Result<Activation, String> {
+    Activation::parse(s).ok_or_else(|| format!("{s:?} is not gelu, relu or swiglu"))
 }
 
 impl ShapeArgs {
@@ -96,7 +104,8 @@ impl ShapeArgs {
             top_k: self.top_k,
             d_model: m,
             d_hidden: h,
-            d_inner: h,
+            activation: self.activation,
+            shared_expert: None,
             n_experts: e,
             n_ranks: self.gpus,
             n_partitions,

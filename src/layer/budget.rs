@@ -1,0 +1,194 @@
+//! Keeping every rank under `memory_budget`: the partition count and memory strategy of a
+//! batch, chosen from every rank's routed rows.
+//!
+//! After the counts exchange every rank knows how many rows every rank will send and receive
+//! in each partition ([`RoutingCounts::rank_rows`]). So every rank evaluates the same memory
+//! model for every rank and reaches the same decision: the smallest partition count (the
+//! configured one, or from Algorithm 1's choice upwards) at which some allowed strategy's
+//! modelled peak fits the budget on *every* rank, and among those strategies the cheapest by
+//! the cost model. If nothing fits, every rank returns the same [`MoeError::Memory`] before
+//! the exchange allocates anything, so the caller can split the batch and retry.
+
+use serde::Serialize;
+
+/// The memory model's estimate is inflated by this factor before it is compared with the
+/// budget. The model follows the code's allocations and tracked a counting allocator within
+/// ±6% over the benchmark rows (BENCHMARKS.md §1); the headroom covers that error, the
+/// scheduling of the stream workers, and allocator rounding.
+pub const MODEL_HEADROOM: f64 = 1.10;
+
+use super::{MoeLayer, Partitions};
+use crate::dispatch::{RoutingCounts, SplitScheme};
+use crate::error::{MoeError, Result};
+use crate::exchange::MoeBackend;
+use crate::memory::{ImplementationModel, LayerShape, Strategy};
+
+/// What the budget decided for one batch, and why. In [`MoeStats::memory`](crate::MoeStats).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct MemoryDecision {
+    /// The budget, bytes per rank.
+    pub budget_bytes: usize,
+    /// Partitions chosen.
+    pub n_partitions: usize,
+    /// Strategy chosen.
+    pub strategy: Strategy,
+    /// Rows each rank receives for its experts. `[n_ranks]`
+    pub recv_rows: Vec<usize>,
+    /// Each rank's modelled peak under the choice, bytes. `[n_ranks]`
+    pub peak_bytes: Vec<f64>,
+    /// Why this partition count and strategy (what did not fit before them).
+    pub reason: String,
+}
+
+impl<B: MoeBackend> MoeLayer<B> {
+    /// The layer shape of rank `rank` at `scheme`, for the memory model.
+    fn budget_shape(&self, counts: &RoutingCounts, scheme: SplitScheme) -> LayerShape {
+        let c = &self.ctx.config;
+        let n_ranks = counts.n_ranks();
+        LayerShape {
+            tokens: counts.n_tokens_global().div_ceil(n_ranks),
+            top_k: c.top_k,
+            d_model: c.d_model,
+            d_hidden: c.d_hidden,
+            activation: c.activation,
+            shared_expert: c.shared_expert,
+            n_experts: c.n_experts,
+            n_ranks,
+            n_partitions: scheme.n_partitions(n_ranks),
+        }
+    }
+
+    /// Every rank's modelled peak (bytes) at `scheme` under `strategy`.
+    pub(crate) fn rank_peaks(
+        &self,
+        counts: &RoutingCounts,
+        scheme: SplitScheme,
+        strategy: Strategy,
+    ) -> Vec<f64> {
+        let shape = self.budget_shape(counts, scheme);
+        let elem = std::mem::size_of::<B::FloatElem>() as f64;
+        (0..counts.n_ranks())
+            .map(|r| {
+                ImplementationModel::for_rows(&shape, &counts.rank_rows(r, scheme), strategy).peak_device()
+                    * elem
+            })
+            .collect()
+    }
+
+    /// The strategies the configuration allows, cheapest first by the cost model (a fixed
+    /// strategy alone; every strategy for `MemoryReuse::Auto`).
+    fn strategies_by_cost(&self, counts: &RoutingCounts, n_partitions: usize) -> Result<Vec<Strategy>> {
+        match self.ctx.config.memory_reuse.fixed() {
+            Some(strategy) => Ok(vec![strategy]),
+            None => {
+                let choice = self.strategy_choice_unbounded(counts.n_tokens_global(), n_partitions)?;
+                let mut costs: Vec<(f64, Strategy)> =
+                    choice.candidates.iter().map(|c| (c.cost, c.strategy)).collect();
+                costs.sort_by(|a, b| a.0.total_cmp(&b.0));
+                Ok(costs.into_iter().map(|c| c.1).collect())
+            }
+        }
+    }
+
+    /// The cheapest allowed strategy that fits the budget on every rank at `scheme`, with
+    /// the ranks' peaks; `None` if none fits.
+    pub(crate) fn fit_at(
+        &self,
+        counts: &RoutingCounts,
+        scheme: SplitScheme,
+        budget: usize,
+    ) -> Result<Option<(Strategy, Vec<f64>)>> {
+        let n = scheme.n_partitions(counts.n_ranks());
+        for strategy in self.strategies_by_cost(counts, n)? {
+            let peaks = self.rank_peaks(counts, scheme, strategy);
+            if peaks.iter().all(|&p| p * MODEL_HEADROOM <= budget as f64) {
+                return Ok(Some((strategy, peaks)));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The split schemes the budget may choose from, in order: the configured `n`; FasterMoE's
+    /// split; or, when adaptive, Algorithm 1's `n` and the larger candidates.
+    fn budget_schemes(&self, chosen: SplitScheme) -> Vec<SplitScheme> {
+        match (self.ctx.config.partitions, chosen) {
+            (Partitions::Adaptive, SplitScheme::Tokens(n)) => {
+                let mut larger: Vec<usize> = self
+                    .ctx
+                    .config
+                    .adaptive_candidates
+                    .iter()
+                    .copied()
+                    .filter(|&c| c > n)
+                    .collect();
+                larger.sort_unstable();
+                larger.dedup();
+                std::iter::once(n)
+                    .chain(larger)
+                    .map(SplitScheme::Tokens)
+                    .collect()
+            }
+            _ => vec![chosen],
+        }
+    }
+
+    /// Chooses the split and strategy of this batch under the budget (see the module docs).
+    ///
+    /// # Errors
+    /// [`MoeError::Memory`] if no allowed choice fits on every rank, naming the rank, its
+    /// received rows, the bytes it needs at the largest partition count with S4, and the budget.
+    pub(crate) fn decide_under_budget(
+        &self,
+        counts: &RoutingCounts,
+        chosen: SplitScheme,
+        budget: usize,
+    ) -> Result<(SplitScheme, Strategy, MemoryDecision)> {
+        let n_ranks = counts.n_ranks();
+        let recv_rows: Vec<usize> = (0..n_ranks).map(|r| counts.recv_rows_of(r)).collect();
+        let schemes = self.budget_schemes(chosen);
+        let mut rejected = Vec::new();
+        for &scheme in &schemes {
+            if let Some((strategy, peaks)) = self.fit_at(counts, scheme, budget)? {
+                let n = scheme.n_partitions(n_ranks);
+                let worst = peaks.iter().cloned().fold(0.0, f64::max);
+                let reason = if rejected.is_empty() {
+                    format!("n = {n} with {strategy} fits: the largest modelled rank peak is {worst:.0} of {budget} bytes")
+                } else {
+                    format!(
+                        "n = {n} with {strategy} is the first that fits (largest modelled rank peak {worst:.0} of {budget} bytes); {} did not",
+                        rejected.join(", ")
+                    )
+                };
+                return Ok((
+                    scheme,
+                    strategy,
+                    MemoryDecision {
+                        budget_bytes: budget,
+                        n_partitions: n,
+                        strategy,
+                        recv_rows,
+                        peak_bytes: peaks,
+                        reason,
+                    },
+                ));
+            }
+            rejected.push(format!("n = {}", scheme.n_partitions(n_ranks)));
+        }
+        // Nothing fits: report the rank that needs the most at the largest n with S4.
+        let last = *schemes.last().expect("at least the chosen scheme");
+        let peaks = self.rank_peaks(counts, last, Strategy::S4);
+        let (rank, need) = peaks
+            .iter()
+            .copied()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(&b.1))
+            .expect("at least one rank");
+        Err(MoeError::Memory(format!(
+            "rank {rank} receives {} rows and needs {need:.0} bytes at n = {} with S4 ({:.0} with the model's {:.0}% headroom), over the memory_budget of {budget} bytes per rank; split the batch or raise the budget",
+            recv_rows[rank],
+            last.n_partitions(n_ranks),
+            need * MODEL_HEADROOM,
+            (MODEL_HEADROOM - 1.0) * 100.0
+        )))
+    }
+}
