@@ -12,10 +12,11 @@
 //! [`Schedule::backward`] list every step (dispatch, expert compute, combine, offload,
 //! prefetch, re-dispatch) with its stream, the partition buffers it reads and writes, and
 //! what it waits for. [`execute_on_threads`] runs a schedule with one worker thread per
-//! stream (the CPU executor); a GPU executor runs the same steps on streams and events.
+//! stream (the CPU executor), [`execute_in_order`] on the calling thread (a backend picks with
+//! [`MoeBackend::step_executor`]); a GPU executor runs the same steps on streams and events.
 
 pub use crate::dispatch::{chunk_len, chunk_range, ExchangePlan, PartitionPlan, RoutingCounts};
-pub use crate::exchange::executor::execute as execute_on_threads;
+pub use crate::exchange::executor::{execute as execute_on_threads, execute_in_order, StepExecutor};
 pub use crate::exchange::fused::{backward as fused_backward, forward as fused_forward, Saved as FusedSaved};
 pub use crate::exchange::schedule::{Op, Role, Schedule, Slot, Span, Step, Stream};
 pub use crate::exchange::{exchange_reference, ExchangeGrads, ExchangeRun};

@@ -61,7 +61,7 @@ fn memory_model_host_bytes_and_the_budget_under_skew() {
     let device = Default::default();
     // Warm-up: thread pools and allocator caches settle before anything is measured.
     let warm = base(Partitions::Fixed(1), MemoryReuse::Off);
-    measure_layer_memory_with::<B>(&ALLOC, &warm, Some(&skewed(&warm)), 64, 2, true, &device).unwrap();
+    measure_layer_memory_with::<B>(&ALLOC, &warm, Some(&skewed(&warm)), None, 64, 2, true, &device).unwrap();
     model_tracks_every_rank(&device);
     budget_keeps_every_rank_under_it(&device);
     budget_below_the_floor_is_an_error_before_the_exchange(&device);
@@ -83,6 +83,7 @@ fn model_tracks_every_rank(device: &burn::tensor::Device<B>) {
                     &ALLOC,
                     &config,
                     weights.as_ref(),
+                    None,
                     TOKENS,
                     2,
                     true,
@@ -134,16 +135,25 @@ fn budget_keeps_every_rank_under_it(device: &burn::tensor::Device<B>) {
     let plain = base(Partitions::Fixed(1), MemoryReuse::Off);
     let weights = skewed(&plain);
     let unbudgeted =
-        measure_layer_memory_with::<B>(&ALLOC, &plain, Some(&weights), TOKENS, 2, false, device).unwrap();
+        measure_layer_memory_with::<B>(&ALLOC, &plain, Some(&weights), None, TOKENS, 2, false, device)
+            .unwrap();
     let rank0 = unbudgeted.ranks[0].peak_device_bytes;
     let budget = rank0 * 55 / 100;
     assert!(rank0 > budget);
     let budgeted_config = base(Partitions::Adaptive, MemoryReuse::Auto)
         .with_adaptive_candidates(vec![1, 2, 4, 8])
         .with_memory_budget(Some(budget));
-    let budgeted =
-        measure_layer_memory_with::<B>(&ALLOC, &budgeted_config, Some(&weights), TOKENS, 2, true, device)
-            .unwrap();
+    let budgeted = measure_layer_memory_with::<B>(
+        &ALLOC,
+        &budgeted_config,
+        Some(&weights),
+        None,
+        TOKENS,
+        2,
+        true,
+        device,
+    )
+    .unwrap();
     let decision = budgeted.ranks[0].stats.memory.clone().unwrap();
     eprintln!(
         "budget {budget} B (rank 0 unbudgeted: {rank0} B): chose n={} {} ({}); measured {:?}",

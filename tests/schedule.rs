@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use mpipemoe::backend::{execute_on_threads, Op, Role, Schedule, Span, Step, Stream};
+use mpipemoe::backend::{execute_in_order, execute_on_threads, Op, Role, Schedule, Span, Step, Stream};
 use mpipemoe::Strategy;
 use proptest::prelude::*;
 
@@ -187,4 +187,44 @@ fn a_failing_step_stops_every_stream() {
     })
     .unwrap_err();
     assert!(err.to_string().contains("copy engine exploded"), "{err}");
+}
+
+/// The in-order executor (asynchronous device backends) runs every step once, in an order
+/// the hazard check accepts, and stops at the first failing step without running later ones.
+#[test]
+fn the_in_order_executor_keeps_every_dependency_and_stops_at_an_error() {
+    for n in 1..6 {
+        for strategy in Strategy::ALL {
+            for schedule in [Schedule::forward(n, strategy), Schedule::backward(n, strategy)] {
+                let ran = std::sync::Mutex::new(Vec::new());
+                let spans = execute_in_order(&schedule, &|index, _| {
+                    ran.lock().unwrap().push(index);
+                    Ok(())
+                })
+                .unwrap();
+                assert_eq!(
+                    ran.into_inner().unwrap(),
+                    (0..schedule.steps.len()).collect::<Vec<_>>()
+                );
+                assert_eq!(schedule.check_trace(&spans), Ok(()), "n={n} {strategy}");
+            }
+        }
+    }
+    let schedule = Schedule::forward(4, Strategy::S1);
+    let failing = schedule
+        .steps
+        .iter()
+        .position(|s| s.op == Op::Compute(1))
+        .unwrap();
+    let ran = std::sync::Mutex::new(Vec::new());
+    let err = execute_in_order(&schedule, &|index, step| {
+        ran.lock().unwrap().push(index);
+        match step.op {
+            Op::Compute(1) => Err(mpipemoe::MoeError::Input("compute 1 failed".into())),
+            _ => Ok(()),
+        }
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("compute 1 failed"), "{err}");
+    assert_eq!(ran.into_inner().unwrap().last(), Some(&failing));
 }

@@ -12,6 +12,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Shape, TensorMetadata};
 
+use super::executor::StepExecutor;
 use super::{ExchangeGrads, ExchangeRun, MoeBackend};
 use crate::comm::Communicator;
 use crate::dispatch::ExchangePlan;
@@ -104,6 +105,10 @@ fn outer_experts<B: MoeBackend, C: CheckpointStrategy>(
 
 impl<B: MoeBackend, C: CheckpointStrategy> MoeBackend for Autodiff<B, C> {
     type Saved = B::Saved;
+
+    fn step_executor() -> StepExecutor {
+        B::step_executor()
+    }
 
     fn exchange_forward(
         input: FloatTensor<Self>,

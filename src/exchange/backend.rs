@@ -3,9 +3,12 @@
 use std::fmt::Debug;
 use std::sync::Arc;
 
+use derive_new::new;
+
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 
+use super::executor::StepExecutor;
 use super::rows;
 use crate::comm::Communicator;
 use crate::dispatch::ExchangePlan;
@@ -14,7 +17,10 @@ use crate::experts::{Activation, ActivationKernels, ExpertTensors};
 use crate::memory::{HostStore, Strategy};
 
 /// Everything the exchange op needs besides tensors and the plan.
-#[derive(Debug, Clone)]
+///
+/// `ExchangeRun::new(comm, activation, strategy, host)` builds one, for a backend author who
+/// calls the op outside the layer.
+#[derive(Debug, Clone, new)]
 pub struct ExchangeRun {
     /// The expert-parallel group.
     pub comm: Arc<dyn Communicator>,
@@ -82,6 +88,14 @@ pub trait MoeBackend: ActivationKernels {
         run: &ExchangeRun,
     ) -> Result<FloatTensor<Self>> {
         Self::exchange_forward(input, experts, &plan, run).map(|(out, _)| out)
+    }
+
+    /// How the generic fused exchange runs its schedule on this backend: one thread per
+    /// stream (the default, for backends that finish each op on the calling thread) or in
+    /// issue order on the calling thread (asynchronous device backends; see
+    /// [`StepExecutor`]).
+    fn step_executor() -> StepExecutor {
+        StepExecutor::StreamThreads
     }
 
     /// Writes `rows` into `dst` from row `start` on, returning `dst`: how the exchange

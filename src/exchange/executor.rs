@@ -14,6 +14,57 @@ use super::schedule::{Schedule, Span, Step, Stream};
 use crate::error::{MoeError, Result};
 use crate::memory::alloc::CountingAllocator;
 
+/// How the generic fused exchange runs a schedule's steps on a backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepExecutor {
+    /// One OS thread per stream, with real waits between streams ([`execute`]): right for
+    /// backends that finish each op on the calling thread (the CPU backends).
+    StreamThreads,
+    /// Every step on the calling thread, in issue order ([`execute_in_order`]): right for
+    /// asynchronous device backends whose per-thread queues are not ordered against each
+    /// other. cubecl gives each OS thread its own stream; on WGPU a tensor written on one
+    /// thread's stream and read on another's is not fenced, so the threaded executor would
+    /// read rows that are not written yet.
+    InOrder,
+}
+
+impl StepExecutor {
+    /// Runs `schedule` with this executor.
+    pub fn run(
+        self,
+        schedule: &Schedule,
+        run: &(dyn Fn(usize, &Step) -> Result<()> + Sync),
+    ) -> Result<Vec<Span>> {
+        match self {
+            StepExecutor::StreamThreads => execute(schedule, run),
+            StepExecutor::InOrder => execute_in_order(schedule, run),
+        }
+    }
+}
+
+/// Runs every step of `schedule` on the calling thread in issue order, which respects every
+/// dependency (a step only depends on steps issued before it). Stops at the first error.
+pub fn execute_in_order(
+    schedule: &Schedule,
+    run: &(dyn Fn(usize, &Step) -> Result<()> + Sync),
+) -> Result<Vec<Span>> {
+    let mut spans = Vec::with_capacity(schedule.steps.len());
+    for (index, step) in schedule.steps.iter().enumerate() {
+        debug_assert!(
+            step.deps.iter().all(|&d| d < index),
+            "a step depends on a later step"
+        );
+        let start = 2 * index as u64;
+        catch_unwind(AssertUnwindSafe(|| run(index, step)))
+            .unwrap_or_else(|payload| Err(panic_error(payload, step)))?;
+        spans.push(Span {
+            start,
+            end: start + 1,
+        });
+    }
+    Ok(spans)
+}
+
 #[derive(Debug)]
 struct Progress {
     done: Vec<bool>,

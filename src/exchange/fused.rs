@@ -17,7 +17,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::TensorMetadata;
 
 use super::assemble::RowAssembler;
-use super::executor::execute;
+use super::executor::StepExecutor;
 use super::ffn::{compute, compute_backward, ExpertGradAcc, Restored};
 use super::rows::{all_to_all_rows, dims2, gather_rows, narrow_rows, to_data};
 use super::schedule::{Op, Role, Schedule, Slot, Step};
@@ -242,7 +242,7 @@ pub fn forward<B: MoeBackend>(
             other => unreachable!("{other:?} is not a forward step"),
         }
     };
-    run_checked(&Schedule::forward(n, strategy), &step_fn)?;
+    run_checked(B::step_executor(), &Schedule::forward(n, strategy), &step_fn)?;
     let output = output.into_inner().unwrap_or_else(|e| e.into_inner()).finish();
     Ok((
         output,
@@ -344,7 +344,7 @@ pub fn backward<B: MoeBackend>(
             other => unreachable!("{other:?} is not a backward step"),
         }
     };
-    run_checked(&Schedule::backward(n, strategy), &step_fn)?;
+    run_checked(B::step_executor(), &Schedule::backward(n, strategy), &step_fn)?;
     Ok(ExchangeGrads {
         input: input_grad
             .into_inner()
@@ -356,8 +356,12 @@ pub fn backward<B: MoeBackend>(
 
 /// Runs `schedule` and checks the recorded spans for hazards (a few microseconds: the steps
 /// are counted in tens).
-fn run_checked(schedule: &Schedule, step_fn: &(dyn Fn(usize, &Step) -> Result<()> + Sync)) -> Result<()> {
-    let spans = execute(schedule, step_fn)?;
+fn run_checked(
+    executor: StepExecutor,
+    schedule: &Schedule,
+    step_fn: &(dyn Fn(usize, &Step) -> Result<()> + Sync),
+) -> Result<()> {
+    let spans = executor.run(schedule, step_fn)?;
     schedule
         .check_trace(&spans)
         .map_err(|hazard| MoeError::Backend(format!("schedule hazard: {hazard}")))

@@ -49,12 +49,24 @@ pub fn measure_layer_memory<B>(
 where
     B: AutodiffBackend + MoeBackend,
 {
-    measure_layer_memory_with::<B>(alloc, config, None, tokens_per_rank, n_ranks, warm_up, device)
+    measure_layer_memory_with::<B>(
+        alloc,
+        config,
+        None,
+        None,
+        tokens_per_rank,
+        n_ranks,
+        warm_up,
+        device,
+    )
 }
+
+/// Each rank's input tokens, `[tokens_per_rank · d_model]` for rank `r`.
+pub type TokenSource<'a> = &'a (dyn Fn(usize) -> Vec<f32> + Sync);
 
 /// Measures one forward + backward of a layer with `config` (and the canonical `weights`, if
 /// given: a router that routes as a test wants) on `n_ranks` ranks, each with
-/// `tokens_per_rank` seeded tokens, with `loss = sum(y · probe)`.
+/// `tokens_per_rank` tokens (from `tokens`, or seeded), with `loss = sum(y · probe)`.
 ///
 /// `alloc` must be the process's global allocator. Each rank thread tags its allocations
 /// with its rank, and the exchange's stream workers take their rank's tag; allocations by the
@@ -68,6 +80,7 @@ pub fn measure_layer_memory_with<B>(
     alloc: &CountingAllocator,
     config: &MoeLayerConfig,
     weights: Option<&TensorMap>,
+    tokens: Option<TokenSource<'_>>,
     tokens_per_rank: usize,
     n_ranks: usize,
     warm_up: bool,
@@ -89,7 +102,11 @@ where
             let values = HostInit::new(config.seed, name, ctx.rank).uniform(tokens_per_rank * m, 1.0);
             TensorData::new(values, [tokens_per_rank, m]).convert::<B::FloatElem>()
         };
-        let x = Tensor::<B, 2>::from_data(data("x"), device).require_grad();
+        let x = match tokens {
+            Some(source) => TensorData::new(source(ctx.rank), [tokens_per_rank, m]).convert::<B::FloatElem>(),
+            None => data("x"),
+        };
+        let x = Tensor::<B, 2>::from_data(x, device).require_grad();
         let probe = Tensor::<B, 2>::from_data(data("probe"), device);
         let pass = || -> Result<MoeStats> {
             let out = layer.try_forward(x.clone())?;

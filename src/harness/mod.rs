@@ -8,4 +8,6 @@ pub use crate::cases::{
     agreement_error, check_case, expected, relative_error, Case, CheckOptions, CheckReport, TensorError,
 };
 pub use crate::memory::alloc::CountingAllocator;
-pub use memory::{measure_layer_memory, measure_layer_memory_with, MemoryMeasurement, RankMemory};
+pub use memory::{
+    measure_layer_memory, measure_layer_memory_with, MemoryMeasurement, RankMemory, TokenSource,
+};

@@ -11,17 +11,11 @@
 
 use serde::Serialize;
 
-/// The memory model's estimate is inflated by this factor before it is compared with the
-/// budget. The model follows the code's allocations and tracked a counting allocator within
-/// ±6% over the benchmark rows (BENCHMARKS.md §1); the headroom covers that error, the
-/// scheduling of the stream workers, and allocator rounding.
-pub const MODEL_HEADROOM: f64 = 1.10;
-
 use super::{MoeLayer, Partitions};
 use crate::dispatch::{RoutingCounts, SplitScheme};
 use crate::error::{MoeError, Result};
 use crate::exchange::MoeBackend;
-use crate::memory::{ImplementationModel, LayerShape, Strategy};
+use crate::memory::{fit_budget, rank_peak_bytes, LayerShape, Strategy, MODEL_HEADROOM};
 
 /// What the budget decided for one batch, and why. In [`MoeStats::memory`](crate::MoeStats).
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -66,12 +60,9 @@ impl<B: MoeBackend> MoeLayer<B> {
         strategy: Strategy,
     ) -> Vec<f64> {
         let shape = self.budget_shape(counts, scheme);
-        let elem = std::mem::size_of::<B::FloatElem>() as f64;
+        let elem = std::mem::size_of::<B::FloatElem>();
         (0..counts.n_ranks())
-            .map(|r| {
-                ImplementationModel::for_rows(&shape, &counts.rank_rows(r, scheme), strategy).peak_device()
-                    * elem
-            })
+            .map(|r| rank_peak_bytes(&shape, &counts.rank_rows(r, scheme), strategy, elem))
             .collect()
     }
 
@@ -99,13 +90,15 @@ impl<B: MoeBackend> MoeLayer<B> {
         budget: usize,
     ) -> Result<Option<(Strategy, Vec<f64>)>> {
         let n = scheme.n_partitions(counts.n_ranks());
-        for strategy in self.strategies_by_cost(counts, n)? {
-            let peaks = self.rank_peaks(counts, scheme, strategy);
-            if peaks.iter().all(|&p| p * MODEL_HEADROOM <= budget as f64) {
-                return Ok(Some((strategy, peaks)));
-            }
-        }
-        Ok(None)
+        let order = self.strategies_by_cost(counts, n)?;
+        let mut peaks = std::collections::HashMap::new();
+        let (choice, _) = fit_budget(budget, &[n], &mut |_| order.clone(), &mut |_, strategy| {
+            let p = self.rank_peaks(counts, scheme, strategy);
+            let worst = p.iter().cloned().fold(0.0, f64::max);
+            peaks.insert(strategy, p);
+            worst
+        });
+        Ok(choice.map(|c| (c.strategy, peaks.remove(&c.strategy).expect("evaluated"))))
     }
 
     /// The split schemes the budget may choose from, in order: the configured `n`; FasterMoE's

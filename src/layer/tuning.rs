@@ -163,11 +163,11 @@ impl<B: MoeBackend> MoeLayer<B> {
     }
 
     pub(crate) fn exchange_run(&self, strategy: Strategy) -> ExchangeRun {
-        ExchangeRun {
-            comm: self.ctx.comm.clone(),
-            activation: self.ctx.config.activation,
+        ExchangeRun::new(
+            self.ctx.comm.clone(),
+            self.ctx.config.activation,
             strategy,
-            host: self.ctx.host.clone(),
-        }
+            self.ctx.host.clone(),
+        )
     }
 }

@@ -4,6 +4,7 @@
 //! host-store bytes apart from device bytes ([`MemoryMeter`]).
 
 pub(crate) mod alloc;
+mod budget;
 pub(crate) mod host_store;
 mod implementation;
 mod meter;
@@ -11,6 +12,7 @@ mod model;
 mod rows;
 mod strategy;
 
+pub use budget::{fit_budget, rank_peak_bytes, BudgetCandidate, MODEL_HEADROOM};
 pub(crate) use host_store::{HostBlock, HostStore};
 pub use implementation::{ImplementationModel, Phase, Term};
 pub use meter::{MemoryMeter, MemoryReport};

@@ -17,10 +17,13 @@ pub enum Restore {
 
 /// A resolved memory-reuse strategy (DESIGN §4, the paper's Table III).
 ///
-/// With any strategy other than [`Strategy::None`], `T_DI`, `T_M` and `T_DO` live in
-/// partition-sized buffers that the next partition overwrites; the strategy says how the
-/// overwritten `T_DI` and `T_M` are restored for backward. Every strategy computes the same
-/// gradients as [`Strategy::None`] up to float rounding.
+/// With any strategy other than [`Strategy::None`], a partition's `T_DI`, `T_M` and `T_DO`
+/// are released once the partition's last step has read them, so at most two partitions' worth
+/// (the schedule's slots) are alive at a time; the strategy says how the released `T_DI` and
+/// `T_M` are restored for backward. On the CPU each partition's buffer is a tensor of its own,
+/// and the allocator reuses the memory a released partition frees; one device arena per role
+/// with partitions at offsets is the CUDA crate's work (not written yet). Every strategy
+/// computes the same gradients as [`Strategy::None`] up to float rounding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Strategy {
     /// PipeMoE: every partition's `T_DI` and `T_M` are kept until backward.

@@ -3,27 +3,17 @@
 use serde::Serialize;
 
 use crate::dispatch::chunk_len;
+pub use crate::exchange::schedule::Stream;
+use crate::exchange::schedule::{Op as StepOp, Role, Schedule as ExchangeSchedule};
 use crate::memory::{ImplementationModel, LayerShape, Restore, Strategy};
 use crate::tuning::Profile;
 
-/// The three streams of DESIGN §3 / §6.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub enum Stream {
-    /// Expert GEMMs and small kernels.
-    Compute,
-    /// All-to-alls.
-    Comm,
-    /// Host ↔ device copies.
-    Copy,
-}
-
-impl Stream {
-    fn index(self) -> usize {
-        match self {
-            Stream::Compute => 0,
-            Stream::Comm => 1,
-            Stream::Copy => 2,
-        }
+/// A stream's index in the simulator's arrays.
+fn stream_index(stream: Stream) -> usize {
+    match stream {
+        Stream::Compute => 0,
+        Stream::Comm => 1,
+        Stream::Copy => 2,
     }
 }
 
@@ -68,7 +58,9 @@ pub struct SimResult {
     pub ops: Vec<Op>,
 }
 
-/// Builds the schedule of DESIGN §3 for `shape` and `strategy` with the profile's rates.
+/// The exchange's own [`Schedule`] (the one the executors run) for `shape` and `strategy`,
+/// with each step's time from the profile's rates: forward, then backward, which starts when
+/// the forward has finished.
 fn schedule(
     shape: &LayerShape,
     strategy: Strategy,
@@ -91,9 +83,82 @@ fn schedule(
     };
     let comm = |r: f64| r * m * bytes / profile.w_comm;
     let copy = |r: f64, width: f64| r * width * bytes / profile.w_mem;
+    let recompute = if strategy.hidden() == Restore::Recompute {
+        1.0
+    } else {
+        0.0
+    };
+    let timing = |op: StepOp| -> (Stream, f64, f64, String) {
+        match op {
+            StepOp::Dispatch(i) => (
+                Stream::Comm,
+                profile.comm_latency,
+                comm(part_rows(i)),
+                format!("S{i}"),
+            ),
+            StepOp::Combine(i) => (
+                Stream::Comm,
+                profile.comm_latency,
+                comm(part_rows(i)),
+                format!("R{i}"),
+            ),
+            StepOp::DispatchGrad(i) => (
+                Stream::Comm,
+                profile.comm_latency,
+                comm(part_rows(i)),
+                format!("S'{i}"),
+            ),
+            StepOp::Redispatch(i) => (
+                Stream::Comm,
+                profile.comm_latency,
+                comm(part_rows(i)),
+                format!("T{i}"),
+            ),
+            StepOp::CombineGrad(i) => (
+                Stream::Comm,
+                profile.comm_latency,
+                comm(part_rows(i)),
+                format!("R'{i}"),
+            ),
+            StepOp::Compute(i) => (
+                Stream::Compute,
+                profile.comp_latency,
+                gemm(part_rows(i), 2.0),
+                format!("C{i}"),
+            ),
+            StepOp::ComputeGrad(i) => (
+                Stream::Compute,
+                profile.comp_latency,
+                gemm(part_rows(i), 4.0 + recompute),
+                format!("C'{i}"),
+            ),
+            StepOp::Offload(role, i) => {
+                let width = if role == Role::Dispatched { m } else { f };
+                (
+                    Stream::Copy,
+                    profile.mem_latency,
+                    copy(part_rows(i), width),
+                    format!("D{i}"),
+                )
+            }
+            StepOp::Prefetch(role, i) => {
+                let width = if role == Role::Dispatched { m } else { f };
+                (
+                    Stream::Copy,
+                    profile.mem_latency,
+                    copy(part_rows(i), width),
+                    format!("H{i}"),
+                )
+            }
+        }
+    };
     let mut ops: Vec<Op> = Vec::new();
-    let push =
-        |ops: &mut Vec<Op>, name: String, stream: Stream, latency: f64, work: f64, deps: Vec<usize>| {
+    let add = |steps: &ExchangeSchedule, after: &[usize], ops: &mut Vec<Op>| {
+        let base = ops.len();
+        for step in &steps.steps {
+            let (stream, latency, work, name) = timing(step.op);
+            let mut deps: Vec<usize> = step.deps.iter().map(|d| base + d).collect();
+            deps.extend_from_slice(after);
             ops.push(Op {
                 name,
                 stream,
@@ -103,141 +168,13 @@ fn schedule(
                 start: 0.0,
                 end: 0.0,
             });
-            ops.len() - 1
-        };
-
-    // Forward: S_0; then for i: S_{i+1}, C_i, R_i (and the offload of what C_i used).
-    let mut s_ops = vec![push(
-        &mut ops,
-        "S0".into(),
-        Stream::Comm,
-        profile.comm_latency,
-        comm(part_rows(0)),
-        vec![],
-    )];
-    let mut last_fw = Vec::new();
-    for i in 0..n {
-        if i + 1 < n {
-            let s = push(
-                &mut ops,
-                format!("S{}", i + 1),
-                Stream::Comm,
-                profile.comm_latency,
-                comm(part_rows(i + 1)),
-                vec![],
-            );
-            s_ops.push(s);
         }
-        let c = push(
-            &mut ops,
-            format!("C{i}"),
-            Stream::Compute,
-            profile.comp_latency,
-            gemm(part_rows(i), 2.0),
-            vec![s_ops[i]],
-        );
-        let r = push(
-            &mut ops,
-            format!("R{i}"),
-            Stream::Comm,
-            profile.comm_latency,
-            comm(part_rows(i)),
-            vec![c],
-        );
-        last_fw.push(r);
-        let offload_width = match (strategy.dispatched(), strategy.hidden()) {
-            (Restore::Offload, Restore::Offload) => m + f,
-            (Restore::Offload, _) => m,
-            (_, Restore::Offload) => f,
-            _ => 0.0,
-        };
-        if offload_width > 0.0 {
-            let d = push(
-                &mut ops,
-                format!("D{i}"),
-                Stream::Copy,
-                profile.mem_latency,
-                copy(part_rows(i), offload_width),
-                vec![c],
-            );
-            last_fw.push(d);
-        }
-    }
-    let forward_end = last_fw.clone();
-
-    // Backward, mirrored: S'_0 (and the restores of T_DI_0 / T_M_0); then for i: S'_{i+1},
-    // C'_i, R'_i.
-    let restore = |ops: &mut Vec<Op>, i: usize| -> Vec<usize> {
-        let r = part_rows(i);
-        let mut deps = vec![push(
-            ops,
-            format!("S'{i}"),
-            Stream::Comm,
-            profile.comm_latency,
-            comm(r),
-            forward_end.clone(),
-        )];
-        match strategy.dispatched() {
-            Restore::Recommunicate => deps.push(push(
-                ops,
-                format!("T{i}"),
-                Stream::Comm,
-                profile.comm_latency,
-                comm(r),
-                forward_end.clone(),
-            )),
-            Restore::Offload => deps.push(push(
-                ops,
-                format!("H{i}"),
-                Stream::Copy,
-                profile.mem_latency,
-                copy(r, m),
-                forward_end.clone(),
-            )),
-            _ => {}
-        }
-        if strategy.hidden() == Restore::Offload {
-            deps.push(push(
-                ops,
-                format!("HM{i}"),
-                Stream::Copy,
-                profile.mem_latency,
-                copy(r, f),
-                forward_end.clone(),
-            ));
-        }
-        deps
+        base..ops.len()
     };
-    let mut restored = vec![restore(&mut ops, 0)];
-    let recompute = if strategy.hidden() == Restore::Recompute {
-        1.0
-    } else {
-        0.0
-    };
-    for i in 0..n {
-        if i + 1 < n {
-            let next = restore(&mut ops, i + 1);
-            restored.push(next);
-        }
-        let deps = restored[i].clone();
-        let c = push(
-            &mut ops,
-            format!("C'{i}"),
-            Stream::Compute,
-            profile.comp_latency,
-            gemm(part_rows(i), 4.0 + recompute),
-            deps,
-        );
-        push(
-            &mut ops,
-            format!("R'{i}"),
-            Stream::Comm,
-            profile.comm_latency,
-            comm(part_rows(i)),
-            vec![c],
-        );
-    }
-    let forward_ops = forward_end.iter().copied().max().map_or(0, |i| i + 1);
+    let forward = add(&ExchangeSchedule::forward(n, strategy), &[], &mut ops);
+    let forward_ops = forward.end;
+    let forward_end: Vec<usize> = forward.collect();
+    add(&ExchangeSchedule::backward(n, strategy), &forward_end, &mut ops);
     (ops, forward_ops)
 }
 
@@ -249,7 +186,7 @@ fn replay(ops: &mut [Op], profile: &Profile) -> [f64; 3] {
     let count = ops.len();
     let mut queues: [Vec<usize>; 3] = [Vec::new(), Vec::new(), Vec::new()];
     for (i, op) in ops.iter().enumerate() {
-        queues[op.stream.index()].push(i);
+        queues[stream_index(op.stream)].push(i);
     }
     let mut head = [0usize; 3];
     let mut running: [Option<(usize, f64, f64)>; 3] = [None; 3]; // (op, latency left, work left)

@@ -1,4 +1,5 @@
-//! Forward + backward of the MoE layer on the CPU (Flex), for the paper's GPT3-S and BERT-L
+//! Forward + backward of the MoE layer (Flex by default; `MPIPEMOE_BACKEND` picks another),
+//! with seeded tokens and balanced routing, for the paper's GPT3-S and BERT-L
 //! expert shapes at token counts the CPU can run, 1 and 2 ranks, against its baselines on the
 //! same code path:
 //!
@@ -15,14 +16,14 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use burn::backend::{Autodiff, Flex};
-use burn::tensor::{Distribution, Tensor};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Tensor, TensorData};
 use criterion::{criterion_group, criterion_main, Criterion};
-use mpipemoe::{LocalGroup, MemoryReuse, MoeLayerConfig, Partitions, Strategy};
+use mpipemoe::{LocalGroup, MemoryReuse, MoeBackend, MoeLayerConfig, Partitions, Strategy};
+use mpipemoe_tools::backends::{run_on, BackendArg, BackendJob};
+use mpipemoe_tools::inputs::{balance_router, balanced_tokens};
 use mpipemoe_tools::report::{write_panels, Panel, Series};
 use serde::Serialize;
-
-type B = Autodiff<Flex>;
 
 /// Rank threads that each keep a layer replica and an input, and run one forward + backward
 /// per command, so that benchmark iterations time only the pass.
@@ -32,8 +33,23 @@ struct Ranks {
     threads: Vec<JoinHandle<()>>,
 }
 
+/// Starts [`Ranks`] on the chosen backend.
+struct StartRanks<'a> {
+    config: &'a MoeLayerConfig,
+    n_ranks: usize,
+    tokens: usize,
+}
+
+impl BackendJob for StartRanks<'_> {
+    type Output = Ranks;
+
+    fn run<B: AutodiffBackend + MoeBackend>(self, _device: &B::Device) -> Ranks {
+        Ranks::new::<B>(self.config, self.n_ranks, self.tokens)
+    }
+}
+
 impl Ranks {
-    fn new(config: &MoeLayerConfig, n_ranks: usize, tokens: usize) -> Self {
+    fn new<B: AutodiffBackend + MoeBackend>(config: &MoeLayerConfig, n_ranks: usize, tokens: usize) -> Self {
         let (done_tx, done) = channel();
         let mut commands = Vec::new();
         let mut receivers = Vec::new();
@@ -48,8 +64,19 @@ impl Ranks {
             let _ = LocalGroup::run(n_ranks, |ctx| {
                 let device = Default::default();
                 let rx = receivers[ctx.rank].lock().unwrap().take().unwrap();
-                let layer = config.init_rank::<B>(&device, ctx.comm.clone())?;
-                let x = Tensor::<B, 2>::random([tokens, config.d_model], Distribution::Default, &device)
+                // Seeded tokens and a router that spreads them evenly: every configuration
+                // times the same batch with the same per-expert load.
+                let mut layer = config.init_rank::<B>(&device, ctx.comm.clone())?;
+                balance_router(&mut layer);
+                let values = balanced_tokens(
+                    7,
+                    ctx.rank,
+                    tokens,
+                    config.d_model,
+                    config.n_experts,
+                    config.top_k,
+                );
+                let x = Tensor::<B, 2>::from_data(TensorData::new(values, [tokens, config.d_model]), &device)
                     .require_grad();
                 while let Ok(true) = rx.recv() {
                     let start = Instant::now();
@@ -117,6 +144,8 @@ fn configs(n_ranks: usize) -> Vec<(String, Partitions, Strategy)> {
 }
 
 fn layer(c: &mut Criterion) {
+    // `MPIPEMOE_BACKEND=wgpu cargo bench --features wgpu --bench layer` for the WGPU backend.
+    let backend = BackendArg::from_env().unwrap_or_else(|e| panic!("{e}"));
     let shapes = [("GPT3-S", 768, 3072), ("BERT-L", 1024, 4096)];
     let tokens = 1024;
     let mut rows = Vec::new();
@@ -134,7 +163,15 @@ fn layer(c: &mut Criterion) {
                 let config = MoeLayerConfig::new(m, h, 2 * n_ranks, 1)
                     .with_partitions(partitions)
                     .with_memory_reuse(MemoryReuse::from(strategy));
-                let ranks = Ranks::new(&config, n_ranks, tokens);
+                let ranks = run_on(
+                    backend,
+                    StartRanks {
+                        config: &config,
+                        n_ranks,
+                        tokens,
+                    },
+                )
+                .unwrap_or_else(|e| panic!("{e}"));
                 let samples = Mutex::new(Vec::new());
                 let n = match partitions {
                     Partitions::Fixed(n) => n,
@@ -170,10 +207,10 @@ fn layer(c: &mut Criterion) {
             group.finish();
         }
     }
-    report(&rows);
+    report(&rows, backend);
 }
 
-fn report(rows: &[Row]) {
+fn report(rows: &[Row], backend: BackendArg) {
     println!(
         "\n{:<7} {:>6} {:>5} {:<10} {:>2} {:<5} {:>10} {:>11}",
         "shape", "tokens", "ranks", "system", "n", "strat", "median ms", "vs FastMoE"
@@ -242,7 +279,7 @@ fn report(rows: &[Row]) {
     }
     if let Err(e) = write_panels(
         &dir.join("layer.png"),
-        "MoE layer forward + backward, CPU (Flex, 2 cores)",
+        &format!("MoE layer forward + backward ({backend:?}, 2-core build machine)"),
         &panels,
         2,
     ) {

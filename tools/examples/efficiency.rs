@@ -19,11 +19,12 @@ use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensorOps;
-use burn::tensor::{Distribution, Tensor, TensorMetadata};
+use burn::tensor::{Tensor, TensorData, TensorMetadata};
 use clap::Parser;
 use mpipemoe::backend::{ExchangeRun, HostStore, RoutingCounts};
 use mpipemoe::comm::SingleRank;
 use mpipemoe::{MoeBackend, MoeLayerConfig, SplitScheme, Strategy};
+use mpipemoe_tools::inputs::{balance_router, balanced_tokens};
 use serde::Serialize;
 
 type B = Autodiff<Flex>;
@@ -85,9 +86,13 @@ fn main() {
         let flops = 12.0 * (routed * m * h) as f64;
 
         // Dense reference: the six GEMMs of one FFN forward + backward over `routed` rows.
-        let x = Tensor::<Inner, 2>::random([routed, m], Distribution::Default, &device);
-        let w1 = Tensor::<Inner, 2>::random([m, h], Distribution::Default, &device);
-        let w2 = Tensor::<Inner, 2>::random([h, m], Distribution::Default, &device);
+        let seeded = |key: &str, shape: [usize; 2]| {
+            let values = mpipemoe::seeded_uniform(5, key, shape[0] * shape[1], 1.0);
+            Tensor::<Inner, 2>::from_data(TensorData::new(values, shape), &device)
+        };
+        let x = seeded("x", [routed, m]);
+        let w1 = seeded("w1", [m, h]);
+        let w2 = seeded("w2", [h, m]);
         let a = x.clone().matmul(w1.clone());
         let y = a.clone().matmul(w2.clone());
         let dense_forward = || {
@@ -112,7 +117,17 @@ fn main() {
         let layer = MoeLayerConfig::new(m, h, experts, top_k)
             .with_seed(3)
             .init::<B>(&device);
-        let input = Tensor::<B, 2>::random([args.tokens, m], Distribution::Default, &device).require_grad();
+        // Seeded tokens routed evenly: every round and every shape times the same batch.
+        let mut layer = layer;
+        balance_router(&mut layer);
+        let input = Tensor::<B, 2>::from_data(
+            TensorData::new(
+                balanced_tokens(5, 0, args.tokens, m, experts, top_k),
+                [args.tokens, m],
+            ),
+            &device,
+        )
+        .require_grad();
         let layer_pass = || {
             let out = layer.forward(input.clone());
             let grads = out.output.sum().backward();
@@ -130,7 +145,7 @@ fn main() {
         let t_i = x_inner.select(
             0,
             Tensor::from_data(
-                burn::tensor::TensorData::new(
+                TensorData::new(
                     dispatch.row_token.iter().map(|&t| t as i64).collect::<Vec<_>>(),
                     [dispatch.row_token.len()],
                 ),
@@ -138,12 +153,12 @@ fn main() {
             ),
         );
         let experts_inner = layer.clone().valid().experts.tensors();
-        let run = ExchangeRun {
-            comm: Arc::new(SingleRank),
-            activation: layer.config().activation,
-            strategy: Strategy::None,
-            host: HostStore::default(),
-        };
+        let run = ExchangeRun::new(
+            Arc::new(SingleRank),
+            layer.config().activation,
+            Strategy::None,
+            HostStore::default(),
+        );
         let exchange_split = || -> (Duration, Duration) {
             let start = Instant::now();
             let (out, saved) = Inner::exchange_forward(

@@ -151,3 +151,77 @@ fn convert_check_and_inspect_on_the_hugging_face_checkpoints() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `plan --budget`: the worst rank of a skewed batch against a per-rank budget. A budget that
+/// fits gives the smallest n and a strategy whose modelled peak (with headroom) is under it,
+/// and every smaller n was over it; one below the floor is an answer too (exit 0).
+#[test]
+fn plan_with_a_budget_answers_fits_or_not() {
+    let base = [
+        "plan",
+        "--preset",
+        "gpt3-s",
+        "--tokens",
+        "4096",
+        "--gpus",
+        "8",
+        "--imbalance",
+        "3",
+        "--json",
+    ];
+    let run = |budget: &str| -> serde_json::Value {
+        let out = mpipemoe(&[&base[..], &["--budget", budget]].concat());
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()["budget"].clone()
+    };
+    let mib = 1024 * 1024;
+    let answer = run(&(300 * mib).to_string());
+    assert_eq!(answer["fits"], true, "{answer}");
+    let (n, peak) = (
+        answer["n"].as_u64().unwrap(),
+        answer["worst_rank_peak_bytes"].as_f64().unwrap(),
+    );
+    assert!(peak * answer["headroom"].as_f64().unwrap() <= (300 * mib) as f64);
+    for c in answer["candidates"].as_array().unwrap() {
+        if c["n_partitions"].as_u64().unwrap() < n {
+            assert_eq!(c["fits"], false, "a smaller n fits: {c}");
+        }
+    }
+    assert!(n > 1, "300 MiB should not fit at n = 1 with 3x skew: {answer}");
+    let none = run("1000");
+    assert_eq!(none["fits"], false);
+    assert!(none["n"].is_null() && none["strategy"].is_null() && none["worst_rank_peak_bytes"].is_null());
+    assert_eq!(none["bytes"], 1000);
+    assert_eq!(none["imbalance"], 3.0);
+}
+
+/// `--backend wgpu` runs the cases on burn's WGPU backend when the tool is built with the
+/// `wgpu` feature (CI: Mesa's software Vulkan driver), and is a clear usage error otherwise.
+#[test]
+fn check_on_the_wgpu_backend_or_a_clear_error_without_it() {
+    let cases = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/cases");
+    let case = cases.join("top2_swiglu_normalized.safetensors");
+    let case = case.to_str().unwrap();
+    let out = mpipemoe(&[
+        "check",
+        "--backend",
+        "wgpu",
+        "--ranks",
+        "2",
+        "--partitions",
+        "3",
+        "--strategy",
+        "s1",
+        case,
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if cfg!(feature = "wgpu") {
+        assert!(out.status.success(), "{stdout}{stderr}");
+        assert!(stdout.contains("top2_swiglu_normalized ok"), "{stdout}");
+    } else {
+        assert_eq!(out.status.code(), Some(2), "{stdout}{stderr}");
+        assert!(stderr.contains("--features wgpu"), "{stderr}");
+        assert!(stdout.is_empty(), "{stdout}");
+    }
+}

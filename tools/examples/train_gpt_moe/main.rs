@@ -4,7 +4,7 @@
 //! ```text
 //! cargo run --release --example train_gpt_moe -- [--data FILE] [--ranks 2] [--partitions N|auto]
 //!     [--strategy none|s1|s2|s3|s4|auto] [--router softmax|deepseek] [--bias-update G]
-//!     [--steps N] [--seed S] [--backend flex|ndarray] [--out DIR] [--json]
+//!     [--steps N] [--seed S] [--backend flex|ndarray|wgpu] [--out DIR] [--json]
 //! ```
 //!
 //! The progress bar shows the load imbalance of the MoE layers (the most loaded expert's
@@ -26,10 +26,11 @@ mod train;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use burn::backend::{Autodiff, Flex, NdArray};
+use burn::tensor::backend::AutodiffBackend;
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use mpipemoe::{LocalGroup, MemoryReuse, Partitions};
+use mpipemoe::{LocalGroup, MemoryReuse, MoeBackend, Partitions, RankContext};
+use mpipemoe_tools::backends::{run_on, BackendArg, BackendJob};
 use serde::Serialize;
 
 use data::Corpus;
@@ -44,10 +45,20 @@ enum RouterArg {
     Deepseek,
 }
 
-#[derive(ValueEnum, Clone, Copy, Debug)]
-enum BackendArg {
-    Flex,
-    Ndarray,
+/// One rank's training run, on the chosen backend.
+struct TrainJob<'a> {
+    ctx: &'a RankContext,
+    corpus: &'a Corpus,
+    options: &'a TrainOptions,
+    log: &'a (dyn Fn(&StepLog) + Sync),
+}
+
+impl BackendJob for TrainJob<'_> {
+    type Output = mpipemoe::Result<TrainReport>;
+
+    fn run<B: AutodiffBackend + MoeBackend>(self, device: &B::Device) -> Self::Output {
+        train_rank::<B>(self.ctx, self.corpus, self.options, device, self.log)
+    }
 }
 
 #[derive(Parser, Debug)]
@@ -92,7 +103,7 @@ struct Args {
     /// Validate every N steps.
     #[arg(long, default_value_t = 250)]
     eval_every: usize,
-    /// CPU backend.
+    /// Backend (`wgpu` needs `--features wgpu`).
     #[arg(long, value_enum, default_value_t = BackendArg::Flex)]
     backend: BackendArg,
     /// Print a JSON summary instead of the final line.
@@ -235,14 +246,13 @@ fn run(args: &Args) -> Result<(), String> {
     let reports: Vec<TrainReport> = LocalGroup::run(args.ranks, |ctx| {
         let quiet = |_: &StepLog| {};
         let log: &(dyn Fn(&StepLog) + Sync) = if ctx.rank == 0 { &on_step } else { &quiet };
-        match args.backend {
-            BackendArg::Flex => {
-                train_rank::<Autodiff<Flex>>(&ctx, &corpus, &options, &Default::default(), log)
-            }
-            BackendArg::Ndarray => {
-                train_rank::<Autodiff<NdArray>>(&ctx, &corpus, &options, &Default::default(), log)
-            }
-        }
+        let job = TrainJob {
+            ctx: &ctx,
+            corpus: &corpus,
+            options: &options,
+            log,
+        };
+        run_on(args.backend, job).map_err(mpipemoe::MoeError::Backend)?
     })
     .map_err(|e| e.to_string())?;
     bar.finish();

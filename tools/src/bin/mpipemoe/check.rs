@@ -3,10 +3,12 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use burn::backend::{Autodiff, Flex, NdArray};
+use burn::tensor::backend::AutodiffBackend;
 use clap::{Args, ValueEnum};
-use mpipemoe::harness::{check_case, Case, CheckOptions};
+use mpipemoe::harness::{check_case, Case, CheckOptions, CheckReport};
+use mpipemoe::MoeBackend;
 use mpipemoe::{ExchangePath, Partitions, Strategy};
+use mpipemoe_tools::backends::{run_on, BackendArg, BackendJob};
 
 /// Tolerance on the relative error of y, dx and every gradient.
 const TOLERANCE: f64 = 1e-4;
@@ -30,7 +32,7 @@ pub struct CheckArgs {
     /// Memory-reuse strategy.
     #[arg(long, value_enum, default_value_t = StrategyArg::None)]
     strategy: StrategyArg,
-    /// CPU backend.
+    /// Backend (`wgpu` needs the tool built with `--features wgpu`).
     #[arg(long, value_enum, default_value_t = BackendArg::Flex)]
     backend: BackendArg,
 }
@@ -50,10 +52,18 @@ enum StrategyArg {
     S4,
 }
 
-#[derive(ValueEnum, Clone, Copy, Debug)]
-enum BackendArg {
-    Flex,
-    Ndarray,
+/// One case through one configuration, on the chosen backend.
+struct CheckJob<'a> {
+    case: &'a Case,
+    options: &'a CheckOptions,
+}
+
+impl BackendJob for CheckJob<'_> {
+    type Output = mpipemoe::Result<CheckReport>;
+
+    fn run<B: AutodiffBackend + MoeBackend>(self, device: &B::Device) -> Self::Output {
+        check_case::<B>(self.case, self.options, device)
+    }
 }
 
 pub fn run(args: CheckArgs) -> ExitCode {
@@ -79,13 +89,26 @@ pub fn run(args: CheckArgs) -> ExitCode {
             .file_stem()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_default();
-        let result = Case::load_or_oracle(file, 64, 0).and_then(|case| {
-            match args.backend {
-                BackendArg::Flex => check_case::<Autodiff<Flex>>(&case, &options, &Default::default()),
-                BackendArg::Ndarray => check_case::<Autodiff<NdArray>>(&case, &options, &Default::default()),
+        let case = match Case::load_or_oracle(file, 64, 0) {
+            Ok(case) => case,
+            Err(err) => {
+                failed = true;
+                println!("{name} FAIL error: {err}");
+                continue;
             }
-            .map(|report| (report, case.expected_by_oracle))
-        });
+        };
+        let job = CheckJob {
+            case: &case,
+            options: &options,
+        };
+        let result = match run_on(args.backend, job) {
+            Ok(result) => result.map(|report| (report, case.expected_by_oracle)),
+            // A backend this build lacks is a usage error for every file alike: say it once.
+            Err(message) => {
+                eprintln!("error: {message}");
+                return ExitCode::from(2);
+            }
+        };
         match result {
             Ok((report, oracle)) if report.passed(TOLERANCE) => {
                 let source = if oracle {

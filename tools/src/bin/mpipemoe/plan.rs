@@ -1,26 +1,127 @@
-//! `mpipemoe plan`: the paper's memory equations and this implementation's model for a shape.
+//! `mpipemoe plan`: the paper's memory equations and this implementation's model for a shape,
+//! and, with `--budget`, the partitions and strategy a per-rank memory budget allows under
+//! routing skew.
 
 use std::process::ExitCode;
 
 use clap::Args;
-use mpipemoe::memory::MemoryPlan;
+use mpipemoe::memory::{
+    fit_budget, rank_peak_bytes, BudgetCandidate, LayerShape, MemoryPlan, RankRows, MODEL_HEADROOM,
+};
+use mpipemoe::tuning::CostModel;
+use mpipemoe::Strategy;
+use serde::Serialize;
 
 use crate::shape::ShapeArgs;
+use crate::simulate::load_profile;
+
+/// Partition counts the budget may choose from when `--partitions` is not given.
+const CANDIDATES: [usize; 5] = [1, 2, 4, 8, 16];
 
 #[derive(Args, Debug)]
 pub struct PlanArgs {
     #[command(flatten)]
     shape: ShapeArgs,
-    /// Partitions n.
-    #[arg(long, default_value_t = 4)]
-    partitions: usize,
-    /// Print JSON (`paper` and `implementation` objects, elements).
+    /// Partitions n (default 4; with --budget, the budget chooses among 1, 2, 4, 8, 16).
+    #[arg(long)]
+    partitions: Option<usize>,
+    /// A per-rank memory budget in bytes: report the cheapest (n, strategy) whose modelled
+    /// peak on the worst rank fits it.
+    #[arg(long)]
+    budget: Option<usize>,
+    /// Routing skew for --budget: the worst rank receives this many times the mean rows.
+    #[arg(long, default_value_t = 1.0)]
+    imbalance: f64,
+    /// The profile that ranks strategies by cost for --budget (a preset or a JSON file).
+    #[arg(long, default_value = "a100-cluster")]
+    profile: String,
+    /// Print JSON (`paper` and `implementation` objects, elements; `budget` with --budget).
     #[arg(long)]
     json: bool,
 }
 
+/// The budget's answer, as `--json` prints it.
+#[derive(Serialize)]
+struct BudgetAnswer {
+    bytes: usize,
+    imbalance: f64,
+    fits: bool,
+    n: Option<usize>,
+    strategy: Option<Strategy>,
+    worst_rank_peak_bytes: Option<f64>,
+    headroom: f64,
+    candidates: Vec<BudgetCandidate>,
+}
+
+#[derive(Serialize)]
+struct Report {
+    #[serde(flatten)]
+    plan: MemoryPlan,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    budget: Option<BudgetAnswer>,
+}
+
+fn budget_answer(
+    args: &PlanArgs,
+    shape: &LayerShape,
+    bytes: usize,
+    budget: usize,
+) -> Result<BudgetAnswer, String> {
+    if !(args.imbalance.is_finite() && args.imbalance >= 0.0) {
+        return Err(format!(
+            "--imbalance {} must be a finite number >= 0",
+            args.imbalance
+        ));
+    }
+    let profile = load_profile(&args.profile, shape.n_ranks)?;
+    let cost = CostModel::new(profile);
+    let partitions: Vec<usize> = args.partitions.map_or(CANDIDATES.to_vec(), |n| vec![n]);
+    let at = |n: usize| LayerShape {
+        n_partitions: n,
+        ..*shape
+    };
+    let mut by_cost = |n: usize| {
+        let mut costs: Vec<(f64, Strategy)> = Strategy::ALL
+            .into_iter()
+            .map(|s| (cost.cost(s, &at(n), bytes).cost, s))
+            .collect();
+        costs.sort_by(|a, b| a.0.total_cmp(&b.0));
+        costs.into_iter().map(|c| c.1).collect()
+    };
+    let mut peak = |n: usize, strategy: Strategy| {
+        let shape = at(n);
+        rank_peak_bytes(&shape, &RankRows::skewed(&shape, args.imbalance), strategy, bytes)
+    };
+    // Every (n, strategy), for the table; the rule's choice is the first that fits.
+    let (choice, _) = fit_budget(budget, &partitions, &mut by_cost, &mut peak);
+    let candidates: Vec<BudgetCandidate> = partitions
+        .iter()
+        .flat_map(|&n| Strategy::ALL.into_iter().map(move |s| (n, s)))
+        .map(|(n, strategy)| {
+            let peak_bytes = peak(n, strategy);
+            BudgetCandidate {
+                n_partitions: n,
+                strategy,
+                peak_bytes,
+                fits: peak_bytes * MODEL_HEADROOM <= budget as f64,
+            }
+        })
+        .collect();
+    Ok(BudgetAnswer {
+        bytes: budget,
+        imbalance: args.imbalance,
+        fits: choice.is_some(),
+        n: choice.map(|c| c.n_partitions),
+        strategy: choice.map(|c| c.strategy),
+        worst_rank_peak_bytes: choice.map(|c| c.peak_bytes),
+        headroom: MODEL_HEADROOM,
+        candidates,
+    })
+}
+
 pub fn run(args: PlanArgs) -> ExitCode {
-    let shape = match args.shape.shape(args.partitions) {
+    let n = args.partitions.unwrap_or(4);
+    let shape = match args.shape.shape(n) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("error: {e}");
@@ -28,15 +129,44 @@ pub fn run(args: PlanArgs) -> ExitCode {
         }
     };
     let bytes = args.shape.dtype.bytes();
+    let budget = match args
+        .budget
+        .map(|b| budget_answer(&args, &shape, bytes, b))
+        .transpose()
+    {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    // The memory plan at the budget's choice, where it made one.
+    let shape = LayerShape {
+        n_partitions: budget.as_ref().and_then(|b| b.n).unwrap_or(n),
+        ..shape
+    };
     let plan = MemoryPlan::new(&shape, bytes, false);
     if args.json {
+        let report = Report { plan, budget };
         println!(
             "{}",
-            serde_json::to_string_pretty(&plan).expect("plans serialize")
+            serde_json::to_string_pretty(&report).expect("plans serialize")
         );
         return ExitCode::SUCCESS;
     }
-    let mib = |elements: f64| elements * bytes as f64 / (1024.0 * 1024.0);
+    print_plan(&plan, &shape, bytes);
+    if let Some(b) = &budget {
+        print_budget(b);
+    }
+    ExitCode::SUCCESS
+}
+
+fn mib(bytes: f64) -> f64 {
+    bytes / (1024.0 * 1024.0)
+}
+
+fn print_plan(plan: &MemoryPlan, shape: &LayerShape, bytes: usize) {
+    let mib_el = |elements: f64| mib(elements * bytes as f64);
     println!(
         "B={} tokens/GPU, top_k={}, M={}, H={}, E={} ({} per GPU), N={}, n={}, {} bytes/element",
         shape.tokens,
@@ -65,22 +195,48 @@ pub fn run(args: PlanArgs) -> ExitCode {
     for (name, paper, implementation) in rows {
         println!(
             "{name:<13} {paper:>16.0} {:>12.1}   {implementation:>16.0} {:>12.1}",
-            mib(paper),
-            mib(implementation)
+            mib_el(paper),
+            mib_el(implementation)
         );
     }
     println!("{:<13} {:>16.4} {:>12}   {:>16.4}", "phi", p.phi, "", i.phi);
     println!(
-        "\nthis implementation's peak per strategy at n={} (device MiB / host MiB):",
+        "\nthis implementation's peak per strategy at n={} (device MiB / host MiB, balanced routing):",
         shape.n_partitions
     );
     for (strategy, model) in &plan.strategies {
         println!(
-            "  {:<5} {:>10.1} {:>10.1}",
+            "  {:<5} {:>10.1} {:>10.1}   at {}",
             strategy.name(),
-            mib(model.peak_device()),
-            mib(model.host()).abs()
+            mib_el(model.peak_device()),
+            mib_el(model.host()).abs(),
+            model.peak().step
         );
     }
-    ExitCode::SUCCESS
+}
+
+fn print_budget(b: &BudgetAnswer) {
+    println!(
+        "\nworst rank receiving {:.2}x the mean rows, budget {:.1} MiB (the model's peak x {:.2} must fit):",
+        b.imbalance,
+        mib(b.bytes as f64),
+        b.headroom
+    );
+    println!("  {:>3} {:<5} {:>12}  fits", "n", "strat", "peak MiB");
+    for c in &b.candidates {
+        println!(
+            "  {:>3} {:<5} {:>12.1}  {}",
+            c.n_partitions,
+            c.strategy.name(),
+            mib(c.peak_bytes),
+            if c.fits { "yes" } else { "no" }
+        );
+    }
+    match (b.n, b.strategy, b.worst_rank_peak_bytes) {
+        (Some(n), Some(s), Some(p)) => println!(
+            "chosen: n={n} {s} (smallest n that fits, then the cheapest strategy by the cost model): {:.1} MiB on the worst rank",
+            mib(p)
+        ),
+        _ => println!("nothing fits: split the batch or raise the budget"),
+    }
 }

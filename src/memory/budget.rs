@@ -1,0 +1,84 @@
+//! The memory budget's rule, shared by the layer (on a batch's real rows) and the planner
+//! (on a modelled imbalance): the smallest partition count at which some allowed strategy's
+//! modelled peak, with headroom, fits the budget on every rank, and the cheapest such
+//! strategy.
+
+use serde::Serialize;
+
+use super::{ImplementationModel, LayerShape, RankRows, Strategy};
+use crate::dispatch::chunk_len;
+
+/// The memory model's estimate is inflated by this factor before it is compared with the
+/// budget. The model follows the code's allocations and tracked a counting allocator within
+/// ±6% over the benchmark rows (BENCHMARKS.md §1); the headroom covers that error, the
+/// scheduling of the stream workers, and allocator rounding.
+pub const MODEL_HEADROOM: f64 = 1.10;
+
+/// One `(n, strategy)` the rule considered.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct BudgetCandidate {
+    /// Partitions.
+    pub n_partitions: usize,
+    /// Strategy.
+    pub strategy: Strategy,
+    /// The largest modelled rank peak, bytes (without the headroom).
+    pub peak_bytes: f64,
+    /// Whether it fits: `peak_bytes · MODEL_HEADROOM <= budget`.
+    pub fits: bool,
+}
+
+/// The rule: for each `n` in order, the strategies in order (cheapest first), the first whose
+/// peak (over the ranks, by `peak(n, strategy)`) fits `budget` with headroom. Returns the
+/// choice, if any, and every candidate evaluated.
+pub fn fit_budget(
+    budget: usize,
+    partitions: &[usize],
+    strategies: &mut dyn FnMut(usize) -> Vec<Strategy>,
+    peak: &mut dyn FnMut(usize, Strategy) -> f64,
+) -> (Option<BudgetCandidate>, Vec<BudgetCandidate>) {
+    let mut seen = Vec::new();
+    for &n in partitions {
+        for strategy in strategies(n) {
+            let peak_bytes = peak(n, strategy);
+            let candidate = BudgetCandidate {
+                n_partitions: n,
+                strategy,
+                peak_bytes,
+                fits: peak_bytes * MODEL_HEADROOM <= budget as f64,
+            };
+            seen.push(candidate);
+            if candidate.fits {
+                return (Some(candidate), seen);
+            }
+        }
+    }
+    (None, seen)
+}
+
+impl RankRows {
+    /// The rank that receives `imbalance` × the mean rows (`tokens · top_k`), spread evenly
+    /// over its local experts, while sending its own `tokens · top_k`: the worst rank of a
+    /// skewed batch, for planning.
+    pub fn skewed(shape: &LayerShape, imbalance: f64) -> Self {
+        let n = shape.n_partitions.max(1);
+        let rows = shape.tokens * shape.top_k;
+        let received = (rows as f64 * imbalance).round() as usize;
+        let local = shape.local_experts().max(1);
+        Self {
+            tokens: shape.tokens,
+            send: (0..n).map(|i| chunk_len(rows, n, i)).collect(),
+            recv: (0..n)
+                .map(|i| {
+                    (0..local)
+                        .map(|e| chunk_len(chunk_len(received, local, e), n, i))
+                        .collect()
+                })
+                .collect(),
+        }
+    }
+}
+
+/// The modelled peak (bytes) of the rank described by `rows` under `strategy`.
+pub fn rank_peak_bytes(shape: &LayerShape, rows: &RankRows, strategy: Strategy, elem_bytes: usize) -> f64 {
+    ImplementationModel::for_rows(shape, rows, strategy).peak_device() * elem_bytes as f64
+}
