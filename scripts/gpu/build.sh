@@ -14,6 +14,8 @@ for name in gpu_check gpu_bench; do
 done
 cp scripts/gpu/run.sh .gpu/run.sh
 cp tests/data/cases/*.safetensors .gpu/cases/
+# The Hugging Face expected cases (DeepSeek-V3 routing, Mixtral, Qwen2-MoE) run the same way.
+cp tests/data/hf/*.safetensors .gpu/cases/
 if [ -f ../shared/gpu/device-env.sh ]; then
   cp ../shared/gpu/device-env.sh .gpu/
 else
