@@ -96,7 +96,7 @@ impl MoeError {
     /// Raises this error as a panic whose payload is the error itself.
     ///
     /// Burn's backward pass has no error channel, so a collective that fails inside a custom
-    /// op's backward panics with the [`MoeError`] as payload; [`LocalGroup::run`]
+    /// op's backward panics with the [`MoeError`] as payload; [`LocalGroup::run`](crate::LocalGroup::run)
     /// (crate::LocalGroup::run) recovers it with [`MoeError::from_panic`].
     pub fn raise(self) -> ! {
         std::panic::panic_any(self)

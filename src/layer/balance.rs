@@ -12,7 +12,7 @@ impl<B: Backend> MoeLayer<B> {
     /// DeepSeek-V3's auxiliary-loss-free balancing: after a training step, moves each expert's
     /// score bias by `gamma · sign(mean_load − load[e])`, so that overloaded experts are chosen
     /// less often and underloaded ones more. `load` is the step's global per-expert load, as
-    /// every rank has it: `stats.routing.routed_per_expert` of the step's [`MoeStats`]
+    /// every rank has it: `stats.routing.routed_per_expert` of the step's [`MoeStats`](crate::MoeStats)
     /// (crate::MoeStats). Every rank makes the same update, so the replicated routers stay
     /// identical. DeepSeek-V3 uses `gamma = 0.001`.
     ///
