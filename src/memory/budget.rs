@@ -6,7 +6,6 @@
 use serde::Serialize;
 
 use super::{ImplementationModel, LayerShape, RankRows, Strategy};
-use crate::dispatch::chunk_len;
 
 /// The memory model's estimate is inflated by this factor before it is compared with the
 /// budget. The model follows the code's allocations and tracked a counting allocator within
@@ -53,29 +52,6 @@ pub fn fit_budget(
         }
     }
     (None, seen)
-}
-
-impl RankRows {
-    /// The rank that receives `imbalance` × the mean rows (`tokens · top_k`), spread evenly
-    /// over its local experts, while sending its own `tokens · top_k`: the worst rank of a
-    /// skewed batch, for planning.
-    pub fn skewed(shape: &LayerShape, imbalance: f64) -> Self {
-        let n = shape.n_partitions.max(1);
-        let rows = shape.tokens * shape.top_k;
-        let received = (rows as f64 * imbalance).round() as usize;
-        let local = shape.local_experts().max(1);
-        Self {
-            tokens: shape.tokens,
-            send: (0..n).map(|i| chunk_len(rows, n, i)).collect(),
-            recv: (0..n)
-                .map(|i| {
-                    (0..local)
-                        .map(|e| chunk_len(chunk_len(received, local, e), n, i))
-                        .collect()
-                })
-                .collect(),
-        }
-    }
 }
 
 /// The modelled peak (bytes) of the rank described by `rows` under `strategy`.

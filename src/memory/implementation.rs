@@ -345,7 +345,7 @@ impl<'a> Replay<'a> {
     }
 
     fn exchange_forward(&mut self, n: usize) {
-        let (m, f) = (self.m, self.f);
+        let m = self.m;
         let s_rows = self.rows.send_rows() as f64;
         if n > 1 {
             self.ledger.alloc("exchange", "T_O", s_rows * m);
@@ -355,44 +355,16 @@ impl<'a> Replay<'a> {
         for step in &schedule.steps {
             let before = self.ledger.begin_step();
             match step.op {
-                Op::Dispatch(i) => {
-                    let name = format!("S_{i}");
-                    let (q, p) = (self.send(i), self.recv(i));
-                    self.all_to_all(&name, q, p, true);
-                    let size = if self.identity { 0.0 } else { p * m };
-                    if self.permuted {
-                        self.ledger
-                            .at(&name, &[("received", p * m), ("expert-major copy", p * m)]);
-                    }
-                    self.ledger.alloc(&name, format!("T_DI[{i}]"), size);
-                }
+                Op::Dispatch(i) => self.dispatch_step(&format!("S_{i}"), i, "T_DI"),
                 Op::Offload(role, i) => {
-                    let width = if role == Role::Dispatched { m } else { f };
-                    let rows = match role {
-                        Role::Dispatched => self.recv(i),
-                        _ => self.rows.recv[i].iter().copied().max().unwrap_or(0) as f64,
-                    };
-                    self.ledger
-                        .at(&format!("offload {i}"), &[("host copy", rows * width)]);
-                    let what = if role == Role::Dispatched { "T_DI" } else { "T_M" };
+                    let (width, what) = self.host_copy(&format!("offload {i}"), role, i);
                     self.host.push(term(format!("{what}[{i}]"), self.recv(i) * width));
                     if role == Role::Hidden {
                         self.ledger.free("T_M buffer");
                     }
                 }
                 Op::Compute(i) => self.compute(i),
-                Op::Combine(i) => {
-                    let (q, p) = (self.send(i), self.recv(i));
-                    let name = format!("R_{i}");
-                    if self.permuted {
-                        self.ledger.at(&name, &[("source-major copy", p * m)]);
-                    }
-                    self.all_to_all(&name, p, q, false);
-                    self.ledger.free(&format!("T_DO[{i}]"));
-                    if n == 1 {
-                        self.ledger.alloc(&name, "T_O", q * m);
-                    }
-                }
+                Op::Combine(i) => self.combine_step(&format!("R_{i}"), i, n, "T_DO", "T_O"),
                 _ => unreachable!("forward steps only"),
             }
             memory.push(self.step_memory(step, before));
@@ -520,7 +492,7 @@ impl<'a> Replay<'a> {
     }
 
     fn exchange_backward(&mut self, n: usize) {
-        let (m, f) = (self.m, self.f);
+        let m = self.m;
         let s_rows = self.rows.send_rows() as f64;
         if n > 1 {
             self.ledger.alloc("exchange backward", "dT_I", s_rows * m);
@@ -530,57 +502,65 @@ impl<'a> Replay<'a> {
         for step in &schedule.steps {
             let before = self.ledger.begin_step();
             match step.op {
-                Op::DispatchGrad(i) | Op::Redispatch(i) => {
-                    let grad = matches!(step.op, Op::DispatchGrad(_));
-                    let name = if grad {
-                        format!("S'_{i}")
-                    } else {
-                        format!("re-dispatch {i}")
-                    };
-                    let (q, p) = (self.send(i), self.recv(i));
-                    self.all_to_all(&name, q, p, true);
-                    if self.permuted {
-                        self.ledger
-                            .at(&name, &[("received", p * m), ("expert-major copy", p * m)]);
-                    }
-                    let size = if self.identity { 0.0 } else { p * m };
-                    let what = if grad { "dT_DO" } else { "T_DI" };
-                    self.ledger.alloc(&name, format!("{what}[{i}]"), size);
-                }
+                Op::DispatchGrad(i) => self.dispatch_step(&format!("S'_{i}"), i, "dT_DO"),
+                Op::Redispatch(i) => self.dispatch_step(&format!("re-dispatch {i}"), i, "T_DI"),
                 Op::Prefetch(role, i) => {
-                    let (width, what) = if role == Role::Dispatched {
-                        (m, "T_DI")
-                    } else {
-                        (f, "T_M")
-                    };
-                    let rows = self.recv(i);
                     let name = format!("prefetch {i}");
-                    let largest = match role {
-                        Role::Dispatched => rows,
-                        _ => self.rows.recv[i].iter().copied().max().unwrap_or(0) as f64,
-                    };
-                    self.ledger.at(&name, &[("host copy", largest * width)]);
+                    let (width, what) = self.host_copy(&name, role, i);
+                    let rows = self.recv(i);
                     self.ledger.alloc(&name, format!("{what}[{i}]"), rows * width);
                 }
                 Op::ComputeGrad(i) => self.compute_backward(i),
-                Op::CombineGrad(i) => {
-                    let (q, p) = (self.send(i), self.recv(i));
-                    let name = format!("R'_{i}");
-                    if self.permuted {
-                        self.ledger.at(&name, &[("source-major copy", p * m)]);
-                    }
-                    self.all_to_all(&name, p, q, false);
-                    self.ledger.free(&format!("dT_DI[{i}]"));
-                    if n == 1 {
-                        self.ledger.alloc(&name, "dT_I", q * m);
-                    }
-                }
+                Op::CombineGrad(i) => self.combine_step(&format!("R'_{i}"), i, n, "dT_DI", "dT_I"),
                 _ => unreachable!("backward steps only"),
             }
             memory.push(self.step_memory(step, before));
         }
         self.allow_concurrency(&schedule, &memory);
         self.stack_weight_gradients();
+    }
+
+    /// A dispatch all-to-all of partition `i` (S, S' or a re-dispatch): this rank's rows out,
+    /// the received rows in as `what[i]`, reordered expert-major where routing permutes them.
+    fn dispatch_step(&mut self, name: &str, i: usize, what: &str) {
+        let m = self.m;
+        let (q, p) = (self.send(i), self.recv(i));
+        self.all_to_all(name, q, p, true);
+        if self.permuted {
+            self.ledger
+                .at(name, &[("received", p * m), ("expert-major copy", p * m)]);
+        }
+        let size = if self.identity { 0.0 } else { p * m };
+        self.ledger.alloc(name, format!("{what}[{i}]"), size);
+    }
+
+    /// A combine all-to-all of partition `i` (R or R'): the expert outputs `freed[i]` go back,
+    /// and with one partition the returned rows are the assembled result `assembled` itself.
+    fn combine_step(&mut self, name: &str, i: usize, n: usize, freed: &str, assembled: &str) {
+        let m = self.m;
+        let (q, p) = (self.send(i), self.recv(i));
+        if self.permuted {
+            self.ledger.at(name, &[("source-major copy", p * m)]);
+        }
+        self.all_to_all(name, p, q, false);
+        self.ledger.free(&format!("{freed}[{i}]"));
+        if n == 1 {
+            self.ledger.alloc(name, assembled, q * m);
+        }
+    }
+
+    /// The transient of a device ↔ host copy of partition `i`'s `role` (all its rows for
+    /// `T_DI`, the largest expert's rows for `T_M`, which is copied expert by expert); returns
+    /// the role's width and name.
+    fn host_copy(&mut self, name: &str, role: Role, i: usize) -> (f64, &'static str) {
+        let (width, what, rows) = if role == Role::Dispatched {
+            (self.m, "T_DI", self.recv(i))
+        } else {
+            let largest = self.rows.recv[i].iter().copied().max().unwrap_or(0) as f64;
+            (self.f, "T_M", largest)
+        };
+        self.ledger.at(name, &[("host copy", rows * width)]);
+        (width, what)
     }
 
     /// The end of the backward: the weight gradients are stacked role by role

@@ -26,6 +26,20 @@ impl RankRows {
     /// Balanced routing: every rank sends and receives `tokens · top_k` rows, spread evenly
     /// over its local experts and cut into `n_partitions` near-equal partitions.
     pub fn balanced(shape: &LayerShape) -> Self {
+        Self::receiving(shape, shape.tokens * shape.top_k)
+    }
+
+    /// The rank that receives `imbalance` × the mean rows (`tokens · top_k`), spread evenly
+    /// over its local experts, while sending its own `tokens · top_k`: the worst rank of a
+    /// skewed batch, for planning.
+    pub fn skewed(shape: &LayerShape, imbalance: f64) -> Self {
+        let rows = shape.tokens * shape.top_k;
+        Self::receiving(shape, (rows as f64 * imbalance).round() as usize)
+    }
+
+    /// A rank that sends its own `tokens · top_k` rows and receives `received` rows, spread
+    /// evenly over its local experts; every list cut into `n_partitions` near-equal partitions.
+    pub(crate) fn receiving(shape: &LayerShape, received: usize) -> Self {
         let n = shape.n_partitions.max(1);
         let rows = shape.tokens * shape.top_k;
         let local = shape.local_experts().max(1);
@@ -35,7 +49,7 @@ impl RankRows {
             recv: (0..n)
                 .map(|i| {
                     (0..local)
-                        .map(|e| chunk_len(chunk_len(rows, local, e), n, i))
+                        .map(|e| chunk_len(chunk_len(received, local, e), n, i))
                         .collect()
                 })
                 .collect(),
