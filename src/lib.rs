@@ -73,6 +73,7 @@ mod dispatch;
 mod error;
 mod exchange;
 mod experts;
+pub mod files;
 pub mod format;
 #[doc(hidden)]
 pub mod harness;
@@ -90,6 +91,7 @@ pub use exchange::MoeBackend;
 pub use experts::{seeded_uniform, Activation, Experts, SharedExpert};
 pub use layer::{
     ExchangePath, MoeContext, MoeLayer, MoeLayerConfig, MoeOutput, MoeStats, ParamKind, Partitions,
+    MAX_PARTITIONS,
 };
 pub use memory::{MemoryReuse, Strategy};
 pub use router::{Router, Routing, RoutingRule, Scoring};

@@ -45,6 +45,12 @@ impl Case {
             ));
         }
         let n_tokens = x.shape[0];
+        if n_tokens == 0 {
+            return Err(MoeError::file(
+                path,
+                "tensor `x` has no tokens ([0, M]): nothing to check",
+            ));
+        }
         let config = meta
             .to_config(Some(n_tokens))
             .map_err(|e| MoeError::file(path, e.to_string()))?;
@@ -60,7 +66,8 @@ impl Case {
             expected_by_oracle: false,
         };
         for (name, shape) in case.expected_shapes() {
-            crate::layer::expect_tensor(&case.tensors, &name, &shape, path)?;
+            let data = crate::layer::expect_tensor(&case.tensors, &name, &shape, path)?;
+            all_finite(data, &name, path)?;
         }
         Ok(case)
     }
@@ -82,6 +89,7 @@ impl Case {
         let mut inputs = TensorMap::new();
         for (name, shape) in crate::layer::parameter_shapes(&config) {
             let data = crate::layer::expect_tensor(&tensors, name, &shape, path)?;
+            all_finite(data, name, path)?;
             inputs.insert(name.to_string(), data.clone().convert::<f32>());
         }
         for name in ["x", "probe"] {
@@ -100,6 +108,9 @@ impl Case {
     }
 
     /// Tokens in the case's batch.
+    ///
+    /// # Panics
+    /// Never for a case from [`Case::load`] or [`Case::load_or_oracle`], which check `x`.
     pub fn n_tokens(&self) -> usize {
         self.tensors["x"].shape[0]
     }
@@ -121,5 +132,27 @@ impl Case {
     /// A tensor of the case (present after [`Case::load`] succeeded for expected names).
     pub fn tensor(&self, name: &str) -> &TensorData {
         &self.tensors[name]
+    }
+}
+
+/// Checks that a tensor of a case file holds no NaN or infinite value.
+///
+/// # Errors
+/// [`MoeError::File`] naming the file, the tensor and the first bad value's index.
+fn all_finite(data: &TensorData, name: &str, path: &Path) -> Result<()> {
+    let values = data
+        .clone()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .map_err(|e| MoeError::file(path, format!("tensor `{name}`: {e:?}")))?;
+    match values.iter().position(|v| !v.is_finite()) {
+        Some(at) => Err(MoeError::file(
+            path,
+            format!(
+                "tensor `{name}` holds a non-finite value ({} at flat index {at})",
+                values[at]
+            ),
+        )),
+        None => Ok(()),
     }
 }

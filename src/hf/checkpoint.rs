@@ -2,7 +2,6 @@
 //! `model.safetensors.index.json`, read through memory maps.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use burn::tensor::{bf16, f16, DType, TensorData};
@@ -11,6 +10,7 @@ use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
 use crate::error::{MoeError, Result};
+use crate::files::{file_in, map_regular, read_text};
 
 /// One tensor as stored: its dtype, and its values widened to f32 (exact for bf16, f16 and
 /// f32).
@@ -31,21 +31,30 @@ pub(crate) fn dtype_name(dtype: Dtype) -> String {
     }
 }
 
+/// Options of an import.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ImportOptions {
+    /// Accept NaN or infinite weights. Off by default: a checkpoint with them is almost always
+    /// broken (a diverged run, a bad conversion), and they would poison every output.
+    pub allow_nonfinite: bool,
+}
+
 /// The folder and where each tensor lives.
 #[derive(Debug, Clone)]
 pub(crate) struct Checkpoint {
     pub dir: PathBuf,
-    /// Tensor name → shard file name (relative to `dir`).
+    /// Tensor name → shard file name (relative to `dir`; a plain file name inside it).
     pub weight_map: BTreeMap<String, String>,
 }
 
 impl Checkpoint {
-    /// Opens `dir`: the index if there is one, else the single `model.safetensors`.
+    /// Opens `dir`: the index if there is one, else the single `model.safetensors`. Every
+    /// shard name in the index must be a plain file name inside `dir` (no `..`, no absolute
+    /// path, no symbolic link out of it).
     pub(crate) fn open(dir: &Path) -> Result<Self> {
         let index = dir.join("model.safetensors.index.json");
-        let weight_map = if index.is_file() {
-            let text = std::fs::read_to_string(&index)
-                .map_err(|e| MoeError::file(&index, format!("cannot read: {e}")))?;
+        let weight_map = if index.exists() {
+            let text = read_text(&index)?;
             let json: Value =
                 serde_json::from_str(&text).map_err(|e| MoeError::file(&index, format!("not JSON: {e}")))?;
             let map = json
@@ -60,22 +69,24 @@ impl Checkpoint {
                             format!("`weight_map` entry of `{name}` is not a file name"),
                         )
                     })?;
+                    file_in(dir, file, &index)?;
                     Ok((name.clone(), file.to_string()))
                 })
                 .collect::<Result<_>>()?
         } else {
             let single = dir.join("model.safetensors");
-            if !single.is_file() {
+            if !single.exists() {
                 return Err(MoeError::file(
                     dir,
                     "no model.safetensors.index.json and no model.safetensors: not a Hugging Face checkpoint folder",
                 ));
             }
             let map = map_file(&single)?;
-            let st = parse(&map, &single)?;
-            st.names()
-                .into_iter()
-                .map(|n| (n.to_string(), "model.safetensors".to_string()))
+            let (_, header) = header(&map, &single)?;
+            header
+                .tensors()
+                .into_keys()
+                .map(|n| (n, "model.safetensors".to_string()))
                 .collect()
         };
         Ok(Self {
@@ -84,19 +95,55 @@ impl Checkpoint {
         })
     }
 
+    /// The index file if there is one, else the single file: what an error about a missing
+    /// tensor names.
+    fn listing(&self) -> PathBuf {
+        let index = self.dir.join("model.safetensors.index.json");
+        if index.exists() {
+            index
+        } else {
+            self.dir.join("model.safetensors")
+        }
+    }
+
     /// The shard holding `name`.
     ///
     /// # Errors
     /// [`MoeError::File`] naming the index (or the single file) if no shard holds it.
     pub(crate) fn shard_of(&self, name: &str) -> Result<&str> {
-        self.weight_map.get(name).map(String::as_str).ok_or_else(|| {
-            let index = if self.dir.join("model.safetensors.index.json").is_file() {
-                "model.safetensors.index.json"
-            } else {
-                "model.safetensors"
-            };
-            MoeError::file(self.dir.join(index), format!("missing tensor `{name}`"))
-        })
+        self.weight_map
+            .get(name)
+            .map(String::as_str)
+            .ok_or_else(|| MoeError::file(self.listing(), format!("missing tensor `{name}`")))
+    }
+
+    /// The stored dtype and shape of each tensor in `names`, from the shards' headers only
+    /// (no tensor data is read).
+    ///
+    /// # Errors
+    /// [`MoeError::File`] naming the index or shard if a tensor is missing or a header is bad.
+    pub(crate) fn header_shapes(&self, names: &[String]) -> Result<HashMap<String, (Dtype, Vec<usize>)>> {
+        let mut by_shard: BTreeMap<&str, Vec<&String>> = BTreeMap::new();
+        for name in names {
+            by_shard.entry(self.shard_of(name)?).or_default().push(name);
+        }
+        let mut out = HashMap::with_capacity(names.len());
+        for (shard, names) in by_shard {
+            let path = file_in(&self.dir, shard, &self.listing())?;
+            let map = map_file(&path)?;
+            let (_, header) = header(&map, &path)?;
+            let infos = header.tensors();
+            for name in names {
+                let info = infos.get(name.as_str()).ok_or_else(|| {
+                    MoeError::file(
+                        &path,
+                        format!("missing tensor `{name}` (the index puts it in this shard)"),
+                    )
+                })?;
+                out.insert(name.clone(), (info.dtype, info.shape.clone()));
+            }
+        }
+        Ok(out)
     }
 
     /// Reads the tensors `wanted` (name → expected shape), mapping each shard once and
@@ -104,15 +151,20 @@ impl Checkpoint {
     ///
     /// # Errors
     /// [`MoeError::File`] naming the shard and the tensor if a tensor is missing, has another
-    /// shape than expected, or a dtype other than f32, bf16, f16 or f64.
-    pub(crate) fn read(&self, wanted: &[(String, Vec<usize>)]) -> Result<HashMap<String, StoredTensor>> {
+    /// shape than expected, a dtype other than f32, bf16, f16 or f64, or (unless
+    /// `options.allow_nonfinite`) a NaN or infinite value.
+    pub(crate) fn read(
+        &self,
+        wanted: &[(String, Vec<usize>)],
+        options: &ImportOptions,
+    ) -> Result<HashMap<String, StoredTensor>> {
         let mut by_shard: BTreeMap<&str, Vec<&(String, Vec<usize>)>> = BTreeMap::new();
         for entry in wanted {
             by_shard.entry(self.shard_of(&entry.0)?).or_default().push(entry);
         }
         let mut out = HashMap::with_capacity(wanted.len());
         for (shard, entries) in by_shard {
-            let path = self.dir.join(shard);
+            let path = file_in(&self.dir, shard, &self.listing())?;
             let map = map_file(&path)?;
             let st = parse(&map, &path)?;
             for (name, shape) in entries {
@@ -133,6 +185,17 @@ impl Checkpoint {
                 }
                 let values = widen(view.dtype(), view.data(), shape)
                     .map_err(|reason| MoeError::file(&path, format!("tensor `{name}`: {reason}")))?;
+                if !options.allow_nonfinite {
+                    if let Some(at) = values.iter().position(|v| !v.is_finite()) {
+                        return Err(MoeError::file(
+                            &path,
+                            format!(
+                                "tensor `{name}` holds a non-finite value ({} at flat index {at}); pass --allow-nonfinite (ImportOptions::allow_nonfinite) to accept it",
+                                values[at]
+                            ),
+                        ));
+                    }
+                }
                 out.insert(
                     name.clone(),
                     StoredTensor {
@@ -146,18 +209,21 @@ impl Checkpoint {
     }
 }
 
-/// Maps a file read-only.
+/// Maps a regular file read-only (FIFOs and devices are refused).
 pub(crate) fn map_file(path: &Path) -> Result<Mmap> {
-    let file = File::open(path).map_err(|e| MoeError::file(path, format!("cannot open: {e}")))?;
-    // SAFETY: the map is read-only and lives while we read it. Another process truncating
-    // the checkpoint while we read it could fault, as with any memory-mapped loader (Hugging
-    // Face's safetensors loader maps files the same way).
-    unsafe { Mmap::map(&file) }.map_err(|e| MoeError::file(path, format!("cannot map: {e}")))
+    map_regular(path)
 }
 
 /// Parses a mapped safetensors file.
 pub(crate) fn parse<'a>(bytes: &'a [u8], path: &Path) -> Result<SafeTensors<'a>> {
     SafeTensors::deserialize(bytes)
+        .map_err(|e| MoeError::file(path, format!("not a safetensors file: {e:?}")))
+}
+
+/// Parses only the header of a mapped safetensors file (the safetensors crate bounds its
+/// length and checks every tensor's offsets against the file).
+pub(crate) fn header(bytes: &[u8], path: &Path) -> Result<(usize, safetensors::tensor::Metadata)> {
+    SafeTensors::read_metadata(bytes)
         .map_err(|e| MoeError::file(path, format!("not a safetensors file: {e:?}")))
 }
 

@@ -11,6 +11,7 @@ use super::checkpoint::{map_file, narrow, parse, Checkpoint};
 use super::import::HfLayer;
 use super::layout::to_hf;
 use crate::error::{MoeError, Result};
+use crate::files::{file_in, StagedDir};
 use crate::layer::{MoeLayer, TensorMap};
 
 /// What [`write_layer`] wrote.
@@ -24,23 +25,52 @@ pub struct ExportReport {
     pub files_copied: usize,
 }
 
+/// Options of an export.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ExportOptions {
+    /// Replace an existing, non-empty output folder that is not the source checkpoint. The
+    /// folder is replaced as a whole: files in it that the new checkpoint does not have (an
+    /// old `model.safetensors` beside new shards, say) are gone afterwards, so transformers
+    /// never loads a stale file. Off by default: such a folder is an error and is left alone.
+    pub overwrite: bool,
+}
+
 /// Writes MoE layer `layer` back into the checkpoint in `checkpoint`, from its canonical
 /// tensors (all experts), as a complete checkpoint in `out_dir`: every tensor of the layer
 /// under its Hugging Face name, in the dtype and shard it is stored in there; every other
 /// tensor, the index, `config.json` and the other files unchanged. So a fine-tuned layer
 /// loads in transformers again, and a layer imported and exported without training gives the
-/// original bytes back. `out_dir` may be `checkpoint` itself (the shards are replaced
-/// atomically, one by one).
+/// original bytes back.
+///
+/// All or nothing: the new checkpoint is built in a folder beside `out_dir` and put in its
+/// place only when complete; a failure leaves `out_dir` as it was. `out_dir` may be
+/// `checkpoint` itself (the folder is then replaced as a whole; unchanged files are hard
+/// links, not copies, where the file system allows). An existing non-empty `out_dir` that
+/// is not `checkpoint` is an error (see [`write_layer_with`] to replace it).
 ///
 /// # Errors
 /// [`MoeError::Input`] naming the canonical tensor that is missing or mis-shaped;
 /// [`MoeError::File`] naming the file and tensor where the checkpoint disagrees with its
-/// `config.json` or cannot be read or written.
+/// `config.json` or cannot be read or written, or naming `out_dir` if it holds other files.
 pub fn write_layer(
     checkpoint: impl AsRef<Path>,
     layer: usize,
     tensors: &TensorMap,
     out_dir: impl AsRef<Path>,
+) -> Result<ExportReport> {
+    write_layer_with(checkpoint, layer, tensors, out_dir, &ExportOptions::default())
+}
+
+/// [`write_layer`] with options.
+///
+/// # Errors
+/// As [`write_layer`].
+pub fn write_layer_with(
+    checkpoint: impl AsRef<Path>,
+    layer: usize,
+    tensors: &TensorMap,
+    out_dir: impl AsRef<Path>,
+    options: &ExportOptions,
 ) -> Result<ExportReport> {
     let (dir, out_dir) = (checkpoint.as_ref(), out_dir.as_ref());
     let info = HfLayer::read(dir, layer)?;
@@ -53,21 +83,35 @@ pub fn write_layer(
             .or_default()
             .push(name.clone());
     }
-    std::fs::create_dir_all(out_dir).map_err(|e| MoeError::file(out_dir, format!("cannot create: {e}")))?;
     let in_place = same_dir(dir, out_dir);
+    if !in_place && !options.overwrite && holds_files(out_dir)? {
+        return Err(MoeError::file(
+            out_dir,
+            "is not empty and is not the source checkpoint; refusing to mix checkpoints (give an empty or new folder, or --overwrite to replace it as a whole)",
+        ));
+    }
+    if let Some(parent) = out_dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(|e| MoeError::file(parent, format!("cannot create: {e}")))?;
+    }
+    let staged = StagedDir::new(out_dir)?;
     let mut files_copied = 0;
-    if !in_place {
-        for entry in std::fs::read_dir(dir).map_err(|e| MoeError::file(dir, format!("cannot list: {e}")))? {
-            let path = entry.map_err(|e| MoeError::file(dir, e.to_string()))?.path();
-            let name = path
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            if path.is_file() && !by_shard.contains_key(&name) {
-                std::fs::copy(&path, out_dir.join(&name))
-                    .map_err(|e| MoeError::file(out_dir.join(&name), format!("cannot copy: {e}")))?;
-                files_copied += 1;
-            }
+    for entry in std::fs::read_dir(dir).map_err(|e| MoeError::file(dir, format!("cannot list: {e}")))? {
+        let path = entry.map_err(|e| MoeError::file(dir, e.to_string()))?.path();
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if !path.is_file() || by_shard.contains_key(&name) {
+            continue;
+        }
+        let target = staged.path().join(&name);
+        // In place, the old folder goes away once the new one is in: a hard link keeps the
+        // unchanged multi-gigabyte shards without copying them.
+        let linked = in_place && std::fs::hard_link(&path, &target).is_ok();
+        if !linked {
+            std::fs::copy(&path, &target)
+                .map_err(|e| MoeError::file(out_dir.join(&name), format!("cannot copy: {e}")))?;
+            files_copied += 1;
         }
     }
     let count = values.len();
@@ -76,13 +120,24 @@ pub fn write_layer(
             .iter()
             .map(|n| (n.clone(), values.remove(n).expect("grouped from these values")))
             .collect();
-        rewrite_shard(&dir.join(shard), &out_dir.join(shard), &shard_values)?;
+        let source = file_in(dir, shard, &dir.join("model.safetensors.index.json"))?;
+        rewrite_shard(&source, &staged.path().join(shard), &shard_values)?;
     }
+    staged.commit()?;
     Ok(ExportReport {
         shards_rewritten: by_shard.into_keys().collect(),
         tensors: count,
         files_copied,
     })
+}
+
+/// Whether `dir` exists and holds anything.
+fn holds_files(dir: &Path) -> Result<bool> {
+    match std::fs::read_dir(dir) {
+        Ok(mut entries) => Ok(entries.next().is_some()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(MoeError::file(dir, format!("cannot list: {e}"))),
+    }
 }
 
 fn same_dir(a: &Path, b: &Path) -> bool {
@@ -134,11 +189,8 @@ fn rewrite_shard(source: &Path, target: &Path, replace: &HashMap<String, Vec<f32
         safetensors::serialize(views, metadata)
             .map_err(|e| MoeError::file(target, format!("cannot encode: {e:?}")))?
     };
-    // Write beside the target and rename, so that a reader never sees half a shard and an
-    // in-place export never loses the original on failure.
-    let partial = target.with_extension("safetensors.partial");
-    std::fs::write(&partial, bytes).map_err(|e| MoeError::file(&partial, format!("cannot write: {e}")))?;
-    std::fs::rename(&partial, target).map_err(|e| MoeError::file(target, format!("cannot replace: {e}")))
+    // The target is inside the staging folder, so a half-written shard is never seen.
+    std::fs::write(target, bytes).map_err(|e| MoeError::file(target, format!("cannot write: {e}")))
 }
 
 impl<B: Backend> MoeLayer<B> {

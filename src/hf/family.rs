@@ -9,6 +9,12 @@ use crate::experts::Activation;
 use crate::layer::MoeLayerConfig;
 use crate::router::Scoring;
 
+/// The most decoder layers a `config.json` may give (real models have at most a few hundred).
+const MAX_LAYERS: usize = 1 << 16;
+
+/// The largest integer a `config.json` size may be (2^32).
+const MAX_CONFIG_INT: u64 = 1 << 32;
+
 /// A supported Hugging Face MoE architecture (`config.json`'s `model_type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
 pub enum Family {
@@ -75,8 +81,7 @@ impl HfConfig {
     /// Reads `dir/config.json`.
     pub(crate) fn read(dir: &Path) -> Result<Self> {
         let source = dir.join("config.json");
-        let text = std::fs::read_to_string(&source)
-            .map_err(|e| MoeError::file(&source, format!("cannot read: {e}")))?;
+        let text = crate::files::read_text(&source)?;
         let json: Value =
             serde_json::from_str(&text).map_err(|e| MoeError::file(&source, format!("not JSON: {e}")))?;
         let model_type = json
@@ -99,7 +104,47 @@ impl HfConfig {
             source,
         };
         config.n_layers = config.usize("num_hidden_layers")?;
+        if config.n_layers > MAX_LAYERS {
+            return Err(config.error(format!(
+                "`num_hidden_layers` is {}, over the {MAX_LAYERS} this reader accepts",
+                config.n_layers
+            )));
+        }
         Ok(config)
+    }
+
+    /// The number of routed experts, under whichever name this file uses: transformers 4.x
+    /// writes `num_experts` for Qwen2/Qwen3-MoE and OLMoE, 5.x maps it to
+    /// `num_local_experts` (Mixtral's name), DeepSeek-V3 writes `n_routed_experts`. Two
+    /// spellings that disagree are an error.
+    pub(crate) fn n_experts(&self) -> Result<usize> {
+        let keys: &[&str] = match self.family {
+            Family::DeepseekV3 => &["n_routed_experts", "num_local_experts", "num_experts"],
+            Family::Mixtral => &["num_local_experts", "num_experts"],
+            _ => &["num_experts", "num_local_experts"],
+        };
+        let mut found: Option<(&str, usize)> = None;
+        for key in keys {
+            if self.get(key).is_none() {
+                continue;
+            }
+            let value = self.usize(key)?;
+            match found {
+                Some((first, v)) if v != value => {
+                    return Err(self.error(format!(
+                        "`{first}` is {v} but `{key}` is {value}: which is the expert count?"
+                    )))
+                }
+                Some(_) => {}
+                None => found = Some((key, value)),
+            }
+        }
+        found.map(|(_, v)| v).ok_or_else(|| {
+            self.error(format!(
+                "missing or non-integer expert count (`{}`)",
+                keys.join("` or `")
+            ))
+        })
     }
 
     fn error(&self, reason: impl Into<String>) -> MoeError {
@@ -111,10 +156,19 @@ impl HfConfig {
     }
 
     fn usize(&self, key: &str) -> Result<usize> {
-        self.get(key)
+        let v = self
+            .get(key)
             .and_then(Value::as_u64)
-            .map(|v| v as usize)
-            .ok_or_else(|| self.error(format!("missing or non-integer `{key}`")))
+            .ok_or_else(|| self.error(format!("missing or non-integer `{key}`")))?;
+        // Sizes from a file are checked against the tensors before anything is allocated
+        // from them; this bound keeps the arithmetic on them (products of a few) far from
+        // overflow until then.
+        if v > MAX_CONFIG_INT {
+            return Err(self.error(format!(
+                "`{key}` is {v}, over the {MAX_CONFIG_INT} this reader accepts"
+            )));
+        }
+        Ok(v as usize)
     }
 
     fn usize_or(&self, key: &str, default: usize) -> Result<usize> {
@@ -160,7 +214,7 @@ impl HfConfig {
                     .and_then(Value::as_array)
                     .is_some_and(|l| l.iter().any(|v| v.as_u64() == Some(layer as u64)));
                 let step = self.usize_or("decoder_sparse_step", 1)?.max(1);
-                !dense && self.usize("num_experts")? > 0 && (layer + 1) % step == 0
+                !dense && self.n_experts()? > 0 && (layer + 1) % step == 0
             }
             Family::DeepseekV3 => {
                 let first_dense = self.usize_or("first_k_dense_replace", 0)?;
@@ -214,18 +268,19 @@ impl HfConfig {
         let k = self.usize("num_experts_per_tok")?;
         let base = |e: usize, h: usize| MoeLayerConfig::new(m, h, e, k).with_activation(Activation::SwiGlu);
         let config = match self.family {
-            Family::Mixtral => base(self.usize("num_local_experts")?, self.usize("intermediate_size")?)
-                .with_normalize_topk(true),
+            Family::Mixtral => {
+                base(self.n_experts()?, self.usize("intermediate_size")?).with_normalize_topk(true)
+            }
             Family::Qwen2Moe => {
                 let shared = self.usize_or("shared_expert_intermediate_size", 0)?;
-                base(self.usize("num_experts")?, self.usize("moe_intermediate_size")?)
+                base(self.n_experts()?, self.usize("moe_intermediate_size")?)
                     .with_normalize_topk(self.bool_or("norm_topk_prob", false)?)
                     .with_shared_expert((shared > 0).then_some(shared))
                     .with_shared_expert_gate(true)
             }
-            Family::Qwen3Moe => base(self.usize("num_experts")?, self.usize("moe_intermediate_size")?)
+            Family::Qwen3Moe => base(self.n_experts()?, self.usize("moe_intermediate_size")?)
                 .with_normalize_topk(self.bool_or("norm_topk_prob", true)?),
-            Family::Olmoe => base(self.usize("num_experts")?, self.usize("intermediate_size")?)
+            Family::Olmoe => base(self.n_experts()?, self.usize("intermediate_size")?)
                 .with_normalize_topk(self.bool_or("norm_topk_prob", false)?),
             Family::DeepseekV3 => {
                 let h = self.usize("moe_intermediate_size")?;
@@ -244,7 +299,7 @@ impl HfConfig {
                 };
                 let n_group = self.usize_or("n_group", 1)?;
                 let shared = self.usize_or("n_shared_experts", 0)? * h;
-                base(self.usize("n_routed_experts")?, h)
+                base(self.n_experts()?, h)
                     .with_scoring(scoring)
                     .with_score_bias(true)
                     .with_normalize_topk(self.bool_or("norm_topk_prob", true)?)

@@ -7,11 +7,11 @@ use std::sync::Arc;
 
 use burn::tensor::backend::Backend;
 
-use super::checkpoint::{dtype_name, Checkpoint};
+use super::checkpoint::{dtype_name, Checkpoint, ImportOptions};
 use super::family::{Family, HfConfig, LayerNames};
 use super::layout::{hf_entries, to_canonical};
 use crate::comm::{Communicator, SingleRank};
-use crate::error::Result;
+use crate::error::{MoeError, Result};
 use crate::layer::{write_safetensors, LayerMeta, MoeLayer, MoeLayerConfig, TensorMap};
 
 /// One MoE layer of a Hugging Face checkpoint: where it is and the layer config it implies.
@@ -24,8 +24,8 @@ pub struct HfLayer {
     /// The layer config `config.json` implies.
     #[serde(skip)]
     pub config: MoeLayerConfig,
-    /// The dtype the checkpoint is stored in (`float32`, `bfloat16`, `float16`), as
-    /// `config.json` says.
+    /// The dtype the layer is stored in (`float32`, `bfloat16`, `float16`): after
+    /// [`read_layer`], the tensors' own; from [`HfLayer::read`] alone, what `config.json` says.
     pub dtype: Option<String>,
 }
 
@@ -64,26 +64,71 @@ impl HfLayer {
 /// Reads MoE layer `layer` of the checkpoint in `dir` into canonical f32 tensors, with the
 /// experts in `experts` only (global indices; `0..n_experts` for all). Only that layer's
 /// tensors, and of its experts only those in `experts`, are read, through memory maps of the
-/// shards that hold them.
+/// shards that hold them. NaN or infinite weights are an error ([`read_layer_with`] can
+/// accept them).
 ///
 /// # Errors
 /// [`MoeError::File`](crate::MoeError::File) naming the file and tensor if a tensor is
-/// missing, has a shape that disagrees with `config.json`, or an unsupported dtype; the
-/// errors of [`HfLayer::read`].
+/// missing, has a shape that disagrees with `config.json`, an unsupported dtype, a non-finite
+/// value, or the layer's tensors are stored in more than one dtype; the errors of
+/// [`HfLayer::read`].
 pub fn read_layer(
     dir: impl AsRef<Path>,
     layer: usize,
     experts: Range<usize>,
 ) -> Result<(HfLayer, TensorMap)> {
+    read_layer_with(dir, layer, experts, &ImportOptions::default())
+}
+
+/// [`read_layer`] with options.
+///
+/// # Errors
+/// As [`read_layer`].
+pub fn read_layer_with(
+    dir: impl AsRef<Path>,
+    layer: usize,
+    experts: Range<usize>,
+    options: &ImportOptions,
+) -> Result<(HfLayer, TensorMap)> {
     let dir = dir.as_ref();
     let mut info = HfLayer::read(dir, layer)?;
     let names = info.names();
-    let entries = hf_entries(&info.config, &names, experts.clone());
-    let stored = Checkpoint::open(dir)?.read(&entries)?;
-    if info.dtype.is_none() {
-        // Older configs may not say: the router's stored dtype does.
-        info.dtype = stored.get(&names.router()).map(|t| dtype_name(t.dtype));
+    let (e_all, m) = (info.config.n_experts, info.config.d_model);
+    if experts.start > experts.end || experts.end > e_all {
+        return Err(MoeError::config(
+            "experts",
+            format!("{experts:?} is not a range of the layer's {e_all} experts"),
+        ));
     }
+    let ckpt = Checkpoint::open(dir)?;
+    // The router's stored shape bounds every size config.json gives before anything is
+    // allocated from them: a config that claims 10^9 experts is refused here, by the header.
+    let router = names.router();
+    let (_, router_shape) = ckpt.header_shapes(std::slice::from_ref(&router))?[&router].clone();
+    if router_shape != [e_all, m] {
+        return Err(MoeError::file(
+            dir.join("config.json"),
+            format!(
+                "layer {layer}: config.json implies {e_all} experts of width {m} (router [{e_all}, {m}]), but the checkpoint's `{router}` is {router_shape:?}"
+            ),
+        ));
+    }
+    let entries = hf_entries(&info.config, &names, experts.clone());
+    let stored = ckpt.read(&entries, options)?;
+    // The dtype is what the tensors are stored in, not what config.json says; a layer whose
+    // tensors disagree has no one dtype to write back, so it is refused.
+    let router_dtype = stored[&router].dtype;
+    if let Some((other, t)) = stored.iter().find(|(_, t)| t.dtype != router_dtype) {
+        return Err(MoeError::file(
+            ckpt.dir.join(ckpt.shard_of(other)?),
+            format!(
+                "layer {layer} mixes dtypes: `{router}` is {} but `{other}` is {}",
+                dtype_name(router_dtype),
+                dtype_name(t.dtype)
+            ),
+        ));
+    }
+    info.dtype = Some(dtype_name(router_dtype));
     let values: HashMap<String, Vec<f32>> = stored.into_iter().map(|(name, t)| (name, t.values)).collect();
     let tensors = to_canonical(&info.config, &names, experts, &values);
     Ok((info, tensors))
@@ -91,11 +136,28 @@ pub fn read_layer(
 
 /// Writes MoE layer `layer` of the checkpoint in `dir` as a canonical float32 layer file (the
 /// cases' tensor names and meta, plus `kind`, `hf_layer` and `hf_dtype`): what
-/// `mpipemoe convert --from-hf` does. Returns the layer's description.
+/// `mpipemoe convert` does. The file is written whole (into a temporary file beside `out`,
+/// then renamed); an existing `out` is replaced. Returns the layer's description.
+///
+/// # Errors
+/// As [`read_layer`], and [`MoeError::File`] naming `out` if it cannot be written.
 pub fn convert_to_file(dir: impl AsRef<Path>, layer: usize, out: impl AsRef<Path>) -> Result<HfLayer> {
+    convert_to_file_with(dir, layer, out, &ImportOptions::default())
+}
+
+/// [`convert_to_file`] with options.
+///
+/// # Errors
+/// As [`convert_to_file`].
+pub fn convert_to_file_with(
+    dir: impl AsRef<Path>,
+    layer: usize,
+    out: impl AsRef<Path>,
+    options: &ImportOptions,
+) -> Result<HfLayer> {
     let hf = HfConfig::read(dir.as_ref())?;
     let n_experts = hf.layer_config(layer)?.n_experts;
-    let (info, tensors) = read_layer(dir, layer, 0..n_experts)?;
+    let (info, tensors) = read_layer_with(dir, layer, 0..n_experts, options)?;
     let meta = serde_json::to_string(&info.meta()).expect("layer meta serializes");
     write_safetensors(out.as_ref(), &tensors, &meta)?;
     Ok(info)

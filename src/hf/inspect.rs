@@ -4,8 +4,9 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use super::family::{Family, HfConfig};
-use crate::error::Result;
+use super::checkpoint::Checkpoint;
+use super::family::{Family, HfConfig, LayerNames, Part};
+use crate::error::{MoeError, Result};
 
 /// One MoE layer as `mpipemoe inspect` lists it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -30,21 +31,51 @@ pub struct LayerSummary {
     pub parameters: usize,
 }
 
-/// The MoE layers of the checkpoint in `dir`, from its `config.json` (no tensor is read).
+/// The MoE layers of the checkpoint in `dir`, from its `config.json`, each checked against
+/// the shapes in the safetensors headers (the router, the first expert, the shared expert); no
+/// tensor data is read.
 ///
 /// # Errors
-/// [`MoeError::File`](crate::MoeError::File) naming `config.json` if it cannot be read, or
-/// its family is not supported.
+/// [`MoeError::File`](crate::MoeError::File) naming `config.json` if it cannot be read, its
+/// family is not supported, or a layer's shape disagrees with the stored tensors; naming the
+/// index or shard if a tensor is missing.
 pub fn inspect(dir: impl AsRef<Path>) -> Result<Vec<LayerSummary>> {
-    let hf = HfConfig::read(dir.as_ref())?;
+    let dir = dir.as_ref();
+    let hf = HfConfig::read(dir)?;
+    let ckpt = Checkpoint::open(dir)?;
     hf.moe_layers()?
         .into_iter()
         .map(|layer| {
             let c = hf.layer_config(layer)?;
             let (e, m, h) = (c.n_experts, c.d_model, c.d_hidden);
-            let shared = c
-                .shared_expert
-                .map_or(0, |hs| 3 * hs * m + if c.shared_expert_gate { m } else { 0 });
+            let names = LayerNames::new(hf.family, layer);
+            let mut expected = vec![(names.router(), vec![e, m]), (names.expert(0, Part::Gate), vec![h, m])];
+            if let Some(hs) = c.shared_expert {
+                expected.push((names.shared(Part::Gate), vec![hs, m]));
+            }
+            let wanted: Vec<String> = expected.iter().map(|(n, _)| n.clone()).collect();
+            let stored = ckpt.header_shapes(&wanted)?;
+            for (name, shape) in &expected {
+                let (_, found) = &stored[name];
+                if found != shape {
+                    return Err(MoeError::file(
+                        dir.join("config.json"),
+                        format!("layer {layer}: config.json implies `{name}` {shape:?}, the checkpoint holds {found:?}"),
+                    ));
+                }
+            }
+            let overflow = || MoeError::file(dir.join("config.json"), format!("layer {layer}: the parameter count overflows"));
+            let shared = match c.shared_expert {
+                Some(hs) => mul(&[3, hs, m])
+                    .and_then(|p| p.checked_add(if c.shared_expert_gate { m } else { 0 }))
+                    .ok_or_else(overflow)?,
+                None => 0,
+            };
+            let parameters = mul(&[e, m])
+                .and_then(|p| p.checked_add(if c.score_bias { e } else { 0 }))
+                .and_then(|p| p.checked_add(mul(&[e, 3, h, m])?))
+                .and_then(|p| p.checked_add(shared))
+                .ok_or_else(overflow)?;
             Ok(LayerSummary {
                 layer,
                 family: hf.family,
@@ -54,8 +85,13 @@ pub fn inspect(dir: impl AsRef<Path>) -> Result<Vec<LayerSummary>> {
                 d_hidden: h,
                 d_shared: c.shared_expert,
                 scoring: c.scoring.name(),
-                parameters: e * m + if c.score_bias { e } else { 0 } + e * 3 * h * m + shared,
+                parameters,
             })
         })
         .collect()
+}
+
+/// The product of `factors`, or `None` on overflow.
+fn mul(factors: &[usize]) -> Option<usize> {
+    factors.iter().try_fold(1usize, |acc, &f| acc.checked_mul(f))
 }

@@ -30,7 +30,8 @@ mod import;
 mod inspect;
 mod layout;
 
-pub use export::{write_layer, ExportReport};
+pub use checkpoint::ImportOptions;
+pub use export::{write_layer, write_layer_with, ExportOptions, ExportReport};
 pub use family::Family;
-pub use import::{convert_to_file, read_layer, HfLayer};
+pub use import::{convert_to_file, convert_to_file_with, read_layer, read_layer_with, HfLayer};
 pub use inspect::{inspect, LayerSummary};

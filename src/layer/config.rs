@@ -13,6 +13,11 @@ use crate::experts::Activation;
 use crate::memory::MemoryReuse;
 use crate::router::{RoutingRule, Scoring};
 
+/// The most partitions the exchange may be cut into. The paper's best `n` is at most 16 on
+/// every shape it measures; each partition costs a few small per-rank, per-expert tables, so
+/// this bound only keeps a mistyped `n` (10^7) from allocating gigabytes of them.
+pub const MAX_PARTITIONS: usize = 4096;
+
 /// How many partitions the exchange is cut into (the paper's `n`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[non_exhaustive]
@@ -231,16 +236,25 @@ impl MoeLayerConfig {
                 ));
             }
         }
-        if self.partitions == Partitions::Fixed(0) {
-            return Err(MoeError::config("partitions", "Fixed(n) needs n >= 1"));
+        if let Partitions::Fixed(n) = self.partitions {
+            if n == 0 || n > MAX_PARTITIONS {
+                return Err(MoeError::config(
+                    "partitions",
+                    format!("is Fixed({n}); n must be in 1..={MAX_PARTITIONS}"),
+                ));
+            }
         }
         if self.partitions == Partitions::Adaptive
-            && (self.adaptive_candidates.is_empty() || self.adaptive_candidates.contains(&0))
+            && (self.adaptive_candidates.is_empty()
+                || self
+                    .adaptive_candidates
+                    .iter()
+                    .any(|&n| n == 0 || n > MAX_PARTITIONS))
         {
             return Err(MoeError::config(
                 "adaptive_candidates",
                 format!(
-                    "is {:?}; needs at least one partition count, all >= 1",
+                    "is {:?}; needs at least one partition count, all in 1..={MAX_PARTITIONS}",
                     self.adaptive_candidates
                 ),
             ));

@@ -48,9 +48,14 @@ pub(crate) fn parameter_shapes(config: &MoeLayerConfig) -> Vec<(&'static str, Ve
     out
 }
 
-/// Reads every tensor of a safetensors file (as f32) and its `meta` JSON, if any.
+/// Reads every tensor of a safetensors file (as f32) and its `meta` JSON, if any. The file
+/// must be a regular file; no more than its length is read.
+///
+/// # Errors
+/// [`MoeError::File`] naming the file (and the tensor) if it is not a regular safetensors
+/// file or holds a dtype other than F32 or F64.
 pub fn read_safetensors(path: &Path) -> Result<(TensorMap, Option<String>)> {
-    let bytes = std::fs::read(path).map_err(|e| MoeError::file(path, format!("cannot read: {e}")))?;
+    let bytes = crate::files::read_bounded(path, u64::MAX)?;
     let st = SafeTensors::deserialize(&bytes)
         .map_err(|e| MoeError::file(path, format!("not a safetensors file: {e:?}")))?;
     let (_, header) = SafeTensors::read_metadata(&bytes)
@@ -76,7 +81,11 @@ pub fn read_safetensors(path: &Path) -> Result<(TensorMap, Option<String>)> {
     Ok((tensors, meta))
 }
 
-/// Writes `tensors` (f32) and the `meta` JSON to a safetensors file.
+/// Writes `tensors` (f32) and the `meta` JSON to a safetensors file, whole: into a temporary
+/// file beside `path`, then renamed over it (an existing file is replaced only then).
+///
+/// # Errors
+/// [`MoeError::File`] naming `path` if a tensor cannot be encoded or the file written.
 pub fn write_safetensors(path: &Path, tensors: &TensorMap, meta: &str) -> Result<()> {
     let views = tensors
         .iter()
@@ -89,7 +98,7 @@ pub fn write_safetensors(path: &Path, tensors: &TensorMap, meta: &str) -> Result
     let info = HashMap::from([("meta".to_string(), meta.to_string())]);
     let bytes = safetensors::serialize(views, Some(info))
         .map_err(|e| MoeError::file(path, format!("cannot encode: {e:?}")))?;
-    std::fs::write(path, bytes).map_err(|e| MoeError::file(path, format!("cannot write: {e}")))
+    crate::files::write_whole(path, &bytes, true)
 }
 
 /// Looks up `name` in `tensors` and checks its shape; errors name the file and the tensor.

@@ -12,7 +12,7 @@ mod output;
 mod tuning;
 
 pub use budget::MemoryDecision;
-pub use config::{ExchangePath, MoeLayerConfig, Partitions};
+pub use config::{ExchangePath, MoeLayerConfig, Partitions, MAX_PARTITIONS};
 pub use context::MoeContext;
 pub use grads::ParamKind;
 pub(crate) use io::{expect_tensor, parameter_shapes};

@@ -228,8 +228,7 @@ impl Profile {
 
     /// Reads a profile written by [`save`](Self::save) (or `mpipemoe profile --out`).
     pub fn load(path: &Path) -> Result<Self> {
-        let text =
-            std::fs::read_to_string(path).map_err(|e| MoeError::file(path, format!("cannot read: {e}")))?;
+        let text = crate::files::read_text(path)?;
         let profile: Self = serde_json::from_str(&text)
             .map_err(|e| MoeError::file(path, format!("bad profile JSON: {e}")))?;
         profile
@@ -238,9 +237,14 @@ impl Profile {
         Ok(profile)
     }
 
-    /// Writes the profile as JSON.
-    pub fn save(&self, path: &Path) -> Result<()> {
+    /// Writes the profile as JSON, whole (a temporary file beside `path`, then renamed). An
+    /// existing file is replaced only with `overwrite`.
+    ///
+    /// # Errors
+    /// [`MoeError::File`] naming `path` if it exists (without `overwrite`) or cannot be
+    /// written.
+    pub fn save(&self, path: &Path, overwrite: bool) -> Result<()> {
         let json = serde_json::to_string_pretty(self).expect("profiles serialize");
-        std::fs::write(path, json).map_err(|e| MoeError::file(path, format!("cannot write: {e}")))
+        crate::files::write_whole(path, json.as_bytes(), overwrite)
     }
 }

@@ -2,5 +2,6 @@
 //! PNG charts and seeded benchmark inputs. Not part of the `mpipemoe` library.
 
 pub mod backends;
+pub mod flags;
 pub mod inputs;
 pub mod report;

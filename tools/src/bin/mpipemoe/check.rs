@@ -7,8 +7,10 @@ use burn::tensor::backend::AutodiffBackend;
 use clap::{Args, ValueEnum};
 use mpipemoe::harness::{check_case, Case, CheckOptions, CheckReport};
 use mpipemoe::MoeBackend;
+use mpipemoe::MAX_PARTITIONS;
 use mpipemoe::{ExchangePath, Partitions, Strategy};
 use mpipemoe_tools::backends::{run_on, BackendArg, BackendJob};
+use mpipemoe_tools::flags::count;
 
 /// Tolerance on the relative error of y, dx and every gradient.
 const TOLERANCE: f64 = 1e-4;
@@ -23,11 +25,11 @@ pub struct CheckArgs {
     /// Which implementation of the exchange to run.
     #[arg(long, value_enum, default_value_t = PathArg::Fused)]
     path: PathArg,
-    /// Expert-parallel ranks (threads); tokens are split contiguously over them.
-    #[arg(long, default_value_t = 1)]
+    /// Expert-parallel ranks (threads, 1..=256); tokens are split contiguously over them.
+    #[arg(long, default_value_t = 1, value_parser = count(1, 256))]
     ranks: usize,
-    /// Partitions of the exchange (the paper's n).
-    #[arg(long, default_value_t = 1)]
+    /// Partitions of the exchange (the paper's n; at most the case's tokens).
+    #[arg(long, default_value_t = 1, value_parser = count(1, MAX_PARTITIONS))]
     partitions: usize,
     /// Memory-reuse strategy.
     #[arg(long, value_enum, default_value_t = StrategyArg::None)]
@@ -89,11 +91,14 @@ pub fn run(args: CheckArgs) -> ExitCode {
             .file_stem()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_default();
+        // Results go to standard output, one line a file; errors to standard error, naming
+        // the file (a load error names it already).
         let case = match Case::load_or_oracle(file, 64, 0) {
             Ok(case) => case,
             Err(err) => {
                 failed = true;
-                println!("{name} FAIL error: {err}");
+                println!("{name} FAIL");
+                eprintln!("error: {err}");
                 continue;
             }
         };
@@ -128,7 +133,8 @@ pub fn run(args: CheckArgs) -> ExitCode {
             }
             Err(err) => {
                 failed = true;
-                println!("{name} FAIL error: {err}");
+                println!("{name} FAIL");
+                eprintln!("error: {}: {err}", file.display());
             }
         }
     }

@@ -7,6 +7,7 @@ use clap::{ArgGroup, Args};
 use mpipemoe::format::{read_safetensors, LayerMeta};
 use mpipemoe::hf;
 use mpipemoe::MoeError;
+use mpipemoe_tools::flags::may_write;
 
 #[derive(Args, Debug)]
 #[command(group(ArgGroup::new("direction").required(true).args(["from_hf", "to_hf"])))]
@@ -26,9 +27,20 @@ pub struct ConvertArgs {
     #[arg(long, value_name = "FILE")]
     input: Option<PathBuf>,
     /// The canonical file to write (--from-hf), or the checkpoint folder to write (--to-hf;
-    /// the checkpoint's own folder rewrites it in place).
+    /// the checkpoint's own folder rewrites it in place). Written whole: into a temporary file
+    /// or folder beside it, renamed into place when complete, so a failure leaves it as it was.
     #[arg(long)]
     out: PathBuf,
+    /// Replace an existing --out. Without it an existing file (--from-hf) or a non-empty
+    /// folder other than the source checkpoint (--to-hf) is refused. With it, a folder is
+    /// replaced as a whole: files in it that the new checkpoint lacks (an old
+    /// model.safetensors beside new shards, say) are removed, so no stale weights remain.
+    #[arg(long)]
+    overwrite: bool,
+    /// Accept NaN or infinite weights in the checkpoint (--from-hf); by default they are an
+    /// error naming the tensor.
+    #[arg(long)]
+    allow_nonfinite: bool,
 }
 
 pub fn run(args: ConvertArgs) -> ExitCode {
@@ -50,7 +62,11 @@ fn from_hf(dir: &PathBuf, args: &ConvertArgs) -> Result<(), MoeError> {
     let layer = args
         .layer
         .ok_or_else(|| MoeError::config("layer", "--from-hf needs --layer (see `mpipemoe inspect DIR`)"))?;
-    let info = hf::convert_to_file(dir, layer, &args.out)?;
+    may_write(&args.out, args.overwrite).map_err(MoeError::Input)?;
+    let options = hf::ImportOptions {
+        allow_nonfinite: args.allow_nonfinite,
+    };
+    let info = hf::convert_to_file_with(dir, layer, &args.out, &options)?;
     let c = &info.config;
     println!(
         "{}: layer {} ({}, E={}, k={}, M={}, H={}, shared={:?}, stored {}) -> {}",
@@ -82,7 +98,14 @@ fn to_hf(dir: &PathBuf, args: &ConvertArgs) -> Result<(), MoeError> {
         .layer
         .or(meta.as_ref().and_then(|m| m.hf_layer))
         .ok_or_else(|| MoeError::config("layer", "give --layer: the file's meta has no `hf_layer`"))?;
-    let report = hf::write_layer(dir, layer, &tensors, &args.out)?;
+    let options = hf::ExportOptions {
+        overwrite: args.overwrite,
+    };
+    // The layer's tensors come from --input: an error about them names that file.
+    let report = hf::write_layer_with(dir, layer, &tensors, &args.out, &options).map_err(|e| match e {
+        MoeError::Input(reason) => MoeError::file(input, reason),
+        other => other,
+    })?;
     println!(
         "{} -> layer {layer} of {}: {} tensors in {} (rewritten), {} other files copied",
         input.display(),

@@ -9,7 +9,8 @@ use mpipemoe::memory::{
     fit_budget, rank_peak_bytes, BudgetCandidate, LayerShape, MemoryPlan, RankRows, MODEL_HEADROOM,
 };
 use mpipemoe::tuning::CostModel;
-use mpipemoe::Strategy;
+use mpipemoe::{Strategy, MAX_PARTITIONS};
+use mpipemoe_tools::flags::count;
 use serde::Serialize;
 
 use crate::shape::ShapeArgs;
@@ -23,7 +24,7 @@ pub struct PlanArgs {
     #[command(flatten)]
     shape: ShapeArgs,
     /// Partitions n (default 4; with --budget, the budget chooses among 1, 2, 4, 8, 16).
-    #[arg(long)]
+    #[arg(long, value_parser = count(1, MAX_PARTITIONS))]
     partitions: Option<usize>,
     /// A per-rank memory budget in bytes: report the cheapest (n, strategy) whose modelled
     /// peak on the worst rank fits it.

@@ -3,6 +3,7 @@
 use clap::{Args, ValueEnum};
 use mpipemoe::memory::LayerShape;
 use mpipemoe::Activation;
+use mpipemoe_tools::flags::count;
 
 /// The paper's Table I shapes (64 experts each).
 #[derive(ValueEnum, Clone, Copy, Debug)]
@@ -35,23 +36,23 @@ pub struct ShapeArgs {
     /// A Table I model (sets d-model, d-hidden and 64 experts).
     #[arg(long, value_enum)]
     pub preset: Option<Preset>,
-    /// Token width M (without --preset).
-    #[arg(long)]
+    /// Token width M (without --preset; 1..=1048576).
+    #[arg(long, value_parser = count(1, 1 << 20))]
     pub d_model: Option<usize>,
-    /// Expert hidden width H (without --preset).
-    #[arg(long)]
+    /// Expert hidden width H (without --preset; 1..=4194304).
+    #[arg(long, value_parser = count(1, 1 << 22))]
     pub d_hidden: Option<usize>,
-    /// Experts E over all GPUs (without --preset).
-    #[arg(long)]
+    /// Experts E over all GPUs (without --preset; 1..=1048576).
+    #[arg(long, value_parser = count(1, 1 << 20))]
     pub experts: Option<usize>,
-    /// Tokens B per GPU.
-    #[arg(long, default_value_t = 8192)]
+    /// Tokens B per GPU (1..=2^32).
+    #[arg(long, default_value_t = 8192, value_parser = count(1, 1 << 32))]
     pub tokens: usize,
-    /// GPUs N.
-    #[arg(long, default_value_t = 8)]
+    /// GPUs N (1..=4096).
+    #[arg(long, default_value_t = 8, value_parser = count(1, 4096))]
     pub gpus: usize,
-    /// Experts per token (the paper's k = 1).
-    #[arg(long, default_value_t = 1)]
+    /// Experts per token (the paper's k = 1; at most --experts).
+    #[arg(long, default_value_t = 1, value_parser = count(1, 1024))]
     pub top_k: usize,
     /// Element type.
     #[arg(long, value_enum, default_value_t = Dtype::F32)]
@@ -92,6 +93,9 @@ impl ShapeArgs {
             if v == 0 {
                 return Err(format!("{flag} must be at least 1"));
             }
+        }
+        if self.top_k > e {
+            return Err(format!("--top-k {} is more than the {e} experts", self.top_k));
         }
         if e % self.gpus != 0 {
             return Err(format!(

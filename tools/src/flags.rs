@@ -1,0 +1,38 @@
+//! Bounded integer flags: every count or size a flag gives is checked by the parser against a
+//! range before anything is allocated from it, so `--partitions 18446744073709551615` is a
+//! usage error (exit 2) that names the flag, not a "capacity overflow" panic.
+
+/// A `clap` value parser for an integer in `lo..=hi`.
+///
+/// ```
+/// let parse = mpipemoe_tools::flags::count(1, 16);
+/// assert_eq!(parse("4"), Ok(4));
+/// assert!(parse("17").unwrap_err().contains("1..=16"));
+/// assert!(parse("-1").is_err());
+/// ```
+pub fn count(lo: usize, hi: usize) -> impl Fn(&str) -> Result<usize, String> + Clone + Send + Sync + 'static {
+    move |text: &str| {
+        let value: u128 = text
+            .trim()
+            .parse()
+            .map_err(|_| format!("must be a whole number in {lo}..={hi}"))?;
+        match usize::try_from(value) {
+            Ok(v) if (lo..=hi).contains(&v) => Ok(v),
+            _ => Err(format!("must be in {lo}..={hi}")),
+        }
+    }
+}
+
+/// Writing to `path` needs `--overwrite` if it exists: say so before any work is done.
+///
+/// # Errors
+/// A one-line message naming the path and the flag.
+pub fn may_write(path: &std::path::Path, overwrite: bool) -> Result<(), String> {
+    if !overwrite && std::fs::symlink_metadata(path).is_ok() {
+        return Err(format!(
+            "{} exists; give --overwrite to replace it",
+            path.display()
+        ));
+    }
+    Ok(())
+}
