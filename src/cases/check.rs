@@ -7,7 +7,7 @@ use burn::tensor::{Tensor, TensorData};
 
 use super::Case;
 use crate::dispatch::chunk_range;
-use crate::error::{MoeError, Result};
+use crate::error::Result;
 use crate::layer::{ExchangePath, MoeLayer, ParamKind, Partitions};
 use crate::memory::{MemoryReuse, Strategy};
 use crate::{LocalGroup, MoeBackend};
@@ -145,16 +145,6 @@ where
         .with_memory_budget(options.memory_budget);
     config.validate_for_ranks(options.n_ranks)?;
     let n_tokens = case.n_tokens();
-    if let Partitions::Fixed(n) = options.partitions {
-        // More partitions than tokens would only add empty ones; a count beyond the batch is
-        // a mistyped flag, and saying so beats running it.
-        if n > n_tokens {
-            return Err(MoeError::config(
-                "partitions",
-                format!("is {n}, more than the case's {n_tokens} tokens"),
-            ));
-        }
-    }
     let d_model = config.d_model;
     let x_all = values(case.tensor("x"));
     let probe_all = values(case.tensor("probe"));

@@ -13,9 +13,9 @@ pub struct Corpus {
 }
 
 impl Corpus {
-    /// Any text file.
+    /// Any regular text file of at most 1 GiB (a FIFO or device is refused, not read forever).
     pub fn from_file(path: &Path) -> Result<Self, String> {
-        let bytes = std::fs::read(path).map_err(|e| format!("{}: cannot read: {e}", path.display()))?;
+        let bytes = mpipemoe::files::read_bounded(path, 1 << 30).map_err(|e| e.to_string())?;
         Self::new(path.display().to_string(), bytes)
     }
 

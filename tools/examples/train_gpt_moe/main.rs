@@ -31,6 +31,7 @@ use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use mpipemoe::{LocalGroup, MemoryReuse, MoeBackend, Partitions, RankContext};
 use mpipemoe_tools::backends::{run_on, BackendArg, BackendJob};
+use mpipemoe_tools::flags::count;
 use serde::Serialize;
 
 use data::Corpus;
@@ -67,8 +68,8 @@ struct Args {
     /// Text to train on (default: this crate's sources and docs).
     #[arg(long)]
     data: Option<PathBuf>,
-    /// Expert-parallel ranks (threads).
-    #[arg(long, default_value_t = 2)]
+    /// Expert-parallel ranks (threads, 1..=64; must divide the 8 experts).
+    #[arg(long, default_value_t = 2, value_parser = count(1, 64))]
     ranks: usize,
     /// Partitions of the exchange: a number, or `auto` (Algorithm 1).
     #[arg(long, default_value = "2")]
@@ -88,11 +89,11 @@ struct Args {
     /// Folder for load.png (the load of every expert over the steps).
     #[arg(long, default_value = "target/train")]
     out: PathBuf,
-    /// Optimizer steps.
-    #[arg(long, default_value_t = 3000)]
+    /// Optimizer steps (1..=10^7).
+    #[arg(long, default_value_t = 3000, value_parser = count(1, 10_000_000))]
     steps: usize,
-    /// Sequences per step over all ranks.
-    #[arg(long, default_value_t = 16)]
+    /// Sequences per step over all ranks (1..=4096).
+    #[arg(long, default_value_t = 16, value_parser = count(1, 4096))]
     batch: usize,
     /// Learning rate.
     #[arg(long, default_value_t = 3e-3)]
@@ -100,8 +101,8 @@ struct Args {
     /// Seed of weights, batches and sampling.
     #[arg(long, default_value_t = 7)]
     seed: u64,
-    /// Validate every N steps.
-    #[arg(long, default_value_t = 250)]
+    /// Validate every N steps (1..=10^7).
+    #[arg(long, default_value_t = 250, value_parser = count(1, 10_000_000))]
     eval_every: usize,
     /// Backend (`wgpu` needs `--features wgpu`).
     #[arg(long, value_enum, default_value_t = BackendArg::Flex)]
@@ -137,12 +138,9 @@ struct Summary<'a> {
 fn parse_partitions(s: &str) -> Result<Partitions, String> {
     match s {
         "auto" => Ok(Partitions::Adaptive),
-        n => n
-            .parse::<usize>()
-            .ok()
-            .filter(|&n| n >= 1)
+        n => count(1, mpipemoe::MAX_PARTITIONS)(n)
             .map(Partitions::Fixed)
-            .ok_or_else(|| format!("--partitions must be a number >= 1 or `auto`, not {s:?}")),
+            .map_err(|e| format!("--partitions {e} or be `auto`, not {s:?}")),
     }
 }
 
@@ -210,7 +208,13 @@ fn run(args: &Args) -> Result<(), String> {
         partitions,
         memory_reuse,
         router,
-        memory_budget: args.memory_budget_mib.map(|m| (m * 1024.0 * 1024.0) as usize),
+        memory_budget: args
+            .memory_budget_mib
+            .map(|m| match m.is_finite() && m > 0.0 && m <= 1e9 {
+                true => Ok((m * 1024.0 * 1024.0) as usize),
+                false => Err(format!("--memory-budget-mib {m} must be in (0, 1e9]")),
+            })
+            .transpose()?,
         eval_every: args.eval_every,
         eval_batches: 4,
         sample_len: 160,

@@ -102,6 +102,20 @@ pub fn run(args: CheckArgs) -> ExitCode {
                 continue;
             }
         };
+        // More partitions than tokens only adds empty ones: a count beyond the batch is a
+        // mistyped flag, and saying so beats running it. (The library allows it; its tests
+        // use empty partitions on purpose.)
+        if args.partitions > case.n_tokens() {
+            failed = true;
+            println!("{name} FAIL");
+            eprintln!(
+                "error: {}: --partitions {} is more than the case's {} tokens",
+                file.display(),
+                args.partitions,
+                case.n_tokens()
+            );
+            continue;
+        }
         let job = CheckJob {
             case: &case,
             options: &options,
