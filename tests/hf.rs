@@ -12,6 +12,9 @@ use mpipemoe::harness::{check_case, relative_error, Case, CheckOptions};
 use mpipemoe::hf::{self, Family, HfLayer};
 use mpipemoe::{LocalGroup, MoeError, MoeLayer, Partitions, Strategy};
 
+mod common;
+use common::{copy_dir, scratch_dir};
+
 type B = Autodiff<NdArray>;
 
 /// (folder, MoE layer checked, expected case file).
@@ -27,21 +30,6 @@ fn data() -> PathBuf {
 
 fn case_of(folder: &str, layer: usize) -> Case {
     Case::load(data().join(format!("{folder}.layer{layer}.safetensors"))).unwrap()
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("mpipemoe-hf-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let path = entry.unwrap().path();
-        std::fs::copy(&path, to.join(path.file_name().unwrap())).unwrap();
-    }
 }
 
 fn bytes(data: &TensorData) -> Vec<u8> {
@@ -88,7 +76,7 @@ fn import_gives_the_canonical_tensors_of_the_expected_case_bit_exactly() {
 
 #[test]
 fn convert_writes_a_file_that_reads_back_as_the_same_layer() {
-    let dir = scratch("convert");
+    let dir = scratch_dir("hf-convert");
     for (folder, layer) in CHECKPOINTS {
         let out = dir.join(format!("{folder}.safetensors"));
         hf::convert_to_file(data().join(folder), layer, &out).unwrap();
@@ -178,7 +166,7 @@ fn importing_a_dense_layer_is_a_clear_error() {
 
 #[test]
 fn an_unknown_family_a_missing_tensor_and_a_bad_shape_are_named() {
-    let dir = scratch("errors");
+    let dir = scratch_dir("hf-errors");
     let ckpt = dir.join("qwen");
     copy_dir(&data().join("qwen2-moe-tiny"), &ckpt);
     let config = std::fs::read_to_string(ckpt.join("config.json")).unwrap();
@@ -239,7 +227,7 @@ fn an_unknown_family_a_missing_tensor_and_a_bad_shape_are_named() {
 
 #[test]
 fn import_then_export_without_training_gives_the_same_files_back() {
-    let dir = scratch("roundtrip");
+    let dir = scratch_dir("hf-roundtrip");
     for (folder, layer) in CHECKPOINTS {
         let source = data().join(folder);
         let info = HfLayer::read(&source, layer).unwrap();
@@ -274,7 +262,7 @@ fn import_then_export_without_training_gives_the_same_files_back() {
 
 #[test]
 fn an_exported_change_lands_in_its_tensor_only() {
-    let dir = scratch("change");
+    let dir = scratch_dir("hf-change");
     let source = data().join("deepseek-v3-tiny");
     let (_, mut tensors) = hf::read_layer(&source, 1, 0..8).unwrap();
     // Expert 3's w_out row 0 and the score bias change; bf16-representable values.
@@ -307,7 +295,7 @@ fn an_exported_change_lands_in_its_tensor_only() {
 /// each family's own config keys.
 #[test]
 fn qwen3_moe_and_olmoe_conventions_import() {
-    let dir = scratch("families");
+    let dir = scratch_dir("hf-families");
     let config = std::fs::read_to_string(data().join("qwen2-moe-tiny/config.json")).unwrap();
     let (_, qwen2) = hf::read_layer(data().join("qwen2-moe-tiny"), 0, 0..8).unwrap();
     for (model_type, edit) in [
@@ -405,7 +393,7 @@ fn the_deepseek_case_depends_on_group_limit_score_bias_and_scaling() {
 #[test]
 fn a_single_file_f16_checkpoint_imports_and_exports() {
     use burn::tensor::f16;
-    let dir = scratch("f16");
+    let dir = scratch_dir("hf-f16");
     let source = data().join("mixtral-tiny");
     let ckpt = dir.join("mixtral-f16");
     std::fs::create_dir_all(&ckpt).unwrap();

@@ -12,23 +12,11 @@ use mpipemoe::hf::{self, ExportOptions, HfLayer, ImportOptions};
 use proptest::prelude::*;
 use serde_json::Value;
 
+mod common;
+use common::{copy_dir, scratch_dir};
+
 fn data() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/hf")
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("mpipemoe-hostile-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let path = entry.unwrap().path();
-        std::fs::copy(&path, to.join(path.file_name().unwrap())).unwrap();
-    }
 }
 
 /// A copy of checkpoint `folder` in `dir` with `edit` applied to its config.json.
@@ -66,7 +54,7 @@ fn error_of<T: std::fmt::Debug>(result: mpipemoe::Result<T>) -> String {
 
 #[test]
 fn sizes_in_config_json_are_checked_against_the_tensors_before_allocating() {
-    let dir = scratch("sizes");
+    let dir = scratch_dir("hostile-sizes");
     // 10^9 experts: refused by the router's stored shape, before a name is built per expert.
     let ckpt = with_config(&dir, "mixtral-tiny", |c| {
         c["num_local_experts"] = 1_000_000_000.into()
@@ -105,7 +93,7 @@ fn sizes_in_config_json_are_checked_against_the_tensors_before_allocating() {
 /// as `num_experts`. Both import; two spellings that disagree are an error naming both.
 #[test]
 fn every_spelling_of_the_expert_count_imports() {
-    let dir = scratch("spelling");
+    let dir = scratch_dir("hostile-spelling");
     let (_, want) = hf::read_layer(data().join("qwen2-moe-tiny"), 0, 0..8).unwrap();
     for model_type in ["qwen2_moe", "qwen3_moe", "olmoe"] {
         let ckpt = with_config(&dir, "qwen2-moe-tiny", |c| {
@@ -133,7 +121,7 @@ fn every_spelling_of_the_expert_count_imports() {
 
 #[test]
 fn shard_names_must_stay_inside_the_checkpoint_folder() {
-    let dir = scratch("traversal");
+    let dir = scratch_dir("hostile-traversal");
     let outside = dir.join("elsewhere");
     copy_dir(&data().join("mixtral-tiny"), &outside);
     for (i, bad) in [
@@ -175,7 +163,7 @@ fn shard_names_must_stay_inside_the_checkpoint_folder() {
 
 #[test]
 fn what_is_not_a_regular_file_is_refused_without_reading_it() {
-    let dir = scratch("irregular");
+    let dir = scratch_dir("hostile-irregular");
     #[cfg(unix)]
     {
         let err = error_of(read_safetensors(Path::new("/dev/zero")));
@@ -244,7 +232,7 @@ fn shard_of(ckpt: &Path, name: &str) -> PathBuf {
 
 #[test]
 fn non_finite_weights_and_mixed_dtypes_are_named() {
-    let dir = scratch("values");
+    let dir = scratch_dir("hostile-values");
     let name = "model.layers.1.block_sparse_moe.experts.3.w2.weight";
     let ckpt = dir.join("nan");
     copy_dir(&data().join("mixtral-tiny"), &ckpt);
@@ -285,7 +273,7 @@ fn non_finite_weights_and_mixed_dtypes_are_named() {
 /// The canonical file records the dtype the tensors are stored in, whatever config.json says.
 #[test]
 fn the_recorded_dtype_is_the_tensors_not_the_configs() {
-    let dir = scratch("dtype");
+    let dir = scratch_dir("hostile-dtype");
     let ckpt = with_config(&dir, "mixtral-tiny", |c| c["dtype"] = "bfloat16".into());
     let (info, _) = hf::read_layer(&ckpt, 1, 0..8).unwrap();
     assert_eq!(info.dtype.as_deref(), Some("float32"));
@@ -297,7 +285,7 @@ fn the_recorded_dtype_is_the_tensors_not_the_configs() {
 /// that no stale `model.safetensors` stays beside the new shards.
 #[test]
 fn exports_are_all_or_nothing_and_never_mix_checkpoints() {
-    let dir = scratch("export");
+    let dir = scratch_dir("hostile-export");
     let source = data().join("mixtral-tiny");
     let (_, tensors) = hf::read_layer(&source, 1, 0..8).unwrap();
     let mut broken = tensors.clone();
@@ -351,7 +339,7 @@ fn exports_are_all_or_nothing_and_never_mix_checkpoints() {
 
 #[test]
 fn a_case_with_no_tokens_or_non_finite_values_is_refused() {
-    let dir = scratch("cases");
+    let dir = scratch_dir("hostile-cases");
     let case = data().join("mixtral-tiny.layer1.safetensors");
     let (mut tensors, meta) = read_safetensors(&case).unwrap();
     let m = tensors["x"].shape[1];
@@ -425,7 +413,7 @@ proptest! {
         value in hostile_value(),
         seed in 0u32..1_000_000,
     ) {
-        let dir = scratch(&format!("config-{seed}"));
+        let dir = scratch_dir(&format!("hostile-config-{seed}"));
         let ckpt = with_config(&dir, folder, |c| c[SIZE_KEYS[key]] = value.clone());
         let layer = if folder == "qwen2-moe-tiny" { 0 } else { 1 };
         let outcome = std::panic::catch_unwind(|| {
@@ -450,7 +438,7 @@ proptest! {
         flips in proptest::collection::vec((0usize..512, any::<u8>()), 0..6),
         seed in 0u32..1_000_000,
     ) {
-        let dir = scratch(&format!("corrupt-{seed}"));
+        let dir = scratch_dir(&format!("hostile-corrupt-{seed}"));
         let source = data().join("mixtral-tiny.layer1.safetensors");
         let mut bytes = std::fs::read(&source).unwrap();
         for (at, value) in flips {

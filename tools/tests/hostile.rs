@@ -8,6 +8,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+#[path = "../../tests/common/mod.rs"]
+mod common;
+use common::{copy_dir, scratch_dir};
+
 /// What a run of the tool gave.
 struct Run {
     code: Option<i32>,
@@ -75,21 +79,6 @@ fn data() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data")
 }
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("mpipemoe-cli-hostile-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let path = entry.unwrap().path();
-        std::fs::copy(&path, to.join(path.file_name().unwrap())).unwrap();
-    }
-}
-
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
@@ -138,9 +127,8 @@ fn absurd_flags_are_usage_errors_naming_the_flag() {
         &["--rows × --d-hidden"],
     );
     // More experts per token than experts.
-    refused(
-        &[
-            "plan",
+    for command in ["plan", "simulate"] {
+        let shape = [
             "--d-model",
             "8",
             "--d-hidden",
@@ -149,25 +137,11 @@ fn absurd_flags_are_usage_errors_naming_the_flag() {
             "8",
             "--top-k",
             "9",
-        ],
-        2,
-        &["--top-k"],
-    );
-    refused(
-        &[
-            "simulate",
-            "--d-model",
-            "8",
-            "--d-hidden",
-            "8",
-            "--experts",
-            "8",
-            "--top-k",
-            "9",
-        ],
-        2,
-        &["--top-k"],
-    );
+        ];
+        let mut args = vec![command];
+        args.extend(shape);
+        refused(&args, 2, &["--top-k"]);
+    }
     // More partitions than the case has tokens: a clear error naming the field and the file.
     refused(
         &["check", "--partitions", "4096", s(&case)],
@@ -179,7 +153,7 @@ fn absurd_flags_are_usage_errors_naming_the_flag() {
 #[test]
 fn files_that_are_not_files_are_refused_without_reading_them() {
     refused(&["check", "/dev/zero"], 1, &["/dev/zero", "not a regular file"]);
-    let dir = scratch("fifo");
+    let dir = scratch_dir("cli-hostile-fifo");
     let fifo = dir.join("case.safetensors");
     assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
     refused(
@@ -213,7 +187,7 @@ fn files_that_are_not_files_are_refused_without_reading_them() {
 
 #[test]
 fn hostile_checkpoints_get_errors_naming_the_file() {
-    let dir = scratch("ckpt");
+    let dir = scratch_dir("cli-hostile-ckpt");
     let edit_config = |folder: &str, name: &str, key: &str, value: serde_json::Value| -> PathBuf {
         let ckpt = dir.join(name);
         copy_dir(&data().join("hf").join(folder), &ckpt);
@@ -286,36 +260,25 @@ fn hostile_checkpoints_get_errors_naming_the_file() {
 
 #[test]
 fn outputs_are_all_or_nothing_and_never_overwritten_unasked() {
-    let dir = scratch("outputs");
+    let dir = scratch_dir("cli-hostile-outputs");
     let ckpt = data().join("hf/mixtral-tiny");
     let file = dir.join("layer.safetensors");
+    let from_hf = [
+        "convert",
+        "--from-hf",
+        s(&ckpt),
+        "--layer",
+        "1",
+        "--out",
+        s(&file),
+    ];
     let convert = |extra: &[&str]| {
-        let mut args = vec![
-            "convert",
-            "--from-hf",
-            s(&ckpt),
-            "--layer",
-            "1",
-            "--out",
-            s(&file),
-        ];
+        let mut args = from_hf.to_vec();
         args.extend_from_slice(extra);
         bounded(&args, Duration::from_secs(60))
     };
     assert_eq!(convert(&[]).code, Some(0));
-    refused(
-        &[
-            "convert",
-            "--from-hf",
-            s(&ckpt),
-            "--layer",
-            "1",
-            "--out",
-            s(&file),
-        ],
-        1,
-        &["layer.safetensors", "--overwrite"],
-    );
+    refused(&from_hf, 1, &["layer.safetensors", "--overwrite"]);
     assert_eq!(convert(&["--overwrite"]).code, Some(0));
 
     // A canonical file that lacks a tensor: the export fails naming the file, and the output
@@ -380,7 +343,7 @@ fn outputs_are_all_or_nothing_and_never_overwritten_unasked() {
 /// error, naming the file; a NaN input is such an error.
 #[test]
 fn check_errors_go_to_standard_error_naming_the_file() {
-    let dir = scratch("check");
+    let dir = scratch_dir("cli-hostile-check");
     let case = data().join("hf/mixtral-tiny.layer1.safetensors");
     let (mut tensors, meta) = mpipemoe::format::read_safetensors(&case).unwrap();
     let mut x: Vec<f32> = tensors["x"].clone().into_vec().unwrap();
