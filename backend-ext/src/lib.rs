@@ -1,6 +1,6 @@
 //! # mpipemoe-cuda
 //!
-//! The CUDA half of mpipemoe (DESIGN §6), behind the `cuda` feature so that the workspace
+//! The CUDA half of mpipemoe (docs/design-notes.md, "CUDA"), behind the `cuda` feature so that the workspace
 //! builds and tests on machines without a GPU or a CUDA toolkit.
 //!
 //! What is here:

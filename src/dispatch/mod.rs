@@ -1,4 +1,4 @@
-//! Host-side bookkeeping of step 2 (DESIGN §1): which rows go where, in which partition.
+//! Host-side bookkeeping of step 2 of the forward recipe (routing counts and plans): which rows go where, in which partition.
 //!
 //! Nothing here is differentiated. [`DispatchPlan`] orders this rank's (token, choice)
 //! assignments into the rows of `T_I` and back; [`ExchangePlan`] is what the exchange op

@@ -41,7 +41,7 @@ pub struct ExchangeGrads<B: Backend> {
     pub experts: ExpertTensors<B>,
 }
 
-/// A backend that can run the fused exchange op (step 4 of DESIGN §1): dispatch all-to-all,
+/// A backend that can run the fused exchange op (step 4 of the forward recipe): dispatch all-to-all,
 /// local expert FFNs, combine all-to-all, over `n` partitions, with the memory strategy's
 /// restore in backward.
 ///

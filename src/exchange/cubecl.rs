@@ -3,7 +3,7 @@
 //!
 //! This is the correctness path on a GPU: the same schedule and strategies as on the CPU,
 //! with plans on the host, offloads as real device → host → device copies, and every step on
-//! burn's own stream. Overlapping S, C and R on streams of their own (DESIGN §6) belongs in
+//! burn's own stream. Overlapping S, C and R on streams of their own (docs/design-notes.md, "CUDA") belongs in
 //! the `mpipemoe-cuda` crate and is not done yet.
 
 use burn::tensor::backend::DeviceOps;

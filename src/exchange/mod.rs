@@ -1,4 +1,4 @@
-//! Step 4 of DESIGN §1: the exchange op (dispatch all-to-all → local experts → combine
+//! Step 4 of the forward recipe ([`MoeLayer::forward`](crate::MoeLayer::forward)): the exchange op (dispatch all-to-all → local experts → combine
 //! all-to-all), in partitions, with memory reuse.
 //!
 //! [`MoeBackend`] is the backend contract; `fused` is its generic implementation for CPU

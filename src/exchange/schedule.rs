@@ -3,7 +3,7 @@
 //! (`executor.rs`) runs it with one worker thread per stream, and a GPU executor runs the same
 //! steps on CUDA streams ordered by events.
 //!
-//! Buffers are partition-sized slots per role, reused round-robin (DESIGN §4): `T_DI` ×2 (one
+//! Buffers are partition-sized slots per role, reused round-robin (the paper's partition-buffer reuse, §IV): `T_DI` ×2 (one
 //! partition received while the other is computed on), `T_M` ×1, `T_DO` ×2, and in backward
 //! the received gradient `dT_DO` ×2, the restored `T_DI` and `T_M` ×2 each, and the gradient
 //! sent back `dT_DI` ×2. Dependencies are derived from those accesses, in issue order: a step

@@ -15,7 +15,7 @@ pub enum Restore {
     Recompute,
 }
 
-/// A resolved memory-reuse strategy (DESIGN §4, the paper's Table III).
+/// A resolved memory-reuse strategy (the paper's Table III).
 ///
 /// With any strategy other than [`Strategy::None`], a partition's `T_DI`, `T_M` and `T_DO`
 /// are released once the partition's last step has read them, so at most two partitions' worth
