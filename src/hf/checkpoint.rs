@@ -5,7 +5,6 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use burn::tensor::{bf16, f16, DType, TensorData};
-use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
@@ -81,7 +80,7 @@ impl Checkpoint {
                     "no model.safetensors.index.json and no model.safetensors: not a Hugging Face checkpoint folder",
                 ));
             }
-            let map = map_file(&single)?;
+            let map = map_regular(&single)?;
             let (_, header) = header(&map, &single)?;
             header
                 .tensors()
@@ -130,7 +129,7 @@ impl Checkpoint {
         let mut out = HashMap::with_capacity(names.len());
         for (shard, names) in by_shard {
             let path = file_in(&self.dir, shard, &self.listing())?;
-            let map = map_file(&path)?;
+            let map = map_regular(&path)?;
             let (_, header) = header(&map, &path)?;
             let infos = header.tensors();
             for name in names {
@@ -165,7 +164,7 @@ impl Checkpoint {
         let mut out = HashMap::with_capacity(wanted.len());
         for (shard, entries) in by_shard {
             let path = file_in(&self.dir, shard, &self.listing())?;
-            let map = map_file(&path)?;
+            let map = map_regular(&path)?;
             let st = parse(&map, &path)?;
             for (name, shape) in entries {
                 let view = st.tensor(name).map_err(|_| {
@@ -207,11 +206,6 @@ impl Checkpoint {
         }
         Ok(out)
     }
-}
-
-/// Maps a regular file read-only (FIFOs and devices are refused).
-pub(crate) fn map_file(path: &Path) -> Result<Mmap> {
-    map_regular(path)
 }
 
 /// Parses a mapped safetensors file.

@@ -7,11 +7,11 @@ use burn::tensor::backend::Backend;
 use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
 
-use super::checkpoint::{map_file, narrow, parse, Checkpoint};
+use super::checkpoint::{narrow, parse, Checkpoint};
 use super::import::HfLayer;
 use super::layout::to_hf;
 use crate::error::{MoeError, Result};
-use crate::files::{file_in, StagedDir};
+use crate::files::{file_in, map_regular, StagedDir};
 use crate::layer::{MoeLayer, TensorMap};
 
 /// What [`write_layer`] wrote.
@@ -151,7 +151,7 @@ fn same_dir(a: &Path, b: &Path) -> bool {
 /// stored dtypes; every other tensor and the header's metadata are kept as they are.
 fn rewrite_shard(source: &Path, target: &Path, replace: &HashMap<String, Vec<f32>>) -> Result<()> {
     let bytes = {
-        let map = map_file(source)?;
+        let map = map_regular(source)?;
         let st: SafeTensors<'_> = parse(&map, source)?;
         let (_, header) = SafeTensors::read_metadata(&map)
             .map_err(|e| MoeError::file(source, format!("bad safetensors header: {e:?}")))?;
