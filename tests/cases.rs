@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 
 use burn::backend::{Autodiff, Flex, NdArray};
 use burn::tensor::backend::AutodiffBackend;
+use mpipemoe::backend::StepExecutor;
 use mpipemoe::harness::{agreement_error, check_case, expected, relative_error, Case, CheckOptions};
 use mpipemoe::{ExchangePath, MoeBackend, Partitions, Strategy};
 
@@ -102,8 +103,9 @@ fn local_copies_match_the_shared_folders() {
 }
 
 /// Every configuration a case must pass in: the reference path at each rank count, and the
-/// fused path at each rank count × partitions × strategy.
-fn configurations(n_experts: usize) -> Vec<CheckOptions> {
+/// fused path at each rank count × partitions × strategy, run by `executor` (`None`: the
+/// backend's default).
+fn configurations(n_experts: usize, executor: Option<StepExecutor>) -> Vec<CheckOptions> {
     let mut out = Vec::new();
     for n_ranks in [1, 2, 4].into_iter().filter(|r| n_experts % r == 0) {
         out.push(CheckOptions {
@@ -122,6 +124,7 @@ fn configurations(n_experts: usize) -> Vec<CheckOptions> {
                     partitions,
                     strategy,
                     memory_budget: None,
+                    executor,
                 });
             }
         }
@@ -129,14 +132,14 @@ fn configurations(n_experts: usize) -> Vec<CheckOptions> {
     out
 }
 
-fn check_all<B: AutodiffBackend + MoeBackend>(backend: &str) {
+fn check_all<B: AutodiffBackend + MoeBackend>(backend: &str, executor: Option<StepExecutor>) {
     let device = Default::default();
     let mut failures = Vec::new();
     for file in case_files() {
         let case = Case::load(&file).unwrap_or_else(|e| panic!("{e}"));
         // The strategy-agreement baseline for each (ranks, n): strategy `none`.
         let mut baseline: BTreeMap<(usize, String), BTreeMap<String, Vec<f64>>> = BTreeMap::new();
-        for options in configurations(case.config.n_experts) {
+        for options in configurations(case.config.n_experts, executor) {
             let label = format!(
                 "{backend} {} {} ranks={} {:?} {}",
                 case.name,
@@ -177,14 +180,17 @@ fn check_all<B: AutodiffBackend + MoeBackend>(backend: &str) {
     );
 }
 
+/// NdArray with the threaded executor: a step of one partition runs while steps of others run
+/// on the other streams, so a dependency the schedule misses shows up here.
 #[test]
-fn every_case_every_configuration_ndarray() {
-    check_all::<Autodiff<NdArray>>("ndarray");
+fn every_case_every_configuration_ndarray_threaded() {
+    check_all::<Autodiff<NdArray>>("ndarray threads", Some(StepExecutor::StreamThreads));
 }
 
+/// Flex with its default executor (in order), as users run it.
 #[test]
 fn every_case_every_configuration_flex() {
-    check_all::<Autodiff<Flex>>("flex");
+    check_all::<Autodiff<Flex>>("flex", None);
 }
 
 /// The float64 oracle that generated cases rely on reproduces every shared case.

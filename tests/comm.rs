@@ -226,6 +226,7 @@ fn results_are_bitwise_identical_run_to_run() {
                 partitions: Partitions::Fixed(3),
                 strategy,
                 memory_budget: None,
+                executor: None,
             };
             let a = check_case::<B>(&case, &options, &device).unwrap();
             let b = check_case::<B>(&case, &options, &device).unwrap();

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use burn::backend::{Autodiff, Flex, NdArray};
 use burn::tensor::{Tensor, TensorData};
+use mpipemoe::backend::StepExecutor;
 use mpipemoe::harness::{agreement_error, check_case, expected, Case, CheckOptions};
 use mpipemoe::{
     Activation, ExchangePath, MemoryReuse, MoeError, MoeLayer, MoeLayerConfig, Partitions, Scoring, Strategy,
@@ -186,7 +187,7 @@ proptest! {
         let device = Default::default();
         for n_ranks in [1usize, 2].into_iter().filter(|r| config.n_experts % r == 0) {
             let reference = check_case::<B>(&case, &CheckOptions { path: ExchangePath::Reference, n_ranks, ..CheckOptions::default() }, &device).unwrap();
-            let fused = check_case::<B>(&case, &CheckOptions { path: ExchangePath::Fused, n_ranks, partitions: Partitions::Fixed(n), strategy, memory_budget: None }, &device).unwrap();
+            let fused = check_case::<B>(&case, &CheckOptions { path: ExchangePath::Fused, n_ranks, partitions: Partitions::Fixed(n), strategy, memory_budget: None, executor: Some(StepExecutor::StreamThreads) }, &device).unwrap();
             prop_assert!(reference.passed(1e-4), "reference vs f64: {:?}", reference.worst());
             prop_assert!(fused.passed(1e-4), "fused vs f64: {:?}", fused.worst());
             for (name, got) in &fused.tensors {
@@ -227,6 +228,7 @@ fn all_tokens_to_one_expert_and_ranks_without_rows_are_exact() {
                     partitions: Partitions::Fixed(3),
                     strategy,
                     memory_budget: None,
+                    executor: None,
                 };
                 let report = check_case::<B>(&case, &options, &device).unwrap();
                 assert!(report.passed(1e-4), "{options:?}: {:?}", report.worst());
@@ -251,6 +253,7 @@ fn ranks_with_zero_input_tokens_are_exact() {
                 partitions: Partitions::Fixed(2),
                 strategy: Strategy::S2,
                 memory_budget: None,
+                executor: None,
             };
             let report = check_case::<Autodiff<Flex>>(&case, &options, &device).unwrap();
             assert!(

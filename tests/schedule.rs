@@ -3,8 +3,16 @@
 
 use std::time::Duration;
 
-use mpipemoe::backend::{execute_in_order, execute_on_threads, Op, Role, Schedule, Span, Step, Stream};
-use mpipemoe::Strategy;
+use std::sync::Arc;
+
+use burn::backend::{Autodiff, Flex, NdArray};
+use mpipemoe::backend::{
+    execute_in_order, execute_on_threads, ExchangeRun, HostStore, Op, Role, Schedule, Span, Step,
+    StepExecutor, Stream,
+};
+use mpipemoe::comm::SingleRank;
+use mpipemoe::memory::MemoryMeter;
+use mpipemoe::{Activation, MoeBackend, Strategy};
 use proptest::prelude::*;
 
 fn ops(schedule: &Schedule, stream: Stream) -> Vec<Op> {
@@ -227,4 +235,25 @@ fn the_in_order_executor_keeps_every_dependency_and_stops_at_an_error() {
     .unwrap_err();
     assert!(err.to_string().contains("compute 1 failed"), "{err}");
     assert_eq!(ran.into_inner().unwrap().last(), Some(&failing));
+}
+
+/// Which executor each backend gets: in order on the CPU backends (the threads share the cores
+/// the GEMMs fill; BENCHMARKS.md, "Executors"), and what a run asks for when it asks.
+#[test]
+fn each_backend_gets_its_executor_and_a_run_can_override_it() {
+    assert_eq!(<Flex as MoeBackend>::step_executor(), StepExecutor::InOrder);
+    assert_eq!(<NdArray as MoeBackend>::step_executor(), StepExecutor::InOrder);
+    assert_eq!(
+        <Autodiff<Flex> as MoeBackend>::step_executor(),
+        StepExecutor::InOrder
+    );
+    let mut run = ExchangeRun::new(
+        Arc::new(SingleRank),
+        Activation::Gelu,
+        Strategy::None,
+        HostStore::new(MemoryMeter::default()),
+    );
+    assert_eq!(run.executor_for::<Flex>(), StepExecutor::InOrder);
+    run.executor = Some(StepExecutor::StreamThreads);
+    assert_eq!(run.executor_for::<Autodiff<Flex>>(), StepExecutor::StreamThreads);
 }

@@ -60,6 +60,7 @@ fn every_case_on_wgpu() {
                         partitions: Partitions::Fixed(n),
                         strategy,
                         memory_budget: None,
+                        executor: None,
                     });
                 }
             }

@@ -8,6 +8,7 @@ use burn::tensor::{Tensor, TensorData};
 use super::Case;
 use crate::dispatch::chunk_range;
 use crate::error::Result;
+use crate::exchange::executor::StepExecutor;
 use crate::layer::{ExchangePath, MoeLayer, ParamKind, Partitions};
 use crate::memory::{MemoryReuse, Strategy};
 use crate::{LocalGroup, MoeBackend};
@@ -27,6 +28,8 @@ pub struct CheckOptions {
     /// (`MemoryReuse::Auto`) and, if `partitions` is adaptive, the split; `strategy` is
     /// ignored.
     pub memory_budget: Option<usize>,
+    /// How the exchange runs its schedule (`None`: the backend's default).
+    pub executor: Option<StepExecutor>,
 }
 
 impl Default for CheckOptions {
@@ -37,6 +40,7 @@ impl Default for CheckOptions {
             partitions: Partitions::Fixed(1),
             strategy: Strategy::None,
             memory_budget: None,
+            executor: None,
         }
     }
 }
@@ -142,7 +146,8 @@ where
             Some(_) => MemoryReuse::Auto,
             None => MemoryReuse::from(options.strategy),
         })
-        .with_memory_budget(options.memory_budget);
+        .with_memory_budget(options.memory_budget)
+        .with_executor(options.executor);
     config.validate_for_ranks(options.n_ranks)?;
     let n_tokens = case.n_tokens();
     let d_model = config.d_model;

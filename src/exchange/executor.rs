@@ -1,10 +1,12 @@
-//! The CPU executor of a [`Schedule`]: one worker thread per stream, each running its steps in
-//! issue order and waiting, before each, for the steps on other streams it depends on.
+//! The executors of a [`Schedule`]: in issue order on the calling thread, or one worker thread
+//! per stream, each running its steps in issue order and waiting, before each, for the steps on
+//! other streams it depends on.
 //!
-//! On the CPU the streams share the cores, so this buys little speed; what it gives is the
-//! GPU's concurrency, exercised by every CPU test: a step of one partition really runs while
-//! steps of other partitions run on the other streams, so a missing dependency shows up as a
-//! wrong result or a detected hazard here rather than on a GPU.
+//! On the CPU the streams share the cores, so the threaded executor buys no speed (the CPU
+//! backends run in order by default); what it gives is the GPU's concurrency, exercised by the
+//! CPU tests that select it: a step of one partition really runs while steps of other
+//! partitions run on the other streams, so a missing dependency shows up as a wrong result or a
+//! detected hazard here rather than on a GPU.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -15,10 +17,15 @@ use crate::error::{MoeError, Result};
 use crate::memory::alloc::CountingAllocator;
 
 /// How the generic fused exchange runs a schedule's steps on a backend.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+///
+/// Each backend has a default ([`MoeBackend::step_executor`](crate::MoeBackend::step_executor));
+/// `MoeLayerConfig::executor` overrides it, which is how tests run the threaded executor on
+/// the CPU and how a regression on a device has a way back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum StepExecutor {
-    /// One OS thread per stream, with real waits between streams ([`execute`]): right for
-    /// backends that finish each op on the calling thread (the CPU backends).
+    /// One OS thread per stream, with real waits between streams ([`execute`]): for backends
+    /// whose streams run concurrently, and on the CPU backends (which finish each op on the
+    /// calling thread) to exercise that concurrency in tests.
     StreamThreads,
     /// Every step on the calling thread, in issue order ([`execute_in_order`]): right for
     /// asynchronous device backends whose per-thread queues are not ordered against each

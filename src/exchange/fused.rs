@@ -242,7 +242,7 @@ pub fn forward<B: MoeBackend>(
             other => unreachable!("{other:?} is not a forward step"),
         }
     };
-    run_checked(B::step_executor(), &Schedule::forward(n, strategy), &step_fn)?;
+    run_checked(run.executor_for::<B>(), &Schedule::forward(n, strategy), &step_fn)?;
     let output = output.into_inner().unwrap_or_else(|e| e.into_inner()).finish();
     Ok((
         output,
@@ -344,7 +344,11 @@ pub fn backward<B: MoeBackend>(
             other => unreachable!("{other:?} is not a backward step"),
         }
     };
-    run_checked(B::step_executor(), &Schedule::backward(n, strategy), &step_fn)?;
+    run_checked(
+        run.executor_for::<B>(),
+        &Schedule::backward(n, strategy),
+        &step_fn,
+    )?;
     Ok(ExchangeGrads {
         input: input_grad
             .into_inner()

@@ -3,6 +3,8 @@
 mod activation;
 #[cfg(feature = "flex")]
 pub(crate) mod flex_gelu;
+#[cfg(feature = "flex")]
+mod gelu_math;
 mod init;
 mod kernels;
 mod module;

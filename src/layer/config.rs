@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use super::{MoeContext, MoeLayer};
 use crate::comm::{Communicator, SingleRank};
 use crate::error::{MoeError, Result};
+use crate::exchange::executor::StepExecutor;
 use crate::experts::Activation;
 use crate::memory::MemoryReuse;
 use crate::router::{RoutingRule, Scoring};
@@ -154,6 +155,12 @@ pub struct MoeLayerConfig {
     /// Reject inputs with NaN or infinite values (one extra pass over the input).
     #[config(default = true)]
     pub check_finite: bool,
+    /// How the fused exchange runs its schedule: `None` is the backend's choice
+    /// ([`MoeBackend::step_executor`](crate::MoeBackend::step_executor)); set it to compare the
+    /// two, or to run the threaded executor where it is not the default (tests do, on the CPU,
+    /// so that a missing dependency between streams shows up there).
+    #[config(default = "None")]
+    pub executor: Option<StepExecutor>,
 }
 
 impl MoeLayerConfig {

@@ -163,11 +163,35 @@ impl<B: MoeBackend> MoeLayer<B> {
     }
 
     pub(crate) fn exchange_run(&self, strategy: Strategy) -> ExchangeRun {
-        ExchangeRun::new(
+        let mut run = ExchangeRun::new(
             self.ctx.comm.clone(),
             self.ctx.config.activation,
             strategy,
             self.ctx.host.clone(),
-        )
+        );
+        run.executor = self.ctx.config.executor;
+        run
+    }
+}
+
+#[cfg(all(test, feature = "ndarray"))]
+mod tests {
+    use burn::backend::NdArray;
+
+    use crate::exchange::executor::StepExecutor;
+    use crate::{MoeLayerConfig, Strategy};
+
+    #[test]
+    fn the_configs_executor_reaches_the_exchange_run() {
+        for executor in [
+            None,
+            Some(StepExecutor::StreamThreads),
+            Some(StepExecutor::InOrder),
+        ] {
+            let layer = MoeLayerConfig::new(8, 4, 2, 1)
+                .with_executor(executor)
+                .init::<NdArray>(&Default::default());
+            assert_eq!(layer.exchange_run(Strategy::None).executor, executor);
+        }
     }
 }

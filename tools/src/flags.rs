@@ -36,3 +36,26 @@ pub fn may_write(path: &std::path::Path, overwrite: bool) -> Result<(), String> 
     }
     Ok(())
 }
+
+/// `--executor`: how the exchange runs its schedule.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExecutorArg {
+    /// The backend's default (`MoeBackend::step_executor`).
+    Default,
+    /// One thread per stream.
+    Threads,
+    /// Issue order on the calling thread.
+    InOrder,
+}
+
+impl ExecutorArg {
+    /// The layer config's value: `None` leaves the choice to the backend.
+    pub fn executor(self) -> Option<mpipemoe::backend::StepExecutor> {
+        use mpipemoe::backend::StepExecutor;
+        match self {
+            ExecutorArg::Default => None,
+            ExecutorArg::Threads => Some(StepExecutor::StreamThreads),
+            ExecutorArg::InOrder => Some(StepExecutor::InOrder),
+        }
+    }
+}

@@ -47,6 +47,7 @@ fn run(
         seed: 11,
         partitions,
         memory_reuse,
+        executor: None,
         router,
         memory_budget: None,
         eval_every: 0,

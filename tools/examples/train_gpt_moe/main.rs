@@ -31,7 +31,7 @@ use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use mpipemoe::{LocalGroup, MemoryReuse, MoeBackend, Partitions, RankContext};
 use mpipemoe_tools::backends::{run_on, BackendArg, BackendJob};
-use mpipemoe_tools::flags::count;
+use mpipemoe_tools::flags::{count, ExecutorArg};
 use serde::Serialize;
 
 use data::Corpus;
@@ -107,6 +107,9 @@ struct Args {
     /// Backend (`wgpu` needs `--features wgpu`).
     #[arg(long, value_enum, default_value_t = BackendArg::Flex)]
     backend: BackendArg,
+    /// How the exchange runs its schedule: `threads`, `in-order`, or the backend's default.
+    #[arg(long, value_enum, default_value_t = ExecutorArg::Default)]
+    executor: ExecutorArg,
     /// Print a JSON summary instead of the final line.
     #[arg(long)]
     json: bool,
@@ -207,6 +210,7 @@ fn run(args: &Args) -> Result<(), String> {
         seed: args.seed,
         partitions,
         memory_reuse,
+        executor: args.executor.executor(),
         router,
         memory_budget: args
             .memory_budget_mib

@@ -7,6 +7,7 @@ use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
+use mpipemoe::backend::StepExecutor;
 use mpipemoe::comm::rank_range;
 use mpipemoe::{
     seeded_uniform, MemoryReuse, MoeBackend, MoeLayerConfig, Partitions, RankContext, Scoring, Strategy,
@@ -66,6 +67,8 @@ pub struct TrainOptions {
     pub partitions: Partitions,
     /// Memory reuse of every MoE layer.
     pub memory_reuse: MemoryReuse,
+    /// How every MoE layer's exchange runs its schedule (`None`: the backend's default).
+    pub executor: Option<StepExecutor>,
     /// The MoE layers' router.
     pub router: RouterChoice,
     /// Device bytes per rank the exchange may use (for `MemoryReuse::Auto`).
@@ -230,7 +233,8 @@ where
         .apply(o.model.moe())
         .with_partitions(o.partitions)
         .with_memory_reuse(o.memory_reuse)
-        .with_memory_budget(o.memory_budget);
+        .with_memory_budget(o.memory_budget)
+        .with_executor(o.executor);
     let mut model = o.model.init::<B>(&moe, o.seed, device, ctx.comm.clone())?;
     let mut optimizer = AdamWConfig::new().with_weight_decay(0.01).init::<B, GptMoe<B>>();
     let mine = rank_range(o.batch, ctx.n_ranks, ctx.rank);

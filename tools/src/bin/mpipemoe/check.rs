@@ -10,7 +10,7 @@ use mpipemoe::MoeBackend;
 use mpipemoe::MAX_PARTITIONS;
 use mpipemoe::{ExchangePath, Partitions, Strategy};
 use mpipemoe_tools::backends::{run_on, BackendArg, BackendJob};
-use mpipemoe_tools::flags::count;
+use mpipemoe_tools::flags::{count, ExecutorArg};
 
 /// Tolerance on the relative error of y, dx and every gradient.
 const TOLERANCE: f64 = 1e-4;
@@ -37,6 +37,10 @@ pub struct CheckArgs {
     /// Backend (`wgpu` needs the tool built with `--features wgpu`).
     #[arg(long, value_enum, default_value_t = BackendArg::Flex)]
     backend: BackendArg,
+    /// How the exchange runs its schedule: `threads` (one per stream), `in-order`, or the
+    /// backend's default.
+    #[arg(long, value_enum, default_value_t = ExecutorArg::Default)]
+    executor: ExecutorArg,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug)]
@@ -84,6 +88,7 @@ pub fn run(args: CheckArgs) -> ExitCode {
             StrategyArg::S4 => Strategy::S4,
         },
         memory_budget: None,
+        executor: args.executor.executor(),
     };
     let mut failed = false;
     for file in &args.files {

@@ -1,0 +1,199 @@
+//! This crate's side of the side-by-side comparison with PyTorch eager
+//! (`scripts/bench/torch_peer.py` runs it alternately with its own PyTorch layer).
+//!
+//! ```text
+//! cargo run --release --example peer -- gelu [--elements 12582912] [--rounds 7]
+//! cargo run --release --example peer -- layer --d-model 768 --d-hidden 3072 --tokens 4096 \
+//!     [--experts 8] [--top-k 1] [--iters 3] [--partitions 1] [--executor default]
+//! ```
+//!
+//! `gelu` times the exact GELU and its derivative over one `f32` buffer, three ways in
+//! alternating rounds: this crate's Flex kernels (vectorised, every core), the kernels they
+//! replaced (scalar `libm::erff` per element, every core; kept here as the "before"), and
+//! Flex's own `gelu` / `gelu_backward` (burn's kernels). It prints nanoseconds per element.
+//!
+//! `layer` times one forward + backward of a FastMoE-style `MoeLayer` (one rank, `n = 1` unless
+//! `--partitions` says otherwise, no reuse, dropless, GELU experts; `--executor` picks how the
+//! exchange runs its schedule) on Flex, with seeded tokens routed evenly over the experts (the
+//! router and token scheme of `mpipemoe_tools::inputs`, which the PyTorch peer copies), after
+//! one warm-up pass, and prints the median. One JSON object per run on stdout.
+
+use std::time::{Duration, Instant};
+
+use burn::backend::flex::Flex;
+use burn::backend::Autodiff;
+use burn::tensor::ops::{ActivationOps, FloatTensor};
+use burn::tensor::{Tensor, TensorData};
+use clap::{Args, Parser, Subcommand};
+use mpipemoe::backend::ActivationKernels;
+use mpipemoe::{MoeLayerConfig, Partitions};
+use mpipemoe_tools::flags::{count, ExecutorArg};
+use mpipemoe_tools::inputs::{balance_router, balanced_tokens};
+use rayon::prelude::*;
+use serde_json::json;
+
+type B = Autodiff<Flex>;
+
+#[derive(Parser, Debug)]
+struct Cli {
+    #[command(subcommand)]
+    what: What,
+}
+
+#[derive(Subcommand, Debug)]
+enum What {
+    /// GELU forward and backward, ns per element.
+    Gelu {
+        /// Elements of the buffer (default: a `[4096, 3072]` hidden tensor).
+        #[arg(long, default_value_t = 4096 * 3072, value_parser = count(1, 1 << 28))]
+        elements: usize,
+        /// Alternating rounds; medians are reported.
+        #[arg(long, default_value_t = 7, value_parser = count(1, 1000))]
+        rounds: usize,
+    },
+    /// One forward + backward of the layer, ms.
+    Layer(LayerArgs),
+}
+
+/// The shape and configuration of one `layer` measurement.
+#[derive(Args, Debug)]
+struct LayerArgs {
+    #[arg(long, value_parser = count(1, 65_536))]
+    d_model: usize,
+    #[arg(long, value_parser = count(1, 262_144))]
+    d_hidden: usize,
+    #[arg(long, value_parser = count(1, 1 << 20))]
+    tokens: usize,
+    #[arg(long, default_value_t = 8, value_parser = count(1, 1024))]
+    experts: usize,
+    #[arg(long, default_value_t = 1, value_parser = count(1, 64))]
+    top_k: usize,
+    /// Timed passes after one warm-up; the median is reported.
+    #[arg(long, default_value_t = 3, value_parser = count(1, 1000))]
+    iters: usize,
+    /// Partitions of the exchange (1: FastMoE-style).
+    #[arg(long, default_value_t = 1, value_parser = count(1, 64))]
+    partitions: usize,
+    /// How the exchange runs its schedule.
+    #[arg(long, value_enum, default_value_t = ExecutorArg::Default)]
+    executor: ExecutorArg,
+}
+
+fn median(mut v: Vec<Duration>) -> f64 {
+    v.sort();
+    v[v.len() / 2].as_secs_f64()
+}
+
+fn primitive(values: &[f32]) -> FloatTensor<Flex> {
+    let t = Tensor::<Flex, 1>::from_data(
+        TensorData::new(values.to_vec(), [values.len()]),
+        &Default::default(),
+    );
+    t.into_primitive().tensor()
+}
+
+/// The kernels this crate used before the vectorised ones: `libm::erff` per element.
+mod before {
+    use super::*;
+    const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
+    const INV_SQRT_2PI: f32 = 0.398_942_3;
+    const MIN_CHUNK: usize = 1 << 13;
+
+    fn cdf(x: f32) -> f32 {
+        0.5 * (1.0 + libm::erff(x * FRAC_1_SQRT_2))
+    }
+
+    pub fn gelu(x: &[f32]) -> Vec<f32> {
+        x.par_iter()
+            .with_min_len(MIN_CHUNK)
+            .map(|&x| x * cdf(x))
+            .collect()
+    }
+
+    pub fn gelu_backward(x: &[f32], g: &mut [f32]) {
+        g.par_iter_mut()
+            .with_min_len(MIN_CHUNK)
+            .zip(x.par_iter())
+            .for_each(|(g, &x)| *g *= cdf(x) + x * INV_SQRT_2PI * (-0.5 * x * x).exp());
+    }
+}
+
+fn time(f: impl FnOnce()) -> Duration {
+    let start = Instant::now();
+    f();
+    start.elapsed()
+}
+
+fn gelu(elements: usize, rounds: usize) -> serde_json::Value {
+    let x = mpipemoe::seeded_uniform(1, "gelu input", elements, 4.0);
+    let g = mpipemoe::seeded_uniform(2, "gelu grad", elements, 1.0);
+    let mut t: [Vec<Duration>; 6] = Default::default();
+    for _ in 0..rounds {
+        let (xp, gp) = (primitive(&x), primitive(&g));
+        t[0].push(time(|| drop(<Flex as ActivationKernels>::gelu_exact(xp.clone()))));
+        t[1].push(time(|| {
+            drop(<Flex as ActivationKernels>::gelu_backward_exact(xp.clone(), gp))
+        }));
+        t[2].push(time(|| drop(before::gelu(&x))));
+        let mut gb = g.clone();
+        t[3].push(time(|| before::gelu_backward(&x, &mut gb)));
+        let gp = primitive(&g);
+        t[4].push(time(|| drop(<Flex as ActivationOps<Flex>>::gelu(xp.clone()))));
+        t[5].push(time(|| {
+            drop(<Flex as ActivationOps<Flex>>::gelu_backward(xp, gp))
+        }));
+    }
+    let ns = |i: usize| median(t[i].clone()) * 1e9 / elements as f64;
+    json!({
+        "what": "gelu", "elements": elements, "rounds": rounds, "threads": rayon::current_num_threads(),
+        "ours_forward_ns": ns(0), "ours_backward_ns": ns(1),
+        "before_forward_ns": ns(2), "before_backward_ns": ns(3),
+        "flex_forward_ns": ns(4), "flex_backward_ns": ns(5),
+    })
+}
+
+fn layer(run: &LayerArgs) -> serde_json::Value {
+    let (m, tokens, experts, top_k) = (run.d_model, run.tokens, run.experts, run.top_k);
+    let device = Default::default();
+    let mut layer = MoeLayerConfig::new(m, run.d_hidden, experts, top_k)
+        .with_seed(3)
+        .with_partitions(Partitions::Fixed(run.partitions))
+        .with_executor(run.executor.executor())
+        .init::<B>(&device);
+    balance_router(&mut layer);
+    let input = Tensor::<B, 2>::from_data(
+        TensorData::new(balanced_tokens(5, 0, tokens, m, experts, top_k), [tokens, m]),
+        &device,
+    )
+    .require_grad();
+    let pass = || {
+        let out = layer.forward(input.clone());
+        let grads = out.output.sum().backward();
+        // Every gradient is computed by now: Flex finishes each op on the calling thread.
+        drop(layer.experts.w_in.grad(&grads));
+    };
+    pass();
+    let times: Vec<Duration> = (0..run.iters).map(|_| time(pass)).collect();
+    json!({
+        "what": "layer", "d_model": m, "d_hidden": run.d_hidden, "tokens": tokens, "experts": experts,
+        "top_k": top_k, "iters": run.iters, "partitions": run.partitions,
+        "executor": format!("{:?}", run.executor), "median_ms": median(times) * 1e3,
+    })
+}
+
+fn main() {
+    let row = match Cli::parse().what {
+        What::Gelu { elements, rounds } => gelu(elements, rounds),
+        What::Layer(run) => {
+            if run.d_model < run.experts {
+                eprintln!(
+                    "error: --d-model {} must be at least --experts {} (balanced routing)",
+                    run.d_model, run.experts
+                );
+                std::process::exit(2);
+            }
+            layer(&run)
+        }
+    };
+    println!("{row}");
+}
