@@ -9,8 +9,9 @@
 use std::path::{Path, PathBuf};
 
 use burn::backend::{Autodiff, Wgpu};
+use mpipemoe::backend::StepExecutor;
 use mpipemoe::harness::{check_case, Case, CheckOptions};
-use mpipemoe::{ExchangePath, Partitions, Strategy};
+use mpipemoe::{ExchangePath, MoeBackend, Partitions, Strategy};
 
 type B = Autodiff<Wgpu>;
 
@@ -37,6 +38,14 @@ fn case_files() -> Vec<PathBuf> {
     files.dedup_by_key(|p| p.file_name().map(|n| n.to_owned()));
     assert!(files.len() >= 7, "{files:?}");
     files
+}
+
+/// CubeCL backends run the schedule in order: cubecl gives each OS thread its own stream, and
+/// on WGPU a tensor one thread's stream writes is not fenced against another's reading it.
+#[test]
+fn cubecl_backends_run_in_order() {
+    assert_eq!(<Wgpu as MoeBackend>::step_executor(), StepExecutor::InOrder);
+    assert_eq!(<B as MoeBackend>::step_executor(), StepExecutor::InOrder);
 }
 
 #[test]
