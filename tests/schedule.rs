@@ -238,7 +238,7 @@ fn the_in_order_executor_keeps_every_dependency_and_stops_at_an_error() {
 }
 
 /// Which executor each backend gets: in order on the CPU backends (the threads share the cores
-/// the GEMMs fill; BENCHMARKS.md, "Executors"), and what a run asks for when it asks.
+/// the GEMMs fill; BENCHMARKS.md §7), and what a run asks for when it asks.
 #[test]
 fn each_backend_gets_its_executor_and_a_run_can_override_it() {
     assert_eq!(<Flex as MoeBackend>::step_executor(), StepExecutor::InOrder);

@@ -107,10 +107,10 @@ pub trait MoeBackend: ActivationKernels {
     ///
     /// In order is the default because it is correct on every backend and costs nothing
     /// where streams do not run concurrently. On the CPU backends the streams' threads share
-    /// the cores the GEMMs already fill: the toy GPT-MoE trained 12–19% faster in order, and
-    /// the paper's expert shapes at n ∈ {1, 2, 4} were within the machine's noise (BENCHMARKS.md,
-    /// "Executors"). The threaded executor is for backends whose streams overlap (CUDA), and
-    /// the tests run it on the CPU through `MoeLayerConfig::executor`, where a missing
+    /// the cores the GEMMs already fill: the toy GPT-MoE trained 11–19% faster in order (two
+    /// runs), and the paper's expert shapes at n ∈ {1, 2, 4} were within the machine's noise
+    /// (BENCHMARKS.md §7). The threaded executor is for backends whose streams overlap (CUDA),
+    /// and the tests run it on the CPU through `MoeLayerConfig::executor`, where a missing
     /// dependency between streams shows up as a wrong result or a reported hazard.
     fn step_executor() -> StepExecutor {
         StepExecutor::InOrder

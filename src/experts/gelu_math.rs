@@ -1,8 +1,9 @@
 //! The exact (erf) GELU and its derivative in `f32`, written so that the compiler vectorises
 //! them: no calls, no branches, only arithmetic, bit operations and selects.
 //!
-//! Scalar `libm` calls (`erff`, `expf`) cannot be vectorised, and on the CPU they made the
-//! exact GELU the largest cost of a small model's training step, ahead of its GEMMs. Here
+//! Scalar `libm` calls (`erff`, `expf`) cannot be vectorised: they were about 12% of the toy
+//! GPT-MoE's training time on the CPU (next to 15% for its GEMMs), and made the GELU backward
+//! of a large expert slower than a GEMM over the same rows. Here
 //! `Φ(x) = ½·(1 + erf(x/√2))` is evaluated in two pieces, both computed for every element and
 //! the right one selected:
 //! - near zero (`|u| < 0.75`, `u = x/√2`): `erf(u) = u + u·R(u²)`, `R` a degree-5 polynomial;
