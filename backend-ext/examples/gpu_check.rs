@@ -74,6 +74,7 @@ fn main() -> ExitCode {
                         partitions: Partitions::Fixed(n),
                         strategy,
                         memory_budget: None,
+                        executor: None,
                     },
                 ));
                 runs.push((
@@ -84,6 +85,7 @@ fn main() -> ExitCode {
                         partitions: Partitions::Fixed(n),
                         strategy,
                         memory_budget: None,
+                        executor: None,
                     },
                 ));
             }
