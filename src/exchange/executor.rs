@@ -21,7 +21,7 @@ use crate::memory::alloc::CountingAllocator;
 /// Each backend has a default ([`MoeBackend::step_executor`](crate::MoeBackend::step_executor));
 /// `MoeLayerConfig::executor` overrides it, which is how tests run the threaded executor on
 /// the CPU and how a regression on a device has a way back.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum StepExecutor {
     /// One OS thread per stream, with real waits between streams ([`execute`]): for backends
     /// whose streams run concurrently, and on the CPU backends (which finish each op on the

@@ -1,5 +1,5 @@
-//! The fused exchange op for any backend, written with primitive ops: the [`Schedule`] of
-//! the exchange run by the CPU executor, one worker per stream.
+//! The fused exchange op for any backend, written with primitive ops: the exchange's
+//! [`Schedule`], run by the executor the run asks for (in order, or a worker per stream).
 //!
 //! Forward: `S_0`, then per partition `S_{i+1}`, `C_i`, `R_i`, with `T_DI` and `T_M` copied to
 //! the host store behind them where the strategy offloads; backward mirrors it on gradients.

@@ -143,16 +143,22 @@ fn erfc_tail(a: f32) -> f32 {
     t * exp_parts(hi, lo + estrin10(&ERFC_TAIL, t))
 }
 
-/// `erf(u)`, from the same two pieces as [`normal_cdf`]; the tests measure these pieces
-/// through it against f64 `erf`, since an `erf` is what the pieces are fitted to.
+/// The two pieces every function here is built from, both evaluated: `erf(u)` by the
+/// near-zero polynomial, `erfc(|u|)` by the tail form, and whether the tail applies. NaN
+/// compares false, so it takes the near-zero piece and stays NaN.
+#[inline(always)]
+fn erf_pieces(u: f32) -> (f32, f32, bool) {
+    let a = u.abs();
+    (u + u * estrin6(&ERF_SMALL, u * u), erfc_tail(a), a >= SPLIT)
+}
+
+/// `erf(u)`, from the pieces of [`normal_cdf`]; the tests measure the pieces through it against
+/// f64 `erf`, since an `erf` is what they are fitted to.
 #[cfg(test)]
 fn erf(u: f32) -> f32 {
-    let a = u.abs();
-    let small = u + u * estrin6(&ERF_SMALL, u * u);
-    let tail = (1.0 - erfc_tail(a)).copysign(u);
-    // Written this way round so that NaN (which compares false) takes the NaN of `small`.
-    if a >= SPLIT {
-        tail
+    let (small, erfc, in_tail) = erf_pieces(u);
+    if in_tail {
+        (1.0 - erfc).copysign(u)
     } else {
         small
     }
@@ -162,15 +168,15 @@ fn erf(u: f32) -> f32 {
 #[inline(always)]
 pub(crate) fn normal_cdf(x: f32) -> f32 {
     let u = x * FRAC_1_SQRT_2;
-    let a = u.abs();
-    let small = 0.5 + 0.5 * (u + u * estrin6(&ERF_SMALL, u * u));
-    let half_erfc = 0.5 * erfc_tail(a);
+    let (small, erfc, in_tail) = erf_pieces(u);
+    let half_erfc = 0.5 * erfc;
+    // Both sides are computed and one selected: branches would stop the vectoriser.
     let tail = if u < 0.0 { half_erfc } else { 1.0 - half_erfc };
-    // Written this way round so that NaN (which compares false) takes the NaN of `small`.
-    if a >= SPLIT {
+    let near_zero = 0.5 + 0.5 * small;
+    if in_tail {
         tail
     } else {
-        small
+        near_zero
     }
 }
 
