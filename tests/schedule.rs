@@ -241,10 +241,14 @@ fn the_in_order_executor_keeps_every_dependency_and_stops_at_an_error() {
 /// the GEMMs fill; BENCHMARKS.md §7), and what a run asks for when it asks.
 #[test]
 fn each_backend_gets_its_executor_and_a_run_can_override_it() {
-    assert_eq!(<Flex as MoeBackend>::step_executor(), StepExecutor::InOrder);
-    assert_eq!(<NdArray as MoeBackend>::step_executor(), StepExecutor::InOrder);
+    let (flex, ndarray) = (Default::default(), Default::default());
+    assert_eq!(<Flex as MoeBackend>::step_executor(&flex), StepExecutor::InOrder);
     assert_eq!(
-        <Autodiff<Flex> as MoeBackend>::step_executor(),
+        <NdArray as MoeBackend>::step_executor(&ndarray),
+        StepExecutor::InOrder
+    );
+    assert_eq!(
+        <Autodiff<Flex> as MoeBackend>::step_executor(&flex),
         StepExecutor::InOrder
     );
     let mut run = ExchangeRun::new(
@@ -253,7 +257,10 @@ fn each_backend_gets_its_executor_and_a_run_can_override_it() {
         Strategy::None,
         HostStore::new(MemoryMeter::default()),
     );
-    assert_eq!(run.executor_for::<Flex>(), StepExecutor::InOrder);
+    assert_eq!(run.executor_for::<Flex>(&flex), StepExecutor::InOrder);
     run.executor = Some(StepExecutor::StreamThreads);
-    assert_eq!(run.executor_for::<Autodiff<Flex>>(), StepExecutor::StreamThreads);
+    assert_eq!(
+        run.executor_for::<Autodiff<Flex>>(&flex),
+        StepExecutor::StreamThreads
+    );
 }

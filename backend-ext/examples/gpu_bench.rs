@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use burn::backend::Autodiff;
 use burn::tensor::{Distribution, Tensor};
+use mpipemoe::backend::StepExecutor;
 use mpipemoe::comm::{HostLoopback, SingleRank};
 use mpipemoe::memory::{ImplementationModel, LayerShape};
 use mpipemoe::tuning::Profile;
@@ -28,6 +29,7 @@ struct Row {
     shape: String,
     tokens: usize,
     system: String,
+    executor: String,
     n: usize,
     strategy: String,
     median_ms: f64,
@@ -163,17 +165,27 @@ fn main() {
                     .with_memory_budget(Some((fast_peak * 0.5) as usize)),
             ));
             let mut measured = Vec::new();
-            for (system, config) in candidates {
-                let (t, _, n, strategy) = layer_time(&config, Arc::new(HostLoopback), tokens, &profile);
-                measured.push((system, t, n, strategy));
+            // Each system with a worker per stream (CUDA's default: S, C and R of different
+            // partitions on CUDA streams of their own) and in issue order on one stream.
+            for executor in [StepExecutor::StreamThreads, StepExecutor::InOrder] {
+                for (system, config) in &candidates {
+                    let config = config.clone().with_executor(Some(executor));
+                    let (t, _, n, strategy) = layer_time(&config, Arc::new(HostLoopback), tokens, &profile);
+                    measured.push((system.clone(), executor, t, n, strategy));
+                }
             }
-            // PipeMoE: only the best fixed n is reported.
-            let best_pipe = measured
-                .iter()
-                .filter(|m| m.0.starts_with("PipeMoE"))
-                .min_by(|a, b| a.1.total_cmp(&b.1))
-                .cloned();
-            for (system, t, n, strategy) in measured
+            // PipeMoE: only the best fixed n is reported, per executor.
+            let best_pipe: Vec<_> = [StepExecutor::StreamThreads, StepExecutor::InOrder]
+                .into_iter()
+                .filter_map(|e| {
+                    measured
+                        .iter()
+                        .filter(|m| m.0.starts_with("PipeMoE") && m.1 == e)
+                        .min_by(|a, b| a.2.total_cmp(&b.2))
+                        .cloned()
+                })
+                .collect();
+            for (system, executor, t, n, strategy) in measured
                 .into_iter()
                 .filter(|m| !m.0.starts_with("PipeMoE"))
                 .chain(best_pipe)
@@ -186,6 +198,10 @@ fn main() {
                         "PipeMoE (best n)".to_string()
                     } else {
                         system
+                    },
+                    executor: match executor {
+                        StepExecutor::StreamThreads => "threads".into(),
+                        StepExecutor::InOrder => "in-order".into(),
                     },
                     n,
                     strategy: strategy.to_string(),
@@ -212,10 +228,11 @@ fn main() {
         }
     }
     println!(
-        "{:<8} {:>6} {:<17} {:>2} {:<5} {:>9} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8} {:>9}",
+        "{:<8} {:>6} {:<17} {:<8} {:>2} {:<5} {:>9} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8} {:>9}",
         "shape",
         "tokens",
         "system",
+        "executor",
         "n",
         "strat",
         "ms",
@@ -229,10 +246,11 @@ fn main() {
     );
     for r in &rows {
         println!(
-            "{:<8} {:>6} {:<17} {:>2} {:<5} {:>9.2} {:>8.1} {:>8.1} {:>8.2} {:>9.2} {:>9.2} {:>8.2} {:>9.0}",
+            "{:<8} {:>6} {:<17} {:<8} {:>2} {:<5} {:>9.2} {:>8.1} {:>8.1} {:>8.2} {:>9.2} {:>9.2} {:>8.2} {:>9.0}",
             r.shape,
             r.tokens,
             r.system,
+            r.executor,
             r.n,
             r.strategy,
             r.median_ms,
@@ -247,8 +265,7 @@ fn main() {
     }
     println!("\nnetwork: emulated by HostLoopback (each all-to-all is a device -> host -> device copy of its rows).");
     println!("overlap = t(config) / max(t(compute only, no exchange), t(exchange only)); targets: overlap <= 1.10,");
-    println!("GEMM efficiency >= 0.8, adaptive n within 5% of the best fixed n. The exchange runs on burn's stream");
-    println!(
-        "(the generic algorithm): S, C and R do not overlap yet, so overlap ratios above 1 are expected."
-    );
+    println!("GEMM efficiency >= 0.8, adaptive n within 5% of the best fixed n. executor threads: a worker");
+    println!("per schedule stream, each on a CUDA stream of its own (cubecl), so S, C and R of different partitions");
+    println!("can overlap; in-order: every step on one stream, the comparator for the overlap.");
 }

@@ -1,5 +1,7 @@
 //! Every reference case on CUDA, through every strategy and n ∈ {1, 2, 4}, in f32 (1e-4) and
-//! bf16 (at bf16's own tolerance), plus the reference path.
+//! bf16 (at bf16's own tolerance), plus the reference path; then the f32 runs again with the rows
+//! moved by NCCL on device pointers (a one-rank NCCL group whose all-to-alls are not skipped)
+//! and with the in-order executor, so each new path is checked against the cases on its own.
 //!
 //! ```text
 //! gpu_check [CASE_DIR]      # default: ../shared/cases, else tests/data/cases
@@ -10,9 +12,13 @@ use std::process::ExitCode;
 
 use burn::backend::Autodiff;
 use burn::tensor::bf16;
-use mpipemoe::harness::{check_case, Case, CheckOptions};
-use mpipemoe::{ExchangePath, Partitions, Strategy};
-use mpipemoe_cuda::{cuda_available, CudaMoe};
+use std::sync::Arc;
+use std::time::Duration;
+
+use mpipemoe::backend::StepExecutor;
+use mpipemoe::harness::{check_case, check_case_through, Case, CheckOptions};
+use mpipemoe::{Communicator, ExchangePath, MoeBackend, Partitions, Strategy};
+use mpipemoe_cuda::{cuda_available, CudaMoe, Nccl};
 
 fn case_files(dir: Option<String>) -> Vec<PathBuf> {
     let dir = dir.map(PathBuf::from).unwrap_or_else(|| {
@@ -46,6 +52,18 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     let device = Default::default();
+    println!(
+        "executor on CUDA by default: {:?}",
+        <CudaMoe<f32> as MoeBackend>::step_executor(&device)
+    );
+    // One rank, every all-to-all through NCCL's device path (a device copy of the own rows).
+    let nccl: Arc<dyn Communicator> = match Nccl::from_env(Duration::from_secs(60)) {
+        Ok(n) => Arc::new(n.with_emulated_network(true)),
+        Err(e) => {
+            eprintln!("error: NCCL: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let mut failed = 0;
     let mut total = 0;
     for file in &files {
@@ -90,11 +108,35 @@ fn main() -> ExitCode {
                 ));
             }
         }
+        for n in [1, 3] {
+            for strategy in [Strategy::None, Strategy::S2, Strategy::S3] {
+                let options = CheckOptions {
+                    path: ExchangePath::Fused,
+                    n_ranks: 1,
+                    partitions: Partitions::Fixed(n),
+                    strategy,
+                    memory_budget: None,
+                    executor: None,
+                };
+                runs.push(("f32 nccl-rows", options));
+                runs.push((
+                    "f32 in-order",
+                    CheckOptions {
+                        executor: Some(StepExecutor::InOrder),
+                        ..options
+                    },
+                ));
+            }
+        }
         for (dtype, options) in runs {
             total += 1;
             let (result, tolerance) = match dtype {
-                "f32" => (
+                "f32" | "f32 in-order" => (
                     check_case::<Autodiff<CudaMoe<f32>>>(&case, &options, &device),
+                    1e-4,
+                ),
+                "f32 nccl-rows" => (
+                    check_case_through::<Autodiff<CudaMoe<f32>>>(&case, &options, &device, &|_| nccl.clone()),
                     1e-4,
                 ),
                 // bf16 keeps 8 bits of mantissa: about 4e-3 relative per value, more after

@@ -8,22 +8,34 @@
 //!   `cubecl` feature implements `MoeBackend` for every CubeCL backend with the generic fused
 //!   algorithm: same schedule and strategies as on the CPU, on burn's stream).
 //! - [`cuda_available`]: a clear error instead of a panic on machines without a driver.
-//! - [`Nccl`]: multi-process ranks over NCCL (torchrun-style environment, file rendezvous).
+//! - [`Nccl`]: ranks over NCCL, as processes (torchrun's `RANK` / `WORLD_SIZE` / `LOCAL_RANK`,
+//!   rank 0 handing out the NCCL id on `MASTER_ADDR:MASTER_PORT`, [`bootstrap`]) or as
+//!   threads of one process over its GPUs ([`Nccl::local_group`]). The layer's rows move by
+//!   one NCCL group of `ncclSend` / `ncclRecv` on device pointers, posted by the same
+//!   `mpipemoe::comm::post_all_to_all_v` the CPU twin is tested with; only counts pass
+//!   through the host.
+//! - The overlap: the layer's `MoeBackend` for CubeCL runs the schedule with a worker per
+//!   stream on CUDA, and cubecl gives each worker a CUDA stream of its own, fenced by events.
 //! - `examples/gpu_check.rs` and `examples/gpu_bench.rs`, run by `scripts/gpu/`.
 //!
-//! Not done yet: the exchange op on streams of its own (cuBLAS GEMMs, NCCL all-to-all on
-//! device pointers, pinned-memory offload, ordered by events) that overlaps S, C and R. It
-//! needs a GPU to write and test.
+//! Not yet run on a GPU: none has been lent to this project so far. Everything here compiles
+//! in CI (`cargo clippy -p mpipemoe-cuda --features cuda`); the posting logic and the TCP
+//! rendezvous are tested on the CPU. Not written yet: a partition arena of its own (cubecl's
+//! memory pool reuses the freed partitions), pinned host memory for S1/S3 offloads (they go
+//! through the host store).
 
 #![warn(missing_docs)]
 
 /// Whether this build has CUDA support compiled in.
 pub const CUDA_COMPILED: bool = cfg!(feature = "cuda");
 
+pub mod bootstrap;
 #[cfg(feature = "cuda")]
 mod driver;
 #[cfg(feature = "cuda")]
 mod nccl;
+#[cfg(feature = "cuda")]
+mod rows;
 
 #[cfg(feature = "cuda")]
 pub use driver::{cuda_available, CudaError};

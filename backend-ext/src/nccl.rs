@@ -1,39 +1,59 @@
-//! `Nccl`: expert-parallel ranks as processes, one GPU each, exchanging through NCCL.
+//! `Nccl`: expert-parallel ranks over NCCL, one GPU each, as processes (torchrun-style) or as
+//! threads of one process driving several GPUs.
 //!
-//! Ranks are configured like torchrun: `RANK` and `WORLD_SIZE` from the environment
-//! (defaults 0 and 1), `LOCAL_RANK` picks the GPU (default: `RANK` modulo the device count).
-//! Rank 0 creates the NCCL unique id and writes it to a rendezvous file that the other ranks
-//! wait for. This communicator implements the host-bytes [`Communicator`] contract: each
-//! exchange copies the payloads to the device, runs one grouped send/recv per peer
-//! (`ncclGroupStart`, `ncclSend`/`ncclRecv` at per-peer offsets, `ncclGroupEnd`), and copies
-//! the result back. The device-pointer path that keeps rows on the GPU belongs with the
-//! stream-overlapped exchange op and is not written yet.
+//! Every transfer is one NCCL group of sends and receives posted by mpipemoe's
+//! [`post_all_to_all_v`] through [`NcclTransport`], the device twin of the host transport the
+//! CPU tests run. The rows' all-to-all of the layer stays on the device ([`crate::rows`]); the
+//! counts and the other small collectives go through the host-bytes [`Communicator`] contract,
+//! copied to the device and back.
 
-use std::path::Path;
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use cudarc::driver::{CudaContext, CudaStream};
-use cudarc::nccl::safe::{Comm, Id};
-use mpipemoe::comm::Payload;
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr};
+use cudarc::nccl::{result as nccl, sys as nccl_sys};
+use mpipemoe::comm::{post_all_to_all_v, Payload, PeerLayout, PeerTransport, RowPaths};
 use mpipemoe::{Communicator, MoeError, Result};
 
+use crate::bootstrap::{fetch_id, master_addr_from_env, serve_id, ID_BYTES};
+
 /// One rank of an NCCL group.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Nccl {
-    rank: usize,
-    world: usize,
-    comm: Mutex<SendComm>,
-    stream: Arc<CudaStream>,
+    pub(crate) shared: Arc<NcclShared>,
+    paths: RowPaths,
+    emulate_network: bool,
 }
 
-/// `Comm` holds a raw NCCL handle, so it is neither `Send` nor `Sync`.
+/// What a rank's communicator and its device row path share.
 #[derive(Debug)]
-struct SendComm(Comm);
+pub(crate) struct NcclShared {
+    pub(crate) rank: usize,
+    pub(crate) world: usize,
+    comm: Mutex<RawComm>,
+    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) context: Arc<CudaContext>,
+}
 
-// SAFETY: NCCL allows a communicator to be used from any thread as long as calls on it do
-// not run concurrently; every use goes through the `Mutex` in `Nccl`, which serialises them.
-unsafe impl Send for SendComm {}
+/// An NCCL communicator handle, destroyed on drop.
+#[derive(Debug)]
+struct RawComm(nccl_sys::ncclComm_t);
+
+// SAFETY: NCCL allows a communicator to be used from any thread as long as calls on it do not
+// run concurrently; every use goes through the `Mutex` in `NcclShared`, which serialises them.
+unsafe impl Send for RawComm {}
+
+impl Drop for RawComm {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from a successful `ncclCommInitRank`/`ncclCommInitAll` and
+        // is dropped once. Abort rather than destroy: destroy waits for outstanding work,
+        // which after a failed peer never completes.
+        unsafe {
+            let _ = nccl::comm_abort(self.0);
+        }
+    }
+}
 
 fn env_usize(name: &str, default: usize) -> Result<usize> {
     match std::env::var(name) {
@@ -48,62 +68,242 @@ fn nccl_err(op: &str, rank: usize, e: impl std::fmt::Debug) -> MoeError {
     MoeError::comm(op, rank, format!("NCCL: {e:?}"))
 }
 
+fn cuda_err(op: &str, rank: usize, e: impl std::fmt::Debug) -> MoeError {
+    MoeError::comm(op, rank, format!("CUDA: {e:?}"))
+}
+
 impl Nccl {
-    /// Joins the group described by `RANK`, `WORLD_SIZE` and `LOCAL_RANK`, exchanging the
-    /// NCCL id through `rendezvous` (a path all ranks can read; rank 0 writes it). Waits at
-    /// most `timeout` for rank 0.
-    pub fn from_env(rendezvous: &Path, timeout: Duration) -> Result<Self> {
+    /// Joins the group described by torchrun's environment: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`
+    /// (the GPU; default `RANK` modulo the device count) and `MASTER_ADDR` / `MASTER_PORT`
+    /// (default `127.0.0.1:29500`), where rank 0 hands out the NCCL id over TCP. Waits at most
+    /// `timeout` for the rendezvous.
+    pub fn from_env(timeout: Duration) -> Result<Self> {
         crate::cuda_available().map_err(|e| MoeError::Backend(e.to_string()))?;
         let rank = env_usize("RANK", 0)?;
         let world = env_usize("WORLD_SIZE", 1)?;
-        if rank >= world {
+        if world == 0 || rank >= world {
             return Err(MoeError::Backend(format!(
                 "RANK {rank} is not below WORLD_SIZE {world}"
             )));
         }
-        let devices =
-            CudaContext::device_count().map_err(|e| MoeError::Backend(format!("CUDA: {e:?}")))? as usize;
+        let devices = CudaContext::device_count().map_err(|e| cuda_err("init", rank, e))? as usize;
         let ordinal = env_usize("LOCAL_RANK", rank % devices.max(1))?;
-        let context = CudaContext::new(ordinal)
-            .map_err(|e| MoeError::Backend(format!("CUDA device {ordinal}: {e:?}")))?;
-        let stream = context
-            .new_stream()
-            .map_err(|e| MoeError::Backend(format!("CUDA stream: {e:?}")))?;
-        let id = if rank == 0 {
-            let id = Id::new().map_err(|e| nccl_err("init", rank, e))?;
-            let bytes: Vec<u8> = id.internal().iter().map(|&c| c as u8).collect();
-            let tmp = rendezvous.with_extension("tmp");
-            std::fs::write(&tmp, &bytes).map_err(|e| MoeError::file(&tmp, e.to_string()))?;
-            std::fs::rename(&tmp, rendezvous).map_err(|e| MoeError::file(rendezvous, e.to_string()))?;
+        if ordinal >= devices {
+            return Err(MoeError::Backend(format!(
+                "LOCAL_RANK {ordinal} names a GPU, but this machine has {devices}"
+            )));
+        }
+        let addr = master_addr_from_env()?;
+        let id = if world == 1 {
+            // A group of one needs no rendezvous.
+            nccl::get_uniqueid().map_err(|e| nccl_err("init", rank, e))?
+        } else if rank == 0 {
+            let id = nccl::get_uniqueid().map_err(|e| nccl_err("init", rank, e))?;
+            let listener = std::net::TcpListener::bind(&addr)
+                .map_err(|e| MoeError::comm("init", rank, format!("listen on {addr}: {e}")))?;
+            let bytes: [u8; ID_BYTES] = std::array::from_fn(|i| id.internal[i] as u8);
+            // Every rank has the id before rank 0 joins: the others wait inside
+            // `ncclCommInitRank` for it, and a rank that never came is an error here rather
+            // than a hang inside NCCL.
+            serve_id(&listener, world, &bytes, timeout)?;
             id
         } else {
-            let start = Instant::now();
-            let bytes = loop {
-                match std::fs::read(rendezvous) {
-                    Ok(b) if b.len() == 128 => break b,
-                    _ if start.elapsed() > timeout => {
-                        return Err(MoeError::comm(
-                            "init",
-                            rank,
-                            format!("rank 0 did not write {} in {timeout:?}", rendezvous.display()),
-                        ))
-                    }
-                    _ => std::thread::sleep(Duration::from_millis(50)),
-                }
-            };
-            let mut internal = [0 as std::ffi::c_char; 128];
-            for (dst, src) in internal.iter_mut().zip(bytes) {
-                *dst = src as std::ffi::c_char;
+            let bytes = fetch_id(&addr, rank, world, timeout)?;
+            nccl_sys::ncclUniqueId {
+                internal: std::array::from_fn(|i| bytes[i] as std::ffi::c_char),
             }
-            Id::uninit(internal)
         };
-        let comm = Comm::from_rank(stream.clone(), rank, world, id).map_err(|e| nccl_err("init", rank, e))?;
-        Ok(Self {
+        Self::join(rank, world, ordinal, id)
+    }
+
+    /// `rank` of `world` on GPU `ordinal`, with the group's id.
+    fn join(rank: usize, world: usize, ordinal: usize, id: nccl_sys::ncclUniqueId) -> Result<Self> {
+        let context = CudaContext::new(ordinal).map_err(|e| cuda_err("init", rank, e))?;
+        let stream = context.new_stream().map_err(|e| cuda_err("init", rank, e))?;
+        let mut comm = std::mem::MaybeUninit::uninit();
+        // SAFETY: `comm` is written by NCCL before it is read; the id is the group's.
+        let comm = unsafe {
+            nccl::comm_init_rank(comm.as_mut_ptr(), world as i32, id, rank as i32)
+                .map_err(|e| nccl_err("init", rank, e))?;
+            comm.assume_init()
+        };
+        Ok(Self::from_parts(rank, world, RawComm(comm), stream, context))
+    }
+
+    fn from_parts(
+        rank: usize,
+        world: usize,
+        comm: RawComm,
+        stream: Arc<CudaStream>,
+        context: Arc<CudaContext>,
+    ) -> Self {
+        let shared = Arc::new(NcclShared {
             rank,
             world,
-            comm: Mutex::new(SendComm(comm)),
+            comm: Mutex::new(comm),
             stream,
-        })
+            context,
+        });
+        Self {
+            paths: crate::rows::row_paths(&shared),
+            shared,
+            emulate_network: false,
+        }
+    }
+
+    /// One rank per GPU for GPUs `0..n_gpus` of this machine, in one process
+    /// (`ncclCommInitAll`): what one 8-GPU node needs without a launcher. Hand each rank to a
+    /// thread of its own, as [`mpipemoe::LocalGroup::run`] does for the CPU.
+    pub fn local_group(n_gpus: usize) -> Result<Vec<Self>> {
+        crate::cuda_available().map_err(|e| MoeError::Backend(e.to_string()))?;
+        let devices = CudaContext::device_count().map_err(|e| cuda_err("init", 0, e))? as usize;
+        if n_gpus == 0 || n_gpus > devices {
+            return Err(MoeError::Backend(format!(
+                "a local NCCL group of {n_gpus} GPUs on a machine with {devices}"
+            )));
+        }
+        let mut comms = vec![std::ptr::null_mut(); n_gpus];
+        let ordinals: Vec<i32> = (0..n_gpus as i32).collect();
+        // SAFETY: `comms` has room for one handle per listed device.
+        unsafe { nccl::comm_init_all(comms.as_mut_ptr(), n_gpus as i32, ordinals.as_ptr()) }
+            .map_err(|e| nccl_err("init", 0, e))?;
+        comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let comm = RawComm(comm);
+                let context = CudaContext::new(rank).map_err(|e| cuda_err("init", rank, e))?;
+                let stream = context.new_stream().map_err(|e| cuda_err("init", rank, e))?;
+                Ok(Self::from_parts(rank, n_gpus, comm, stream, context))
+            })
+            .collect()
+    }
+
+    /// With one rank, sends every all-to-all through NCCL's path anyway (a local device copy)
+    /// instead of skipping it: how a single GPU exercises the device row path.
+    pub fn with_emulated_network(mut self, on: bool) -> Self {
+        self.emulate_network = on;
+        self
+    }
+}
+
+impl NcclShared {
+    /// Runs one all-to-all-v between device buffers at `send` and `recv` on this rank's NCCL
+    /// stream, and waits for it.
+    pub(crate) fn all_to_all_device(
+        &self,
+        op: &str,
+        send: u64,
+        recv: u64,
+        layout: &PeerLayout,
+    ) -> Result<()> {
+        let comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
+        self.context
+            .bind_to_thread()
+            .map_err(|e| cuda_err(op, self.rank, e))?;
+        let mut transport = NcclTransport {
+            comm: comm.0,
+            stream: self.stream.cu_stream(),
+            send,
+            recv,
+            rank: self.rank,
+            op,
+        };
+        post_all_to_all_v(&mut transport, self.rank, layout)
+    }
+
+    /// One round of host bytes: `send[peer]` goes to `peer`, `recv_len[peer]` bytes arrive
+    /// from it, through one device buffer each way.
+    fn round(&self, op: &str, send: &[Vec<u8>], recv_len: &[usize]) -> Result<Vec<Vec<u8>>> {
+        let send_len: Vec<usize> = send.iter().map(Vec::len).collect();
+        let layout = PeerLayout::new(&send_len, recv_len, 1)?;
+        let s = &self.stream;
+        let err = |e| cuda_err(op, self.rank, e);
+        // NCCL cannot take zero-length allocations: keep at least one byte each way.
+        let mut flat = send.concat();
+        flat.resize(layout.send_bytes().max(1), 0);
+        let device_send = s.clone_htod(&flat).map_err(err)?;
+        let device_recv = s.alloc_zeros::<u8>(layout.recv_bytes().max(1)).map_err(err)?;
+        {
+            let (send_ptr, _send_sync) = device_send.device_ptr(s);
+            let (recv_ptr, _recv_sync) = device_recv.device_ptr(s);
+            // The copies above are on the same stream, so they complete before the group runs.
+            self.all_to_all_device(op, send_ptr, recv_ptr, &layout)?;
+        }
+        let flat = s.clone_dtoh(&device_recv).map_err(err)?;
+        Ok(layout.recv.iter().map(|r| flat[r.clone()].to_vec()).collect())
+    }
+}
+
+/// The device side of [`PeerTransport`]: raw `ncclSend` / `ncclRecv` at byte offsets of two
+/// device buffers, a device copy for the own rows, on one stream.
+struct NcclTransport<'a> {
+    comm: nccl_sys::ncclComm_t,
+    stream: cudarc::driver::sys::CUstream,
+    send: u64,
+    recv: u64,
+    rank: usize,
+    op: &'a str,
+}
+
+impl PeerTransport for NcclTransport<'_> {
+    fn begin(&mut self) -> Result<()> {
+        nccl::group_start()
+            .map(|_| ())
+            .map_err(|e| nccl_err(self.op, self.rank, e))
+    }
+
+    fn send(&mut self, peer: usize, bytes: Range<usize>) -> Result<()> {
+        // SAFETY: the range lies in the send buffer (`PeerLayout` built it from the same
+        // counts the buffer was sized by), which outlives the group (`end` waits for it).
+        unsafe {
+            nccl::send(
+                (self.send + bytes.start as u64) as *const std::ffi::c_void,
+                bytes.len(),
+                nccl_sys::ncclDataType_t::ncclUint8,
+                peer as i32,
+                self.comm,
+                self.stream as _,
+            )
+        }
+        .map(|_| ())
+        .map_err(|e| nccl_err(self.op, self.rank, e))
+    }
+
+    fn recv(&mut self, peer: usize, bytes: Range<usize>) -> Result<()> {
+        // SAFETY: as for `send`, in the receive buffer.
+        unsafe {
+            nccl::recv(
+                (self.recv + bytes.start as u64) as *mut std::ffi::c_void,
+                bytes.len(),
+                nccl_sys::ncclDataType_t::ncclUint8,
+                peer as i32,
+                self.comm,
+                self.stream as _,
+            )
+        }
+        .map(|_| ())
+        .map_err(|e| nccl_err(self.op, self.rank, e))
+    }
+
+    fn copy_local(&mut self, from: Range<usize>, to: Range<usize>) -> Result<()> {
+        // SAFETY: both ranges lie in their buffers and have the same length.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                self.recv + to.start as u64,
+                self.send + from.start as u64,
+                from.len(),
+                self.stream,
+            )
+        }
+        .map_err(|e| cuda_err(self.op, self.rank, e))
+    }
+
+    fn end(&mut self) -> Result<()> {
+        nccl::group_end().map_err(|e| nccl_err(self.op, self.rank, e))?;
+        // SAFETY: the stream belongs to this rank's context, which is bound to this thread.
+        unsafe { cudarc::driver::result::stream::synchronize(self.stream) }
+            .map_err(|e| cuda_err(self.op, self.rank, e))
     }
 }
 
@@ -122,91 +322,49 @@ fn encode(payload: &Payload) -> Vec<u8> {
 
 fn decode(bytes: &[u8]) -> Option<Payload> {
     let (tag, body) = bytes.split_first()?;
-    let words = |f: fn([u8; 8]) -> u64| {
-        body.chunks_exact(8)
-            .map(move |c| f(c.try_into().expect("8 bytes")))
+    let words = || {
+        (body.len() % 8 == 0).then(|| {
+            body.chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+        })
     };
     match tag {
         0 => Some(Payload::Bytes(body.to_vec())),
         1 => Some(Payload::Counts(
-            words(u64::from_le_bytes).map(|v| v as usize).collect(),
+            words()?.map(|v| usize::try_from(v).ok()).collect::<Option<_>>()?,
         )),
-        2 => Some(Payload::Values(
-            words(u64::from_le_bytes).map(f64::from_bits).collect(),
-        )),
+        2 => Some(Payload::Values(words()?.map(f64::from_bits).collect())),
         _ => None,
-    }
-}
-
-impl Nccl {
-    /// One grouped send/recv round: `send[peer]` goes to `peer`, `recv_len[peer]` bytes
-    /// arrive from it.
-    fn round(&self, op: &str, send: &[Vec<u8>], recv_len: &[usize]) -> Result<Vec<Vec<u8>>> {
-        let comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
-        let s = &self.stream;
-        let err = |e: cudarc::driver::DriverError| MoeError::comm(op, self.rank, format!("CUDA: {e:?}"));
-        let device_send = send
-            .iter()
-            .map(|b| {
-                s.clone_htod(&if b.is_empty() { vec![0u8] } else { b.clone() })
-                    .map_err(err)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let mut device_recv = recv_len
-            .iter()
-            .map(|&n| s.alloc_zeros::<u8>(n.max(1)).map_err(err))
-            .collect::<Result<Vec<_>>>()?;
-        {
-            let mut group = comm.0.group();
-            for (peer, buf) in device_send.iter().enumerate() {
-                if !send[peer].is_empty() {
-                    group
-                        .send(buf.slice(0..send[peer].len()), peer as i32)
-                        .map_err(|e| nccl_err(op, self.rank, e))?;
-                }
-            }
-            for (peer, buf) in device_recv.iter_mut().enumerate() {
-                if recv_len[peer] > 0 {
-                    group
-                        .recv(buf.slice_mut(0..recv_len[peer]), peer as i32)
-                        .map_err(|e| nccl_err(op, self.rank, e))?;
-                }
-            }
-        }
-        s.synchronize().map_err(err)?;
-        device_recv
-            .iter()
-            .zip(recv_len)
-            .map(|(buf, &n)| {
-                s.clone_dtoh(buf)
-                    .map(|mut v| {
-                        v.truncate(n);
-                        v
-                    })
-                    .map_err(err)
-            })
-            .collect()
     }
 }
 
 impl Communicator for Nccl {
     fn rank(&self) -> usize {
-        self.rank
+        self.shared.rank
     }
 
     fn n_ranks(&self) -> usize {
-        self.world
+        self.shared.world
+    }
+
+    fn is_identity(&self) -> bool {
+        self.shared.world == 1 && !self.emulate_network
+    }
+
+    fn row_paths(&self) -> Option<&RowPaths> {
+        Some(&self.paths)
     }
 
     fn exchange(&self, op: &'static str, outgoing: Vec<Payload>) -> Result<Vec<Payload>> {
-        if outgoing.len() != self.world {
+        let (rank, world) = (self.shared.rank, self.shared.world);
+        if outgoing.len() != world {
             return Err(MoeError::comm(
                 op,
-                self.rank,
-                format!("{} payloads for {} ranks", outgoing.len(), self.world),
+                rank,
+                format!("{} payloads for {world} ranks", outgoing.len()),
             ));
         }
-        if self.world == 1 {
+        if world == 1 {
             return Ok(outgoing);
         }
         let send: Vec<Vec<u8>> = outgoing.iter().map(encode).collect();
@@ -215,19 +373,52 @@ impl Communicator for Nccl {
             .iter()
             .map(|b| (b.len() as u64).to_le_bytes().to_vec())
             .collect();
-        let got = self.round(op, &sizes, &vec![8; self.world])?;
-        let recv_len: Vec<usize> = got
+        let got = self.shared.round(op, &sizes, &vec![8; world])?;
+        let recv_len = got
             .iter()
-            .map(|b| u64::from_le_bytes(b[..8].try_into().expect("8 bytes")) as usize)
-            .collect();
-        self.round(op, &send, &recv_len)?
+            .enumerate()
+            .map(|(src, b)| {
+                let len = u64::from_le_bytes(b[..8].try_into().expect("8 bytes"));
+                usize::try_from(len)
+                    .ok()
+                    .filter(|&len| len <= MAX_PAYLOAD_BYTES)
+                    .ok_or_else(|| {
+                        MoeError::comm(op, rank, format!("rank {src} announced a {len}-byte payload"))
+                    })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.shared
+            .round(op, &send, &recv_len)?
             .into_iter()
             .enumerate()
             .map(|(src, b)| {
-                decode(&b).ok_or_else(|| {
-                    MoeError::comm(op, self.rank, format!("rank {src} sent an unreadable payload"))
-                })
+                decode(&b)
+                    .ok_or_else(|| MoeError::comm(op, rank, format!("rank {src} sent an unreadable payload")))
             })
             .collect()
+    }
+}
+
+/// The largest host-bytes payload a peer may announce (16 GiB): a bound on what a corrupted
+/// size can make this rank allocate. Rows normally take the device path.
+const MAX_PAYLOAD_BYTES: usize = 1 << 34;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn payloads_round_trip_and_garbage_is_refused() {
+        for p in [
+            Payload::Bytes(vec![1, 2, 3]),
+            Payload::Counts(vec![0, 7, usize::MAX >> 1]),
+            Payload::Values(vec![1.5, -0.0, f64::INFINITY]),
+            Payload::Counts(Vec::new()),
+        ] {
+            assert_eq!(decode(&encode(&p)), Some(p));
+        }
+        assert_eq!(decode(&[]), None);
+        assert_eq!(decode(&[9, 1, 2]), None);
+        assert_eq!(decode(&[1, 1, 2, 3]), None);
     }
 }

@@ -1,6 +1,7 @@
 //! Running a case through one configuration of the layer and comparing.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
@@ -11,7 +12,7 @@ use crate::error::Result;
 use crate::exchange::executor::StepExecutor;
 use crate::layer::{ExchangePath, MoeLayer, ParamKind, Partitions};
 use crate::memory::{MemoryReuse, Strategy};
-use crate::{LocalGroup, MoeBackend};
+use crate::{Communicator, LocalGroup, MoeBackend};
 
 /// One configuration to check a case with.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -137,6 +138,20 @@ pub fn check_case<B>(case: &Case, options: &CheckOptions, device: &B::Device) ->
 where
     B: AutodiffBackend + MoeBackend,
 {
+    check_case_through::<B>(case, options, device, &|comm| comm)
+}
+
+/// [`check_case`] with each rank's communicator passed through `wrap` first: how the tests
+/// drive the exchange through a communicator's own row path (`WithRowPaths`).
+pub fn check_case_through<B>(
+    case: &Case,
+    options: &CheckOptions,
+    device: &B::Device,
+    wrap: &(dyn Fn(Arc<dyn Communicator>) -> Arc<dyn Communicator> + Sync),
+) -> Result<CheckReport>
+where
+    B: AutodiffBackend + MoeBackend,
+{
     let config = case
         .config
         .clone()
@@ -155,8 +170,13 @@ where
     let probe_all = values(case.tensor("probe"));
 
     let ranks = LocalGroup::run(options.n_ranks, |ctx| {
-        let layer =
-            MoeLayer::<B>::from_tensor_map(&config, &case.tensors, &case.path, device, ctx.comm.clone())?;
+        let layer = MoeLayer::<B>::from_tensor_map(
+            &config,
+            &case.tensors,
+            &case.path,
+            device,
+            wrap(ctx.comm.clone()),
+        )?;
         let rows = chunk_range(n_tokens, ctx.n_ranks, ctx.rank);
         let slice = |all: &[f64]| all[rows.start * d_model..rows.end * d_model].to_vec();
         let shape = [rows.len(), d_model];

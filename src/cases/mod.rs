@@ -10,5 +10,6 @@ mod golden;
 
 pub use case::Case;
 pub use check::{
-    agreement_error, check_case, expected, relative_error, CheckOptions, CheckReport, TensorError,
+    agreement_error, check_case, check_case_through, expected, relative_error, CheckOptions, CheckReport,
+    TensorError,
 };

@@ -2,6 +2,7 @@
 
 use std::fmt;
 
+use super::RowPaths;
 use crate::error::{MoeError, Result};
 
 /// One message from one rank to another.
@@ -42,6 +43,13 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     /// (one rank). A communicator that emulates a network on one rank says `false`.
     fn is_identity(&self) -> bool {
         self.n_ranks() == 1
+    }
+
+    /// This communicator's own paths for the rows' all-to-all, per backend (see
+    /// [`RowPaths`]); `None` (the default) sends rows as host bytes through
+    /// [`exchange`](Communicator::exchange).
+    fn row_paths(&self) -> Option<&RowPaths> {
+        None
     }
 
     /// Sends `outgoing[dst]` to every rank `dst` and returns what every rank sent to this one,

@@ -4,16 +4,22 @@
 //! primitive, [`Communicator::exchange`] (every rank sends one payload to every rank), from which
 //! the collectives the layer needs are built: the uneven all-to-all of token rows, the
 //! exchange of per-expert counts, all-gather and all-reduce. [`LocalGroup`] runs N ranks as
-//! threads of one process (tests, CI, CPU training); the CUDA crate adds NCCL.
+//! threads of one process (tests, CI, CPU training); the CUDA crate adds NCCL, whose
+//! [`RowPaths`] keep the rows' all-to-all on the device, posted by the same
+//! [`post_all_to_all_v`] as the host twin [`HostRows`].
 
 mod communicator;
+mod device_rows;
 mod local;
 mod loopback;
+mod peer;
 mod single;
 
 pub use communicator::{Communicator, Payload};
+pub use device_rows::{HostRows, RowExchange, RowPaths, WithRowPaths};
 pub use local::{GroupOptions, LocalComm, LocalGroup, RankContext};
 pub use loopback::HostLoopback;
+pub use peer::{host_all_to_all_v, post_all_to_all_v, HostPeers, PeerLayout, PeerTransport};
 pub use single::SingleRank;
 
 /// The contiguous slice of `total` items that `rank` of `n_ranks` holds when they are split as

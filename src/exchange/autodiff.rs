@@ -106,8 +106,8 @@ fn outer_experts<B: MoeBackend, C: CheckpointStrategy>(
 impl<B: MoeBackend, C: CheckpointStrategy> MoeBackend for Autodiff<B, C> {
     type Saved = B::Saved;
 
-    fn step_executor() -> StepExecutor {
-        B::step_executor()
+    fn step_executor(device: &Self::Device) -> StepExecutor {
+        B::step_executor(device)
     }
 
     fn exchange_forward(

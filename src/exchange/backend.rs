@@ -37,9 +37,9 @@ pub struct ExchangeRun {
 }
 
 impl ExchangeRun {
-    /// The executor this run uses on backend `B`.
-    pub fn executor_for<B: MoeBackend>(&self) -> StepExecutor {
-        self.executor.unwrap_or_else(B::step_executor)
+    /// The executor this run uses on backend `B` for tensors on `device`.
+    pub fn executor_for<B: MoeBackend>(&self, device: &B::Device) -> StepExecutor {
+        self.executor.unwrap_or_else(|| B::step_executor(device))
     }
 }
 
@@ -101,8 +101,8 @@ pub trait MoeBackend: ActivationKernels {
         Self::exchange_forward(input, experts, &plan, run).map(|(out, _)| out)
     }
 
-    /// How the generic fused exchange runs its schedule on this backend when the layer's
-    /// config does not say: in issue order on the calling thread (the default), or one
+    /// How the generic fused exchange runs its schedule on this backend (on `device`) when the
+    /// layer's config does not say: in issue order on the calling thread (the default), or one
     /// thread per stream (see [`StepExecutor`]).
     ///
     /// In order is the default because it is correct on every backend and costs nothing
@@ -112,7 +112,8 @@ pub trait MoeBackend: ActivationKernels {
     /// (BENCHMARKS.md §7). The threaded executor is for backends whose streams overlap (CUDA),
     /// and the tests run it on the CPU through `MoeLayerConfig::executor`, where a missing
     /// dependency between streams shows up as a wrong result or a reported hazard.
-    fn step_executor() -> StepExecutor {
+    fn step_executor(device: &Self::Device) -> StepExecutor {
+        let _ = device;
         StepExecutor::InOrder
     }
 

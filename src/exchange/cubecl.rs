@@ -2,9 +2,9 @@
 //! algorithm.
 //!
 //! This is the correctness path on a GPU: the same schedule and strategies as on the CPU,
-//! with plans on the host, offloads as real device → host → device copies, and every step on
-//! burn's own stream. Overlapping S, C and R on streams of their own (docs/design-notes.md, "CUDA") belongs in
-//! the `mpipemoe-cuda` crate and is not done yet.
+//! with plans on the host and offloads as real device → host → device copies. On CUDA the
+//! schedule's streams run on threads of their own, which cubecl maps to CUDA streams of their
+//! own (see `step_executor`); the `mpipemoe-cuda` crate adds the NCCL path for the rows.
 
 use burn::tensor::backend::DeviceOps;
 use burn_cubecl::cubecl::server::ComputeServer;
@@ -24,11 +24,19 @@ where
 {
     super::backend::fused_exchange!();
 
-    /// In issue order: cubecl gives each OS thread its own stream, and on WGPU a tensor that
-    /// one thread's stream writes is not fenced against another thread's stream reading it.
-    /// Measured on Mesa's software Vulkan driver: with a thread per stream, every case fails
-    /// at n = 3; in order, all pass. Overlap on CUDA streams is the `mpipemoe-cuda` crate's work.
-    fn step_executor() -> StepExecutor {
-        StepExecutor::InOrder
+    /// A worker per stream on CUDA, in issue order elsewhere.
+    ///
+    /// cubecl gives each OS thread its own stream. cubecl-cuda keeps them in a `MultiStream`
+    /// that fences a binding written on one stream before another stream uses it (an event
+    /// recorded on the writer, waited on by the reader), so there the threaded executor is the
+    /// overlap of S, C and R. WGPU's scheduler does not fence across streams: measured on
+    /// Mesa's software Vulkan driver, with a thread per stream every case fails at n = 3, in
+    /// order all pass. Other runtimes (ROCm) run in order until measured.
+    fn step_executor(device: &R::Device) -> StepExecutor {
+        if R::name(&R::client(device)) == "cuda" {
+            StepExecutor::StreamThreads
+        } else {
+            StepExecutor::InOrder
+        }
     }
 }

@@ -179,6 +179,7 @@ pub fn forward<B: MoeBackend>(
     let comm = run.comm.as_ref();
     let strategy = run.strategy;
     let n = plan.n_partitions();
+    let device = B::float_device(&input);
     let slots = Slots::<B>::new();
     let saved: Mutex<Vec<SavedPartition<B>>> = Mutex::new(
         (0..n)
@@ -242,12 +243,16 @@ pub fn forward<B: MoeBackend>(
             other => unreachable!("{other:?} is not a forward step"),
         }
     };
-    run_checked(run.executor_for::<B>(), &Schedule::forward(n, strategy), &step_fn)?;
+    run_checked(
+        run.executor_for::<B>(&device),
+        &Schedule::forward(n, strategy),
+        &step_fn,
+    )?;
     let output = output.into_inner().unwrap_or_else(|e| e.into_inner()).finish();
     Ok((
         output,
         Saved {
-            device: B::float_device(&input),
+            device,
             input: strategy.keeps_input().then_some(input),
             experts,
             partitions: saved.into_inner().unwrap_or_else(|e| e.into_inner()),
@@ -345,7 +350,7 @@ pub fn backward<B: MoeBackend>(
         }
     };
     run_checked(
-        run.executor_for::<B>(),
+        run.executor_for::<B>(&device),
         &Schedule::backward(n, strategy),
         &step_fn,
     )?;

@@ -100,6 +100,11 @@ pub(crate) fn all_to_all_rows<B: Backend>(
     if comm.is_identity() {
         return Ok(x);
     }
+    // A communicator with a path of its own for this backend (NCCL on device pointers) moves
+    // the rows without the host.
+    if let Some(path) = comm.row_paths().and_then(|p| p.get::<B>()) {
+        return path.all_to_all(comm, x, send_per_rank, recv_per_rank);
+    }
     let [_, width] = dims2::<B>(&x);
     let device = B::float_device(&x);
     let data = to_data::<B, 2>(x);

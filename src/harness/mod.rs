@@ -5,7 +5,8 @@
 mod memory;
 
 pub use crate::cases::{
-    agreement_error, check_case, expected, relative_error, Case, CheckOptions, CheckReport, TensorError,
+    agreement_error, check_case, check_case_through, expected, relative_error, Case, CheckOptions,
+    CheckReport, TensorError,
 };
 pub use crate::memory::alloc::CountingAllocator;
 pub use memory::{

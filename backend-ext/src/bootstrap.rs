@@ -1,0 +1,225 @@
+//! Handing rank 0's NCCL unique id to every rank over TCP, as torchrun's `MASTER_ADDR` /
+//! `MASTER_PORT` rendezvous does: no shared filesystem needed.
+//!
+//! Rank 0 listens; every other rank connects (retrying until rank 0 is up), introduces itself
+//! with a fixed greeting, its rank and the world size, and receives the id. Rank 0 answers
+//! each rank once and stops when all `world - 1` have their id or the timeout passes. A
+//! connection that does not greet correctly (a port scanner, a rank of another job) is closed
+//! and does not count. Every read and write is bounded in size and time; nothing blocks past
+//! the timeout and nothing panics on what a peer sends.
+//!
+//! This module needs no CUDA, so it is compiled and tested on every machine.
+
+use std::collections::BTreeSet;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use mpipemoe::{MoeError, Result};
+
+/// The size of an NCCL unique id (`ncclUniqueId`), the payload rank 0 hands out.
+pub const ID_BYTES: usize = 128;
+
+/// What a joining rank sends first: 8 bytes of greeting, then its rank and the world size as
+/// little-endian `u32`.
+const GREETING: &[u8; 8] = b"mpipemoe";
+const HELLO_BYTES: usize = 16;
+
+/// How long one poll of the listener or one connection attempt waits.
+const POLL: Duration = Duration::from_millis(20);
+
+fn init_err(rank: usize, reason: impl Into<String>) -> MoeError {
+    MoeError::comm("init", rank, reason)
+}
+
+/// Rank 0's side: answers every other rank of `world` with `id` on `listener`, waiting at most
+/// `timeout` for all of them.
+pub fn serve_id(listener: &TcpListener, world: usize, id: &[u8; ID_BYTES], timeout: Duration) -> Result<()> {
+    let start = Instant::now();
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| init_err(0, format!("rendezvous listener: {e}")))?;
+    let mut served = BTreeSet::new();
+    while served.len() + 1 < world {
+        let left = timeout.saturating_sub(start.elapsed());
+        if left.is_zero() {
+            let missing: Vec<usize> = (1..world).filter(|r| !served.contains(r)).collect();
+            return Err(init_err(
+                0,
+                format!("ranks {missing:?} did not join the rendezvous within {timeout:?}"),
+            ));
+        }
+        match listener.accept() {
+            Ok((stream, _)) => {
+                // A bad greeting closes that connection only; the rendezvous goes on.
+                if let Ok(rank) = answer(stream, world, id, left.min(Duration::from_secs(5)), &served) {
+                    served.insert(rank);
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(POLL),
+            Err(e) => return Err(init_err(0, format!("rendezvous accept: {e}"))),
+        }
+    }
+    Ok(())
+}
+
+/// Reads one greeting from `stream` and, if it names a rank of this world not yet served,
+/// writes the id.
+fn answer(
+    mut stream: TcpStream,
+    world: usize,
+    id: &[u8; ID_BYTES],
+    timeout: Duration,
+    served: &BTreeSet<usize>,
+) -> std::io::Result<usize> {
+    let bad = |why: String| std::io::Error::new(std::io::ErrorKind::InvalidData, why);
+    stream.set_nonblocking(false)?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    let mut hello = [0u8; HELLO_BYTES];
+    stream.read_exact(&mut hello)?;
+    if &hello[..8] != GREETING {
+        return Err(bad("not an mpipemoe rank".into()));
+    }
+    let word = |i: usize| u32::from_le_bytes(hello[i..i + 4].try_into().expect("4 bytes")) as usize;
+    let (rank, their_world) = (word(8), word(12));
+    if their_world != world || rank == 0 || rank >= world || served.contains(&rank) {
+        return Err(bad(format!(
+            "rank {rank} of {their_world} does not fit a world of {world}"
+        )));
+    }
+    stream.write_all(id)?;
+    stream.flush()?;
+    Ok(rank)
+}
+
+/// A joining rank's side: connects to rank 0 at `addr`, retrying until `timeout`, and returns
+/// the id.
+pub fn fetch_id(addr: &str, rank: usize, world: usize, timeout: Duration) -> Result<[u8; ID_BYTES]> {
+    if rank == 0 || rank >= world {
+        return Err(init_err(
+            rank,
+            format!("rank {rank} cannot join a world of {world} as a client"),
+        ));
+    }
+    let start = Instant::now();
+    let mut last_error = String::from("no attempt");
+    loop {
+        let left = timeout.saturating_sub(start.elapsed());
+        if left.is_zero() {
+            return Err(init_err(
+                rank,
+                format!("rank 0 at {addr} did not hand out the NCCL id within {timeout:?} (last error: {last_error})"),
+            ));
+        }
+        match try_fetch(addr, rank, world, left) {
+            Ok(id) => return Ok(id),
+            Err(e) => {
+                last_error = e.to_string();
+                std::thread::sleep(POLL.min(left));
+            }
+        }
+    }
+}
+
+fn try_fetch(addr: &str, rank: usize, world: usize, timeout: Duration) -> std::io::Result<[u8; ID_BYTES]> {
+    let target = addr.to_socket_addrs()?.next().ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            format!("{addr} resolves to nothing"),
+        )
+    })?;
+    let mut stream = TcpStream::connect_timeout(&target, timeout.min(Duration::from_secs(2)))?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    let mut hello = [0u8; HELLO_BYTES];
+    hello[..8].copy_from_slice(GREETING);
+    hello[8..12].copy_from_slice(&(rank as u32).to_le_bytes());
+    hello[12..].copy_from_slice(&(world as u32).to_le_bytes());
+    stream.write_all(&hello)?;
+    let mut id = [0u8; ID_BYTES];
+    stream.read_exact(&mut id)?;
+    Ok(id)
+}
+
+/// `MASTER_ADDR:MASTER_PORT` from the environment (torchrun's names), defaulting to
+/// `127.0.0.1:29500` as torchrun does for one node.
+pub fn master_addr_from_env() -> Result<String> {
+    let host = std::env::var("MASTER_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
+    let port = match std::env::var("MASTER_PORT") {
+        Ok(p) => p
+            .parse::<u16>()
+            .map_err(|_| MoeError::Backend(format!("MASTER_PORT={p:?} is not a port number")))?,
+        Err(_) => 29500,
+    };
+    Ok(format!("{host}:{port}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id() -> [u8; ID_BYTES] {
+        std::array::from_fn(|i| (i * 7 + 3) as u8)
+    }
+
+    #[test]
+    fn every_rank_gets_rank_zeros_id() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let world = 4;
+        let got = std::thread::scope(|s| {
+            let server = s.spawn(|| serve_id(&listener, world, &id(), Duration::from_secs(20)));
+            let clients: Vec<_> = (1..world)
+                .map(|rank| {
+                    let addr = addr.clone();
+                    s.spawn(move || fetch_id(&addr, rank, world, Duration::from_secs(20)))
+                })
+                .collect();
+            server.join().unwrap().unwrap();
+            clients
+                .into_iter()
+                .map(|c| c.join().unwrap().unwrap())
+                .collect::<Vec<_>>()
+        });
+        assert_eq!(got, vec![id(); world - 1]);
+    }
+
+    #[test]
+    fn a_stranger_does_not_count_and_a_late_rank_is_named() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let err = std::thread::scope(|s| {
+            let server = s.spawn(|| serve_id(&listener, 3, &id(), Duration::from_millis(1500)));
+            // Garbage, a rank of another world, and rank 1 properly: rank 2 never comes.
+            let mut junk = TcpStream::connect(addr).unwrap();
+            junk.write_all(&[0xff; 40]).unwrap();
+            let mut wrong = [0u8; HELLO_BYTES];
+            wrong[..8].copy_from_slice(GREETING);
+            wrong[8..12].copy_from_slice(&2u32.to_le_bytes());
+            wrong[12..].copy_from_slice(&8u32.to_le_bytes());
+            TcpStream::connect(addr).unwrap().write_all(&wrong).unwrap();
+            let one = fetch_id(&addr.to_string(), 1, 3, Duration::from_secs(5)).unwrap();
+            assert_eq!(one, id());
+            server.join().unwrap().unwrap_err()
+        });
+        let text = err.to_string();
+        assert!(text.contains("[2]") && text.contains("did not join"), "{text}");
+    }
+
+    #[test]
+    fn a_rank_without_rank_zero_times_out_with_the_address() {
+        // A port nobody listens on: bind one, learn its number, close it.
+        let addr = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .to_string();
+        let err = fetch_id(&addr, 1, 2, Duration::from_millis(300))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(&addr) && err.contains("did not hand out"), "{err}");
+        assert!(fetch_id(&addr, 0, 2, Duration::from_millis(10)).is_err());
+        assert!(fetch_id(&addr, 2, 2, Duration::from_millis(10)).is_err());
+    }
+}

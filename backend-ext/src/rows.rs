@@ -1,0 +1,107 @@
+//! The rows' all-to-all of the fused exchange on device pointers: `T_DI` and `T_DO` partitions
+//! go from cubecl's buffers to NCCL and back into a cubecl buffer without touching the host.
+//! Only the counts (a few bytes, through the counts collective) pass through the host.
+//!
+//! Ordering with cubecl's streams: the exchange step runs on one of the schedule's worker
+//! threads, whose cubecl stream `get_resource` first aligns with the streams that wrote the
+//! rows (cubecl's event fences); `client.sync()` then waits until those writes are done, the
+//! NCCL group runs on this rank's own CUDA stream, and `end` waits for it before the output
+//! tensor is handed to the next step. Blocking the comm worker's host thread costs nothing:
+//! compute is issued from the other workers.
+
+use std::sync::Arc;
+
+use burn::tensor::{DType, Shape};
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::FloatElement;
+use cubecl::cuda::CudaRuntime;
+use mpipemoe::comm::{PeerLayout, RowExchange, RowPaths};
+use mpipemoe::{Communicator, MoeError, Result};
+
+use crate::nccl::NcclShared;
+use crate::CudaMoe;
+
+/// The NCCL device row path of one rank.
+#[derive(Debug, Clone)]
+pub(crate) struct NcclRows(pub(crate) Arc<NcclShared>);
+
+/// The row paths a rank offers: its device path for the CUDA backend in f32, bf16 and f16.
+pub(crate) fn row_paths(shared: &Arc<NcclShared>) -> RowPaths {
+    let rows = NcclRows(shared.clone());
+    RowPaths::new()
+        .with::<CudaMoe<f32>>(Arc::new(rows.clone()))
+        .with::<CudaMoe<burn::tensor::bf16>>(Arc::new(rows.clone()))
+        .with::<CudaMoe<burn::tensor::f16>>(Arc::new(rows))
+}
+
+impl NcclRows {
+    fn err(&self, reason: impl Into<String>) -> MoeError {
+        MoeError::comm("all_to_all_rows", self.0.rank, reason)
+    }
+
+    fn exchange(
+        &self,
+        x: CubeTensor<CudaRuntime>,
+        send_rows: &[usize],
+        recv_rows: &[usize],
+    ) -> Result<CubeTensor<CudaRuntime>> {
+        let x = burn_cubecl::kernel::into_contiguous(x);
+        let dims = x.meta.shape().to_vec();
+        let [rows, width] = match dims[..] {
+            [r, w] => [r, w],
+            _ => return Err(self.err(format!("rows must be a matrix, got shape {dims:?}"))),
+        };
+        let dtype: DType = x.dtype;
+        let row_bytes = width * dtype.size();
+        let layout = PeerLayout::new(send_rows, recv_rows, row_bytes)?;
+        if layout.n_ranks() != self.0.world {
+            return Err(self.err(format!(
+                "counts for {} ranks in a group of {}",
+                layout.n_ranks(),
+                self.0.world
+            )));
+        }
+        if layout.send_bytes() != rows * row_bytes || (x.handle.size() as usize) < layout.send_bytes() {
+            return Err(self.err(format!(
+                "send counts {send_rows:?} do not describe a [{rows}, {width}] tensor"
+            )));
+        }
+        let client = x.client.clone();
+        // NCCL and cubecl both refuse zero-byte buffers: one byte stands in for an empty side.
+        let out = client.empty(layout.recv_bytes().max(1));
+        let device_err = |what: &str, e: &dyn std::fmt::Debug| self.err(format!("cubecl {what}: {e:?}"));
+        let src = client
+            .get_resource(x.handle.clone())
+            .map_err(|e| device_err("resource of the rows", &e))?;
+        let dst = client
+            .get_resource(out.clone())
+            .map_err(|e| device_err("resource of the output", &e))?;
+        cubecl::future::block_on(client.sync()).map_err(|e| device_err("sync", &e))?;
+        self.0
+            .all_to_all_device("all_to_all_rows", src.resource().ptr, dst.resource().ptr, &layout)?;
+        drop((src, dst));
+        let total = recv_rows.iter().sum::<usize>();
+        Ok(CubeTensor::new_contiguous(
+            client,
+            x.device.clone(),
+            Shape::new([total, width]),
+            out,
+            dtype,
+        ))
+    }
+}
+
+impl<F: FloatElement> RowExchange<CudaMoe<F>> for NcclRows {
+    fn all_to_all(
+        &self,
+        comm: &dyn Communicator,
+        x: CubeTensor<CudaRuntime>,
+        send_rows: &[usize],
+        recv_rows: &[usize],
+    ) -> Result<CubeTensor<CudaRuntime>> {
+        if comm.rank() != self.0.rank {
+            return Err(self.err(format!("called through rank {}'s communicator", comm.rank())));
+        }
+        self.exchange(x, send_rows, recv_rows)
+    }
+}

@@ -1,0 +1,140 @@
+//! A communicator's own path for the rows' all-to-all on a given backend, so that rows stay on
+//! the device (NCCL on CUDA) instead of passing through host bytes.
+//!
+//! The layer only holds an `Arc<dyn Communicator>`, and the fused exchange only knows its
+//! backend `B` as a type parameter, so the path is found by type: a communicator offers
+//! [`RowPaths`], a list of `Arc<dyn RowExchange<B>>` for the backends it serves, and the
+//! exchange takes the entry for its `B`, or the host-bytes path when there is none.
+
+use std::any::Any;
+use std::fmt;
+use std::sync::Arc;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorData, TensorPrimitive};
+
+use super::peer::host_all_to_all_v;
+use super::{Communicator, Payload};
+use crate::error::Result;
+
+/// The uneven all-to-all of a `[rows, width]` float tensor on backend `B`.
+pub trait RowExchange<B: Backend>: Send + Sync + fmt::Debug {
+    /// Sends `send_rows[peer]` rows of `x` (grouped by peer, in rank order) to each peer and
+    /// returns the `recv_rows[peer]` rows from each, grouped by source rank.
+    ///
+    /// # Shapes
+    /// - x: `[sum(send_rows), width]` → `[sum(recv_rows), width]`
+    fn all_to_all(
+        &self,
+        comm: &dyn Communicator,
+        x: FloatTensor<B>,
+        send_rows: &[usize],
+        recv_rows: &[usize],
+    ) -> Result<FloatTensor<B>>;
+}
+
+/// The [`RowExchange`] paths a communicator offers, at most one per backend type.
+#[derive(Clone, Default)]
+pub struct RowPaths {
+    paths: Vec<Arc<dyn Any + Send + Sync>>,
+}
+
+impl fmt::Debug for RowPaths {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "RowPaths({} backends)", self.paths.len())
+    }
+}
+
+impl RowPaths {
+    /// No paths: every backend uses host bytes.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds the path for backend `B` (replacing an earlier one for the same backend).
+    pub fn with<B: Backend>(mut self, path: Arc<dyn RowExchange<B>>) -> Self {
+        self.paths.retain(|p| !p.is::<Arc<dyn RowExchange<B>>>());
+        self.paths.push(Arc::new(path));
+        self
+    }
+
+    /// The path for backend `B`, if there is one.
+    pub fn get<B: Backend>(&self) -> Option<Arc<dyn RowExchange<B>>> {
+        self.paths
+            .iter()
+            .find_map(|p| p.downcast_ref::<Arc<dyn RowExchange<B>>>().cloned())
+    }
+}
+
+/// The host twin of a device [`RowExchange`]: reads the rows to host bytes and runs the
+/// shared posting logic ([`post_all_to_all_v`](super::peer::post_all_to_all_v)) through
+/// [`HostPeers`](super::peer::HostPeers). It serves every backend; tests put it behind
+/// [`WithRowPaths`] to drive the fused exchange through the device hook on the CPU.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HostRows;
+
+impl<B: Backend> RowExchange<B> for HostRows {
+    fn all_to_all(
+        &self,
+        comm: &dyn Communicator,
+        x: FloatTensor<B>,
+        send_rows: &[usize],
+        recv_rows: &[usize],
+    ) -> Result<FloatTensor<B>> {
+        let device = B::float_device(&x);
+        let data = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(x)).into_data();
+        let [_, width] = [data.shape[0], data.shape[1]];
+        let dtype = data.dtype;
+        let recv = host_all_to_all_v(
+            comm,
+            "all_to_all_rows",
+            data.as_bytes(),
+            width * dtype.size(),
+            send_rows,
+            recv_rows,
+        )?;
+        let rows = recv_rows.iter().sum::<usize>();
+        Ok(B::float_from_data(
+            TensorData::from_bytes_vec(recv, [rows, width], dtype),
+            &device,
+        ))
+    }
+}
+
+/// A communicator with [`RowPaths`] added: collectives go to the inner communicator, the
+/// rows' all-to-all to the path for the exchange's backend.
+#[derive(Debug, Clone)]
+pub struct WithRowPaths {
+    inner: Arc<dyn Communicator>,
+    paths: RowPaths,
+}
+
+impl WithRowPaths {
+    /// `inner` with `paths`.
+    pub fn new(inner: Arc<dyn Communicator>, paths: RowPaths) -> Self {
+        Self { inner, paths }
+    }
+}
+
+impl Communicator for WithRowPaths {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    fn n_ranks(&self) -> usize {
+        self.inner.n_ranks()
+    }
+
+    fn is_identity(&self) -> bool {
+        self.inner.is_identity()
+    }
+
+    fn exchange(&self, op: &'static str, outgoing: Vec<Payload>) -> Result<Vec<Payload>> {
+        self.inner.exchange(op, outgoing)
+    }
+
+    fn row_paths(&self) -> Option<&RowPaths> {
+        Some(&self.paths)
+    }
+}
