@@ -34,6 +34,8 @@ pub mod bootstrap;
 mod driver;
 #[cfg(feature = "cuda")]
 mod nccl;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod payload;
 #[cfg(feature = "cuda")]
 mod rows;
 

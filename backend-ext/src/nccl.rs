@@ -17,6 +17,7 @@ use mpipemoe::comm::{post_all_to_all_v, Payload, PeerLayout, PeerTransport, RowP
 use mpipemoe::{Communicator, MoeError, Result};
 
 use crate::bootstrap::{fetch_id, master_addr_from_env, serve_id, ID_BYTES};
+use crate::payload::{decode, encode, MAX_PAYLOAD_BYTES};
 
 /// One rank of an NCCL group.
 #[derive(Debug, Clone)]
@@ -34,11 +35,36 @@ pub(crate) struct NcclShared {
     comm: Mutex<RawComm>,
     pub(crate) stream: Arc<CudaStream>,
     pub(crate) context: Arc<CudaContext>,
+    /// How long one transfer may take before the group is declared failed.
+    timeout: Duration,
 }
 
-/// An NCCL communicator handle, destroyed on drop.
+/// An NCCL communicator handle, aborted on drop unless a timeout aborted it already.
 #[derive(Debug)]
-struct RawComm(nccl_sys::ncclComm_t);
+struct RawComm {
+    handle: nccl_sys::ncclComm_t,
+    aborted: bool,
+}
+
+impl RawComm {
+    fn new(handle: nccl_sys::ncclComm_t) -> Self {
+        Self {
+            handle,
+            aborted: false,
+        }
+    }
+
+    /// Aborts the communicator, which stops its kernels that wait for a peer.
+    fn abort(&mut self) {
+        if !self.aborted {
+            self.aborted = true;
+            // SAFETY: the handle is live (not aborted before).
+            unsafe {
+                let _ = nccl::comm_abort(self.handle);
+            }
+        }
+    }
+}
 
 // SAFETY: NCCL allows a communicator to be used from any thread as long as calls on it do not
 // run concurrently; every use goes through the `Mutex` in `NcclShared`, which serialises them.
@@ -46,12 +72,9 @@ unsafe impl Send for RawComm {}
 
 impl Drop for RawComm {
     fn drop(&mut self) {
-        // SAFETY: the handle came from a successful `ncclCommInitRank`/`ncclCommInitAll` and
-        // is dropped once. Abort rather than destroy: destroy waits for outstanding work,
-        // which after a failed peer never completes.
-        unsafe {
-            let _ = nccl::comm_abort(self.0);
-        }
+        // Abort rather than destroy: destroy waits for outstanding work, which after a failed
+        // peer never completes.
+        self.abort();
     }
 }
 
@@ -127,7 +150,7 @@ impl Nccl {
                 .map_err(|e| nccl_err("init", rank, e))?;
             comm.assume_init()
         };
-        Ok(Self::from_parts(rank, world, RawComm(comm), stream, context))
+        Ok(Self::from_parts(rank, world, RawComm::new(comm), stream, context))
     }
 
     fn from_parts(
@@ -143,6 +166,7 @@ impl Nccl {
             comm: Mutex::new(comm),
             stream,
             context,
+            timeout: DEFAULT_TIMEOUT,
         });
         Self {
             paths: crate::rows::row_paths(&shared),
@@ -171,12 +195,22 @@ impl Nccl {
             .into_iter()
             .enumerate()
             .map(|(rank, comm)| {
-                let comm = RawComm(comm);
+                let comm = RawComm::new(comm);
                 let context = CudaContext::new(rank).map_err(|e| cuda_err("init", rank, e))?;
                 let stream = context.new_stream().map_err(|e| cuda_err("init", rank, e))?;
                 Ok(Self::from_parts(rank, n_gpus, comm, stream, context))
             })
             .collect()
+    }
+
+    /// How long one transfer may wait for its peers before this rank aborts the communicator
+    /// and returns an error (default 120 s, as the CPU group's): NCCL itself waits forever for
+    /// a peer that died. Call before the communicator is shared.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        if let Some(shared) = Arc::get_mut(&mut self.shared) {
+            shared.timeout = timeout;
+        }
+        self
     }
 
     /// With one rank, sends every all-to-all through NCCL's path anyway (a local device copy)
@@ -197,17 +231,25 @@ impl NcclShared {
         recv: u64,
         layout: &PeerLayout,
     ) -> Result<()> {
-        let comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
+        let mut comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
+        if comm.aborted {
+            return Err(MoeError::comm(
+                op,
+                self.rank,
+                "the NCCL communicator was aborted after an earlier transfer timed out",
+            ));
+        }
         self.context
             .bind_to_thread()
             .map_err(|e| cuda_err(op, self.rank, e))?;
         let mut transport = NcclTransport {
-            comm: comm.0,
+            comm: &mut comm,
             stream: self.stream.cu_stream(),
             send,
             recv,
             rank: self.rank,
             op,
+            timeout: self.timeout,
         };
         post_all_to_all_v(&mut transport, self.rank, layout)
     }
@@ -238,12 +280,13 @@ impl NcclShared {
 /// The device side of [`PeerTransport`]: raw `ncclSend` / `ncclRecv` at byte offsets of two
 /// device buffers, a device copy for the own rows, on one stream.
 struct NcclTransport<'a> {
-    comm: nccl_sys::ncclComm_t,
+    comm: &'a mut RawComm,
     stream: cudarc::driver::sys::CUstream,
     send: u64,
     recv: u64,
     rank: usize,
     op: &'a str,
+    timeout: Duration,
 }
 
 impl PeerTransport for NcclTransport<'_> {
@@ -262,7 +305,7 @@ impl PeerTransport for NcclTransport<'_> {
                 bytes.len(),
                 nccl_sys::ncclDataType_t::ncclUint8,
                 peer as i32,
-                self.comm,
+                self.comm.handle,
                 self.stream as _,
             )
         }
@@ -278,7 +321,7 @@ impl PeerTransport for NcclTransport<'_> {
                 bytes.len(),
                 nccl_sys::ncclDataType_t::ncclUint8,
                 peer as i32,
-                self.comm,
+                self.comm.handle,
                 self.stream as _,
             )
         }
@@ -299,42 +342,49 @@ impl PeerTransport for NcclTransport<'_> {
         .map_err(|e| cuda_err(self.op, self.rank, e))
     }
 
+    /// Waits by polling the stream and NCCL's asynchronous error rather than blocking in
+    /// `cuStreamSynchronize`, so that a peer that died or never posts its half is an error after
+    /// the timeout (the communicator is then aborted, which stops the waiting kernels) instead
+    /// of a hang.
     fn end(&mut self) -> Result<()> {
+        use cudarc::driver::sys::{cuStreamQuery, CUresult};
         nccl::group_end().map_err(|e| nccl_err(self.op, self.rank, e))?;
-        // SAFETY: the stream belongs to this rank's context, which is bound to this thread.
-        unsafe { cudarc::driver::result::stream::synchronize(self.stream) }
-            .map_err(|e| cuda_err(self.op, self.rank, e))
-    }
-}
-
-/// A payload as bytes: a kind tag, then little-endian values.
-fn encode(payload: &Payload) -> Vec<u8> {
-    match payload {
-        Payload::Bytes(b) => std::iter::once(0u8).chain(b.iter().copied()).collect(),
-        Payload::Counts(c) => std::iter::once(1u8)
-            .chain(c.iter().flat_map(|v| (*v as u64).to_le_bytes()))
-            .collect(),
-        Payload::Values(v) => std::iter::once(2u8)
-            .chain(v.iter().flat_map(|x| x.to_le_bytes()))
-            .collect(),
-    }
-}
-
-fn decode(bytes: &[u8]) -> Option<Payload> {
-    let (tag, body) = bytes.split_first()?;
-    let words = || {
-        (body.len() % 8 == 0).then(|| {
-            body.chunks_exact(8)
-                .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
-        })
-    };
-    match tag {
-        0 => Some(Payload::Bytes(body.to_vec())),
-        1 => Some(Payload::Counts(
-            words()?.map(|v| usize::try_from(v).ok()).collect::<Option<_>>()?,
-        )),
-        2 => Some(Payload::Values(words()?.map(f64::from_bits).collect())),
-        _ => None,
+        let start = std::time::Instant::now();
+        loop {
+            // SAFETY: the stream belongs to this rank's context, which is bound to this thread.
+            match unsafe { cuStreamQuery(self.stream) } {
+                CUresult::CUDA_SUCCESS => return Ok(()),
+                CUresult::CUDA_ERROR_NOT_READY => {}
+                other => return Err(cuda_err(self.op, self.rank, other)),
+            }
+            let mut state = nccl_sys::ncclResult_t::ncclSuccess;
+            // SAFETY: the handle is live (checked not aborted when the transport was made).
+            unsafe { nccl_sys::ncclCommGetAsyncError(self.comm.handle, &mut state) };
+            if !matches!(
+                state,
+                nccl_sys::ncclResult_t::ncclSuccess | nccl_sys::ncclResult_t::ncclInProgress
+            ) {
+                self.comm.abort();
+                return Err(nccl_err(self.op, self.rank, state));
+            }
+            if start.elapsed() > self.timeout {
+                self.comm.abort();
+                return Err(MoeError::comm(
+                    self.op,
+                    self.rank,
+                    format!(
+                        "the NCCL transfer did not complete within {:?}: a peer failed or never posted its half; the communicator is aborted",
+                        self.timeout
+                    ),
+                ));
+            }
+            // Short waits first: most transfers finish within microseconds of the group.
+            if start.elapsed() < Duration::from_micros(200) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
     }
 }
 
@@ -399,26 +449,5 @@ impl Communicator for Nccl {
     }
 }
 
-/// The largest host-bytes payload a peer may announce (16 GiB): a bound on what a corrupted
-/// size can make this rank allocate. Rows normally take the device path.
-const MAX_PAYLOAD_BYTES: usize = 1 << 34;
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn payloads_round_trip_and_garbage_is_refused() {
-        for p in [
-            Payload::Bytes(vec![1, 2, 3]),
-            Payload::Counts(vec![0, 7, usize::MAX >> 1]),
-            Payload::Values(vec![1.5, -0.0, f64::INFINITY]),
-            Payload::Counts(Vec::new()),
-        ] {
-            assert_eq!(decode(&encode(&p)), Some(p));
-        }
-        assert_eq!(decode(&[]), None);
-        assert_eq!(decode(&[9, 1, 2]), None);
-        assert_eq!(decode(&[1, 1, 2, 3]), None);
-    }
-}
+/// How long a transfer waits for its peers by default, as the CPU group does.
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
