@@ -257,6 +257,19 @@ fn each_backend_gets_its_executor_and_a_run_can_override_it() {
         Strategy::None,
         HostStore::new(MemoryMeter::default()),
     );
+    // CubeCL backends by runtime name (as `Runtime::name` gives it): CUDA overlaps on a worker
+    // per stream, WGPU (either shader compiler) and the rest run in order.
+    assert_eq!(
+        StepExecutor::for_cubecl_runtime("cuda"),
+        StepExecutor::StreamThreads
+    );
+    for name in ["wgpu<wgsl>", "wgpu<spirv>", "hip", "cpu"] {
+        assert_eq!(
+            StepExecutor::for_cubecl_runtime(name),
+            StepExecutor::InOrder,
+            "{name}"
+        );
+    }
     assert_eq!(run.executor_for::<Flex>(&flex), StepExecutor::InOrder);
     run.executor = Some(StepExecutor::StreamThreads);
     assert_eq!(

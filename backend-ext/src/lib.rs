@@ -10,7 +10,7 @@
 //! - [`cuda_available`]: a clear error instead of a panic on machines without a driver.
 //! - [`Nccl`]: ranks over NCCL, as processes (torchrun's `RANK` / `WORLD_SIZE` / `LOCAL_RANK`,
 //!   rank 0 handing out the NCCL id on `MASTER_ADDR:MASTER_PORT`, [`bootstrap`]) or as
-//!   threads of one process over its GPUs ([`Nccl::local_group`]). The layer's rows move by
+//!   threads of one process over its GPUs ([`Nccl::run_local`]). The layer's rows move by
 //!   one NCCL group of `ncclSend` / `ncclRecv` on device pointers, posted by the same
 //!   `mpipemoe::comm::post_all_to_all_v` the CPU twin is tested with; only counts pass
 //!   through the host.

@@ -14,7 +14,7 @@ use std::time::Duration;
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 use mpipemoe::comm::{post_all_to_all_v, Payload, PeerLayout, PeerTransport, RowPaths};
-use mpipemoe::{Communicator, MoeError, Result};
+use mpipemoe::{Communicator, MoeError, RankContext, Result};
 
 use crate::bootstrap::{fetch_id, master_addr_from_env, serve_id, ID_BYTES};
 use crate::payload::{decode, encode, MAX_PAYLOAD_BYTES};
@@ -201,6 +201,54 @@ impl Nccl {
                 Ok(Self::from_parts(rank, n_gpus, comm, stream, context))
             })
             .collect()
+    }
+
+    /// Runs `f` on one thread per GPU of `0..n_gpus`, each with its rank's communicator (from
+    /// [`Nccl::local_group`]), and returns the results in rank order: [`LocalGroup::run`]'s
+    /// shape for one process driving a node's GPUs. A rank's own error or panic is preferred
+    /// over the timeouts it causes in its peers (which end after [`Nccl::with_timeout`]).
+    ///
+    /// [`LocalGroup::run`]: mpipemoe::LocalGroup::run
+    pub fn run_local<T, F>(n_gpus: usize, timeout: Duration, f: F) -> Result<Vec<T>>
+    where
+        T: Send,
+        F: Fn(RankContext) -> Result<T> + Sync,
+    {
+        let ranks = Self::local_group(n_gpus)?;
+        let results: Vec<Result<T>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = ranks
+                .into_iter()
+                .map(|nccl| {
+                    let f = &f;
+                    scope.spawn(move || {
+                        let rank = nccl.shared.rank;
+                        let ctx = RankContext {
+                            rank,
+                            n_ranks: n_gpus,
+                            comm: Arc::new(nccl.with_timeout(timeout)),
+                        };
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(ctx)))
+                            .unwrap_or_else(|payload| Err(MoeError::from_panic(payload, rank)))
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .enumerate()
+                .map(|(rank, h)| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(MoeError::comm("run", rank, "rank thread panicked")))
+                })
+                .collect()
+        });
+        let errors: Vec<&MoeError> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+        let own = errors
+            .iter()
+            .find(|e| !matches!(e, MoeError::Comm { .. } | MoeError::PeerFailed { .. }));
+        if let Some(err) = own.or(errors.first()) {
+            return Err((*err).clone());
+        }
+        results.into_iter().collect()
     }
 
     /// How long one transfer may wait for its peers before this rank aborts the communicator

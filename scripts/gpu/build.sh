@@ -13,6 +13,8 @@ for name in gpu_check gpu_bench; do
   strip ".gpu/$name"
 done
 cp scripts/gpu/run.sh .gpu/run.sh
+# The PyTorch eager peer (run when the GPU machine has PyTorch with CUDA).
+cp scripts/bench/torch_peer.py scripts/bench/torch_gpu_peer.py .gpu/
 cp tests/data/cases/*.safetensors .gpu/cases/
 # The Hugging Face expected cases (DeepSeek-V3 routing, Mixtral, Qwen2-MoE) run the same way.
 cp tests/data/hf/*.safetensors .gpu/cases/

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the working-tree root, after `. .gpu/device-env.sh`:
 # (1) every case on CUDA for every strategy and n in {1, 2, 4} (f32 and bf16),
-# (2) the forward + backward benchmark; one table at the end of each.
+# (2) the forward + backward benchmark (both executors), (3) PyTorch eager's layer on the same
+# GPU and shapes, with ours / theirs; one table at the end of each.
 set -uo pipefail
 dir="$(cd "$(dirname "$0")" && pwd)"
 out="${OUT:-$dir}"
@@ -11,4 +12,7 @@ echo "== correctness"
 check=${PIPESTATUS[0]}
 echo "== benchmark"
 "$dir/gpu_bench" --json "$out/gpu_bench.json" | tee "$out/gpu_bench.txt"
+echo "== PyTorch eager peer"
+python3 "$dir/torch_gpu_peer.py" --ours "$out/gpu_bench.json" --json "$out/torch_gpu_peer.json" \
+  | tee "$out/torch_gpu_peer.txt" || true
 exit "$check"

@@ -33,10 +33,6 @@ where
     /// Mesa's software Vulkan driver, with a thread per stream every case fails at n = 3, in
     /// order all pass. Other runtimes (ROCm) run in order until measured.
     fn step_executor(device: &R::Device) -> StepExecutor {
-        if R::name(&R::client(device)) == "cuda" {
-            StepExecutor::StreamThreads
-        } else {
-            StepExecutor::InOrder
-        }
+        StepExecutor::for_cubecl_runtime(R::name(&R::client(device)))
     }
 }

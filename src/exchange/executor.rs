@@ -36,6 +36,18 @@ pub enum StepExecutor {
 }
 
 impl StepExecutor {
+    /// The executor for a CubeCL runtime, by the name cubecl gives it (`Runtime::name`): a
+    /// worker per stream on CUDA, whose streams cubecl fences with events where a buffer
+    /// crosses them; in issue order on every other runtime (WGPU's streams are not fenced
+    /// against each other; ROCm is not measured yet).
+    pub fn for_cubecl_runtime(name: &str) -> Self {
+        if name == "cuda" {
+            StepExecutor::StreamThreads
+        } else {
+            StepExecutor::InOrder
+        }
+    }
+
     /// Runs `schedule` with this executor.
     pub fn run(
         self,
