@@ -8,11 +8,13 @@ use std::time::{Duration, Instant};
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::Tensor;
+use mpipemoe::backend::HostStore;
 use mpipemoe::comm::{
-    host_all_to_all_v, post_all_to_all_v, GroupOptions, HostRows, PeerLayout, PeerTransport, RowExchange,
-    RowPaths, WithRowPaths,
+    host_all_to_all_v, post_all_to_all_v, GroupOptions, HostOffload, HostRows, OffloadPath, Offloaded,
+    PeerLayout, PeerTransport, RowExchange, RowPaths, WithRowPaths,
 };
 use mpipemoe::harness::{check_case, check_case_through, Case, CheckOptions};
+use mpipemoe::memory::Restore;
 use mpipemoe::{Communicator, ExchangePath, LocalGroup, MoeError, MoeLayerConfig, Partitions, Strategy};
 use proptest::prelude::*;
 
@@ -192,11 +194,22 @@ impl RowExchange<NdArray> for Counted {
     }
 }
 
-/// The fused exchange takes a communicator's own row path when it has one for the backend
-/// (how NCCL keeps rows on the device): every case, through the posting logic's host twin, at
-/// 2 and 3 ranks, n 1 and 3 and every strategy, matches the case and is bit-identical to the
-/// host-bytes path, and the path is really taken (two all-to-alls per partition each way,
-/// plus re-communication).
+impl OffloadPath<NdArray> for Counted {
+    fn offload(
+        &self,
+        x: FloatTensor<NdArray>,
+        host: &HostStore,
+    ) -> mpipemoe::Result<Arc<dyn Offloaded<NdArray>>> {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        OffloadPath::<NdArray>::offload(&HostOffload, x, host)
+    }
+}
+
+/// The fused exchange takes a communicator's own paths when it has them for the backend (how
+/// NCCL keeps rows on the device and CUDA offloads to pinned memory): every case, through the
+/// host twins of both paths, at 2 and 3 ranks, n 1 to 3 and every strategy, matches the case
+/// and is bit-identical to the plain path, and both paths are really taken (two all-to-alls
+/// per partition each way, an offload wherever the strategy offloads).
 #[test]
 fn the_fused_exchange_moves_rows_through_the_communicators_row_path() {
     let device = Default::default();
@@ -215,6 +228,7 @@ fn the_fused_exchange_moves_rows_through_the_communicators_row_path() {
             (2, 3, Strategy::S2),
             (3, 3, Strategy::S4),
             (2, 2, Strategy::S1),
+            (3, 2, Strategy::S3),
         ] {
             if case.config.n_experts % n_ranks != 0 {
                 continue;
@@ -228,7 +242,10 @@ fn the_fused_exchange_moves_rows_through_the_communicators_row_path() {
                 executor: None,
             };
             let counted = Arc::new(Counted::default());
-            let paths = RowPaths::new().with::<NdArray>(counted.clone());
+            let offloads = Arc::new(Counted::default());
+            let paths = RowPaths::new()
+                .with::<NdArray>(counted.clone())
+                .with_offload::<NdArray>(offloads.clone());
             let wrap = |comm: Arc<dyn Communicator>| -> Arc<dyn Communicator> {
                 Arc::new(WithRowPaths::new(comm, paths.clone()))
             };
@@ -239,6 +256,13 @@ fn the_fused_exchange_moves_rows_through_the_communicators_row_path() {
             assert!(
                 counted.0.load(Ordering::Relaxed) >= 4 * n_ranks,
                 "{what}: row path not taken"
+            );
+            let offloading =
+                strategy.dispatched() == Restore::Offload || strategy.hidden() == Restore::Offload;
+            assert_eq!(
+                offloads.0.load(Ordering::Relaxed) > 0,
+                offloading,
+                "{what}: offload path taken wrongly"
             );
             for (name, values) in &plain.tensors {
                 let same = values

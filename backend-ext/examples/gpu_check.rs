@@ -1,7 +1,8 @@
 //! Every reference case on CUDA, through every strategy and n ∈ {1, 2, 4}, in f32 (1e-4) and
 //! bf16 (at bf16's own tolerance), plus the reference path; then the f32 runs again with the rows
 //! moved by NCCL on device pointers (a one-rank NCCL group whose all-to-alls are not skipped)
-//! and with the in-order executor, so each new path is checked against the cases on its own.
+//! and S1–S3 offloading to pinned host memory through that group's offload path, and with the
+//! in-order executor, so each new path is checked against the cases on its own.
 //!
 //! ```text
 //! gpu_check [CASE_DIR]      # default: ../shared/cases, else tests/data/cases
@@ -109,7 +110,7 @@ fn main() -> ExitCode {
             }
         }
         for n in [1, 3] {
-            for strategy in [Strategy::None, Strategy::S2, Strategy::S3] {
+            for strategy in Strategy::ALL {
                 let options = CheckOptions {
                     path: ExchangePath::Fused,
                     n_ranks: 1,

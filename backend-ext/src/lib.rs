@@ -20,9 +20,9 @@
 //!
 //! Not yet run on a GPU: none has been lent to this project so far. Everything here compiles
 //! in CI (`cargo clippy -p mpipemoe-cuda --features cuda`); the posting logic and the TCP
-//! rendezvous are tested on the CPU. Not written yet: a partition arena of its own (cubecl's
-//! memory pool reuses the freed partitions), pinned host memory for S1/S3 offloads (they go
-//! through the host store).
+//! rendezvous are tested on the CPU. S1–S3 offload to pinned host memory on a copy stream of
+//! the rank's own. Not written yet: a partition arena of its own (cubecl's memory pool reuses
+//! the freed partitions).
 
 #![warn(missing_docs)]
 
@@ -34,6 +34,8 @@ pub mod bootstrap;
 mod driver;
 #[cfg(feature = "cuda")]
 mod nccl;
+#[cfg(feature = "cuda")]
+mod offload;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod payload;
 #[cfg(feature = "cuda")]

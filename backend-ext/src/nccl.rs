@@ -8,6 +8,7 @@
 //! copied to the device and back.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -35,8 +36,9 @@ pub(crate) struct NcclShared {
     comm: Mutex<RawComm>,
     pub(crate) stream: Arc<CudaStream>,
     pub(crate) context: Arc<CudaContext>,
-    /// How long one transfer may take before the group is declared failed.
-    timeout: Duration,
+    /// How long one transfer may take before the group is declared failed, in milliseconds
+    /// (atomic: the row paths share this struct, and the timeout may be set afterwards).
+    timeout_ms: AtomicU64,
 }
 
 /// An NCCL communicator handle, aborted on drop unless a timeout aborted it already.
@@ -150,7 +152,7 @@ impl Nccl {
                 .map_err(|e| nccl_err("init", rank, e))?;
             comm.assume_init()
         };
-        Ok(Self::from_parts(rank, world, RawComm::new(comm), stream, context))
+        Self::from_parts(rank, world, RawComm::new(comm), stream, context)
     }
 
     fn from_parts(
@@ -159,20 +161,20 @@ impl Nccl {
         comm: RawComm,
         stream: Arc<CudaStream>,
         context: Arc<CudaContext>,
-    ) -> Self {
+    ) -> Result<Self> {
         let shared = Arc::new(NcclShared {
             rank,
             world,
             comm: Mutex::new(comm),
             stream,
             context,
-            timeout: DEFAULT_TIMEOUT,
+            timeout_ms: AtomicU64::new(DEFAULT_TIMEOUT.as_millis() as u64),
         });
-        Self {
-            paths: crate::rows::row_paths(&shared),
+        Ok(Self {
+            paths: crate::rows::row_paths(&shared)?,
             shared,
             emulate_network: false,
-        }
+        })
     }
 
     /// One rank per GPU for GPUs `0..n_gpus` of this machine, in one process
@@ -198,7 +200,7 @@ impl Nccl {
                 let comm = RawComm::new(comm);
                 let context = CudaContext::new(rank).map_err(|e| cuda_err("init", rank, e))?;
                 let stream = context.new_stream().map_err(|e| cuda_err("init", rank, e))?;
-                Ok(Self::from_parts(rank, n_gpus, comm, stream, context))
+                Self::from_parts(rank, n_gpus, comm, stream, context)
             })
             .collect()
     }
@@ -253,11 +255,10 @@ impl Nccl {
 
     /// How long one transfer may wait for its peers before this rank aborts the communicator
     /// and returns an error (default 120 s, as the CPU group's): NCCL itself waits forever for
-    /// a peer that died. Call before the communicator is shared.
-    pub fn with_timeout(mut self, timeout: Duration) -> Self {
-        if let Some(shared) = Arc::get_mut(&mut self.shared) {
-            shared.timeout = timeout;
-        }
+    /// a peer that died.
+    pub fn with_timeout(self, timeout: Duration) -> Self {
+        let ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+        self.shared.timeout_ms.store(ms, Ordering::Relaxed);
         self
     }
 
@@ -297,7 +298,7 @@ impl NcclShared {
             recv,
             rank: self.rank,
             op,
-            timeout: self.timeout,
+            timeout: Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed)),
         };
         post_all_to_all_v(&mut transport, self.rank, layout)
     }

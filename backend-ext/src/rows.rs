@@ -19,19 +19,25 @@ use mpipemoe::comm::{PeerLayout, RowExchange, RowPaths};
 use mpipemoe::{Communicator, MoeError, Result};
 
 use crate::nccl::NcclShared;
+use crate::offload::{PinnedOffload, PinnedPath};
 use crate::CudaMoe;
 
 /// The NCCL device row path of one rank.
 #[derive(Debug, Clone)]
 pub(crate) struct NcclRows(pub(crate) Arc<NcclShared>);
 
-/// The row paths a rank offers: its device path for the CUDA backend in f32, bf16 and f16.
-pub(crate) fn row_paths(shared: &Arc<NcclShared>) -> RowPaths {
+/// The paths a rank offers for the CUDA backend in f32, bf16 and f16: its NCCL device path for
+/// the rows' all-to-all and its pinned offload.
+pub(crate) fn row_paths(shared: &Arc<NcclShared>) -> Result<RowPaths> {
     let rows = NcclRows(shared.clone());
-    RowPaths::new()
+    let pinned = PinnedPath(Arc::new(PinnedOffload::new(shared.context.clone())?));
+    Ok(RowPaths::new()
         .with::<CudaMoe<f32>>(Arc::new(rows.clone()))
         .with::<CudaMoe<burn::tensor::bf16>>(Arc::new(rows.clone()))
         .with::<CudaMoe<burn::tensor::f16>>(Arc::new(rows))
+        .with_offload::<CudaMoe<f32>>(Arc::new(pinned.clone()))
+        .with_offload::<CudaMoe<burn::tensor::bf16>>(Arc::new(pinned.clone()))
+        .with_offload::<CudaMoe<burn::tensor::f16>>(Arc::new(pinned)))
 }
 
 impl NcclRows {
@@ -70,15 +76,23 @@ impl NcclRows {
         // NCCL and cubecl both refuse zero-byte buffers: one byte stands in for an empty side.
         let out = client.empty(layout.recv_bytes().max(1));
         let device_err = |what: &str, e: &dyn std::fmt::Debug| self.err(format!("cubecl {what}: {e:?}"));
-        let src = client
-            .get_resource(x.handle.clone())
-            .map_err(|e| device_err("resource of the rows", &e))?;
+        // A rank that sends nothing posts nothing from its send buffer, so an empty tensor's
+        // buffer (which cubecl may not back with memory) is never resolved.
+        let src = match layout.send_bytes() {
+            0 => None,
+            _ => Some(
+                client
+                    .get_resource(x.handle.clone())
+                    .map_err(|e| device_err("resource of the rows", &e))?,
+            ),
+        };
         let dst = client
             .get_resource(out.clone())
             .map_err(|e| device_err("resource of the output", &e))?;
         cubecl::future::block_on(client.sync()).map_err(|e| device_err("sync", &e))?;
+        let src_ptr = src.as_ref().map_or(0, |r| r.resource().ptr);
         self.0
-            .all_to_all_device("all_to_all_rows", src.resource().ptr, dst.resource().ptr, &layout)?;
+            .all_to_all_device("all_to_all_rows", src_ptr, dst.resource().ptr, &layout)?;
         drop((src, dst));
         let total = recv_rows.iter().sum::<usize>();
         Ok(CubeTensor::new_contiguous(

@@ -1,5 +1,6 @@
-//! A communicator's own path for the rows' all-to-all on a given backend, so that rows stay on
-//! the device (NCCL on CUDA) instead of passing through host bytes.
+//! A communicator's own paths for the rows on a given backend: the all-to-all, so that rows
+//! stay on the device (NCCL on CUDA) instead of passing through host bytes, and the offload of
+//! S1–S3, so that partitions go to pinned host memory on a copy stream of their own.
 //!
 //! The layer only holds an `Arc<dyn Communicator>`, and the fused exchange only knows its
 //! backend `B` as a type parameter, so the path is found by type: a communicator offers
@@ -16,7 +17,8 @@ use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
 use super::peer::host_all_to_all_v;
 use super::{Communicator, Payload};
-use crate::error::Result;
+use crate::error::{MoeError, Result};
+use crate::memory::{HostBlock, HostStore};
 
 /// The uneven all-to-all of a `[rows, width]` float tensor on backend `B`.
 pub trait RowExchange<B: Backend>: Send + Sync + fmt::Debug {
@@ -34,7 +36,25 @@ pub trait RowExchange<B: Backend>: Send + Sync + fmt::Debug {
     ) -> Result<FloatTensor<B>>;
 }
 
-/// The [`RowExchange`] paths a communicator offers, at most one per backend type.
+/// A partition parked in host memory by an [`OffloadPath`] until backward takes it back.
+pub trait Offloaded<B: Backend>: Send + Sync + fmt::Debug {
+    /// Copies the rows back to the device and frees the host memory (the prefetch). Called
+    /// once per offload.
+    fn restore(&self) -> Result<FloatTensor<B>>;
+}
+
+/// A backend's own offload of a partition (S1–S3) to host memory.
+pub trait OffloadPath<B: Backend>: Send + Sync + fmt::Debug {
+    /// Starts copying `x` to host memory and returns the parked partition; the host bytes are
+    /// reported to `host`'s meter while they are held.
+    ///
+    /// # Shapes
+    /// - x: `[rows, width]`
+    fn offload(&self, x: FloatTensor<B>, host: &HostStore) -> Result<Arc<dyn Offloaded<B>>>;
+}
+
+/// The [`RowExchange`] and [`OffloadPath`] paths a communicator offers, at most one of each per
+/// backend type.
 #[derive(Clone, Default)]
 pub struct RowPaths {
     paths: Vec<Arc<dyn Any + Send + Sync>>,
@@ -64,6 +84,20 @@ impl RowPaths {
         self.paths
             .iter()
             .find_map(|p| p.downcast_ref::<Arc<dyn RowExchange<B>>>().cloned())
+    }
+
+    /// Adds the offload path for backend `B` (replacing an earlier one for the same backend).
+    pub fn with_offload<B: Backend>(mut self, path: Arc<dyn OffloadPath<B>>) -> Self {
+        self.paths.retain(|p| !p.is::<Arc<dyn OffloadPath<B>>>());
+        self.paths.push(Arc::new(path));
+        self
+    }
+
+    /// The offload path for backend `B`, if there is one.
+    pub fn offload<B: Backend>(&self) -> Option<Arc<dyn OffloadPath<B>>> {
+        self.paths
+            .iter()
+            .find_map(|p| p.downcast_ref::<Arc<dyn OffloadPath<B>>>().cloned())
     }
 }
 
@@ -99,6 +133,39 @@ impl<B: Backend> RowExchange<B> for HostRows {
             TensorData::from_bytes_vec(recv, [rows, width], dtype),
             &device,
         ))
+    }
+}
+
+/// The host twin of a device [`OffloadPath`]: the partition goes through the [`HostStore`]
+/// (an anonymous mapping, counted by its meter), as the exchange does without a path. Tests
+/// put it behind [`WithRowPaths`] to drive S1–S3 through the offload hook on the CPU.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HostOffload;
+
+#[derive(Debug)]
+struct HostParked<B: Backend> {
+    block: HostBlock,
+    device: B::Device,
+}
+
+impl<B: Backend> Offloaded<B> for HostParked<B> {
+    fn restore(&self) -> Result<FloatTensor<B>> {
+        let data = self
+            .block
+            .take()
+            .ok_or_else(|| MoeError::Backend("an offloaded partition was restored twice".into()))?;
+        Ok(B::float_from_data(data, &self.device))
+    }
+}
+
+impl<B: Backend> OffloadPath<B> for HostOffload {
+    fn offload(&self, x: FloatTensor<B>, host: &HostStore) -> Result<Arc<dyn Offloaded<B>>> {
+        let device = B::float_device(&x);
+        let data = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(x)).into_data();
+        Ok(Arc::new(HostParked::<B> {
+            block: host.offload(data)?,
+            device,
+        }))
     }
 }
 

@@ -16,7 +16,7 @@ mod peer;
 mod single;
 
 pub use communicator::{Communicator, Payload};
-pub use device_rows::{HostRows, RowExchange, RowPaths, WithRowPaths};
+pub use device_rows::{HostOffload, HostRows, OffloadPath, Offloaded, RowExchange, RowPaths, WithRowPaths};
 pub use local::{GroupOptions, LocalComm, LocalGroup, RankContext};
 pub use loopback::HostLoopback;
 pub use peer::{host_all_to_all_v, post_all_to_all_v, HostPeers, PeerLayout, PeerTransport};

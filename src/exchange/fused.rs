@@ -10,7 +10,7 @@
 //! survives into backward is the strategy's choice.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
@@ -22,11 +22,11 @@ use super::ffn::{compute, compute_backward, ExpertGradAcc, Restored};
 use super::rows::{all_to_all_rows, dims2, gather_rows, narrow_rows, to_data};
 use super::schedule::{Op, Role, Schedule, Slot, Step};
 use super::{ExchangeGrads, ExchangeRun, MoeBackend};
-use crate::comm::Communicator;
+use crate::comm::{Communicator, Offloaded};
 use crate::dispatch::{ExchangePlan, PartitionPlan};
 use crate::error::{MoeError, Result};
 use crate::experts::ExpertTensors;
-use crate::memory::{HostBlock, HostStore, Restore};
+use crate::memory::{HostBlock, Restore};
 
 /// What the fused forward keeps for backward.
 #[derive(Debug, Clone)]
@@ -52,24 +52,32 @@ struct SavedPartition<B: Backend> {
 enum Stash<B: Backend> {
     Device(FloatTensor<B>),
     Host(HostBlock),
+    /// Parked by the communicator's own offload path (pinned host memory on CUDA).
+    Parked(Arc<dyn Offloaded<B>>),
     /// Restored by re-communication or recomputation.
     Dropped,
 }
 
 impl<B: Backend> Stash<B> {
-    fn offload(tensor: FloatTensor<B>, host: &HostStore) -> Result<Self> {
-        Ok(Stash::Host(host.offload(to_data::<B, 2>(tensor))?))
+    /// Offloads through the communicator's offload path for `B` where it has one (pinned
+    /// host memory on CUDA), through the host store otherwise.
+    fn offload(tensor: FloatTensor<B>, run: &ExchangeRun) -> Result<Self> {
+        match run.comm.row_paths().and_then(|p| p.offload::<B>()) {
+            Some(path) => Ok(Stash::Parked(path.offload(tensor, &run.host)?)),
+            None => Ok(Stash::Host(run.host.offload(to_data::<B, 2>(tensor))?)),
+        }
     }
 
     /// The tensor, if it was kept or offloaded.
-    fn restore(self, device: &B::Device) -> Option<FloatTensor<B>> {
+    fn restore(self, device: &B::Device) -> Result<Option<FloatTensor<B>>> {
         match self {
-            Stash::Device(t) => Some(t),
+            Stash::Device(t) => Ok(Some(t)),
             Stash::Host(block) => {
                 let data = block.take().expect("an offloaded partition is prefetched once");
-                Some(B::float_from_data(data, device))
+                Ok(Some(B::float_from_data(data, device)))
             }
-            Stash::Dropped => None,
+            Stash::Parked(parked) => parked.restore().map(Some),
+            Stash::Dropped => Ok(None),
         }
     }
 }
@@ -198,7 +206,7 @@ pub fn forward<B: MoeBackend>(
             }
             Op::Offload(Role::Dispatched, i) => {
                 let x = slots.rows(step, Role::Dispatched, i)?;
-                lock(&saved)[i].dispatched = Stash::offload(x, &run.host)?;
+                lock(&saved)[i].dispatched = Stash::offload(x, run)?;
                 Ok(())
             }
             Op::Compute(i) => {
@@ -229,7 +237,7 @@ pub fn forward<B: MoeBackend>(
                 let hidden = slots.hidden(step, i, 0)?;
                 let stashed = hidden
                     .into_iter()
-                    .map(|z| z.map(|z| Stash::offload(z, &run.host)).transpose())
+                    .map(|z| z.map(|z| Stash::offload(z, run)).transpose())
                     .collect::<Result<Vec<_>>>()?;
                 lock(&saved)[i].hidden = stashed;
                 Ok(())
@@ -290,10 +298,10 @@ pub fn backward<B: MoeBackend>(
     let acc = Mutex::new(ExpertGradAcc::<B>::new(&experts));
     let input_grad = Mutex::new(RowAssembler::<B>::new(&grad_out, plan));
     let take_dispatched = |i: usize| std::mem::replace(&mut lock(&stashes[i]).dispatched, Stash::Dropped);
-    let take_hidden = |i: usize| -> Vec<Option<FloatTensor<B>>> {
+    let take_hidden = |i: usize| -> Result<Vec<Option<FloatTensor<B>>>> {
         std::mem::take(&mut lock(&stashes[i]).hidden)
             .into_iter()
-            .map(|z| z.and_then(|z| z.restore(&device)))
+            .map(|z| z.map_or(Ok(None), |z| z.restore(&device)))
             .collect()
     };
     let step_fn = |_: usize, step: &Step| -> Result<()> {
@@ -309,24 +317,24 @@ pub fn backward<B: MoeBackend>(
             }
             Op::Prefetch(Role::Dispatched, i) => {
                 let x = take_dispatched(i)
-                    .restore(&device)
+                    .restore(&device)?
                     .expect("an offloaded T_DI is on the host");
                 slots.put(step, slot(Role::Dispatched, i), Value::Rows(x))
             }
             Op::Prefetch(Role::Hidden, i) => {
-                slots.put(step, slot(Role::Hidden, i), Value::Hidden(take_hidden(i)))
+                slots.put(step, slot(Role::Hidden, i), Value::Hidden(take_hidden(i)?))
             }
             Op::ComputeGrad(i) => {
                 let part = &plan.partitions[i];
                 let grad = slots.rows(step, Role::GradOutput, i)?;
                 let x = match strategy.dispatched() {
                     Restore::Keep => take_dispatched(i)
-                        .restore(&device)
+                        .restore(&device)?
                         .expect("a kept T_DI is on the device"),
                     _ => slots.rows(step, Role::Dispatched, i)?,
                 };
                 let hidden = match strategy.hidden() {
-                    Restore::Keep => take_hidden(i),
+                    Restore::Keep => take_hidden(i)?,
                     Restore::Offload => slots.hidden(step, i, i % 2)?,
                     // Recomputed from T_DI by the expert backward.
                     Restore::Recommunicate | Restore::Recompute => vec![None; part.rows_per_expert.len()],

@@ -37,13 +37,16 @@ impl MemoryMeter {
         Self::default()
     }
 
-    pub(crate) fn host_alloc(&self, bytes: usize) {
+    /// Counts one offloaded block of `bytes` now held in host memory: for an offload path
+    /// (`comm::OffloadPath`) that holds host memory of its own, such as pinned memory on CUDA.
+    pub fn host_alloc(&self, bytes: usize) {
         let now = self.inner.host_current.fetch_add(bytes, Ordering::SeqCst) + bytes;
         self.inner.host_peak.fetch_max(now, Ordering::SeqCst);
         self.inner.offloads.fetch_add(1, Ordering::SeqCst);
     }
 
-    pub(crate) fn host_free(&self, bytes: usize) {
+    /// Counts `bytes` of an offloaded block given back (restored or dropped).
+    pub fn host_free(&self, bytes: usize) {
         self.inner.host_current.fetch_sub(bytes, Ordering::SeqCst);
     }
 
