@@ -42,6 +42,18 @@ fn case_files(dir: Option<String>) -> Vec<PathBuf> {
     files
 }
 
+/// The fused path on one rank with `n` partitions and `strategy`, the backend's executor.
+fn fused(n: usize, strategy: Strategy) -> CheckOptions {
+    CheckOptions {
+        path: ExchangePath::Fused,
+        n_ranks: 1,
+        partitions: Partitions::Fixed(n),
+        strategy,
+        memory_budget: None,
+        executor: None,
+    }
+}
+
 fn main() -> ExitCode {
     if let Err(e) = cuda_available() {
         eprintln!("error: {e}");
@@ -85,46 +97,18 @@ fn main() -> ExitCode {
         )];
         for n in [1, 2, 4] {
             for strategy in Strategy::ALL {
-                runs.push((
-                    "f32",
-                    CheckOptions {
-                        path: ExchangePath::Fused,
-                        n_ranks: 1,
-                        partitions: Partitions::Fixed(n),
-                        strategy,
-                        memory_budget: None,
-                        executor: None,
-                    },
-                ));
-                runs.push((
-                    "bf16",
-                    CheckOptions {
-                        path: ExchangePath::Fused,
-                        n_ranks: 1,
-                        partitions: Partitions::Fixed(n),
-                        strategy,
-                        memory_budget: None,
-                        executor: None,
-                    },
-                ));
+                runs.push(("f32", fused(n, strategy)));
+                runs.push(("bf16", fused(n, strategy)));
             }
         }
         for n in [1, 3] {
             for strategy in Strategy::ALL {
-                let options = CheckOptions {
-                    path: ExchangePath::Fused,
-                    n_ranks: 1,
-                    partitions: Partitions::Fixed(n),
-                    strategy,
-                    memory_budget: None,
-                    executor: None,
-                };
-                runs.push(("f32 nccl-rows", options));
+                runs.push(("f32 nccl-rows", fused(n, strategy)));
                 runs.push((
                     "f32 in-order",
                     CheckOptions {
                         executor: Some(StepExecutor::InOrder),
-                        ..options
+                        ..fused(n, strategy)
                     },
                 ));
             }

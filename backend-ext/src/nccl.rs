@@ -338,6 +338,27 @@ struct NcclTransport<'a> {
     timeout: Duration,
 }
 
+impl NcclTransport<'_> {
+    /// Posts one `ncclSend` (`send` true) or `ncclRecv` of `bytes` at their offset in the send
+    /// or receive buffer.
+    fn post(&mut self, send: bool, peer: usize, bytes: Range<usize>) -> Result<()> {
+        let u8_type = nccl_sys::ncclDataType_t::ncclUint8;
+        let (comm, stream) = (self.comm.handle, self.stream as _);
+        // SAFETY: the range lies in its buffer (`PeerLayout` built it from the same counts the
+        // buffers were sized by), and both buffers outlive the group (`end` waits for it).
+        let posted = unsafe {
+            if send {
+                let ptr = (self.send + bytes.start as u64) as *const std::ffi::c_void;
+                nccl::send(ptr, bytes.len(), u8_type, peer as i32, comm, stream)
+            } else {
+                let ptr = (self.recv + bytes.start as u64) as *mut std::ffi::c_void;
+                nccl::recv(ptr, bytes.len(), u8_type, peer as i32, comm, stream)
+            }
+        };
+        posted.map(|_| ()).map_err(|e| nccl_err(self.op, self.rank, e))
+    }
+}
+
 impl PeerTransport for NcclTransport<'_> {
     fn begin(&mut self) -> Result<()> {
         nccl::group_start()
@@ -346,36 +367,11 @@ impl PeerTransport for NcclTransport<'_> {
     }
 
     fn send(&mut self, peer: usize, bytes: Range<usize>) -> Result<()> {
-        // SAFETY: the range lies in the send buffer (`PeerLayout` built it from the same
-        // counts the buffer was sized by), which outlives the group (`end` waits for it).
-        unsafe {
-            nccl::send(
-                (self.send + bytes.start as u64) as *const std::ffi::c_void,
-                bytes.len(),
-                nccl_sys::ncclDataType_t::ncclUint8,
-                peer as i32,
-                self.comm.handle,
-                self.stream as _,
-            )
-        }
-        .map(|_| ())
-        .map_err(|e| nccl_err(self.op, self.rank, e))
+        self.post(true, peer, bytes)
     }
 
     fn recv(&mut self, peer: usize, bytes: Range<usize>) -> Result<()> {
-        // SAFETY: as for `send`, in the receive buffer.
-        unsafe {
-            nccl::recv(
-                (self.recv + bytes.start as u64) as *mut std::ffi::c_void,
-                bytes.len(),
-                nccl_sys::ncclDataType_t::ncclUint8,
-                peer as i32,
-                self.comm.handle,
-                self.stream as _,
-            )
-        }
-        .map(|_| ())
-        .map_err(|e| nccl_err(self.op, self.rank, e))
+        self.post(false, peer, bytes)
     }
 
     fn copy_local(&mut self, from: Range<usize>, to: Range<usize>) -> Result<()> {

@@ -72,32 +72,36 @@ impl RowPaths {
         Self::default()
     }
 
-    /// Adds the path for backend `B` (replacing an earlier one for the same backend).
-    pub fn with<B: Backend>(mut self, path: Arc<dyn RowExchange<B>>) -> Self {
-        self.paths.retain(|p| !p.is::<Arc<dyn RowExchange<B>>>());
-        self.paths.push(Arc::new(path));
+    /// Stores `entry`, replacing an earlier entry of the same type: entries are found by
+    /// their type, which names the kind of path and the backend.
+    fn insert<T: Any + Send + Sync>(mut self, entry: T) -> Self {
+        self.paths.retain(|p| !p.is::<T>());
+        self.paths.push(Arc::new(entry));
         self
+    }
+
+    fn find<T: Any + Clone>(&self) -> Option<T> {
+        self.paths.iter().find_map(|p| p.downcast_ref::<T>().cloned())
+    }
+
+    /// Adds the path for backend `B` (replacing an earlier one for the same backend).
+    pub fn with<B: Backend>(self, path: Arc<dyn RowExchange<B>>) -> Self {
+        self.insert(path)
     }
 
     /// The path for backend `B`, if there is one.
     pub fn get<B: Backend>(&self) -> Option<Arc<dyn RowExchange<B>>> {
-        self.paths
-            .iter()
-            .find_map(|p| p.downcast_ref::<Arc<dyn RowExchange<B>>>().cloned())
+        self.find()
     }
 
     /// Adds the offload path for backend `B` (replacing an earlier one for the same backend).
-    pub fn with_offload<B: Backend>(mut self, path: Arc<dyn OffloadPath<B>>) -> Self {
-        self.paths.retain(|p| !p.is::<Arc<dyn OffloadPath<B>>>());
-        self.paths.push(Arc::new(path));
-        self
+    pub fn with_offload<B: Backend>(self, path: Arc<dyn OffloadPath<B>>) -> Self {
+        self.insert(path)
     }
 
     /// The offload path for backend `B`, if there is one.
     pub fn offload<B: Backend>(&self) -> Option<Arc<dyn OffloadPath<B>>> {
-        self.paths
-            .iter()
-            .find_map(|p| p.downcast_ref::<Arc<dyn OffloadPath<B>>>().cloned())
+        self.find()
     }
 }
 
