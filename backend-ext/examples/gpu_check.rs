@@ -5,7 +5,7 @@
 //! in-order executor, so each new path is checked against the cases on its own.
 //!
 //! ```text
-//! gpu_check [CASE_DIR]      # default: ../shared/cases, else tests/data/cases
+//! gpu_check [CASE_DIR]      # default: tests/data/cases (the repository's copy of the cases)
 //! ```
 
 use std::path::PathBuf;
@@ -22,14 +22,7 @@ use mpipemoe::{Communicator, ExchangePath, MoeBackend, Partitions, Strategy};
 use mpipemoe_cuda::{cuda_available, CudaMoe, Nccl};
 
 fn case_files(dir: Option<String>) -> Vec<PathBuf> {
-    let dir = dir.map(PathBuf::from).unwrap_or_else(|| {
-        let shared = PathBuf::from("../shared/cases");
-        if shared.is_dir() {
-            shared
-        } else {
-            PathBuf::from("tests/data/cases")
-        }
-    });
+    let dir = dir.map_or_else(|| PathBuf::from("tests/data/cases"), PathBuf::from);
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .map(|d| {
             d.filter_map(|e| e.ok())
