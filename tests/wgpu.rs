@@ -1,8 +1,8 @@
 //! The layer's CubeCL path on burn's WGPU backend (feature `wgpu`), checked against every
 //! reference case: ranks 1 and 2, n ∈ {1, 3}, every strategy, both paths, 1e-4; in f16; and
-//! device memory that does not grow from step to step. On a machine
-//! without a GPU it runs on Mesa's software Vulkan driver ("llvmpipe"; Debian packages
-//! `mesa-vulkan-drivers` and `libvulkan1`), which `.ci/run` installs.
+//! device memory that does not grow from step to step. On a machine without a GPU it runs on
+//! Mesa's software Vulkan driver ("llvmpipe"; Debian packages `mesa-vulkan-drivers` and
+//! `libvulkan1`), which `.ci/run` installs.
 //!
 //! `cargo test -p mpipemoe --features wgpu --test wgpu`
 #![cfg(feature = "wgpu")]
