@@ -107,8 +107,9 @@ impl RowPaths {
 
 /// The host twin of a device [`RowExchange`]: reads the rows to host bytes and runs the
 /// shared posting logic ([`post_all_to_all_v`](super::peer::post_all_to_all_v)) through
-/// [`HostPeers`](super::peer::HostPeers). It serves every backend; tests put it behind
-/// [`WithRowPaths`] to drive the fused exchange through the device hook on the CPU.
+/// [`HostPeers`](super::peer::HostPeers). It serves every backend, and it is the exchange's
+/// own path where a communicator offers none; tests also put it behind [`WithRowPaths`] to
+/// drive the fused exchange through the device hook on the CPU.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct HostRows;
 
@@ -126,7 +127,7 @@ impl<B: Backend> RowExchange<B> for HostRows {
         let dtype = data.dtype;
         let recv = host_all_to_all_v(
             comm,
-            "all_to_all_rows",
+            "all_to_all_v",
             data.as_bytes(),
             width * dtype.size(),
             send_rows,

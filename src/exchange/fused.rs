@@ -19,14 +19,14 @@ use burn::tensor::TensorMetadata;
 use super::assemble::RowAssembler;
 use super::executor::StepExecutor;
 use super::ffn::{compute, compute_backward, ExpertGradAcc, Restored};
-use super::rows::{all_to_all_rows, dims2, gather_rows, narrow_rows, to_data};
+use super::rows::{all_to_all_rows, dims2, gather_rows, narrow_rows};
 use super::schedule::{Op, Role, Schedule, Slot, Step};
 use super::{ExchangeGrads, ExchangeRun, MoeBackend};
-use crate::comm::{Communicator, Offloaded};
+use crate::comm::{Communicator, HostOffload, Offloaded};
 use crate::dispatch::{ExchangePlan, PartitionPlan};
 use crate::error::{MoeError, Result};
 use crate::experts::ExpertTensors;
-use crate::memory::{HostBlock, Restore};
+use crate::memory::Restore;
 
 /// What the fused forward keeps for backward.
 #[derive(Debug, Clone)]
@@ -51,8 +51,8 @@ struct SavedPartition<B: Backend> {
 #[derive(Debug, Clone)]
 enum Stash<B: Backend> {
     Device(FloatTensor<B>),
-    Host(HostBlock),
-    /// Parked by the communicator's own offload path (pinned host memory on CUDA).
+    /// Offloaded to host memory: by the communicator's own offload path where it has one for
+    /// `B` (pinned host memory on CUDA), by the host store otherwise.
     Parked(Arc<dyn Offloaded<B>>),
     /// Restored by re-communication or recomputation.
     Dropped,
@@ -62,20 +62,18 @@ impl<B: Backend> Stash<B> {
     /// Offloads through the communicator's offload path for `B` where it has one (pinned
     /// host memory on CUDA), through the host store otherwise.
     fn offload(tensor: FloatTensor<B>, run: &ExchangeRun) -> Result<Self> {
-        match run.comm.row_paths().and_then(|p| p.offload::<B>()) {
-            Some(path) => Ok(Stash::Parked(path.offload(tensor, &run.host)?)),
-            None => Ok(Stash::Host(run.host.offload(to_data::<B, 2>(tensor))?)),
-        }
+        let path = run
+            .comm
+            .row_paths()
+            .and_then(|p| p.offload::<B>())
+            .unwrap_or_else(|| Arc::new(HostOffload));
+        Ok(Stash::Parked(path.offload(tensor, &run.host)?))
     }
 
     /// The tensor, if it was kept or offloaded.
-    fn restore(self, device: &B::Device) -> Result<Option<FloatTensor<B>>> {
+    fn restore(self) -> Result<Option<FloatTensor<B>>> {
         match self {
             Stash::Device(t) => Ok(Some(t)),
-            Stash::Host(block) => {
-                let data = block.take().expect("an offloaded partition is prefetched once");
-                Ok(Some(B::float_from_data(data, device)))
-            }
             Stash::Parked(parked) => parked.restore().map(Some),
             Stash::Dropped => Ok(None),
         }
@@ -301,7 +299,7 @@ pub fn backward<B: MoeBackend>(
     let take_hidden = |i: usize| -> Result<Vec<Option<FloatTensor<B>>>> {
         std::mem::take(&mut lock(&stashes[i]).hidden)
             .into_iter()
-            .map(|z| z.map_or(Ok(None), |z| z.restore(&device)))
+            .map(|z| z.map_or(Ok(None), |z| z.restore()))
             .collect()
     };
     let step_fn = |_: usize, step: &Step| -> Result<()> {
@@ -317,7 +315,7 @@ pub fn backward<B: MoeBackend>(
             }
             Op::Prefetch(Role::Dispatched, i) => {
                 let x = take_dispatched(i)
-                    .restore(&device)?
+                    .restore()?
                     .expect("an offloaded T_DI is on the host");
                 slots.put(step, slot(Role::Dispatched, i), Value::Rows(x))
             }
@@ -329,7 +327,7 @@ pub fn backward<B: MoeBackend>(
                 let grad = slots.rows(step, Role::GradOutput, i)?;
                 let x = match strategy.dispatched() {
                     Restore::Keep => take_dispatched(i)
-                        .restore(&device)?
+                        .restore()?
                         .expect("a kept T_DI is on the device"),
                     _ => slots.rows(step, Role::Dispatched, i)?,
                 };

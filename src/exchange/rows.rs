@@ -5,10 +5,10 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{DType, FloatDType, Shape, Slice, Tensor, TensorData, TensorMetadata, TensorPrimitive};
+use burn::tensor::{FloatDType, Shape, Slice, TensorData, TensorMetadata};
 
-use crate::comm::Communicator;
-use crate::error::{MoeError, Result};
+use crate::comm::{Communicator, HostRows, RowExchange};
+use crate::error::Result;
 
 /// `[rows, width]` of a 2-D primitive.
 pub(crate) fn dims2<B: Backend>(x: &FloatTensor<B>) -> [usize; 2] {
@@ -19,11 +19,6 @@ pub(crate) fn dims2<B: Backend>(x: &FloatTensor<B>) -> [usize; 2] {
 /// The float dtype of a primitive.
 pub(crate) fn float_dtype<B: Backend>(x: &FloatTensor<B>) -> FloatDType {
     x.dtype().into()
-}
-
-/// Reads a primitive back to the host (blocking).
-pub(crate) fn to_data<B: Backend, const D: usize>(x: FloatTensor<B>) -> TensorData {
-    Tensor::<B, D>::from_primitive(TensorPrimitive::Float(x)).into_data()
 }
 
 /// An int index tensor from host indices.
@@ -105,22 +100,6 @@ pub(crate) fn all_to_all_rows<B: Backend>(
     if let Some(path) = comm.row_paths().and_then(|p| p.get::<B>()) {
         return path.all_to_all(comm, x, send_per_rank, recv_per_rank);
     }
-    let [_, width] = dims2::<B>(&x);
-    let device = B::float_device(&x);
-    let data = to_data::<B, 2>(x);
-    let dtype: DType = data.dtype;
-    let row_bytes = width * dtype.size();
-    let (recv, counts) = comm.all_to_all_v(data.as_bytes(), row_bytes, send_per_rank)?;
-    if counts != recv_per_rank {
-        return Err(MoeError::comm(
-            "all_to_all_v",
-            comm.rank(),
-            format!("received {counts:?} rows per rank, the plan expected {recv_per_rank:?}"),
-        ));
-    }
-    let rows = counts.iter().sum::<usize>();
-    Ok(B::float_from_data(
-        TensorData::from_bytes_vec(recv, [rows, width], dtype),
-        &device,
-    ))
+    // Otherwise host bytes, posted by the same logic a device transport uses.
+    RowExchange::<B>::all_to_all(&HostRows, comm, x, send_per_rank, recv_per_rank)
 }
