@@ -14,12 +14,20 @@
 //! what it waits for. [`execute_on_threads`] runs a schedule with one worker thread per
 //! stream (the CPU executor), [`execute_in_order`] on the calling thread (a backend picks with
 //! [`MoeBackend::step_executor`]); a GPU executor runs the same steps on streams and events.
+//!
+//! Where a backend has a partition arena ([`MoeBackend::slot_memory`], the CubeCL backends),
+//! the generic implementation builds every partition buffer in it: one device buffer per
+//! slot of the schedule, reused by every partition, layer and step the [`PartitionArena`] is
+//! handed to.
 
 pub use crate::dispatch::{chunk_len, chunk_range, ExchangePlan, PartitionPlan, RoutingCounts};
 pub use crate::exchange::executor::{execute as execute_on_threads, execute_in_order, StepExecutor};
 pub use crate::exchange::fused::{backward as fused_backward, forward as fused_forward, Saved as FusedSaved};
 pub use crate::exchange::schedule::{Op, Role, Schedule, Slot, Span, Step, Stream};
-pub use crate::exchange::{exchange_reference, ExchangeGrads, ExchangeRun};
+pub use crate::exchange::{
+    buffer_of, exchange_reference, ArenaCounters, ArenaStats, BlockLayout, ExchangeGrads, ExchangeRun,
+    PartitionArena, SlotMemory,
+};
 pub use crate::experts::{ActivationKernels, ExpertTensors};
 pub use crate::memory::host_store::{HostBlock, HostStore};
 pub use crate::memory::Restore;

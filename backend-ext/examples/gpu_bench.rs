@@ -40,6 +40,9 @@ struct Row {
     comm_only_ms: f64,
     overlap_ratio: f64,
     modelled_peak_mib: f64,
+    /// What the layer's partition arena held after the timed steps (in-order runs; the
+    /// threaded executor does not use it).
+    arena_mib: f64,
     network: &'static str,
 }
 
@@ -170,8 +173,10 @@ fn main() {
             for executor in [StepExecutor::StreamThreads, StepExecutor::InOrder] {
                 for (system, config) in &candidates {
                     let config = config.clone().with_executor(Some(executor));
-                    let (t, _, n, strategy) = layer_time(&config, Arc::new(HostLoopback), tokens, &profile);
-                    measured.push((system.clone(), executor, t, n, strategy));
+                    let (t, layer, n, strategy) =
+                        layer_time(&config, Arc::new(HostLoopback), tokens, &profile);
+                    let arena = layer.context().partition_arena().stats().reserved_bytes;
+                    measured.push((system.clone(), executor, t, n, strategy, arena));
                 }
             }
             // PipeMoE: only the best fixed n is reported, per executor.
@@ -185,7 +190,7 @@ fn main() {
                         .cloned()
                 })
                 .collect();
-            for (system, executor, t, n, strategy) in measured
+            for (system, executor, t, n, strategy, arena) in measured
                 .into_iter()
                 .filter(|m| !m.0.starts_with("PipeMoE"))
                 .chain(best_pipe)
@@ -214,6 +219,7 @@ fn main() {
                     overlap_ratio: t / compute_only.max(comm_only),
                     modelled_peak_mib: ImplementationModel::new(&shape, strategy).peak_device() * 4.0
                         / (1024.0 * 1024.0),
+                    arena_mib: arena as f64 / (1024.0 * 1024.0),
                     network: "emulated (HostLoopback: device -> host -> device)",
                 });
             }
@@ -228,7 +234,7 @@ fn main() {
         }
     }
     println!(
-        "{:<8} {:>6} {:<17} {:<8} {:>2} {:<5} {:>9} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8} {:>9}",
+        "{:<8} {:>6} {:<17} {:<8} {:>2} {:<5} {:>9} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8} {:>9} {:>9}",
         "shape",
         "tokens",
         "system",
@@ -242,11 +248,12 @@ fn main() {
         "compute",
         "comm",
         "overlap",
-        "peak MiB"
+        "peak MiB",
+        "arena MiB"
     );
     for r in &rows {
         println!(
-            "{:<8} {:>6} {:<17} {:<8} {:>2} {:<5} {:>9.2} {:>8.1} {:>8.1} {:>8.2} {:>9.2} {:>9.2} {:>8.2} {:>9.0}",
+            "{:<8} {:>6} {:<17} {:<8} {:>2} {:<5} {:>9.2} {:>8.1} {:>8.1} {:>8.2} {:>9.2} {:>9.2} {:>8.2} {:>9.0} {:>9.1}",
             r.shape,
             r.tokens,
             r.system,
@@ -260,12 +267,14 @@ fn main() {
             r.compute_only_ms,
             r.comm_only_ms,
             r.overlap_ratio,
-            r.modelled_peak_mib
+            r.modelled_peak_mib,
+            r.arena_mib
         );
     }
     println!("\nnetwork: emulated by HostLoopback (each all-to-all is a device -> host -> device copy of its rows).");
     println!("overlap = t(config) / max(t(compute only, no exchange), t(exchange only)); targets: overlap <= 1.10,");
     println!("GEMM efficiency >= 0.8, adaptive n within 5% of the best fixed n. executor threads: a worker");
     println!("per schedule stream, each on a CUDA stream of its own (cubecl), so S, C and R of different partitions");
-    println!("can overlap; in-order: every step on one stream, the comparator for the overlap.");
+    println!("can overlap; in-order: every step on one stream, the comparator for the overlap, with its partitions in");
+    println!("the partition arena (arena MiB: what it held after the timed steps; peak MiB is the replay model's).");
 }

@@ -2,7 +2,9 @@
 //! bf16 (at bf16's own tolerance), plus the reference path; then the f32 runs again with the rows
 //! moved by NCCL on device pointers (a one-rank NCCL group whose all-to-alls are not skipped)
 //! and S1–S3 offloading to pinned host memory through that group's offload path, and with the
-//! in-order executor, so each new path is checked against the cases on its own.
+//! in-order executor, which builds every partition in the partition arena (the threaded
+//! executor, CUDA's default, does not use it), so each new path is checked against the cases
+//! on its own.
 //!
 //! ```text
 //! gpu_check [CASE_DIR]      # default: tests/data/cases (the repository's copy of the cases)
@@ -98,7 +100,7 @@ fn main() -> ExitCode {
             for strategy in Strategy::ALL {
                 runs.push(("f32 nccl-rows", fused(n, strategy)));
                 runs.push((
-                    "f32 in-order",
+                    "f32 in-order arena",
                     CheckOptions {
                         executor: Some(StepExecutor::InOrder),
                         ..fused(n, strategy)
@@ -109,7 +111,7 @@ fn main() -> ExitCode {
         for (dtype, options) in runs {
             total += 1;
             let (result, tolerance) = match dtype {
-                "f32" | "f32 in-order" => (
+                "f32" | "f32 in-order arena" => (
                     check_case::<Autodiff<CudaMoe<f32>>>(&case, &options, &device),
                     1e-4,
                 ),

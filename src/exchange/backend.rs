@@ -8,6 +8,7 @@ use derive_new::new;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 
+use super::arena::{PartitionArena, SlotMemory};
 use super::executor::StepExecutor;
 use super::rows;
 use crate::comm::Communicator;
@@ -34,6 +35,11 @@ pub struct ExchangeRun {
     /// [`step_executor`](MoeBackend::step_executor). Not a constructor argument: set the field.
     #[new(default)]
     pub executor: Option<StepExecutor>,
+    /// The partition arena the backend builds its partitions in, where it has one
+    /// ([`MoeBackend::slot_memory`]); `None` builds them from fresh tensors. The layer passes
+    /// its own. Not a constructor argument: set the field.
+    #[new(default)]
+    pub arena: Option<PartitionArena>,
 }
 
 impl ExchangeRun {
@@ -115,6 +121,14 @@ pub trait MoeBackend: ActivationKernels {
     fn step_executor(device: &Self::Device) -> StepExecutor {
         let _ = device;
         StepExecutor::InOrder
+    }
+
+    /// The partition arena's buffers for this backend on the device and dtype of `like`,
+    /// where the backend has them and `run` carries an arena; `None` (the default) builds
+    /// each partition from fresh tensors. The CubeCL backends have them.
+    fn slot_memory(run: &ExchangeRun, like: &FloatTensor<Self>) -> Option<Arc<dyn SlotMemory<Self>>> {
+        let _ = (run, like);
+        None
     }
 
     /// Writes `rows` into `dst` from row `start` on, returning `dst`: how the exchange

@@ -10,8 +10,14 @@ use burn::tensor::backend::DeviceOps;
 use burn_cubecl::cubecl::server::ComputeServer;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
+use std::sync::Arc;
+
+use burn_cubecl::tensor::CubeTensor;
+
+use super::arena::SlotMemory;
+use super::cubecl_arena::CubeSlots;
 use super::executor::StepExecutor;
-use super::MoeBackend;
+use super::{ExchangeRun, MoeBackend};
 
 impl<R, F, I, BT> MoeBackend for CubeBackend<R, F, I, BT>
 where
@@ -34,5 +40,27 @@ where
     /// order all pass. Other runtimes (ROCm) run in order until measured.
     fn step_executor(device: &R::Device) -> StepExecutor {
         StepExecutor::for_cubecl_runtime(R::name(&R::client(device)))
+    }
+
+    /// The arena's buffers on `like`'s device, for runs in issue order.
+    ///
+    /// The arena hands a buffer out again as soon as the host holds no tensor of it. On one
+    /// stream that is safe, because the device runs the work in the order it was issued. With
+    /// a stream per schedule stream (CUDA's threaded executor) the last reader of a buffer
+    /// may still be queued on another stream, and cubecl 0.10 gives no event to wait for it
+    /// before the next writer, so there the partitions come from cubecl's allocator as before.
+    fn slot_memory(run: &ExchangeRun, like: &CubeTensor<R>) -> Option<Arc<dyn SlotMemory<Self>>> {
+        let arena = run.arena.as_ref()?;
+        if run.executor_for::<Self>(&like.device) != StepExecutor::InOrder {
+            return None;
+        }
+        let key = format!(
+            "{}/{:?}/{:?}",
+            std::any::type_name::<Self>(),
+            like.device,
+            like.dtype
+        );
+        let slots = arena.entry(key, |counters| CubeSlots::<R>::new(like, counters));
+        Some(slots)
     }
 }

@@ -5,8 +5,11 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Shape, TensorMetadata};
 
-use super::rows::{cat_rows, dims2, expert_matrix, expert_row, float_dtype, narrow_rows};
+use super::blocks::{block, layout_of, Blocks, Mem};
+use super::rows::{dims2, expert_matrix, expert_row, float_dtype};
+use super::schedule::{Role, Slot};
 use crate::dispatch::PartitionPlan;
+use crate::error::Result;
 use crate::experts::{activation_backward, activation_forward, Activation, ActivationKernels, ExpertTensors};
 
 /// `x_e · w_in[e] + b_in[e]`: the first GEMM of expert `e`, i.e. `T_M` before activation.
@@ -22,34 +25,64 @@ pub(crate) fn first_gemm<B: Backend>(
     }
 }
 
-/// C_i: every local expert on its rows of the expert-major partition. Returns the outputs
-/// (expert-major, `[rows, d_model]`) and each expert's pre-activation `T_M`.
+/// One optional block per local expert (`None` for an expert without rows).
+pub(crate) type PerExpert<B> = Vec<Option<FloatTensor<B>>>;
+
+/// C_i: every local expert on its rows of the expert-major partition `i`. Returns the
+/// outputs (`T_DO`, expert-major) and each expert's pre-activation `T_M` (`None` for an
+/// expert without rows), built in the arena's slots where `mem` is one.
+///
+/// # Shapes
+/// - x (`T_DI`): `[rows, d_model]` laid out by [`layout_of`] → `T_DO` the same;
+///   `T_M` per expert `[rows_e, d_hidden]`
 pub(crate) fn compute<B: ActivationKernels>(
     x: FloatTensor<B>,
     part: &PartitionPlan,
+    i: usize,
     experts: &ExpertTensors<B>,
     act: Activation,
-) -> (FloatTensor<B>, Vec<Option<FloatTensor<B>>>) {
+    mem: Mem<'_, B>,
+) -> Result<(FloatTensor<B>, PerExpert<B>)> {
     let [_, d_model] = dims2::<B>(&x);
-    let mut outs = Vec::with_capacity(part.rows_per_expert.len());
-    let mut hidden = Vec::with_capacity(part.rows_per_expert.len());
-    let mut offset = 0;
-    for (e, &rows) in part.rows_per_expert.iter().enumerate() {
+    let d_hidden = experts.w_in.shape().to_vec()[2];
+    let rows_per_expert = &part.rows_per_expert;
+    let layout = layout_of(mem, rows_per_expert, d_model);
+    let hidden_slot = Slot {
+        role: Role::Hidden,
+        index: i % 2,
+    };
+    let mut hidden_blocks = Blocks::new(mem, hidden_slot, rows_per_expert, d_hidden, &x)?;
+    let mut out_blocks = Blocks::new(mem, Slot::of(Role::Output, i), rows_per_expert, d_model, &x)?;
+    let mut hidden = Vec::with_capacity(rows_per_expert.len());
+    for (e, &rows) in rows_per_expert.iter().enumerate() {
         if rows == 0 {
             hidden.push(None);
             continue;
         }
-        let z = first_gemm::<B>(narrow_rows::<B>(x.clone(), offset, rows), experts, e);
+        let x_e = block::<B>(mem, &x, &layout, e, rows);
+        let z = hidden_blocks.gemm(
+            e,
+            rows,
+            x_e,
+            expert_matrix::<B>(&experts.w_in, e),
+            bias::<B>(&experts.b_in, e),
+        )?;
         let a = activation_forward::<B>(act, z.clone());
-        let mut out = B::float_matmul(a, expert_matrix::<B>(&experts.w_out, e));
-        if let Some(b) = &experts.b_out {
-            out = B::float_add(out, expert_row::<B>(b, e));
-        }
-        outs.push(out);
+        out_blocks.gemm(
+            e,
+            rows,
+            a,
+            expert_matrix::<B>(&experts.w_out, e),
+            bias::<B>(&experts.b_out, e),
+        )?;
         hidden.push(Some(z));
-        offset += rows;
     }
-    (cat_rows::<B>(outs, &x, d_model), hidden)
+    Ok((out_blocks.finish(), hidden))
+}
+
+/// Expert `e`'s row of an optional stacked bias.
+fn bias<B: Backend>(b: &Option<FloatTensor<B>>, e: usize) -> Option<FloatTensor<B>> {
+    b.as_ref().map(|b| expert_row::<B>(b, e))
 }
 
 /// A partition's tensors, back for its backward step.
@@ -62,26 +95,29 @@ pub(crate) struct Restored<B: Backend> {
     pub hidden: Vec<Option<FloatTensor<B>>>,
 }
 
-/// C'_i: the FFN backward of every local expert on one partition. Returns the gradient of
-/// the partition's expert-major inputs and adds the weight gradients to `acc`.
+/// C'_i: the FFN backward of every local expert on partition `i`. Returns the gradient of
+/// the partition's expert-major inputs (in the arena's `dT_DI` slot where `mem` is one) and
+/// adds the weight gradients to `acc`.
 pub(crate) fn compute_backward<B: ActivationKernels>(
     restored: Restored<B>,
     part: &PartitionPlan,
+    i: usize,
     experts: &ExpertTensors<B>,
     act: Activation,
+    mem: Mem<'_, B>,
     acc: &mut ExpertGradAcc<B>,
-) -> FloatTensor<B> {
+) -> Result<FloatTensor<B>> {
     let Restored { grad, x, hidden } = restored;
     let [_, d_model] = dims2::<B>(&x);
-    let mut grads_x = Vec::with_capacity(part.rows_per_expert.len());
-    let mut offset = 0;
-    for (e, (&rows, z)) in part.rows_per_expert.iter().zip(hidden).enumerate() {
+    let rows_per_expert = &part.rows_per_expert;
+    let layout = layout_of(mem, rows_per_expert, d_model);
+    let mut grads_x = Blocks::new(mem, Slot::of(Role::GradInput, i), rows_per_expert, d_model, &x)?;
+    for (e, (&rows, z)) in rows_per_expert.iter().zip(hidden).enumerate() {
         if rows == 0 {
             continue;
         }
-        let x_e = narrow_rows::<B>(x.clone(), offset, rows);
-        let g_e = narrow_rows::<B>(grad.clone(), offset, rows);
-        offset += rows;
+        let x_e = block::<B>(mem, &x, &layout, e, rows);
+        let g_e = block::<B>(mem, &grad, &layout, e, rows);
         let z = z.unwrap_or_else(|| first_gemm::<B>(x_e.clone(), experts, e));
         let a = activation_forward::<B>(act, z.clone());
         acc.add(
@@ -102,12 +138,15 @@ pub(crate) fn compute_backward<B: ActivationKernels>(
         if experts.b_in.is_some() {
             acc.add(Param::BIn, e, B::float_sum_dim(grad_z.clone(), 0));
         }
-        grads_x.push(B::float_matmul(
+        grads_x.gemm(
+            e,
+            rows,
             grad_z,
             B::float_transpose(expert_matrix::<B>(&experts.w_in, e)),
-        ));
+            None,
+        )?;
     }
-    cat_rows::<B>(grads_x, &x, d_model)
+    Ok(grads_x.finish())
 }
 
 /// Which expert parameter a gradient belongs to (an index into `ExpertGradAcc::sums`).

@@ -17,6 +17,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::TensorMetadata;
 
 use super::assemble::RowAssembler;
+use super::blocks::{layout_of, Mem};
 use super::executor::StepExecutor;
 use super::ffn::{compute, compute_backward, ExpertGradAcc, Restored};
 use super::rows::{all_to_all_rows, dims2, gather_rows, narrow_rows};
@@ -156,9 +157,9 @@ impl<B: Backend> Slots<B> {
     }
 }
 
-/// The slot of `role` partition `i` uses: the roles with two buffers alternate.
+/// The slot of `role` partition `i` uses.
 fn slot(role: Role, i: usize) -> Slot {
-    Slot { role, index: i % 2 }
+    Slot::of(role, i)
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -196,11 +197,14 @@ pub fn forward<B: MoeBackend>(
             .collect(),
     );
     let output = Mutex::new(RowAssembler::<B>::new(&input, plan));
+    let memory = B::slot_memory(run, &input);
+    let mem: Mem<'_, B> = memory.as_deref();
     let step_fn = |_: usize, step: &Step| -> Result<()> {
         match step.op {
             Op::Dispatch(i) => {
-                let rows = dispatch::<B>(&input, &plan.partitions[i], comm)?;
-                slots.put(step, slot(Role::Dispatched, i), Value::Rows(rows))
+                let target = slot(Role::Dispatched, i);
+                let rows = dispatch::<B>(&input, &plan.partitions[i], comm, mem, target)?;
+                slots.put(step, target, Value::Rows(rows))
             }
             Op::Offload(Role::Dispatched, i) => {
                 let x = slots.rows(step, Role::Dispatched, i)?;
@@ -209,7 +213,8 @@ pub fn forward<B: MoeBackend>(
             }
             Op::Compute(i) => {
                 let x = slots.rows(step, Role::Dispatched, i)?;
-                let (out, hidden) = compute::<B>(x.clone(), &plan.partitions[i], &experts, run.activation);
+                let (out, hidden) =
+                    compute::<B>(x.clone(), &plan.partitions[i], i, &experts, run.activation, mem)?;
                 if strategy.dispatched() == Restore::Keep {
                     lock(&saved)[i].dispatched = Stash::Device(x);
                 }
@@ -242,7 +247,7 @@ pub fn forward<B: MoeBackend>(
             }
             Op::Combine(i) => {
                 let out = slots.rows(step, Role::Output, i)?;
-                let rows = combine::<B>(out, &plan.partitions[i], comm)?;
+                let rows = combine::<B>(out, &plan.partitions[i], comm, mem)?;
                 lock(&output).place(&plan.partitions[i], rows);
                 Ok(())
             }
@@ -295,6 +300,8 @@ pub fn backward<B: MoeBackend>(
     let stashes: Vec<Mutex<SavedPartition<B>>> = partitions.into_iter().map(Mutex::new).collect();
     let acc = Mutex::new(ExpertGradAcc::<B>::new(&experts));
     let input_grad = Mutex::new(RowAssembler::<B>::new(&grad_out, plan));
+    let memory = B::slot_memory(run, &grad_out);
+    let mem: Mem<'_, B> = memory.as_deref();
     let take_dispatched = |i: usize| std::mem::replace(&mut lock(&stashes[i]).dispatched, Stash::Dropped);
     let take_hidden = |i: usize| -> Result<Vec<Option<FloatTensor<B>>>> {
         std::mem::take(&mut lock(&stashes[i]).hidden)
@@ -305,13 +312,15 @@ pub fn backward<B: MoeBackend>(
     let step_fn = |_: usize, step: &Step| -> Result<()> {
         match step.op {
             Op::DispatchGrad(i) => {
-                let grad = dispatch::<B>(&grad_out, &plan.partitions[i], comm)?;
-                slots.put(step, slot(Role::GradOutput, i), Value::Rows(grad))
+                let target = slot(Role::GradOutput, i);
+                let grad = dispatch::<B>(&grad_out, &plan.partitions[i], comm, mem, target)?;
+                slots.put(step, target, Value::Rows(grad))
             }
             Op::Redispatch(i) => {
                 let input = input.as_ref().expect("checked above");
-                let x = dispatch::<B>(input, &plan.partitions[i], comm)?;
-                slots.put(step, slot(Role::Dispatched, i), Value::Rows(x))
+                let target = slot(Role::Dispatched, i);
+                let x = dispatch::<B>(input, &plan.partitions[i], comm, mem, target)?;
+                slots.put(step, target, Value::Rows(x))
             }
             Op::Prefetch(Role::Dispatched, i) => {
                 let x = take_dispatched(i)
@@ -340,15 +349,17 @@ pub fn backward<B: MoeBackend>(
                 let grad_x = compute_backward::<B>(
                     Restored { grad, x, hidden },
                     part,
+                    i,
                     &experts,
                     run.activation,
+                    mem,
                     &mut lock(&acc),
-                );
+                )?;
                 slots.put(step, slot(Role::GradInput, i), Value::Rows(grad_x))
             }
             Op::CombineGrad(i) => {
                 let grad_x = slots.rows(step, Role::GradInput, i)?;
-                let rows = combine::<B>(grad_x, &plan.partitions[i], comm)?;
+                let rows = combine::<B>(grad_x, &plan.partitions[i], comm, mem)?;
                 lock(&input_grad).place(&plan.partitions[i], rows);
                 Ok(())
             }
@@ -406,29 +417,67 @@ fn check_input<B: Backend>(
 }
 
 /// S_i: sends partition `i` of `rows` (a `[n_rows, width]` tensor in plan order) to the
-/// experts' ranks and returns what this rank receives, in expert-major order.
+/// experts' ranks and returns what this rank receives, in expert-major order: in the arena's
+/// buffer of `target` where `mem` is one (each expert's block at its aligned start), as a
+/// fresh tensor otherwise.
 fn dispatch<B: Backend>(
     rows: &FloatTensor<B>,
     part: &PartitionPlan,
     comm: &dyn Communicator,
+    mem: Mem<'_, B>,
+    target: Slot,
 ) -> Result<FloatTensor<B>> {
     let send = narrow_rows::<B>(rows.clone(), part.send_offset, part.send_rows());
     let recv = all_to_all_rows::<B>(comm, send, &part.send_per_rank, &part.recv_per_rank)?;
-    Ok(match &part.to_expert_major {
-        Some(perm) => gather_rows::<B>(recv, perm),
-        None => recv,
-    })
+    let Some(m) = mem else {
+        return Ok(match &part.to_expert_major {
+            Some(perm) => gather_rows::<B>(recv, perm),
+            None => recv,
+        });
+    };
+    let [received, width] = dims2::<B>(&recv);
+    let layout = layout_of(mem, &part.rows_per_expert, width);
+    // Expert-major row r is received row `to_expert_major[r]` (row r without a permutation).
+    let from: Vec<usize> = match &part.to_expert_major {
+        Some(perm) => perm.clone(),
+        None => (0..received).collect(),
+    };
+    let into = layout.buffer_rows();
+    if from.len() != into.len() {
+        return Err(MoeError::Backend(format!(
+            "dispatch: {} rows received for {} expert rows",
+            from.len(),
+            into.len()
+        )));
+    }
+    let buffer = m.buffer(target, layout.total(), width)?;
+    m.copy_rows(&buffer, &into, recv, &from);
+    Ok(buffer)
 }
 
-/// R_i: returns expert-major rows to the ranks they came from.
+/// R_i: returns expert-major rows (laid out as `mem` places them) to the ranks they came
+/// from.
 fn combine<B: Backend>(
     rows: FloatTensor<B>,
     part: &PartitionPlan,
     comm: &dyn Communicator,
+    mem: Mem<'_, B>,
 ) -> Result<FloatTensor<B>> {
-    let by_source = match &part.from_expert_major {
-        Some(perm) => gather_rows::<B>(rows, perm),
-        None => rows,
+    let [_, width] = dims2::<B>(&rows);
+    let layout = layout_of(mem, &part.rows_per_expert, width);
+    let by_source = match (&part.from_expert_major, layout.is_dense()) {
+        (None, true) => rows,
+        (Some(perm), true) => gather_rows::<B>(rows, perm),
+        // Row k for the sources is expert-major row `from_expert_major[k]`, which the
+        // buffer holds at its padded position.
+        (perm, false) => {
+            let at = layout.buffer_rows();
+            let idx: Vec<usize> = match perm {
+                Some(perm) => perm.iter().map(|&r| at[r]).collect(),
+                None => at,
+            };
+            gather_rows::<B>(rows, &idx)
+        }
     };
     all_to_all_rows::<B>(comm, by_source, &part.recv_per_rank, &part.send_per_rank)
 }

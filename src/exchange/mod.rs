@@ -6,11 +6,15 @@
 //! same function built from ordinary differentiable tensor ops, which the tests hold the
 //! fused op to.
 
+pub(crate) mod arena;
 mod assemble;
 mod autodiff;
 mod backend;
+mod blocks;
 #[cfg(feature = "cubecl")]
 mod cubecl;
+#[cfg(feature = "cubecl")]
+mod cubecl_arena;
 pub(crate) mod executor;
 mod ffn;
 #[cfg(feature = "flex")]
@@ -20,5 +24,7 @@ mod reference;
 pub(crate) mod rows;
 pub(crate) mod schedule;
 
+pub use arena::{buffer_of, ArenaCounters, ArenaStats, PartitionArena, SlotMemory};
 pub use backend::{ExchangeGrads, ExchangeRun, MoeBackend};
+pub use blocks::BlockLayout;
 pub use reference::exchange_reference;

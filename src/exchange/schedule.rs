@@ -137,6 +137,13 @@ fn slot(role: Role, index: usize) -> Slot {
     Slot { role, index }
 }
 
+impl Slot {
+    /// The slot of `role` that partition `i` uses: the roles with two buffers alternate.
+    pub(crate) fn of(role: Role, i: usize) -> Slot {
+        Slot { role, index: i % 2 }
+    }
+}
+
 impl Schedule {
     /// The forward pass of `n` partitions under `strategy`: `S_0`, then per partition `i`:
     /// `S_{i+1}` (the next partition is received while this one is computed), `C_i`, `R_i`,

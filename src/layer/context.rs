@@ -4,6 +4,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::MoeLayerConfig;
 use crate::comm::Communicator;
+use crate::exchange::PartitionArena;
 use crate::memory::{HostStore, MemoryMeter};
 use crate::tuning::{GranularityTable, Profile, TrialTimer, WallClock};
 
@@ -19,6 +20,7 @@ pub struct MoeContext {
     pub(crate) config: MoeLayerConfig,
     pub(crate) comm: Arc<dyn Communicator>,
     pub(crate) host: HostStore,
+    pub(crate) arena: PartitionArena,
     pub(crate) tuning: Arc<Tuning>,
 }
 
@@ -54,6 +56,7 @@ impl MoeContext {
             config,
             comm,
             host: HostStore::new(MemoryMeter::new()),
+            arena: PartitionArena::new(),
             tuning: Arc::new(Tuning {
                 table: Mutex::new(GranularityTable::new()),
                 profile: Mutex::new(None),
@@ -75,6 +78,13 @@ impl MoeContext {
     /// The meter of this layer's host store.
     pub fn meter(&self) -> &MemoryMeter {
         self.host.meter()
+    }
+
+    /// The partition arena this layer builds its partitions in on backends that have one
+    /// (the CubeCL backends): a handle to share it, or to read its
+    /// [`stats`](PartitionArena::stats).
+    pub fn partition_arena(&self) -> PartitionArena {
+        self.arena.clone()
     }
 
     /// A copy of the granularity table (Algorithm 1's state), e.g. to save it.

@@ -98,6 +98,14 @@ impl<B: Backend> MoeLayer<B> {
         &self.ctx
     }
 
+    /// Builds this layer's partitions in `arena` (e.g. another layer's,
+    /// `other.context().partition_arena()`), so that the layers of a model, which run one
+    /// after another, hold one set of partition buffers between them on the backends that
+    /// have an arena (the CubeCL backends).
+    pub fn set_partition_arena(&mut self, arena: crate::exchange::PartitionArena) {
+        self.ctx.arena = arena;
+    }
+
     /// The same weights with other run settings (partitions, memory reuse, path, ...).
     ///
     /// # Errors

@@ -170,6 +170,7 @@ impl<B: MoeBackend> MoeLayer<B> {
             self.ctx.host.clone(),
         );
         run.executor = self.ctx.config.executor;
+        run.arena = Some(self.ctx.arena.clone());
         run
     }
 }

@@ -1,0 +1,179 @@
+//! A partition's expert blocks: where each expert's rows lie in a slot buffer, and the
+//! builder that fills a slot expert by expert, in the partition arena or in fresh tensors.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+
+use super::arena::SlotMemory;
+use super::rows::{cat_rows, narrow_rows};
+use super::schedule::Slot;
+use crate::error::Result;
+
+/// Where the fused exchange builds a pass's partitions: the partition arena's slot buffers
+/// (`Some`), or fresh tensors (`None`, the CPU backends).
+pub(crate) type Mem<'a, B> = Option<&'a dyn SlotMemory<B>>;
+
+/// Where each expert's rows of one partition lie in a slot buffer: expert `e`'s block starts
+/// at `starts[e]`, a multiple of the row alignment, and is padded to the next one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockLayout {
+    starts: Vec<usize>,
+    rows: Vec<usize>,
+    total: usize,
+}
+
+impl BlockLayout {
+    /// The layout of blocks of `rows_per_expert` rows at multiples of `align` rows.
+    pub fn new(rows_per_expert: &[usize], align: usize) -> Self {
+        let align = align.max(1);
+        let mut starts = Vec::with_capacity(rows_per_expert.len());
+        let mut at = 0;
+        for &rows in rows_per_expert {
+            starts.push(at);
+            at += rows.div_ceil(align) * align;
+        }
+        Self {
+            starts,
+            rows: rows_per_expert.to_vec(),
+            total: at,
+        }
+    }
+
+    /// Rows of the buffer, padding included.
+    pub fn total(&self) -> usize {
+        self.total
+    }
+
+    /// The first row of expert `e`'s block.
+    pub fn start(&self, e: usize) -> usize {
+        self.starts[e]
+    }
+
+    /// Buffer rows of the expert-major rows `0..sum(rows_per_expert)`, in order.
+    pub fn buffer_rows(&self) -> Vec<usize> {
+        self.starts
+            .iter()
+            .zip(&self.rows)
+            .flat_map(|(&s, &r)| s..s + r)
+            .collect()
+    }
+
+    /// Whether the buffer holds the rows without padding (block `e` right after block `e-1`).
+    pub fn is_dense(&self) -> bool {
+        self.total == self.rows.iter().sum::<usize>()
+    }
+}
+
+/// The layout of a partition's blocks of `width` columns where `mem` places them (dense
+/// without an arena).
+pub(crate) fn layout_of<B: Backend>(mem: Mem<'_, B>, rows_per_expert: &[usize], width: usize) -> BlockLayout {
+    BlockLayout::new(rows_per_expert, mem.map_or(1, |m| m.row_align(width)))
+}
+
+/// Expert `e`'s rows of a partition tensor laid out by `layout`.
+pub(crate) fn block<B: Backend>(
+    mem: Mem<'_, B>,
+    x: &FloatTensor<B>,
+    layout: &BlockLayout,
+    e: usize,
+    rows: usize,
+) -> FloatTensor<B> {
+    match mem {
+        Some(m) => m.rows(x, layout.start(e), rows),
+        None => narrow_rows::<B>(x.clone(), layout.start(e), rows),
+    }
+}
+
+/// A slot filled expert by expert with GEMM results: written into the arena's buffer, or
+/// collected and concatenated.
+pub(crate) struct Blocks<'a, B: Backend> {
+    mem: Mem<'a, B>,
+    layout: BlockLayout,
+    width: usize,
+    buffer: Option<FloatTensor<B>>,
+    parts: Vec<FloatTensor<B>>,
+    like: FloatTensor<B>,
+}
+
+impl<'a, B: Backend> Blocks<'a, B> {
+    /// An empty slot for blocks of `rows_per_expert` rows and `width` columns; `like` gives
+    /// the dtype and device.
+    ///
+    /// # Errors
+    /// [`MoeError::Memory`](crate::MoeError::Memory) if the arena cannot size the buffer.
+    pub(crate) fn new(
+        mem: Mem<'a, B>,
+        slot: Slot,
+        rows_per_expert: &[usize],
+        width: usize,
+        like: &FloatTensor<B>,
+    ) -> Result<Self> {
+        let layout = layout_of(mem, rows_per_expert, width);
+        let buffer = match mem {
+            Some(m) => Some(m.buffer(slot, layout.total(), width)?),
+            None => None,
+        };
+        Ok(Self {
+            mem,
+            layout,
+            width,
+            buffer,
+            parts: Vec::new(),
+            like: like.clone(),
+        })
+    }
+
+    /// Expert `e`'s block (`rows` rows) = `lhs · rhs (+ bias)`; returns the block.
+    ///
+    /// Blocks are written in expert order, and experts without rows are skipped.
+    pub(crate) fn gemm(
+        &mut self,
+        e: usize,
+        rows: usize,
+        lhs: FloatTensor<B>,
+        rhs: FloatTensor<B>,
+        bias: Option<FloatTensor<B>>,
+    ) -> Result<FloatTensor<B>> {
+        match (self.mem, &self.buffer) {
+            (Some(m), Some(buffer)) => {
+                let out = m.rows(buffer, self.layout.start(e), rows);
+                m.gemm_into(&out, lhs, rhs, bias)?;
+                Ok(out)
+            }
+            _ => {
+                let z = B::float_matmul(lhs, rhs);
+                let z = match bias {
+                    Some(b) => B::float_add(z, b),
+                    None => z,
+                };
+                self.parts.push(z.clone());
+                Ok(z)
+            }
+        }
+    }
+
+    /// The filled slot: the arena's buffer, or the blocks concatenated.
+    pub(crate) fn finish(self) -> FloatTensor<B> {
+        match self.buffer {
+            Some(buffer) => buffer,
+            None => cat_rows::<B>(self.parts, &self.like, self.width),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_start_at_multiples_of_the_alignment_and_never_overlap() {
+        let layout = BlockLayout::new(&[3, 0, 8, 1], 4);
+        assert_eq!((0..4).map(|e| layout.start(e)).collect::<Vec<_>>(), [0, 4, 4, 12]);
+        assert_eq!(layout.total(), 16);
+        assert_eq!(layout.buffer_rows(), [0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12]);
+        assert!(!layout.is_dense());
+        let dense = BlockLayout::new(&[3, 0, 8, 1], 1);
+        assert!(dense.is_dense());
+        assert_eq!(dense.buffer_rows(), (0..12).collect::<Vec<_>>());
+    }
+}
