@@ -18,7 +18,9 @@ use mpipemoe::backend::{BlockLayout, ExchangeRun, HostStore, PartitionArena, Rol
 use mpipemoe::comm::SingleRank;
 use mpipemoe::harness::{check_case, Case, CheckOptions};
 use mpipemoe::memory::{LayerShape, PaperTerms};
-use mpipemoe::{Activation, ExchangePath, MemoryReuse, MoeBackend, MoeLayerConfig, Partitions, Strategy};
+use mpipemoe::{
+    Activation, ExchangePath, MemoryReuse, MoeBackend, MoeLayer, MoeLayerConfig, Partitions, Strategy,
+};
 
 type B = Autodiff<Wgpu>;
 
@@ -45,6 +47,18 @@ fn case_files() -> Vec<PathBuf> {
     files.dedup_by_key(|p| p.file_name().map(|n| n.to_owned()));
     assert!(files.len() >= 7, "{files:?}");
     files
+}
+
+/// One forward + backward of `layer` on `x`, waited for (the expert gradient is read back).
+fn train_step(layer: &MoeLayer<B>, x: &Tensor<B, 2>) {
+    let out = layer.forward(x.clone());
+    let grads = out.output.sum().backward();
+    let _ = layer
+        .experts
+        .w_in
+        .grad(&grads)
+        .expect("expert gradient")
+        .into_data();
 }
 
 /// WGPU runs the schedule in order: cubecl gives each OS thread its own stream, and on WGPU a
@@ -125,16 +139,7 @@ fn device_memory_does_not_grow_over_twenty_steps() {
             .with_memory_reuse(MemoryReuse::from(strategy))
             .init::<B>(&device);
         let x = Tensor::<B, 2>::random([48, 16], Distribution::Default, &device).require_grad();
-        let step = || {
-            let out = layer.forward(x.clone());
-            let grads = out.output.sum().backward();
-            let _ = layer
-                .experts
-                .w_in
-                .grad(&grads)
-                .expect("expert gradient")
-                .into_data();
-        };
+        let step = || train_step(&layer, &x);
         let usage = || {
             let u = client.memory_usage().expect("memory usage");
             (u.bytes_in_use, u.bytes_reserved)
@@ -176,16 +181,7 @@ fn the_partition_arena_reuses_one_buffer_per_slot() {
             .init::<B>(&device);
         let arena = layer.context().partition_arena();
         let x = Tensor::<B, 2>::random([tokens, d_model], Distribution::Default, &device).require_grad();
-        let step = || {
-            let out = layer.forward(x.clone());
-            let grads = out.output.sum().backward();
-            let _ = layer
-                .experts
-                .w_in
-                .grad(&grads)
-                .expect("expert gradient")
-                .into_data();
-        };
+        let step = || train_step(&layer, &x);
         for _ in 0..3 {
             step();
         }
