@@ -1,6 +1,6 @@
-//! The reference cases (DESIGN §7): every case file through both paths, every strategy,
-//! n ∈ {1, 2, 3} and FasterMoE's split by rank, ranks ∈ {1, 2, 4} where the experts divide,
-//! on NdArray and Flex.
+//! The reference cases (the function they encode: `tests/data/cases/README.md`): every case
+//! file through both paths, every strategy, n ∈ {1, 2, 3} and FasterMoE's split by rank,
+//! ranks ∈ {1, 2, 4} where the experts divide, on NdArray and Flex.
 //!
 //! Cases are read from `tests/data/cases` and `tests/data/hf` (the project's copies) and from
 //! `../shared/cases` and `../shared/hf` when those folders exist, so new shared cases are

@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""Measures the house: the library's rooms (top-level modules of src/), the arrows between them
+(a `crate::ROOM` path used in another room), the loops among them, and the longest functions.
+
+    python3 scripts/house/measure.py [--src src] [--top 10]
+
+Reads the sources as text (no build, no dependencies): an arrow is any `crate::room` path in
+code outside comments, which is what a reader sees; a function's length is its lines from `fn`
+to its closing brace, found by brace matching outside strings and comments.
+"""
+import argparse
+import collections
+import pathlib
+import re
+import sys
+
+
+def strip_comments(text):
+    """The text with // and /* */ comments and string literals blanked (lines kept)."""
+    out, i, n = [], 0, len(text)
+    while i < n:
+        c = text[i]
+        if text.startswith("//", i):
+            j = text.find("\n", i)
+            j = n if j < 0 else j
+            i = j
+        elif text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            out.append("\n" * text.count("\n", i, j))
+            i = j
+        elif c == '"':
+            j = i + 1
+            while j < n and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            out.append('""' + "\n" * text.count("\n", i, j))
+            i = j + 1
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def crate_paths(code):
+    """(first segment, offset) of every `crate::x` path, `crate::{x, y::z}` groups included."""
+    for m in re.finditer(r"\bcrate::", code):
+        rest = code[m.end():]
+        if rest.startswith("{"):
+            depth, item, j = 0, "", 0
+            for j, c in enumerate(rest):
+                if c == "{":
+                    depth += 1
+                    if depth == 1:
+                        continue
+                elif c == "}":
+                    depth -= 1
+                    if depth == 0:
+                        break
+                if depth == 1 and c == ",":
+                    item = ""
+                    continue
+                if depth == 1:
+                    item += c
+                    name = re.match(r"\s*([a-z_][a-z0-9_]*)(::|\s*[,}]|$)", item)
+                    if name and (c == ":" or c.isspace()):
+                        yield name.group(1), m.start()
+                        item = "\0"
+        else:
+            name = re.match(r"([a-z_][a-z0-9_]*)", rest)
+            if name:
+                yield name.group(1), m.start()
+
+
+def room_of(path, src):
+    rel = path.relative_to(src)
+    return rel.parts[0].removesuffix(".rs") if len(rel.parts) > 1 else rel.stem
+
+
+def functions(code, path):
+    """(lines, name, file:line) of every fn with a body."""
+    found = []
+    for m in re.finditer(r"\bfn\s+([A-Za-z_][A-Za-z0-9_]*)", code):
+        start = m.start()
+        brace = code.find("{", m.end())
+        semi = code.find(";", m.end())
+        if brace < 0 or (0 <= semi < brace):
+            continue
+        depth, j = 0, brace
+        while j < len(code):
+            if code[j] == "{":
+                depth += 1
+            elif code[j] == "}":
+                depth -= 1
+                if depth == 0:
+                    break
+            j += 1
+        first = code.count("\n", 0, start) + 1
+        last = code.count("\n", 0, j) + 1
+        found.append((last - first + 1, m.group(1), f"{path}:{first}"))
+    return found
+
+
+def loops(edges, rooms):
+    """Strongly connected components with more than one room (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(10000)
+    for v in sorted(rooms):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--src", default="src")
+    ap.add_argument("--top", type=int, default=10)
+    args = ap.parse_args()
+    src = pathlib.Path(args.src)
+    files = sorted(src.rglob("*.rs"))
+    lines = collections.Counter()
+    nfiles = collections.Counter()
+    edges = collections.defaultdict(set)
+    witness = {}
+    funcs = []
+    for f in files:
+        room = room_of(f, src)
+        text = f.read_text()
+        lines[room] += text.count("\n")
+        nfiles[room] += 1
+        code = strip_comments(text)
+        for target, at in crate_paths(code):
+            if target != room and ((src / target).is_dir() or (src / f"{target}.rs").exists()):
+                edges[room].add(target)
+                witness.setdefault((room, target), f"{f}:{code.count(chr(10), 0, at) + 1}")
+        funcs += functions(code, f)
+    rooms = sorted(lines)
+    print(f"rooms: {len(rooms)}")
+    for r in rooms:
+        print(f"  {r:<12} {nfiles[r]:>3} files {lines[r]:>6} lines")
+    print(f"arrows: {sum(len(v) for v in edges.values())}")
+    for a in rooms:
+        for b in sorted(edges[a]):
+            print(f"  {a} -> {b}   ({witness[(a, b)]})")
+    cycles = loops(edges, rooms)
+    print(f"loops: {len(cycles)}")
+    for c in cycles:
+        print("  " + " <-> ".join(c))
+    print(f"longest functions (top {args.top}):")
+    for n, name, at in sorted(funcs, reverse=True)[: args.top]:
+        print(f"  {n:>4} {name} ({at})")
+
+
+if __name__ == "__main__":
+    main()
