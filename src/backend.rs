@@ -23,7 +23,6 @@
 pub use crate::dispatch::{chunk_len, chunk_range, ExchangePlan, PartitionPlan, RoutingCounts};
 pub use crate::exchange::executor::{execute as execute_on_threads, execute_in_order, StepExecutor};
 pub use crate::exchange::fused::{backward as fused_backward, forward as fused_forward, Saved as FusedSaved};
-pub use crate::exchange::schedule::{Op, Role, Schedule, Slot, Span, Step, Stream};
 pub use crate::exchange::{
     buffer_of, exchange_reference, ArenaCounters, ArenaStats, BlockLayout, ExchangeGrads, ExchangeRun,
     PartitionArena, SlotMemory,
@@ -31,4 +30,5 @@ pub use crate::exchange::{
 pub use crate::experts::{ActivationKernels, ExpertTensors};
 pub use crate::memory::host_store::{HostBlock, HostStore};
 pub use crate::memory::Restore;
+pub use crate::pipeline::schedule::{Op, Role, Schedule, Slot, Span, Step, Stream};
 pub use crate::MoeBackend;

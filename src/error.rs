@@ -107,11 +107,7 @@ impl MoeError {
         match payload.downcast::<MoeError>() {
             Ok(err) => *err,
             Err(payload) => {
-                let message = payload
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_else(|| "non-string panic payload".to_string());
+                let message = crate::sync::panic_message(payload.as_ref());
                 Self::comm("rank", rank, format!("rank {rank} panicked: {message}"))
             }
         }

@@ -80,8 +80,10 @@ pub mod harness;
 pub mod hf;
 mod layer;
 pub mod memory;
+mod pipeline;
 mod router;
 pub mod sim;
+mod sync;
 pub mod tuning;
 
 pub use comm::{Communicator, LocalGroup, RankContext};

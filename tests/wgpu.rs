@@ -227,6 +227,40 @@ fn the_partition_arena_reuses_one_buffer_per_slot() {
     }
 }
 
+/// A buffer is handed out again only on the thread (cubecl stream) that last had it: a step
+/// on another thread allocates its slots anew, and the first thread's next step does too,
+/// because the device orders work only within one stream.
+#[test]
+fn the_arena_reuses_a_buffer_only_on_the_thread_that_last_used_it() {
+    let device = WgpuDevice::default();
+    let layer = MoeLayerConfig::new(16, 32, 4, 2)
+        .with_partitions(Partitions::Fixed(2))
+        .with_memory_reuse(MemoryReuse::from(Strategy::S4))
+        .init::<B>(&device);
+    let arena = layer.context().partition_arena();
+    let x = Tensor::<B, 2>::random([24, 16], Distribution::Default, &device).require_grad();
+    train_step(&layer, &x);
+    train_step(&layer, &x);
+    let settled = arena.stats().allocations;
+    train_step(&layer, &x);
+    assert_eq!(arena.stats().allocations, settled, "same thread: reused");
+    std::thread::scope(|s| {
+        s.spawn(|| train_step(&layer, &x))
+            .join()
+            .expect("step on another thread");
+    });
+    let other = arena.stats().allocations;
+    assert!(
+        other > settled,
+        "another thread must not reuse: {settled} → {other}"
+    );
+    train_step(&layer, &x);
+    assert!(
+        arena.stats().allocations > other,
+        "back on the first thread, the buffers were last used elsewhere"
+    );
+}
+
 /// The arena's device ops against plain tensor ops on WGPU: rows copied into a padded
 /// expert-major buffer (a permutation, an expert without rows, blocks at the device's
 /// alignment) read back as `select`; a GEMM with bias written into a block view equals

@@ -7,11 +7,11 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 
 use super::Case;
-use crate::dispatch::chunk_range;
 use crate::error::Result;
 use crate::exchange::executor::StepExecutor;
 use crate::layer::{ExchangePath, MoeLayer, ParamKind, Partitions};
 use crate::memory::{MemoryReuse, Strategy};
+use crate::pipeline::chunk_range;
 use crate::{Communicator, LocalGroup, MoeBackend};
 
 /// One configuration to check a case with.

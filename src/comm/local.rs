@@ -186,7 +186,7 @@ impl Hub {
     fn lock(&self) -> MutexGuard<'_, HubState> {
         // A rank that panicked while holding the lock leaves consistent state (every update
         // is a single assignment), so a poisoned lock is safe to keep using.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        crate::sync::lock(&self.state)
     }
 
     fn fail(&self, rank: usize, reason: String) {

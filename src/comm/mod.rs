@@ -26,5 +26,5 @@ pub use single::SingleRank;
 /// evenly as possible (the first `total % n_ranks` ranks hold one more): how the examples and
 /// the case harness split a global batch over ranks.
 pub fn rank_range(total: usize, n_ranks: usize, rank: usize) -> std::ops::Range<usize> {
-    crate::dispatch::chunk_range(total, n_ranks, rank)
+    crate::pipeline::chunk_range(total, n_ranks, rank)
 }

@@ -6,9 +6,12 @@
 //! partition cuts them.
 
 mod capacity;
+mod counts;
 mod partition;
 mod plan;
 
+pub use crate::pipeline::{chunk_len, chunk_range};
 pub use capacity::{capacity_for, CapacityDecision};
-pub use partition::{chunk_len, chunk_range, PartitionPlan, SplitScheme};
-pub use plan::{DispatchPlan, ExchangePlan, RoutingCounts, RoutingStats};
+pub use counts::RoutingCounts;
+pub use partition::{PartitionPlan, SplitScheme};
+pub use plan::{DispatchPlan, ExchangePlan, RoutingStats};

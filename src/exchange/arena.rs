@@ -1,6 +1,7 @@
-//! The partition arena: one device buffer per partition slot (`T_DI` ×2, `T_M`, `T_DO` ×2 and
-//! backward's `dT_DO` ×2, `dT_DI` ×2), reused by every partition, layer and step that the
-//! arena is handed to, instead of a fresh allocation for each partition.
+//! The partition arena: one device buffer per partition slot (`T_DI` ×2, `T_M`, `T_DO` ×2,
+//! which backward's `dT_DO` reuses, and `dT_DI` ×2; see [`buffer_of`]), reused by every
+//! partition, layer and step that the arena is handed to, instead of a fresh allocation for
+//! each partition.
 //!
 //! The fused exchange asks its backend for the arena's buffers through [`SlotMemory`]; the
 //! CubeCL backends have one (their GEMMs write `T_M`, `T_DO` and `dT_DI` straight into it, and
@@ -9,15 +10,19 @@
 //! their allocators already recycle.
 //!
 //! A buffer is reused only while nothing outside the arena still holds it: a strategy that
-//! keeps `T_DI` and `T_M` for backward (none) takes the buffer with it, and
-//! the arena allocates the slot again. So the arena never aliases live data, and it holds at
-//! most one buffer per slot, sized for the largest partition it has seen (it grows, never
-//! shrinks, and never allocates per partition while the strategy reuses the slot).
+//! keeps `T_DI` and `T_M` for backward (none) takes the buffers with it, and the arena
+//! allocates the slots again. And only the thread that last used a buffer gets it again (a
+//! thread is a stream on CubeCL, and the device orders work only within a stream). So the
+//! arena never aliases live data, and it holds at most one buffer per slot, sized for the
+//! largest partition it has seen (it grows, never shrinks, and never allocates per partition
+//! while the strategy reuses the slot).
 
 use std::any::Any;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
+
+use crate::sync::lock;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
@@ -145,10 +150,6 @@ pub fn buffer_of(slot: Slot) -> Slot {
         },
         _ => slot,
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A backend's access to the partition arena's buffers on one device, for the fused

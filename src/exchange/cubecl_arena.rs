@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::ThreadId;
 
 use burn::tensor::DType;
 use burn_cubecl::cubecl;
@@ -28,10 +29,14 @@ pub(crate) struct CubeSlots<R: CubeRuntime> {
     counters: Arc<ArenaCounters>,
 }
 
-/// A slot's buffer and its size in bytes.
+/// A slot's buffer, its size in bytes, and the thread that last had it.
 struct Held {
     handle: Handle,
     bytes: u64,
+    /// cubecl gives each OS thread a stream of its own, and the device orders work only
+    /// within a stream: a buffer last used from another thread may still have work queued on
+    /// that thread's stream, so only the same thread reuses it.
+    thread: ThreadId,
 }
 
 impl<R: CubeRuntime> CubeSlots<R> {
@@ -48,7 +53,7 @@ impl<R: CubeRuntime> CubeSlots<R> {
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<Slot, Held>> {
-        self.buffers.lock().unwrap_or_else(|e| e.into_inner())
+        crate::sync::lock(&self.buffers)
     }
 
     fn elem(&self) -> u64 {
@@ -95,11 +100,14 @@ where
             return Ok(self.tensor(self.client.empty(0), rows, width));
         }
         let slot = buffer_of(slot);
+        let thread = std::thread::current().id();
         let mut buffers = self.lock();
-        // Reused only when the arena's own reference is the last one (`can_mut`): a tensor
-        // that a strategy kept for backward still lives in the old buffer.
+        // Reused only when the arena's own reference is the last one (`can_mut`: a tensor
+        // that a strategy kept for backward still lives in the old buffer) and on the stream
+        // that last used it (see `Held::thread`).
+        let reusable = |h: &Held| h.handle.can_mut() && h.thread == thread;
         if let Some(held) = buffers.get(&slot) {
-            if held.bytes >= bytes && held.handle.can_mut() {
+            if held.bytes >= bytes && reusable(held) {
                 self.counters.reused();
                 let handle = self.trimmed(held.handle.clone(), held.bytes, bytes);
                 return Ok(self.tensor(handle, rows, width));
@@ -108,7 +116,7 @@ where
         let size = bytes.div_ceil(self.align) * self.align;
         let replaced = buffers.get(&slot).map_or(0, |h| h.bytes);
         // Growth keeps the larger size, so a slot grows once to the largest partition.
-        let size = if buffers.get(&slot).is_some_and(|h| h.handle.can_mut()) {
+        let size = if buffers.get(&slot).is_some_and(reusable) {
             size.max(replaced)
         } else {
             size
@@ -120,6 +128,7 @@ where
             Held {
                 handle: handle.clone(),
                 bytes: size,
+                thread,
             },
         );
         Ok(self.tensor(self.trimmed(handle, size, bytes), rows, width))

@@ -122,7 +122,7 @@ pub fn execute(schedule: &Schedule, run: &(dyn Fn(usize, &Step) -> Result<()> + 
             let result = catch_unwind(AssertUnwindSafe(|| run(index, step)))
                 .unwrap_or_else(|payload| Err(panic_error(payload, step)));
             let end = clock.fetch_add(1, Ordering::SeqCst);
-            spans.lock().unwrap_or_else(|e| e.into_inner())[index] = Span { start, end };
+            crate::sync::lock(&spans)[index] = Span { start, end };
             let mut p = lock_progress(&progress);
             match result {
                 Ok(()) => p.done[index] = true,
@@ -175,7 +175,7 @@ pub fn execute(schedule: &Schedule, run: &(dyn Fn(usize, &Step) -> Result<()> + 
     if let Some(e) = errors.pop() {
         return Err(e);
     }
-    Ok(spans.into_inner().unwrap_or_else(|e| e.into_inner()))
+    Ok(crate::sync::into_inner(spans))
 }
 
 /// A panic inside a step: the [`MoeError`] it carries (a collective that failed in a
@@ -184,16 +184,12 @@ fn panic_error(payload: Box<dyn std::any::Any + Send>, step: &Step) -> MoeError 
     match payload.downcast::<MoeError>() {
         Ok(e) => *e,
         Err(payload) => {
-            let message = payload
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "non-string panic payload".to_string());
+            let message = crate::sync::panic_message(payload.as_ref());
             MoeError::Backend(format!("exchange step {:?} panicked: {message}", step.op))
         }
     }
 }
 
 fn lock_progress(m: &Mutex<Progress>) -> std::sync::MutexGuard<'_, Progress> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+    crate::sync::lock(m)
 }

@@ -12,6 +12,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use crate::sync::{into_inner, lock};
+
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::TensorMetadata;
@@ -102,7 +104,7 @@ impl<B: Backend> Slots<B> {
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<Slot, Value<B>>> {
-        self.map.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.map)
     }
 
     /// Fills `slot`. It must be empty: its previous content's last reader takes it, so an
@@ -160,10 +162,6 @@ impl<B: Backend> Slots<B> {
 /// The slot of `role` partition `i` uses.
 fn slot(role: Role, i: usize) -> Slot {
     Slot::of(role, i)
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The generic fused forward: `T_O` from `T_I` over the plan's partitions, on any backend,
@@ -259,14 +257,14 @@ pub fn forward<B: MoeBackend>(
         &Schedule::forward(n, strategy),
         &step_fn,
     )?;
-    let output = output.into_inner().unwrap_or_else(|e| e.into_inner()).finish();
+    let output = into_inner(output).finish();
     Ok((
         output,
         Saved {
             device,
             input: strategy.keeps_input().then_some(input),
             experts,
-            partitions: saved.into_inner().unwrap_or_else(|e| e.into_inner()),
+            partitions: into_inner(saved),
         },
     ))
 }
@@ -372,11 +370,8 @@ pub fn backward<B: MoeBackend>(
         &step_fn,
     )?;
     Ok(ExchangeGrads {
-        input: input_grad
-            .into_inner()
-            .unwrap_or_else(|e| e.into_inner())
-            .finish(),
-        experts: acc.into_inner().unwrap_or_else(|e| e.into_inner()).finish(),
+        input: into_inner(input_grad).finish(),
+        experts: into_inner(acc).finish(),
     })
 }
 

@@ -22,7 +22,9 @@ mod flex_rows;
 pub(crate) mod fused;
 mod reference;
 pub(crate) mod rows;
-pub(crate) mod schedule;
+
+/// The schedule lives on the ground floor (`pipeline`), shared with `memory` and `sim`.
+pub(crate) use crate::pipeline::schedule;
 
 pub use arena::{buffer_of, ArenaCounters, ArenaStats, PartitionArena, SlotMemory};
 pub use backend::{ExchangeGrads, ExchangeRun, MoeBackend};

@@ -10,7 +10,10 @@ use super::Activation;
 
 /// The experts one rank owns: `n_local_experts` FFNs stacked along the first dimension.
 ///
-/// Expert `e` computes `act(v · w_in[e] + b_in[e]) · w_out[e] + b_out[e]`.
+/// Expert `e` computes `act(v · w_in[e] + b_in[e]) · w_out[e] + b_out[e]`. A part of
+/// [`MoeLayer`](crate::MoeLayer) (its `experts` field), built by
+/// [`MoeLayerConfig::init`](crate::MoeLayerConfig::init) for this rank's share of the
+/// experts; it is public so that its parameters can be read, loaded and given to an optimizer.
 ///
 /// # Shapes
 /// - w_in: `[n_local_experts, d_model, d_inner]` (`d_inner` = d_hidden, or 2·d_hidden for SwiGLU,

@@ -9,30 +9,11 @@
 //! the cost model. If nothing fits, every rank returns the same [`MoeError::Memory`] before
 //! the exchange allocates anything, so the caller can split the batch and retry.
 
-use serde::Serialize;
-
 use super::{MoeLayer, Partitions};
 use crate::dispatch::{RoutingCounts, SplitScheme};
 use crate::error::{MoeError, Result};
 use crate::exchange::MoeBackend;
-use crate::memory::{fit_budget, rank_peak_bytes, LayerShape, Strategy, MODEL_HEADROOM};
-
-/// What the budget decided for one batch, and why. In [`MoeStats::memory`](crate::MoeStats).
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct MemoryDecision {
-    /// The budget, bytes per rank.
-    pub budget_bytes: usize,
-    /// Partitions chosen.
-    pub n_partitions: usize,
-    /// Strategy chosen.
-    pub strategy: Strategy,
-    /// Rows each rank receives for its experts. `[n_ranks]`
-    pub recv_rows: Vec<usize>,
-    /// Each rank's modelled peak under the choice, bytes. `[n_ranks]`
-    pub peak_bytes: Vec<f64>,
-    /// Why this partition count and strategy (what did not fit before them).
-    pub reason: String,
-}
+use crate::memory::{fit_budget, rank_peak_bytes, LayerShape, MemoryDecision, Strategy, MODEL_HEADROOM};
 
 impl<B: MoeBackend> MoeLayer<B> {
     /// The layer shape of rank `rank` at `scheme`, for the memory model.

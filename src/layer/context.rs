@@ -6,6 +6,7 @@ use super::MoeLayerConfig;
 use crate::comm::Communicator;
 use crate::exchange::PartitionArena;
 use crate::memory::{HostStore, MemoryMeter};
+use crate::sync::lock;
 use crate::tuning::{GranularityTable, Profile, TrialTimer, WallClock};
 
 /// The non-parameter state of one layer: its settings, its rank's handle to the
@@ -30,10 +31,6 @@ pub(crate) struct Tuning {
     pub(crate) table: Mutex<GranularityTable>,
     pub(crate) profile: Mutex<Option<Profile>>,
     pub(crate) timer: Mutex<Arc<dyn TrialTimer>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Tuning {
@@ -110,6 +107,6 @@ impl MoeContext {
 
     /// Replaces the timer of adaptive-granularity trials (tests inject a fake one).
     pub fn set_trial_timer(&self, timer: Arc<dyn TrialTimer>) {
-        *crate::layer::context::lock(&self.tuning.timer) = timer;
+        *lock(&self.tuning.timer) = timer;
     }
 }

@@ -11,7 +11,6 @@ mod module;
 mod output;
 mod tuning;
 
-pub use budget::MemoryDecision;
 pub use config::{ExchangePath, MoeLayerConfig, Partitions, MAX_PARTITIONS};
 pub use context::MoeContext;
 pub use grads::ParamKind;

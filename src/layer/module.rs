@@ -6,11 +6,12 @@ use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData, TensorPrimitive};
 
-use super::{ExchangePath, MemoryDecision, MoeContext, MoeLayerConfig, MoeOutput, MoeStats, Partitions};
+use super::{ExchangePath, MoeContext, MoeLayerConfig, MoeOutput, MoeStats, Partitions};
 use crate::dispatch::{DispatchPlan, ExchangePlan, RoutingCounts, SplitScheme};
 use crate::error::{MoeError, Result};
 use crate::exchange::{exchange_reference, MoeBackend};
 use crate::experts::{Experts, ExpertsSpec, SharedExpert};
+use crate::memory::MemoryDecision;
 use crate::memory::Strategy;
 use crate::router::{load_balancing_loss, z_loss, Router};
 
@@ -148,6 +149,10 @@ impl<B: Backend> MoeLayer<B> {
 impl<B: MoeBackend> MoeLayer<B> {
     /// Runs the layer on `[..., d_model]` tokens.
     ///
+    /// # Shapes
+    /// - input: `[..., d_model]` (`[n_tokens, d_model]`, `[batch, seq, d_model]`, ...)
+    /// - output: `output` shaped like the input; `aux_loss` and `z_loss` `[1]`
+    ///
     /// # Panics
     /// With the [`MoeError`] message where [`try_forward`](Self::try_forward) would return it.
     pub fn forward<const D: usize>(&self, input: Tensor<B, D>) -> MoeOutput<B, D> {
@@ -156,6 +161,10 @@ impl<B: MoeBackend> MoeLayer<B> {
 
     /// Runs the layer on `[..., d_model]` tokens: `[n_tokens, d_model]`,
     /// `[batch, seq, d_model]`, or any leading dimensions.
+    ///
+    /// # Shapes
+    /// - input: `[..., d_model]`, flattened to `[n_tokens, d_model]` inside
+    /// - output: `output` shaped like the input; `aux_loss` and `z_loss` `[1]`
     ///
     /// # Errors
     /// [`MoeError::Input`] if the last dimension is not `d_model` or (with `check_finite`) a

@@ -3,8 +3,9 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
-use super::{ExchangePath, MemoryDecision};
+use super::ExchangePath;
 use crate::dispatch::{RoutingStats, SplitScheme};
+use crate::memory::MemoryDecision;
 use crate::memory::Strategy;
 
 /// The result of [`MoeLayer::forward`](super::MoeLayer::forward).

@@ -58,3 +58,20 @@ pub fn fit_budget(
 pub fn rank_peak_bytes(shape: &LayerShape, rows: &RankRows, strategy: Strategy, elem_bytes: usize) -> f64 {
     ImplementationModel::for_rows(shape, rows, strategy).peak_device() * elem_bytes as f64
 }
+
+/// What the budget decided for one batch, and why. In [`MoeStats::memory`](crate::MoeStats).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct MemoryDecision {
+    /// The budget, bytes per rank.
+    pub budget_bytes: usize,
+    /// Partitions chosen.
+    pub n_partitions: usize,
+    /// Strategy chosen.
+    pub strategy: Strategy,
+    /// Rows each rank receives for its experts. `[n_ranks]`
+    pub recv_rows: Vec<usize>,
+    /// Each rank's modelled peak under the choice, bytes. `[n_ranks]`
+    pub peak_bytes: Vec<f64>,
+    /// Why this partition count and strategy (what did not fit before them).
+    pub reason: String,
+}

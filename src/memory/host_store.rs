@@ -73,7 +73,7 @@ impl HostBlock {
     /// Copies the data back out of host memory and frees the block (the prefetch). Returns
     /// `None` if it was already taken.
     pub fn take(&self) -> Option<TensorData> {
-        let map = self.inner.map.lock().unwrap_or_else(|e| e.into_inner()).take()?;
+        let map = crate::sync::lock(&self.inner.map).take()?;
         self.inner.meter.host_free(self.inner.bytes);
         let bytes = map[..self.inner.bytes].to_vec();
         Some(TensorData::from_bytes_vec(

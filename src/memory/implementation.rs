@@ -13,8 +13,8 @@
 use serde::Serialize;
 
 use super::{LayerShape, RankRows, Restore, Strategy};
-use crate::exchange::schedule::{Op, Role, Schedule};
 use crate::experts::Activation;
+use crate::pipeline::schedule::{Op, Role, Schedule, Step, Stream};
 
 /// One named tensor (or group of tensors) of the model, in elements.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -55,7 +55,7 @@ struct Ledger {
 /// One schedule step's memory, for the concurrency allowance.
 #[derive(Debug, Clone)]
 struct StepMemory {
-    stream: crate::backend::Stream,
+    stream: Stream,
     before: f64,
     after: f64,
     peak: Phase,
@@ -371,7 +371,7 @@ impl<'a> Replay<'a> {
         }
         self.allow_concurrency(&schedule, &memory);
     }
-    fn step_memory(&self, step: &crate::backend::Step, before: f64) -> StepMemory {
+    fn step_memory(&self, step: &Step, before: f64) -> StepMemory {
         StepMemory {
             stream: step.stream(),
             before,
@@ -387,7 +387,6 @@ impl<'a> Replay<'a> {
     /// the most memory one step of each other stream that is not ordered with it can hold on
     /// top of the replay's figure is added.
     fn allow_concurrency(&mut self, schedule: &Schedule, memory: &[StepMemory]) {
-        use crate::backend::Stream;
         let reach = reachability(schedule);
         for (c, mem) in memory.iter().enumerate() {
             if mem.stream != Stream::Compute {
@@ -717,7 +716,7 @@ fn reachability(schedule: &Schedule) -> Vec<Vec<bool>> {
             next[a].push(b);
         }
     }
-    for stream in crate::backend::Stream::ALL {
+    for stream in Stream::ALL {
         for pair in schedule.stream_order(stream).windows(2) {
             next[pair[0]].push(pair[1]);
         }

@@ -10,14 +10,12 @@ mod implementation;
 mod meter;
 mod model;
 mod rows;
-mod strategy;
 
-pub use budget::{fit_budget, rank_peak_bytes, BudgetCandidate, MODEL_HEADROOM};
+pub use budget::{fit_budget, rank_peak_bytes, BudgetCandidate, MemoryDecision, MODEL_HEADROOM};
 pub(crate) use host_store::{HostBlock, HostStore};
 pub use implementation::{ImplementationModel, Phase, Term};
 pub use meter::{MemoryMeter, MemoryReport};
 pub use model::{ImplementationTerms, LayerShape, MemoryPlan, PaperTerms};
 pub use rows::RankRows;
 
-pub use crate::layer::MemoryDecision;
-pub use strategy::{MemoryReuse, Restore, Strategy};
+pub use crate::pipeline::{MemoryReuse, Restore, Strategy};

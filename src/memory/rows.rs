@@ -4,13 +4,13 @@
 use serde::Serialize;
 
 use super::LayerShape;
-use crate::dispatch::chunk_len;
+use crate::pipeline::chunk_len;
 
 /// The rows one rank sends and receives in each partition of the exchange.
 ///
 /// Balanced routing gives every rank `tokens · top_k` rows each way ([`RankRows::balanced`]);
 /// a real batch gives each rank its own counts, which every rank knows after the counts
-/// exchange ([`RoutingCounts::rank_rows`](crate::backend::RoutingCounts::rank_rows)).
+/// exchange (`RoutingCounts::rank_rows` in `dispatch`).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RankRows {
     /// Tokens on this rank.

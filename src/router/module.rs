@@ -12,7 +12,9 @@ use crate::experts::HostInit;
 /// per expert), and the top-k choice, optionally group-limited and biased for selection.
 ///
 /// Replicated on every rank; its gradients are summed over ranks like any data-parallel
-/// parameter.
+/// parameter. It is a part of [`MoeLayer`](crate::MoeLayer) (its `router` field), built by
+/// [`MoeLayerConfig::init`](crate::MoeLayerConfig::init) with the rest of the layer; it is
+/// public so that its parameters can be read, loaded and given to an optimizer.
 ///
 /// # Shapes
 /// - weight: `[n_experts, d_model]` (the Hugging Face / canonical layout)

@@ -4,4 +4,4 @@
 
 mod simulator;
 
-pub use simulator::{simulate, sweep, Op, SimResult, Stream};
+pub use simulator::{simulate, sweep, SimResult, Stream, TimedStep};

@@ -2,10 +2,10 @@
 
 use serde::Serialize;
 
-use crate::dispatch::chunk_len;
-pub use crate::exchange::schedule::Stream;
-use crate::exchange::schedule::{Op as StepOp, Role, Schedule as ExchangeSchedule};
 use crate::memory::{ImplementationModel, LayerShape, Restore, Strategy};
+use crate::pipeline::chunk_len;
+pub use crate::pipeline::schedule::Stream;
+use crate::pipeline::schedule::{Op, Role, Schedule as ExchangeSchedule};
 use crate::tuning::Profile;
 
 /// A stream's index in the simulator's arrays.
@@ -17,9 +17,10 @@ fn stream_index(stream: Stream) -> usize {
     }
 }
 
-/// One step of the schedule.
+/// One step of the schedule with its cost and, after the replay, its times (the schedule's own
+/// step is [`backend::Op`](crate::backend::Op)).
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Op {
+pub struct TimedStep {
     /// `S0`, `C0`, `R0`, `D0` (offload), `S'0`, `T0` (T_DI restore), `H0` (prefetch), ...
     pub name: String,
     /// The stream it runs on.
@@ -55,7 +56,7 @@ pub struct SimResult {
     pub host_bytes: f64,
     /// The replayed schedule.
     #[serde(skip)]
-    pub ops: Vec<Op>,
+    pub ops: Vec<TimedStep>,
 }
 
 /// The exchange's own [`Schedule`] (the one the executors run) for `shape` and `strategy`,
@@ -66,7 +67,7 @@ fn schedule(
     strategy: Strategy,
     profile: &Profile,
     elem_bytes: usize,
-) -> (Vec<Op>, usize) {
+) -> (Vec<TimedStep>, usize) {
     let n = shape.n_partitions.max(1);
     let rows = (shape.tokens * shape.top_k) as f64;
     let (m, h, f) = (
@@ -88,51 +89,51 @@ fn schedule(
     } else {
         0.0
     };
-    let timing = |op: StepOp| -> (Stream, f64, f64, String) {
+    let timing = |op: Op| -> (Stream, f64, f64, String) {
         match op {
-            StepOp::Dispatch(i) => (
+            Op::Dispatch(i) => (
                 Stream::Comm,
                 profile.comm_latency,
                 comm(part_rows(i)),
                 format!("S{i}"),
             ),
-            StepOp::Combine(i) => (
+            Op::Combine(i) => (
                 Stream::Comm,
                 profile.comm_latency,
                 comm(part_rows(i)),
                 format!("R{i}"),
             ),
-            StepOp::DispatchGrad(i) => (
+            Op::DispatchGrad(i) => (
                 Stream::Comm,
                 profile.comm_latency,
                 comm(part_rows(i)),
                 format!("S'{i}"),
             ),
-            StepOp::Redispatch(i) => (
+            Op::Redispatch(i) => (
                 Stream::Comm,
                 profile.comm_latency,
                 comm(part_rows(i)),
                 format!("T{i}"),
             ),
-            StepOp::CombineGrad(i) => (
+            Op::CombineGrad(i) => (
                 Stream::Comm,
                 profile.comm_latency,
                 comm(part_rows(i)),
                 format!("R'{i}"),
             ),
-            StepOp::Compute(i) => (
+            Op::Compute(i) => (
                 Stream::Compute,
                 profile.comp_latency,
                 gemm(part_rows(i), 2.0),
                 format!("C{i}"),
             ),
-            StepOp::ComputeGrad(i) => (
+            Op::ComputeGrad(i) => (
                 Stream::Compute,
                 profile.comp_latency,
                 gemm(part_rows(i), 4.0 + recompute),
                 format!("C'{i}"),
             ),
-            StepOp::Offload(role, i) => {
+            Op::Offload(role, i) => {
                 let width = if role == Role::Dispatched { m } else { f };
                 (
                     Stream::Copy,
@@ -141,7 +142,7 @@ fn schedule(
                     format!("D{i}"),
                 )
             }
-            StepOp::Prefetch(role, i) => {
+            Op::Prefetch(role, i) => {
                 let width = if role == Role::Dispatched { m } else { f };
                 (
                     Stream::Copy,
@@ -152,14 +153,14 @@ fn schedule(
             }
         }
     };
-    let mut ops: Vec<Op> = Vec::new();
-    let add = |steps: &ExchangeSchedule, after: &[usize], ops: &mut Vec<Op>| {
+    let mut ops: Vec<TimedStep> = Vec::new();
+    let add = |steps: &ExchangeSchedule, after: &[usize], ops: &mut Vec<TimedStep>| {
         let base = ops.len();
         for step in &steps.steps {
             let (stream, latency, work, name) = timing(step.op);
             let mut deps: Vec<usize> = step.deps.iter().map(|d| base + d).collect();
             deps.extend_from_slice(after);
-            ops.push(Op {
+            ops.push(TimedStep {
                 name,
                 stream,
                 latency,
@@ -182,7 +183,7 @@ fn schedule(
 /// stream is free and its dependencies are done, and its work proceeds at a speed that
 /// depends on which streams are busy (σ for compute; μ_comp or μ_all for the all-to-all; η_all
 /// for copies while an all-to-all runs).
-fn replay(ops: &mut [Op], profile: &Profile) -> [f64; 3] {
+fn replay(ops: &mut [TimedStep], profile: &Profile) -> [f64; 3] {
     let count = ops.len();
     let mut queues: [Vec<usize>; 3] = [Vec::new(), Vec::new(), Vec::new()];
     for (i, op) in ops.iter().enumerate() {

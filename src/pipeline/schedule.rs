@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 
-use crate::memory::{Restore, Strategy};
+use super::{Restore, Strategy};
 
 /// Where a step runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]

@@ -1,0 +1,247 @@
+//! The counts collective: what every rank routed where, gathered once per forward, and the
+//! plans for any split as pure functions of it.
+
+use super::{
+    chunk_len, chunk_range, CapacityDecision, DispatchPlan, ExchangePlan, RoutingStats, SplitScheme,
+};
+use crate::comm::Communicator;
+use crate::error::{MoeError, Result};
+use crate::memory::RankRows;
+
+/// The routing decision of one rank with everything the other ranks told it: capacity
+/// decisions, row counts per (rank, expert) in both directions, and global totals. Built by
+/// one collective step; plans for any split are then pure functions of it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoutingCounts {
+    rank: usize,
+    n_ranks: usize,
+    n_local: usize,
+    n_tokens: usize,
+    top_k: usize,
+    /// Kept assignment slots (`t * top_k + j`) per global expert, in token order.
+    rows_of_expert: Vec<Vec<usize>>,
+    /// Kept assignments of every rank to every expert: `[n_ranks][n_experts]`. Every rank
+    /// knows them after the counts exchange, so every rank can model every rank's memory.
+    kept_by_rank: Vec<Vec<usize>>,
+    /// Tokens on every rank.
+    tokens_by_rank: Vec<usize>,
+    send_counts: Vec<usize>,
+    recv_counts: Vec<usize>,
+    expert_fraction: Vec<f64>,
+    stats: RoutingStats,
+}
+
+impl RoutingCounts {
+    /// The collective step: one all-gather of per-expert counts (for the global capacity
+    /// order, the load-balancing fractions and the global token count) and one all-to-all of
+    /// per-(rank, expert) row counts.
+    ///
+    /// `indices` are this rank's choices, `[n_tokens * top_k]`, best first within a token.
+    pub fn gather(
+        indices: &[usize],
+        n_tokens: usize,
+        top_k: usize,
+        n_experts: usize,
+        capacity_factor: Option<f64>,
+        comm: &dyn Communicator,
+    ) -> Result<Self> {
+        let (rank, n_ranks) = (comm.rank(), comm.n_ranks());
+        if n_experts % n_ranks != 0 {
+            return Err(MoeError::config(
+                "n_experts",
+                format!("{n_experts} experts cannot be split evenly over {n_ranks} ranks"),
+            ));
+        }
+        debug_assert_eq!(indices.len(), n_tokens * top_k);
+        let n_local = n_experts / n_ranks;
+
+        let mut local = vec![0usize; n_experts + 1];
+        local[0] = n_tokens;
+        for &e in indices {
+            local[e + 1] += 1;
+        }
+        let gathered = comm.all_gather_counts(&local)?;
+        let per_rank: Vec<&[usize]> = gathered.chunks_exact(n_experts + 1).collect();
+        let n_tokens_global: usize = per_rank.iter().map(|c| c[0]).sum();
+        let mut before = vec![0usize; n_experts];
+        let mut global = vec![0usize; n_experts];
+        for (r, counts) in per_rank.iter().enumerate() {
+            for e in 0..n_experts {
+                global[e] += counts[e + 1];
+                if r < rank {
+                    before[e] += counts[e + 1];
+                }
+            }
+        }
+
+        let capacity = capacity_factor.map(|f| super::capacity_for(f, n_tokens_global, top_k, n_experts));
+        let decision = CapacityDecision::decide(indices, n_experts, capacity, &before);
+        // Capacity is first come, first served in rank order, so every rank's kept counts
+        // follow from the gathered counts alone.
+        let mut taken = vec![0usize; n_experts];
+        let kept_by_rank: Vec<Vec<usize>> = per_rank
+            .iter()
+            .map(|counts| {
+                (0..n_experts)
+                    .map(|e| {
+                        let want = counts[e + 1];
+                        let kept = capacity.map_or(want, |c| want.min(c.saturating_sub(taken[e])));
+                        taken[e] += want;
+                        kept
+                    })
+                    .collect()
+            })
+            .collect();
+        let tokens_by_rank = per_rank.iter().map(|c| c[0]).collect();
+        let tokens_per_expert: Vec<usize> =
+            global.iter().map(|&g| capacity.map_or(g, |c| g.min(c))).collect();
+        let dropped = global.iter().sum::<usize>() - tokens_per_expert.iter().sum::<usize>();
+        let local_dropped = decision.kept.iter().filter(|&&k| !k).count();
+        let assignments = (n_tokens_global * top_k).max(1) as f64;
+        let expert_fraction: Vec<f64> = global.iter().map(|&g| g as f64 / assignments).collect();
+
+        let send_counts = decision.kept_per_expert.clone();
+        let recv_counts = comm.all_to_all_counts(&send_counts, n_local)?;
+        let mut rows_of_expert: Vec<Vec<usize>> = vec![Vec::new(); n_experts];
+        for (slot, (&e, &keep)) in indices.iter().zip(&decision.kept).enumerate() {
+            if keep {
+                rows_of_expert[e].push(slot);
+            }
+        }
+        Ok(Self {
+            rank,
+            n_ranks,
+            n_local,
+            n_tokens,
+            top_k,
+            rows_of_expert,
+            kept_by_rank,
+            tokens_by_rank,
+            send_counts,
+            recv_counts,
+            expert_fraction,
+            stats: RoutingStats {
+                tokens_per_expert,
+                routed_per_expert: global,
+                dropped,
+                local_dropped,
+                capacity,
+                n_tokens_global,
+            },
+        })
+    }
+
+    /// Tokens over all ranks.
+    pub fn n_tokens_global(&self) -> usize {
+        self.stats.n_tokens_global
+    }
+
+    /// Rows this rank sends (kept assignments).
+    pub fn send_rows(&self) -> usize {
+        self.send_counts.iter().sum()
+    }
+
+    /// Ranks in the group.
+    pub fn n_ranks(&self) -> usize {
+        self.n_ranks
+    }
+
+    /// Rows rank `rank` receives over all partitions (its experts' kept assignments).
+    pub fn recv_rows_of(&self, rank: usize) -> usize {
+        let experts = rank * self.n_local..(rank + 1) * self.n_local;
+        self.kept_by_rank
+            .iter()
+            .map(|k| k[experts.clone()].iter().sum::<usize>())
+            .sum()
+    }
+
+    /// The rows any rank of the group sends and receives in each partition under `scheme`:
+    /// what the memory model needs to bound that rank's peak. Every rank computes the same
+    /// answer for every rank.
+    pub fn rank_rows(&self, rank: usize, scheme: SplitScheme) -> RankRows {
+        let (n_ranks, n_local) = (self.n_ranks, self.n_local);
+        let n = scheme.n_partitions(n_ranks);
+        let share = |count: usize, i: usize, peer: usize, talks_to: usize| match scheme {
+            SplitScheme::Tokens(n) => chunk_len(count, n, i),
+            SplitScheme::Ranks => {
+                if peer == talks_to {
+                    count
+                } else {
+                    0
+                }
+            }
+        };
+        let send = (0..n)
+            .map(|i| {
+                (0..n_ranks * n_local)
+                    .map(|g| share(self.kept_by_rank[rank][g], i, g / n_local, (rank + i) % n_ranks))
+                    .sum()
+            })
+            .collect();
+        let recv = (0..n)
+            .map(|i| {
+                (0..n_local)
+                    .map(|e| {
+                        (0..n_ranks)
+                            .map(|src| {
+                                share(
+                                    self.kept_by_rank[src][rank * n_local + e],
+                                    i,
+                                    src,
+                                    (rank + n_ranks - i % n_ranks) % n_ranks,
+                                )
+                            })
+                            .sum()
+                    })
+                    .collect()
+            })
+            .collect();
+        RankRows {
+            tokens: self.tokens_by_rank[rank],
+            send,
+            recv,
+        }
+    }
+
+    /// The exchange plan for `scheme` (pure).
+    pub fn exchange_plan(&self, scheme: SplitScheme) -> ExchangePlan {
+        ExchangePlan::new(
+            self.rank,
+            self.n_ranks,
+            self.n_local,
+            self.send_counts.clone(),
+            self.recv_counts.clone(),
+            scheme,
+        )
+    }
+
+    /// Both plans for `scheme`: `T_I`'s rows ordered partition-major, then by expert, then by
+    /// token (pure).
+    pub fn plans(&self, scheme: SplitScheme) -> (DispatchPlan, ExchangePlan) {
+        let exchange = self.exchange_plan(scheme);
+        let mut row_slot = Vec::with_capacity(exchange.send_rows());
+        for i in 0..exchange.n_partitions() {
+            for (e, slots) in self.rows_of_expert.iter().enumerate() {
+                let range = match scheme {
+                    SplitScheme::Tokens(n) => chunk_range(slots.len(), n, i),
+                    SplitScheme::Ranks if e / self.n_local == (self.rank + i) % self.n_ranks => {
+                        0..slots.len()
+                    }
+                    SplitScheme::Ranks => 0..0,
+                };
+                row_slot.extend_from_slice(&slots[range]);
+            }
+        }
+        debug_assert_eq!(row_slot.len(), exchange.send_rows());
+        let row_token = row_slot.iter().map(|&s| s / self.top_k).collect();
+        let dispatch = DispatchPlan {
+            n_tokens: self.n_tokens,
+            top_k: self.top_k,
+            row_token,
+            row_slot,
+            expert_fraction: self.expert_fraction.clone(),
+            stats: self.stats.clone(),
+        };
+        (dispatch, exchange)
+    }
+}
