@@ -1,5 +1,6 @@
-//! The partition arena: one device buffer per partition slot (`T_DI` ×2, `T_M`, `T_DO` ×2,
-//! which backward's `dT_DO` reuses, and `dT_DI` ×2; see [`buffer_of`]), reused by every
+//! The partition arena: one device buffer per partition slot (`T_DI` ×2 where received rows
+//! are permuted, `T_M`, `T_DO` ×2, which backward's `dT_DO` reuses, and `dT_DI` ×2; see
+//! [`buffer_of`]), reused by every
 //! partition, layer and step that the arena is handed to, instead of a fresh allocation for
 //! each partition.
 //!

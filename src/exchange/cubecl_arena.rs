@@ -64,7 +64,7 @@ impl<R: CubeRuntime> CubeSlots<R> {
     /// the buffer's size already is).
     fn trimmed(&self, handle: Handle, held: u64, bytes: u64) -> Handle {
         let used = bytes.div_ceil(self.align) * self.align;
-        match held - used.min(held) {
+        match held.saturating_sub(used) {
             0 => handle,
             cut => handle.offset_end(cut),
         }
@@ -113,14 +113,10 @@ where
                 return Ok(self.tensor(handle, rows, width));
             }
         }
+        // A new buffer replaces the slot's old one, which is too small, still held, or last
+        // used on another stream; so a slot grows to the largest partition it has seen.
         let size = bytes.div_ceil(self.align) * self.align;
         let replaced = buffers.get(&slot).map_or(0, |h| h.bytes);
-        // Growth keeps the larger size, so a slot grows once to the largest partition.
-        let size = if buffers.get(&slot).is_some_and(reusable) {
-            size.max(replaced)
-        } else {
-            size
-        };
         let handle = self.client.empty(size as usize);
         self.counters.allocated(size, replaced);
         buffers.insert(

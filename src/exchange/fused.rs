@@ -139,7 +139,7 @@ impl<B: Backend> Slots<B> {
     }
 
     fn rows(&self, step: &Step, role: Role, i: usize) -> Result<FloatTensor<B>> {
-        match self.get(step, slot(role, i))? {
+        match self.get(step, Slot::of(role, i))? {
             Value::Rows(t) => Ok(t),
             Value::Hidden(_) => unreachable!("{role:?} slots hold row blocks"),
         }
@@ -157,11 +157,6 @@ impl<B: Backend> Slots<B> {
             Value::Rows(_) => unreachable!("hidden slots hold per-expert blocks (partition {i})"),
         }
     }
-}
-
-/// The slot of `role` partition `i` uses.
-fn slot(role: Role, i: usize) -> Slot {
-    Slot::of(role, i)
 }
 
 /// The generic fused forward: `T_O` from `T_I` over the plan's partitions, on any backend,
@@ -200,7 +195,7 @@ pub fn forward<B: MoeBackend>(
     let step_fn = |_: usize, step: &Step| -> Result<()> {
         match step.op {
             Op::Dispatch(i) => {
-                let target = slot(Role::Dispatched, i);
+                let target = Slot::of(Role::Dispatched, i);
                 let rows = dispatch::<B>(&input, &plan.partitions[i], comm, mem, target)?;
                 slots.put(step, target, Value::Rows(rows))
             }
@@ -232,7 +227,7 @@ pub fn forward<B: MoeBackend>(
                     }
                     Restore::Recommunicate | Restore::Recompute => {}
                 }
-                slots.put(step, slot(Role::Output, i), Value::Rows(out))
+                slots.put(step, Slot::of(Role::Output, i), Value::Rows(out))
             }
             Op::Offload(Role::Hidden, i) => {
                 let hidden = slots.hidden(step, i, 0)?;
@@ -310,13 +305,13 @@ pub fn backward<B: MoeBackend>(
     let step_fn = |_: usize, step: &Step| -> Result<()> {
         match step.op {
             Op::DispatchGrad(i) => {
-                let target = slot(Role::GradOutput, i);
+                let target = Slot::of(Role::GradOutput, i);
                 let grad = dispatch::<B>(&grad_out, &plan.partitions[i], comm, mem, target)?;
                 slots.put(step, target, Value::Rows(grad))
             }
             Op::Redispatch(i) => {
                 let input = input.as_ref().expect("checked above");
-                let target = slot(Role::Dispatched, i);
+                let target = Slot::of(Role::Dispatched, i);
                 let x = dispatch::<B>(input, &plan.partitions[i], comm, mem, target)?;
                 slots.put(step, target, Value::Rows(x))
             }
@@ -324,10 +319,10 @@ pub fn backward<B: MoeBackend>(
                 let x = take_dispatched(i)
                     .restore()?
                     .expect("an offloaded T_DI is on the host");
-                slots.put(step, slot(Role::Dispatched, i), Value::Rows(x))
+                slots.put(step, Slot::of(Role::Dispatched, i), Value::Rows(x))
             }
             Op::Prefetch(Role::Hidden, i) => {
-                slots.put(step, slot(Role::Hidden, i), Value::Hidden(take_hidden(i)?))
+                slots.put(step, Slot::of(Role::Hidden, i), Value::Hidden(take_hidden(i)?))
             }
             Op::ComputeGrad(i) => {
                 let part = &plan.partitions[i];
@@ -353,7 +348,7 @@ pub fn backward<B: MoeBackend>(
                     mem,
                     &mut lock(&acc),
                 )?;
-                slots.put(step, slot(Role::GradInput, i), Value::Rows(grad_x))
+                slots.put(step, Slot::of(Role::GradInput, i), Value::Rows(grad_x))
             }
             Op::CombineGrad(i) => {
                 let grad_x = slots.rows(step, Role::GradInput, i)?;
@@ -433,8 +428,12 @@ fn dispatch<B: Backend>(
     let [received, width] = dims2::<B>(&recv);
     let layout = layout_of(mem, &part.rows_per_expert, width);
     // Expert-major row r is received row `to_expert_major[r]` (row r without a permutation).
+    // The arena's copy replaces the gather that a permutation needs; rows that arrive in
+    // expert-major order at aligned blocks (one rank, or one expert per rank) are used as
+    // they arrived, without a copy.
     let from: Vec<usize> = match &part.to_expert_major {
         Some(perm) => perm.clone(),
+        None if layout.is_dense() => return Ok(recv),
         None => (0..received).collect(),
     };
     let into = layout.buffer_rows();
