@@ -67,6 +67,7 @@
 #![warn(missing_docs)]
 
 pub mod backend;
+#[cfg(feature = "testkit")]
 mod cases;
 pub mod comm;
 mod dispatch;
@@ -75,6 +76,7 @@ mod exchange;
 mod experts;
 pub mod files;
 pub mod format;
+#[cfg(feature = "testkit")]
 #[doc(hidden)]
 pub mod harness;
 pub mod hf;

@@ -14,7 +14,6 @@ use std::sync::{Condvar, Mutex};
 
 use super::schedule::{Schedule, Span, Step, Stream};
 use crate::error::{MoeError, Result};
-use crate::memory::alloc::CountingAllocator;
 
 /// How the generic fused exchange runs a schedule's steps on a backend.
 ///
@@ -102,11 +101,10 @@ pub fn execute(schedule: &Schedule, run: &(dyn Fn(usize, &Step) -> Result<()> + 
     let wake = Condvar::new();
     let clock = AtomicU64::new(0);
     let spans: Mutex<Vec<Span>> = Mutex::new(vec![Span { start: 0, end: 0 }; n]);
-    // Helper threads allocate on behalf of the rank that started them.
-    let tag = CountingAllocator::thread_tag();
+    let enter_worker = inherit_allocation_tag();
 
     let worker = |stream: Stream| -> Result<()> {
-        CountingAllocator::set_thread_tag(tag);
+        enter_worker();
         for index in schedule.stream_order(stream) {
             let step = &schedule.steps[index];
             {
@@ -180,6 +178,24 @@ pub fn execute(schedule: &Schedule, run: &(dyn Fn(usize, &Step) -> Result<()> + 
 
 /// A panic inside a step: the [`MoeError`] it carries (a collective that failed in a
 /// backward), or its message.
+/// What a stream worker runs first: with the test kit, it takes over the counting
+/// allocator's tag of the thread that started the exchange, so that the worker's allocations
+/// count against that rank (the kit's `CountingAllocator` measures each rank's own peak with
+/// ranks as threads). Without the test kit there is no tag and the
+/// hook does nothing.
+fn inherit_allocation_tag() -> impl Fn() + Sync {
+    #[cfg(feature = "testkit")]
+    {
+        use crate::memory::alloc::CountingAllocator;
+        let tag = CountingAllocator::thread_tag();
+        move || CountingAllocator::set_thread_tag(tag)
+    }
+    #[cfg(not(feature = "testkit"))]
+    {
+        || {}
+    }
+}
+
 fn panic_error(payload: Box<dyn std::any::Any + Send>, step: &Step) -> MoeError {
     match payload.downcast::<MoeError>() {
         Ok(e) => *e,

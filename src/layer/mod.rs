@@ -1,7 +1,6 @@
 //! The MoE layer: config, module, output, and loading from canonical safetensors files.
 
 mod balance;
-mod budget;
 mod config;
 mod context;
 mod file;
@@ -10,10 +9,11 @@ mod io;
 mod meta;
 mod module;
 mod output;
-mod tuning;
+mod plan;
 
 pub use config::{ExchangePath, MoeLayerConfig, Partitions, MAX_PARTITIONS};
 pub use context::MoeContext;
+#[cfg(feature = "testkit")]
 pub(crate) use file::{expect_tensor, parameter_shapes};
 pub use file::{read_safetensors, write_safetensors, TensorMap};
 pub use grads::ParamKind;

@@ -6,12 +6,11 @@ use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData, TensorPrimitive};
 
-use super::{ExchangePath, MoeContext, MoeLayerConfig, MoeOutput, MoeStats, Partitions};
-use crate::dispatch::{DispatchPlan, ExchangePlan, RoutingCounts, SplitScheme};
+use super::{ExchangePath, MoeContext, MoeLayerConfig, MoeOutput, MoeStats};
+use crate::dispatch::{DispatchPlan, ExchangePlan};
 use crate::error::{MoeError, Result};
 use crate::exchange::{exchange_reference, MoeBackend};
 use crate::experts::{Experts, ExpertsSpec, SharedExpert};
-use crate::memory::MemoryDecision;
 use crate::memory::Strategy;
 use crate::router::{load_balancing_loss, z_loss, Router};
 
@@ -180,27 +179,17 @@ impl<B: MoeBackend> MoeLayer<B> {
         let routing = self.router.route(x.clone(), &config.routing_rule());
 
         // 3. Plan: count with the other ranks, apply capacity; choose n and the strategy.
-        let counts = RoutingCounts::gather(
-            &routing.indices,
-            n_tokens,
-            config.top_k,
-            config.n_experts,
-            config.capacity_factor,
-            self.ctx.comm.as_ref(),
-        )?;
-        let (scheme, strategy, memory, dispatch, exchange) = self.plan(&counts, &x)?;
+        let plan = self.plan(&routing.indices, &x)?;
 
         // 4. Permute: T_I = the input rows in plan order.
-        let t_i = x
-            .clone()
-            .select(0, index_tensor::<B>(&dispatch.row_token, &x.device()));
+        let t_i = permute(&x, &plan.dispatch);
 
         // 5. Exchange: dispatch, local experts, combine — fused or reference.
-        let n_partitions = exchange.n_partitions();
-        let t_o = self.exchange(t_i, exchange, strategy)?;
+        let n_partitions = plan.exchange.n_partitions();
+        let t_o = self.exchange(t_i, plan.exchange, plan.strategy)?;
 
         // 6. Unpermute: y[t] += w[t, j] · T_O[row(t, j)].
-        let mut y = unpermute(t_o, routing.weights, &dispatch, d_model);
+        let mut y = unpermute(t_o, routing.weights, &plan.dispatch, d_model);
 
         // 7. Shared expert.
         if let (Some(shared), true) = (&self.shared, n_tokens > 0) {
@@ -208,10 +197,10 @@ impl<B: MoeBackend> MoeLayer<B> {
         }
 
         // 8. Auxiliary losses (this rank's shares of the global-batch losses).
-        let n_global = dispatch.stats.n_tokens_global;
+        let n_global = plan.dispatch.stats.n_tokens_global;
         let aux_loss = load_balancing_loss(
             routing.probs,
-            &dispatch.expert_fraction,
+            &plan.dispatch.expert_fraction,
             n_global,
             config.aux_loss_coef,
         );
@@ -222,13 +211,13 @@ impl<B: MoeBackend> MoeLayer<B> {
             aux_loss,
             z_loss,
             stats: MoeStats {
-                load_imbalance: dispatch.stats.load_imbalance(),
-                routing: dispatch.stats,
+                load_imbalance: plan.dispatch.stats.load_imbalance(),
+                routing: plan.dispatch.stats,
                 n_partitions,
-                split: scheme,
-                strategy,
+                split: plan.scheme,
+                strategy: plan.strategy,
                 path: config.path,
-                memory,
+                memory: plan.memory,
             },
         })
     }
@@ -260,48 +249,6 @@ impl<B: MoeBackend> MoeLayer<B> {
         Ok(x)
     }
 
-    /// Step 3's choices and plans. With adaptive partitions a miss in the granularity table
-    /// times trials on this batch's `T_I` (in the unpartitioned order: trials only need the
-    /// row counts). With a memory budget the split and strategy are those that fit every
-    /// rank (`budget.rs`), decided before anything of the exchange is allocated.
-    #[allow(clippy::type_complexity)]
-    fn plan(
-        &self,
-        counts: &RoutingCounts,
-        x: &Tensor<B, 2>,
-    ) -> Result<(
-        SplitScheme,
-        Strategy,
-        Option<MemoryDecision>,
-        DispatchPlan,
-        ExchangePlan,
-    )> {
-        let adaptive =
-            self.ctx.config.partitions == Partitions::Adaptive && self.ctx.config.path == ExchangePath::Fused;
-        let scheme = if adaptive {
-            let (dispatch, _) = counts.plans(SplitScheme::Tokens(1));
-            let t_i = x
-                .clone()
-                .select(0, index_tensor::<B>(&dispatch.row_token, &x.device()));
-            self.resolve_split(counts, &t_i)?.0
-        } else {
-            self.resolve_split(counts, x)?.0
-        };
-        let (scheme, strategy, memory) = match (self.ctx.config.path, self.ctx.config.memory_budget) {
-            (ExchangePath::Reference, _) => (scheme, Strategy::None, None),
-            (ExchangePath::Fused, Some(budget)) => {
-                let (scheme, strategy, decision) = self.decide_under_budget(counts, scheme, budget)?;
-                (scheme, strategy, Some(decision))
-            }
-            (ExchangePath::Fused, None) => {
-                let n = scheme.n_partitions(counts.n_ranks());
-                (scheme, self.resolve_strategy(counts, n)?, None)
-            }
-        };
-        let (dispatch, exchange) = counts.plans(scheme);
-        Ok((scheme, strategy, memory, dispatch, exchange))
-    }
-
     fn exchange(&self, t_i: Tensor<B, 2>, plan: ExchangePlan, strategy: Strategy) -> Result<Tensor<B, 2>> {
         match self.ctx.config.path {
             ExchangePath::Reference => exchange_reference(t_i, &self.experts, &plan, &self.ctx.comm),
@@ -322,6 +269,16 @@ impl<B: MoeBackend> MoeLayer<B> {
 fn index_tensor<B: Backend>(idx: &[usize], device: &B::Device) -> Tensor<B, 1, Int> {
     let data = TensorData::new(idx.iter().map(|&i| i as i64).collect::<Vec<_>>(), [idx.len()]);
     Tensor::from_data(data, device)
+}
+
+/// Step 4: the rows of `x` in the plan's order, one per kept (token, expert) assignment.
+///
+/// # Shapes
+/// - `x`: `[n_tokens, d_model]`
+/// - returns `T_I`: `[n_rows, d_model]`, `n_rows = plan.row_token.len()`
+pub(super) fn permute<B: Backend>(x: &Tensor<B, 2>, plan: &DispatchPlan) -> Tensor<B, 2> {
+    x.clone()
+        .select(0, index_tensor::<B>(&plan.row_token, &x.device()))
 }
 
 /// Step 6: scatter-adds each row of `T_O`, scaled by its combine weight, onto its token.

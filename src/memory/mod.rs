@@ -3,6 +3,7 @@
 //! ([`ImplementationModel`]), the planner's answer ([`MemoryPlan`]), and the meter that keeps
 //! host-store bytes apart from device bytes ([`MemoryMeter`]).
 
+#[cfg(feature = "testkit")]
 pub(crate) mod alloc;
 mod budget;
 pub(crate) mod host_store;

@@ -9,38 +9,17 @@
 //! the cost model. If nothing fits, every rank returns the same [`MoeError::Memory`] before
 //! the exchange allocates anything, so the caller can split the batch and retry.
 
-use super::{MoeLayer, Partitions};
+use super::super::{MoeLayer, Partitions};
 use crate::dispatch::{RoutingCounts, SplitScheme};
 use crate::error::{MoeError, Result};
 use crate::exchange::MoeBackend;
-use crate::memory::{fit_budget, rank_peak_bytes, LayerShape, MemoryDecision, Strategy, MODEL_HEADROOM};
+use crate::memory::{fit_budget, rank_peak_bytes, MemoryDecision, Strategy, MODEL_HEADROOM};
 
 impl<B: MoeBackend> MoeLayer<B> {
-    /// The layer shape of rank `rank` at `scheme`, for the memory model.
-    fn budget_shape(&self, counts: &RoutingCounts, scheme: SplitScheme) -> LayerShape {
-        let c = &self.ctx.config;
-        let n_ranks = counts.n_ranks();
-        LayerShape {
-            tokens: counts.n_tokens_global().div_ceil(n_ranks),
-            top_k: c.top_k,
-            d_model: c.d_model,
-            d_hidden: c.d_hidden,
-            activation: c.activation,
-            shared_expert: c.shared_expert,
-            n_experts: c.n_experts,
-            n_ranks,
-            n_partitions: scheme.n_partitions(n_ranks),
-        }
-    }
-
     /// Every rank's modelled peak (bytes) at `scheme` under `strategy`.
-    pub(crate) fn rank_peaks(
-        &self,
-        counts: &RoutingCounts,
-        scheme: SplitScheme,
-        strategy: Strategy,
-    ) -> Vec<f64> {
-        let shape = self.budget_shape(counts, scheme);
+    fn rank_peaks(&self, counts: &RoutingCounts, scheme: SplitScheme, strategy: Strategy) -> Vec<f64> {
+        let n_ranks = counts.n_ranks();
+        let shape = self.model_shape(counts.n_tokens_global(), n_ranks, scheme.n_partitions(n_ranks));
         let elem = std::mem::size_of::<B::FloatElem>();
         (0..counts.n_ranks())
             .map(|r| rank_peak_bytes(&shape, &counts.rank_rows(r, scheme), strategy, elem))
@@ -64,7 +43,7 @@ impl<B: MoeBackend> MoeLayer<B> {
 
     /// The cheapest allowed strategy that fits the budget on every rank at `scheme`, with
     /// the ranks' peaks; `None` if none fits.
-    pub(crate) fn fit_at(
+    pub(super) fn fit_at(
         &self,
         counts: &RoutingCounts,
         scheme: SplitScheme,
@@ -111,7 +90,7 @@ impl<B: MoeBackend> MoeLayer<B> {
     /// # Errors
     /// [`MoeError::Memory`] if no allowed choice fits on every rank, naming the rank, its
     /// received rows, the bytes it needs at the largest partition count with S4, and the budget.
-    pub(crate) fn decide_under_budget(
+    pub(super) fn decide_under_budget(
         &self,
         counts: &RoutingCounts,
         chosen: SplitScheme,

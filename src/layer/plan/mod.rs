@@ -1,0 +1,137 @@
+//! Step 3 of the forward recipe, in one room: from this rank's routing to the batch's plan.
+//!
+//! 1. **Count.** Every rank learns every rank's routed rows in one collective and capacity
+//!    drops are applied ([`RoutingCounts::gather`]).
+//! 2. **Split.** The configured `n`, FasterMoE's split, or Algorithm 1's choice for the global
+//!    token count, searched on a miss of the granularity table (`split.rs`).
+//! 3. **Strategy.** The configured memory strategy or the cost model's (Eq. 13,
+//!    `strategy.rs`); under a memory budget, the split and strategy that fit every rank
+//!    (`budget.rs`), decided before anything of the exchange is allocated.
+//! 4. **Plans.** `T_I`'s row order ([`DispatchPlan`]) and the partitions ([`ExchangePlan`]);
+//!    [`MoeLayer::exchange_run`] adds the settings the exchange carries.
+//!
+//! Every rank reaches the same decisions: they depend only on the gathered counts, the
+//! configuration, and profiles or timings summed over the ranks.
+
+mod budget;
+mod split;
+mod strategy;
+
+use burn::tensor::Tensor;
+
+use super::{ExchangePath, MoeLayer};
+use crate::dispatch::{DispatchPlan, ExchangePlan, RoutingCounts, SplitScheme};
+use crate::error::Result;
+use crate::exchange::{ExchangeRun, MoeBackend};
+use crate::memory::{LayerShape, MemoryDecision, Strategy};
+
+/// What step 3 decides for one batch.
+pub(super) struct BatchPlan {
+    /// How the exchange is split into partitions.
+    pub scheme: SplitScheme,
+    /// How partition buffers are reused and activations restored.
+    pub strategy: Strategy,
+    /// The budget's decision, when the layer has a memory budget.
+    pub memory: Option<MemoryDecision>,
+    /// `T_I`'s rows: which token and top-k slot each row carries.
+    pub dispatch: DispatchPlan,
+    /// The partitions of the all-to-all and the local experts' rows in each.
+    pub exchange: ExchangePlan,
+}
+
+impl<B: MoeBackend> MoeLayer<B> {
+    /// Plans this batch from its routing (see the module docs).
+    ///
+    /// # Shapes
+    /// - `indices`: `[n_tokens * top_k]`, the chosen experts, best first
+    /// - `x`: `[n_tokens, d_model]`, read only when Algorithm 1 must time trials on this batch
+    ///
+    /// # Errors
+    /// [`MoeError::Comm`](crate::MoeError::Comm) if a peer fails in the counts collective or a
+    /// search; [`MoeError::Memory`](crate::MoeError::Memory) if nothing fits the budget.
+    pub(super) fn plan(&self, indices: &[usize], x: &Tensor<B, 2>) -> Result<BatchPlan> {
+        let config = &self.ctx.config;
+        let [n_tokens, _] = x.dims();
+        let counts = RoutingCounts::gather(
+            indices,
+            n_tokens,
+            config.top_k,
+            config.n_experts,
+            config.capacity_factor,
+            self.ctx.comm.as_ref(),
+        )?;
+        let scheme = self.resolve_split(&counts, x)?;
+        let (scheme, strategy, memory) = match (config.path, config.memory_budget) {
+            (ExchangePath::Reference, _) => (scheme, Strategy::None, None),
+            (ExchangePath::Fused, Some(budget)) => {
+                let (scheme, strategy, decision) = self.decide_under_budget(&counts, scheme, budget)?;
+                (scheme, strategy, Some(decision))
+            }
+            (ExchangePath::Fused, None) => {
+                let n = scheme.n_partitions(counts.n_ranks());
+                (scheme, self.resolve_strategy(&counts, n)?, None)
+            }
+        };
+        let (dispatch, exchange) = counts.plans(scheme);
+        Ok(BatchPlan {
+            scheme,
+            strategy,
+            memory,
+            dispatch,
+            exchange,
+        })
+    }
+
+    /// The run settings the fused exchange carries: communicator, activation, strategy, host
+    /// store, executor and partition arena.
+    pub(crate) fn exchange_run(&self, strategy: Strategy) -> ExchangeRun {
+        let mut run = ExchangeRun::new(
+            self.ctx.comm.clone(),
+            self.ctx.config.activation,
+            strategy,
+            self.ctx.host.clone(),
+        );
+        run.executor = self.ctx.config.executor;
+        run.arena = Some(self.ctx.arena.clone());
+        run
+    }
+
+    /// The layer's shape for the memory and cost models: `n_tokens_global` tokens over the
+    /// group, each rank taking its share, in `n_partitions` partitions.
+    fn model_shape(&self, n_tokens_global: usize, n_ranks: usize, n_partitions: usize) -> LayerShape {
+        let c = &self.ctx.config;
+        LayerShape {
+            tokens: n_tokens_global.div_ceil(n_ranks),
+            top_k: c.top_k,
+            d_model: c.d_model,
+            d_hidden: c.d_hidden,
+            activation: c.activation,
+            shared_expert: c.shared_expert,
+            n_experts: c.n_experts,
+            n_ranks,
+            n_partitions,
+        }
+    }
+}
+
+#[cfg(all(test, feature = "ndarray"))]
+mod tests {
+    use burn::backend::NdArray;
+
+    use crate::exchange::executor::StepExecutor;
+    use crate::{MoeLayerConfig, Strategy};
+
+    #[test]
+    fn the_configs_executor_reaches_the_exchange_run() {
+        for executor in [
+            None,
+            Some(StepExecutor::StreamThreads),
+            Some(StepExecutor::InOrder),
+        ] {
+            let layer = MoeLayerConfig::new(8, 4, 2, 1)
+                .with_executor(executor)
+                .init::<NdArray>(&Default::default());
+            assert_eq!(layer.exchange_run(Strategy::None).executor, executor);
+        }
+    }
+}
