@@ -7,6 +7,7 @@ mod case;
 mod check;
 mod generate;
 mod golden;
+mod oracle_math;
 
 pub use case::Case;
 pub use check::{
