@@ -20,7 +20,7 @@
 //! slot of the schedule, reused by every partition, layer and step the [`PartitionArena`] is
 //! handed to.
 
-pub use crate::dispatch::{chunk_len, chunk_range, ExchangePlan, PartitionPlan, RoutingCounts};
+pub use crate::dispatch::{chunk_len, chunk_range, ExchangePlan, PartitionPlan, RoutingCounts, SplitScheme};
 pub use crate::exchange::executor::{execute as execute_on_threads, execute_in_order, StepExecutor};
 pub use crate::exchange::fused::{backward as fused_backward, forward as fused_forward, Saved as FusedSaved};
 pub use crate::exchange::{

@@ -89,7 +89,7 @@ mod sync;
 pub mod tuning;
 
 pub use comm::{Communicator, LocalGroup, RankContext};
-pub use dispatch::{RoutingStats, SplitScheme};
+pub use dispatch::RoutingStats;
 pub use error::{MoeError, Result};
 pub use exchange::MoeBackend;
 pub use experts::{seeded_uniform, Activation, Experts, SharedExpert};
@@ -97,5 +97,5 @@ pub use layer::{
     ExchangePath, MoeContext, MoeLayer, MoeLayerConfig, MoeOutput, MoeStats, ParamKind, Partitions,
     MAX_PARTITIONS,
 };
-pub use memory::{MemoryReuse, Strategy};
+pub use memory::MemoryReuse;
 pub use router::{Router, Routing, RoutingRule, Scoring};

@@ -14,7 +14,8 @@ use burn::backend::{Autodiff, Flex, NdArray};
 use burn::tensor::backend::AutodiffBackend;
 use mpipemoe::backend::StepExecutor;
 use mpipemoe::harness::{agreement_error, check_case, expected, relative_error, Case, CheckOptions};
-use mpipemoe::{ExchangePath, MoeBackend, Partitions, Strategy};
+use mpipemoe::memory::Strategy;
+use mpipemoe::{ExchangePath, MoeBackend, Partitions};
 
 const TOLERANCE: f64 = 1e-4;
 const STRATEGY_AGREEMENT: f64 = 1e-5;

@@ -15,7 +15,8 @@ use mpipemoe::comm::{
 };
 use mpipemoe::harness::{check_case, check_case_through, Case, CheckOptions};
 use mpipemoe::memory::Restore;
-use mpipemoe::{Communicator, ExchangePath, LocalGroup, MoeError, MoeLayerConfig, Partitions, Strategy};
+use mpipemoe::memory::Strategy;
+use mpipemoe::{Communicator, ExchangePath, LocalGroup, MoeError, MoeLayerConfig, Partitions};
 use proptest::prelude::*;
 
 type B = Autodiff<NdArray>;

@@ -10,7 +10,8 @@ use burn::tensor::{Tensor, TensorData};
 use mpipemoe::comm::rank_range;
 use mpipemoe::harness::{check_case, relative_error, Case, CheckOptions};
 use mpipemoe::hf::{self, Family, HfLayer};
-use mpipemoe::{LocalGroup, MoeError, MoeLayer, Partitions, Strategy};
+use mpipemoe::memory::Strategy;
+use mpipemoe::{LocalGroup, MoeError, MoeLayer, Partitions};
 
 mod common;
 use common::{copy_dir, scratch_dir};

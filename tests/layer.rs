@@ -7,8 +7,9 @@ use burn::backend::{Autodiff, Flex, NdArray};
 use burn::tensor::{Tensor, TensorData};
 use mpipemoe::backend::StepExecutor;
 use mpipemoe::harness::{agreement_error, check_case, expected, Case, CheckOptions};
+use mpipemoe::memory::Strategy;
 use mpipemoe::{
-    Activation, ExchangePath, MemoryReuse, MoeError, MoeLayer, MoeLayerConfig, Partitions, Scoring, Strategy,
+    Activation, ExchangePath, MemoryReuse, MoeError, MoeLayer, MoeLayerConfig, Partitions, Scoring,
 };
 use proptest::prelude::*;
 use proptest::strategy::Strategy as PropStrategy;
@@ -551,7 +552,7 @@ fn flex_assign_rows_matches_slice_assign() {
 #[test]
 fn every_rank_knows_every_ranks_rows() {
     use mpipemoe::backend::RoutingCounts;
-    use mpipemoe::SplitScheme;
+    use mpipemoe::backend::SplitScheme;
     for (n_ranks, n_experts, top_k, capacity) in [(2, 4, 2, None), (4, 8, 1, Some(0.7)), (3, 6, 2, Some(1.0))]
     {
         let results = mpipemoe::LocalGroup::run(n_ranks, |ctx| {

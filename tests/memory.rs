@@ -16,9 +16,10 @@ use mpipemoe::format::TensorMap;
 use mpipemoe::harness::{
     agreement_error, check_case, expected, measure_layer_memory_with, Case, CheckOptions, CountingAllocator,
 };
+use mpipemoe::memory::Strategy;
 use mpipemoe::memory::{LayerShape, PaperTerms};
 use mpipemoe::tuning::Profile;
-use mpipemoe::{LocalGroup, MemoryReuse, MoeError, MoeLayer, MoeLayerConfig, Partitions, Strategy};
+use mpipemoe::{LocalGroup, MemoryReuse, MoeError, MoeLayer, MoeLayerConfig, Partitions};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator::new();

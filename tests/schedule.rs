@@ -12,7 +12,8 @@ use mpipemoe::backend::{
 };
 use mpipemoe::comm::SingleRank;
 use mpipemoe::memory::MemoryMeter;
-use mpipemoe::{Activation, MoeBackend, Strategy};
+use mpipemoe::memory::Strategy;
+use mpipemoe::{Activation, MoeBackend};
 use proptest::prelude::*;
 
 fn ops(schedule: &Schedule, stream: Stream) -> Vec<Op> {

@@ -9,9 +9,10 @@ use std::time::Duration;
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{Distribution, Tensor};
 use mpipemoe::memory::LayerShape;
+use mpipemoe::memory::Strategy;
 use mpipemoe::sim::{simulate, sweep};
 use mpipemoe::tuning::{search_best_gran, CostModel, GranularityTable, Lookup, Profile, TrialTimer};
-use mpipemoe::{LocalGroup, MemoryReuse, MoeError, MoeLayerConfig, Partitions, Strategy};
+use mpipemoe::{LocalGroup, MemoryReuse, MoeError, MoeLayerConfig, Partitions};
 
 type B = Autodiff<NdArray>;
 

@@ -17,10 +17,10 @@ use burn_cubecl::cubecl::Runtime;
 use mpipemoe::backend::{BlockLayout, ExchangeRun, HostStore, PartitionArena, Role, Slot, StepExecutor};
 use mpipemoe::comm::SingleRank;
 use mpipemoe::harness::{check_case, Case, CheckOptions};
+use mpipemoe::memory::Strategy;
 use mpipemoe::memory::{LayerShape, PaperTerms};
 use mpipemoe::{
     seeded_uniform, Activation, ExchangePath, MemoryReuse, MoeBackend, MoeLayer, MoeLayerConfig, Partitions,
-    Strategy,
 };
 
 type B = Autodiff<Wgpu>;

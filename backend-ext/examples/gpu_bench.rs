@@ -16,9 +16,10 @@ use burn::backend::Autodiff;
 use burn::tensor::{Distribution, Tensor};
 use mpipemoe::backend::StepExecutor;
 use mpipemoe::comm::{HostLoopback, SingleRank};
+use mpipemoe::memory::Strategy;
 use mpipemoe::memory::{ImplementationModel, LayerShape};
 use mpipemoe::tuning::Profile;
-use mpipemoe::{Communicator, MemoryReuse, MoeLayer, MoeLayerConfig, Partitions, Strategy};
+use mpipemoe::{Communicator, MemoryReuse, MoeLayer, MoeLayerConfig, Partitions};
 use mpipemoe_cuda::{cuda_available, CudaMoe};
 use serde::Serialize;
 

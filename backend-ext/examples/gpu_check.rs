@@ -20,7 +20,8 @@ use std::time::Duration;
 
 use mpipemoe::backend::StepExecutor;
 use mpipemoe::harness::{check_case, check_case_through, Case, CheckOptions};
-use mpipemoe::{Communicator, ExchangePath, MoeBackend, Partitions, Strategy};
+use mpipemoe::memory::Strategy;
+use mpipemoe::{Communicator, ExchangePath, MoeBackend, Partitions};
 use mpipemoe_cuda::{cuda_available, CudaMoe, Nccl};
 
 fn case_files(dir: Option<String>) -> Vec<PathBuf> {

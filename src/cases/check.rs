@@ -121,13 +121,6 @@ fn values(data: &TensorData) -> Vec<f64> {
     data.clone().convert::<f64>().into_vec::<f64>().expect("f64 data")
 }
 
-/// What one rank computed.
-struct RankResult {
-    y: Vec<f64>,
-    dx: Vec<f64>,
-    grads: Vec<(&'static str, ParamKind, Vec<f64>)>,
-}
-
 /// Runs `case` through the layer configured by `options` on backend `B`, with `loss =
 /// sum(y · probe)`, and compares `y`, `dx` and every parameter gradient with the case.
 ///
@@ -164,82 +157,13 @@ where
         .with_memory_budget(options.memory_budget)
         .with_executor(options.executor);
     config.validate_for_ranks(options.n_ranks)?;
-    let n_tokens = case.n_tokens();
-    let d_model = config.d_model;
     let x_all = values(case.tensor("x"));
     let probe_all = values(case.tensor("probe"));
-
     let ranks = LocalGroup::run(options.n_ranks, |ctx| {
-        let layer = MoeLayer::<B>::from_tensor_map(
-            &config,
-            &case.tensors,
-            &case.path,
-            device,
-            wrap(ctx.comm.clone()),
-        )?;
-        let rows = chunk_range(n_tokens, ctx.n_ranks, ctx.rank);
-        let slice = |all: &[f64]| all[rows.start * d_model..rows.end * d_model].to_vec();
-        let shape = [rows.len(), d_model];
-        let x = Tensor::<B, 2>::from_data(
-            TensorData::new(slice(&x_all), shape).convert::<B::FloatElem>(),
-            device,
-        )
-        .require_grad();
-        let probe = Tensor::<B, 2>::from_data(
-            TensorData::new(slice(&probe_all), shape).convert::<B::FloatElem>(),
-            device,
-        );
-        let out = layer.try_forward(x.clone())?;
-        let y = values(&out.output.to_data());
-        let grads = (out.output * probe).sum().backward();
-        let dx = x
-            .grad(&grads)
-            .map(|g| values(&g.into_data()))
-            .unwrap_or_else(|| vec![0.0; rows.len() * d_model]);
-        let params = layer
-            .grads_by_name(&grads)
-            .into_iter()
-            .map(|(name, kind, g)| (name, kind, g.map(|g| values(&g))))
-            .collect::<Vec<_>>();
-        Ok((y, dx, params))
+        let comm = wrap(ctx.comm.clone());
+        run_rank::<B>(case, &config, comm, (&x_all, &probe_all), device)
     })?;
-
-    // Gather: token-ordered y and dx; experts concatenated in rank order; replicas summed.
-    let mut results = Vec::with_capacity(ranks.len());
-    for (y, dx, params) in ranks {
-        results.push(RankResult {
-            y,
-            dx,
-            grads: params
-                .into_iter()
-                .map(|(name, kind, g)| (name, kind, g.unwrap_or_default()))
-                .collect(),
-        });
-    }
-    let y: Vec<f64> = results.iter().flat_map(|r| r.y.iter().copied()).collect();
-    let dx: Vec<f64> = results.iter().flat_map(|r| r.dx.iter().copied()).collect();
-    let mut grads: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
-    for r in &results {
-        for (name, kind, g) in &r.grads {
-            let want_len = case.tensor(name).num_elements();
-            let entry = grads.entry(name).or_default();
-            match kind {
-                // A rank whose experts received no rows may have no gradient for them at
-                // all on the reference path: its share is zeros.
-                ParamKind::Expert if g.is_empty() => {
-                    entry.extend(std::iter::repeat_n(0.0, want_len / options.n_ranks))
-                }
-                ParamKind::Expert => entry.extend_from_slice(g),
-                ParamKind::Replicated => {
-                    entry.resize(want_len, 0.0);
-                    entry.iter_mut().zip(g).for_each(|(acc, v)| *acc += v);
-                }
-            }
-        }
-    }
-
-    let mut tensors = BTreeMap::from([("y".to_string(), y), ("dx".to_string(), dx)]);
-    tensors.extend(grads.into_iter().map(|(name, g)| (format!("grad.{name}"), g)));
+    let tensors = gather_ranks(case, ranks);
     let errors = tensors
         .iter()
         .map(|(name, got)| TensorError {
@@ -252,4 +176,83 @@ where
         errors,
         tensors,
     })
+}
+
+/// What one rank computed.
+struct RankResult {
+    y: Vec<f64>,
+    dx: Vec<f64>,
+    /// Every parameter's gradient on this rank, empty where it has none.
+    grads: Vec<(&'static str, ParamKind, Vec<f64>)>,
+}
+
+/// One rank's part: its contiguous slice of the tokens forward, then `loss = sum(y · probe)`
+/// backward.
+fn run_rank<B>(
+    case: &Case,
+    config: &crate::MoeLayerConfig,
+    comm: Arc<dyn Communicator>,
+    (x_all, probe_all): (&[f64], &[f64]),
+    device: &B::Device,
+) -> Result<RankResult>
+where
+    B: AutodiffBackend + MoeBackend,
+{
+    let d_model = config.d_model;
+    let layer = MoeLayer::<B>::from_tensor_map(config, &case.tensors, &case.path, device, comm.clone())?;
+    let rows = chunk_range(case.n_tokens(), comm.n_ranks(), comm.rank());
+    let slice = |all: &[f64]| all[rows.start * d_model..rows.end * d_model].to_vec();
+    let shape = [rows.len(), d_model];
+    let x = Tensor::<B, 2>::from_data(
+        TensorData::new(slice(x_all), shape).convert::<B::FloatElem>(),
+        device,
+    )
+    .require_grad();
+    let probe = Tensor::<B, 2>::from_data(
+        TensorData::new(slice(probe_all), shape).convert::<B::FloatElem>(),
+        device,
+    );
+    let out = layer.try_forward(x.clone())?;
+    let y = values(&out.output.to_data());
+    let grads = (out.output * probe).sum().backward();
+    let dx = x
+        .grad(&grads)
+        .map(|g| values(&g.into_data()))
+        .unwrap_or_else(|| vec![0.0; rows.len() * d_model]);
+    let grads = layer
+        .grads_by_name(&grads)
+        .into_iter()
+        .map(|(name, kind, g)| (name, kind, g.map(|g| values(&g)).unwrap_or_default()))
+        .collect();
+    Ok(RankResult { y, dx, grads })
+}
+
+/// The ranks' results as the case's tensors: `y` and `dx` in token order, expert gradients
+/// concatenated in rank order, replicated parameters' gradients summed.
+fn gather_ranks(case: &Case, ranks: Vec<RankResult>) -> BTreeMap<String, Vec<f64>> {
+    let n_ranks = ranks.len();
+    let y: Vec<f64> = ranks.iter().flat_map(|r| r.y.iter().copied()).collect();
+    let dx: Vec<f64> = ranks.iter().flat_map(|r| r.dx.iter().copied()).collect();
+    let mut grads: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    for r in &ranks {
+        for (name, kind, g) in &r.grads {
+            let want_len = case.tensor(name).num_elements();
+            let entry = grads.entry(name).or_default();
+            match kind {
+                // A rank whose experts received no rows may have no gradient for them at
+                // all on the reference path: its share is zeros.
+                ParamKind::Expert if g.is_empty() => {
+                    entry.extend(std::iter::repeat_n(0.0, want_len / n_ranks))
+                }
+                ParamKind::Expert => entry.extend_from_slice(g),
+                ParamKind::Replicated => {
+                    entry.resize(want_len, 0.0);
+                    entry.iter_mut().zip(g).for_each(|(acc, v)| *acc += v);
+                }
+            }
+        }
+    }
+    let mut tensors = BTreeMap::from([("y".to_string(), y), ("dx".to_string(), dx)]);
+    tensors.extend(grads.into_iter().map(|(name, g)| (format!("grad.{name}"), g)));
+    tensors
 }

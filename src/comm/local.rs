@@ -223,20 +223,36 @@ impl Communicator for LocalComm {
         }
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
         let deadline = Instant::now() + self.hub.timeout;
+        let state = self.deposit(op, seq, outgoing)?;
+        let state = self.wait_for_peers(op, seq, deadline, state)?;
+        Ok(self.take(seq, state))
+    }
+}
+
+impl LocalComm {
+    /// The failure a peer reported, as this rank's error in `op`.
+    fn peer_error(&self, op: &str, state: &HubState) -> Option<MoeError> {
+        state.failed.as_ref().map(|(peer, reason)| MoeError::PeerFailed {
+            op: op.to_string(),
+            rank: self.rank,
+            peer: *peer,
+            reason: reason.clone(),
+        })
+    }
+
+    /// Puts this rank's payloads of collective `seq` in the hub. A rank that calls another
+    /// collective than its peers at the same position fails the group.
+    fn deposit(
+        &self,
+        op: &'static str,
+        seq: u64,
+        outgoing: Vec<Payload>,
+    ) -> Result<MutexGuard<'_, HubState>> {
+        let n = self.hub.n_ranks;
         let mut state = self.hub.lock();
-        let peer_error = |state: &HubState| {
-            state.failed.as_ref().map(|(peer, reason)| MoeError::PeerFailed {
-                op: op.to_string(),
-                rank: self.rank,
-                peer: *peer,
-                reason: reason.clone(),
-            })
-        };
-        if let Some(err) = peer_error(&state) {
+        if let Some(err) = self.peer_error(op, &state) {
             return Err(err);
         }
-
-        // Deposit this rank's payloads.
         let round = state.rounds.entry(seq).or_insert_with(|| Round {
             op,
             deposits: (0..n).map(|_| None).collect(),
@@ -255,15 +271,26 @@ impl Communicator for LocalComm {
         round.deposits[self.rank] = Some(outgoing.into_iter().map(Some).collect());
         round.arrived += 1;
         self.hub.wake.notify_all();
+        Ok(state)
+    }
 
-        // Wait for every peer.
+    /// Waits until every rank has deposited in collective `seq`: an error if a peer failed,
+    /// finished without joining, or did not come by `deadline` (which fails the group).
+    fn wait_for_peers<'a>(
+        &'a self,
+        op: &'static str,
+        seq: u64,
+        deadline: Instant,
+        mut state: MutexGuard<'a, HubState>,
+    ) -> Result<MutexGuard<'a, HubState>> {
+        let n = self.hub.n_ranks;
         loop {
-            if let Some(err) = peer_error(&state) {
+            if let Some(err) = self.peer_error(op, &state) {
                 return Err(err);
             }
             let round = &state.rounds[&seq];
             if round.arrived == n {
-                break;
+                return Ok(state);
             }
             let missing: Vec<usize> = (0..n).filter(|&r| round.deposits[r].is_none()).collect();
             if let Some(&gone) = missing.iter().find(|&&r| state.exited[r]) {
@@ -290,8 +317,12 @@ impl Communicator for LocalComm {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
+    }
 
-        // Take what every source sent to this rank.
+    /// Takes what every source sent to this rank in collective `seq`; the last rank to take
+    /// removes the round.
+    fn take(&self, seq: u64, mut state: MutexGuard<'_, HubState>) -> Vec<Payload> {
+        let n = self.hub.n_ranks;
         let round = state
             .rounds
             .get_mut(&seq)
@@ -308,11 +339,11 @@ impl Communicator for LocalComm {
             state.rounds.remove(&seq);
         }
         drop(state);
-        Ok(incoming
+        incoming
             .into_iter()
             .enumerate()
             .map(|(src, payload)| receive(src == self.rank, payload))
-            .collect())
+            .collect()
     }
 }
 

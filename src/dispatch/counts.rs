@@ -31,6 +31,42 @@ pub struct RoutingCounts {
     stats: RoutingStats,
 }
 
+/// Every expert's routed rows over the group, and those of the ranks before `rank` (where
+/// this rank's rows queue for capacity), from the gathered counts (`[n_tokens, per-expert
+/// counts...]` per rank).
+fn expert_totals(per_rank: &[&[usize]], rank: usize, n_experts: usize) -> (Vec<usize>, Vec<usize>) {
+    let mut before = vec![0usize; n_experts];
+    let mut global = vec![0usize; n_experts];
+    for (r, counts) in per_rank.iter().enumerate() {
+        for e in 0..n_experts {
+            global[e] += counts[e + 1];
+            if r < rank {
+                before[e] += counts[e + 1];
+            }
+        }
+    }
+    (global, before)
+}
+
+/// Every rank's kept rows per expert. Capacity is first come, first served in rank order, so
+/// every rank's kept counts follow from the gathered counts alone.
+fn kept_by_rank(per_rank: &[&[usize]], n_experts: usize, capacity: Option<usize>) -> Vec<Vec<usize>> {
+    let mut taken = vec![0usize; n_experts];
+    per_rank
+        .iter()
+        .map(|counts| {
+            (0..n_experts)
+                .map(|e| {
+                    let want = counts[e + 1];
+                    let kept = capacity.map_or(want, |c| want.min(c.saturating_sub(taken[e])));
+                    taken[e] += want;
+                    kept
+                })
+                .collect()
+        })
+        .collect()
+}
+
 impl RoutingCounts {
     /// The collective step: one all-gather of per-expert counts (for the global capacity
     /// order, the load-balancing fractions and the global token count) and one all-to-all of
@@ -63,35 +99,11 @@ impl RoutingCounts {
         let gathered = comm.all_gather_counts(&local)?;
         let per_rank: Vec<&[usize]> = gathered.chunks_exact(n_experts + 1).collect();
         let n_tokens_global: usize = per_rank.iter().map(|c| c[0]).sum();
-        let mut before = vec![0usize; n_experts];
-        let mut global = vec![0usize; n_experts];
-        for (r, counts) in per_rank.iter().enumerate() {
-            for e in 0..n_experts {
-                global[e] += counts[e + 1];
-                if r < rank {
-                    before[e] += counts[e + 1];
-                }
-            }
-        }
+        let (global, before) = expert_totals(&per_rank, rank, n_experts);
 
         let capacity = capacity_factor.map(|f| super::capacity_for(f, n_tokens_global, top_k, n_experts));
         let decision = CapacityDecision::decide(indices, n_experts, capacity, &before);
-        // Capacity is first come, first served in rank order, so every rank's kept counts
-        // follow from the gathered counts alone.
-        let mut taken = vec![0usize; n_experts];
-        let kept_by_rank: Vec<Vec<usize>> = per_rank
-            .iter()
-            .map(|counts| {
-                (0..n_experts)
-                    .map(|e| {
-                        let want = counts[e + 1];
-                        let kept = capacity.map_or(want, |c| want.min(c.saturating_sub(taken[e])));
-                        taken[e] += want;
-                        kept
-                    })
-                    .collect()
-            })
-            .collect();
+        let kept_by_rank = kept_by_rank(&per_rank, n_experts, capacity);
         let tokens_by_rank = per_rank.iter().map(|c| c[0]).collect();
         let tokens_per_expert: Vec<usize> =
             global.iter().map(|&g| capacity.map_or(g, |c| g.min(c))).collect();

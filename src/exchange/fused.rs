@@ -163,6 +163,11 @@ impl<B: Backend> Slots<B> {
 /// with burn's primitive ops and the run's communicator. Backends without a faster exchange
 /// of their own implement [`MoeBackend::exchange_forward`] with it.
 ///
+/// Longer than most functions here, on purpose: its body is the forward's step table, one
+/// short arm per op of [`Schedule::forward`], over state the arms share (slots, stashes,
+/// the assembler); apart, each arm would take that state as six parameters and the table
+/// would no longer read against the schedule.
+///
 /// # Shapes
 /// - input (`T_I`): `[n_rows, d_model]` in plan order → `T_O`, the same shape
 ///
@@ -266,6 +271,9 @@ pub fn forward<B: MoeBackend>(
 
 /// The generic fused backward: gradients of `T_I` and the experts from the gradient of `T_O`,
 /// restoring each partition's `T_DI` and `T_M` as the run's strategy says.
+///
+/// Its body is the backward's step table, one arm per op of [`Schedule::backward`], for the
+/// same reason as [`forward`]'s.
 ///
 /// # Errors
 /// [`MoeError::Comm`] if a collective fails.

@@ -166,6 +166,13 @@ pub struct MoeLayerConfig {
 impl MoeLayerConfig {
     /// Checks every field; the error names the first bad one.
     pub fn validate(&self) -> Result<()> {
+        self.validate_widths()?;
+        self.validate_routing()?;
+        self.validate_run()
+    }
+
+    /// The widths and the expert count.
+    fn validate_widths(&self) -> Result<()> {
         for (field, value) in [
             ("d_model", self.d_model),
             ("d_hidden", self.d_hidden),
@@ -175,6 +182,11 @@ impl MoeLayerConfig {
                 return Err(MoeError::config(field, "must be at least 1"));
             }
         }
+        Ok(())
+    }
+
+    /// The router: top-k, expert groups, scaling and capacity.
+    fn validate_routing(&self) -> Result<()> {
         if self.top_k == 0 || self.top_k > self.n_experts {
             return Err(MoeError::config(
                 "top_k",
@@ -226,6 +238,11 @@ impl MoeLayerConfig {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// The shared expert, the loss coefficients and the run settings.
+    fn validate_run(&self) -> Result<()> {
         if self.shared_expert == Some(0) {
             return Err(MoeError::config(
                 "shared_expert",

@@ -35,9 +35,11 @@ pub struct MoeStats {
     pub load_imbalance: f64,
     /// Partitions the exchange ran with.
     pub n_partitions: usize,
-    /// How the exchange was split.
+    /// How the exchange was split: the configured [`Partitions`](crate::Partitions) resolved
+    /// for this batch.
     pub split: SplitScheme,
-    /// Memory strategy the exchange ran with.
+    /// Memory strategy the exchange ran with: the configured
+    /// [`MemoryReuse`](crate::MemoryReuse) resolved for this batch.
     pub strategy: Strategy,
     /// Fused op or reference twin.
     pub path: ExchangePath,

@@ -69,95 +69,12 @@ fn schedule(
     elem_bytes: usize,
 ) -> (Vec<TimedStep>, usize) {
     let n = shape.n_partitions.max(1);
-    let rows = (shape.tokens * shape.top_k) as f64;
-    let (m, h, f) = (
-        shape.d_model as f64,
-        shape.d_hidden as f64,
-        shape.d_inner() as f64,
-    );
-    let bytes = elem_bytes as f64;
-    let part_rows = |i: usize| chunk_len(rows as usize, n, i) as f64;
-    let gemm = |r: f64, count: f64| {
-        // A GEMM over `r` rows runs at w_comp · r / (r + half): fine partitions under-use the device.
-        let flops = count * 2.0 * r * m * h;
-        flops / (profile.w_comp * r / (r + profile.gemm_half_rows)).max(1.0)
-    };
-    let comm = |r: f64| r * m * bytes / profile.w_comm;
-    let copy = |r: f64, width: f64| r * width * bytes / profile.w_mem;
-    let recompute = if strategy.hidden() == Restore::Recompute {
-        1.0
-    } else {
-        0.0
-    };
-    let timing = |op: Op| -> (Stream, f64, f64, String) {
-        match op {
-            Op::Dispatch(i) => (
-                Stream::Comm,
-                profile.comm_latency,
-                comm(part_rows(i)),
-                format!("S{i}"),
-            ),
-            Op::Combine(i) => (
-                Stream::Comm,
-                profile.comm_latency,
-                comm(part_rows(i)),
-                format!("R{i}"),
-            ),
-            Op::DispatchGrad(i) => (
-                Stream::Comm,
-                profile.comm_latency,
-                comm(part_rows(i)),
-                format!("S'{i}"),
-            ),
-            Op::Redispatch(i) => (
-                Stream::Comm,
-                profile.comm_latency,
-                comm(part_rows(i)),
-                format!("T{i}"),
-            ),
-            Op::CombineGrad(i) => (
-                Stream::Comm,
-                profile.comm_latency,
-                comm(part_rows(i)),
-                format!("R'{i}"),
-            ),
-            Op::Compute(i) => (
-                Stream::Compute,
-                profile.comp_latency,
-                gemm(part_rows(i), 2.0),
-                format!("C{i}"),
-            ),
-            Op::ComputeGrad(i) => (
-                Stream::Compute,
-                profile.comp_latency,
-                gemm(part_rows(i), 4.0 + recompute),
-                format!("C'{i}"),
-            ),
-            Op::Offload(role, i) => {
-                let width = if role == Role::Dispatched { m } else { f };
-                (
-                    Stream::Copy,
-                    profile.mem_latency,
-                    copy(part_rows(i), width),
-                    format!("D{i}"),
-                )
-            }
-            Op::Prefetch(role, i) => {
-                let width = if role == Role::Dispatched { m } else { f };
-                (
-                    Stream::Copy,
-                    profile.mem_latency,
-                    copy(part_rows(i), width),
-                    format!("H{i}"),
-                )
-            }
-        }
-    };
+    let costs = StepCosts::new(shape, strategy, profile, elem_bytes);
     let mut ops: Vec<TimedStep> = Vec::new();
     let add = |steps: &ExchangeSchedule, after: &[usize], ops: &mut Vec<TimedStep>| {
         let base = ops.len();
         for step in &steps.steps {
-            let (stream, latency, work, name) = timing(step.op);
+            let (stream, latency, work, name) = costs.of(step.op);
             let mut deps: Vec<usize> = step.deps.iter().map(|d| base + d).collect();
             deps.extend_from_slice(after);
             ops.push(TimedStep {
@@ -177,6 +94,97 @@ fn schedule(
     let forward_end: Vec<usize> = forward.collect();
     add(&ExchangeSchedule::backward(n, strategy), &forward_end, &mut ops);
     (ops, forward_ops)
+}
+
+/// What each step of the exchange costs at the profile's rates.
+struct StepCosts<'a> {
+    profile: &'a Profile,
+    n: usize,
+    /// Rows of `T_I` (`tokens · top_k`).
+    rows: f64,
+    m: f64,
+    h: f64,
+    f: f64,
+    bytes: f64,
+    /// 1 where backward recomputes `T_M` (one more GEMM), else 0.
+    recompute: f64,
+}
+
+impl<'a> StepCosts<'a> {
+    fn new(shape: &LayerShape, strategy: Strategy, profile: &'a Profile, elem_bytes: usize) -> Self {
+        Self {
+            profile,
+            n: shape.n_partitions.max(1),
+            rows: (shape.tokens * shape.top_k) as f64,
+            m: shape.d_model as f64,
+            h: shape.d_hidden as f64,
+            f: shape.d_inner() as f64,
+            bytes: elem_bytes as f64,
+            recompute: if strategy.hidden() == Restore::Recompute {
+                1.0
+            } else {
+                0.0
+            },
+        }
+    }
+
+    fn part_rows(&self, i: usize) -> f64 {
+        chunk_len(self.rows as usize, self.n, i) as f64
+    }
+
+    /// `count` GEMMs of `[r, M] × [M, H]`: a GEMM over `r` rows runs at
+    /// `w_comp · r / (r + half)`, so fine partitions under-use the device.
+    fn gemm(&self, r: f64, count: f64) -> f64 {
+        let flops = count * 2.0 * r * self.m * self.h;
+        flops / (self.profile.w_comp * r / (r + self.profile.gemm_half_rows)).max(1.0)
+    }
+
+    fn comm(&self, r: f64) -> f64 {
+        r * self.m * self.bytes / self.profile.w_comm
+    }
+
+    fn copy(&self, r: f64, width: f64) -> f64 {
+        r * width * self.bytes / self.profile.w_mem
+    }
+
+    /// A step's stream, latency, work at full speed (seconds) and name.
+    fn of(&self, op: Op) -> (Stream, f64, f64, String) {
+        let p = self.profile;
+        let all_to_all =
+            |i: usize, name: String| (Stream::Comm, p.comm_latency, self.comm(self.part_rows(i)), name);
+        let width = |role: Role| if role == Role::Dispatched { self.m } else { self.f };
+        match op {
+            Op::Dispatch(i) => all_to_all(i, format!("S{i}")),
+            Op::Combine(i) => all_to_all(i, format!("R{i}")),
+            Op::DispatchGrad(i) => all_to_all(i, format!("S'{i}")),
+            Op::Redispatch(i) => all_to_all(i, format!("T{i}")),
+            Op::CombineGrad(i) => all_to_all(i, format!("R'{i}")),
+            Op::Compute(i) => (
+                Stream::Compute,
+                p.comp_latency,
+                self.gemm(self.part_rows(i), 2.0),
+                format!("C{i}"),
+            ),
+            Op::ComputeGrad(i) => (
+                Stream::Compute,
+                p.comp_latency,
+                self.gemm(self.part_rows(i), 4.0 + self.recompute),
+                format!("C'{i}"),
+            ),
+            Op::Offload(role, i) => (
+                Stream::Copy,
+                p.mem_latency,
+                self.copy(self.part_rows(i), width(role)),
+                format!("D{i}"),
+            ),
+            Op::Prefetch(role, i) => (
+                Stream::Copy,
+                p.mem_latency,
+                self.copy(self.part_rows(i), width(role)),
+                format!("H{i}"),
+            ),
+        }
+    }
 }
 
 /// Runs the schedule: each stream executes its ops in issue order, an op starts when its

@@ -21,9 +21,11 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{Tensor, TensorData, TensorMetadata};
 use clap::Parser;
+use mpipemoe::backend::SplitScheme;
 use mpipemoe::backend::{ExchangeRun, HostStore, RoutingCounts};
 use mpipemoe::comm::SingleRank;
-use mpipemoe::{MoeBackend, MoeLayerConfig, SplitScheme, Strategy};
+use mpipemoe::memory::Strategy;
+use mpipemoe::{MoeBackend, MoeLayerConfig};
 use mpipemoe_tools::inputs::{balance_router, balanced_tokens};
 use serde::Serialize;
 

@@ -114,6 +114,9 @@ impl Replay<'_> {
 
     /// One expert's share of `C'_i` on its `r` rows, with `grads_x` elements of the
     /// partition's input gradients already made by the experts before it.
+    ///
+    /// One ledger entry per buffer of `ffn.rs`'s expert backward, in its order: kept in one
+    /// sequence so that it reads against that code line by line.
     fn expert_backward(&mut self, name: &str, e: usize, r: f64, hidden_name: &str, grads_x: f64) {
         let (m, h, f) = (self.m, self.h, self.f);
         let recompute = self.strategy.hidden() == Restore::Recompute;

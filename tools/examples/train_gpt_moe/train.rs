@@ -9,9 +9,8 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 use mpipemoe::backend::StepExecutor;
 use mpipemoe::comm::rank_range;
-use mpipemoe::{
-    seeded_uniform, MemoryReuse, MoeBackend, MoeLayerConfig, Partitions, RankContext, Scoring, Strategy,
-};
+use mpipemoe::memory::Strategy;
+use mpipemoe::{seeded_uniform, MemoryReuse, MoeBackend, MoeLayerConfig, Partitions, RankContext, Scoring};
 use serde::Serialize;
 
 use super::data::Corpus;

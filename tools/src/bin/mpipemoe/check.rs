@@ -6,9 +6,10 @@ use std::process::ExitCode;
 use burn::tensor::backend::AutodiffBackend;
 use clap::{Args, ValueEnum};
 use mpipemoe::harness::{check_case, Case, CheckOptions, CheckReport};
+use mpipemoe::memory::Strategy;
 use mpipemoe::MoeBackend;
 use mpipemoe::MAX_PARTITIONS;
-use mpipemoe::{ExchangePath, Partitions, Strategy};
+use mpipemoe::{ExchangePath, Partitions};
 use mpipemoe_tools::backends::{run_on, BackendArg, BackendJob};
 use mpipemoe_tools::flags::{count, ExecutorArg};
 

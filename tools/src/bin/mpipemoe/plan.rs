@@ -5,11 +5,12 @@
 use std::process::ExitCode;
 
 use clap::Args;
+use mpipemoe::memory::Strategy;
 use mpipemoe::memory::{
     fit_budget, rank_peak_bytes, BudgetCandidate, LayerShape, MemoryPlan, RankRows, MODEL_HEADROOM,
 };
 use mpipemoe::tuning::CostModel;
-use mpipemoe::{Strategy, MAX_PARTITIONS};
+use mpipemoe::MAX_PARTITIONS;
 use mpipemoe_tools::flags::count;
 use serde::Serialize;
 

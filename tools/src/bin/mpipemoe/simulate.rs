@@ -4,9 +4,9 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use clap::Args;
+use mpipemoe::memory::Strategy;
 use mpipemoe::sim::{sweep, SimResult};
 use mpipemoe::tuning::{CostModel, Profile};
-use mpipemoe::Strategy;
 use serde::Serialize;
 
 use crate::shape::ShapeArgs;
