@@ -313,3 +313,57 @@ fn bad_case_files_name_the_file_and_tensor() {
     assert!(err.contains("activation") && err.contains("tanh"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The project stands alone: a clone has no `../shared`, so the library, the tools, the
+/// examples and the docs never point there (only tests and scripts read ground truth from it,
+/// and the project keeps copies of what they read). The cases' and checkpoints' formats are
+/// described by the copies' READMEs in `tests/data`.
+#[test]
+fn nothing_outside_the_tests_points_at_the_shared_folder() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let places = [
+        "src",
+        "docs",
+        "README.md",
+        "Cargo.toml",
+        "tools/src",
+        "tools/examples",
+        "tools/benches",
+        "tools/Cargo.toml",
+        "backend-ext/src",
+        "backend-ext/examples",
+        "backend-ext/Cargo.toml",
+    ];
+    let patterns = [
+        "../shared",
+        "shared/cases",
+        "shared/hf",
+        "shared/paper",
+        "shared/gpu",
+        "shared/notes",
+        "DESIGN.md",
+        "DESIGN §",
+    ];
+    let mut files = Vec::new();
+    for place in places {
+        let path = root.join(place);
+        if path.is_file() {
+            files.push(path);
+        } else {
+            files.extend(tree(&path).into_iter().map(|name| path.join(name)));
+        }
+    }
+    assert!(files.len() > 50, "the walk found only {} files", files.len());
+    let mut found = Vec::new();
+    for file in &files {
+        let Ok(text) = std::fs::read_to_string(file) else {
+            continue;
+        };
+        for (number, line) in text.lines().enumerate() {
+            if let Some(p) = patterns.iter().find(|p| line.contains(*p)) {
+                found.push(format!("{}:{}: {p}", file.display(), number + 1));
+            }
+        }
+    }
+    assert!(found.is_empty(), "references to ../shared:\n{}", found.join("\n"));
+}

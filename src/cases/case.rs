@@ -8,7 +8,7 @@ use crate::error::{MoeError, Result};
 use crate::layer::{parameter_shapes, read_safetensors, LayerMeta, TensorMap};
 use crate::MoeLayerConfig;
 
-/// A reference case (see `shared/cases/README.md`): weights in the canonical layout, `x`,
+/// A reference case (see `tests/data/cases/README.md`): weights in the canonical layout, `x`,
 /// `probe` (the loss is `sum(y · probe)`), and the expected `y`, `dx` and `grad.<param>`.
 #[derive(Debug, Clone)]
 pub struct Case {

@@ -1,4 +1,4 @@
-//! An independent float64 oracle of the reference function (shared/cases/README.md) and its
+//! An independent float64 oracle of the reference function (`tests/data/cases/README.md`) and its
 //! gradients, in plain loops.
 //!
 //! It shares no code with the layer beyond the capacity rule, and no code with burn at all,

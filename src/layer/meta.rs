@@ -8,7 +8,7 @@ use crate::experts::Activation;
 use crate::router::Scoring;
 
 /// The `meta` JSON of a canonical layer file (the reference cases' format, see
-/// `shared/cases/README.md` and `shared/hf/README.md`). Unknown keys are ignored.
+/// `tests/data/cases/README.md` and `tests/data/hf/README.md`). Unknown keys are ignored.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LayerMeta {
     /// Experts per token.
