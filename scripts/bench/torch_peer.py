@@ -127,7 +127,7 @@ def main():
     samples = {"gelu": {k: [] for k in ["torch_fwd", "torch_bwd", "ours_fwd", "ours_bwd",
                                         "before_fwd", "before_bwd", "flex_fwd", "flex_bwd"]}}
     for shape in SHAPES:
-        samples[shape[0]] = {"torch": [], "ours": []}
+        samples[shape[0]] = {"torch": [], "ours": [], "ours_system_heap": []}
     for r in range(args.rounds):
         # GELU: one PyTorch round (after a warm-up call), then one round of ours.
         torch_gelu_ns(args.elements, cache)
@@ -141,10 +141,13 @@ def main():
         for shape in SHAPES:
             name, m, h, tokens, e, k = shape
             samples[name]["torch"].append(torch_layer_ms(shape, args.iters, cache))
-            row = ours(args.binary, ["layer", "--d-model", str(m), "--d-hidden", str(h),
-                                     "--tokens", str(tokens), "--experts", str(e), "--top-k", str(k),
-                                     "--iters", str(args.iters)])
-            samples[name]["ours"].append(row["median_ms"])
+            layer_args = ["layer", "--d-model", str(m), "--d-hidden", str(h), "--tokens", str(tokens),
+                          "--experts", str(e), "--top-k", str(k), "--iters", str(args.iters)]
+            # Ours with the binaries' heap setting (freed memory kept, the default) and with
+            # glibc's defaults, alternately, so the setting's share is measured in this run.
+            for heap, column in [("keep", "ours"), ("system", "ours_system_heap")]:
+                row = ours(args.binary, [*layer_args, "--heap", heap])
+                samples[name][column].append(row["median_ms"])
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
 
     med = {what: {k: statistics.median(v) for k, v in cols.items()} for what, cols in samples.items()}
@@ -157,11 +160,13 @@ def main():
                         ("flex", "burn Flex's own kernels"),
                         ("torch", "PyTorch eager")]:
         print(f"| {label} | {g[side + '_fwd']:.2f} | {g[side + '_bwd']:.2f} |")
-    print("| layer fwd+bwd | tokens | top-k | PyTorch ms | ours ms | ours / PyTorch |")
-    print("|---|---|---|---|---|---|")
+    print("| layer fwd+bwd | tokens | top-k | PyTorch ms | ours ms | ours / PyTorch "
+          "| ours, glibc's default heap, ms | that / PyTorch |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, m, h, tokens, e, k in SHAPES:
-        t, o = med[name]["torch"], med[name]["ours"]
-        print(f"| {name} ({m}/{h}, {e} experts) | {tokens} | {k} | {t:.1f} | {o:.1f} | {o / t:.2f} |")
+        t, o, d = med[name]["torch"], med[name]["ours"], med[name]["ours_system_heap"]
+        print(f"| {name} ({m}/{h}, {e} experts) | {tokens} | {k} | {t:.1f} | {o:.1f} | {o / t:.2f} "
+              f"| {d:.1f} | {d / t:.2f} |")
     if args.json:
         tmp = args.json + ".tmp"
         with open(tmp, "w") as f:

@@ -28,6 +28,7 @@ use clap::{Args, Parser, Subcommand};
 use mpipemoe::backend::ActivationKernels;
 use mpipemoe::{MoeLayerConfig, Partitions};
 use mpipemoe_tools::flags::{count, ExecutorArg};
+use mpipemoe_tools::heap::Heap;
 use mpipemoe_tools::inputs::{balance_router, balanced_tokens};
 use rayon::prelude::*;
 use serde_json::json;
@@ -38,6 +39,9 @@ type B = Autodiff<Flex>;
 struct Cli {
     #[command(subcommand)]
     what: What,
+    /// `keep`: freed memory stays in the process between passes; `system`: glibc's defaults.
+    #[arg(long, value_enum, default_value_t = Heap::Keep, global = true)]
+    heap: Heap,
 }
 
 #[derive(Subcommand, Debug)]
@@ -182,7 +186,9 @@ fn layer(run: &LayerArgs) -> serde_json::Value {
 }
 
 fn main() {
-    let row = match Cli::parse().what {
+    let cli = Cli::parse();
+    let keeps_freed_memory = cli.heap.apply();
+    let mut row = match cli.what {
         What::Gelu { elements, rounds } => gelu(elements, rounds),
         What::Layer(run) => {
             if run.d_model < run.experts {
@@ -195,5 +201,6 @@ fn main() {
             layer(&run)
         }
     };
+    row["heap_keeps_freed_memory"] = keeps_freed_memory.into();
     println!("{row}");
 }

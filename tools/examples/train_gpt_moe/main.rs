@@ -32,6 +32,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use mpipemoe::{LocalGroup, MemoryReuse, MoeBackend, Partitions, RankContext};
 use mpipemoe_tools::backends::{run_on, BackendArg, BackendJob};
 use mpipemoe_tools::flags::{count, ExecutorArg};
+use mpipemoe_tools::heap::Heap;
 use serde::Serialize;
 
 use data::Corpus;
@@ -110,6 +111,10 @@ struct Args {
     /// How the exchange runs its schedule: `threads`, `in-order`, or the backend's default.
     #[arg(long, value_enum, default_value_t = ExecutorArg::Default)]
     executor: ExecutorArg,
+    /// `keep`: freed memory stays in the process for the next step (no page faults on the
+    /// large tensors every step); `system`: glibc's defaults.
+    #[arg(long, value_enum, default_value_t = Heap::Keep)]
+    heap: Heap,
     /// Print a JSON summary instead of the final line.
     #[arg(long)]
     json: bool,
@@ -163,6 +168,7 @@ fn parse_strategy(s: &str) -> Result<MemoryReuse, String> {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    args.heap.apply();
     match run(&args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

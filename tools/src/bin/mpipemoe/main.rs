@@ -37,6 +37,8 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // `check` and `profile` run the layer's steps over and over: keep freed memory for them.
+    mpipemoe_tools::heap::keep_freed_memory();
     let cli = Cli::parse();
     match cli.command {
         Command::Check(args) => check::run(args),
