@@ -68,8 +68,8 @@ fn schedule(
     profile: &Profile,
     elem_bytes: usize,
 ) -> (Vec<TimedStep>, usize) {
-    let n = shape.n_partitions.max(1);
     let costs = StepCosts::new(shape, strategy, profile, elem_bytes);
+    let n = costs.n;
     let mut ops: Vec<TimedStep> = Vec::new();
     let add = |steps: &ExchangeSchedule, after: &[usize], ops: &mut Vec<TimedStep>| {
         let base = ops.len();

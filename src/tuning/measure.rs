@@ -262,10 +262,7 @@ impl<'a, B: Backend> Probes<'a, B> {
         t_comm: f64,
         t_copy: f64,
         step: &mut dyn FnMut(&str),
-    ) -> Result<[f64; 4]>
-    where
-        Self: Sync,
-    {
+    ) -> Result<[f64; 4]> {
         let repeats = self.o.repeats;
         let per_peer = self.per_peer();
         let compute_load = || self.gemm(&self.big);
