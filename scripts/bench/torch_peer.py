@@ -14,6 +14,12 @@ the machine hits both sides alike. Medians over rounds are reported; ratios are 
 (below 1: ours is faster).
 
     python3 scripts/bench/torch_peer.py [--rounds 5] [--iters 3] [--json docs/benchmarks/peer.json]
+        [--compare OTHER_PEER_BINARY] [--system-heap]
+
+The GELU rows are measured on two inputs: uniform on [-4, 4] (half the elements in the tails,
+where an exact GELU costs most) and standard normal (the scale of a layer's pre-activations).
+`--compare` times a second build of `peer` (another commit) in the same rounds, so a before /
+after ratio is measured side by side; `--system-heap` adds a column with glibc's default heap.
 
 Needs PyTorch (CPU is enough); nothing in the build or the tests needs Python.
 """
@@ -92,11 +98,19 @@ def torch_layer_ms(shape, iters, cache):
     return statistics.median(times) * 1e3
 
 
-def torch_gelu_ns(elements, cache):
-    if "gelu" not in cache:
+GELU_INPUTS = ["uniform", "normal"]
+
+
+def torch_gelu_ns(elements, input_kind, cache):
+    key = "gelu-" + input_kind
+    if key not in cache:
         g = torch.Generator().manual_seed(1)
-        cache["gelu"] = (torch.rand(elements, generator=g) * 8 - 4, torch.rand(elements, generator=g) * 2 - 1)
-    x, grad = cache["gelu"]
+        if input_kind == "uniform":
+            x = torch.rand(elements, generator=g) * 8 - 4
+        else:
+            x = torch.randn(elements, generator=g)
+        cache[key] = (x, torch.rand(elements, generator=g) * 2 - 1)
+    x, grad = cache[key]
     start = time.perf_counter()
     F.gelu(x)
     forward = time.perf_counter() - start
@@ -118,59 +132,85 @@ def main():
     parser.add_argument("--elements", type=int, default=4096 * 3072)
     parser.add_argument("--binary", default="target/release/examples/peer")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--compare", help="a second peer binary (another build), timed in the same rounds")
+    parser.add_argument("--system-heap", action="store_true", help="also time ours with glibc's default heap")
     args = parser.parse_args()
-    if not os.path.exists(args.binary):
-        sys.exit(f"{args.binary} is missing: run `cargo build --release --example peer` first")
+    for binary in [args.binary] + ([args.compare] if args.compare else []):
+        if not os.path.exists(binary):
+            sys.exit(f"{binary} is missing: run `cargo build --release --example peer` first")
     threads = os.cpu_count()
     torch.set_num_threads(threads)
     cache = {}
-    samples = {"gelu": {k: [] for k in ["torch_fwd", "torch_bwd", "ours_fwd", "ours_bwd",
-                                        "before_fwd", "before_bwd", "flex_fwd", "flex_bwd"]}}
+    sides = ["ours"] + (["compare"] if args.compare else [])
+    binaries = {"ours": args.binary, "compare": args.compare}
+    samples = {}
+    for kind in GELU_INPUTS:
+        samples["gelu-" + kind] = {f"{side}_{d}": [] for side in ["torch", *sides, "before", "flex"]
+                                   for d in ["fwd", "bwd"]}
     for shape in SHAPES:
-        samples[shape[0]] = {"torch": [], "ours": [], "ours_system_heap": []}
+        samples[shape[0]] = {side: [] for side in ["torch", *sides]}
+        if args.system_heap:
+            samples[shape[0]]["ours_system_heap"] = []
     for r in range(args.rounds):
-        # GELU: one PyTorch round (after a warm-up call), then one round of ours.
-        torch_gelu_ns(args.elements, cache)
-        fwd, bwd = torch_gelu_ns(args.elements, cache)
-        samples["gelu"]["torch_fwd"].append(fwd)
-        samples["gelu"]["torch_bwd"].append(bwd)
-        row = ours(args.binary, ["gelu", "--elements", str(args.elements), "--rounds", "3"])
-        for side in ["ours", "before", "flex"]:
-            samples["gelu"][f"{side}_fwd"].append(row[f"{side}_forward_ns"])
-            samples["gelu"][f"{side}_bwd"].append(row[f"{side}_backward_ns"])
+        for kind in GELU_INPUTS:
+            # GELU: one PyTorch round (after a warm-up call), then one round of each build.
+            col = samples["gelu-" + kind]
+            torch_gelu_ns(args.elements, kind, cache)
+            fwd, bwd = torch_gelu_ns(args.elements, kind, cache)
+            col["torch_fwd"].append(fwd)
+            col["torch_bwd"].append(bwd)
+            for side in sides:
+                row = ours(binaries[side], ["gelu", "--elements", str(args.elements), "--rounds", "3",
+                                            "--input", kind])
+                col[f"{side}_fwd"].append(row["ours_forward_ns"])
+                col[f"{side}_bwd"].append(row["ours_backward_ns"])
+                if side == "ours":
+                    for other in ["before", "flex"]:
+                        col[f"{other}_fwd"].append(row[f"{other}_forward_ns"])
+                        col[f"{other}_bwd"].append(row[f"{other}_backward_ns"])
         for shape in SHAPES:
             name, m, h, tokens, e, k = shape
             samples[name]["torch"].append(torch_layer_ms(shape, args.iters, cache))
             layer_args = ["layer", "--d-model", str(m), "--d-hidden", str(h), "--tokens", str(tokens),
                           "--experts", str(e), "--top-k", str(k), "--iters", str(args.iters)]
-            # Ours with the binaries' heap setting (freed memory kept, the default) and with
-            # glibc's defaults, alternately, so the setting's share is measured in this run.
-            for heap, column in [("keep", "ours"), ("system", "ours_system_heap")]:
-                row = ours(args.binary, [*layer_args, "--heap", heap])
-                samples[name][column].append(row["median_ms"])
+            for side in sides:
+                samples[name][side].append(ours(binaries[side], layer_args)["median_ms"])
+            if args.system_heap:
+                row = ours(args.binary, [*layer_args, "--heap", "system"])
+                samples[name]["ours_system_heap"].append(row["median_ms"])
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
 
     med = {what: {k: statistics.median(v) for k, v in cols.items()} for what, cols in samples.items()}
-    g = med["gelu"]
     print(f"PyTorch {torch.__version__}, {threads} threads; {args.rounds} alternating rounds, medians")
-    print("| GELU, ns per element | forward | backward |")
-    print("|---|---|---|")
-    for side, label in [("ours", "mpipemoe (vectorised, every core)"),
-                        ("before", "mpipemoe before (libm erff, every core)"),
-                        ("flex", "burn Flex's own kernels"),
-                        ("torch", "PyTorch eager")]:
-        print(f"| {label} | {g[side + '_fwd']:.2f} | {g[side + '_bwd']:.2f} |")
-    print("| layer fwd+bwd | tokens | top-k | PyTorch ms | ours ms | ours / PyTorch "
-          "| ours, glibc's default heap, ms | that / PyTorch |")
-    print("|---|---|---|---|---|---|---|---|")
+    labels = [("ours", "mpipemoe (this build)"), ("compare", f"mpipemoe ({args.compare})"),
+              ("before", "mpipemoe before issue 22 (libm erff, every core)"),
+              ("flex", "burn Flex's own kernels"), ("torch", "PyTorch eager")]
+    print("| GELU, ns per element | uniform [-4, 4]: forward | backward | standard normal: forward | backward |")
+    print("|---|---|---|---|---|")
+    for side, label in labels:
+        if side == "compare" and not args.compare:
+            continue
+        u, n = med["gelu-uniform"], med["gelu-normal"]
+        print(f"| {label} | {u[side + '_fwd']:.2f} | {u[side + '_bwd']:.2f} "
+              f"| {n[side + '_fwd']:.2f} | {n[side + '_bwd']:.2f} |")
+    print("| layer fwd+bwd | tokens | top-k | PyTorch ms | ours ms | ours / PyTorch | other columns |")
+    print("|---|---|---|---|---|---|---|")
     for name, m, h, tokens, e, k in SHAPES:
-        t, o, d = med[name]["torch"], med[name]["ours"], med[name]["ours_system_heap"]
+        t, o = med[name]["torch"], med[name]["ours"]
+        extra = []
+        if args.compare:
+            c = med[name]["compare"]
+            extra.append(f"compare {c:.1f} ms ({c / t:.2f} of PyTorch; ours / compare {o / c:.3f})")
+        if args.system_heap:
+            d = med[name]["ours_system_heap"]
+            extra.append(f"glibc heap {d:.1f} ms ({d / t:.2f})")
         print(f"| {name} ({m}/{h}, {e} experts) | {tokens} | {k} | {t:.1f} | {o:.1f} | {o / t:.2f} "
-              f"| {d:.1f} | {d / t:.2f} |")
+              f"| {'; '.join(extra)} |")
     if args.json:
         tmp = args.json + ".tmp"
         with open(tmp, "w") as f:
             json.dump({"torch": torch.__version__, "threads": threads, "rounds": args.rounds,
+                       "binary": args.binary, "compare": args.compare,
                        "iters": args.iters, "samples": samples, "medians": med}, f, indent=1)
         os.replace(tmp, args.json)
 

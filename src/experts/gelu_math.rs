@@ -1,18 +1,27 @@
 //! The exact (erf) GELU and its derivative in `f32`, written so that the compiler vectorises
-//! them: no calls, no branches, only arithmetic, bit operations and selects.
+//! them: no calls, only arithmetic, bit operations and selects, and one branch per eight
+//! elements.
 //!
 //! Scalar `libm` calls (`erff`, `expf`) cannot be vectorised: they were about 12% of the toy
 //! GPT-MoE's training time on the CPU (next to 15% for its GEMMs), and made the GELU backward
 //! of a large expert slower than a GEMM over the same rows. Here
-//! `Φ(x) = ½·(1 + erf(x/√2))` is evaluated in two pieces, both computed for every element and
-//! the right one selected:
-//! - near zero (`|u| < 0.75`, `u = x/√2`): `erf(u) = u + u·R(u²)`, `R` a degree-5 polynomial;
-//! - in the tails: `erfc(a) = t·exp(−a² + G(t))` with `t = 1/(1 + a/2)` and `G` of degree 9
+//! `Φ(x) = ½·(1 + erf(x/√2))` is evaluated in three pieces of `u = x/√2`, `a = |u|`:
+//! - near zero (`a < 0.75`): `erf(u) = u + u·R(u²)`, `R` a degree-5 polynomial;
+//! - in the middle (`0.75 ≤ a < 1.5`): `erf(a) = erf(1.125) + s·M(s)`, `s = a − 1.125`, `M` of
+//!   degree 7;
+//! - in the tails: `erfc(a) = t·exp(−a² + G(t))` with `t = 1/(1 + a/2)` and `G` of degree 8
 //!   (the form of Numerical Recipes' `erfcc`), so `Φ` keeps its relative accuracy in the
 //!   negative tail where `½·(1 + erf)` would cancel to zero.
 //!
+//! A vector unit cannot take a branch per lane, so a lane-wise formula computes every piece and
+//! selects; the tail piece (a division, an `exp` and a polynomial) is most of the cost. The
+//! slice kernels therefore look at eight elements at a time and, when none of the eight is in
+//! a tail — for pre-activations of unit scale most groups are not: `|x| < 2.12` holds for 97%
+//! of a standard normal's draws — compute the two central pieces only. Both paths compute
+//! those pieces with the same operations, so the result does not depend on which ran.
+//!
 //! The coefficients are near-minimax Chebyshev fits made by `scripts/fit/erf_coefficients.py`
-//! (mpmath, 50 digits; the fits' own errors are 1.5e-9 and 1.4e-9). The `exp` is Cephes'
+//! (mpmath, 50 digits; the fits' own errors are 1.5e-9, 1.4e-9 and 3.1e-10). The `exp` is Cephes'
 //! `expf` polynomial (S. L. Moshier) with Cody–Waite range reduction. `a²` is split into an
 //! exact high part and a small low part (`a = a_hi + a_lo`, `a_hi` with 12 significant bits),
 //! as glibc's `erff` does, so the tail's exponent does not lose the bits a rounded `a²` would.
@@ -21,8 +30,12 @@
 //! baseline one) produces the same bits. Measured errors against f64 `erf` are stated in the
 //! tests below.
 
-/// Where the near-zero polynomial hands over to the tail form, in `u = x/√2`.
+/// Where the near-zero polynomial hands over to the middle one, in `a = |x|/√2`.
 const SPLIT: f32 = 0.75;
+/// Where the middle polynomial hands over to the tail form.
+const TAIL_START: f32 = 1.5;
+/// The middle polynomial's variable is `a − MID_CENTRE`.
+const MID_CENTRE: f32 = 1.125;
 /// `erfc(10.5)` is below the smallest subnormal `f32`; larger arguments are clamped here so
 /// that infinities never reach the tail's arithmetic.
 const TAIL_CLAMP: f32 = 10.5;
@@ -39,10 +52,34 @@ const ERF_SMALL: [f32; 6] = [
     -0.000675648,
 ];
 
-/// `G(t) = ln(erfc(a)/t) + a²` with `t = 1/(1 + a/2)`, for `a ∈ [SPLIT, 10.1]`.
-const ERFC_TAIL: [f32; 10] = [
-    -1.2655371, 1.0007296, 0.36572817, 0.15076102, -0.3955158, 0.786344, -1.9100479, 2.2111144, -1.1977645,
-    0.2542065,
+/// `erf(MID_CENTRE)` as a sum of two `f32`s.
+const ERF_AT_MID_CENTRE: [f32; 2] = [0.8883882, 1.5206194e-08];
+
+/// `M(s) = (erf(s + MID_CENTRE) − erf(MID_CENTRE))/s` for `a = s + MID_CENTRE ∈ [SPLIT,
+/// TAIL_START]`: `erf(a) = m0 + (m1 + s·M(s))`, the large constant added last so that the sum
+/// is rounded once at its own size.
+const ERF_MIDDLE: [f32; 8] = [
+    0.31827396,
+    -0.3580582,
+    0.16245206,
+    0.027974073,
+    -0.06131373,
+    0.015509201,
+    0.009496404,
+    -0.005714506,
+];
+
+/// `G(t) = ln(erfc(a)/t) + a²` with `t = 1/(1 + a/2)`, for `a ∈ [TAIL_START, 10.1]`.
+const ERFC_TAIL: [f32; 9] = [
+    -1.2655168,
+    1.0001539,
+    0.3727827,
+    0.101649344,
+    -0.18122114,
+    0.1777996,
+    -0.783767,
+    0.8991225,
+    -0.32358614,
 ];
 
 const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
@@ -82,9 +119,21 @@ fn estrin6(c: &[f32; 6], x: f32) -> f32 {
     p01 + x2 * (p23 + x2 * p45)
 }
 
-/// `c[0] + c[1]·x + … + c[9]·x⁹` by Estrin's scheme (see [`estrin6`]).
+/// `c[0] + c[1]·x + … + c[7]·x⁷` by Estrin's scheme (see [`estrin6`]).
 #[inline(always)]
-fn estrin10(c: &[f32; 10], x: f32) -> f32 {
+fn estrin8(c: &[f32; 8], x: f32) -> f32 {
+    let x2 = x * x;
+    let x4 = x2 * x2;
+    let p01 = c[0] + c[1] * x;
+    let p23 = c[2] + c[3] * x;
+    let p45 = c[4] + c[5] * x;
+    let p67 = c[6] + c[7] * x;
+    (p01 + x2 * p23) + x4 * (p45 + x2 * p67)
+}
+
+/// `c[0] + c[1]·x + … + c[8]·x⁸` by Estrin's scheme (see [`estrin6`]).
+#[inline(always)]
+fn estrin9(c: &[f32; 9], x: f32) -> f32 {
     let x2 = x * x;
     let x4 = x2 * x2;
     let x8 = x4 * x4;
@@ -92,10 +141,9 @@ fn estrin10(c: &[f32; 10], x: f32) -> f32 {
     let p23 = c[2] + c[3] * x;
     let p45 = c[4] + c[5] * x;
     let p67 = c[6] + c[7] * x;
-    let p89 = c[8] + c[9] * x;
     let q0 = p01 + x2 * p23;
     let q1 = p45 + x2 * p67;
-    (q0 + x4 * q1) + x8 * p89
+    (q0 + x4 * q1) + x8 * c[8]
 }
 
 /// `e^(hi + lo)` for `hi + lo ≤ 88`, where `lo` is small next to `hi` and carries the bits
@@ -133,23 +181,47 @@ fn neg_square_parts(a: f32) -> (f32, f32) {
     (-(a_hi * a_hi), -(a_lo * (a + a_hi)))
 }
 
-/// `erfc(a)` for `a ≥ SPLIT` (any finite `a ≥ 0` is safe to evaluate; the result is only
-/// accurate from `SPLIT` on).
+/// `erfc(a)` for `a ≥ TAIL_START` (any finite `a ≥ 0` is safe to evaluate; the result is only
+/// accurate from `TAIL_START` on).
 #[inline(always)]
 fn erfc_tail(a: f32) -> f32 {
     let a = a.min(TAIL_CLAMP);
     let t = 1.0 / (1.0 + 0.5 * a);
     let (hi, lo) = neg_square_parts(a);
-    t * exp_parts(hi, lo + estrin10(&ERFC_TAIL, t))
+    t * exp_parts(hi, lo + estrin9(&ERFC_TAIL, t))
 }
 
-/// The two pieces every function here is built from, both evaluated: `erf(u)` by the
-/// near-zero polynomial, `erfc(|u|)` by the tail form, and whether the tail applies. NaN
-/// compares false, so it takes the near-zero piece and stays NaN.
+/// `erf(u)` by the two central pieces, the near-zero and the middle polynomial; accurate for
+/// `|u| < TAIL_START`.
+#[inline(always)]
+fn erf_central(u: f32) -> f32 {
+    let a = u.abs();
+    let near_zero = u + u * estrin6(&ERF_SMALL, u * u);
+    let s = a - MID_CENTRE;
+    let middle = (ERF_AT_MID_CENTRE[0] + (ERF_AT_MID_CENTRE[1] + s * estrin8(&ERF_MIDDLE, s))).copysign(u);
+    // Both are computed and one selected: a branch would stop the vectoriser. NaN compares
+    // false and takes the near-zero piece, which keeps it NaN.
+    if a >= SPLIT {
+        middle
+    } else {
+        near_zero
+    }
+}
+
+/// Whether `Φ(x)` takes a central piece, so that the tail form need not be evaluated. NaN
+/// compares false and goes to the full form.
+#[inline(always)]
+fn is_central(x: f32) -> bool {
+    (x * FRAC_1_SQRT_2).abs() < TAIL_START
+}
+
+/// The two parts every function here is built from, both evaluated: `erf(u)` by the central
+/// pieces, `erfc(|u|)` by the tail form, and whether the tail applies. NaN compares false, so
+/// it takes the central part and stays NaN.
 #[inline(always)]
 fn erf_pieces(u: f32) -> (f32, f32, bool) {
     let a = u.abs();
-    (u + u * estrin6(&ERF_SMALL, u * u), erfc_tail(a), a >= SPLIT)
+    (erf_central(u), erfc_tail(a), a >= TAIL_START)
 }
 
 /// `erf(u)`, from the pieces of [`normal_cdf`]; the tests measure the pieces through it against
@@ -164,6 +236,13 @@ fn erf(u: f32) -> f32 {
     }
 }
 
+/// `Φ(x)` from the central pieces alone: the same bits as [`normal_cdf`] wherever
+/// [`is_central`] holds, and meaningless elsewhere.
+#[inline(always)]
+fn normal_cdf_central(x: f32) -> f32 {
+    0.5 + 0.5 * erf_central(x * FRAC_1_SQRT_2)
+}
+
 /// `Φ(x)`, the standard normal CDF, with relative accuracy in both tails.
 #[inline(always)]
 pub(crate) fn normal_cdf(x: f32) -> f32 {
@@ -172,11 +251,11 @@ pub(crate) fn normal_cdf(x: f32) -> f32 {
     let half_erfc = 0.5 * erfc;
     // Both sides are computed and one selected: branches would stop the vectoriser.
     let tail = if u < 0.0 { half_erfc } else { 1.0 - half_erfc };
-    let near_zero = 0.5 + 0.5 * small;
+    let central = 0.5 + 0.5 * small;
     if in_tail {
         tail
     } else {
-        near_zero
+        central
     }
 }
 
@@ -187,36 +266,113 @@ pub(crate) fn gelu(x: f32) -> f32 {
     x * normal_cdf(x)
 }
 
-/// `gelu'(x) = Φ(x) + x·φ(x)`, with `φ(x) = e^(−x²/2)/√(2π)`.
+/// [`gelu`] where [`is_central`] holds.
 #[inline(always)]
-pub(crate) fn gelu_slope(x: f32) -> f32 {
+fn gelu_central(x: f32) -> f32 {
+    x * normal_cdf_central(x)
+}
+
+/// `Φ(x) + x·φ(x)` for a given `Φ(x)`, with `φ(x) = e^(−x²/2)/√(2π)`.
+#[inline(always)]
+fn slope_from_cdf(x: f32, cdf: f32) -> f32 {
     // |x| ≥ 15 has e^(−x²/2) = 0 in f32; the clamp keeps infinities out of the split.
     let xa = x.abs().min(15.0);
     let (hi, lo) = neg_square_parts(xa);
     let pdf = INV_SQRT_2PI * exp_parts(0.5 * hi, 0.5 * lo);
-    normal_cdf(x) + x * pdf
+    cdf + x * pdf
 }
 
-/// Applies `f` element by element. Kept inline so that each caller below compiles it for its
-/// own instruction set.
+/// `gelu'(x) = Φ(x) + x·φ(x)`, with `φ(x) = e^(−x²/2)/√(2π)`.
 #[inline(always)]
-fn map_unary(src: &[f32], dst: &mut [f32], f: impl Fn(f32) -> f32) {
-    for (d, &s) in dst.iter_mut().zip(src) {
-        *d = f(s);
-    }
+pub(crate) fn gelu_slope(x: f32) -> f32 {
+    slope_from_cdf(x, normal_cdf(x))
 }
 
+/// [`gelu_slope`] where [`is_central`] holds.
+#[inline(always)]
+fn gelu_slope_central(x: f32) -> f32 {
+    slope_from_cdf(x, normal_cdf_central(x))
+}
+
+/// Elements the slice kernels decide on together: one AVX2 vector of `f32`.
+const LANES: usize = 8;
+
+/// Whether every element of `x` takes a central piece. A fold rather than `all`, so that the
+/// eight compares become one vector compare instead of eight early exits.
+#[inline(always)]
+fn all_central(x: &[f32; LANES]) -> bool {
+    x.iter().fold(true, |all, &x| all & is_central(x))
+}
+
+/// A chunk of [`LANES`] elements as an array, so that the compiler knows its length and makes
+/// one vector of it. Only called on `chunks_exact(LANES)` items, whose length is `LANES`.
+#[inline(always)]
+fn as_group(chunk: &[f32]) -> &[f32; LANES] {
+    chunk.try_into().expect("chunks_exact yields LANES elements")
+}
+
+/// [`as_group`] for a mutable chunk.
+#[inline(always)]
+fn as_group_mut(chunk: &mut [f32]) -> &mut [f32; LANES] {
+    chunk.try_into().expect("chunks_exact_mut yields LANES elements")
+}
+
+/// `dst[i] = gelu(src[i])`, with [`gelu_central`] on every group of [`LANES`] elements that
+/// are all central. Kept inline so that each caller below compiles it for its own instruction
+/// set; the groups are arrays, so that each is one vector. (The functions are named rather than
+/// passed in: a function passed as a value is called through a shim the compiler may leave
+/// un-inlined, which costs the vectorisation.)
+#[inline(always)]
+fn gelu_slice(src: &[f32], dst: &mut [f32]) {
+    let n = src.len().min(dst.len());
+    let mut src = src[..n].chunks_exact(LANES);
+    let mut dst = dst[..n].chunks_exact_mut(LANES);
+    for (d, s) in (&mut dst).zip(&mut src) {
+        let (d, s) = (as_group_mut(d), as_group(s));
+        if all_central(s) {
+            for i in 0..LANES {
+                d[i] = gelu_central(s[i]);
+            }
+        } else {
+            for i in 0..LANES {
+                d[i] = gelu(s[i]);
+            }
+        }
+    }
+    let rest = dst.into_remainder();
+    rest.iter_mut()
+        .zip(src.remainder())
+        .for_each(|(d, &s)| *d = gelu(s));
+}
+
+/// `grad[i] *= gelu'(x[i])`, by groups of [`LANES`] as in [`gelu_slice`].
 #[inline(always)]
 fn scale_by_slope(x: &[f32], grad: &mut [f32]) {
-    for (g, &x) in grad.iter_mut().zip(x) {
-        *g *= gelu_slope(x);
+    let n = x.len().min(grad.len());
+    let mut x = x[..n].chunks_exact(LANES);
+    let mut grad = grad[..n].chunks_exact_mut(LANES);
+    for (g, x) in (&mut grad).zip(&mut x) {
+        let (g, x) = (as_group_mut(g), as_group(x));
+        if all_central(x) {
+            for i in 0..LANES {
+                g[i] *= gelu_slope_central(x[i]);
+            }
+        } else {
+            for i in 0..LANES {
+                g[i] *= gelu_slope(x[i]);
+            }
+        }
     }
+    let rest = grad.into_remainder();
+    rest.iter_mut()
+        .zip(x.remainder())
+        .for_each(|(g, &x)| *g *= gelu_slope(x));
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 fn gelu_avx2(src: &[f32], dst: &mut [f32]) {
-    map_unary(src, dst, gelu)
+    gelu_slice(src, dst)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -245,7 +401,7 @@ pub(crate) fn gelu_into(src: &[f32], dst: &mut [f32]) {
         // SAFETY: the CPU was just found to support AVX2, the only requirement of the call.
         return unsafe { gelu_avx2(src, dst) };
     }
-    map_unary(src, dst, gelu)
+    gelu_slice(src, dst)
 }
 
 /// `grad[i] *= gelu'(x[i])` over the shorter of the two slices.
@@ -282,7 +438,18 @@ mod tests {
     #[test]
     fn erf_is_within_two_ulp_of_f64_erf_over_the_whole_f32_range() {
         let mut worst = (0.0, 0.0f32);
-        for x in sampled(997).chain([0.0, -0.0, SPLIT, -SPLIT, 3.9, 10.5, f32::MAX]) {
+        for x in sampled(997).chain([
+            0.0,
+            -0.0,
+            SPLIT,
+            -SPLIT,
+            TAIL_START,
+            -TAIL_START,
+            1.0606601,
+            3.9,
+            10.5,
+            f32::MAX,
+        ]) {
             let u = ulps(erf(x), libm::erf(x as f64));
             if u > worst.0 {
                 worst = (u, x);
@@ -356,10 +523,29 @@ mod tests {
     }
 
     /// The dispatching slice kernels give the same bits as the scalar functions, whichever
-    /// instruction set ran, on a length that is not a multiple of any vector width.
+    /// instruction set ran and whichever path each group of eight took (the central one or the
+    /// full one), on a length that is not a multiple of any vector width.
     #[test]
     fn slice_kernels_match_the_scalar_functions_bit_for_bit() {
         let x: Vec<f32> = (0..1003).map(|i| (i as f32 - 501.0) * 0.0173).collect();
+        // Both paths run: some groups lie wholly inside the central pieces, some do not, and
+        // some straddle the boundary between them.
+        let groups: Vec<&[f32; LANES]> = x.chunks_exact(LANES).map(as_group).collect();
+        let central = groups.iter().filter(|g| all_central(g)).count();
+        assert!(
+            central >= 20 && central + 20 <= groups.len(),
+            "{central} of {} groups central",
+            groups.len()
+        );
+        for &edge in &[TAIL_START, SPLIT] {
+            let x_edge = edge * std::f32::consts::SQRT_2;
+            let straddles =
+                |g: &[f32; LANES]| g.iter().any(|x| x.abs() < x_edge) && g.iter().any(|x| x.abs() > x_edge);
+            assert!(
+                groups.iter().any(|g| straddles(g)),
+                "no group straddles |x| = {x_edge}"
+            );
+        }
         let mut out = vec![0.0; x.len()];
         gelu_into(&x, &mut out);
         let mut grad: Vec<f32> = x.iter().map(|v| 1.0 + v).collect();

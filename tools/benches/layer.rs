@@ -44,7 +44,11 @@ struct StartRanks<'a> {
 impl BackendJob for StartRanks<'_> {
     type Output = Ranks;
 
-    fn run<B: AutodiffBackend + MoeBackend>(self, _device: &B::Device) -> Ranks {
+    fn run<B>(self, _device: &B::Device) -> Ranks
+    where
+        B: AutodiffBackend + MoeBackend,
+        B::InnerBackend: MoeBackend,
+    {
         Ranks::new::<B>(self.config, self.n_ranks, self.tokens)
     }
 }

@@ -2,7 +2,7 @@
 //! (`scripts/bench/torch_peer.py` runs it alternately with its own PyTorch layer).
 //!
 //! ```text
-//! cargo run --release --example peer -- gelu [--elements 12582912] [--rounds 7]
+//! cargo run --release --example peer -- gelu [--elements 12582912] [--rounds 7] [--input uniform]
 //! cargo run --release --example peer -- layer --d-model 768 --d-hidden 3072 --tokens 4096 \
 //!     [--experts 8] [--top-k 1] [--iters 3] [--partitions 1] [--executor default]
 //! ```
@@ -11,6 +11,8 @@
 //! alternating rounds: this crate's Flex kernels (vectorised, every core), the kernels they
 //! replaced (scalar `libm::erff` per element, every core; kept here as the "before"), and
 //! Flex's own `gelu` / `gelu_backward` (burn's kernels). It prints nanoseconds per element.
+//! `--input` draws the buffer uniform on `[-4, 4]` (half of it in the tails, where the exact
+//! GELU costs most) or from a standard normal (the scale of a layer's pre-activations).
 //!
 //! `layer` times one forward + backward of a FastMoE-style `MoeLayer` (one rank, `n = 1` unless
 //! `--partitions` says otherwise, no reuse, dropless, GELU experts; `--executor` picks how the
@@ -54,9 +56,43 @@ enum What {
         /// Alternating rounds; medians are reported.
         #[arg(long, default_value_t = 7, value_parser = count(1, 1000))]
         rounds: usize,
+        /// How the input is drawn.
+        #[arg(long, value_enum, default_value_t = GeluInput::Uniform)]
+        input: GeluInput,
     },
     /// One forward + backward of the layer, ms.
     Layer(LayerArgs),
+}
+
+/// The distribution of the GELU benchmark's input.
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum GeluInput {
+    /// Uniform on `[-4, 4]`.
+    Uniform,
+    /// Standard normal.
+    Normal,
+}
+
+impl GeluInput {
+    /// `elements` seeded draws.
+    fn draw(self, elements: usize) -> Vec<f32> {
+        match self {
+            GeluInput::Uniform => mpipemoe::seeded_uniform(1, "gelu input", elements, 4.0),
+            GeluInput::Normal => {
+                // Box–Muller on two seeded uniform streams; `1 − v` keeps the logarithm's
+                // argument in (0, 1].
+                let a = mpipemoe::seeded_uniform(1, "gelu input", elements, 0.5);
+                let b = mpipemoe::seeded_uniform(3, "gelu angle", elements, 0.5);
+                a.iter()
+                    .zip(&b)
+                    .map(|(&a, &b)| {
+                        let radius = (-2.0 * (1.0 - (a as f64 + 0.5)).max(f64::MIN_POSITIVE).ln()).sqrt();
+                        (radius * (std::f64::consts::TAU * (b as f64 + 0.5)).cos()) as f32
+                    })
+                    .collect()
+            }
+        }
+    }
 }
 
 /// The shape and configuration of one `layer` measurement.
@@ -128,8 +164,8 @@ fn time(f: impl FnOnce()) -> Duration {
     start.elapsed()
 }
 
-fn gelu(elements: usize, rounds: usize) -> serde_json::Value {
-    let x = mpipemoe::seeded_uniform(1, "gelu input", elements, 4.0);
+fn gelu(elements: usize, rounds: usize, input: GeluInput) -> serde_json::Value {
+    let x = input.draw(elements);
     let g = mpipemoe::seeded_uniform(2, "gelu grad", elements, 1.0);
     let mut t: [Vec<Duration>; 6] = Default::default();
     for _ in 0..rounds {
@@ -149,7 +185,7 @@ fn gelu(elements: usize, rounds: usize) -> serde_json::Value {
     }
     let ns = |i: usize| median(t[i].clone()) * 1e9 / elements as f64;
     json!({
-        "what": "gelu", "elements": elements, "rounds": rounds, "threads": rayon::current_num_threads(),
+        "what": "gelu", "elements": elements, "rounds": rounds, "input": format!("{input:?}"), "threads": rayon::current_num_threads(),
         "ours_forward_ns": ns(0), "ours_backward_ns": ns(1),
         "before_forward_ns": ns(2), "before_backward_ns": ns(3),
         "flex_forward_ns": ns(4), "flex_backward_ns": ns(5),
@@ -189,7 +225,11 @@ fn main() {
     let cli = Cli::parse();
     let keeps_freed_memory = cli.heap.apply();
     let mut row = match cli.what {
-        What::Gelu { elements, rounds } => gelu(elements, rounds),
+        What::Gelu {
+            elements,
+            rounds,
+            input,
+        } => gelu(elements, rounds, input),
         What::Layer(run) => {
             if run.d_model < run.experts {
                 eprintln!(

@@ -35,8 +35,12 @@ pub trait BackendJob {
     /// What the work returns.
     type Output;
 
-    /// Runs the work on backend `B`.
-    fn run<B: AutodiffBackend + MoeBackend>(self, device: &B::Device) -> Self::Output;
+    /// Runs the work on backend `B`; its inner backend (no autodiff, for evaluation and
+    /// inference) runs the layer too.
+    fn run<B>(self, device: &B::Device) -> Self::Output
+    where
+        B: AutodiffBackend + MoeBackend,
+        B::InnerBackend: MoeBackend;
 }
 
 /// Runs `job` on the backend `backend` names, on its default device.

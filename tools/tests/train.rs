@@ -134,3 +134,50 @@ fn deepseek_routing_balances_load_without_an_auxiliary_loss() {
         assert!(moving.losses[steps - 1] < moving.losses[0] - 0.5);
     }
 }
+
+/// Validation and sampling run on the inner backend (`model.valid()`, no autodiff graph): that
+/// model computes the autodiff model's logits and auxiliary loss, on one rank and on two.
+#[test]
+fn the_inner_backend_model_computes_the_autodiff_models_logits() {
+    use burn::module::AutodiffModule;
+    use burn::tensor::{Int, Tensor, TensorData};
+    type Ad = Autodiff<Flex>;
+
+    let config = model::GptMoeConfig::new()
+        .with_seq_len(16)
+        .with_d_model(32)
+        .with_d_hidden(64);
+    for ranks in [1, 2] {
+        let results = LocalGroup::run(ranks, |ctx| {
+            let device = Default::default();
+            let moe = config.moe().with_partitions(Partitions::Fixed(2));
+            let model = config.init::<Ad>(&moe, 5, &device, ctx.comm.clone())?;
+            // Each rank its own rows, as in training.
+            let ids: Vec<i64> = (0..2 * 16)
+                .map(|i| ((i * 37 + ctx.rank * 11) % 256) as i64)
+                .collect();
+            let data = TensorData::new(ids, [2, 16]);
+            let tracked = model.forward(Tensor::<Ad, 2, Int>::from_data(data.clone(), &device))?;
+            let inner = model
+                .valid()
+                .forward(Tensor::<Flex, 2, Int>::from_data(data, &device))?;
+            let a = tracked.logits.into_data().to_vec::<f32>().unwrap();
+            let b = inner.logits.into_data().to_vec::<f32>().unwrap();
+            let aux = (tracked.aux.into_scalar(), inner.aux.into_scalar());
+            Ok::<_, mpipemoe::MoeError>((a, b, aux))
+        })
+        .unwrap();
+        for (a, b, (aux_a, aux_b)) in results {
+            let scale = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let worst = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(
+                scale > 0.1 && worst <= 1e-5 * scale,
+                "ranks {ranks}: logits differ by {worst:e} (scale {scale})"
+            );
+            assert!(
+                (aux_a - aux_b).abs() <= 1e-5 * aux_a.abs().max(1e-3),
+                "ranks {ranks}: aux {aux_a} vs {aux_b}"
+            );
+        }
+    }
+}

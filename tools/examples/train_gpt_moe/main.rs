@@ -58,7 +58,11 @@ struct TrainJob<'a> {
 impl BackendJob for TrainJob<'_> {
     type Output = mpipemoe::Result<TrainReport>;
 
-    fn run<B: AutodiffBackend + MoeBackend>(self, device: &B::Device) -> Self::Output {
+    fn run<B>(self, device: &B::Device) -> Self::Output
+    where
+        B: AutodiffBackend + MoeBackend,
+        B::InnerBackend: MoeBackend,
+    {
         train_rank::<B>(self.ctx, self.corpus, self.options, device, self.log)
     }
 }

@@ -2,10 +2,10 @@
 
 use std::time::Instant;
 
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::module::{AutodiffModule, Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::activation::log_softmax;
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor, TensorData};
 use mpipemoe::backend::StepExecutor;
 use mpipemoe::comm::rank_range;
@@ -121,7 +121,7 @@ pub struct TrainReport {
 }
 
 /// Bytes `range` of every row as token ids. `[rows, range.len()]`
-fn tokens<B: AutodiffBackend>(
+fn tokens<B: Backend>(
     rows: &[Vec<u8>],
     range: std::ops::Range<usize>,
     device: &B::Device,
@@ -137,7 +137,7 @@ fn tokens<B: AutodiffBackend>(
 }
 
 /// Sum over this rank's tokens of the cross-entropy, `[1]`.
-fn cross_entropy_sum<B: AutodiffBackend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+fn cross_entropy_sum<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
     let [b, s, v] = logits.dims();
     let log_probs = log_softmax(logits.reshape([b * s, v]), 1);
     let picked = log_probs.gather(1, targets.reshape([b * s, 1]));
@@ -224,6 +224,7 @@ pub fn train_rank<B>(
 ) -> mpipemoe::Result<TrainReport>
 where
     B: AutodiffBackend + MoeBackend,
+    B::InnerBackend: MoeBackend,
 {
     let o = options;
     let seq = o.model.seq_len;
@@ -244,13 +245,15 @@ where
     let (mut n_partitions, mut strategy) = (1, Strategy::None);
     let mut load = Vec::with_capacity(o.steps);
 
-    let evaluate = |model: &GptMoe<B>| -> mpipemoe::Result<f64> {
+    // Validation and sampling run on the inner backend: no autodiff graph is recorded for
+    // work that is never differentiated (burn's autodiff frees a graph only after a backward).
+    let evaluate = |model: &GptMoe<B::InnerBackend>| -> mpipemoe::Result<f64> {
         let mut total = vec![0.0];
         for i in 0..o.eval_batches {
             let rows = corpus.val_batch(i, o.eval_batches, o.batch, seq);
             let rows = &rows[mine.clone()];
-            let out = model.forward(tokens::<B>(rows, 0..seq, device))?;
-            let ce = cross_entropy_sum(out.logits, tokens::<B>(rows, 1..seq + 1, device));
+            let out = model.forward(tokens::<B::InnerBackend>(rows, 0..seq, device))?;
+            let ce = cross_entropy_sum(out.logits, tokens::<B::InnerBackend>(rows, 1..seq + 1, device));
             total[0] += ce.into_scalar().into_f64_lossy();
         }
         ctx.comm.all_reduce_sum(&mut total)?;
@@ -287,7 +290,7 @@ where
         strategy = out.stats[0].strategy;
         let last = step + 1 == o.steps;
         if (o.eval_every > 0 && (step + 1) % o.eval_every == 0) || last {
-            val_losses.push((step + 1, evaluate(&model)?));
+            val_losses.push((step + 1, evaluate(&model.valid())?));
         }
         on_step(&StepLog {
             step,
@@ -301,7 +304,7 @@ where
         });
     }
 
-    let sample = generate(&model, o, device)?;
+    let sample = generate(&model.valid(), o, device)?;
     Ok(TrainReport {
         losses,
         val_losses,
@@ -315,7 +318,7 @@ where
 
 /// Samples `sample_len` bytes after a prompt, identically on every rank (same logits, same
 /// seeded draws), so that the ranks' MoE collectives stay in step.
-fn generate<B: AutodiffBackend + MoeBackend>(
+fn generate<B: Backend + MoeBackend>(
     model: &GptMoe<B>,
     o: &TrainOptions,
     device: &B::Device,

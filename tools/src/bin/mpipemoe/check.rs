@@ -68,7 +68,11 @@ struct CheckJob<'a> {
 impl BackendJob for CheckJob<'_> {
     type Output = mpipemoe::Result<CheckReport>;
 
-    fn run<B: AutodiffBackend + MoeBackend>(self, device: &B::Device) -> Self::Output {
+    fn run<B>(self, device: &B::Device) -> Self::Output
+    where
+        B: AutodiffBackend + MoeBackend,
+        B::InnerBackend: MoeBackend,
+    {
         check_case::<B>(self.case, self.options, device)
     }
 }
