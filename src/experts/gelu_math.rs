@@ -131,19 +131,13 @@ fn estrin8(c: &[f32; 8], x: f32) -> f32 {
     (p01 + x2 * p23) + x4 * (p45 + x2 * p67)
 }
 
-/// `c[0] + c[1]·x + … + c[8]·x⁸` by Estrin's scheme (see [`estrin6`]).
+/// `c[0] + c[1]·x + … + c[8]·x⁸` by Estrin's scheme (see [`estrin6`]): [`estrin8`]'s tree
+/// with the last term added at the top.
 #[inline(always)]
 fn estrin9(c: &[f32; 9], x: f32) -> f32 {
-    let x2 = x * x;
-    let x4 = x2 * x2;
-    let x8 = x4 * x4;
-    let p01 = c[0] + c[1] * x;
-    let p23 = c[2] + c[3] * x;
-    let p45 = c[4] + c[5] * x;
-    let p67 = c[6] + c[7] * x;
-    let q0 = p01 + x2 * p23;
-    let q1 = p45 + x2 * p67;
-    (q0 + x4 * q1) + x8 * c[8]
+    let head: &[f32; 8] = c[..8].try_into().expect("the first eight of nine coefficients");
+    let x4 = (x * x) * (x * x);
+    estrin8(head, x) + (x4 * x4) * c[8]
 }
 
 /// `e^(hi + lo)` for `hi + lo ≤ 88`, where `lo` is small next to `hi` and carries the bits
@@ -317,68 +311,79 @@ fn as_group_mut(chunk: &mut [f32]) -> &mut [f32; LANES] {
     chunk.try_into().expect("chunks_exact_mut yields LANES elements")
 }
 
-/// `dst[i] = gelu(src[i])`, with [`gelu_central`] on every group of [`LANES`] elements that
-/// are all central. Kept inline so that each caller below compiles it for its own instruction
-/// set; the groups are arrays, so that each is one vector. (The functions are named rather than
-/// passed in: a function passed as a value is called through a shim the compiler may leave
-/// un-inlined, which costs the vectorisation.)
-#[inline(always)]
-fn gelu_slice(src: &[f32], dst: &mut [f32]) {
-    let n = src.len().min(dst.len());
-    let mut src = src[..n].chunks_exact(LANES);
-    let mut dst = dst[..n].chunks_exact_mut(LANES);
-    for (d, s) in (&mut dst).zip(&mut src) {
-        let (d, s) = (as_group_mut(d), as_group(s));
-        if all_central(s) {
-            for i in 0..LANES {
-                d[i] = gelu_central(s[i]);
-            }
-        } else {
-            for i in 0..LANES {
-                d[i] = gelu(s[i]);
-            }
-        }
-    }
-    let rest = dst.into_remainder();
-    rest.iter_mut()
-        .zip(src.remainder())
-        .for_each(|(d, &s)| *d = gelu(s));
+/// An element-wise update `out ← f(x, out)` in its two forms: `central`, equal to `full`
+/// wherever [`is_central`] holds and cheaper, and `full`, right everywhere. A trait with
+/// associated functions rather than function values: a function passed as a value is called
+/// through a shim the compiler may leave un-inlined, which costs the vectorisation (7× here).
+trait GroupKernel {
+    fn central(x: f32, out: f32) -> f32;
+    fn full(x: f32, out: f32) -> f32;
 }
 
-/// `grad[i] *= gelu'(x[i])`, by groups of [`LANES`] as in [`gelu_slice`].
+/// `out = gelu(x)`.
+struct Gelu;
+
+impl GroupKernel for Gelu {
+    #[inline(always)]
+    fn central(x: f32, _: f32) -> f32 {
+        gelu_central(x)
+    }
+    #[inline(always)]
+    fn full(x: f32, _: f32) -> f32 {
+        gelu(x)
+    }
+}
+
+/// `out = out · gelu'(x)`.
+struct ScaleBySlope;
+
+impl GroupKernel for ScaleBySlope {
+    #[inline(always)]
+    fn central(x: f32, grad: f32) -> f32 {
+        grad * gelu_slope_central(x)
+    }
+    #[inline(always)]
+    fn full(x: f32, grad: f32) -> f32 {
+        grad * gelu_slope(x)
+    }
+}
+
+/// `out[i] = K(x[i], out[i])` over the shorter of the two slices, with `K::central` on every
+/// group of [`LANES`] elements that are all central. Kept inline so that each caller below
+/// compiles it for its own instruction set; the groups are arrays, so that each is one vector.
 #[inline(always)]
-fn scale_by_slope(x: &[f32], grad: &mut [f32]) {
-    let n = x.len().min(grad.len());
+fn by_groups<K: GroupKernel>(x: &[f32], out: &mut [f32]) {
+    let n = x.len().min(out.len());
     let mut x = x[..n].chunks_exact(LANES);
-    let mut grad = grad[..n].chunks_exact_mut(LANES);
-    for (g, x) in (&mut grad).zip(&mut x) {
-        let (g, x) = (as_group_mut(g), as_group(x));
+    let mut out = out[..n].chunks_exact_mut(LANES);
+    for (o, x) in (&mut out).zip(&mut x) {
+        let (o, x) = (as_group_mut(o), as_group(x));
         if all_central(x) {
             for i in 0..LANES {
-                g[i] *= gelu_slope_central(x[i]);
+                o[i] = K::central(x[i], o[i]);
             }
         } else {
             for i in 0..LANES {
-                g[i] *= gelu_slope(x[i]);
+                o[i] = K::full(x[i], o[i]);
             }
         }
     }
-    let rest = grad.into_remainder();
+    let rest = out.into_remainder();
     rest.iter_mut()
         .zip(x.remainder())
-        .for_each(|(g, &x)| *g *= gelu_slope(x));
+        .for_each(|(o, &x)| *o = K::full(x, *o));
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 fn gelu_avx2(src: &[f32], dst: &mut [f32]) {
-    gelu_slice(src, dst)
+    by_groups::<Gelu>(src, dst)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 fn scale_by_slope_avx2(x: &[f32], grad: &mut [f32]) {
-    scale_by_slope(x, grad)
+    by_groups::<ScaleBySlope>(x, grad)
 }
 
 /// Whether this CPU runs the 8-lane AVX2 build of the kernels. The answer is cached by std.
@@ -401,7 +406,7 @@ pub(crate) fn gelu_into(src: &[f32], dst: &mut [f32]) {
         // SAFETY: the CPU was just found to support AVX2, the only requirement of the call.
         return unsafe { gelu_avx2(src, dst) };
     }
-    gelu_slice(src, dst)
+    by_groups::<Gelu>(src, dst)
 }
 
 /// `grad[i] *= gelu'(x[i])` over the shorter of the two slices.
@@ -411,7 +416,7 @@ pub(crate) fn scale_by_gelu_slope(x: &[f32], grad: &mut [f32]) {
         // SAFETY: the CPU was just found to support AVX2, the only requirement of the call.
         return unsafe { scale_by_slope_avx2(x, grad) };
     }
-    scale_by_slope(x, grad)
+    by_groups::<ScaleBySlope>(x, grad)
 }
 
 #[cfg(test)]
