@@ -13,7 +13,9 @@
 //! prefetch, re-dispatch) with its stream, the partition buffers it reads and writes, and
 //! what it waits for. [`execute_on_threads`] runs a schedule with one worker thread per
 //! stream (the CPU executor), [`execute_in_order`] on the calling thread (a backend picks with
-//! [`MoeBackend::step_executor`]); a GPU executor runs the same steps on streams and events.
+//! [`MoeBackend::step_executor`]); [`execute_on`] is the threaded executor on a backend's
+//! device streams ([`MoeBackend::worker_streams`]), with a fence after every step: the rule for
+//! tensors that cross streams is in [`WorkerStreams`]' module docs and docs/design-notes.md.
 //!
 //! Where a backend has a partition arena ([`MoeBackend::slot_memory`], the CubeCL backends),
 //! the generic implementation builds every partition buffer in it: one device buffer per
@@ -21,11 +23,13 @@
 //! handed to.
 
 pub use crate::dispatch::{chunk_len, chunk_range, ExchangePlan, PartitionPlan, RoutingCounts, SplitScheme};
-pub use crate::exchange::executor::{execute as execute_on_threads, execute_in_order, StepExecutor};
+pub use crate::exchange::executor::{
+    execute as execute_on_threads, execute_in_order, execute_on, StepExecutor,
+};
 pub use crate::exchange::fused::{backward as fused_backward, forward as fused_forward, Saved as FusedSaved};
 pub use crate::exchange::{
     buffer_of, exchange_reference, ArenaCounters, ArenaStats, BlockLayout, ExchangeGrads, ExchangeRun,
-    PartitionArena, SlotMemory,
+    NoStreams, PartitionArena, SlotMemory, StepHold, SyncStreams, WorkerStreams,
 };
 pub use crate::experts::{ActivationKernels, ExpertTensors};
 pub use crate::memory::host_store::{HostBlock, HostStore};

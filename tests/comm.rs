@@ -91,30 +91,84 @@ proptest! {
     }
 }
 
-/// Records what a device transport would be asked to do.
+/// Records what a device transport would be asked to do; with `fail_on`, the post whose
+/// record starts with it fails, as a device transport's post can (NCCL's invalid argument, a
+/// CUDA error).
 #[derive(Default)]
-struct Recorder(Vec<String>);
+struct Recorder {
+    calls: Vec<String>,
+    fail_on: Option<&'static str>,
+    /// Groups open on this "thread", as NCCL counts them.
+    depth: i32,
+}
+
+impl Recorder {
+    fn failing_on(what: &'static str) -> Self {
+        Self {
+            fail_on: Some(what),
+            ..Self::default()
+        }
+    }
+
+    fn record(&mut self, call: String) -> mpipemoe::Result<()> {
+        let fails = self.fail_on.is_some_and(|f| call.starts_with(f));
+        self.calls.push(call);
+        if fails {
+            return Err(mpipemoe::MoeError::comm(
+                "posted",
+                0,
+                "the transport refused a post",
+            ));
+        }
+        Ok(())
+    }
+}
 
 impl PeerTransport for Recorder {
     fn begin(&mut self) -> mpipemoe::Result<()> {
-        self.0.push("begin".into());
-        Ok(())
+        self.depth += 1;
+        self.record("begin".into())
     }
     fn send(&mut self, peer: usize, bytes: Range<usize>) -> mpipemoe::Result<()> {
-        self.0.push(format!("send {peer} {bytes:?}"));
-        Ok(())
+        self.record(format!("send {peer} {bytes:?}"))
     }
     fn recv(&mut self, peer: usize, bytes: Range<usize>) -> mpipemoe::Result<()> {
-        self.0.push(format!("recv {peer} {bytes:?}"));
-        Ok(())
+        self.record(format!("recv {peer} {bytes:?}"))
     }
     fn copy_local(&mut self, from: Range<usize>, to: Range<usize>) -> mpipemoe::Result<()> {
-        self.0.push(format!("copy {from:?} -> {to:?}"));
-        Ok(())
+        self.record(format!("copy {from:?} -> {to:?}"))
     }
     fn end(&mut self) -> mpipemoe::Result<()> {
-        self.0.push("end".into());
-        Ok(())
+        self.depth -= 1;
+        self.record("end".into())
+    }
+    fn abandon(&mut self) {
+        self.depth -= 1;
+        self.calls.push("abandon".into());
+    }
+}
+
+/// A post that fails inside the group closes the group (`abandon`) before the error returns,
+/// whichever post fails; no `end` is called for a group that did not post everything, and the
+/// next group on the same transport opens at depth one, not nested.
+#[test]
+fn a_failing_post_closes_its_group() {
+    // Rank 1 of 3: a local copy, a send to 0, a receive from 2.
+    let layout = PeerLayout::new(&[2, 1, 0], &[0, 1, 3], 4).unwrap();
+    for fail_on in ["copy", "send", "recv"] {
+        let mut rec = Recorder::failing_on(fail_on);
+        let err = post_all_to_all_v(&mut rec, 1, &layout).unwrap_err();
+        assert!(err.to_string().contains("refused a post"), "{err}");
+        assert_eq!(rec.depth, 0, "{fail_on}: the group is left open: {:?}", rec.calls);
+        assert_eq!(rec.calls.last().map(String::as_str), Some("abandon"), "{fail_on}");
+        assert!(
+            !rec.calls.iter().any(|c| c == "end"),
+            "{fail_on}: {:?}",
+            rec.calls
+        );
+        rec.fail_on = None;
+        post_all_to_all_v(&mut rec, 1, &layout).unwrap();
+        assert_eq!(rec.depth, 0, "{fail_on}: {:?}", rec.calls);
     }
 }
 
@@ -128,7 +182,7 @@ fn the_posts_are_per_peer_byte_ranges_with_empty_pairs_skipped() {
     let mut rec = Recorder::default();
     post_all_to_all_v(&mut rec, 1, &layout).unwrap();
     assert_eq!(
-        rec.0,
+        rec.calls,
         [
             "begin",
             "copy 8..12 -> 0..4",
@@ -149,9 +203,9 @@ fn the_posts_are_per_peer_byte_ranges_with_empty_pairs_skipped() {
         "own rows must match"
     );
     assert!(
-        rec.0.is_empty(),
+        rec.calls.is_empty(),
         "nothing posted for a refused layout: {:?}",
-        rec.0
+        rec.calls
     );
     assert!(PeerLayout::new(&[1, 2], &[1], 4).is_err());
     let err = PeerLayout::new(&[usize::MAX / 2, 3], &[0, 0], 4)

@@ -199,27 +199,10 @@ proptest! {
     }
 }
 
-/// A case where every token goes to expert 0 (router weights zero, bias favouring it).
-fn all_to_one_expert_case(n_experts: usize, tokens: usize) -> Case {
-    let config = MoeLayerConfig::new(6, 8, n_experts, 1)
-        .with_router_bias(true)
-        .with_bias(true);
-    let base = Case::generate("all_to_one", &config, tokens, 9).unwrap();
-    let mut tensors = base.tensors.clone();
-    tensors.insert(
-        "router.weight".into(),
-        TensorData::zeros::<f32, _>([n_experts, 6]),
-    );
-    let mut bias = vec![0f32; n_experts];
-    bias[0] = 4.0;
-    tensors.insert("router.bias".into(), TensorData::new(bias, [n_experts]));
-    Case::from_parts("all_to_one", &config, tensors).unwrap()
-}
-
 #[test]
 fn all_tokens_to_one_expert_and_ranks_without_rows_are_exact() {
     let device = Default::default();
-    let case = all_to_one_expert_case(4, 10);
+    let case = Case::all_to_one_expert(4, 10).unwrap();
     for n_ranks in [1, 2, 4] {
         for path in [ExchangePath::Reference, ExchangePath::Fused] {
             for strategy in Strategy::ALL {

@@ -8,6 +8,12 @@ pub enum CudaError {
         "no CUDA driver found (libcuda could not be loaded); run on a machine with an NVIDIA GPU and driver"
     )]
     NoDriver,
+    /// `libnccl` could not be loaded: expert parallelism over NCCL is unavailable, while the
+    /// layer on one GPU still works.
+    #[error(
+        "no NCCL library found (libnccl.so could not be loaded); install NCCL (e.g. the nvidia-nccl wheel) and put its lib folder on LD_LIBRARY_PATH"
+    )]
+    NoNccl,
 }
 
 /// Checks that the CUDA driver library can be loaded.
@@ -21,5 +27,19 @@ pub fn cuda_available() -> Result<(), CudaError> {
         Ok(())
     } else {
         Err(CudaError::NoDriver)
+    }
+}
+
+/// Checks that the NCCL library can be loaded.
+///
+/// cudarc loads `libnccl` on the first NCCL call and panics when it is missing
+/// (`cudarc::nccl::sys` is a lazily loaded library); calling this first turns that into an error,
+/// so a caller can run its single-GPU work and report NCCL as unavailable.
+pub fn nccl_available() -> Result<(), CudaError> {
+    // SAFETY: this only tries to dlopen libnccl and look up its symbols; no NCCL call runs.
+    if unsafe { cudarc::nccl::sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(CudaError::NoNccl)
     }
 }

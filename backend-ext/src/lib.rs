@@ -15,7 +15,12 @@
 //!   `mpipemoe::comm::post_all_to_all_v` the CPU twin is tested with; only counts pass
 //!   through the host.
 //! - The overlap: the layer's `MoeBackend` for CubeCL runs the schedule with a worker per
-//!   stream on CUDA, and cubecl gives each worker a CUDA stream of its own, fenced by events.
+//!   stream on CUDA, each on a CUDA stream of its own (the same for every pass), fenced after
+//!   every step by the executor (the rule in `mpipemoe`'s docs/design-notes.md, "Tensors that
+//!   cross streams").
+//! - [`nccl_available`]: whether NCCL can be loaded, so a caller runs its single-GPU work and
+//!   reports NCCL as unavailable instead of cudarc panicking.
+//! - [`check_plan`]: what `examples/gpu_check.rs` checks, single-GPU checks first.
 //! - `examples/gpu_check.rs` and `examples/gpu_bench.rs`, run by `scripts/gpu/`.
 //!
 //! Not yet run on a GPU: none has been lent to this project so far. Everything here compiles
@@ -30,6 +35,7 @@
 pub const CUDA_COMPILED: bool = cfg!(feature = "cuda");
 
 pub mod bootstrap;
+pub mod check_plan;
 #[cfg(feature = "cuda")]
 mod driver;
 #[cfg(feature = "cuda")]
@@ -42,7 +48,7 @@ mod payload;
 mod rows;
 
 #[cfg(feature = "cuda")]
-pub use driver::{cuda_available, CudaError};
+pub use driver::{cuda_available, nccl_available, CudaError};
 #[cfg(feature = "cuda")]
 pub use nccl::Nccl;
 

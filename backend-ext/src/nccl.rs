@@ -104,6 +104,7 @@ impl Nccl {
     /// `timeout` for the rendezvous.
     pub fn from_env(timeout: Duration) -> Result<Self> {
         crate::cuda_available().map_err(|e| MoeError::Backend(e.to_string()))?;
+        crate::nccl_available().map_err(|e| MoeError::Backend(e.to_string()))?;
         let rank = env_usize("RANK", 0)?;
         let world = env_usize("WORLD_SIZE", 1)?;
         if world == 0 || rank >= world {
@@ -182,6 +183,7 @@ impl Nccl {
     /// thread of its own, as [`mpipemoe::LocalGroup::run`] does for the CPU.
     pub fn local_group(n_gpus: usize) -> Result<Vec<Self>> {
         crate::cuda_available().map_err(|e| MoeError::Backend(e.to_string()))?;
+        crate::nccl_available().map_err(|e| MoeError::Backend(e.to_string()))?;
         let devices = CudaContext::device_count().map_err(|e| cuda_err("init", 0, e))? as usize;
         if n_gpus == 0 || n_gpus > devices {
             return Err(MoeError::Backend(format!(
@@ -385,6 +387,14 @@ impl PeerTransport for NcclTransport<'_> {
             )
         }
         .map_err(|e| cuda_err(self.op, self.rank, e))
+    }
+
+    /// Ends the group NCCL holds open on this thread (its result is of no use: a post already
+    /// failed) and aborts the communicator, because what was posted may wait for peers that
+    /// will never see this rank's other half; later transfers on it are errors that say so.
+    fn abandon(&mut self) {
+        let _ = nccl::group_end();
+        self.comm.abort();
     }
 
     /// Waits by polling the stream and NCCL's asynchronous error rather than blocking in

@@ -166,6 +166,12 @@ impl<F: FloatElement> Offloaded<CudaMoe<F>> for Parked {
                 .client
                 .get_resource(out.clone())
                 .map_err(|e| err("resource of the restored partition", e))?;
+            // The copy below runs on this path's own CUDA stream, which cubecl does not order
+            // against its streams: the slice `empty` handed out may still be read by a queued
+            // kernel of its previous tenant on this thread's cubecl stream (cubecl-cuda
+            // `memory_management` reuses a freed slice at once for the next reservation on the
+            // same stream). Waiting for that stream first orders the copy after them.
+            cubecl::future::block_on(self.client.sync()).map_err(|e| err("sync", e))?;
             self.owner
                 .context
                 .bind_to_thread()

@@ -18,11 +18,9 @@ cp scripts/bench/torch_peer.py scripts/bench/torch_gpu_peer.py .gpu/
 cp tests/data/cases/*.safetensors .gpu/cases/
 # The Hugging Face expected cases (DeepSeek-V3 routing, Mixtral, Qwen2-MoE) run the same way.
 cp tests/data/hf/*.safetensors .gpu/cases/
-if [ -f ../shared/gpu/device-env.sh ]; then
-  cp ../shared/gpu/device-env.sh .gpu/
-else
-  cp scripts/gpu/device-env.sh .gpu/
-fi
+# The repository's copy is the maintained one (its CUDA_PATH rule is tested by
+# backend-ext/tests/device_env.rs).
+cp scripts/gpu/device-env.sh .gpu/
 du -sh .gpu
 ls -l .gpu
 size=$(du -sb .gpu | cut -f1)

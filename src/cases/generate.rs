@@ -60,4 +60,24 @@ impl Case {
         tensors.insert("probe".into(), draw("probe"));
         Self::from_parts(name, config, tensors)
     }
+
+    /// A case where every token goes to expert 0 (router weights zero, a router bias favouring
+    /// expert 0; top-1, d_model 6, d_hidden 8), so with experts sharded over ranks every rank
+    /// but rank 0 receives no rows: every one of their partition slots is empty.
+    #[cfg(feature = "ndarray")]
+    pub fn all_to_one_expert(n_experts: usize, n_tokens: usize) -> Result<Case> {
+        let config = MoeLayerConfig::new(6, 8, n_experts, 1)
+            .with_router_bias(true)
+            .with_bias(true);
+        let base = Self::generate("all_to_one", &config, n_tokens, 9)?;
+        let mut tensors = base.tensors;
+        tensors.insert(
+            "router.weight".into(),
+            TensorData::zeros::<f32, _>([n_experts, 6]),
+        );
+        let mut bias = vec![0f32; n_experts];
+        bias[0] = 4.0;
+        tensors.insert("router.bias".into(), TensorData::new(bias, [n_experts]));
+        Self::from_parts("all_to_one", &config, tensors)
+    }
 }

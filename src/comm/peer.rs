@@ -96,6 +96,12 @@ pub trait PeerTransport {
     fn copy_local(&mut self, from: Range<usize>, to: Range<usize>) -> Result<()>;
     /// Closes the group and waits until every posted transfer is complete.
     fn end(&mut self) -> Result<()>;
+    /// Closes a group that failed part-way (a post returned an error), so that no group stays
+    /// open on this thread: NCCL nests a later `ncclGroupStart` inside an open group, and that
+    /// group's posts would then wait for an end that never comes while reporting success.
+    /// Whatever was posted is not waited for; a device transport also makes sure it cannot
+    /// hang (NCCL aborts the communicator: its peers see an error, not half a group).
+    fn abandon(&mut self);
 }
 
 /// Posts one all-to-all-v as `rank` of `layout.n_ranks()`: the own rows as a local copy, then
@@ -126,18 +132,28 @@ pub fn post_all_to_all_v<T: PeerTransport + ?Sized>(
         )));
     }
     transport.begin()?;
-    if !own_send.is_empty() {
-        transport.copy_local(own_send, own_recv)?;
-    }
-    for peer in (0..layout.n_ranks()).filter(|&p| p != rank) {
-        if !layout.send[peer].is_empty() {
-            transport.send(peer, layout.send[peer].clone())?;
+    let post = || -> Result<()> {
+        if !own_send.is_empty() {
+            transport.copy_local(own_send, own_recv)?;
         }
-        if !layout.recv[peer].is_empty() {
-            transport.recv(peer, layout.recv[peer].clone())?;
+        for peer in (0..layout.n_ranks()).filter(|&p| p != rank) {
+            if !layout.send[peer].is_empty() {
+                transport.send(peer, layout.send[peer].clone())?;
+            }
+            if !layout.recv[peer].is_empty() {
+                transport.recv(peer, layout.recv[peer].clone())?;
+            }
+        }
+        Ok(())
+    };
+    // Every path out of an open group closes it: `end` on success, `abandon` on a failed post.
+    match post() {
+        Ok(()) => transport.end(),
+        Err(e) => {
+            transport.abandon();
+            Err(e)
         }
     }
-    transport.end()
 }
 
 /// The host twin of a device transport: the same posts over any [`Communicator`], between
@@ -205,6 +221,10 @@ impl PeerTransport for HostPeers<'_> {
         self.recv[to].copy_from_slice(&self.send[from]);
         Ok(())
     }
+
+    /// Nothing was sent yet (the exchange happens in `end`); the peers' collective fails on
+    /// their side when this rank returns its error without joining it.
+    fn abandon(&mut self) {}
 
     fn end(&mut self) -> Result<()> {
         let (op, rank) = (self.op, self.comm.rank());

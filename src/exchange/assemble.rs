@@ -24,34 +24,50 @@ pub(crate) fn slice_assign_rows<B: Backend>(
 
 /// Collects per-partition row blocks into one `[n_rows, width]` tensor in `T_I` order.
 ///
-/// With one partition the block is the result. With several, each block is written into a
-/// preallocated output with [`MoeBackend::assign_rows`] (in place on Flex, whose own
+/// With one partition in issue order the block is the result. Otherwise each block is written
+/// into a full-size output with [`MoeBackend::assign_rows`] (in place on Flex, whose own
 /// `slice_assign` copies the whole destination), so the full-size tensor never exists twice.
+///
+/// Where the result goes back to a caller whose streams the blocks did not come from (the
+/// threaded executor), the output is allocated by the calling thread, on its stream, before the
+/// workers start, and every block is written from the comm worker, whose writes the executor
+/// fences after each step: the tensor handed back then lives in the caller's memory pool, so
+/// when the caller drops it (with reads of it still queued on its stream) no worker stream can
+/// hand its memory out again (the rule in `exchange/streams.rs`). A debug check at every write
+/// holds the backend to it: the destination was allocated on the writing stream, or handed
+/// over fenced.
 pub(crate) struct RowAssembler<B: Backend> {
     out: Option<FloatTensor<B>>,
-    single: bool,
+    /// The blocks are written from fenced worker streams into a caller-allocated output.
+    fenced: bool,
 }
 
 impl<B: MoeBackend> RowAssembler<B> {
-    pub(crate) fn new(like: &FloatTensor<B>, plan: &ExchangePlan) -> Self {
+    /// An assembler for `plan`'s rows of `like`'s width; `fenced` where the blocks come from
+    /// the threaded executor's workers.
+    pub(crate) fn new(like: &FloatTensor<B>, plan: &ExchangePlan, fenced: bool) -> Self {
         let [_, width] = dims2::<B>(like);
-        let single = plan.n_partitions() == 1;
+        let single = plan.n_partitions() == 1 && !fenced;
         Self {
             out: (!single).then(|| zeros_like_rows::<B>(like, plan.send_rows(), width)),
-            single,
+            fenced,
         }
     }
 
     pub(crate) fn place(&mut self, part: &PartitionPlan, rows: FloatTensor<B>) {
-        if self.single {
+        let Some(out) = self.out.take() else {
             self.out = Some(rows);
             return;
-        }
+        };
         let [n, _] = dims2::<B>(&rows);
         if n == 0 {
+            self.out = Some(out);
             return;
         }
-        let out = self.out.take().expect("preallocated");
+        debug_assert!(
+            self.fenced || B::allocated_on_current_stream(&out),
+            "the assembled rows are written on a stream other than the one that allocated them, unfenced"
+        );
         self.out = Some(B::assign_rows(out, part.send_offset, rows));
     }
 

@@ -13,6 +13,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Shape, TensorMetadata};
 
 use super::executor::StepExecutor;
+use super::streams::WorkerStreams;
 use super::{ExchangeGrads, ExchangeRun, MoeBackend};
 use crate::comm::Communicator;
 use crate::dispatch::ExchangePlan;
@@ -108,6 +109,10 @@ impl<B: MoeBackend, C: CheckpointStrategy> MoeBackend for Autodiff<B, C> {
 
     fn step_executor(device: &Self::Device) -> StepExecutor {
         B::step_executor(device)
+    }
+
+    fn worker_streams(device: &Self::Device) -> Box<dyn WorkerStreams> {
+        B::worker_streams(device)
     }
 
     fn exchange_forward(

@@ -11,6 +11,7 @@ use burn::tensor::ops::FloatTensor;
 use super::arena::{PartitionArena, SlotMemory};
 use super::executor::StepExecutor;
 use super::rows;
+use super::streams::{SyncStreams, WorkerStreams};
 use crate::comm::Communicator;
 use crate::dispatch::ExchangePlan;
 use crate::error::Result;
@@ -121,6 +122,22 @@ pub trait MoeBackend: ActivationKernels {
     fn step_executor(device: &Self::Device) -> StepExecutor {
         let _ = device;
         StepExecutor::InOrder
+    }
+
+    /// The device streams the threaded executor's workers issue on, built on the calling
+    /// thread once per pass. The default issues on each worker thread as it is and fences with
+    /// the backend's `sync` ([`SyncStreams`]); the CubeCL backends give each schedule stream a
+    /// device stream of its own, the same for every pass the calling thread runs.
+    fn worker_streams(device: &Self::Device) -> Box<dyn WorkerStreams> {
+        Box::new(SyncStreams::<Self>::new(device))
+    }
+
+    /// Whether `tensor` was allocated on the stream the calling thread issues on: the debug
+    /// check at every in-place write of the exchange (a tensor written on a stream is created
+    /// there, see [`WorkerStreams`]). Backends without streams: always.
+    fn allocated_on_current_stream(tensor: &FloatTensor<Self>) -> bool {
+        let _ = tensor;
+        true
     }
 
     /// The partition arena's buffers for this backend on the device and dtype of `like`,

@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 
 use super::schedule::{Schedule, Span, Step, Stream};
+use super::streams::{NoStreams, StepHold, WorkerStreams};
 use crate::error::{MoeError, Result};
 
 /// How the generic fused exchange runs a schedule's steps on a backend.
@@ -53,9 +54,24 @@ impl StepExecutor {
         schedule: &Schedule,
         run: &(dyn Fn(usize, &Step) -> Result<()> + Sync),
     ) -> Result<Vec<Span>> {
+        self.run_on(&NoStreams, schedule, &|index, step| {
+            run(index, step).map(|()| StepHold::new())
+        })
+    }
+
+    /// Runs `schedule` with this executor on `streams`: the threaded executor runs each
+    /// schedule stream's worker on its device stream and fences every step (see
+    /// [`execute_on`]); in order, every step runs on the calling thread's stream and what it
+    /// holds is dropped at once.
+    pub fn run_on(
+        self,
+        streams: &dyn WorkerStreams,
+        schedule: &Schedule,
+        run: &(dyn Fn(usize, &Step) -> Result<StepHold> + Sync),
+    ) -> Result<Vec<Span>> {
         match self {
-            StepExecutor::StreamThreads => execute(schedule, run),
-            StepExecutor::InOrder => execute_in_order(schedule, run),
+            StepExecutor::StreamThreads => execute_on(streams, schedule, run),
+            StepExecutor::InOrder => execute_in_order(schedule, &|index, step| run(index, step).map(drop)),
         }
     }
 }
@@ -91,8 +107,27 @@ struct Progress {
 
 /// Runs every step of `schedule` with `run`, each stream on its own thread, and returns when
 /// all have finished, with the span of every step. The first error (or panic) of any step
-/// stops the other workers at their next wait and is returned.
+/// stops the other workers at their next wait and is returned. No device streams: see
+/// [`execute_on`].
 pub fn execute(schedule: &Schedule, run: &(dyn Fn(usize, &Step) -> Result<()> + Sync)) -> Result<Vec<Span>> {
+    execute_on(&NoStreams, schedule, &|index, step| {
+        run(index, step).map(|()| StepHold::new())
+    })
+}
+
+/// [`execute`] on device streams: each worker issues on its schedule stream's device stream
+/// ([`WorkerStreams::run_on`]), and after each step fences that stream before the step counts
+/// as done, so a step on another stream that waits for it reads finished writes; what the step
+/// returned ([`StepHold`]) is dropped after the fence, so no buffer it read goes back to a pool
+/// while its kernels may still read it. The calling thread's stream is fenced before the
+/// workers start (they read what it wrote), and every worker fences its stream once more when
+/// it ends, on success or error, so nothing a pass issued is still running when this returns.
+/// The rule behind it is in [`streams`](super::streams).
+pub fn execute_on(
+    streams: &dyn WorkerStreams,
+    schedule: &Schedule,
+    run: &(dyn Fn(usize, &Step) -> Result<StepHold> + Sync),
+) -> Result<Vec<Span>> {
     let n = schedule.steps.len();
     let progress = Mutex::new(Progress {
         done: vec![false; n],
@@ -102,9 +137,10 @@ pub fn execute(schedule: &Schedule, run: &(dyn Fn(usize, &Step) -> Result<()> + 
     let clock = AtomicU64::new(0);
     let spans: Mutex<Vec<Span>> = Mutex::new(vec![Span { start: 0, end: 0 }; n]);
     let enter_worker = inherit_allocation_tag();
+    // The workers read what the calling thread's stream wrote (T_I, the experts, dT_O).
+    streams.fence()?;
 
-    let worker = |stream: Stream| -> Result<()> {
-        enter_worker();
+    let steps = |stream: Stream| -> Result<()> {
         for index in schedule.stream_order(stream) {
             let step = &schedule.steps[index];
             {
@@ -118,7 +154,14 @@ pub fn execute(schedule: &Schedule, run: &(dyn Fn(usize, &Step) -> Result<()> + 
             }
             let start = clock.fetch_add(1, Ordering::SeqCst);
             let result = catch_unwind(AssertUnwindSafe(|| run(index, step)))
-                .unwrap_or_else(|payload| Err(panic_error(payload, step)));
+                .unwrap_or_else(|payload| Err(panic_error(payload, step)))
+                .and_then(|hold| {
+                    // The step's writes are finished before a step on another stream may read
+                    // them, and its reads before what it held may be reused.
+                    streams.fence()?;
+                    drop(hold);
+                    Ok(())
+                });
             let end = clock.fetch_add(1, Ordering::SeqCst);
             crate::sync::lock(&spans)[index] = Span { start, end };
             let mut p = lock_progress(&progress);
@@ -133,6 +176,15 @@ pub fn execute(schedule: &Schedule, run: &(dyn Fn(usize, &Step) -> Result<()> + 
             wake.notify_all();
         }
         Ok(())
+    };
+    let worker = |stream: Stream| -> Result<()> {
+        enter_worker();
+        streams.run_on(stream, &mut || {
+            let outcome = steps(stream);
+            // Whatever happened, nothing this worker issued may still run after the pass.
+            let fenced = streams.fence();
+            outcome.and(fenced)
+        })
     };
 
     let streams: Vec<Stream> = Stream::ALL
@@ -176,8 +228,6 @@ pub fn execute(schedule: &Schedule, run: &(dyn Fn(usize, &Step) -> Result<()> + 
     Ok(crate::sync::into_inner(spans))
 }
 
-/// A panic inside a step: the [`MoeError`] it carries (a collective that failed in a
-/// backward), or its message.
 /// What a stream worker runs first: with the test kit, it takes over the counting
 /// allocator's tag of the thread that started the exchange, so that the worker's allocations
 /// count against that rank (the kit's `CountingAllocator` measures each rank's own peak with
@@ -196,6 +246,8 @@ fn inherit_allocation_tag() -> impl Fn() + Sync {
     }
 }
 
+/// A panic inside a step: the [`MoeError`] it carries (a collective that failed in a
+/// backward), or its message.
 fn panic_error(payload: Box<dyn std::any::Any + Send>, step: &Step) -> MoeError {
     match payload.downcast::<MoeError>() {
         Ok(e) => *e,

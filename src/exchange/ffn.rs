@@ -211,6 +211,24 @@ impl<B: Backend> ExpertGradAcc<B> {
         }
     }
 
+    /// [`finish`](Self::finish) into tensors allocated by the calling thread: the stacked
+    /// gradients, and the per-expert sums they were read from (which the caller keeps until
+    /// its stream has run those reads).
+    pub(crate) fn finish_on_caller(self) -> (ExpertTensors<B>, Vec<FloatTensor<B>>) {
+        let sums: Vec<FloatTensor<B>> = self.sums.iter().flatten().flatten().cloned().collect();
+        let stacked = self.finish();
+        // A copy on this thread's stream; with the sums still held, the add cannot run in
+        // place (and a concatenation of several experts is a new tensor already).
+        let copy = |t: FloatTensor<B>| B::float_add_scalar(t, 0f32.into());
+        let grads = ExpertTensors {
+            w_in: copy(stacked.w_in),
+            b_in: stacked.b_in.map(copy),
+            w_out: copy(stacked.w_out),
+            b_out: stacked.b_out.map(copy),
+        };
+        (grads, sums)
+    }
+
     pub(crate) fn finish(self) -> ExpertTensors<B> {
         let [w_in, b_in, w_out, b_out] = self.sums;
         let like = self.like;

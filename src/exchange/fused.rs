@@ -23,7 +23,8 @@ use super::blocks::{layout_of, Mem};
 use super::executor::StepExecutor;
 use super::ffn::{compute, compute_backward, ExpertGradAcc, Restored};
 use super::rows::{all_to_all_rows, dims2, gather_rows, narrow_rows};
-use super::schedule::{Op, Role, Schedule, Slot, Step};
+use super::schedule::{Op, Role, Schedule, Slot, Step, Stream};
+use super::streams::StepHold;
 use super::{ExchangeGrads, ExchangeRun, MoeBackend};
 use crate::comm::{Communicator, HostOffload, Offloaded};
 use crate::dispatch::{ExchangePlan, PartitionPlan};
@@ -91,20 +92,65 @@ enum Value<B: Backend> {
     Hidden(Vec<Option<FloatTensor<B>>>),
 }
 
+impl<B: Backend> Clone for Value<B> {
+    fn clone(&self) -> Self {
+        match self {
+            Value::Rows(t) => Value::Rows(t.clone()),
+            Value::Hidden(h) => Value::Hidden(h.clone()),
+        }
+    }
+}
+
 /// The partition slots of one pass.
 struct Slots<B: Backend> {
     map: Mutex<HashMap<Slot, Value<B>>>,
+    /// With a worker per stream: what each stream's current step read, kept until the
+    /// executor has fenced that stream (`None` in issue order, where one stream orders every
+    /// read before any reuse of the memory).
+    held: Option<Mutex<HashMap<Stream, Vec<Value<B>>>>>,
+    /// What failed steps held, dropped with the slots: after every worker fenced its stream.
+    failed: Mutex<Vec<Vec<Value<B>>>>,
 }
 
 impl<B: Backend> Slots<B> {
-    fn new() -> Self {
+    fn new(executor: StepExecutor) -> Self {
         Self {
             map: Mutex::new(HashMap::new()),
+            held: (executor == StepExecutor::StreamThreads).then(|| Mutex::new(HashMap::new())),
+            failed: Mutex::new(Vec::new()),
         }
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<Slot, Value<B>>> {
         lock(&self.map)
+    }
+
+    /// Keeps `value`, which `step` reads, until `step`'s stream is fenced.
+    fn hold(&self, step: &Step, value: &Value<B>) {
+        if let Some(held) = &self.held {
+            lock(held).entry(step.stream()).or_default().push(value.clone());
+        }
+    }
+
+    fn hold_rows(&self, step: &Step, rows: &FloatTensor<B>) {
+        self.hold(step, &Value::Rows(rows.clone()));
+    }
+
+    /// Runs `step` with `step_fn` and hands what it read to the executor, which drops it
+    /// after fencing the step's stream; a failed step's reads wait for the end of the pass.
+    fn run(&self, index: usize, step: &Step, step_fn: &StepFn<'_>) -> Result<StepHold> {
+        let result = step_fn(index, step);
+        let held = match &self.held {
+            Some(held) => lock(held).remove(&step.stream()).unwrap_or_default(),
+            None => Vec::new(),
+        };
+        match result {
+            Ok(()) => Ok(vec![Box::new(held) as Box<dyn std::any::Any + Send>]),
+            Err(e) => {
+                lock(&self.failed).push(held);
+                Err(e)
+            }
+        }
     }
 
     /// Fills `slot`. It must be empty: its previous content's last reader takes it, so an
@@ -128,14 +174,14 @@ impl<B: Backend> Slots<B> {
                 step.op
             ))
         };
-        if step.takes.contains(&slot) {
-            map.remove(&slot).ok_or_else(missing)
+        let value = if step.takes.contains(&slot) {
+            map.remove(&slot).ok_or_else(missing)?
         } else {
-            match map.get(&slot).ok_or_else(missing)? {
-                Value::Rows(t) => Ok(Value::Rows(t.clone())),
-                Value::Hidden(h) => Ok(Value::Hidden(h.clone())),
-            }
-        }
+            map.get(&slot).ok_or_else(missing)?.clone()
+        };
+        drop(map);
+        self.hold(step, &value);
+        Ok(value)
     }
 
     fn rows(&self, step: &Step, role: Role, i: usize) -> Result<FloatTensor<B>> {
@@ -185,7 +231,8 @@ pub fn forward<B: MoeBackend>(
     let strategy = run.strategy;
     let n = plan.n_partitions();
     let device = B::float_device(&input);
-    let slots = Slots::<B>::new();
+    let executor = run.executor_for::<B>(&device);
+    let slots = Slots::<B>::new(executor);
     let saved: Mutex<Vec<SavedPartition<B>>> = Mutex::new(
         (0..n)
             .map(|_| SavedPartition {
@@ -194,7 +241,8 @@ pub fn forward<B: MoeBackend>(
             })
             .collect(),
     );
-    let output = Mutex::new(RowAssembler::<B>::new(&input, plan));
+    let threaded = executor == StepExecutor::StreamThreads;
+    let output = Mutex::new(RowAssembler::<B>::new(&input, plan, threaded));
     let memory = B::slot_memory(run, &input);
     let mem: Mem<'_, B> = memory.as_deref();
     let step_fn = |_: usize, step: &Step| -> Result<()> {
@@ -253,8 +301,10 @@ pub fn forward<B: MoeBackend>(
         }
     };
     run_checked(
-        run.executor_for::<B>(&device),
+        executor,
+        &device,
         &Schedule::forward(n, strategy),
+        &slots,
         &step_fn,
     )?;
     let output = into_inner(output).finish();
@@ -297,10 +347,12 @@ pub fn backward<B: MoeBackend>(
         ));
     }
     let n = plan.n_partitions();
-    let slots = Slots::<B>::new();
+    let executor = run.executor_for::<B>(&device);
+    let slots = Slots::<B>::new(executor);
     let stashes: Vec<Mutex<SavedPartition<B>>> = partitions.into_iter().map(Mutex::new).collect();
     let acc = Mutex::new(ExpertGradAcc::<B>::new(&experts));
-    let input_grad = Mutex::new(RowAssembler::<B>::new(&grad_out, plan));
+    let threaded = executor == StepExecutor::StreamThreads;
+    let input_grad = Mutex::new(RowAssembler::<B>::new(&grad_out, plan, threaded));
     let memory = B::slot_memory(run, &grad_out);
     let mem: Mem<'_, B> = memory.as_deref();
     let take_dispatched = |i: usize| std::mem::replace(&mut lock(&stashes[i]).dispatched, Stash::Dropped);
@@ -336,13 +388,22 @@ pub fn backward<B: MoeBackend>(
                 let part = &plan.partitions[i];
                 let grad = slots.rows(step, Role::GradOutput, i)?;
                 let x = match strategy.dispatched() {
-                    Restore::Keep => take_dispatched(i)
-                        .restore()?
-                        .expect("a kept T_DI is on the device"),
+                    Restore::Keep => {
+                        let x = take_dispatched(i)
+                            .restore()?
+                            .expect("a kept T_DI is on the device");
+                        // Written on the comm stream in forward: held until this step's fence.
+                        slots.hold_rows(step, &x);
+                        x
+                    }
                     _ => slots.rows(step, Role::Dispatched, i)?,
                 };
                 let hidden = match strategy.hidden() {
-                    Restore::Keep => take_hidden(i)?,
+                    Restore::Keep => {
+                        let hidden = take_hidden(i)?;
+                        slots.hold(step, &Value::Hidden(hidden.clone()));
+                        hidden
+                    }
                     Restore::Offload => slots.hidden(step, i, i % 2)?,
                     // Recomputed from T_DI by the expert backward.
                     Restore::Recommunicate | Restore::Recompute => vec![None; part.rows_per_expert.len()],
@@ -368,24 +429,46 @@ pub fn backward<B: MoeBackend>(
         }
     };
     run_checked(
-        run.executor_for::<B>(&device),
+        executor,
+        &device,
         &Schedule::backward(n, strategy),
+        &slots,
         &step_fn,
     )?;
+    let experts = if threaded {
+        // The sums were allocated on the compute worker's stream: the gradients handed back
+        // are copies on this thread's stream, and the sums are let go only after this
+        // stream has read them (the rule in `exchange/streams.rs`).
+        let (grads, sums) = into_inner(acc).finish_on_caller();
+        super::streams::fence::<B>(&device)?;
+        drop(sums);
+        grads
+    } else {
+        into_inner(acc).finish()
+    };
     Ok(ExchangeGrads {
         input: into_inner(input_grad).finish(),
-        experts: into_inner(acc).finish(),
+        experts,
     })
 }
 
-/// Runs `schedule` and checks the recorded spans for hazards (a few microseconds: the steps
-/// are counted in tens).
-fn run_checked(
+/// One step of a pass, on the state its table shares.
+type StepFn<'a> = dyn Fn(usize, &Step) -> Result<()> + Sync + 'a;
+
+/// Runs `schedule` on the backend's worker streams for `device` (built here, on the calling
+/// thread, so every pass of this thread uses the same device streams) and checks the recorded
+/// spans for hazards (a few microseconds: the steps are counted in tens).
+fn run_checked<B: MoeBackend>(
     executor: StepExecutor,
+    device: &B::Device,
     schedule: &Schedule,
-    step_fn: &(dyn Fn(usize, &Step) -> Result<()> + Sync),
+    slots: &Slots<B>,
+    step_fn: &StepFn<'_>,
 ) -> Result<()> {
-    let spans = executor.run(schedule, step_fn)?;
+    let streams = B::worker_streams(device);
+    let spans = executor.run_on(streams.as_ref(), schedule, &|index, step| {
+        slots.run(index, step, step_fn)
+    })?;
     schedule
         .check_trace(&spans)
         .map_err(|hazard| MoeError::Backend(format!("schedule hazard: {hazard}")))

@@ -22,6 +22,7 @@ mod flex_rows;
 pub(crate) mod fused;
 mod reference;
 pub(crate) mod rows;
+pub(crate) mod streams;
 
 /// The schedule lives on the ground floor (`pipeline`), shared with `memory` and `sim`.
 pub(crate) use crate::pipeline::schedule;
@@ -30,3 +31,4 @@ pub use arena::{buffer_of, ArenaCounters, ArenaStats, PartitionArena, SlotMemory
 pub use backend::{ExchangeGrads, ExchangeRun, MoeBackend};
 pub use blocks::BlockLayout;
 pub use reference::exchange_reference;
+pub use streams::{NoStreams, StepHold, SyncStreams, WorkerStreams};
