@@ -6,7 +6,7 @@
 //! schedule's streams run on threads of their own, which cubecl maps to CUDA streams of their
 //! own (see `step_executor`); the `mpipemoe-cuda` crate adds the NCCL path for the rows.
 
-use burn::tensor::backend::DeviceOps;
+use burn::tensor::backend::{Backend, DeviceOps};
 use burn_cubecl::cubecl::server::ComputeServer;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
@@ -49,7 +49,7 @@ where
     /// A device stream per schedule stream, derived from the calling thread's stream id (see
     /// [`CubeStreams`]), fenced with the stream's `sync`.
     fn worker_streams(device: &R::Device) -> Box<dyn WorkerStreams> {
-        Box::new(CubeStreams::<R, F, I, BT>::new(device))
+        Box::new(CubeStreams::<Self>::new(device))
     }
 
     fn allocated_on_current_stream(tensor: &CubeTensor<R>) -> bool {
@@ -92,19 +92,17 @@ where
 /// `StreamId::executes`. The offset keeps these ids apart from every thread's own (the
 /// counter would need 2^48 threads to reach it); ids of different callers may share a device
 /// stream modulo `max_streams`, which orders their work more than needed but never less.
-pub struct CubeStreams<R: CubeRuntime, F, I, BT> {
-    device: R::Device,
+pub struct CubeStreams<B: Backend> {
+    device: B::Device,
     caller: StreamId,
-    _backend: std::marker::PhantomData<fn() -> (F, I, BT)>,
 }
 
-impl<R: CubeRuntime, F, I, BT> CubeStreams<R, F, I, BT> {
+impl<B: Backend> CubeStreams<B> {
     /// The worker streams of the calling thread on `device`.
-    pub fn new(device: &R::Device) -> Self {
+    pub fn new(device: &B::Device) -> Self {
         Self {
             device: device.clone(),
             caller: StreamId::current(),
-            _backend: std::marker::PhantomData,
         }
     }
 
@@ -121,15 +119,7 @@ impl<R: CubeRuntime, F, I, BT> CubeStreams<R, F, I, BT> {
     }
 }
 
-impl<R, F, I, BT> WorkerStreams for CubeStreams<R, F, I, BT>
-where
-    R: CubeRuntime,
-    R::Server: ComputeServer,
-    R::Device: DeviceOps,
-    F: FloatElement,
-    I: IntElement,
-    BT: BoolElement,
-{
+impl<B: Backend> WorkerStreams for CubeStreams<B> {
     fn run_on(&self, stream: Stream, work: &mut dyn FnMut() -> Result<()>) -> Result<()> {
         self.stream_id(stream).executes(work)
     }
@@ -139,7 +129,7 @@ where
     /// stream's queued tasks submitted and waited for (`cubecl-wgpu` `compute/server.rs`,
     /// `sync`).
     fn fence(&self) -> Result<()> {
-        fence::<CubeBackend<R, F, I, BT>>(&self.device)
+        fence::<B>(&self.device)
     }
 
     fn current_stream_id(&self) -> Option<u64> {
