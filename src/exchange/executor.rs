@@ -122,7 +122,7 @@ pub fn execute(schedule: &Schedule, run: &(dyn Fn(usize, &Step) -> Result<()> + 
 /// while its kernels may still read it. The calling thread's stream is fenced before the
 /// workers start (they read what it wrote), and every worker fences its stream once more when
 /// it ends, on success or error, so nothing a pass issued is still running when this returns.
-/// The rule behind it is in [`streams`](super::streams).
+/// The rule behind it is in [`WorkerStreams`]' module docs (`exchange/streams.rs`).
 pub fn execute_on(
     streams: &dyn WorkerStreams,
     schedule: &Schedule,
