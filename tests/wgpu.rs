@@ -9,7 +9,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use burn::backend::wgpu::{WgpuDevice, WgpuRuntime};
 use burn::backend::{Autodiff, Wgpu};
@@ -30,6 +30,19 @@ use mpipemoe::{
 
 type B = Autodiff<Wgpu>;
 type Inner = Wgpu;
+
+/// The tests of this file share one WGPU device, and cubecl maps stream ids to its streams
+/// modulo `max_streams`, so another test's threads can allocate in the very pools a memory
+/// test reads. Memory tests take the device alone; the others share it.
+static DEVICE: RwLock<()> = RwLock::new(());
+
+fn shared() -> RwLockReadGuard<'static, ()> {
+    DEVICE.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn alone() -> RwLockWriteGuard<'static, ()> {
+    DEVICE.write().unwrap_or_else(|e| e.into_inner())
+}
 
 fn case_files() -> Vec<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -73,6 +86,7 @@ fn train_step(layer: &MoeLayer<B>, x: &Tensor<B, 2>) {
 /// on WGPU too (every case below runs through it), because it fences each step itself.
 #[test]
 fn cubecl_backends_run_in_order() {
+    let _device = shared();
     let device = Default::default();
     assert_eq!(
         <Wgpu as MoeBackend>::step_executor(&device),
@@ -85,6 +99,7 @@ fn cubecl_backends_run_in_order() {
 /// strategy, in issue order and with a worker per stream, within 1e-4.
 #[test]
 fn every_case_on_wgpu() {
+    let _device = shared();
     let device = Default::default();
     let mut failures = Vec::new();
     let mut runs = 0;
@@ -143,6 +158,7 @@ fn every_case_on_wgpu() {
 /// steps left them, so no partition buffer, offload or saved activation outlives its step.
 #[test]
 fn device_memory_does_not_grow_over_twenty_steps() {
+    let _device = alone();
     let device = WgpuDevice::default();
     let client = WgpuRuntime::client(&device);
     for strategy in Strategy::ALL {
@@ -186,6 +202,7 @@ fn device_memory_does_not_grow_over_twenty_steps() {
 /// the partitions' sizes, and so the reserved bytes, follow the routing.
 #[test]
 fn the_partition_arena_reuses_one_buffer_per_slot() {
+    let _device = shared();
     let device = WgpuDevice::default();
     let (d_model, d_hidden, n_experts, top_k, tokens, n) = (64, 256, 4, 2, 96, 3);
     for strategy in Strategy::ALL {
@@ -256,6 +273,7 @@ fn the_partition_arena_reuses_one_buffer_per_slot() {
 /// because the device orders work only within one stream.
 #[test]
 fn the_arena_reuses_a_buffer_only_on_the_thread_that_last_used_it() {
+    let _device = shared();
     let device = WgpuDevice::default();
     let layer = MoeLayerConfig::new(16, 32, 4, 2)
         .with_partitions(Partitions::Fixed(2))
@@ -293,6 +311,7 @@ fn the_arena_reuses_a_buffer_only_on_the_thread_that_last_used_it() {
 /// every case above.)
 #[test]
 fn arena_ops_match_plain_tensor_ops() {
+    let _device = shared();
     type W = Wgpu;
     let device = WgpuDevice::default();
     let mut run = ExchangeRun::new(
@@ -366,6 +385,7 @@ fn arena_ops_match_plain_tensor_ops() {
 /// on llvmpipe was 3.5e-3 (f32 gives about 1e-6, so an f32 path would not show here).
 #[test]
 fn every_case_in_f16_on_wgpu() {
+    let _device = shared();
     type H = Autodiff<Wgpu<burn::tensor::f16, i32>>;
     let device = Default::default();
     let mut failures = Vec::new();
@@ -396,6 +416,7 @@ fn every_case_in_f16_on_wgpu() {
 /// none the calling thread's own; another calling thread (another rank) gets other ones.
 #[test]
 fn worker_streams_are_the_same_for_every_pass() {
+    let _device = shared();
     let device = WgpuDevice::default();
     let schedule = Schedule::forward(3, Strategy::S1);
     let seen_from = || {
@@ -439,6 +460,7 @@ fn worker_streams_are_the_same_for_every_pass() {
 /// pass made streams of its own.
 #[test]
 fn device_memory_does_not_grow_with_the_threaded_executor() {
+    let _device = alone();
     let device = WgpuDevice::default();
     let client = WgpuRuntime::client(&device);
     for strategy in Strategy::ALL {
@@ -497,6 +519,7 @@ fn device_memory_does_not_grow_with_the_threaded_executor() {
 /// strategy, on both executors, within 1e-4.
 #[test]
 fn a_rank_that_receives_no_rows_on_wgpu() {
+    let _device = shared();
     let device = Default::default();
     let case = Case::all_to_one_expert(4, 10).expect("case");
     for executor in [StepExecutor::InOrder, StepExecutor::StreamThreads] {
@@ -521,6 +544,7 @@ fn a_rank_that_receives_no_rows_on_wgpu() {
 /// 1e-5 relative.
 #[test]
 fn threaded_and_in_order_agree_at_a_realistic_shape() {
+    let _device = shared();
     let device = WgpuDevice::default();
     let (d_model, d_hidden, n_experts, top_k, tokens) = (256, 1024, 8, 2, 4096);
     let x = TensorData::new(seeded_uniform(11, "x", tokens * d_model, 1.0), [tokens, d_model]);
