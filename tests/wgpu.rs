@@ -1,6 +1,6 @@
 //! The layer's CubeCL path on burn's WGPU backend (feature `wgpu`), checked against every
 //! reference case: ranks 1 and 2, n ∈ {1, 3}, every strategy, both paths, 1e-4; in f16; and
-//! device memory that does not grow from step to step. On a machine without a GPU it runs on
+//! device memory that does not grow from step to step; and through burn's fusion (`fusion.rs`). On a machine without a GPU it runs on
 //! Mesa's software Vulkan driver ("llvmpipe"; Debian packages `mesa-vulkan-drivers` and
 //! `libvulkan1`), which `.ci/run` installs.
 //!
@@ -27,6 +27,10 @@ use mpipemoe::memory::{LayerShape, PaperTerms};
 use mpipemoe::{
     seeded_uniform, Activation, ExchangePath, MemoryReuse, MoeBackend, MoeLayer, MoeLayerConfig, Partitions,
 };
+
+/// burn's default GPU backend (`Wgpu` with burn's default features, which wrap it in fusion).
+#[path = "wgpu/fusion.rs"]
+mod fusion;
 
 type B = Autodiff<Wgpu>;
 type Inner = Wgpu;
@@ -96,13 +100,16 @@ fn cubecl_backends_run_in_order() {
 }
 
 /// Every case through the reference path and the fused path at ranks {1, 2}, n {1, 3}, every
-/// strategy, in issue order and with a worker per stream, within 1e-4.
+/// strategy, in issue order and with a worker per stream, within 1e-4; and the reference path
+/// and the in-order fused path under no reuse and S4 again through burn's fusion, which must
+/// match the case and the raw backend's results (`fusion::check_through_fusion`).
 #[test]
 fn every_case_on_wgpu() {
     let _device = shared();
     let device = Default::default();
     let mut failures = Vec::new();
     let mut runs = 0;
+    let mut fusion_runs = 0;
     for file in case_files() {
         let case = Case::load(&file).unwrap_or_else(|e| panic!("{e}"));
         for n_ranks in [1, 2].into_iter().filter(|r| case.config.n_experts % r == 0) {
@@ -136,15 +143,27 @@ fn every_case_on_wgpu() {
                     o.executor
                 );
                 match check_case::<B>(&case, &o, &device) {
-                    Ok(report) if report.passed(1e-4) => {}
-                    Ok(report) => failures.push(format!("{label}: {:?}", report.worst())),
+                    Ok(report) => {
+                        if !report.passed(1e-4) {
+                            failures.push(format!("{label}: {:?}", report.worst()));
+                        }
+                        if fusion::covers(&o) {
+                            fusion_runs += 1;
+                            let mut found = fusion::check_through_fusion(&case, &o, &report, &device);
+                            failures.extend(found.drain(..).map(|f| format!("{label} through fusion: {f}")));
+                        }
+                    }
                     Err(e) => failures.push(format!("{label}: {e}")),
                 }
                 runs += 1;
             }
         }
     }
-    eprintln!("{runs} configurations checked on wgpu");
+    eprintln!("{runs} configurations checked on wgpu, {fusion_runs} of them through fusion too");
+    assert!(
+        fusion_runs >= 7 * 5,
+        "only {fusion_runs} configurations ran through fusion"
+    );
     assert!(
         failures.is_empty(),
         "{} failures:\n{}",

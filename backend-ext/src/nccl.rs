@@ -255,6 +255,12 @@ impl Nccl {
         results.into_iter().collect()
     }
 
+    /// The GPU (device ordinal on this machine) this rank's communicator runs on: where the
+    /// rank's tensors must live (`CudaDevice::new(gpu)`).
+    pub fn gpu(&self) -> usize {
+        self.shared.context.ordinal()
+    }
+
     /// How long one transfer may wait for its peers before this rank aborts the communicator
     /// and returns an error (default 120 s, as the CPU group's): NCCL itself waits forever for
     /// a peer that died.

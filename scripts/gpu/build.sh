@@ -7,10 +7,18 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export CUDARC_CUDA_VERSION=13000
 cargo build --release -p mpipemoe-cuda --features cuda --example gpu_check --example gpu_bench
-mkdir -p .gpu/cases
-for name in gpu_check gpu_bench; do
-  cp "target/release/examples/$name" ".gpu/$name"
-  strip ".gpu/$name"
+# The toy GPT-MoE with `--backend cuda|cuda-fusion` and `--comm nccl` (tools' `cuda` feature).
+cargo build --release -p mpipemoe-tools --features cuda --example train_gpt_moe
+rm -rf .gpu
+mkdir -p .gpu/cases .gpu/bin
+# Three stripped binaries are about 85 MB, over what a run can carry; gzip brings them to about
+# a third, and run.sh unpacks them into a temporary folder on the GPU machine.
+for path in target/release/examples/gpu_check target/release/examples/gpu_bench \
+  target/release/examples/train_gpt_moe; do
+  name=$(basename "$path")
+  cp "$path" ".gpu/bin/$name"
+  strip ".gpu/bin/$name"
+  gzip -9 ".gpu/bin/$name"
 done
 cp scripts/gpu/run.sh .gpu/run.sh
 # The PyTorch eager peer (run when the GPU machine has PyTorch with CUDA).

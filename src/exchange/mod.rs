@@ -20,6 +20,8 @@ mod ffn;
 #[cfg(feature = "flex")]
 mod flex_rows;
 pub(crate) mod fused;
+#[cfg(feature = "fusion")]
+mod fusion;
 mod reference;
 pub(crate) mod rows;
 pub(crate) mod streams;

@@ -68,3 +68,9 @@ where
     BT: burn_cubecl::BoolElement,
 {
 }
+
+/// The defaults on fusion tensors: where the layer computes an activation outside the
+/// exchange (the reference path), fusion can fuse the composed erf GELU with its neighbours;
+/// the exchange itself runs the inner backend's kernels.
+#[cfg(feature = "fusion")]
+impl<B: burn_fusion::FusionBackend + ActivationKernels> ActivationKernels for burn_fusion::Fusion<B> {}

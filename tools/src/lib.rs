@@ -6,4 +6,5 @@ pub mod backends;
 pub mod flags;
 pub mod heap;
 pub mod inputs;
+pub mod ranks;
 pub mod report;

@@ -4,8 +4,15 @@
 //! ```text
 //! cargo run --release --example train_gpt_moe -- [--data FILE] [--ranks 2] [--partitions N|auto]
 //!     [--strategy none|s1|s2|s3|s4|auto] [--router softmax|deepseek] [--bias-update G]
-//!     [--steps N] [--seed S] [--backend flex|ndarray|wgpu] [--out DIR] [--json]
+//!     [--steps N] [--seed S] [--backend flex|ndarray|wgpu|wgpu-fusion|cuda|cuda-fusion]
+//!     [--comm threads|nccl] [--out DIR] [--json]
 //! ```
+//!
+//! On CUDA (`--features cuda`), `--comm nccl` makes each rank a GPU: `--ranks N` drives GPUs
+//! `0..N` from this process, or, launched by torchrun (`torchrun --nproc-per-node N
+//! target/release/examples/train_gpt_moe --backend cuda --comm nccl --ranks N`), each process
+//! is rank `RANK` of `WORLD_SIZE` on GPU `LOCAL_RANK`; rank 0 prints. A backend or
+//! communicator this build or machine lacks is refused with exit status 2.
 //!
 //! The progress bar shows the load imbalance of the MoE layers (the most loaded expert's
 //! assignments over the mean); `DIR/load.png` (default `target/train`) is a heatmap of each
@@ -29,10 +36,11 @@ use std::process::ExitCode;
 use burn::tensor::backend::AutodiffBackend;
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use mpipemoe::{LocalGroup, MemoryReuse, MoeBackend, Partitions, RankContext};
-use mpipemoe_tools::backends::{run_on, BackendArg, BackendJob};
+use mpipemoe::{MemoryReuse, MoeBackend, Partitions, RankContext};
+use mpipemoe_tools::backends::{run_on_gpu, BackendArg, BackendJob};
 use mpipemoe_tools::flags::{count, ExecutorArg};
 use mpipemoe_tools::heap::Heap;
+use mpipemoe_tools::ranks::{check_comm, run_ranks, CommArg};
 use serde::Serialize;
 
 use data::Corpus;
@@ -109,9 +117,14 @@ struct Args {
     /// Validate every N steps (1..=10^7).
     #[arg(long, default_value_t = 250, value_parser = count(1, 10_000_000))]
     eval_every: usize,
-    /// Backend (`wgpu` needs `--features wgpu`).
+    /// Backend (`wgpu`, `wgpu-fusion` need `--features wgpu`; `cuda`, `cuda-fusion` need
+    /// `--features cuda`).
     #[arg(long, value_enum, default_value_t = BackendArg::Flex)]
     backend: BackendArg,
+    /// How ranks run: `threads` of this process (any backend), or `nccl`, a GPU per rank
+    /// (CUDA backends; torchrun's environment where `WORLD_SIZE` is set).
+    #[arg(long, value_enum, default_value_t = CommArg::Threads)]
+    comm: CommArg,
     /// How the exchange runs its schedule: `threads`, `in-order`, or the backend's default.
     #[arg(long, value_enum, default_value_t = ExecutorArg::Default)]
     executor: ExecutorArg,
@@ -172,6 +185,16 @@ fn parse_strategy(s: &str) -> Result<MemoryReuse, String> {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    // A backend or communicator this build or machine lacks is a usage error, said before
+    // any work starts.
+    if let Err(e) = args
+        .backend
+        .available()
+        .and_then(|()| check_comm(args.comm, args.backend, args.ranks))
+    {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
     args.heap.apply();
     match run(&args) {
         Ok(()) => ExitCode::SUCCESS,
@@ -261,7 +284,7 @@ fn run(args: &Args) -> Result<(), String> {
             log.strategy
         ));
     };
-    let reports: Vec<TrainReport> = LocalGroup::run(args.ranks, |ctx| {
+    let ranks = run_ranks(args.comm, args.ranks, |ctx, gpu| {
         let quiet = |_: &StepLog| {};
         let log: &(dyn Fn(&StepLog) + Sync) = if ctx.rank == 0 { &on_step } else { &quiet };
         let job = TrainJob {
@@ -270,10 +293,15 @@ fn run(args: &Args) -> Result<(), String> {
             options: &options,
             log,
         };
-        run_on(args.backend, job).map_err(mpipemoe::MoeError::Backend)?
+        run_on_gpu(args.backend, gpu, job).map_err(mpipemoe::MoeError::Backend)?
     })
     .map_err(|e| e.to_string())?;
     bar.finish();
+    // Every rank computes the same global losses; under torchrun only rank 0 reports them.
+    if ranks.first_rank != 0 {
+        return Ok(());
+    }
+    let reports: Vec<TrainReport> = ranks.results;
     let report = &reports[0];
     let initial = report.losses.first().copied().unwrap_or(f64::NAN);
     // The last few steps' mean: one batch's loss is noisy.

@@ -1,0 +1,130 @@
+//! `MoeBackend` for `Fusion<B>`: burn's default GPU backends (`burn::backend::Wgpu` and
+//! `Cuda` with burn's default features are `Fusion<CubeBackend<..>>`).
+//!
+//! The exchange is a wall for fusion: it talks to other ranks, runs on worker threads with
+//! device streams of their own and builds its partitions in an arena of the inner backend's
+//! buffers. None of that can be expressed as fusion's lazy operation stream, so the op
+//! resolves its inputs to the inner backend's tensors at the boundary (fusion executes every
+//! queued operation that produces them first), runs the inner backend's exchange, and
+//! registers its outputs as new fusion tensors. Everything before and after it (router,
+//! gating, the combine's weighting, the shared experts, the optimizer) stays fusable.
+//!
+//! Streams: fusion runs a thread's operations under that thread's cubecl stream id
+//! (`burn-fusion` `op.rs`, `UnfusedOp::execute` calls `stream_id.executes`; the device
+//! thread takes the caller's id in `cubecl-common` `device/handle/channel.rs`,
+//! `submit_blocking`). So a resolved tensor lives on the caller's stream, as it would on the
+//! raw backend, and the outputs the inner exchange allocates on the caller's stream are
+//! registered on that same stream: the rule of `exchange/streams.rs` holds unchanged.
+
+use std::sync::Arc;
+
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::TensorMetadata;
+use burn_fusion::stream::OperationStreams;
+use burn_fusion::{get_client, Fusion, FusionBackend, NoOp};
+use burn_ir::{InitOperationIr, OperationIr, OperationOutput};
+
+use super::executor::StepExecutor;
+use super::streams::WorkerStreams;
+use super::{ExchangeGrads, ExchangeRun, MoeBackend};
+use crate::comm::Communicator;
+use crate::dispatch::ExchangePlan;
+use crate::error::Result;
+use crate::experts::ExpertTensors;
+
+/// The inner backend's tensor behind a fusion tensor, after fusion has executed every queued
+/// operation of the stream that produces it. A tensor fusion still holds elsewhere (a
+/// parameter) is shared, not copied: cubecl writes in place only to a buffer it holds alone.
+fn resolve<B: FusionBackend>(tensor: FloatTensor<Fusion<B>>) -> FloatTensor<B> {
+    let client = tensor.client.clone();
+    client.resolve_tensor_float::<B>(tensor)
+}
+
+/// An inner tensor registered with fusion as a new tensor on the calling thread's stream, as
+/// `Fusion::float_from_data` registers the tensors it creates.
+fn register<B: FusionBackend>(tensor: FloatTensor<B>, device: &B::Device) -> FloatTensor<Fusion<B>> {
+    let client = get_client::<B>(device);
+    let shape = tensor.shape();
+    let dtype = tensor.dtype();
+    let handle = B::float_tensor_handle(tensor);
+    let desc = InitOperationIr::create(shape, dtype, || client.register_tensor_handle(handle));
+    client
+        .register(
+            OperationStreams::default(),
+            OperationIr::Init(desc),
+            NoOp::<B>::new(),
+        )
+        .output()
+}
+
+fn resolve_experts<B: FusionBackend>(experts: ExpertTensors<Fusion<B>>) -> ExpertTensors<B> {
+    ExpertTensors {
+        w_in: resolve::<B>(experts.w_in),
+        b_in: experts.b_in.map(resolve::<B>),
+        w_out: resolve::<B>(experts.w_out),
+        b_out: experts.b_out.map(resolve::<B>),
+    }
+}
+
+fn register_experts<B: FusionBackend>(
+    experts: ExpertTensors<B>,
+    device: &B::Device,
+) -> ExpertTensors<Fusion<B>> {
+    ExpertTensors {
+        w_in: register::<B>(experts.w_in, device),
+        b_in: experts.b_in.map(|b| register::<B>(b, device)),
+        w_out: register::<B>(experts.w_out, device),
+        b_out: experts.b_out.map(|b| register::<B>(b, device)),
+    }
+}
+
+impl<B: FusionBackend + MoeBackend> MoeBackend for Fusion<B> {
+    type Saved = B::Saved;
+
+    fn exchange_forward(
+        input: FloatTensor<Self>,
+        experts: ExpertTensors<Self>,
+        plan: &ExchangePlan,
+        run: &ExchangeRun,
+    ) -> Result<(FloatTensor<Self>, Self::Saved)> {
+        let device = input.client.device().clone();
+        let (out, saved) =
+            B::exchange_forward(resolve::<B>(input), resolve_experts::<B>(experts), plan, run)?;
+        Ok((register::<B>(out, &device), saved))
+    }
+
+    fn exchange_backward(
+        grad_out: FloatTensor<Self>,
+        saved: Self::Saved,
+        plan: &ExchangePlan,
+        run: &ExchangeRun,
+    ) -> Result<ExchangeGrads<Self>> {
+        let device = grad_out.client.device().clone();
+        let grads = B::exchange_backward(resolve::<B>(grad_out), saved, plan, run)?;
+        Ok(ExchangeGrads {
+            input: register::<B>(grads.input, &device),
+            experts: register_experts::<B>(grads.experts, &device),
+        })
+    }
+
+    fn step_executor(device: &Self::Device) -> StepExecutor {
+        B::step_executor(device)
+    }
+
+    fn worker_streams(device: &Self::Device) -> Box<dyn WorkerStreams> {
+        B::worker_streams(device)
+    }
+
+    /// The reference twin's all-to-all, on the inner backend's rows (the device path where the
+    /// communicator has one).
+    fn all_to_all(
+        x: FloatTensor<Self>,
+        send_per_rank: &[usize],
+        recv_per_rank: &[usize],
+        comm: &Arc<dyn Communicator>,
+    ) -> Result<FloatTensor<Self>> {
+        let device = x.client.device().clone();
+        let rows = B::all_to_all(resolve::<B>(x), send_per_rank, recv_per_rank, comm)?;
+        Ok(register::<B>(rows, &device))
+    }
+}
