@@ -36,7 +36,7 @@ where
 
     /// A worker per stream on CUDA, in issue order elsewhere.
     ///
-    /// On CUDA each schedule stream is a CUDA stream of its own ([`CubeStreams`]), so the
+    /// On CUDA each schedule stream is a CUDA stream of its own (`CubeStreams`), so the
     /// threaded executor is the overlap of S, C and R; the executor fences every step itself
     /// (cubecl's own cross-stream fences key a buffer to the stream that allocated it; see
     /// `exchange/streams.rs`). WGPU submits every stream to one queue, so threads buy no
@@ -47,7 +47,7 @@ where
     }
 
     /// A device stream per schedule stream, derived from the calling thread's stream id (see
-    /// [`CubeStreams`]), fenced with the stream's `sync`.
+    /// `CubeStreams`), fenced with the stream's `sync`.
     fn worker_streams(device: &R::Device) -> Box<dyn WorkerStreams> {
         Box::new(CubeStreams::<Self>::new(device))
     }

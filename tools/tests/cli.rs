@@ -225,3 +225,63 @@ fn check_on_the_wgpu_backend_or_a_clear_error_without_it() {
         assert!(stdout.is_empty(), "{stdout}");
     }
 }
+
+/// `--backend wgpu-fusion` (burn's default `Wgpu`) checks a case the same way, and the CUDA
+/// backends are a clear usage error (exit 2, naming the feature or the missing driver) on a
+/// build or machine without CUDA, before any case is read.
+#[test]
+fn check_on_wgpu_with_fusion_and_cuda_refused_without_it() {
+    let cases = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/cases");
+    let case = cases.join("paper_top2_gelu_bias.safetensors");
+    let case = case.to_str().unwrap();
+    let out = mpipemoe(&[
+        "check",
+        "--backend",
+        "wgpu-fusion",
+        "--ranks",
+        "2",
+        "--partitions",
+        "3",
+        case,
+    ]);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    if cfg!(feature = "wgpu") {
+        assert!(out.status.success(), "{stdout}{stderr}");
+        assert!(stdout.contains("paper_top2_gelu_bias ok"), "{stdout}");
+    } else {
+        assert_eq!(out.status.code(), Some(2), "{stdout}{stderr}");
+        assert!(stderr.contains("--features wgpu"), "{stderr}");
+    }
+    for backend in ["cuda", "cuda-fusion"] {
+        let out = mpipemoe(&["check", "--backend", backend, case]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if cfg!(feature = "cuda") && mpipemoe_tools::backends::BackendArg::Cuda.available().is_ok() {
+            continue;
+        }
+        assert_eq!(out.status.code(), Some(2), "--backend {backend}: {stderr}");
+        assert!(
+            stderr.contains(&format!("--backend {backend}"))
+                && (stderr.contains("--features cuda") || stderr.contains("driver")),
+            "--backend {backend}: {stderr}"
+        );
+        assert!(out.stdout.is_empty(), "--backend {backend}: nothing is checked");
+    }
+}
+
+/// `--comm nccl` is refused before anything runs unless the backend is a CUDA one and the
+/// build has NCCL; the error names the flag.
+#[test]
+fn nccl_ranks_need_a_cuda_backend() {
+    use mpipemoe_tools::backends::BackendArg;
+    use mpipemoe_tools::ranks::{check_comm, CommArg};
+    let err = check_comm(CommArg::Nccl, BackendArg::Flex, 2).unwrap_err();
+    assert!(err.contains("--comm nccl") && err.contains("flex"), "{err}");
+    assert_eq!(check_comm(CommArg::Threads, BackendArg::Flex, 2), Ok(()));
+    if !cfg!(feature = "cuda") {
+        let err = check_comm(CommArg::Nccl, BackendArg::Cuda, 2).unwrap_err();
+        assert!(err.contains("--features cuda"), "{err}");
+    }
+}
