@@ -266,7 +266,12 @@ fn run(args: &Args) -> Result<(), String> {
         args.strategy,
         args.router
     );
-    let bar = ProgressBar::new(args.steps as u64);
+    // Under torchrun every process runs this; only rank 0 (`RANK` unset or 0) shows progress.
+    let leader = !matches!(std::env::var("RANK"), Ok(r) if r.trim() != "0");
+    let bar = match leader {
+        true => ProgressBar::new(args.steps as u64),
+        false => ProgressBar::hidden(),
+    };
     bar.set_style(
         ProgressStyle::with_template("{elapsed_precise} [{bar:25}] {pos}/{len} {msg}")
             .map_err(|e| e.to_string())?,
