@@ -85,23 +85,7 @@ impl<B: MoeBackend> Backward<B, 1> for AllToAllBackward {
 fn inner_experts<B: MoeBackend, C: CheckpointStrategy>(
     experts: &ExpertTensors<Autodiff<B, C>>,
 ) -> ExpertTensors<B> {
-    ExpertTensors {
-        w_in: experts.w_in.primitive.clone(),
-        b_in: experts.b_in.as_ref().map(|b| b.primitive.clone()),
-        w_out: experts.w_out.primitive.clone(),
-        b_out: experts.b_out.as_ref().map(|b| b.primitive.clone()),
-    }
-}
-
-fn outer_experts<B: MoeBackend, C: CheckpointStrategy>(
-    experts: ExpertTensors<B>,
-) -> ExpertTensors<Autodiff<B, C>> {
-    ExpertTensors {
-        w_in: Autodiff::<B, C>::from_inner(experts.w_in),
-        b_in: experts.b_in.map(Autodiff::<B, C>::from_inner),
-        w_out: Autodiff::<B, C>::from_inner(experts.w_out),
-        b_out: experts.b_out.map(Autodiff::<B, C>::from_inner),
-    }
+    experts.clone().map(|t| t.primitive)
 }
 
 impl<B: MoeBackend, C: CheckpointStrategy> MoeBackend for Autodiff<B, C> {
@@ -134,7 +118,7 @@ impl<B: MoeBackend, C: CheckpointStrategy> MoeBackend for Autodiff<B, C> {
         let g = B::exchange_backward(grad_out.primitive, saved, plan, run)?;
         Ok(ExchangeGrads {
             input: Self::from_inner(g.input),
-            experts: outer_experts(g.experts),
+            experts: g.experts.map(Autodiff::<B, C>::from_inner),
         })
     }
 

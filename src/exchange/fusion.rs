@@ -57,27 +57,6 @@ fn register<B: FusionBackend>(tensor: FloatTensor<B>, device: &B::Device) -> Flo
         .output()
 }
 
-fn resolve_experts<B: FusionBackend>(experts: ExpertTensors<Fusion<B>>) -> ExpertTensors<B> {
-    ExpertTensors {
-        w_in: resolve::<B>(experts.w_in),
-        b_in: experts.b_in.map(resolve::<B>),
-        w_out: resolve::<B>(experts.w_out),
-        b_out: experts.b_out.map(resolve::<B>),
-    }
-}
-
-fn register_experts<B: FusionBackend>(
-    experts: ExpertTensors<B>,
-    device: &B::Device,
-) -> ExpertTensors<Fusion<B>> {
-    ExpertTensors {
-        w_in: register::<B>(experts.w_in, device),
-        b_in: experts.b_in.map(|b| register::<B>(b, device)),
-        w_out: register::<B>(experts.w_out, device),
-        b_out: experts.b_out.map(|b| register::<B>(b, device)),
-    }
-}
-
 impl<B: FusionBackend + MoeBackend> MoeBackend for Fusion<B> {
     type Saved = B::Saved;
 
@@ -88,8 +67,7 @@ impl<B: FusionBackend + MoeBackend> MoeBackend for Fusion<B> {
         run: &ExchangeRun,
     ) -> Result<(FloatTensor<Self>, Self::Saved)> {
         let device = input.client.device().clone();
-        let (out, saved) =
-            B::exchange_forward(resolve::<B>(input), resolve_experts::<B>(experts), plan, run)?;
+        let (out, saved) = B::exchange_forward(resolve::<B>(input), experts.map(resolve::<B>), plan, run)?;
         Ok((register::<B>(out, &device), saved))
     }
 
@@ -103,7 +81,7 @@ impl<B: FusionBackend + MoeBackend> MoeBackend for Fusion<B> {
         let grads = B::exchange_backward(resolve::<B>(grad_out), saved, plan, run)?;
         Ok(ExchangeGrads {
             input: register::<B>(grads.input, &device),
-            experts: register_experts::<B>(grads.experts, &device),
+            experts: grads.experts.map(|t| register::<B>(t, &device)),
         })
     }
 

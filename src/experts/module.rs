@@ -51,6 +51,19 @@ pub struct ExpertTensors<B: Backend> {
     pub b_out: Option<FloatTensor<B>>,
 }
 
+impl<B: Backend> ExpertTensors<B> {
+    /// Every tensor through `f`: how a wrapping backend (autodiff, fusion) hands the experts to
+    /// its inner backend and the gradients back.
+    pub fn map<C: Backend>(self, mut f: impl FnMut(FloatTensor<B>) -> FloatTensor<C>) -> ExpertTensors<C> {
+        ExpertTensors {
+            w_in: f(self.w_in),
+            b_in: self.b_in.map(&mut f),
+            w_out: f(self.w_out),
+            b_out: self.b_out.map(&mut f),
+        }
+    }
+}
+
 /// Shape and placement of a rank's experts, for [`Experts::init`].
 #[derive(Debug, Clone)]
 pub(crate) struct ExpertsSpec {
