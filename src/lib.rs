@@ -82,6 +82,7 @@ pub mod harness;
 pub mod hf;
 mod layer;
 pub mod memory;
+pub mod parallel;
 mod pipeline;
 mod router;
 pub mod sim;
@@ -92,7 +93,7 @@ pub use comm::{Communicator, LocalGroup, RankContext};
 pub use dispatch::RoutingStats;
 pub use error::{MoeError, Result};
 pub use exchange::MoeBackend;
-pub use experts::{seeded_uniform, Activation, Experts, SharedExpert};
+pub use experts::{seeded_uniform, Activation, ExpertShard, Experts, ShardCheck, SharedExpert};
 pub use layer::{
     ExchangePath, MoeContext, MoeLayer, MoeLayerConfig, MoeOutput, MoeStats, ParamKind, Partitions,
     MAX_PARTITIONS,

@@ -550,8 +550,15 @@ fn every_rank_knows_every_ranks_rows() {
                     indices.push((first + j) % n_experts);
                 }
             }
-            let counts =
-                RoutingCounts::gather(&indices, tokens, top_k, n_experts, capacity, ctx.comm.as_ref())?;
+            let counts = RoutingCounts::gather(
+                &indices,
+                tokens,
+                top_k,
+                n_experts,
+                capacity,
+                ctx.comm.as_ref(),
+                &mpipemoe::comm::SingleRank,
+            )?;
             let mut seen = Vec::new();
             for scheme in [SplitScheme::Tokens(1), SplitScheme::Tokens(3), SplitScheme::Ranks] {
                 let (_, plan) = counts.plans(scheme);

@@ -13,6 +13,9 @@ pub(crate) fn encode(payload: &Payload) -> Vec<u8> {
         Payload::Values(v) => std::iter::once(2u8)
             .chain(v.iter().flat_map(|x| x.to_le_bytes()))
             .collect(),
+        Payload::Floats(v) => std::iter::once(3u8)
+            .chain(v.iter().flat_map(|x| x.to_le_bytes()))
+            .collect(),
     }
 }
 
@@ -30,6 +33,13 @@ pub(crate) fn decode(bytes: &[u8]) -> Option<Payload> {
             words()?.map(|v| usize::try_from(v).ok()).collect::<Option<_>>()?,
         )),
         2 => Some(Payload::Values(words()?.map(f64::from_bits).collect())),
+        3 => (body.len() % 4 == 0).then(|| {
+            Payload::Floats(
+                body.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                    .collect(),
+            )
+        }),
         _ => None,
     }
 }
@@ -48,6 +58,7 @@ mod tests {
             Payload::Bytes(vec![1, 2, 3]),
             Payload::Counts(vec![0, 7, usize::MAX >> 1]),
             Payload::Values(vec![1.5, -0.0, f64::INFINITY]),
+            Payload::Floats(vec![0.25, -3.0, f32::MAX]),
             Payload::Counts(Vec::new()),
         ] {
             assert_eq!(decode(&encode(&p)), Some(p));
@@ -55,5 +66,6 @@ mod tests {
         assert_eq!(decode(&[]), None);
         assert_eq!(decode(&[9, 1, 2]), None);
         assert_eq!(decode(&[1, 1, 2, 3]), None);
+        assert_eq!(decode(&[3, 1, 2, 3]), None);
     }
 }

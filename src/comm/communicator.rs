@@ -12,8 +12,11 @@ pub enum Payload {
     Bytes(Vec<u8>),
     /// Integer bookkeeping: counts, token totals.
     Counts(Vec<usize>),
-    /// Floating-point values reduced by the collectives (gradients, loss shares).
+    /// Floating-point values reduced by the collectives (loss shares, statistics).
     Values(Vec<f64>),
+    /// Single-precision values: the gradient buckets of
+    /// [`all_reduce_sum_f32`](Communicator::all_reduce_sum_f32).
+    Floats(Vec<f32>),
 }
 
 impl Payload {
@@ -22,6 +25,7 @@ impl Payload {
             Payload::Bytes(_) => "bytes",
             Payload::Counts(_) => "counts",
             Payload::Values(_) => "values",
+            Payload::Floats(_) => "floats",
         }
     }
 }
@@ -156,6 +160,63 @@ pub trait Communicator: Send + Sync + fmt::Debug {
             }
         }
         Ok(())
+    }
+
+    /// Sums `values` over all ranks in single precision, in place: the host path of the
+    /// gradient all-reduce ([`crate::parallel::sync_replicated_grads`]).
+    ///
+    /// A reduce-scatter and an all-gather, as ring all-reduces move data: rank `r` receives
+    /// everyone's chunk `r` (one `n_ranks`-th of the vector), adds the chunks in rank order and
+    /// sends the sum to every rank. Each rank sends and receives about twice the vector, not
+    /// `n_ranks` times as a gather of whole vectors would, and the result is bitwise the same
+    /// on every rank and from run to run.
+    fn all_reduce_sum_f32(&self, values: &mut [f32]) -> Result<()> {
+        let op = "all_reduce_sum_f32";
+        let n = self.n_ranks();
+        if n == 1 {
+            return Ok(());
+        }
+        let len = values.len();
+        let chunk = |r: usize| crate::pipeline::chunk_range(len, n, r);
+        let outgoing = (0..n)
+            .map(|dst| Payload::Floats(values[chunk(dst)].to_vec()))
+            .collect();
+        let incoming = self.exchange(op, outgoing)?;
+        let mine = chunk(self.rank());
+        let mut sum = vec![0.0f32; mine.len()];
+        for (src, payload) in incoming.into_iter().enumerate() {
+            match payload {
+                Payload::Floats(v) if v.len() == sum.len() => {
+                    sum.iter_mut().zip(v).for_each(|(acc, x)| *acc += x)
+                }
+                other => return Err(mismatch(self, op, src, "floats of this rank's chunk", &other)),
+            }
+        }
+        let incoming = self.exchange(op, vec![Payload::Floats(sum); n])?;
+        for (src, payload) in incoming.into_iter().enumerate() {
+            match payload {
+                Payload::Floats(v) if v.len() == chunk(src).len() => values[chunk(src)].copy_from_slice(&v),
+                other => return Err(mismatch(self, op, src, "floats of the sender's chunk", &other)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Splits this group into sub-groups, collectively: the ranks that pass the same `color`
+    /// form one, ranked in their order here (as `MPI_Comm_split` and `ncclCommSplit` with the
+    /// rank as key). How [`ParallelGroups`](crate::parallel::ParallelGroups) builds the
+    /// expert-parallel and expert-data-parallel groups.
+    ///
+    /// # Errors
+    /// [`MoeError::Comm`] if a peer fails, or if this communicator cannot form sub-groups (the
+    /// default).
+    fn split(&self, color: usize) -> Result<std::sync::Arc<dyn Communicator>> {
+        let _ = color;
+        Err(MoeError::comm(
+            "split",
+            self.rank(),
+            format!("{self:?} cannot form sub-groups"),
+        ))
     }
 
     /// Returns once every rank has called it.

@@ -74,13 +74,13 @@ impl RowPaths {
 
     /// Stores `entry`, replacing an earlier entry of the same type: entries are found by
     /// their type, which names the kind of path and the backend.
-    fn insert<T: Any + Send + Sync>(mut self, entry: T) -> Self {
+    pub(super) fn insert<T: Any + Send + Sync>(mut self, entry: T) -> Self {
         self.paths.retain(|p| !p.is::<T>());
         self.paths.push(Arc::new(entry));
         self
     }
 
-    fn find<T: Any + Clone>(&self) -> Option<T> {
+    pub(super) fn find<T: Any + Clone>(&self) -> Option<T> {
         self.paths.iter().find_map(|p| p.downcast_ref::<T>().cloned())
     }
 
@@ -208,5 +208,11 @@ impl Communicator for WithRowPaths {
 
     fn row_paths(&self) -> Option<&RowPaths> {
         Some(&self.paths)
+    }
+
+    /// The inner communicator's sub-group with the same paths: the paths this wrapper carries
+    /// are the host twins, which serve any communicator they are called with.
+    fn split(&self, color: usize) -> Result<Arc<dyn Communicator>> {
+        Ok(Arc::new(Self::new(self.inner.split(color)?, self.paths.clone())))
     }
 }

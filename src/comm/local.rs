@@ -130,16 +130,7 @@ impl LocalGroup {
     /// The communicators of a fresh group, for callers that manage their own threads.
     pub fn communicators(options: GroupOptions, n_ranks: usize) -> Vec<LocalComm> {
         assert!(n_ranks > 0, "a group needs at least one rank");
-        let hub = Arc::new(Hub {
-            n_ranks,
-            timeout: options.timeout,
-            state: Mutex::new(HubState {
-                rounds: BTreeMap::new(),
-                failed: None,
-                exited: vec![false; n_ranks],
-            }),
-            wake: Condvar::new(),
-        });
+        let hub = Arc::new(Hub::new((0..n_ranks).collect(), options.timeout));
         (0..n_ranks)
             .map(|rank| LocalComm {
                 rank,
@@ -161,6 +152,9 @@ pub struct LocalComm {
 #[derive(Debug)]
 struct Hub {
     n_ranks: usize,
+    /// The rank in the group `LocalGroup` started of each member, in this hub's rank order:
+    /// failures are reported with those ranks, which are the threads' identities.
+    members: Vec<usize>,
     timeout: Duration,
     state: Mutex<HubState>,
     wake: Condvar,
@@ -169,8 +163,13 @@ struct Hub {
 #[derive(Debug)]
 struct HubState {
     rounds: BTreeMap<u64, Round>,
+    /// A failure, by the failing thread's rank in the started group.
     failed: Option<(usize, String)>,
     exited: Vec<bool>,
+    /// Sub-groups split from this one, by (the split's collective number, color): a failure or
+    /// an exit here is passed on to them, so that no rank waits in a sub-group for a thread
+    /// that is gone.
+    children: BTreeMap<(u64, usize), Arc<Hub>>,
 }
 
 #[derive(Debug)]
@@ -189,17 +188,73 @@ impl Hub {
         crate::sync::lock(&self.state)
     }
 
-    fn fail(&self, rank: usize, reason: String) {
-        let mut state = self.lock();
-        if state.failed.is_none() {
-            state.failed = Some((rank, reason));
+    fn new(members: Vec<usize>, timeout: Duration) -> Self {
+        let n_ranks = members.len();
+        Hub {
+            n_ranks,
+            members,
+            timeout,
+            state: Mutex::new(HubState {
+                rounds: BTreeMap::new(),
+                failed: None,
+                exited: vec![false; n_ranks],
+                children: BTreeMap::new(),
+            }),
+            wake: Condvar::new(),
         }
-        self.wake.notify_all();
     }
 
-    fn exit(&self, rank: usize) {
-        self.lock().exited[rank] = true;
+    /// Marks the group failed by the thread of started-group rank `thread`, here and in every
+    /// sub-group.
+    fn fail(&self, thread: usize, reason: String) {
+        let mut state = self.lock();
+        if state.failed.is_none() {
+            state.failed = Some((thread, reason.clone()));
+        }
+        let children: Vec<Arc<Hub>> = state.children.values().cloned().collect();
+        drop(state);
         self.wake.notify_all();
+        for child in children {
+            child.fail(thread, reason.clone());
+        }
+    }
+
+    /// Marks the thread of started-group rank `thread` finished, here and in every sub-group
+    /// it belongs to.
+    fn exit(&self, thread: usize) {
+        let mut state = self.lock();
+        if let Some(index) = self.members.iter().position(|&m| m == thread) {
+            state.exited[index] = true;
+        }
+        let children: Vec<Arc<Hub>> = state.children.values().cloned().collect();
+        drop(state);
+        self.wake.notify_all();
+        for child in children {
+            child.exit(thread);
+        }
+    }
+
+    /// The sub-group of `members` (ranks here) made by split number `key`, created by the
+    /// first member to ask.
+    fn child(&self, key: (u64, usize), members: &[usize]) -> Arc<Hub> {
+        let mut state = self.lock();
+        let threads: Vec<usize> = members.iter().map(|&m| self.members[m]).collect();
+        let exited: Vec<bool> = members.iter().map(|&m| state.exited[m]).collect();
+        let failed = state.failed.clone();
+        let child = state
+            .children
+            .entry(key)
+            .or_insert_with(|| {
+                let hub = Hub::new(threads, self.timeout);
+                {
+                    let mut child_state = hub.lock();
+                    child_state.exited = exited;
+                    child_state.failed = failed;
+                }
+                Arc::new(hub)
+            })
+            .clone();
+        child
     }
 }
 
@@ -226,6 +281,23 @@ impl Communicator for LocalComm {
         let state = self.deposit(op, seq, outgoing)?;
         let state = self.wait_for_peers(op, seq, deadline, state)?;
         Ok(self.take(seq, state))
+    }
+
+    /// A sub-group in the same process: the colors are gathered (one collective, whose number
+    /// names the split), and the first member of each sub-group to arrive creates its hub.
+    fn split(&self, color: usize) -> Result<Arc<dyn Communicator>> {
+        let key = self.seq.load(Ordering::SeqCst);
+        let colors = self.all_gather_counts(&[color])?;
+        let members: Vec<usize> = (0..colors.len()).filter(|&r| colors[r] == color).collect();
+        let rank = members
+            .iter()
+            .position(|&r| r == self.rank)
+            .expect("this rank has its own color");
+        Ok(Arc::new(LocalComm {
+            rank,
+            hub: self.hub.child((key, color), &members),
+            seq: AtomicU64::new(0),
+        }))
     }
 }
 
@@ -265,7 +337,7 @@ impl LocalComm {
                 round.op
             );
             drop(state);
-            self.hub.fail(self.rank, reason.clone());
+            self.hub.fail(self.hub.members[self.rank], reason.clone());
             return Err(MoeError::comm(op, self.rank, reason));
         }
         round.deposits[self.rank] = Some(outgoing.into_iter().map(Some).collect());
@@ -307,7 +379,7 @@ impl LocalComm {
                     self.hub.timeout
                 );
                 drop(state);
-                self.hub.fail(self.rank, reason.clone());
+                self.hub.fail(self.hub.members[self.rank], reason.clone());
                 return Err(MoeError::comm(op, self.rank, reason));
             }
             state = self

@@ -27,4 +27,8 @@ impl Communicator for HostLoopback {
     fn exchange(&self, op: &'static str, outgoing: Vec<Payload>) -> Result<Vec<Payload>> {
         SingleRank.exchange(op, outgoing)
     }
+
+    fn split(&self, _color: usize) -> Result<std::sync::Arc<dyn Communicator>> {
+        Ok(std::sync::Arc::new(HostLoopback))
+    }
 }

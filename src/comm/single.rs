@@ -26,4 +26,8 @@ impl Communicator for SingleRank {
         }
         Ok(outgoing)
     }
+
+    fn split(&self, _color: usize) -> Result<std::sync::Arc<dyn Communicator>> {
+        Ok(std::sync::Arc::new(SingleRank))
+    }
 }

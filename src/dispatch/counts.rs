@@ -67,12 +67,33 @@ fn kept_by_rank(per_rank: &[&[usize]], n_experts: usize, capacity: Option<usize>
         .collect()
 }
 
+/// The group's token count and per-expert loads summed over its data-parallel replicas.
+fn over_replicas(
+    replicas: &dyn Communicator,
+    n_tokens: usize,
+    routed: &[usize],
+) -> Result<(usize, Vec<usize>)> {
+    if replicas.n_ranks() == 1 {
+        return Ok((n_tokens, routed.to_vec()));
+    }
+    let mine: Vec<usize> = std::iter::once(n_tokens).chain(routed.iter().copied()).collect();
+    let all = replicas.all_gather_counts(&mine)?;
+    let mut sum = vec![0usize; mine.len()];
+    for replica in all.chunks_exact(mine.len()) {
+        sum.iter_mut().zip(replica).for_each(|(acc, v)| *acc += v);
+    }
+    Ok((sum[0], sum[1..].to_vec()))
+}
+
 impl RoutingCounts {
     /// The collective step: one all-gather of per-expert counts (for the global capacity
     /// order, the load-balancing fractions and the global token count) and one all-to-all of
     /// per-(rank, expert) row counts.
     ///
     /// `indices` are this rank's choices, `[n_tokens * top_k]`, best first within a token.
+    /// With data-parallel `replicas` of the group (more than one rank), a third collective sums
+    /// the group's token and per-expert totals over them, for the load-balancing fractions, the
+    /// losses' token count and the reported load.
     pub fn gather(
         indices: &[usize],
         n_tokens: usize,
@@ -80,6 +101,7 @@ impl RoutingCounts {
         n_experts: usize,
         capacity_factor: Option<f64>,
         comm: &dyn Communicator,
+        replicas: &dyn Communicator,
     ) -> Result<Self> {
         let (rank, n_ranks) = (comm.rank(), comm.n_ranks());
         if n_experts % n_ranks != 0 {
@@ -109,8 +131,9 @@ impl RoutingCounts {
             global.iter().map(|&g| capacity.map_or(g, |c| g.min(c))).collect();
         let dropped = global.iter().sum::<usize>() - tokens_per_expert.iter().sum::<usize>();
         let local_dropped = decision.kept.iter().filter(|&&k| !k).count();
-        let assignments = (n_tokens_global * top_k).max(1) as f64;
-        let expert_fraction: Vec<f64> = global.iter().map(|&g| g as f64 / assignments).collect();
+        let (n_tokens_world, routed) = over_replicas(replicas, n_tokens_global, &global)?;
+        let assignments = (n_tokens_world * top_k).max(1) as f64;
+        let expert_fraction: Vec<f64> = routed.iter().map(|&g| g as f64 / assignments).collect();
 
         let send_counts = decision.kept_per_expert.clone();
         let recv_counts = comm.all_to_all_counts(&send_counts, n_local)?;
@@ -134,11 +157,12 @@ impl RoutingCounts {
             expert_fraction,
             stats: RoutingStats {
                 tokens_per_expert,
-                routed_per_expert: global,
+                routed_per_expert: routed,
                 dropped,
                 local_dropped,
                 capacity,
                 n_tokens_global,
+                n_tokens_world,
             },
         })
     }

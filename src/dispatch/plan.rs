@@ -9,7 +9,8 @@ pub struct RoutingStats {
     /// Assignments each expert took after capacity, over the global batch. `[n_experts]`
     pub tokens_per_expert: Vec<usize>,
     /// Assignments the router made to each expert over the global batch, before capacity: the
-    /// load that load balancing acts on. `[n_experts]`
+    /// load that load balancing acts on. Under data parallelism, summed over every replica's
+    /// batch. `[n_experts]`
     pub routed_per_expert: Vec<usize>,
     /// Assignments dropped by capacity over the global batch.
     pub dropped: usize,
@@ -17,8 +18,11 @@ pub struct RoutingStats {
     pub local_dropped: usize,
     /// The per-expert limit, if capacity is on.
     pub capacity: Option<usize>,
-    /// Tokens in the global batch.
+    /// Tokens in the expert-parallel group's batch.
     pub n_tokens_global: usize,
+    /// Tokens in the batches of every data-parallel replica of the expert-parallel group (the
+    /// losses' normalisation); equal to `n_tokens_global` without data parallelism.
+    pub n_tokens_world: usize,
 }
 
 /// How this rank's (token, choice) assignments become the rows of `T_I` and come back.

@@ -172,6 +172,19 @@ pub trait MoeBackend: ActivationKernels {
     ) -> Result<FloatTensor<Self>> {
         rows::all_to_all_rows::<Self>(comm.as_ref(), x, send_per_rank, recv_per_rank)
     }
+
+    /// The element-wise sum of `x` over the ranks of `comm`, on every rank, not tracked by
+    /// autodiff: how [`sync_replicated_grads`](crate::parallel::sync_replicated_grads) sums a
+    /// bucket of gradients. The communicator's device path for this backend where it has one
+    /// (NCCL's all-reduce on CUDA), the host path otherwise
+    /// ([`all_reduce_tensor`](crate::comm::all_reduce_tensor)); `Fusion<B>` hands the bucket
+    /// to its inner backend so that it finds the inner backend's path.
+    ///
+    /// # Shapes
+    /// - x: `[n]` → `[n]`
+    fn all_reduce_sum(x: FloatTensor<Self>, comm: &dyn Communicator) -> Result<FloatTensor<Self>> {
+        crate::comm::all_reduce_tensor::<Self>(comm, x)
+    }
 }
 
 /// The two required methods of [`MoeBackend`] for a backend that runs the generic fused

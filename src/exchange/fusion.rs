@@ -105,4 +105,12 @@ impl<B: FusionBackend + MoeBackend> MoeBackend for Fusion<B> {
         let rows = B::all_to_all(resolve::<B>(x), send_per_rank, recv_per_rank, comm)?;
         Ok(register::<B>(rows, &device))
     }
+
+    /// The bucket on the inner backend, so that the communicator's path for it (NCCL on
+    /// CUDA) is found: paths are registered per backend type, and `Fusion<B>` is another type.
+    fn all_reduce_sum(x: FloatTensor<Self>, comm: &dyn Communicator) -> Result<FloatTensor<Self>> {
+        let device = x.client.device().clone();
+        let sum = B::all_reduce_sum(resolve::<B>(x), comm)?;
+        Ok(register::<B>(sum, &device))
+    }
 }

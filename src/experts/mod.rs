@@ -8,6 +8,7 @@ mod gelu_math;
 mod init;
 mod kernels;
 mod module;
+mod shard;
 mod shared;
 
 pub use activation::Activation;
@@ -17,4 +18,5 @@ pub(crate) use init::HostInit;
 pub use kernels::ActivationKernels;
 pub(crate) use module::ExpertsSpec;
 pub use module::{ExpertTensors, Experts};
+pub use shard::{ExpertShard, ShardCheck};
 pub use shared::SharedExpert;

@@ -7,6 +7,8 @@ use burn::tensor::{Tensor, TensorPrimitive};
 
 use super::init::stacked;
 use super::Activation;
+use super::{ExpertShard, ShardCheck};
+use crate::error::Result;
 
 /// The experts one rank owns: `n_local_experts` FFNs stacked along the first dimension.
 ///
@@ -34,8 +36,8 @@ pub struct Experts<B: Backend> {
     /// The activation between the two GEMMs.
     #[module(skip)]
     pub activation: Activation,
-    /// Global index of this rank's first expert.
-    pub first_expert: usize,
+    /// Which experts these are (saved with the record, checked before every forward).
+    pub shard: ShardCheck<B>,
 }
 
 /// The expert weights as backend primitives, the form the exchange op takes.
@@ -68,6 +70,9 @@ impl<B: Backend> ExpertTensors<B> {
 #[derive(Debug, Clone)]
 pub(crate) struct ExpertsSpec {
     pub experts: std::ops::Range<usize>,
+    pub n_experts: usize,
+    pub rank: usize,
+    pub n_ranks: usize,
     pub d_model: usize,
     pub d_hidden: usize,
     pub activation: Activation,
@@ -121,8 +126,29 @@ impl<B: Backend> Experts<B> {
             w_out: Param::from_tensor(w_out),
             b_out,
             activation: spec.activation,
-            first_expert: range.start,
+            shard: ShardCheck::new(ExpertShard {
+                first_expert: range.start,
+                n_local: range.len(),
+                n_experts: spec.n_experts,
+                rank: spec.rank,
+                n_ranks: spec.n_ranks,
+            }),
         }
+    }
+
+    /// Global index of this rank's first expert.
+    pub fn first_expert(&self) -> usize {
+        self.shard.shard().first_expert
+    }
+
+    /// An error naming both ranges if a record saved from other experts (another rank, or
+    /// another rank count) was loaded into these; the layer checks it before every forward.
+    ///
+    /// # Errors
+    /// [`MoeError::Input`](crate::MoeError::Input) naming the record's experts and this
+    /// layer's.
+    pub fn check_shard(&self) -> Result<()> {
+        self.shard.check()
     }
 
     /// Number of experts on this rank.

@@ -343,4 +343,25 @@ impl MoeLayerConfig {
         self.validate_for_ranks(comm.n_ranks())?;
         Ok(MoeLayer::init(self, device, MoeContext::new(self.clone(), comm)))
     }
+
+    /// This rank's part of a layer under expert × data parallelism: experts sharded over the
+    /// expert-parallel group of `groups` (so `n_experts` must divide by its size, not by the
+    /// world's), routing statistics summed over the data-parallel replicas, so that the
+    /// auxiliary and z-losses and the per-expert load are those of the global batch.
+    /// Capacity (if set) applies per expert-parallel group, to that group's tokens, as each
+    /// group's all-to-all only sees its own.
+    ///
+    /// # Errors
+    /// [`MoeError::Config`] naming `n_experts` if the experts do not split evenly over the
+    /// expert-parallel group, or the field at fault if the config is invalid.
+    pub fn init_groups<B: Backend>(
+        &self,
+        device: &B::Device,
+        groups: &crate::parallel::ParallelGroups,
+    ) -> Result<MoeLayer<B>> {
+        self.validate_for_ranks(groups.expert().n_ranks())?;
+        let mut ctx = MoeContext::new(self.clone(), groups.expert().clone());
+        ctx.replicas = groups.expert_data().clone();
+        Ok(MoeLayer::init(self, device, ctx))
+    }
 }

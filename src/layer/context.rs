@@ -20,6 +20,9 @@ use crate::tuning::{GranularityTable, Profile, TrialTimer, WallClock};
 pub struct MoeContext {
     pub(crate) config: MoeLayerConfig,
     pub(crate) comm: Arc<dyn Communicator>,
+    /// The data-parallel replicas of this rank's experts (one rank without data parallelism):
+    /// the routing statistics are summed over them.
+    pub(crate) replicas: Arc<dyn Communicator>,
     pub(crate) host: HostStore,
     pub(crate) arena: PartitionArena,
     pub(crate) tuning: Arc<Tuning>,
@@ -52,6 +55,7 @@ impl MoeContext {
         Self {
             config,
             comm,
+            replicas: Arc::new(crate::comm::SingleRank),
             host: HostStore::new(MemoryMeter::new()),
             arena: PartitionArena::new(),
             tuning: Arc::new(Tuning {
@@ -65,6 +69,12 @@ impl MoeContext {
     /// The layer's configuration.
     pub fn config(&self) -> &MoeLayerConfig {
         &self.config
+    }
+
+    /// The ranks that hold the same experts as this one, one per data-parallel replica of the
+    /// expert-parallel group (one rank without data parallelism).
+    pub fn replicas(&self) -> &Arc<dyn Communicator> {
+        &self.replicas
     }
 
     /// This rank's communicator.

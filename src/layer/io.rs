@@ -15,7 +15,7 @@ use super::file::{
 use super::{LayerMeta, MoeContext, MoeLayer, MoeLayerConfig};
 use crate::comm::{Communicator, Payload, SingleRank};
 use crate::error::{MoeError, Result};
-use crate::experts::{Experts, SharedExpert};
+use crate::experts::{ExpertShard, Experts, ShardCheck, SharedExpert};
 use crate::router::{buffer, Router};
 
 impl<B: Backend> MoeLayer<B> {
@@ -118,7 +118,13 @@ impl<B: Backend> MoeLayer<B> {
             w_out: param3("experts.w_out")?,
             b_out: config.bias.then(|| param2("experts.b_out")).transpose()?,
             activation: config.activation,
-            first_expert: rank * n_local,
+            shard: ShardCheck::new(ExpertShard {
+                first_expert: rank * n_local,
+                n_local,
+                n_experts: config.n_experts,
+                rank,
+                n_ranks: comm.n_ranks(),
+            }),
         };
         let shared = match config.shared_expert {
             Some(_) => Some(SharedExpert {

@@ -51,6 +51,9 @@ impl<B: Backend> MoeLayer<B> {
         let n_local = config.n_experts / n_ranks;
         let spec = ExpertsSpec {
             experts: rank * n_local..(rank + 1) * n_local,
+            n_experts: config.n_experts,
+            rank,
+            n_ranks,
             d_model: config.d_model,
             d_hidden: config.d_hidden,
             activation: config.activation,
@@ -170,7 +173,9 @@ impl<B: MoeBackend> MoeLayer<B> {
     /// value is NaN or infinite; [`MoeError::Comm`] if a peer rank fails.
     pub fn try_forward<const D: usize>(&self, input: Tensor<B, D>) -> Result<MoeOutput<B, D>> {
         let config = &self.ctx.config;
-        // 1. Flatten to [n_tokens, d_model] and check the input.
+        // 1. Flatten to [n_tokens, d_model] and check the input (and that the experts are this
+        //    rank's: a record of another rank's experts loads without a shape error).
+        self.experts.check_shard()?;
         let shape = input.dims();
         let x = self.flatten(input)?;
         let [n_tokens, d_model] = x.dims();
@@ -197,7 +202,7 @@ impl<B: MoeBackend> MoeLayer<B> {
         }
 
         // 8. Auxiliary losses (this rank's shares of the global-batch losses).
-        let n_global = plan.dispatch.stats.n_tokens_global;
+        let n_global = plan.dispatch.stats.n_tokens_world;
         let aux_loss = load_balancing_loss(
             routing.probs,
             &plan.dispatch.expert_fraction,

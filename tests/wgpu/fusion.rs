@@ -101,3 +101,22 @@ fn a_layer_trains_under_fusion_with_burns_optimizer() {
     let inferred = layer.valid().forward(x.inner()).output.into_data();
     trained.assert_approx_eq::<f32>(&inferred, burn::tensor::Tolerance::absolute(1e-5));
 }
+
+/// The gradient all-reduce under fusion: the bucket is handed to the inner backend and the sum
+/// comes back as a fusion tensor that later fused operations read, on every rank.
+#[test]
+fn buckets_are_summed_over_ranks_under_fusion() {
+    let sums = mpipemoe::LocalGroup::run(2, |ctx| {
+        let device = Default::default();
+        let values: Vec<f32> = (0..5).map(|i| (i * 10 + ctx.rank) as f32).collect();
+        let x = Tensor::<FusedWgpu, 1>::from_floats(values.as_slice(), &device);
+        // A pending fused operation on the input, so the resolve must run it first.
+        let x = x * 2.0;
+        let sum = FusedWgpu::all_reduce_sum(x.into_primitive().tensor(), ctx.comm.as_ref())?;
+        let sum = Tensor::<FusedWgpu, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(sum)) + 1.0;
+        Ok(sum.into_data().to_vec::<f32>().unwrap())
+    })
+    .unwrap();
+    let want: Vec<f32> = (0..5).map(|i| 2.0 * (2 * i * 10 + 1) as f32 + 1.0).collect();
+    assert_eq!(sums, vec![want.clone(), want]);
+}

@@ -142,8 +142,16 @@ fn main() {
         let routing = layer
             .router
             .route(input.clone(), &mpipemoe::RoutingRule::top_k(top_k, false));
-        let counts =
-            RoutingCounts::gather(&routing.indices, args.tokens, top_k, experts, None, &SingleRank).unwrap();
+        let counts = RoutingCounts::gather(
+            &routing.indices,
+            args.tokens,
+            top_k,
+            experts,
+            None,
+            &SingleRank,
+            &SingleRank,
+        )
+        .unwrap();
         let (dispatch, plan) = counts.plans(SplitScheme::Tokens(1));
         let t_i = x_inner.select(
             0,

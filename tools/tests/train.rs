@@ -7,6 +7,9 @@
 #[path = "../examples/train_gpt_moe/data.rs"]
 mod data;
 #[allow(dead_code)]
+#[path = "../examples/train_gpt_moe/host_sync.rs"]
+mod host_sync;
+#[allow(dead_code)]
 #[path = "../examples/train_gpt_moe/load.rs"]
 mod load;
 #[allow(dead_code)]
@@ -44,6 +47,31 @@ where
     B: burn::tensor::backend::AutodiffBackend + mpipemoe::MoeBackend,
     B::InnerBackend: mpipemoe::MoeBackend,
 {
+    run_parallel::<B>(
+        ranks,
+        None,
+        train::GradSync::Library,
+        partitions,
+        memory_reuse,
+        router,
+        steps,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_parallel<B>(
+    ranks: usize,
+    expert_parallel: Option<usize>,
+    grad_sync: train::GradSync,
+    partitions: Partitions,
+    memory_reuse: MemoryReuse,
+    router: train::RouterChoice,
+    steps: usize,
+) -> train::TrainReport
+where
+    B: burn::tensor::backend::AutodiffBackend + mpipemoe::MoeBackend,
+    B::InnerBackend: mpipemoe::MoeBackend,
+{
     let corpus = data::Corpus::builtin().unwrap();
     let n_experts = match router {
         train::RouterChoice::Softmax => 4,
@@ -67,6 +95,8 @@ where
         eval_every: 0,
         eval_batches: 1,
         sample_len: 0,
+        expert_parallel,
+        grad_sync,
     };
     let reports = LocalGroup::run(ranks, |ctx| {
         train::train_rank::<B>(&ctx, &corpus, &options, &Default::default(), &|_| {})
@@ -117,6 +147,42 @@ fn mean_imbalance(load: &[Vec<Vec<usize>>]) -> f64 {
 /// DeepSeek-V3's auxiliary-loss-free balancing evens out the load: the same run with the score
 /// bias moving is better balanced over its second half than with the bias frozen, on one rank
 /// and on two (where the update must be identical on both ranks to keep them in step).
+/// Issue 34: the library's gradient sync at 4 ranks as 2 expert-parallel groups of 2 (data
+/// parallelism over them), and the host f64 sync it replaced, both train the one-rank model.
+#[test]
+fn expert_and_data_parallel_ranks_and_either_sync_train_the_one_rank_model() {
+    let setup = (
+        Partitions::Fixed(2),
+        MemoryReuse::Off,
+        train::RouterChoice::Softmax,
+        20,
+    );
+    let (p, m, r, steps) = setup;
+    let one = run_parallel::<Autodiff<Flex>>(1, None, train::GradSync::Library, p, m, r, steps).losses;
+    let ep_dp = run_parallel::<Autodiff<Flex>>(4, Some(2), train::GradSync::Library, p, m, r, steps);
+    let host = run_parallel::<Autodiff<Flex>>(2, None, train::GradSync::HostF64, p, m, r, steps).losses;
+    let library = run_parallel::<Autodiff<Flex>>(2, None, train::GradSync::Library, p, m, r, steps).losses;
+    for (step, a) in one.iter().enumerate() {
+        for (name, b, bound) in [
+            ("4 ranks, EP 2 x DP 2", ep_dp.losses[step], 1e-4),
+            ("2 ranks, host f64 sync", host[step], 1e-4),
+            // The two syncs differ only in f32 against f64 summation of two terms.
+            ("2 ranks, library sync", library[step], 1e-4),
+        ] {
+            let rel = (a - b).abs() / a.abs();
+            assert!(rel <= bound, "step {step}: {a} (1 rank) vs {b} ({name}): {rel:e}");
+        }
+        let rel = (host[step] - library[step]).abs() / host[step].abs();
+        assert!(
+            rel <= 1e-5,
+            "step {step}: host f64 {} vs library {}: {rel:e}",
+            host[step],
+            library[step]
+        );
+    }
+    assert_eq!(ep_dp.sync_seconds.len(), 20);
+}
+
 #[test]
 fn deepseek_routing_balances_load_without_an_auxiliary_loss() {
     let steps = 60;
@@ -165,7 +231,8 @@ fn the_inner_backend_model_computes_the_autodiff_models_logits() {
         let results = LocalGroup::run(ranks, |ctx| {
             let device = Default::default();
             let moe = config.moe().with_partitions(Partitions::Fixed(2));
-            let model = config.init::<Ad>(&moe, 5, &device, ctx.comm.clone())?;
+            let groups = mpipemoe::parallel::ParallelGroups::expert_parallel(ctx.comm.clone());
+            let model = config.init::<Ad>(&moe, 5, &device, &groups)?;
             // Each rank its own rows, as in training.
             let ids: Vec<i64> = (0..2 * 16)
                 .map(|i| ((i * 37 + ctx.rank * 11) % 256) as i64)

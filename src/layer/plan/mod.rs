@@ -59,6 +59,7 @@ impl<B: MoeBackend> MoeLayer<B> {
             config.n_experts,
             config.capacity_factor,
             self.ctx.comm.as_ref(),
+            self.ctx.replicas.as_ref(),
         )?;
         let scheme = self.resolve_split(&counts, x)?;
         let (scheme, strategy, memory) = match (config.path, config.memory_budget) {

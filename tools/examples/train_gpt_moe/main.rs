@@ -5,7 +5,7 @@
 //! cargo run --release --example train_gpt_moe -- [--data FILE] [--ranks 2] [--partitions N|auto]
 //!     [--strategy none|s1|s2|s3|s4|auto] [--router softmax|deepseek] [--bias-update G]
 //!     [--steps N] [--seed S] [--backend flex|ndarray|wgpu|wgpu-fusion|cuda|cuda-fusion]
-//!     [--comm threads|nccl] [--out DIR] [--json]
+//!     [--comm threads|nccl] [--expert-parallel N] [--grad-sync library|host-f64] [--out DIR] [--json]
 //! ```
 //!
 //! On CUDA (`--features cuda`), `--comm nccl` makes each rank a GPU: `--ranks N` drives GPUs
@@ -20,12 +20,16 @@
 //! (sigmoid scores, 8 experts in 4 groups of which 2 are kept, an ungated shared expert) and
 //! balance their load without an auxiliary loss, by moving the score bias after every step.
 //!
-//! Every rank holds a replica of the non-expert parameters and `n_experts / ranks` experts;
-//! the global batch is split over the ranks, replicated gradients are summed over ranks, and
-//! each rank takes the same AdamW step, so the run computes the same losses for any rank
-//! count. Without `--data` the corpus is this crate's own sources and docs.
+//! Every rank holds a replica of the non-expert parameters and `n_experts / ep` experts, where
+//! `ep` is `--expert-parallel` (default `--ranks`; below it, the expert-parallel groups are
+//! replicated `ranks / ep` times, data-parallel); the global batch is split over the ranks,
+//! gradients are summed by the library's `ParallelGroups::sync_grads` (replicated parameters
+//! over all ranks, experts over their replicas), and each rank takes the same AdamW step, so
+//! the run computes the same losses for any rank count. Without `--data` the corpus is this
+//! crate's own sources and docs.
 
 mod data;
+mod host_sync;
 mod load;
 mod model;
 mod train;
@@ -45,7 +49,15 @@ use serde::Serialize;
 
 use data::Corpus;
 use model::GptMoeConfig;
-use train::{train_rank, RouterChoice, StepLog, TrainOptions, TrainReport};
+use train::{train_rank, GradSync, RouterChoice, StepLog, TrainOptions, TrainReport};
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq)]
+enum GradSyncArg {
+    /// `ParallelGroups::sync_grads`: bucketed, on the device.
+    Library,
+    /// Every replicated gradient through host f64 and an all-gather of the whole vector.
+    HostF64,
+}
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq)]
 enum RouterArg {
@@ -81,9 +93,17 @@ struct Args {
     /// Text to train on (default: this crate's sources and docs).
     #[arg(long)]
     data: Option<PathBuf>,
-    /// Expert-parallel ranks (threads, 1..=64; must divide the 8 experts).
+    /// Ranks (threads, 1..=64).
     #[arg(long, default_value_t = 2, value_parser = count(1, 64))]
     ranks: usize,
+    /// Ranks per expert-parallel group (default: all of them); the world is that many times
+    /// data-parallel replicas, and the group size must divide the experts and the ranks.
+    #[arg(long, value_parser = count(1, 64))]
+    expert_parallel: Option<usize>,
+    /// How gradients are summed over the ranks: the library's bucketed all-reduce, or the
+    /// host f64 all-gather this example used before (the benchmark's comparator).
+    #[arg(long, value_enum, default_value_t = GradSyncArg::Library)]
+    grad_sync: GradSyncArg,
     /// Partitions of the exchange: a number, or `auto` (Algorithm 1).
     #[arg(long, default_value = "2")]
     partitions: String,
@@ -155,6 +175,10 @@ struct Summary<'a> {
     router: String,
     load_imbalance_first: f64,
     load_imbalance_last: f64,
+    expert_parallel: usize,
+    grad_sync: String,
+    /// Median over the steps of rank 0's gradient-sync time, seconds.
+    sync_s_median: f64,
     losses: &'a [f64],
     val_losses: &'a [(usize, f64)],
     sample: &'a str,
@@ -229,11 +253,21 @@ fn run(args: &Args) -> Result<(), String> {
         RouterArg::Softmax => GptMoeConfig::new(),
         RouterArg::Deepseek => GptMoeConfig::new().with_n_experts(8),
     };
-    if model.n_experts % args.ranks != 0 {
+    let expert_parallel = args.expert_parallel.unwrap_or(args.ranks);
+    if args.ranks % expert_parallel != 0 {
         return Err(format!(
-            "{} experts cannot be split over --ranks {}",
-            model.n_experts, args.ranks
+            "--expert-parallel {expert_parallel} does not divide --ranks {}",
+            args.ranks
         ));
+    }
+    if model.n_experts % expert_parallel != 0 {
+        return Err(format!(
+            "{} experts cannot be split over expert-parallel groups of {expert_parallel} (--ranks, or --expert-parallel)",
+            model.n_experts
+        ));
+    }
+    if args.grad_sync == GradSyncArg::HostF64 && expert_parallel != args.ranks {
+        return Err("--grad-sync host-f64 sums replicated gradients only: it cannot run with --expert-parallel below --ranks".into());
     }
     let options = TrainOptions {
         model,
@@ -255,6 +289,11 @@ fn run(args: &Args) -> Result<(), String> {
         eval_every: args.eval_every,
         eval_batches: 4,
         sample_len: 160,
+        expert_parallel: args.expert_parallel,
+        grad_sync: match args.grad_sync {
+            GradSyncArg::Library => GradSync::Library,
+            GradSyncArg::HostF64 => GradSync::HostF64,
+        },
     };
     let entropy = corpus.unigram_entropy();
     eprintln!(
@@ -337,6 +376,9 @@ fn run(args: &Args) -> Result<(), String> {
             router: format!("{:?}", args.router).to_lowercase(),
             load_imbalance_first: imbalance_first,
             load_imbalance_last: imbalance_last,
+            expert_parallel,
+            grad_sync: format!("{:?}", args.grad_sync).to_lowercase(),
+            sync_s_median: median(&report.sync_seconds),
             losses: &report.losses,
             val_losses: &report.val_losses,
             sample: &report.sample,
@@ -359,6 +401,17 @@ fn run(args: &Args) -> Result<(), String> {
         "{:.1} s, {tokens_per_s:.0} tokens/s; last step: n={} strategy={}; unigram entropy {entropy:.3}",
         report.seconds, report.n_partitions, report.strategy
     );
+    println!(
+        "gradient sync ({:?}): median {:.2} ms a step",
+        args.grad_sync,
+        median(&report.sync_seconds) * 1e3
+    );
     println!("final: initial_loss={initial:.4} train_loss={train_loss:.4} val_loss={val_loss:.4}");
     Ok(())
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN)
 }

@@ -1,16 +1,15 @@
 //! A small decoder-only transformer whose FFNs are `MoeLayer`s.
 
-use std::sync::Arc;
-
 use burn::config::Config;
-use burn::module::{Module, ModuleMapper, Param, ParamId};
+use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::attention::{
     generate_autoregressive_mask, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig,
 };
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
-use mpipemoe::{seeded_uniform, Communicator, MoeBackend, MoeLayer, MoeLayerConfig, MoeStats};
+use mpipemoe::parallel::ParallelGroups;
+use mpipemoe::{seeded_uniform, MoeBackend, MoeLayer, MoeLayerConfig, MoeStats};
 
 /// Shape of the toy GPT-MoE.
 #[derive(Config, Debug)]
@@ -87,7 +86,7 @@ impl GptMoeConfig {
         moe: &MoeLayerConfig,
         seed: u64,
         device: &B::Device,
-        comm: Arc<dyn Communicator>,
+        groups: &ParallelGroups,
     ) -> mpipemoe::Result<GptMoe<B>> {
         let blocks = (0..self.n_layers)
             .map(|i| {
@@ -98,7 +97,7 @@ impl GptMoeConfig {
                         .with_dropout(0.0)
                         .init(device),
                     norm_moe: LayerNormConfig::new(self.d_model).init(device),
-                    moe: layer_moe.init_rank(device, comm.clone())?,
+                    moe: layer_moe.init_groups(device, groups)?,
                 })
             })
             .collect::<mpipemoe::Result<Vec<_>>>()?;
@@ -198,22 +197,5 @@ impl<B: MoeBackend> GptMoe<B> {
                 .balance_score_bias(&stats.routing.routed_per_expert, gamma)?;
         }
         Ok(())
-    }
-
-    /// Ids of the parameters sharded by expert (their gradients are not all-reduced).
-    pub fn expert_param_ids(&self) -> Vec<ParamId> {
-        self.blocks
-            .iter()
-            .flat_map(|b| {
-                let e = &b.moe.experts;
-                [
-                    Some(e.w_in.id),
-                    e.b_in.as_ref().map(|p| p.id),
-                    Some(e.w_out.id),
-                    e.b_out.as_ref().map(|p| p.id),
-                ]
-            })
-            .flatten()
-            .collect()
     }
 }

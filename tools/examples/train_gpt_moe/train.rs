@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use burn::module::{AutodiffModule, Module, ModuleVisitor, Param, ParamId};
+use burn::module::AutodiffModule;
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::{AutodiffBackend, Backend};
@@ -10,10 +10,12 @@ use burn::tensor::{Int, Tensor, TensorData};
 use mpipemoe::backend::StepExecutor;
 use mpipemoe::comm::rank_range;
 use mpipemoe::memory::Strategy;
+use mpipemoe::parallel::ParallelGroups;
 use mpipemoe::{seeded_uniform, MemoryReuse, MoeBackend, MoeLayerConfig, Partitions, RankContext, Scoring};
 use serde::Serialize;
 
 use super::data::Corpus;
+use super::host_sync;
 use super::model::{GptMoe, GptMoeConfig};
 
 /// The MoE layers' router.
@@ -78,6 +80,20 @@ pub struct TrainOptions {
     pub eval_batches: usize,
     /// Bytes to generate at the end (0: none).
     pub sample_len: usize,
+    /// Ranks per expert-parallel group (`None`: all ranks, no data-parallel replicas of the
+    /// experts).
+    pub expert_parallel: Option<usize>,
+    /// How gradients are summed over the ranks.
+    pub grad_sync: GradSync,
+}
+
+/// How the gradients of a step are summed over the ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradSync {
+    /// The library's bucketed all-reduce on the device (`ParallelGroups::sync_grads`).
+    Library,
+    /// The host f64 all-gather this example used before, BENCHMARKS.md's comparator.
+    HostF64,
 }
 
 /// One step, for the progress bar.
@@ -99,6 +115,8 @@ pub struct StepLog {
     pub val_loss: Option<f64>,
     /// Per MoE layer: the most loaded expert's assignments over the mean, this step.
     pub imbalance: Vec<f64>,
+    /// Seconds this step's gradient sync took on this rank.
+    pub sync_s: f64,
 }
 
 /// One rank's summary of a run.
@@ -118,6 +136,8 @@ pub struct TrainReport {
     pub strategy: Strategy,
     /// Per step, per MoE layer: assignments routed to each expert over the global batch.
     pub load: Vec<Vec<Vec<usize>>>,
+    /// Per step: seconds this rank spent summing gradients over the ranks.
+    pub sync_seconds: Vec<f64>,
 }
 
 /// Bytes `range` of every row as token ids. `[rows, range.len()]`
@@ -144,76 +164,6 @@ fn cross_entropy_sum<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int
     picked.sum().neg()
 }
 
-/// Collects the gradients of replicated parameters, in visiting order.
-struct Collect<'a> {
-    grads: &'a mut GradientsParams,
-    skip: &'a [ParamId],
-    values: Vec<f64>,
-}
-
-impl<B: AutodiffBackend> ModuleVisitor<B> for Collect<'_> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        // Buffers (the score bias) are not trained: no gradient to sum.
-        if self.skip.contains(&param.id) || !param.val().is_require_grad() {
-            return;
-        }
-        let count: usize = param.val().dims().iter().product();
-        match self.grads.remove::<B::InnerBackend, D>(param.id) {
-            Some(g) => self
-                .values
-                .extend(g.into_data().convert::<f64>().into_vec::<f64>().expect("f64")),
-            // A rank whose tokens never reached a parameter contributes zero to its sum.
-            None => self.values.extend(std::iter::repeat_n(0.0, count)),
-        }
-    }
-}
-
-/// Puts the summed gradients back, in the same visiting order.
-struct Register<'a> {
-    grads: &'a mut GradientsParams,
-    skip: &'a [ParamId],
-    values: std::vec::IntoIter<f64>,
-}
-
-impl<B: AutodiffBackend> ModuleVisitor<B> for Register<'_> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if self.skip.contains(&param.id) || !param.val().is_require_grad() {
-            return;
-        }
-        let dims = param.val().dims();
-        let count: usize = dims.iter().product();
-        let values: Vec<f64> = self.values.by_ref().take(count).collect();
-        let data = TensorData::new(values, dims).convert::<B::FloatElem>();
-        let device = param.val().device();
-        self.grads
-            .register::<B::InnerBackend, D>(param.id, Tensor::from_data(data, &device));
-    }
-}
-
-/// Sums the gradients of every replicated parameter over the ranks (one all-reduce), so
-/// every replica takes the same step: the gradient of the global-batch loss.
-fn all_reduce_replicated<B: AutodiffBackend + MoeBackend>(
-    model: &GptMoe<B>,
-    grads: &mut GradientsParams,
-    ctx: &RankContext,
-) -> mpipemoe::Result<()> {
-    let skip = model.expert_param_ids();
-    let mut collect = Collect {
-        grads,
-        skip: &skip,
-        values: Vec::new(),
-    };
-    model.visit(&mut collect);
-    let mut values = collect.values;
-    ctx.comm.all_reduce_sum(&mut values)?;
-    model.visit(&mut Register {
-        grads,
-        skip: &skip,
-        values: values.into_iter(),
-    });
-    Ok(())
-}
-
 /// Trains this rank's replica; every rank must call it with the same options.
 pub fn train_rank<B>(
     ctx: &RankContext,
@@ -235,7 +185,17 @@ where
         .with_memory_reuse(o.memory_reuse)
         .with_memory_budget(o.memory_budget)
         .with_executor(o.executor);
-    let mut model = o.model.init::<B>(&moe, o.seed, device, ctx.comm.clone())?;
+    let groups = match o.expert_parallel {
+        Some(ep) => ParallelGroups::new(ctx.comm.clone(), ep)?,
+        None => ParallelGroups::expert_parallel(ctx.comm.clone()),
+    };
+    if o.grad_sync == GradSync::HostF64 && groups.data_parallel() > 1 {
+        return Err(mpipemoe::MoeError::config(
+            "grad_sync",
+            "the host-f64 comparator sums replicated gradients only: it cannot run with data-parallel replicas of the experts",
+        ));
+    }
+    let mut model = o.model.init::<B>(&moe, o.seed, device, &groups)?;
     let mut optimizer = AdamWConfig::new().with_weight_decay(0.01).init::<B, GptMoe<B>>();
     let mine = rank_range(o.batch, ctx.n_ranks, ctx.rank);
     let global_tokens = (o.batch * seq) as f64;
@@ -244,6 +204,7 @@ where
     let mut val_losses = Vec::new();
     let (mut n_partitions, mut strategy) = (1, Strategy::None);
     let mut load = Vec::with_capacity(o.steps);
+    let mut sync_seconds = Vec::with_capacity(o.steps);
 
     // Validation and sampling run on the inner backend: no autodiff graph is recorded for
     // work that is never differentiated (burn's autodiff frees a graph only after a backward).
@@ -272,7 +233,15 @@ where
             out.aux.into_scalar().into_f64_lossy(),
         ];
         let mut grads = GradientsParams::from_grads(loss.backward(), &model);
-        all_reduce_replicated(&model, &mut grads, ctx)?;
+        let sync_start = Instant::now();
+        match o.grad_sync {
+            GradSync::Library => {
+                groups.sync_grads(&model, &mut grads)?;
+            }
+            GradSync::HostF64 => host_sync::all_reduce_replicated(&model, &mut grads, ctx.comm.as_ref())?,
+        }
+        let sync_s = sync_start.elapsed().as_secs_f64();
+        sync_seconds.push(sync_s);
         model = optimizer.step(o.lr, model, grads);
         if let RouterChoice::DeepSeek { bias_update } = o.router {
             // Every rank has the same global load, so every replica moves its bias alike.
@@ -301,6 +270,7 @@ where
             strategy,
             val_loss: val_losses.last().map(|v| v.1),
             imbalance: out.stats.iter().map(|s| s.load_imbalance).collect(),
+            sync_s,
         });
     }
 
@@ -313,6 +283,7 @@ where
         n_partitions,
         strategy,
         load,
+        sync_seconds,
     })
 }
 
