@@ -311,6 +311,59 @@ impl NcclShared {
         post_all_to_all_v(&mut transport, self.rank, layout)
     }
 
+    /// Sums `count` elements of `dtype` from the device buffer at `send` into the one at
+    /// `recv` over the group (`ncclAllReduce`) on this rank's NCCL stream, and waits for it
+    /// with the same timeout and abort as the all-to-all.
+    pub(crate) fn all_reduce_device(
+        &self,
+        op: &str,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: nccl_sys::ncclDataType_t,
+    ) -> Result<()> {
+        let mut comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
+        if comm.aborted {
+            return Err(MoeError::comm(
+                op,
+                self.rank,
+                "the NCCL communicator was aborted after an earlier transfer timed out",
+            ));
+        }
+        self.context
+            .bind_to_thread()
+            .map_err(|e| cuda_err(op, self.rank, e))?;
+        let mut transport = NcclTransport {
+            comm: &mut comm,
+            stream: self.stream.cu_stream(),
+            send,
+            recv,
+            rank: self.rank,
+            op,
+            timeout: Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed)),
+        };
+        transport.begin()?;
+        let (handle, stream) = (transport.comm.handle, transport.stream as _);
+        // SAFETY: both buffers hold `count` elements of `dtype` (the caller sized them) and
+        // outlive the group, which `end` waits for.
+        let posted = unsafe {
+            nccl::all_reduce(
+                send as *const std::ffi::c_void,
+                recv as *mut std::ffi::c_void,
+                count,
+                dtype,
+                nccl_sys::ncclRedOp_t::ncclSum,
+                handle,
+                stream,
+            )
+        };
+        if let Err(e) = posted {
+            transport.abandon();
+            return Err(nccl_err(op, self.rank, e));
+        }
+        transport.end()
+    }
+
     /// One round of host bytes: `send[peer]` goes to `peer`, `recv_len[peer]` bytes arrive
     /// from it, through one device buffer each way.
     fn round(&self, op: &str, send: &[Vec<u8>], recv_len: &[usize]) -> Result<Vec<Vec<u8>>> {
@@ -464,6 +517,60 @@ impl Communicator for Nccl {
 
     fn row_paths(&self) -> Option<&RowPaths> {
         Some(&self.paths)
+    }
+
+    /// `ncclCommSplit` with this rank as the key: a communicator of its own (its own NCCL
+    /// stream, the same GPU and timeout) for the ranks that pass the same color. Like every
+    /// NCCL communicator creation it blocks until every rank of this group has called it.
+    fn split(&self, color: usize) -> Result<Arc<dyn Communicator>> {
+        let op = "split";
+        let shared = &self.shared;
+        let color = i32::try_from(color)
+            .map_err(|_| MoeError::comm(op, shared.rank, format!("color {color} does not fit NCCL's int")))?;
+        let comm = shared.comm.lock().unwrap_or_else(|e| e.into_inner());
+        if comm.aborted {
+            return Err(MoeError::comm(
+                op,
+                shared.rank,
+                "the NCCL communicator was aborted",
+            ));
+        }
+        shared
+            .context
+            .bind_to_thread()
+            .map_err(|e| cuda_err(op, shared.rank, e))?;
+        let mut new = std::mem::MaybeUninit::uninit();
+        // SAFETY: the parent handle is live (not aborted, held under its lock); `new` is
+        // written by NCCL before it is read; a null config inherits the parent's.
+        let new = unsafe {
+            nccl_sys::ncclCommSplit(
+                comm.handle,
+                color,
+                shared.rank as i32,
+                new.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+            .result()
+            .map_err(|e| nccl_err(op, shared.rank, e))?;
+            new.assume_init()
+        };
+        drop(comm);
+        let raw = RawComm::new(new);
+        // SAFETY: `raw.handle` is the live communicator just created.
+        let (rank, world) = unsafe {
+            (
+                nccl::comm_user_rank(raw.handle).map_err(|e| nccl_err(op, shared.rank, e))?,
+                nccl::comm_count(raw.handle).map_err(|e| nccl_err(op, shared.rank, e))?,
+            )
+        };
+        let stream = shared
+            .context
+            .new_stream()
+            .map_err(|e| cuda_err(op, shared.rank, e))?;
+        let sub = Self::from_parts(rank as usize, world as usize, raw, stream, shared.context.clone())?
+            .with_timeout(Duration::from_millis(shared.timeout_ms.load(Ordering::Relaxed)))
+            .with_emulated_network(self.emulate_network);
+        Ok(Arc::new(sub))
     }
 
     fn exchange(&self, op: &'static str, outgoing: Vec<Payload>) -> Result<Vec<Payload>> {

@@ -15,7 +15,8 @@ use burn::tensor::{DType, Shape};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::FloatElement;
 use cubecl::cuda::CudaRuntime;
-use mpipemoe::comm::{PeerLayout, RowExchange, RowPaths};
+use cudarc::nccl::sys as nccl_sys;
+use mpipemoe::comm::{PeerLayout, RowExchange, RowPaths, TensorReduce};
 use mpipemoe::{Communicator, MoeError, Result};
 
 use crate::nccl::NcclShared;
@@ -37,7 +38,62 @@ pub(crate) fn row_paths(shared: &Arc<NcclShared>) -> Result<RowPaths> {
         .with::<CudaMoe<burn::tensor::f16>>(Arc::new(rows))
         .with_offload::<CudaMoe<f32>>(Arc::new(pinned.clone()))
         .with_offload::<CudaMoe<burn::tensor::bf16>>(Arc::new(pinned.clone()))
-        .with_offload::<CudaMoe<burn::tensor::f16>>(Arc::new(pinned)))
+        .with_offload::<CudaMoe<burn::tensor::f16>>(Arc::new(pinned))
+        .with_reduce::<CudaMoe<f32>>(Arc::new(NcclReduce(shared.clone())))
+        .with_reduce::<CudaMoe<burn::tensor::bf16>>(Arc::new(NcclReduce(shared.clone())))
+        .with_reduce::<CudaMoe<burn::tensor::f16>>(Arc::new(NcclReduce(shared.clone()))))
+}
+
+/// The gradient buckets' all-reduce on device pointers (`ncclAllReduce`), out of place into a
+/// fresh cubecl buffer: the input may share its buffer with other tensors. Ordered with
+/// cubecl's streams as the rows are (module docs).
+#[derive(Debug, Clone)]
+pub(crate) struct NcclReduce(pub(crate) Arc<NcclShared>);
+
+impl<F: FloatElement> TensorReduce<CudaMoe<F>> for NcclReduce {
+    fn all_reduce_sum(
+        &self,
+        comm: &dyn Communicator,
+        x: CubeTensor<CudaRuntime>,
+    ) -> Result<CubeTensor<CudaRuntime>> {
+        let op = "all_reduce_tensor";
+        let err = |reason: String| MoeError::comm(op, self.0.rank, reason);
+        if comm.rank() != self.0.rank {
+            return Err(err(format!("called through rank {}'s communicator", comm.rank())));
+        }
+        let x = burn_cubecl::kernel::into_contiguous(x);
+        let dtype: DType = x.dtype;
+        let nccl_type = match dtype {
+            DType::F32 => nccl_sys::ncclDataType_t::ncclFloat32,
+            DType::BF16 => nccl_sys::ncclDataType_t::ncclBfloat16,
+            DType::F16 => nccl_sys::ncclDataType_t::ncclFloat16,
+            other => return Err(err(format!("no NCCL sum for {other:?}"))),
+        };
+        let count = x.meta.shape().num_elements();
+        if count == 0 {
+            return Ok(x);
+        }
+        let client = x.client.clone();
+        let out = client.empty(count * dtype.size());
+        let device_err = |what: &str, e: &dyn std::fmt::Debug| err(format!("cubecl {what}: {e:?}"));
+        let src = client
+            .get_resource(x.handle.clone())
+            .map_err(|e| device_err("resource of the bucket", &e))?;
+        let dst = client
+            .get_resource(out.clone())
+            .map_err(|e| device_err("resource of the sum", &e))?;
+        cubecl::future::block_on(client.sync()).map_err(|e| device_err("sync", &e))?;
+        self.0
+            .all_reduce_device(op, src.resource().ptr, dst.resource().ptr, count, nccl_type)?;
+        drop((src, dst));
+        Ok(CubeTensor::new_contiguous(
+            client,
+            x.device.clone(),
+            x.meta.shape().clone(),
+            out,
+            dtype,
+        ))
+    }
 }
 
 impl NcclRows {
