@@ -279,15 +279,16 @@ impl Nccl {
 }
 
 impl NcclShared {
-    /// Runs one all-to-all-v between device buffers at `send` and `recv` on this rank's NCCL
-    /// stream, and waits for it.
-    pub(crate) fn all_to_all_device(
+    /// Runs `post` on a transport over this rank's communicator and NCCL stream, between the
+    /// device buffers at `send` and `recv`: the lock, the aborted check and the context binding
+    /// every device transfer needs.
+    fn with_transport<R>(
         &self,
         op: &str,
         send: u64,
         recv: u64,
-        layout: &PeerLayout,
-    ) -> Result<()> {
+        post: impl FnOnce(&mut NcclTransport<'_>) -> Result<R>,
+    ) -> Result<R> {
         let mut comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
         if comm.aborted {
             return Err(MoeError::comm(
@@ -308,7 +309,19 @@ impl NcclShared {
             op,
             timeout: Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed)),
         };
-        post_all_to_all_v(&mut transport, self.rank, layout)
+        post(&mut transport)
+    }
+
+    /// Runs one all-to-all-v between device buffers at `send` and `recv` on this rank's NCCL
+    /// stream, and waits for it.
+    pub(crate) fn all_to_all_device(
+        &self,
+        op: &str,
+        send: u64,
+        recv: u64,
+        layout: &PeerLayout,
+    ) -> Result<()> {
+        self.with_transport(op, send, recv, |t| post_all_to_all_v(t, self.rank, layout))
     }
 
     /// Sums `count` elements of `dtype` from the device buffer at `send` into the one at
@@ -322,46 +335,28 @@ impl NcclShared {
         count: usize,
         dtype: nccl_sys::ncclDataType_t,
     ) -> Result<()> {
-        let mut comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
-        if comm.aborted {
-            return Err(MoeError::comm(
-                op,
-                self.rank,
-                "the NCCL communicator was aborted after an earlier transfer timed out",
-            ));
-        }
-        self.context
-            .bind_to_thread()
-            .map_err(|e| cuda_err(op, self.rank, e))?;
-        let mut transport = NcclTransport {
-            comm: &mut comm,
-            stream: self.stream.cu_stream(),
-            send,
-            recv,
-            rank: self.rank,
-            op,
-            timeout: Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed)),
-        };
-        transport.begin()?;
-        let (handle, stream) = (transport.comm.handle, transport.stream as _);
-        // SAFETY: both buffers hold `count` elements of `dtype` (the caller sized them) and
-        // outlive the group, which `end` waits for.
-        let posted = unsafe {
-            nccl::all_reduce(
-                send as *const std::ffi::c_void,
-                recv as *mut std::ffi::c_void,
-                count,
-                dtype,
-                nccl_sys::ncclRedOp_t::ncclSum,
-                handle,
-                stream,
-            )
-        };
-        if let Err(e) = posted {
-            transport.abandon();
-            return Err(nccl_err(op, self.rank, e));
-        }
-        transport.end()
+        self.with_transport(op, send, recv, |t| {
+            t.begin()?;
+            let (handle, stream) = (t.comm.handle, t.stream as _);
+            // SAFETY: both buffers hold `count` elements of `dtype` (the caller sized them)
+            // and outlive the group, which `end` waits for.
+            let posted = unsafe {
+                nccl::all_reduce(
+                    send as *const std::ffi::c_void,
+                    recv as *mut std::ffi::c_void,
+                    count,
+                    dtype,
+                    nccl_sys::ncclRedOp_t::ncclSum,
+                    handle,
+                    stream,
+                )
+            };
+            if let Err(e) = posted {
+                t.abandon();
+                return Err(nccl_err(op, self.rank, e));
+            }
+            t.end()
+        })
     }
 
     /// One round of host bytes: `send[peer]` goes to `peer`, `recv_len[peer]` bytes arrive

@@ -12,14 +12,17 @@ use crate::memory::Strategy;
 ///
 /// Add `aux_loss` and `z_loss` to the training loss (they are already scaled by their
 /// coefficients, and zero when those are zero). With expert parallelism each is this rank's
-/// additive share of the global-batch loss: summed over ranks they give the single-rank value.
+/// additive share of the global-batch loss: summed over ranks they give the single-rank value
+/// (under [`ParallelGroups`](crate::parallel::ParallelGroups), summed over every rank of the
+/// world). Do not average them over ranks: add each rank's share to that rank's loss, and let
+/// the gradient sync sum the gradients.
 #[derive(Debug, Clone)]
 pub struct MoeOutput<B: Backend, const D: usize> {
     /// The layer's output, shaped like its input.
     pub output: Tensor<B, D>,
-    /// Load-balancing loss share. `[1]`
+    /// This rank's share of the load-balancing loss (sum over ranks for the loss). `[1]`
     pub aux_loss: Tensor<B, 1>,
-    /// Router z-loss share. `[1]`
+    /// This rank's share of the router z-loss (sum over ranks for the loss). `[1]`
     pub z_loss: Tensor<B, 1>,
     /// Routing and scheduling facts about this call.
     pub stats: MoeStats,
