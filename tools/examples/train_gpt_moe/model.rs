@@ -199,3 +199,13 @@ impl<B: MoeBackend> GptMoe<B> {
         Ok(())
     }
 }
+
+/// Sum over the batch's tokens of the cross-entropy of predicting `targets`. `[1]`
+///
+/// # Shapes
+/// - logits: `[batch, seq, vocab]`, targets: `[batch, seq]`
+pub fn cross_entropy_sum<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+    let [b, s, v] = logits.dims();
+    let log_probs = burn::tensor::activation::log_softmax(logits.reshape([b * s, v]), 1);
+    log_probs.gather(1, targets.reshape([b * s, 1])).sum().neg()
+}

@@ -4,7 +4,6 @@ use std::time::Instant;
 
 use burn::module::AutodiffModule;
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
-use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor, TensorData};
 use mpipemoe::backend::StepExecutor;
@@ -16,7 +15,7 @@ use serde::Serialize;
 
 use super::data::Corpus;
 use super::host_sync;
-use super::model::{GptMoe, GptMoeConfig};
+use super::model::{cross_entropy_sum, GptMoe, GptMoeConfig};
 
 /// The MoE layers' router.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -154,14 +153,6 @@ fn tokens<B: Backend>(
         TensorData::new(values, [rows.len(), range.len()]).convert::<B::IntElem>(),
         device,
     )
-}
-
-/// Sum over this rank's tokens of the cross-entropy, `[1]`.
-fn cross_entropy_sum<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-    let [b, s, v] = logits.dims();
-    let log_probs = log_softmax(logits.reshape([b * s, v]), 1);
-    let picked = log_probs.gather(1, targets.reshape([b * s, 1]));
-    picked.sum().neg()
 }
 
 /// Trains this rank's replica; every rank must call it with the same options.
