@@ -9,4 +9,6 @@
 //! reads one, [`MoeLayer::save_safetensors`](crate::MoeLayer::save_safetensors) writes one,
 //! and `mpipemoe convert` makes one from a Hugging Face checkpoint.
 
-pub use crate::layer::{read_safetensors, write_safetensors, LayerMeta, SharedMeta, TensorMap};
+pub use crate::layer::{
+    layer_file_config, read_safetensors, write_safetensors, LayerMeta, SharedMeta, TensorMap,
+};

@@ -57,7 +57,8 @@
 //! Where to look:
 //! - [`MoeLayerConfig`] for every setting, [`MoeOutput`] and [`MoeStats`] for what a pass
 //!   returns, [`MoeError`] for what can fail.
-//! - [`hf`]: Hugging Face checkpoints (Mixtral, Qwen2/Qwen3-MoE, OLMoE, DeepSeek-V3) in and out.
+//! - [`hf`]: Hugging Face checkpoints (Mixtral, Qwen2/Qwen3-MoE, OLMoE, DeepSeek-V3, Llama 4,
+//!   GPT-OSS) in and out.
 //! - [`comm`]: the [`Communicator`] trait and the in-process group of ranks.
 //! - [`tuning`], [`memory`], [`sim`]: Algorithm 1, the cost model (Eq. 10–13), the memory
 //!   model (Eq. 1–9) and the stream simulator behind `mpipemoe plan` and `simulate`.

@@ -2,6 +2,7 @@
 //! three tiny checkpoints written by transformers itself (sharded; f32 and bf16), each with the
 //! expected case of one MoE layer.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -11,18 +12,21 @@ use mpipemoe::comm::rank_range;
 use mpipemoe::harness::{check_case, relative_error, Case, CheckOptions};
 use mpipemoe::hf::{self, Family, HfLayer};
 use mpipemoe::memory::Strategy;
-use mpipemoe::{LocalGroup, MoeError, MoeLayer, Partitions};
+use mpipemoe::{Activation, LocalGroup, MoeError, MoeLayer, Partitions};
 
 mod common;
 use common::{copy_dir, scratch_dir};
 
 type B = Autodiff<NdArray>;
 
-/// (folder, MoE layer checked, expected case file).
-const CHECKPOINTS: [(&str, usize); 3] = [
+/// (folder, MoE layer checked): the checkpoints the tests are given, and the project's own
+/// Llama 4 and GPT-OSS ones (stacked experts), each with `<folder>.layer<L>.safetensors`.
+const CHECKPOINTS: [(&str, usize); 5] = [
     ("mixtral-tiny", 1),
     ("qwen2-moe-tiny", 0),
     ("deepseek-v3-tiny", 1),
+    ("generated/llama4-tiny", 1),
+    ("generated/gpt-oss-tiny", 1),
 ];
 
 fn data() -> PathBuf {
@@ -31,6 +35,18 @@ fn data() -> PathBuf {
 
 fn case_of(folder: &str, layer: usize) -> Case {
     Case::load(data().join(format!("{folder}.layer{layer}.safetensors"))).unwrap()
+}
+
+/// A one-rank layer of `config` holding a case's weights.
+fn case_layer(config: &mpipemoe::MoeLayerConfig, tensors: &mpipemoe::format::TensorMap) -> MoeLayer<B> {
+    MoeLayer::from_tensor_map(
+        config,
+        tensors,
+        Path::new("case"),
+        &Default::default(),
+        Arc::new(mpipemoe::comm::SingleRank),
+    )
+    .unwrap()
 }
 
 fn bytes(data: &TensorData) -> Vec<u8> {
@@ -79,7 +95,7 @@ fn import_gives_the_canonical_tensors_of_the_expected_case_bit_exactly() {
 fn convert_writes_a_file_that_reads_back_as_the_same_layer() {
     let dir = scratch_dir("hf-convert");
     for (folder, layer) in CHECKPOINTS {
-        let out = dir.join(format!("{folder}.safetensors"));
+        let out = dir.join(format!("{}.safetensors", folder.replace('/', "-")));
         hf::convert_to_file(data().join(folder), layer, &out).unwrap();
         let (tensors, meta) = mpipemoe::format::read_safetensors(&out).unwrap();
         let meta = mpipemoe::format::LayerMeta::parse(&meta.unwrap()).unwrap();
@@ -347,6 +363,15 @@ fn inspect_lists_the_moe_layers() {
     assert_eq!(deepseek[0].scoring, "sigmoid");
     assert_eq!(deepseek[0].parameters, 8 * 32 + 8 + 8 * 3 * 16 * 32 + 3 * 32 * 32);
     assert_eq!(deepseek[0].family, Family::DeepseekV3);
+    // Every family's count is the number of values the import reads for the layer (the
+    // stacked families' biases and router bias included).
+    for (folder, layer) in CHECKPOINTS {
+        let summary = hf::inspect(data().join(folder)).unwrap();
+        let summary = summary.iter().find(|l| l.layer == layer).unwrap();
+        let (_, tensors) = hf::read_layer(data().join(folder), layer, 0..summary.n_experts).unwrap();
+        let values: usize = tensors.values().map(|t| t.shape.iter().product::<usize>()).sum();
+        assert_eq!(summary.parameters, values, "{folder}");
+    }
 }
 
 /// The DeepSeek-V3 case exercises what is new in its router: without the group limit, the
@@ -356,14 +381,7 @@ fn inspect_lists_the_moe_layers() {
 fn the_deepseek_case_depends_on_group_limit_score_bias_and_scaling() {
     let case = case_of("deepseek-v3-tiny", 1);
     let device = Default::default();
-    let layer = MoeLayer::<B>::from_tensor_map(
-        &case.config,
-        &case.tensors,
-        Path::new("case"),
-        &device,
-        Arc::new(mpipemoe::comm::SingleRank),
-    )
-    .unwrap();
+    let layer = case_layer(&case.config, &case.tensors);
     let x = Tensor::<B, 2>::from_data(case.tensor("x").clone(), &device);
     let rule = case.config.routing_rule();
     let base = layer.router.route(x.clone(), &rule);
@@ -387,6 +405,111 @@ fn the_deepseek_case_depends_on_group_limit_score_bias_and_scaling() {
         "the score bias never changes a choice on this case"
     );
     assert_eq!(rule.scaling, 1.5);
+}
+
+/// Llama 4 multiplies the router's weight into the expert's input, which is another function
+/// than weighting the output: the case tells the two apart, and its routing is not a
+/// constant choice.
+#[test]
+fn the_llama4_case_depends_on_weighting_the_input() {
+    let case = case_of("generated/llama4-tiny", 1);
+    assert!(case.config.weights_on_input && case.config.top_k == 1);
+    let device = Default::default();
+    let run = |config: &mpipemoe::MoeLayerConfig| {
+        let layer = case_layer(config, &case.tensors);
+        let x = Tensor::<B, 2>::from_data(case.tensor("x").clone(), &device);
+        let experts: std::collections::BTreeSet<usize> = layer
+            .router
+            .route(x.clone(), &config.routing_rule())
+            .indices
+            .into_iter()
+            .collect();
+        let y = layer
+            .forward(x)
+            .output
+            .into_data()
+            .convert::<f64>()
+            .into_vec::<f64>()
+            .unwrap();
+        (y, experts.len())
+    };
+    let want = case
+        .tensor("y")
+        .clone()
+        .convert::<f64>()
+        .into_vec::<f64>()
+        .unwrap();
+    let (y, n_chosen) = run(&case.config);
+    assert!(relative_error(&y, &want) < 1e-4);
+    assert!(n_chosen > 2, "the case routes to {n_chosen} experts only");
+    let (on_output, _) = run(&case.config.clone().with_weights_on_input(false));
+    let err = relative_error(&on_output, &want);
+    assert!(
+        err > 1e-2,
+        "weighting the output instead gives the case's y (rel err {err:e})"
+    );
+}
+
+/// GPT-OSS's clamped SwiGLU acts on the case (values pass the clamp, and an unclamped SwiGLU
+/// of the same slope misses the case), and its experts' biases and router bias are used.
+#[test]
+fn the_gpt_oss_case_depends_on_the_clamp_and_the_biases() {
+    let case = case_of("generated/gpt-oss-tiny", 1);
+    let Activation::ClampedSwiGlu { alpha, limit } = case.config.activation else {
+        panic!("the GPT-OSS case's activation is {:?}", case.config.activation)
+    };
+    assert_eq!((alpha, limit), (1.702, 7.0));
+    assert!(case.config.bias && case.config.router_bias && case.config.normalize_topk);
+    let device = Default::default();
+    let y_of = |config: &mpipemoe::MoeLayerConfig, tensors: &mpipemoe::format::TensorMap| {
+        let layer = case_layer(config, tensors);
+        let x = Tensor::<B, 2>::from_data(case.tensor("x").clone(), &device);
+        layer
+            .forward(x)
+            .output
+            .into_data()
+            .convert::<f64>()
+            .into_vec::<f64>()
+            .unwrap()
+    };
+    let want = case
+        .tensor("y")
+        .clone()
+        .convert::<f64>()
+        .into_vec::<f64>()
+        .unwrap();
+    assert!(relative_error(&y_of(&case.config, &case.tensors), &want) < 1e-4);
+    let unclamped = case
+        .config
+        .clone()
+        .with_activation(Activation::clamped_swiglu(1.702, 1e30).unwrap());
+    let err = relative_error(&y_of(&unclamped, &case.tensors), &want);
+    assert!(err > 1e-3, "the clamp never changes the output (rel err {err:e})");
+    let mut no_bias = case.tensors.clone();
+    let zeros = |name: &str| {
+        let shape = case.tensor(name).shape.clone();
+        TensorData::new(vec![0f32; shape.iter().product()], shape)
+    };
+    for name in ["experts.b_in", "experts.b_out", "router.bias"] {
+        no_bias.insert(name.into(), zeros(name));
+        let err = relative_error(&y_of(&case.config, &no_bias), &want);
+        assert!(err > 1e-3, "{name} never changes the output (rel err {err:e})");
+        no_bias.insert(name.into(), case.tensor(name).clone());
+    }
+    // The Hub's GPT-OSS releases store the experts in MXFP4, which is refused by name.
+    let dir = scratch_dir("hf-mxfp4");
+    let source = dir.join("gpt-oss-mxfp4");
+    copy_dir(&data().join("generated/gpt-oss-tiny"), &source);
+    let config_path = source.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    config["quantization_config"] = serde_json::json!({"quant_method": "mxfp4"});
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let err = MoeLayer::<B>::from_hf(&source, 1, &device)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("config.json") && err.contains("mxfp4"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// A single `model.safetensors` (no index) stored in f16: the layer imports as the f16-rounded
@@ -445,5 +568,346 @@ fn a_single_file_f16_checkpoint_imports_and_exports() {
         std::fs::read(ckpt.join("model.safetensors")).unwrap()
             == std::fs::read(out.join("model.safetensors")).unwrap()
     );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A 16-layer generated checkpoint in 5 shards (`harness::write_synthetic_checkpoint`).
+fn deep_checkpoint(dir: &Path) -> PathBuf {
+    let ckpt = dir.join("deep");
+    let spec = mpipemoe::harness::SyntheticCheckpoint {
+        n_layers: 16,
+        n_experts: 4,
+        top_k: 2,
+        d_model: 16,
+        d_hidden: 8,
+        n_shards: 5,
+        bf16: true,
+        seed: 3,
+    };
+    mpipemoe::harness::write_synthetic_checkpoint(&ckpt, &spec).unwrap();
+    ckpt
+}
+
+#[test]
+fn every_layer_at_once_reads_each_shard_once_and_equals_layer_by_layer() {
+    let dir = scratch_dir("hf-layers");
+    let source = deep_checkpoint(&dir);
+    let device = Default::default();
+    let ckpt = hf::HfCheckpoint::open(&source).unwrap();
+    assert_eq!(ckpt.moe_layers().unwrap(), (0..16).collect::<Vec<_>>());
+    let layers = ckpt
+        .load_layers::<B>(&device, Arc::new(mpipemoe::comm::SingleRank))
+        .unwrap();
+    assert_eq!(layers.len(), 16);
+    let once = ckpt.stats();
+    assert_eq!(once.shards_mapped, 5, "every shard mapped once: {once:?}");
+
+    // Layer by layer, as from_hf does: the same weights, but the index, config and shard
+    // headers parsed once per layer.
+    let mut by_layer = hf::ReadStats::default();
+    for (index, layer) in &layers {
+        let one = hf::HfCheckpoint::open(&source).unwrap();
+        let alone = one
+            .load_layer::<B>(*index, &device, Arc::new(mpipemoe::comm::SingleRank))
+            .unwrap();
+        let (a, b) = (
+            layer.gather_tensor_map().unwrap().unwrap(),
+            alone.gather_tensor_map().unwrap().unwrap(),
+        );
+        assert_eq!(a.len(), b.len());
+        for (name, data) in &a {
+            assert!(bytes(data) == bytes(&b[name]), "layer {index}: {name}");
+        }
+        let s = one.stats();
+        by_layer.shards_mapped += s.shards_mapped;
+        by_layer.metadata_bytes += s.metadata_bytes;
+        by_layer.tensor_bytes += s.tensor_bytes;
+    }
+    // The same tensor bytes either way (only the MoE tensors are copied). The metadata: at
+    // once, the config, the index and each shard's header one time; layer by layer, the
+    // config and the index 16 times and the header of each layer's shard once per layer
+    // (every layer lies in one shard here).
+    assert_eq!(once.tensor_bytes, by_layer.tensor_bytes);
+    let per_layer_expert_bytes = (4 * 3 * 8 * 16 + 4 * 16) * 2;
+    assert_eq!(once.tensor_bytes, 16 * per_layer_expert_bytes as u64);
+    let len = |name: &str| std::fs::metadata(source.join(name)).unwrap().len();
+    let header = |shard: usize| {
+        let bytes =
+            std::fs::read(source.join(format!("model-{:05}-of-00005.safetensors", shard + 1))).unwrap();
+        u64::from_le_bytes(bytes[..8].try_into().unwrap())
+    };
+    let texts = len("config.json") + len("model.safetensors.index.json");
+    assert_eq!(once.metadata_bytes, texts + (0..5).map(header).sum::<u64>());
+    assert_eq!(by_layer.shards_mapped, 16);
+    assert_eq!(
+        by_layer.metadata_bytes,
+        16 * texts + (0..16).map(|l| header(l * 5 / 16)).sum::<u64>()
+    );
+
+    // With two ranks, each rank copies its own experts only (and the whole router).
+    let per_rank = LocalGroup::run(2, |ctx| {
+        let ckpt = hf::HfCheckpoint::open(&source)?;
+        let layers = MoeLayer::<B>::from_hf_layers(&source, &Default::default(), ctx.comm.clone())?;
+        assert_eq!(layers.len(), 16);
+        ckpt.load_layers::<B>(&Default::default(), ctx.comm.clone())?;
+        Ok(ckpt.stats())
+    })
+    .unwrap();
+    for stats in per_rank {
+        assert_eq!(stats.tensor_bytes, 16 * ((2 * 3 * 8 * 16 + 4 * 16) * 2) as u64);
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn many_layers_are_written_in_one_pass_as_one_by_one() {
+    let dir = scratch_dir("hf-save-layers");
+    let source = deep_checkpoint(&dir);
+    let device = Default::default();
+    let layers =
+        MoeLayer::<B>::from_hf_layers(&source, &device, Arc::new(mpipemoe::comm::SingleRank)).unwrap();
+
+    // Unchanged: every file comes back byte for byte.
+    let refs: Vec<(usize, &MoeLayer<B>)> = layers.iter().map(|(i, l)| (*i, l)).collect();
+    let same = dir.join("same");
+    MoeLayer::save_hf_layers(&refs, &source, &same).unwrap();
+    for entry in std::fs::read_dir(&source).unwrap() {
+        let name = entry.unwrap().file_name();
+        assert!(
+            std::fs::read(source.join(&name)).unwrap() == std::fs::read(same.join(&name)).unwrap(),
+            "{name:?}"
+        );
+    }
+
+    // Changed layers 3 and 12 (in different shards): one pass writes what two passes write.
+    let mut maps: Vec<(usize, mpipemoe::format::TensorMap)> = [3, 12]
+        .iter()
+        .map(|&l| (l, layers[l].1.gather_tensor_map().unwrap().unwrap()))
+        .collect();
+    for (l, map) in &mut maps {
+        let router: Vec<f32> = map["router.weight"].clone().into_vec().unwrap();
+        // Negated: exact in the stored bfloat16, so the values must come back bit for bit.
+        let moved = router.iter().map(|v| -v).collect::<Vec<_>>();
+        assert!(moved.iter().any(|v| *v != 0.0), "layer {l}");
+        map.insert("router.weight".into(), TensorData::new(moved, [4, 16]));
+    }
+    let once = dir.join("once");
+    let refs: Vec<(usize, &mpipemoe::format::TensorMap)> = maps.iter().map(|(l, m)| (*l, m)).collect();
+    let report = hf::write_layers_with(&source, &refs, &once, &Default::default()).unwrap();
+    assert_eq!(report.shards_rewritten.len(), 2, "{report:?}");
+    let twice = dir.join("twice");
+    hf::write_layer(&source, 3, &maps[0].1, &twice).unwrap();
+    hf::write_layer(&twice, 12, &maps[1].1, &twice).unwrap();
+    for entry in std::fs::read_dir(&source).unwrap() {
+        let name = entry.unwrap().file_name();
+        assert!(
+            std::fs::read(once.join(&name)).unwrap() == std::fs::read(twice.join(&name)).unwrap(),
+            "{name:?}"
+        );
+    }
+    let (_, back) = hf::read_layer(&once, 12, 0..4).unwrap();
+    assert!(bytes(&back["router.weight"]) == bytes(&maps[1].1["router.weight"]));
+
+    // A layer given twice is refused before anything is written.
+    let err = hf::write_layers_with(
+        &source,
+        &[(3, &maps[0].1), (3, &maps[0].1)],
+        dir.join("dup"),
+        &Default::default(),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("layer 3 is given twice"), "{err}");
+    assert!(!dir.join("dup").exists());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The project's own checkpoints, written by transformers (`tests/data/hf/generated/*.py`).
+fn generated() -> PathBuf {
+    data().join("generated")
+}
+
+type Stored = (safetensors::Dtype, Vec<usize>, Vec<u8>);
+
+/// Every tensor of the checkpoint in `source` (all shards).
+fn all_tensors(source: &Path) -> BTreeMap<String, Stored> {
+    let mut all = BTreeMap::new();
+    for entry in std::fs::read_dir(source).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "safetensors") {
+            let bytes = std::fs::read(&path).unwrap();
+            let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            for (name, view) in st.tensors() {
+                all.insert(name, (view.dtype(), view.shape().to_vec(), view.data().to_vec()));
+            }
+        }
+    }
+    all
+}
+
+/// A one-file checkpoint in `out` holding `tensors`, with `config` as its config.json.
+fn write_single(out: &Path, tensors: &BTreeMap<String, Stored>, config: &str) {
+    std::fs::create_dir_all(out).unwrap();
+    std::fs::write(out.join("config.json"), config).unwrap();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, (dtype, shape, b))| {
+            let view = safetensors::tensor::TensorView::new(*dtype, shape.clone(), b).unwrap();
+            (n.clone(), view)
+        })
+        .collect();
+    std::fs::write(
+        out.join("model.safetensors"),
+        safetensors::serialize(views, None).unwrap(),
+    )
+    .unwrap();
+}
+
+fn to_f32(stored: &Stored) -> Stored {
+    let dtype = match stored.0 {
+        safetensors::Dtype::BF16 => burn::tensor::DType::BF16,
+        safetensors::Dtype::F32 => burn::tensor::DType::F32,
+        other => panic!("{other:?}"),
+    };
+    let data = TensorData::from_bytes_vec(stored.2.clone(), stored.1.clone(), dtype).convert::<f32>();
+    (
+        safetensors::Dtype::F32,
+        stored.1.clone(),
+        data.as_bytes().to_vec(),
+    )
+}
+
+#[test]
+fn fp8_block_scaled_weights_import_as_transformers_dequantises_them() {
+    let dir = scratch_dir("hf-fp8");
+    let fp8 = generated().join("deepseek-v3-fp8-tiny");
+    // transformers' dequantised weights (float32) in place of each FP8 weight and its scale,
+    // every other tensor widened to float32 (exact), no quantization_config: the checkpoint
+    // the FP8 one must import as, bit for bit.
+    let dequantized = {
+        let bytes = std::fs::read(generated().join("deepseek-v3-fp8-tiny.dequantized.safetensors")).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        st.tensors()
+            .into_iter()
+            .map(|(n, v)| (n, (v.dtype(), v.shape().to_vec(), v.data().to_vec())))
+            .collect::<BTreeMap<_, _>>()
+    };
+    let stored = all_tensors(&fp8);
+    let mut reference = BTreeMap::new();
+    let mut quantised = 0;
+    for (name, t) in &stored {
+        if name.ends_with("weight_scale_inv") {
+            continue;
+        }
+        if t.0 == safetensors::Dtype::F8_E4M3 {
+            reference.insert(name.clone(), dequantized[name].clone());
+            quantised += 1;
+        } else {
+            reference.insert(name.clone(), to_f32(t));
+        }
+    }
+    assert_eq!(quantised, 36);
+    let config = std::fs::read_to_string(fp8.join("config.json")).unwrap();
+    let mut plain: serde_json::Value = serde_json::from_str(&config).unwrap();
+    plain.as_object_mut().unwrap().remove("quantization_config");
+    let reference_dir = dir.join("reference");
+    write_single(&reference_dir, &reference, &plain.to_string());
+
+    let (info, got) = hf::read_layer(&fp8, 1, 0..8).unwrap();
+    let (_, want) = hf::read_layer(&reference_dir, 1, 0..8).unwrap();
+    assert_eq!(got.len(), want.len());
+    for (name, data) in &want {
+        assert!(bytes(&got[name]) == bytes(data), "{name}");
+    }
+    assert_eq!(
+        info.dtype.as_deref(),
+        Some("bfloat16 + float8_e4m3fn in 8 x 16 blocks")
+    );
+    // The dequantised experts are not the bf16 originals (FP8 is lossy): the test sees the
+    // quantisation, not a copy of the unquantised checkpoint.
+    let (_, original) = hf::read_layer(data().join("deepseek-v3-tiny"), 1, 0..8).unwrap();
+    assert!(bytes(&got["experts.w_in"]) != bytes(&original["experts.w_in"]));
+    // Two ranks read their halves of the same values.
+    let halves = LocalGroup::run(2, |ctx| {
+        let layer = MoeLayer::<B>::from_hf_rank(&fp8, 1, &Default::default(), ctx.comm.clone())?;
+        layer.gather_tensor_map()
+    })
+    .unwrap();
+    let whole = halves[0].as_ref().unwrap();
+    assert!(bytes(&whole["experts.w_out"]) == bytes(&want["experts.w_out"]));
+
+    // Exporting into the FP8 checkpoint is refused, naming the tensor, and writes nothing.
+    let out = dir.join("export");
+    let err = hf::write_layer(&fp8, 1, &got, &out).unwrap_err().to_string();
+    assert!(
+        err.contains("float8_e4m3fn") && err.contains("model.layers.1.mlp."),
+        "{err}"
+    );
+    assert!(!out.exists());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn fp8_checkpoints_with_a_bad_block_size_or_scale_are_refused_by_name() {
+    let dir = scratch_dir("hf-fp8-bad");
+    let fp8 = generated().join("deepseek-v3-fp8-tiny");
+    let stored = all_tensors(&fp8);
+    let config = std::fs::read_to_string(fp8.join("config.json")).unwrap();
+    let weight = "model.layers.1.mlp.experts.3.up_proj.weight";
+    let scale = "model.layers.1.mlp.experts.3.up_proj.weight_scale_inv";
+    let with_block = |block: &str| {
+        let mut json: serde_json::Value = serde_json::from_str(&config).unwrap();
+        json["quantization_config"]["weight_block_size"] = serde_json::from_str(block).unwrap();
+        json.to_string()
+    };
+    // (name, tensors, config.json, what the error must name)
+    type BadCase<'a> = (&'a str, BTreeMap<String, Stored>, String, Vec<&'a str>);
+    let mut cases: Vec<BadCase> = Vec::new();
+    // A block size that is not two positive integers.
+    for block in ["[8]", "[0, 16]", "\"128\""] {
+        cases.push((
+            "bad-block",
+            stored.clone(),
+            with_block(block),
+            vec!["config.json", "weight_block_size"],
+        ));
+    }
+    // A block size that does not match the stored scale grid (16 x 16 blocks need [1, 2]).
+    cases.push((
+        "other-block",
+        stored.clone(),
+        with_block("[16, 16]"),
+        vec!["weight_scale_inv", "[2, 2]", "[1, 2]"],
+    ));
+    // A missing scale.
+    let mut missing = stored.clone();
+    missing.remove(scale);
+    cases.push(("missing", missing, config.clone(), vec![weight, scale, "missing"]));
+    // A scale of the wrong shape.
+    let mut wrong = stored.clone();
+    let s = wrong.get_mut(scale).unwrap();
+    s.1 = vec![4, 1];
+    cases.push((
+        "wrong-shape",
+        wrong,
+        config.clone(),
+        vec![scale, "[4, 1]", "[2, 2]"],
+    ));
+    // No quantization_config at all.
+    let mut json: serde_json::Value = serde_json::from_str(&config).unwrap();
+    json.as_object_mut().unwrap().remove("quantization_config");
+    cases.push((
+        "no-config",
+        stored.clone(),
+        json.to_string(),
+        vec!["float8_e4m3fn", "quantization_config", "model.layers.1.mlp."],
+    ));
+    for (i, (name, tensors, config, needles)) in cases.into_iter().enumerate() {
+        let ckpt = dir.join(format!("{name}-{i}"));
+        write_single(&ckpt, &tensors, &config);
+        let err = hf::read_layer(&ckpt, 1, 0..8).unwrap_err().to_string();
+        for needle in needles {
+            assert!(err.contains(needle), "{name}: {needle:?} not in {err}");
+        }
+    }
     std::fs::remove_dir_all(&dir).ok();
 }

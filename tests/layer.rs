@@ -103,7 +103,13 @@ fn arb_config() -> impl PropStrategy<Value = (MoeLayerConfig, usize, u64)> {
         1usize..=3,
         prop::sample::select(vec![4usize, 8, 12]),
         prop::sample::select(vec![4usize, 6, 16]),
-        prop::sample::select(vec![Activation::Gelu, Activation::Relu, Activation::SwiGlu]),
+        // GPT-OSS's clamped SwiGLU with a small clamp, so that the random values pass it.
+        prop::sample::select(vec![
+            Activation::Gelu,
+            Activation::Relu,
+            Activation::SwiGlu,
+            Activation::clamped_swiglu(1.702, 0.3).unwrap(),
+        ]),
         any::<(bool, bool, bool)>(),
         prop::option::of(0.5f64..2.0),
         prop::option::of(prop::sample::select(vec![3usize, 8])),
@@ -114,11 +120,12 @@ fn arb_config() -> impl PropStrategy<Value = (MoeLayerConfig, usize, u64)> {
             1usize..=4,
             prop::sample::select(vec![1.0f64, 2.5]),
             any::<bool>(),
+            any::<bool>(),
         ),
     )
         .prop_map(
             |(e, k, m, h, act, (bias, router_bias, norm), cap, shared, tokens, seed, deepseek)| {
-                let (sigmoid, groups, scaling, shared_gate) = deepseek;
+                let (sigmoid, groups, scaling, shared_gate, weights_on_input) = deepseek;
                 let mut config = MoeLayerConfig::new(m, h, e, k.min(e))
                     .with_activation(act)
                     .with_bias(bias)
@@ -127,7 +134,8 @@ fn arb_config() -> impl PropStrategy<Value = (MoeLayerConfig, usize, u64)> {
                     .with_capacity_factor(cap)
                     .with_shared_expert(shared)
                     .with_shared_expert_gate(shared_gate)
-                    .with_routed_scaling_factor(scaling);
+                    .with_routed_scaling_factor(scaling)
+                    .with_weights_on_input(weights_on_input);
                 if sigmoid {
                     // DeepSeek-V3 routing: sigmoid scores, a score bias, and groups of at least
                     // two experts of which half are kept (when there are groups at all).

@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
 """Measures the house: the library's rooms (top-level modules of src/), the arrows between them
-(a `crate::ROOM` path used in another room), the loops among them, and the longest functions.
+(a `crate::ROOM` path used in another room, or a `crate::Name` that lib.rs re-exports from
+ROOM), the loops among them, and the longest functions. Test modules count like any code: a
+test that reaches another room is an arrow too.
 
     python3 scripts/house/measure.py [--src src] [--top 10]
 
 Reads the sources as text (no build, no dependencies): an arrow is any `crate::room` path in
 code outside comments, which is what a reader sees; a function's length is its lines from `fn`
-to its closing brace, found by brace matching outside strings and comments.
+to its closing brace, found by brace matching outside strings and comments. A room that takes
+its own item through the crate root (`crate::Name` re-exported from itself) is listed as a
+round trip through the front door: it hides where the item lives.
 """
 import argparse
 import collections
@@ -61,14 +65,25 @@ def crate_paths(code):
                     continue
                 if depth == 1:
                     item += c
-                    name = re.match(r"\s*([a-z_][a-z0-9_]*)(::|\s*[,}]|$)", item)
+                    name = re.match(r"\s*([A-Za-z_][A-Za-z0-9_]*)(::|\s*[,}]|$)", item)
                     if name and (c == ":" or c.isspace()):
                         yield name.group(1), m.start()
                         item = "\0"
         else:
-            name = re.match(r"([a-z_][a-z0-9_]*)", rest)
+            name = re.match(r"([A-Za-z_][A-Za-z0-9_]*)", rest)
             if name:
                 yield name.group(1), m.start()
+
+
+def root_exports(lib_code):
+    """Name -> room of every item lib.rs re-exports (`pub use room::{A, b::C};`)."""
+    out = {}
+    for m in re.finditer(r"\bpub\s+use\s+([a-z_][a-z0-9_]*)::(.*?);", lib_code, re.S):
+        room, rest = m.group(1), m.group(2)
+        for name in re.finditer(r"([A-Za-z_][A-Za-z0-9_]*)(\s*::)?", rest):
+            if not name.group(2):
+                out[name.group(1)] = room
+    return out
 
 
 def room_of(path, src):
@@ -147,6 +162,8 @@ def main():
     edges = collections.defaultdict(set)
     witness = {}
     funcs = []
+    exports = root_exports(strip_comments((src / "lib.rs").read_text())) if (src / "lib.rs").exists() else {}
+    round_trips = []
     for f in files:
         room = room_of(f, src)
         text = f.read_text()
@@ -154,9 +171,17 @@ def main():
         nfiles[room] += 1
         code = strip_comments(text)
         for target, at in crate_paths(code):
-            if target != room and ((src / target).is_dir() or (src / f"{target}.rs").exists()):
+            where = f"{f}:{code.count(chr(10), 0, at) + 1}"
+            if not ((src / target).is_dir() or (src / f"{target}.rs").exists()):
+                if target not in exports:
+                    continue
+                if exports[target] == room:
+                    round_trips.append(f"{room}: crate::{target} ({where})")
+                    continue
+                target = exports[target]
+            if target != room:
                 edges[room].add(target)
-                witness.setdefault((room, target), f"{f}:{code.count(chr(10), 0, at) + 1}")
+                witness.setdefault((room, target), where)
         funcs += functions(code, f)
     rooms = sorted(lines)
     print(f"rooms: {len(rooms)}")
@@ -166,6 +191,9 @@ def main():
     for a in rooms:
         for b in sorted(edges[a]):
             print(f"  {a} -> {b}   ({witness[(a, b)]})")
+    print(f"round trips through the front door: {len(round_trips)}")
+    for r in round_trips:
+        print(f"  {r}")
     cycles = loops(edges, rooms)
     print(f"loops: {len(cycles)}")
     for c in cycles:

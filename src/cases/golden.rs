@@ -175,7 +175,7 @@ pub(crate) fn golden(config: &MoeLayerConfig, tensors: &TensorMap) -> Golden {
 }
 
 /// Step 1: scores (softmax over all experts, or a sigmoid each), the choice by the scores plus
-/// the score bias (by the logits for a plain softmax router), group-limited where configured,
+/// the score bias (by the logits where there is none), group-limited where configured,
 /// ties to the lower index; then capacity.
 fn route(config: &MoeLayerConfig, p: &Params, x: &[f64], score_bias: Option<&[f64]>) -> Choices {
     let (m, e_count, k) = (config.d_model, config.n_experts, config.top_k);
@@ -205,11 +205,10 @@ fn route(config: &MoeLayerConfig, p: &Params, x: &[f64], score_bias: Option<&[f6
                 .zip(&logits)
                 .for_each(|(s, l)| *s = (l - max).exp() / sum);
         }
-        let choice: Vec<f64> = match (score_bias, sigmoid_scoring) {
-            (None, false) => logits,
-            (bias, _) => (0..e_count)
-                .map(|e| row[e] + bias.map_or(0.0, |b| b[e]))
-                .collect(),
+        // Without a score bias the logits order the experts as the scores do.
+        let choice: Vec<f64> = match score_bias {
+            None => logits,
+            Some(bias) => (0..e_count).map(|e| row[e] + bias[e]).collect(),
         };
         indices.extend(choose(&choice, k, config.n_group, config.topk_group));
     }
@@ -299,11 +298,19 @@ fn expert_assignment(
         &p.w_in[e * m * f..(e + 1) * m * f],
         &p.w_out[e * h * m..(e + 1) * h * m],
     );
+    // With the weight on the input the expert sees `w · xt` and its output is added as is;
+    // otherwise it sees `xt` and its output is scaled by `w`.
+    let (w_in, w_out) = if config.weights_on_input {
+        (w, 1.0)
+    } else {
+        (1.0, w)
+    };
+    let v: Vec<f64> = xt.iter().map(|a| a * w_in).collect();
     let mut z = p
         .b_in
         .as_ref()
         .map_or(vec![0.0; f], |b| b[e * f..(e + 1) * f].to_vec());
-    vec_mat(xt, wi, f, &mut z);
+    vec_mat(&v, wi, f, &mut z);
     let a = act_forward(config.activation, &z);
     let mut o = p
         .b_out
@@ -311,10 +318,10 @@ fn expert_assignment(
         .map_or(vec![0.0; m], |b| b[e * m..(e + 1) * m].to_vec());
     vec_mat(&a, wo, m, &mut o);
     for c in 0..m {
-        y_t[c] += w * o[c];
+        y_t[c] += w_out * o[c];
     }
     // Backward: loss = Σ probe · y.
-    let g_o: Vec<f64> = pt.iter().map(|v| v * w).collect();
+    let g_o: Vec<f64> = pt.iter().map(|p| p * w_out).collect();
     outer(&a, &g_o, &mut g.w_out[e * h * m..(e + 1) * h * m]);
     g.b_out[e * m..(e + 1) * m]
         .iter_mut()
@@ -323,13 +330,21 @@ fn expert_assignment(
     let mut g_a = vec![0.0; h];
     mat_vec(wo, &g_o, &mut g_a);
     let g_z = act_backward(config.activation, &z, &g_a);
-    outer(xt, &g_z, &mut g.w_in[e * m * f..(e + 1) * m * f]);
+    outer(&v, &g_z, &mut g.w_in[e * m * f..(e + 1) * m * f]);
     g.b_in[e * f..(e + 1) * f]
         .iter_mut()
         .zip(&g_z)
         .for_each(|(d, g)| *d += g);
-    mat_vec(wi, &g_z, dx_t);
-    pt.iter().zip(&o).map(|(a, b)| a * b).sum()
+    let mut g_v = vec![0.0; m];
+    mat_vec(wi, &g_z, &mut g_v);
+    for c in 0..m {
+        dx_t[c] += w_in * g_v[c];
+    }
+    if config.weights_on_input {
+        xt.iter().zip(&g_v).map(|(a, b)| a * b).sum()
+    } else {
+        pt.iter().zip(&o).map(|(a, b)| a * b).sum()
+    }
 }
 
 /// Step 3: `y += σ(x · gate) · (silu(x · Wg) ⊙ x · Wu) · W_out`, without the σ factor where it

@@ -51,6 +51,16 @@ pub(super) fn act_forward(act: Activation, z: &[f64]) -> Vec<f64> {
             let h = z.len() / 2;
             (0..h).map(|i| z[i] * sigmoid(z[i]) * z[h + i]).collect()
         }
+        Activation::ClampedSwiGlu { alpha, limit } => {
+            let (h, alpha, limit) = (z.len() / 2, alpha as f64, limit as f64);
+            (0..h)
+                .map(|i| {
+                    let g = z[i].min(limit);
+                    let u = z[h + i].clamp(-limit, limit);
+                    (u + 1.0) * g * sigmoid(alpha * g)
+                })
+                .collect()
+        }
     }
 }
 
@@ -79,6 +89,24 @@ pub(super) fn act_backward(act: Activation, z: &[f64], grad: &[f64]) -> Vec<f64>
                 let s = sigmoid(gate);
                 out[i] = grad[i] * up * s * (1.0 + gate * (1.0 - s));
                 out[h + i] = grad[i] * gate * s;
+            }
+            out
+        }
+        Activation::ClampedSwiGlu { alpha, limit } => {
+            let (h, alpha, limit) = (z.len() / 2, alpha as f64, limit as f64);
+            let mut out = vec![0.0; 2 * h];
+            for i in 0..h {
+                let (gate, up) = (z[i], z[h + i]);
+                let (g, u) = (gate.min(limit), up.clamp(-limit, limit));
+                let s = sigmoid(alpha * g);
+                // torch's clamp passes the gradient where the value is within the bounds,
+                // bounds included.
+                if gate <= limit {
+                    out[i] = grad[i] * (u + 1.0) * s * (1.0 + alpha * g * (1.0 - s));
+                }
+                if up.abs() <= limit {
+                    out[h + i] = grad[i] * g * s;
+                }
             }
             out
         }

@@ -104,7 +104,7 @@ impl RoutingCounts {
         replicas: &dyn Communicator,
     ) -> Result<Self> {
         let (rank, n_ranks) = (comm.rank(), comm.n_ranks());
-        if n_experts % n_ranks != 0 {
+        if !n_experts.is_multiple_of(n_ranks) {
             return Err(MoeError::config(
                 "n_experts",
                 format!("{n_experts} experts cannot be split evenly over {n_ranks} ranks"),

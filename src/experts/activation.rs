@@ -9,7 +9,10 @@ use serde::{Deserialize, Serialize};
 use super::ActivationKernels;
 
 /// The expert FFN's activation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+///
+/// `Eq` and `Hash` hold because [`Activation::clamped_swiglu`], the only way to build the one
+/// variant with numbers, refuses NaN; its numbers hash by their bits.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub enum Activation {
     /// GELU in its exact erf form, `x · Φ(x)`.
     Gelu,
@@ -17,27 +20,75 @@ pub enum Activation {
     Relu,
     /// `silu(gate) · up`, with the first expert GEMM producing `[gate | up]` (2·d_hidden).
     SwiGlu,
+    /// GPT-OSS's clamped SwiGLU on `[gate | up]`:
+    /// `g = min(gate, limit)`, `u = clamp(up, -limit, limit)`, `(u + 1) · g · σ(alpha · g)`.
+    /// Build it with [`Activation::clamped_swiglu`].
+    ClampedSwiGlu {
+        /// The sigmoid's slope (GPT-OSS: 1.702).
+        alpha: f32,
+        /// The clamp (GPT-OSS: `swiglu_limit`, 7.0).
+        limit: f32,
+    },
+}
+
+impl Eq for Activation {}
+
+impl std::hash::Hash for Activation {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        std::mem::discriminant(self).hash(state);
+        if let Activation::ClampedSwiGlu { alpha, limit } = self {
+            (alpha.to_bits(), limit.to_bits()).hash(state);
+        }
+    }
 }
 
 impl Activation {
+    /// GPT-OSS's clamped SwiGLU with slope `alpha` and clamp `limit`.
+    ///
+    /// # Errors
+    /// [`MoeError::Config`](crate::MoeError::Config) naming `alpha` or `limit` if it is not
+    /// a finite positive number.
+    pub fn clamped_swiglu(alpha: f64, limit: f64) -> crate::Result<Self> {
+        for (field, value) in [("alpha", alpha), ("limit", limit)] {
+            if !(value.is_finite() && value > 0.0 && value <= f32::MAX as f64) {
+                return Err(crate::MoeError::config(
+                    field,
+                    format!("the clamped SwiGLU's {field} is {value}; it must be a finite positive number"),
+                ));
+            }
+        }
+        Ok(Activation::ClampedSwiGlu {
+            alpha: alpha as f32,
+            limit: limit as f32,
+        })
+    }
+
+    /// Whether the first GEMM's output is `[gate | up]` (both SwiGLU forms).
+    pub fn gated(self) -> bool {
+        matches!(self, Activation::SwiGlu | Activation::ClampedSwiGlu { .. })
+    }
+
     /// Width of the first GEMM's output for a hidden width `d_hidden`.
     pub fn d_inner(self, d_hidden: usize) -> usize {
-        match self {
-            Activation::SwiGlu => 2 * d_hidden,
-            _ => d_hidden,
+        match self.gated() {
+            true => 2 * d_hidden,
+            false => d_hidden,
         }
     }
 
-    /// The name used in case files and on the command line.
+    /// The name used in case files and on the command line (`swiglu_clamped` files carry
+    /// `swiglu_alpha` and `swiglu_limit` beside it).
     pub fn name(self) -> &'static str {
         match self {
             Activation::Gelu => "gelu",
             Activation::Relu => "relu",
             Activation::SwiGlu => "swiglu",
+            Activation::ClampedSwiGlu { .. } => "swiglu_clamped",
         }
     }
 
-    /// Parses `gelu`, `relu` or `swiglu`.
+    /// Parses `gelu`, `relu` or `swiglu`; the clamped SwiGLU needs its numbers
+    /// ([`Activation::clamped_swiglu`]).
     pub fn parse(name: &str) -> Option<Self> {
         [Activation::Gelu, Activation::Relu, Activation::SwiGlu]
             .into_iter()
@@ -69,6 +120,17 @@ impl Activation {
                 let up = z.slice([0..rows, hidden..inner]);
                 activation::silu(gate) * up
             }
+            Activation::ClampedSwiGlu { alpha, limit } => {
+                let [rows, inner] = z.dims();
+                let hidden = inner / 2;
+                let (alpha, limit) = (alpha as f64, limit as f64);
+                // burn's clamps pass the gradient where the value is within the bounds,
+                // bounds included, as torch's do.
+                let gate = z.clone().slice([0..rows, 0..hidden]).clamp_max(limit);
+                let up = z.slice([0..rows, hidden..inner]).clamp(-limit, limit);
+                let glu = gate.clone() * activation::sigmoid(gate * alpha);
+                (up.add_scalar(1.0)) * glu
+            }
         }
     }
 }
@@ -81,6 +143,13 @@ pub(crate) fn activation_forward<B: ActivationKernels>(act: Activation, z: Float
         Activation::SwiGlu => {
             let (gate, up) = split_halves::<B>(z);
             B::float_mul(silu::<B>(gate), up)
+        }
+        Activation::ClampedSwiGlu { alpha, limit } => {
+            let (gate, up) = split_halves::<B>(z);
+            let gate = B::float_clamp_max(gate, limit.into());
+            let up = B::float_clamp(up, (-limit).into(), limit.into());
+            let glu = B::float_mul(gate.clone(), B::sigmoid(B::float_mul_scalar(gate, alpha.into())));
+            B::float_mul(B::float_add_scalar(up, 1.0.into()), glu)
         }
     }
 }
@@ -106,7 +175,45 @@ pub(crate) fn activation_backward<B: ActivationKernels>(
             let d_gate = B::float_mul(B::float_mul(grad, up), B::float_mul(sig, slope));
             B::float_cat(vec![d_gate, d_up], 1)
         }
+        Activation::ClampedSwiGlu { alpha, limit } => clamped_swiglu_backward::<B>(z, grad, alpha, limit),
     }
+}
+
+/// The clamped SwiGLU's backward on primitives. With `g = min(gate, limit)`,
+/// `u = clamp(up, ±limit)` and `s = σ(alpha · g)`:
+/// `d/d up = grad · g · s` where `|up| <= limit`, else 0;
+/// `d/d gate = grad · (u + 1) · s · (1 + alpha · g · (1 − s))` where `gate <= limit`, else 0.
+fn clamped_swiglu_backward<B: Backend>(
+    z: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    alpha: f32,
+    limit: f32,
+) -> FloatTensor<B> {
+    let bool_dtype = burn::tensor::get_device_settings::<B>(&B::float_device(&z)).bool_dtype;
+    let (gate, up) = split_halves::<B>(z);
+    // The clamps' masks: where the input was clamped, its gradient is zero.
+    let gate_clamped = B::float_greater_elem(gate.clone(), limit.into(), bool_dtype);
+    let up_clamped = B::bool_or(
+        B::float_greater_elem(up.clone(), limit.into(), bool_dtype),
+        B::float_lower_elem(up.clone(), (-limit).into(), bool_dtype),
+    );
+    let g = B::float_clamp_max(gate, limit.into());
+    let u = B::float_clamp(up, (-limit).into(), limit.into());
+    let s = B::sigmoid(B::float_mul_scalar(g.clone(), alpha.into()));
+    let glu = B::float_mul(g.clone(), s.clone());
+    let d_up = B::float_mask_fill(B::float_mul(grad.clone(), glu), up_clamped, 0.0.into());
+    let one_minus = B::float_add_scalar(B::float_neg(s.clone()), 1.0.into());
+    let slope = B::float_add_scalar(
+        B::float_mul_scalar(B::float_mul(g, one_minus), alpha.into()),
+        1.0.into(),
+    );
+    let d_glu = B::float_mul(grad, B::float_add_scalar(u, 1.0.into()));
+    let d_gate = B::float_mask_fill(
+        B::float_mul(d_glu, B::float_mul(s, slope)),
+        gate_clamped,
+        0.0.into(),
+    );
+    B::float_cat(vec![d_gate, d_up], 1)
 }
 
 fn silu<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {

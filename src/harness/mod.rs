@@ -3,6 +3,7 @@
 //! semantic versioning.
 
 mod memory;
+mod synthetic;
 
 pub use crate::cases::{
     agreement_error, check_case, check_case_through, expected, relative_error, Case, CheckOptions,
@@ -12,3 +13,4 @@ pub use crate::memory::alloc::CountingAllocator;
 pub use memory::{
     measure_layer_memory, measure_layer_memory_with, MemoryMeasurement, RankMemory, TokenSource,
 };
+pub use synthetic::{write_synthetic_checkpoint, SyntheticCheckpoint};

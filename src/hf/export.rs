@@ -8,11 +8,12 @@ use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
 
 use super::checkpoint::{narrow, parse, Checkpoint};
-use super::import::HfLayer;
+use super::family::{HfConfig, LayerNames};
+use super::fp8::is_fp8;
 use super::layout::to_hf;
 use crate::error::{MoeError, Result};
 use crate::files::{file_in, map_regular, StagedDir};
-use crate::layer::{MoeLayer, TensorMap};
+use crate::layer::{MoeLayer, MoeLayerConfig, TensorMap};
 
 /// What [`write_layer`] wrote.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -72,10 +73,51 @@ pub fn write_layer_with(
     out_dir: impl AsRef<Path>,
     options: &ExportOptions,
 ) -> Result<ExportReport> {
+    write_layers_with(checkpoint, &[(layer, tensors)], out_dir, options)
+}
+
+/// [`write_layer`] for many MoE layers at once, `(layer index, canonical tensors)`: each
+/// shard that holds any of them is read and rewritten once, and the other files copied once,
+/// where writing the layers one by one would rewrite a shared shard once per layer.
+///
+/// # Errors
+/// As [`write_layer`]; [`MoeError::Config`] if a layer index is given twice.
+pub fn write_layers_with(
+    checkpoint: impl AsRef<Path>,
+    layers: &[(usize, &TensorMap)],
+    out_dir: impl AsRef<Path>,
+    options: &ExportOptions,
+) -> Result<ExportReport> {
     let (dir, out_dir) = (checkpoint.as_ref(), out_dir.as_ref());
-    let info = HfLayer::read(dir, layer)?;
-    let mut values = to_hf(&info.config, &info.names(), tensors)?;
+    let hf = HfConfig::read(dir)?;
+    let mut values = HashMap::new();
+    for (i, &(layer, tensors)) in layers.iter().enumerate() {
+        if layers[..i].iter().any(|&(seen, _)| seen == layer) {
+            return Err(MoeError::config(
+                "layers",
+                format!("layer {layer} is given twice"),
+            ));
+        }
+        let config = hf.layer_config(layer)?;
+        values.extend(to_hf(&config, &LayerNames::new(hf.family, layer), tensors)?);
+    }
     let ckpt = Checkpoint::open(dir)?;
+    // FP8 weights are dequantised on import; writing them back would need their block scales
+    // recomputed and the checkpoint's quantization_config kept true for every other layer,
+    // which this writer does not do yet. Refused before anything is written.
+    let names: Vec<String> = values.keys().cloned().collect();
+    if let Some((name, _)) = ckpt
+        .header_shapes(&names)?
+        .into_iter()
+        .find(|(_, (dtype, _))| is_fp8(*dtype))
+    {
+        return Err(MoeError::file(
+            dir.join(ckpt.shard_of(&name)?),
+            format!(
+                "tensor `{name}` is stored as float8_e4m3fn with block scales; writing FP8 weights back is not supported (import dequantises them: save the layer as a canonical file with `mpipemoe convert`, or into a checkpoint stored in bfloat16 or float32)"
+            ),
+        ));
+    }
     let mut by_shard: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for name in values.keys() {
         by_shard
@@ -94,26 +136,7 @@ pub fn write_layer_with(
         std::fs::create_dir_all(parent).map_err(|e| MoeError::file(parent, format!("cannot create: {e}")))?;
     }
     let staged = StagedDir::new(out_dir)?;
-    let mut files_copied = 0;
-    for entry in std::fs::read_dir(dir).map_err(|e| MoeError::file(dir, format!("cannot list: {e}")))? {
-        let path = entry.map_err(|e| MoeError::file(dir, e.to_string()))?.path();
-        let name = path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        if !path.is_file() || by_shard.contains_key(&name) {
-            continue;
-        }
-        let target = staged.path().join(&name);
-        // In place, the old folder goes away once the new one is in: a hard link keeps the
-        // unchanged multi-gigabyte shards without copying them.
-        let linked = in_place && std::fs::hard_link(&path, &target).is_ok();
-        if !linked {
-            std::fs::copy(&path, &target)
-                .map_err(|e| MoeError::file(out_dir.join(&name), format!("cannot copy: {e}")))?;
-            files_copied += 1;
-        }
-    }
+    let files_copied = copy_other_files(dir, out_dir, staged.path(), &by_shard, in_place)?;
     let count = values.len();
     for (shard, names) in &by_shard {
         let shard_values: HashMap<String, Vec<f32>> = names
@@ -129,6 +152,38 @@ pub fn write_layer_with(
         tensors: count,
         files_copied,
     })
+}
+
+/// Copies (in place: hard-links) every file of `dir` except the shards in `rewritten` into
+/// the staging folder `staged` of `out_dir`. Returns how many were copied.
+fn copy_other_files(
+    dir: &Path,
+    out_dir: &Path,
+    staged: &Path,
+    rewritten: &BTreeMap<String, Vec<String>>,
+    in_place: bool,
+) -> Result<usize> {
+    let mut files_copied = 0;
+    for entry in std::fs::read_dir(dir).map_err(|e| MoeError::file(dir, format!("cannot list: {e}")))? {
+        let path = entry.map_err(|e| MoeError::file(dir, e.to_string()))?.path();
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if !path.is_file() || rewritten.contains_key(&name) {
+            continue;
+        }
+        let target = staged.join(&name);
+        // In place, the old folder goes away once the new one is in: a hard link keeps the
+        // unchanged multi-gigabyte shards without copying them.
+        let linked = in_place && std::fs::hard_link(&path, &target).is_ok();
+        if !linked {
+            std::fs::copy(&path, &target)
+                .map_err(|e| MoeError::file(out_dir.join(&name), format!("cannot copy: {e}")))?;
+            files_copied += 1;
+        }
+    }
+    Ok(files_copied)
 }
 
 /// Whether `dir` exists and holds anything.
@@ -208,40 +263,75 @@ impl<B: Backend> MoeLayer<B> {
         layer: usize,
         out_dir: impl AsRef<Path>,
     ) -> Result<()> {
-        let info = HfLayer::read(checkpoint.as_ref(), layer)?;
-        let (a, b) = (self.config(), &info.config);
-        let shape = |c: &crate::MoeLayerConfig| {
-            (
-                c.d_model,
-                c.d_hidden,
-                c.n_experts,
-                c.activation,
-                c.bias,
-                c.score_bias,
-                c.shared_expert,
-                c.shared_expert_gate,
-            )
-        };
-        if shape(a) != shape(b) {
-            return Err(MoeError::config(
-                "save_hf",
-                format!(
-                    "the layer (M={}, H={}, E={}, shared={:?}) does not have the shape of layer {layer} of {} (M={}, H={}, E={}, shared={:?})",
-                    a.d_model,
-                    a.d_hidden,
-                    a.n_experts,
-                    a.shared_expert,
-                    checkpoint.as_ref().display(),
-                    b.d_model,
-                    b.d_hidden,
-                    b.n_experts,
-                    b.shared_expert
-                ),
-            ));
+        Self::save_hf_layers(&[(layer, self)], checkpoint, out_dir)
+    }
+
+    /// Writes many layers, `(layer index, layer)`, back into the Hugging Face checkpoint in
+    /// `checkpoint` as one complete checkpoint in `out_dir`, each shard rewritten once
+    /// ([`write_layers_with`]): what saves a model loaded with
+    /// [`from_hf_layers`](Self::from_hf_layers). A collective with expert parallelism: every
+    /// rank calls it with its own layers in the same order; the experts are gathered and rank
+    /// 0 writes.
+    ///
+    /// # Errors
+    /// [`MoeError::Config`] naming the layer whose shape differs from that checkpoint layer's,
+    /// or a layer index given twice; the errors of [`write_layer`].
+    pub fn save_hf_layers(
+        layers: &[(usize, &Self)],
+        checkpoint: impl AsRef<Path>,
+        out_dir: impl AsRef<Path>,
+    ) -> Result<()> {
+        let checkpoint = checkpoint.as_ref();
+        let hf = HfConfig::read(checkpoint)?;
+        for &(layer, this) in layers {
+            check_same_shape(this.config(), &hf.layer_config(layer)?, layer, checkpoint)?;
         }
-        if let Some(tensors) = self.gather_tensor_map()? {
-            write_layer(checkpoint, layer, &tensors, out_dir)?;
+        // Every rank takes part in every gather, in the same order; rank 0 gets them all.
+        let mut gathered = Vec::with_capacity(layers.len());
+        for &(layer, this) in layers {
+            if let Some(tensors) = this.gather_tensor_map()? {
+                gathered.push((layer, tensors));
+            }
+        }
+        if gathered.len() == layers.len() && !layers.is_empty() {
+            let refs: Vec<(usize, &TensorMap)> = gathered.iter().map(|(l, t)| (*l, t)).collect();
+            write_layers_with(checkpoint, &refs, out_dir, &ExportOptions::default())?;
         }
         Ok(())
     }
+}
+
+/// Refuses to write a layer `a` into checkpoint layer `layer` whose config `b` has another
+/// shape.
+fn check_same_shape(a: &MoeLayerConfig, b: &MoeLayerConfig, layer: usize, checkpoint: &Path) -> Result<()> {
+    let shape = |c: &MoeLayerConfig| {
+        (
+            c.d_model,
+            c.d_hidden,
+            c.n_experts,
+            c.activation,
+            c.bias,
+            c.score_bias,
+            c.shared_expert,
+            c.shared_expert_gate,
+        )
+    };
+    if shape(a) == shape(b) {
+        return Ok(());
+    }
+    Err(MoeError::config(
+        "save_hf",
+        format!(
+            "the layer (M={}, H={}, E={}, shared={:?}) does not have the shape of layer {layer} of {} (M={}, H={}, E={}, shared={:?})",
+            a.d_model,
+            a.d_hidden,
+            a.n_experts,
+            a.shared_expert,
+            checkpoint.display(),
+            b.d_model,
+            b.d_hidden,
+            b.n_experts,
+            b.shared_expert
+        ),
+    ))
 }

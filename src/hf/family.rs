@@ -29,16 +29,27 @@ pub enum Family {
     /// `deepseek_v3`: sigmoid scores with a score-correction bias, group-limited top-k, a
     /// routed scaling factor, ungated shared experts, and dense first layers.
     DeepseekV3,
+    /// `llama4_text`: `feed_forward.router`, the experts stacked in one
+    /// `feed_forward.experts.gate_up_proj [E, M, 2H]` and `down_proj [E, H, M]`, top-k by the
+    /// logits with `sigmoid(logit)` multiplied into the expert's input, an ungated
+    /// `shared_expert`.
+    Llama4,
+    /// `gpt_oss` (unquantised): `mlp.router` with a bias, softmax over the top-k logits, the
+    /// experts stacked in `mlp.experts.gate_up_proj [E, M, 2H]` with gate and up columns
+    /// interleaved, per-expert biases, and the clamped SwiGLU.
+    GptOss,
 }
 
 impl Family {
     /// Every supported family.
-    pub const ALL: [Family; 5] = [
+    pub const ALL: [Family; 7] = [
         Family::Mixtral,
         Family::Qwen2Moe,
         Family::Qwen3Moe,
         Family::Olmoe,
         Family::DeepseekV3,
+        Family::Llama4,
+        Family::GptOss,
     ];
 
     /// The `model_type` string.
@@ -49,7 +60,21 @@ impl Family {
             Family::Qwen3Moe => "qwen3_moe",
             Family::Olmoe => "olmoe",
             Family::DeepseekV3 => "deepseek_v3",
+            Family::Llama4 => "llama4_text",
+            Family::GptOss => "gpt_oss",
         }
+    }
+
+    /// Whether the checkpoint stores a layer's experts stacked in one 3-D tensor per
+    /// projection rather than one matrix per expert.
+    pub fn stacked_experts(self) -> bool {
+        matches!(self, Family::Llama4 | Family::GptOss)
+    }
+
+    /// Whether the stacked first matrix interleaves the gate and up columns
+    /// (`gate = W[..., ::2]`, `up = W[..., 1::2]`) rather than storing the gate half first.
+    pub fn interleaved_gate_up(self) -> bool {
+        matches!(self, Family::GptOss)
     }
 
     fn parse(model_type: &str) -> Option<Self> {
@@ -73,6 +98,8 @@ pub(crate) enum Part {
 pub(crate) struct HfConfig {
     pub family: Family,
     pub n_layers: usize,
+    /// The length of `config.json`, for [`ReadStats`](super::ReadStats).
+    pub bytes: usize,
     json: Value,
     source: std::path::PathBuf,
 }
@@ -100,6 +127,7 @@ impl HfConfig {
         let mut config = Self {
             family,
             n_layers: 0,
+            bytes: text.len(),
             json,
             source,
         };
@@ -120,7 +148,7 @@ impl HfConfig {
     pub(crate) fn n_experts(&self) -> Result<usize> {
         let keys: &[&str] = match self.family {
             Family::DeepseekV3 => &["n_routed_experts", "num_local_experts", "num_experts"],
-            Family::Mixtral => &["num_local_experts", "num_experts"],
+            Family::Mixtral | Family::Llama4 | Family::GptOss => &["num_local_experts", "num_experts"],
             _ => &["num_experts", "num_local_experts"],
         };
         let mut found: Option<(&str, usize)> = None;
@@ -204,23 +232,47 @@ impl HfConfig {
             .map(str::to_string)
     }
 
+    /// The block size of the checkpoint's FP8 weights, if `quantization_config` says it has
+    /// them.
+    ///
+    /// # Errors
+    /// [`MoeError::File`] naming `config.json` and the key if the method is not fp8 or the
+    /// block size is bad.
+    pub(crate) fn fp8_blocks(&self) -> Result<Option<super::fp8::Fp8Blocks>> {
+        super::fp8::Fp8Blocks::from_config(&self.json).map_err(|reason| self.error(reason))
+    }
+
     /// Whether layer `layer` is a MoE layer (rather than a dense MLP).
     pub(crate) fn is_moe(&self, layer: usize) -> Result<bool> {
         Ok(match self.family {
-            Family::Mixtral | Family::Olmoe => true,
+            Family::Mixtral | Family::Olmoe | Family::GptOss => true,
             Family::Qwen2Moe | Family::Qwen3Moe => {
                 let dense = self
                     .get("mlp_only_layers")
                     .and_then(Value::as_array)
                     .is_some_and(|l| l.iter().any(|v| v.as_u64() == Some(layer as u64)));
                 let step = self.usize_or("decoder_sparse_step", 1)?.max(1);
-                !dense && self.n_experts()? > 0 && (layer + 1) % step == 0
+                !dense && self.n_experts()? > 0 && (layer + 1).is_multiple_of(step)
             }
             Family::DeepseekV3 => {
                 let first_dense = self.usize_or("first_k_dense_replace", 0)?;
                 let freq = self.usize_or("moe_layer_freq", 1)?.max(1);
-                layer >= first_dense && layer % freq == 0
+                layer >= first_dense && layer.is_multiple_of(freq)
             }
+            // transformers writes the list it derives from `interleave_moe_layer_step`
+            // (every step-th layer, the last of each step) into `moe_layers`.
+            Family::Llama4 => match self.get("moe_layers") {
+                Some(list) => list
+                    .as_array()
+                    .ok_or_else(|| {
+                        self.error(format!(
+                            "`moe_layers` is {list}, expected a list of layer indices"
+                        ))
+                    })?
+                    .iter()
+                    .any(|v| v.as_u64() == Some(layer as u64)),
+                None => (layer + 1).is_multiple_of(self.usize_or("interleave_moe_layer_step", 1)?.max(1)),
+            },
         })
     }
 
@@ -250,6 +302,7 @@ impl HfConfig {
                     self.usize_or("first_k_dense_replace", 0)?,
                     self.usize_or("moe_layer_freq", 1)?
                 ),
+                Family::Llama4 => " (moe_layers / interleave_moe_layer_step)".to_string(),
                 _ => " (mlp_only_layers / decoder_sparse_step)".to_string(),
             };
             return Err(self.error(format!(
@@ -258,7 +311,8 @@ impl HfConfig {
             )));
         }
         let act = self.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
-        if act != "silu" {
+        // GPT-OSS's experts use their own clamped SwiGLU whatever `hidden_act` says.
+        if act != "silu" && self.family != Family::GptOss {
             return Err(self.error(format!(
                 "`hidden_act` is {act:?}; the experts of {} are SwiGLU, which needs \"silu\"",
                 self.family.model_type()
@@ -309,6 +363,31 @@ impl HfConfig {
                     .with_shared_expert((shared > 0).then_some(shared))
                     .with_shared_expert_gate(false)
             }
+            Family::Llama4 => {
+                // The shared expert is a Llama4TextMLP of the experts' width.
+                let h = self.usize("intermediate_size")?;
+                base(self.n_experts()?, h)
+                    .with_scoring(Scoring::Sigmoid)
+                    .with_score_bias(false)
+                    .with_normalize_topk(false)
+                    .with_weights_on_input(true)
+                    .with_shared_expert(Some(h))
+                    .with_shared_expert_gate(false)
+            }
+            Family::GptOss => {
+                let activation = Activation::clamped_swiglu(
+                    self.f64_or("swiglu_alpha", 1.702)?,
+                    self.f64_or("swiglu_limit", 7.0)?,
+                )
+                .map_err(|e| self.error(format!("`swiglu_alpha` / `swiglu_limit`: {e}")))?;
+                // The softmax over the top-k logits is the softmax over all experts
+                // renormalised over the k chosen.
+                base(self.n_experts()?, self.usize("intermediate_size")?)
+                    .with_activation(activation)
+                    .with_normalize_topk(true)
+                    .with_router_bias(true)
+                    .with_bias(true)
+            }
         };
         config
             .validate()
@@ -328,6 +407,7 @@ impl LayerNames {
     pub(crate) fn new(family: Family, layer: usize) -> Self {
         let block = match family {
             Family::Mixtral => "block_sparse_moe",
+            Family::Llama4 => "feed_forward",
             _ => "mlp",
         };
         Self {
@@ -338,7 +418,45 @@ impl LayerNames {
 
     /// The router's weight `[E, M]`.
     pub(crate) fn router(&self) -> String {
-        format!("{}gate.weight", self.prefix)
+        match self.family {
+            Family::Llama4 | Family::GptOss => format!("{}router.weight", self.prefix),
+            _ => format!("{}gate.weight", self.prefix),
+        }
+    }
+
+    /// The router's bias `[E]` (GPT-OSS).
+    pub(crate) fn router_bias(&self) -> String {
+        format!("{}router.bias", self.prefix)
+    }
+
+    /// The stacked experts' biases: of the first matrix `[E, 2H]` (laid out as its columns)
+    /// and of the second `[E, M]` (GPT-OSS).
+    pub(crate) fn stacked_biases(&self) -> (String, String) {
+        (
+            format!("{}experts.gate_up_proj_bias", self.prefix),
+            format!("{}experts.down_proj_bias", self.prefix),
+        )
+    }
+
+    /// Whether the stacked first matrix interleaves gate and up columns.
+    pub(crate) fn interleaved(&self) -> bool {
+        self.family.interleaved_gate_up()
+    }
+
+    /// The stacked experts' first matrix `[E, M, 2H]`, gate half first, applied as `x · W`
+    /// (families with [`Family::stacked_experts`]).
+    pub(crate) fn stacked_gate_up(&self) -> String {
+        format!("{}experts.gate_up_proj", self.prefix)
+    }
+
+    /// The stacked experts' second matrix `[E, H, M]`, applied as `h · W`.
+    pub(crate) fn stacked_down(&self) -> String {
+        format!("{}experts.down_proj", self.prefix)
+    }
+
+    /// Whether the experts are stacked (see [`Family::stacked_experts`]).
+    pub(crate) fn stacked(&self) -> bool {
+        self.family.stacked_experts()
     }
 
     /// DeepSeek's score-correction bias `[E]`.

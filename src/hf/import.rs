@@ -1,17 +1,16 @@
 //! Reading one MoE layer out of a Hugging Face checkpoint.
 
-use std::collections::HashMap;
 use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
 use burn::tensor::backend::Backend;
 
-use super::checkpoint::{dtype_name, Checkpoint, ImportOptions};
+use super::checkpoint::ImportOptions;
 use super::family::{Family, HfConfig, LayerNames};
-use super::layout::{hf_entries, to_canonical};
+use super::model::HfCheckpoint;
 use crate::comm::{Communicator, SingleRank};
-use crate::error::{MoeError, Result};
+use crate::error::Result;
 use crate::layer::{write_safetensors, LayerMeta, MoeLayer, MoeLayerConfig, TensorMap};
 
 /// One MoE layer of a Hugging Face checkpoint: where it is and the layer config it implies.
@@ -90,48 +89,9 @@ pub fn read_layer_with(
     experts: Range<usize>,
     options: &ImportOptions,
 ) -> Result<(HfLayer, TensorMap)> {
-    let dir = dir.as_ref();
-    let mut info = HfLayer::read(dir, layer)?;
-    let names = info.names();
-    let (e_all, m) = (info.config.n_experts, info.config.d_model);
-    if experts.start > experts.end || experts.end > e_all {
-        return Err(MoeError::config(
-            "experts",
-            format!("{experts:?} is not a range of the layer's {e_all} experts"),
-        ));
-    }
-    let ckpt = Checkpoint::open(dir)?;
-    // The router's stored shape bounds every size config.json gives before anything is
-    // allocated from them: a config that claims 10^9 experts is refused here, by the header.
-    let router = names.router();
-    let (_, router_shape) = ckpt.header_shapes(std::slice::from_ref(&router))?[&router].clone();
-    if router_shape != [e_all, m] {
-        return Err(MoeError::file(
-            dir.join("config.json"),
-            format!(
-                "layer {layer}: config.json implies {e_all} experts of width {m} (router [{e_all}, {m}]), but the checkpoint's `{router}` is {router_shape:?}"
-            ),
-        ));
-    }
-    let entries = hf_entries(&info.config, &names, experts.clone());
-    let stored = ckpt.read(&entries, options)?;
-    // The dtype is what the tensors are stored in, not what config.json says; a layer whose
-    // tensors disagree has no one dtype to write back, so it is refused.
-    let router_dtype = stored[&router].dtype;
-    if let Some((other, t)) = stored.iter().find(|(_, t)| t.dtype != router_dtype) {
-        return Err(MoeError::file(
-            ckpt.dir.join(ckpt.shard_of(other)?),
-            format!(
-                "layer {layer} mixes dtypes: `{router}` is {} but `{other}` is {}",
-                dtype_name(router_dtype),
-                dtype_name(t.dtype)
-            ),
-        ));
-    }
-    info.dtype = Some(dtype_name(router_dtype));
-    let values: HashMap<String, Vec<f32>> = stored.into_iter().map(|(name, t)| (name, t.values)).collect();
-    let tensors = to_canonical(&info.config, &names, experts, &values);
-    Ok((info, tensors))
+    HfCheckpoint::open(dir)?
+        .with_options(*options)
+        .read_layer(layer, experts)
 }
 
 /// Writes MoE layer `layer` of the checkpoint in `dir` as a canonical float32 layer file (the
@@ -140,7 +100,7 @@ pub fn read_layer_with(
 /// then renamed); an existing `out` is replaced. Returns the layer's description.
 ///
 /// # Errors
-/// As [`read_layer`], and [`MoeError::File`] naming `out` if it cannot be written.
+/// As [`read_layer`], and [`MoeError::File`](crate::MoeError::File) naming `out` if it cannot be written.
 pub fn convert_to_file(dir: impl AsRef<Path>, layer: usize, out: impl AsRef<Path>) -> Result<HfLayer> {
     convert_to_file_with(dir, layer, out, &ImportOptions::default())
 }
@@ -165,8 +125,8 @@ pub fn convert_to_file_with(
 
 impl<B: Backend> MoeLayer<B> {
     /// Imports MoE layer `layer` of the Hugging Face checkpoint in `dir` (Mixtral, Qwen2-MoE,
-    /// Qwen3-MoE, OLMoE or DeepSeek-V3; one file or shards; f32, bf16 or f16 stored) as a
-    /// single-rank layer.
+    /// Qwen3-MoE, OLMoE, DeepSeek-V3, Llama 4 or GPT-OSS; one file or shards; f32, bf16 or f16
+    /// stored, or FP8 block-scaled) as a single-rank layer.
     ///
     /// ```no_run
     /// use burn::backend::{Autodiff, NdArray};
@@ -195,12 +155,6 @@ impl<B: Backend> MoeLayer<B> {
         device: &B::Device,
         comm: Arc<dyn Communicator>,
     ) -> Result<Self> {
-        let dir = dir.as_ref();
-        let info = HfLayer::read(dir, layer)?;
-        info.config.validate_for_ranks(comm.n_ranks())?;
-        let n_local = info.config.n_experts / comm.n_ranks();
-        let mine = comm.rank() * n_local..(comm.rank() + 1) * n_local;
-        let (info, tensors) = read_layer(dir, layer, mine)?;
-        Self::from_local_tensors(&info.config, &tensors, dir, device, comm)
+        HfCheckpoint::open(dir)?.load_layer(layer, device, comm)
     }
 }

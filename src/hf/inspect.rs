@@ -49,7 +49,11 @@ pub fn inspect(dir: impl AsRef<Path>) -> Result<Vec<LayerSummary>> {
             let c = hf.layer_config(layer)?;
             let (e, m, h) = (c.n_experts, c.d_model, c.d_hidden);
             let names = LayerNames::new(hf.family, layer);
-            let mut expected = vec![(names.router(), vec![e, m]), (names.expert(0, Part::Gate), vec![h, m])];
+            let first_expert = match names.stacked() {
+                true => (names.stacked_gate_up(), vec![e, m, 2 * h]),
+                false => (names.expert(0, Part::Gate), vec![h, m]),
+            };
+            let mut expected = vec![(names.router(), vec![e, m]), first_expert];
             if let Some(hs) = c.shared_expert {
                 expected.push((names.shared(Part::Gate), vec![hs, m]));
             }
@@ -73,7 +77,9 @@ pub fn inspect(dir: impl AsRef<Path>) -> Result<Vec<LayerSummary>> {
             };
             let parameters = mul(&[e, m])
                 .and_then(|p| p.checked_add(if c.score_bias { e } else { 0 }))
+                .and_then(|p| p.checked_add(if c.router_bias { e } else { 0 }))
                 .and_then(|p| p.checked_add(mul(&[e, 3, h, m])?))
+                .and_then(|p| p.checked_add(if c.bias { mul(&[e, 2 * h + m])? } else { 0 }))
                 .and_then(|p| p.checked_add(shared))
                 .ok_or_else(overflow)?;
             Ok(LayerSummary {

@@ -1,5 +1,6 @@
-//! Between the Hugging Face layout (one `[out, in]` matrix per projection and expert) and the
-//! canonical one (stacked `[E, M, 2H]` / `[E, H, M]` expert tensors, `[M, 2Hs]` shared).
+//! Between the Hugging Face layouts (one `[out, in]` matrix per projection and expert, or
+//! Llama 4's stacked `[E, M, 2H]` / `[E, H, M]` applied as `x · W`) and the canonical one
+//! (stacked `[E, M, 2H]` / `[E, H, M]` expert tensors, `[M, 2Hs]` shared).
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -10,28 +11,90 @@ use super::family::{LayerNames, Part};
 use crate::error::{MoeError, Result};
 use crate::layer::{MoeLayerConfig, TensorMap};
 
-/// One Hugging Face tensor of a layer: its name and `[out, in]` shape.
-pub(crate) type HfEntry = (String, Vec<usize>);
+/// One Hugging Face tensor of a layer to read: its name, its stored shape (`[out, in]` for a
+/// matrix), and which entries of its first dimension to read (all of them but for stacked
+/// experts, whose first dimension is the expert).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct HfEntry {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub rows: Range<usize>,
+}
+
+impl HfEntry {
+    /// The whole tensor.
+    fn whole(name: String, shape: Vec<usize>) -> Self {
+        let rows = 0..shape.first().copied().unwrap_or(1);
+        Self { name, shape, rows }
+    }
+}
 
 /// The Hugging Face tensors that make up the canonical tensors of `config` for the experts in
 /// `experts` (global indices), with the shapes `config.json` implies.
 pub(crate) fn hf_entries(config: &MoeLayerConfig, names: &LayerNames, experts: Range<usize>) -> Vec<HfEntry> {
     let (e_all, m, h) = (config.n_experts, config.d_model, config.d_hidden);
-    let mut out = vec![(names.router(), vec![e_all, m])];
-    if config.score_bias {
-        out.push((names.score_bias(), vec![e_all]));
+    let mut out = vec![HfEntry::whole(names.router(), vec![e_all, m])];
+    if config.router_bias {
+        out.push(HfEntry::whole(names.router_bias(), vec![e_all]));
     }
-    for e in experts {
-        out.push((names.expert(e, Part::Gate), vec![h, m]));
-        out.push((names.expert(e, Part::Up), vec![h, m]));
-        out.push((names.expert(e, Part::Down), vec![m, h]));
+    if config.score_bias {
+        out.push(HfEntry::whole(names.score_bias(), vec![e_all]));
+    }
+    if names.stacked() {
+        // One tensor per projection; this rank reads its experts' rows of each.
+        let mut stacked = vec![
+            (names.stacked_gate_up(), vec![e_all, m, 2 * h]),
+            (names.stacked_down(), vec![e_all, h, m]),
+        ];
+        if config.bias {
+            let (b_in, b_out) = names.stacked_biases();
+            stacked.extend([(b_in, vec![e_all, 2 * h]), (b_out, vec![e_all, m])]);
+        }
+        for (name, shape) in stacked {
+            out.push(HfEntry {
+                name,
+                shape,
+                rows: experts.clone(),
+            });
+        }
+    } else {
+        for e in experts {
+            out.push(HfEntry::whole(names.expert(e, Part::Gate), vec![h, m]));
+            out.push(HfEntry::whole(names.expert(e, Part::Up), vec![h, m]));
+            out.push(HfEntry::whole(names.expert(e, Part::Down), vec![m, h]));
+        }
     }
     if let Some(hs) = config.shared_expert {
-        out.push((names.shared(Part::Gate), vec![hs, m]));
-        out.push((names.shared(Part::Up), vec![hs, m]));
-        out.push((names.shared(Part::Down), vec![m, hs]));
+        out.push(HfEntry::whole(names.shared(Part::Gate), vec![hs, m]));
+        out.push(HfEntry::whole(names.shared(Part::Up), vec![hs, m]));
+        out.push(HfEntry::whole(names.shared(Part::Down), vec![m, hs]));
         if config.shared_expert_gate {
-            out.push((names.shared_gate(), vec![1, m]));
+            out.push(HfEntry::whole(names.shared_gate(), vec![1, m]));
+        }
+    }
+    out
+}
+
+/// Each `2h`-wide row of `values` with its interleaved columns (`gate, up, gate, up, ...`,
+/// GPT-OSS) put as halves (`gate ... | up ...`, the canonical layout).
+fn interleaved_to_halves(values: &[f32], h: usize) -> Vec<f32> {
+    let mut out = vec![0.0; values.len()];
+    for (src, dst) in values.chunks_exact(2 * h).zip(out.chunks_exact_mut(2 * h)) {
+        for j in 0..h {
+            dst[j] = src[2 * j];
+            dst[h + j] = src[2 * j + 1];
+        }
+    }
+    out
+}
+
+/// The inverse of [`interleaved_to_halves`].
+fn halves_to_interleaved(values: &[f32], h: usize) -> Vec<f32> {
+    let mut out = vec![0.0; values.len()];
+    for (src, dst) in values.chunks_exact(2 * h).zip(out.chunks_exact_mut(2 * h)) {
+        for j in 0..h {
+            dst[2 * j] = src[j];
+            dst[2 * j + 1] = src[h + j];
         }
     }
     out
@@ -86,6 +149,12 @@ pub(crate) fn to_canonical(
         "router.weight".into(),
         data(get(names.router()).to_vec(), vec![config.n_experts, m]),
     );
+    if config.router_bias {
+        out.insert(
+            "router.bias".into(),
+            data(get(names.router_bias()).to_vec(), vec![config.n_experts]),
+        );
+    }
     if config.score_bias {
         out.insert(
             "router.score_bias".into(),
@@ -94,14 +163,34 @@ pub(crate) fn to_canonical(
     }
     let n = experts.len();
     let (mut w_in, mut w_out) = (Vec::with_capacity(n * m * 2 * h), Vec::with_capacity(n * h * m));
-    for e in experts {
-        w_in.extend(join_gate_up(
-            get(names.expert(e, Part::Gate)),
-            get(names.expert(e, Part::Up)),
-            h,
-            m,
-        ));
-        w_out.extend(transpose(get(names.expert(e, Part::Down)), m, h));
+    if names.stacked() {
+        // Stored as the canonical layout is (`x · W`, the gate half first), already only
+        // the rows of `experts`.
+        let gate_up = get(names.stacked_gate_up());
+        match names.interleaved() {
+            true => w_in.extend(interleaved_to_halves(gate_up, h)),
+            false => w_in.extend_from_slice(gate_up),
+        }
+        w_out.extend_from_slice(get(names.stacked_down()));
+        if config.bias {
+            let (b_in, b_out) = names.stacked_biases();
+            let b_in = match names.interleaved() {
+                true => interleaved_to_halves(get(b_in), h),
+                false => get(b_in).to_vec(),
+            };
+            out.insert("experts.b_in".into(), data(b_in, vec![n, 2 * h]));
+            out.insert("experts.b_out".into(), data(get(b_out).to_vec(), vec![n, m]));
+        }
+    } else {
+        for e in experts {
+            w_in.extend(join_gate_up(
+                get(names.expert(e, Part::Gate)),
+                get(names.expert(e, Part::Up)),
+                h,
+                m,
+            ));
+            w_out.extend(transpose(get(names.expert(e, Part::Down)), m, h));
+        }
     }
     out.insert("experts.w_in".into(), data(w_in, vec![n, m, 2 * h]));
     out.insert("experts.w_out".into(), data(w_out, vec![n, h, m]));
@@ -155,19 +244,36 @@ pub(crate) fn to_hf(
     };
     let mut out = HashMap::new();
     out.insert(names.router(), get("router.weight", &[e_all, m])?);
+    if config.router_bias {
+        out.insert(names.router_bias(), get("router.bias", &[e_all])?);
+    }
     if config.score_bias {
         out.insert(names.score_bias(), get("router.score_bias", &[e_all])?);
     }
     let w_in = get("experts.w_in", &[e_all, m, 2 * h])?;
     let w_out = get("experts.w_out", &[e_all, h, m])?;
-    for e in 0..e_all {
-        let (gate, up) = split_gate_up(&w_in[e * m * 2 * h..(e + 1) * m * 2 * h], h, m);
-        out.insert(names.expert(e, Part::Gate), gate);
-        out.insert(names.expert(e, Part::Up), up);
-        out.insert(
-            names.expert(e, Part::Down),
-            transpose(&w_out[e * h * m..(e + 1) * h * m], h, m),
-        );
+    if names.stacked() {
+        let interleave = |v: Vec<f32>| match names.interleaved() {
+            true => halves_to_interleaved(&v, h),
+            false => v,
+        };
+        out.insert(names.stacked_gate_up(), interleave(w_in));
+        out.insert(names.stacked_down(), w_out);
+        if config.bias {
+            let (b_in, b_out) = names.stacked_biases();
+            out.insert(b_in, interleave(get("experts.b_in", &[e_all, 2 * h])?));
+            out.insert(b_out, get("experts.b_out", &[e_all, m])?);
+        }
+    } else {
+        for e in 0..e_all {
+            let (gate, up) = split_gate_up(&w_in[e * m * 2 * h..(e + 1) * m * 2 * h], h, m);
+            out.insert(names.expert(e, Part::Gate), gate);
+            out.insert(names.expert(e, Part::Up), up);
+            out.insert(
+                names.expert(e, Part::Down),
+                transpose(&w_out[e * h * m..(e + 1) * h * m], h, m),
+            );
+        }
     }
     if let Some(hs) = config.shared_expert {
         let (gate, up) = split_gate_up(&get("shared.w_in", &[m, 2 * hs])?, hs, m);
@@ -187,6 +293,18 @@ pub(crate) fn to_hf(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn interleaved_columns_become_halves_and_back() {
+        // Two rows of h = 3: (g0, u0, g1, u1, g2, u2).
+        let interleaved = [1.0, -1.0, 2.0, -2.0, 3.0, -3.0, 4.0, -4.0, 5.0, -5.0, 6.0, -6.0];
+        let halves = interleaved_to_halves(&interleaved, 3);
+        assert_eq!(
+            halves,
+            vec![1.0, 2.0, 3.0, -1.0, -2.0, -3.0, 4.0, 5.0, 6.0, -4.0, -5.0, -6.0]
+        );
+        assert_eq!(halves_to_interleaved(&halves, 3), interleaved.to_vec());
+    }
 
     #[test]
     fn gate_up_join_and_split_are_inverse_and_transpose() {

@@ -107,6 +107,12 @@ pub struct MoeLayerConfig {
     /// `routed_scaling_factor`).
     #[config(default = 1.0)]
     pub routed_scaling_factor: f64,
+    /// Multiply each chosen expert's combine weight into that expert's *input* row rather than
+    /// its output (Llama 4): `y = Σ_j expert_{idx_j}(w_j · x)` instead of
+    /// `Σ_j w_j · expert_{idx_j}(x)`. The two differ because the experts are not linear.
+    /// Gradients reach the router through the expert's input either way.
+    #[config(default = false)]
+    pub weights_on_input: bool,
     /// Expert capacity as a factor: each expert takes at most
     /// `floor(factor · n_tokens · top_k / n_experts)` assignments of the global batch, first
     /// come (token order, best choice first) first served. `None` is dropless.
@@ -193,7 +199,7 @@ impl MoeLayerConfig {
                 format!("is {}, must be in 1..={} (n_experts)", self.top_k, self.n_experts),
             ));
         }
-        if self.n_group == 0 || self.n_experts % self.n_group != 0 {
+        if self.n_group == 0 || !self.n_experts.is_multiple_of(self.n_group) {
             return Err(MoeError::config(
                 "n_group",
                 format!(
@@ -307,7 +313,7 @@ impl MoeLayerConfig {
     /// Checks that the layer can be sharded over `n_ranks`.
     pub fn validate_for_ranks(&self, n_ranks: usize) -> Result<()> {
         self.validate()?;
-        if n_ranks == 0 || self.n_experts % n_ranks != 0 {
+        if n_ranks == 0 || !self.n_experts.is_multiple_of(n_ranks) {
             return Err(MoeError::config(
                 "n_experts",
                 format!(

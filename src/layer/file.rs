@@ -8,7 +8,7 @@ use std::path::Path;
 use burn::tensor::{DType, TensorData};
 use safetensors::{Dtype, SafeTensors};
 
-use super::MoeLayerConfig;
+use super::{LayerMeta, MoeLayerConfig};
 use crate::error::{MoeError, Result};
 
 /// Tensors by name, as read from a file (always f32).
@@ -94,6 +94,28 @@ pub fn write_safetensors(path: &Path, tensors: &TensorMap, meta: &str) -> Result
     let bytes = safetensors::serialize(views, Some(info))
         .map_err(|e| MoeError::file(path, format!("cannot encode: {e:?}")))?;
     crate::files::write_whole(path, &bytes, true)
+}
+
+/// Reads the layer a canonical layer file describes: its `meta` parsed into a config, and every
+/// parameter tensor that config needs checked for presence and shape, before anything uses
+/// them. What `MoeLayer::load_safetensors`, `mpipemoe check` and `mpipemoe convert --to-hf`
+/// all apply, so that a file whose meta disagrees with its tensors is refused the same way
+/// everywhere.
+///
+/// # Errors
+/// [`MoeError::File`] naming `path` and the missing key, the bad meta value, or the tensor
+/// whose shape the meta contradicts.
+pub fn layer_file_config(tensors: &TensorMap, meta: Option<&str>, path: &Path) -> Result<MoeLayerConfig> {
+    let meta = meta.ok_or_else(|| MoeError::file(path, "no `meta` key in the safetensors metadata"))?;
+    let meta = LayerMeta::parse(meta).map_err(|e| MoeError::file(path, e.to_string()))?;
+    let n_tokens = tensors.get("x").map(|x| x.shape.to_vec()[0]);
+    let config = meta
+        .to_config(n_tokens)
+        .map_err(|e| MoeError::file(path, e.to_string()))?;
+    for (name, shape) in parameter_shapes(&config) {
+        expect_tensor(tensors, name, &shape, path)?;
+    }
+    Ok(config)
 }
 
 /// Looks up `name` in `tensors` and checks its shape; errors name the file and the tensor.

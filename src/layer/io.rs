@@ -10,7 +10,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 
 use super::file::{
-    expect_tensor, parameter_shapes, read_safetensors, slice_first_dim, write_safetensors, TensorMap,
+    expect_tensor, layer_file_config, parameter_shapes, read_safetensors, slice_first_dim, write_safetensors,
+    TensorMap,
 };
 use super::{LayerMeta, MoeContext, MoeLayer, MoeLayerConfig};
 use crate::comm::{Communicator, Payload, SingleRank};
@@ -33,12 +34,7 @@ impl<B: Backend> MoeLayer<B> {
     ) -> Result<Self> {
         let path = path.as_ref();
         let (tensors, meta) = read_safetensors(path)?;
-        let meta = meta.ok_or_else(|| MoeError::file(path, "no `meta` key in the safetensors metadata"))?;
-        let meta = LayerMeta::parse(&meta).map_err(|e| MoeError::file(path, e.to_string()))?;
-        let n_tokens = tensors.get("x").map(|x| x.shape.to_vec()[0]);
-        let config = meta
-            .to_config(n_tokens)
-            .map_err(|e| MoeError::file(path, e.to_string()))?;
+        let config = layer_file_config(&tensors, meta.as_deref(), path)?;
         Self::from_tensor_map(&config, &tensors, path, device, comm)
     }
 

@@ -8,7 +8,8 @@ use crate::experts::Activation;
 use crate::router::Scoring;
 
 /// The `meta` JSON of a canonical layer file (the reference cases' format, see
-/// `tests/data/cases/README.md` and `tests/data/hf/README.md`). Unknown keys are ignored.
+/// `tests/data/cases/README.md`, `tests/data/hf/README.md` and
+/// `tests/data/hf/generated/README.md`). Unknown keys are ignored.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LayerMeta {
     /// Experts per token.
@@ -18,7 +19,8 @@ pub struct LayerMeta {
     pub scoring: String,
     /// Renormalise the top-k weights.
     pub normalize_topk: bool,
-    /// `gelu` (exact erf), `relu` or `swiglu`.
+    /// `gelu` (exact erf), `relu`, `swiglu`, or `swiglu_clamped` (GPT-OSS, with
+    /// `swiglu_alpha` and `swiglu_limit`).
     pub activation: String,
     /// Router and expert biases present.
     pub bias: bool,
@@ -65,6 +67,19 @@ pub struct LayerMeta {
     /// mpipemoe's extension: capacity as a factor (takes precedence over `capacity`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capacity_factor: Option<f64>,
+    /// The clamped SwiGLU's sigmoid slope (`swiglu_clamped` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub swiglu_alpha: Option<f64>,
+    /// The clamped SwiGLU's clamp (`swiglu_clamped` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub swiglu_limit: Option<f64>,
+    /// The combine weights multiply the experts' input rows, not their outputs (Llama 4).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub weights_on_input: bool,
+}
+
+fn is_false(value: &bool) -> bool {
+    !value
 }
 
 /// The shared expert's part of [`LayerMeta`].
@@ -108,12 +123,20 @@ impl LayerMeta {
                 self.scoring
             ))
         })?;
-        let activation = Activation::parse(&self.activation).ok_or_else(|| {
-            meta_error(format!(
-                "`activation` is {:?}; expected gelu, relu or swiglu",
-                self.activation
-            ))
-        })?;
+        let activation = match (self.activation.as_str(), self.swiglu_alpha, self.swiglu_limit) {
+            ("swiglu_clamped", Some(alpha), Some(limit)) => Activation::clamped_swiglu(alpha, limit)
+                .map_err(|e| meta_error(format!("`swiglu_alpha` / `swiglu_limit`: {e}")))?,
+            ("swiglu_clamped", _, _) => {
+                return Err(meta_error(
+                    "`activation` is \"swiglu_clamped\", which needs `swiglu_alpha` and `swiglu_limit`",
+                ))
+            }
+            (name, _, _) => Activation::parse(name).ok_or_else(|| {
+                meta_error(format!(
+                    "`activation` is {name:?}; expected gelu, relu, swiglu or swiglu_clamped"
+                ))
+            })?,
+        };
         let shared_gate = match self.shared.as_ref().map(|s| s.gate.as_deref()) {
             None | Some(None) => false,
             Some(Some("sigmoid")) => true,
@@ -147,7 +170,8 @@ impl LayerMeta {
             .with_routed_scaling_factor(self.routed_scaling_factor.unwrap_or(1.0))
             .with_capacity_factor(capacity_factor)
             .with_shared_expert(self.shared.as_ref().map(|s| s.d_hidden))
-            .with_shared_expert_gate(shared_gate);
+            .with_shared_expert_gate(shared_gate)
+            .with_weights_on_input(self.weights_on_input);
         config.validate()?;
         Ok(config)
     }
@@ -180,6 +204,15 @@ impl LayerMeta {
             router_bias: (config.router_bias != config.bias).then_some(config.router_bias),
             score_bias: (config.score_bias != sigmoid).then_some(config.score_bias),
             capacity_factor: config.capacity_factor,
+            weights_on_input: config.weights_on_input,
+            swiglu_alpha: match config.activation {
+                Activation::ClampedSwiGlu { alpha, .. } => Some(alpha as f64),
+                _ => None,
+            },
+            swiglu_limit: match config.activation {
+                Activation::ClampedSwiGlu { limit, .. } => Some(limit as f64),
+                _ => None,
+            },
         }
     }
 }

@@ -15,7 +15,7 @@ pub use config::{ExchangePath, MoeLayerConfig, Partitions, MAX_PARTITIONS};
 pub use context::MoeContext;
 #[cfg(feature = "testkit")]
 pub(crate) use file::{expect_tensor, parameter_shapes};
-pub use file::{read_safetensors, write_safetensors, TensorMap};
+pub use file::{layer_file_config, read_safetensors, write_safetensors, TensorMap};
 pub use grads::ParamKind;
 pub use meta::{LayerMeta, SharedMeta};
 pub use module::MoeLayer;

@@ -125,6 +125,7 @@ impl<B: Backend> MoeLayer<B> {
             old.score_bias,
             old.shared_expert,
             old.shared_expert_gate,
+            old.weights_on_input,
         ) == (
             config.d_model,
             config.d_hidden,
@@ -135,6 +136,7 @@ impl<B: Backend> MoeLayer<B> {
             config.score_bias,
             config.shared_expert,
             config.shared_expert_gate,
+            config.weights_on_input,
         );
         if !same_shape {
             return Err(MoeError::config(
@@ -186,15 +188,20 @@ impl<B: MoeBackend> MoeLayer<B> {
         // 3. Plan: count with the other ranks, apply capacity; choose n and the strategy.
         let plan = self.plan(&routing.indices, &x)?;
 
-        // 4. Permute: T_I = the input rows in plan order.
-        let t_i = permute(&x, &plan.dispatch);
+        // 4. Permute: T_I = the input rows in plan order (scaled by their combine weights
+        //    where the weights go on the experts' input, as in Llama 4).
+        let row_weights = row_weights(routing.weights, &plan.dispatch);
+        let (t_i, row_weights) = match config.weights_on_input {
+            true => (permute(&x, &plan.dispatch) * row_weights.unsqueeze_dim(1), None),
+            false => (permute(&x, &plan.dispatch), Some(row_weights)),
+        };
 
         // 5. Exchange: dispatch, local experts, combine — fused or reference.
         let n_partitions = plan.exchange.n_partitions();
         let t_o = self.exchange(t_i, plan.exchange, plan.strategy)?;
 
-        // 6. Unpermute: y[t] += w[t, j] · T_O[row(t, j)].
-        let mut y = unpermute(t_o, routing.weights, &plan.dispatch, d_model);
+        // 6. Unpermute: y[t] += w[t, j] · T_O[row(t, j)] (unweighted where step 4 weighted).
+        let mut y = unpermute(t_o, row_weights, &plan.dispatch, d_model);
 
         // 7. Shared expert.
         if let (Some(shared), true) = (&self.shared, n_tokens > 0) {
@@ -286,20 +293,31 @@ pub(super) fn permute<B: Backend>(x: &Tensor<B, 2>, plan: &DispatchPlan) -> Tens
         .select(0, index_tensor::<B>(&plan.row_token, &x.device()))
 }
 
-/// Step 6: scatter-adds each row of `T_O`, scaled by its combine weight, onto its token.
-/// Dropped assignments have no row and add nothing.
+/// Each kept row's combine weight, in plan order.
+///
+/// # Shapes
+/// - `weights`: `[n_tokens, top_k]`
+/// - returns `[n_rows]`
+fn row_weights<B: Backend>(weights: Tensor<B, 2>, plan: &DispatchPlan) -> Tensor<B, 1> {
+    let device = weights.device();
+    weights
+        .reshape([plan.n_tokens * plan.top_k])
+        .select(0, index_tensor::<B>(&plan.row_slot, &device))
+}
+
+/// Step 6: scatter-adds each row of `T_O`, scaled by its combine weight where step 4 did not
+/// apply it, onto its token. Dropped assignments have no row and add nothing.
 fn unpermute<B: Backend>(
     t_o: Tensor<B, 2>,
-    weights: Tensor<B, 2>,
+    row_weights: Option<Tensor<B, 1>>,
     plan: &DispatchPlan,
     d_model: usize,
 ) -> Tensor<B, 2> {
     let device = t_o.device();
-    let n_slots = plan.n_tokens * plan.top_k;
-    let row_weights = weights
-        .reshape([n_slots])
-        .select(0, index_tensor::<B>(&plan.row_slot, &device));
-    let contributions = t_o * row_weights.unsqueeze_dim(1);
+    let contributions = match row_weights {
+        Some(w) => t_o * w.unsqueeze_dim(1),
+        None => t_o,
+    };
     Tensor::zeros([plan.n_tokens, d_model], &device).select_assign(
         0,
         index_tensor::<B>(&plan.row_token, &device),

@@ -54,7 +54,7 @@ impl ParallelGroups {
     /// size; [`MoeError::Comm`] if the communicator cannot form sub-groups or a peer fails.
     pub fn new(world: Arc<dyn Communicator>, expert_parallel: usize) -> Result<Self> {
         let n = world.n_ranks();
-        if expert_parallel == 0 || n % expert_parallel != 0 {
+        if expert_parallel == 0 || !n.is_multiple_of(expert_parallel) {
             return Err(MoeError::config(
                 "expert_parallel",
                 format!("{expert_parallel} does not divide the {n} ranks of the world"),

@@ -104,7 +104,7 @@ impl<B: Backend> Router<B> {
             Vec::new()
         } else {
             group_limited_top_k(
-                &self.choice_scores(&logits, &scores, rule),
+                &self.choice_scores(&logits, &scores),
                 n_experts,
                 rule.top_k,
                 rule.n_group,
@@ -145,19 +145,20 @@ impl<B: Backend> Router<B> {
     }
 
     /// What experts are chosen by, on the host: the scores plus the score bias where there is
-    /// one. A softmax router without one chooses by its logits, which order the experts as
-    /// its probabilities do without their rounding.
-    fn choice_scores(&self, logits: &Tensor<B, 2>, scores: &Tensor<B, 2>, rule: &RoutingRule) -> Vec<f32> {
+    /// one. A router without one chooses by its logits, which order the experts as the
+    /// softmax or the sigmoid does without their rounding: a sigmoid rounds every logit above
+    /// about 17 to 1.0 in f32, which would turn a clear choice into a tie (Llama 4 chooses
+    /// by the logits).
+    fn choice_scores(&self, logits: &Tensor<B, 2>, scores: &Tensor<B, 2>) -> Vec<f32> {
         let host = |t: &Tensor<B, 2>| -> Vec<f32> {
             t.to_data()
                 .convert::<f32>()
                 .into_vec()
                 .expect("router values convert to f32")
         };
-        match (&self.score_bias, rule.scoring) {
-            (None, Scoring::Softmax) => host(logits),
-            (None, Scoring::Sigmoid) => host(scores),
-            (Some(bias), _) => {
+        match &self.score_bias {
+            None => host(logits),
+            Some(bias) => {
                 let bias: Vec<f32> = bias
                     .val()
                     .to_data()

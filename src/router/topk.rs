@@ -16,9 +16,9 @@ pub fn group_limited_top_k(
     n_group: usize,
     topk_group: usize,
 ) -> Vec<usize> {
-    assert!(n_cols > 0 && values.len() % n_cols == 0);
+    assert!(n_cols > 0 && values.len().is_multiple_of(n_cols));
     assert!(
-        n_group >= 1 && n_cols % n_group == 0,
+        n_group >= 1 && n_cols.is_multiple_of(n_group),
         "{n_group} groups of {n_cols} experts"
     );
     assert!((1..=n_group).contains(&topk_group));

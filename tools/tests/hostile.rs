@@ -302,11 +302,34 @@ fn outputs_are_all_or_nothing_and_never_overwritten_unasked() {
         &["broken.safetensors", "experts.w_out"],
     );
     assert!(!back.exists());
+
+    // A canonical file whose meta disagrees with its tensors (twice the experts the tensors
+    // hold): refused as `check` and `load_safetensors` refuse it, naming the file and the
+    // tensor, before anything is written.
+    let (tensors, meta) = mpipemoe::format::read_safetensors(&file).unwrap();
+    let mut meta: serde_json::Value = serde_json::from_str(&meta.unwrap()).unwrap();
+    meta["E"] = serde_json::json!(meta["E"].as_u64().unwrap() * 2);
+    let lying = dir.join("lying.safetensors");
+    mpipemoe::format::write_safetensors(&lying, &tensors, &meta.to_string()).unwrap();
+    refused(
+        &[
+            "convert",
+            "--to-hf",
+            s(&ckpt),
+            "--input",
+            s(&lying),
+            "--out",
+            s(&back),
+        ],
+        1,
+        &["lying.safetensors", "router.weight", "has shape"],
+    );
+    assert!(!back.exists());
     let left: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
-    assert_eq!(left.len(), 2, "{left:?}");
+    assert_eq!(left.len(), 3, "{left:?}");
 
     // A folder with another checkpoint's file: refused; with --overwrite replaced whole.
     std::fs::create_dir_all(&back).unwrap();

@@ -120,8 +120,8 @@ mod tests {
     use burn::backend::NdArray;
 
     use crate::exchange::executor::StepExecutor;
+    use crate::layer::MoeLayerConfig;
     use crate::memory::Strategy;
-    use crate::MoeLayerConfig;
 
     #[test]
     fn the_configs_executor_reaches_the_exchange_run() {

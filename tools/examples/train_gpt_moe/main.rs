@@ -254,7 +254,7 @@ fn run(args: &Args) -> Result<(), String> {
         RouterArg::Deepseek => GptMoeConfig::new().with_n_experts(8),
     };
     let expert_parallel = args.expert_parallel.unwrap_or(args.ranks);
-    if args.ranks % expert_parallel != 0 {
+    if !args.ranks.is_multiple_of(expert_parallel) {
         return Err(format!(
             "--expert-parallel {expert_parallel} does not divide --ranks {}",
             args.ranks

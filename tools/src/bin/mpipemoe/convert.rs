@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{ArgGroup, Args};
-use mpipemoe::format::{read_safetensors, LayerMeta};
+use mpipemoe::format::{layer_file_config, read_safetensors, LayerMeta};
 use mpipemoe::hf;
 use mpipemoe::MoeError;
 use mpipemoe_tools::flags::may_write;
@@ -89,7 +89,10 @@ fn to_hf(dir: &PathBuf, args: &ConvertArgs) -> Result<(), MoeError> {
         .input
         .as_ref()
         .ok_or_else(|| MoeError::config("input", "--to-hf needs --input FILE (a canonical layer file)"))?;
+    // The file is checked as every loader checks it (its meta against its tensors' shapes)
+    // before anything is written.
     let (tensors, meta) = read_safetensors(input)?;
+    layer_file_config(&tensors, meta.as_deref(), input)?;
     let meta = meta
         .map(|m| LayerMeta::parse(&m))
         .transpose()

@@ -97,7 +97,7 @@ impl ShapeArgs {
         if self.top_k > e {
             return Err(format!("--top-k {} is more than the {e} experts", self.top_k));
         }
-        if e % self.gpus != 0 {
+        if !e.is_multiple_of(self.gpus) {
             return Err(format!(
                 "--experts {e} cannot be split evenly over --gpus {}",
                 self.gpus
