@@ -19,14 +19,16 @@ use common::{copy_dir, scratch_dir};
 
 type B = Autodiff<NdArray>;
 
-/// (folder, MoE layer checked): the checkpoints the tests are given, and the project's own
-/// Llama 4 and GPT-OSS ones (stacked experts), each with `<folder>.layer<L>.safetensors`.
-const CHECKPOINTS: [(&str, usize); 5] = [
-    ("mixtral-tiny", 1),
-    ("qwen2-moe-tiny", 0),
-    ("deepseek-v3-tiny", 1),
-    ("generated/llama4-tiny", 1),
-    ("generated/gpt-oss-tiny", 1),
+/// (folder, MoE layer checked, its case `<case>.layer<L>.safetensors`): the checkpoints the
+/// tests are given, and the project's own Llama 4 (text-only and multimodal, the same weights)
+/// and GPT-OSS ones (stacked experts).
+const CHECKPOINTS: [(&str, usize, &str); 6] = [
+    ("mixtral-tiny", 1, "mixtral-tiny"),
+    ("qwen2-moe-tiny", 0, "qwen2-moe-tiny"),
+    ("deepseek-v3-tiny", 1, "deepseek-v3-tiny"),
+    ("generated/llama4-tiny", 1, "generated/llama4-tiny"),
+    ("generated/llama4-multimodal-tiny", 1, "generated/llama4-tiny"),
+    ("generated/gpt-oss-tiny", 1, "generated/gpt-oss-tiny"),
 ];
 
 fn data() -> PathBuf {
@@ -55,8 +57,8 @@ fn bytes(data: &TensorData) -> Vec<u8> {
 
 #[test]
 fn import_gives_the_canonical_tensors_of_the_expected_case_bit_exactly() {
-    for (folder, layer) in CHECKPOINTS {
-        let case = case_of(folder, layer);
+    for (folder, layer, case_name) in CHECKPOINTS {
+        let case = case_of(case_name, layer);
         let (info, tensors) = hf::read_layer(data().join(folder), layer, 0..case.config.n_experts).unwrap();
         assert_eq!(info.meta().kind.as_deref(), case.meta.kind.as_deref(), "{folder}");
         assert_eq!(info.meta().hf_dtype, case.meta.hf_dtype, "{folder}");
@@ -94,12 +96,12 @@ fn import_gives_the_canonical_tensors_of_the_expected_case_bit_exactly() {
 #[test]
 fn convert_writes_a_file_that_reads_back_as_the_same_layer() {
     let dir = scratch_dir("hf-convert");
-    for (folder, layer) in CHECKPOINTS {
+    for (folder, layer, case_name) in CHECKPOINTS {
         let out = dir.join(format!("{}.safetensors", folder.replace('/', "-")));
         hf::convert_to_file(data().join(folder), layer, &out).unwrap();
         let (tensors, meta) = mpipemoe::format::read_safetensors(&out).unwrap();
         let meta = mpipemoe::format::LayerMeta::parse(&meta.unwrap()).unwrap();
-        let case = case_of(folder, layer);
+        let case = case_of(case_name, layer);
         assert_eq!(meta.kind, case.meta.kind);
         assert_eq!(meta.hf_layer, Some(layer));
         assert_eq!(
@@ -117,8 +119,8 @@ fn convert_writes_a_file_that_reads_back_as_the_same_layer() {
 /// case's y, dx and gradients.
 #[test]
 fn the_imported_layer_reproduces_the_case_at_every_rank_count() {
-    for (folder, layer) in CHECKPOINTS {
-        let case = case_of(folder, layer);
+    for (folder, layer, case_name) in CHECKPOINTS {
+        let case = case_of(case_name, layer);
         let x = case.tensor("x").clone();
         let probe = case.tensor("probe").clone();
         let [n_tokens, m] = [x.shape[0], x.shape[1]];
@@ -245,7 +247,7 @@ fn an_unknown_family_a_missing_tensor_and_a_bad_shape_are_named() {
 #[test]
 fn import_then_export_without_training_gives_the_same_files_back() {
     let dir = scratch_dir("hf-roundtrip");
-    for (folder, layer) in CHECKPOINTS {
+    for (folder, layer, _) in CHECKPOINTS {
         let source = data().join(folder);
         let info = HfLayer::read(&source, layer).unwrap();
         let (_, tensors) = hf::read_layer(&source, layer, 0..info.config.n_experts).unwrap();
@@ -365,7 +367,7 @@ fn inspect_lists_the_moe_layers() {
     assert_eq!(deepseek[0].family, Family::DeepseekV3);
     // Every family's count is the number of values the import reads for the layer (the
     // stacked families' biases and router bias included).
-    for (folder, layer) in CHECKPOINTS {
+    for (folder, layer, _) in CHECKPOINTS {
         let summary = hf::inspect(data().join(folder)).unwrap();
         let summary = summary.iter().find(|l| l.layer == layer).unwrap();
         let (_, tensors) = hf::read_layer(data().join(folder), layer, 0..summary.n_experts).unwrap();
@@ -448,6 +450,37 @@ fn the_llama4_case_depends_on_weighting_the_input() {
         err > 1e-2,
         "weighting the output instead gives the case's y (rel err {err:e})"
     );
+}
+
+/// The Hub's Llama 4 releases are multimodal: the text model's keys are under `text_config`
+/// and its tensors under `language_model.`. Without `text_config` the file is refused by name.
+#[test]
+fn a_multimodal_llama4_is_read_through_its_text_config() {
+    let source = data().join("generated/llama4-multimodal-tiny");
+    let info = HfLayer::read(&source, 1).unwrap();
+    assert_eq!(info.family, Family::Llama4);
+    assert_eq!(
+        hf::inspect(&source)
+            .unwrap()
+            .iter()
+            .map(|l| l.layer)
+            .collect::<Vec<_>>(),
+        vec![1]
+    );
+    let dir = scratch_dir("hf-llama4-mm");
+    let broken = dir.join("no-text-config");
+    copy_dir(&source, &broken);
+    let config_path = broken.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    config.as_object_mut().unwrap().remove("text_config");
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let err = HfLayer::read(&broken, 1).unwrap_err().to_string();
+    assert!(
+        err.contains("config.json") && err.contains("text_config"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// GPT-OSS's clamped SwiGLU acts on the case (values pass the clamp, and an unclamped SwiGLU

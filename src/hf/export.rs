@@ -8,7 +8,7 @@ use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
 
 use super::checkpoint::{narrow, parse, Checkpoint};
-use super::family::{HfConfig, LayerNames};
+use super::family::HfConfig;
 use super::fp8::is_fp8;
 use super::layout::to_hf;
 use crate::error::{MoeError, Result};
@@ -99,7 +99,7 @@ pub fn write_layers_with(
             ));
         }
         let config = hf.layer_config(layer)?;
-        values.extend(to_hf(&config, &LayerNames::new(hf.family, layer), tensors)?);
+        values.extend(to_hf(&config, &hf.names(layer), tensors)?);
     }
     let ckpt = Checkpoint::open(dir)?;
     // FP8 weights are dequantised on import; writing them back would need their block scales

@@ -29,7 +29,8 @@ pub enum Family {
     /// `deepseek_v3`: sigmoid scores with a score-correction bias, group-limited top-k, a
     /// routed scaling factor, ungated shared experts, and dense first layers.
     DeepseekV3,
-    /// `llama4_text`: `feed_forward.router`, the experts stacked in one
+    /// `llama4_text`, or the multimodal `llama4` around it (`text_config`,
+    /// `language_model.model.layers.*`): `feed_forward.router`, the experts stacked in one
     /// `feed_forward.experts.gate_up_proj [E, M, 2H]` and `down_proj [E, H, M]`, top-k by the
     /// logits with `sigmoid(logit)` multiplied into the expert's input, an ungated
     /// `shared_expert`.
@@ -100,7 +101,14 @@ pub(crate) struct HfConfig {
     pub n_layers: usize,
     /// The length of `config.json`, for [`ReadStats`](super::ReadStats).
     pub bytes: usize,
+    /// What every tensor name starts with before `layers.{l}.`: `model.`, or
+    /// `language_model.model.` for a text model inside a multimodal one (Llama 4's releases).
+    pub root: &'static str,
+    /// The text model's keys (`text_config` where it is nested).
     json: Value,
+    /// The whole file, where the text model's keys are nested: its `dtype` and
+    /// `quantization_config` are the checkpoint's.
+    outer: Option<Value>,
     source: std::path::PathBuf,
 }
 
@@ -115,6 +123,29 @@ impl HfConfig {
             .get("model_type")
             .and_then(Value::as_str)
             .ok_or_else(|| MoeError::file(&source, "no `model_type` string"))?;
+        // Llama 4's releases are the multimodal `llama4`: the text model's keys are under
+        // `text_config` and its tensors under `language_model.`.
+        if model_type == "llama4" {
+            let text_config = json
+                .get("text_config")
+                .filter(|t| t.is_object())
+                .cloned()
+                .ok_or_else(|| {
+                    MoeError::file(
+                        &source,
+                        "`model_type` is \"llama4\" but there is no `text_config` object",
+                    )
+                })?;
+            let bytes = text.len();
+            return Self::new(
+                Family::Llama4,
+                "language_model.model.",
+                text_config,
+                Some(json),
+                bytes,
+                source,
+            );
+        }
         let family = Family::parse(model_type).ok_or_else(|| {
             MoeError::file(
                 &source,
@@ -124,11 +155,24 @@ impl HfConfig {
                 ),
             )
         })?;
+        Self::new(family, "model.", json, None, text.len(), source)
+    }
+
+    fn new(
+        family: Family,
+        root: &'static str,
+        json: Value,
+        outer: Option<Value>,
+        bytes: usize,
+        source: std::path::PathBuf,
+    ) -> Result<Self> {
         let mut config = Self {
             family,
             n_layers: 0,
-            bytes: text.len(),
+            bytes,
+            root,
             json,
+            outer,
             source,
         };
         config.n_layers = config.usize("num_hidden_layers")?;
@@ -226,10 +270,16 @@ impl HfConfig {
 
     /// The `dtype` (or older `torch_dtype`) the checkpoint was saved in, if it says.
     pub(crate) fn dtype(&self) -> Option<String> {
-        self.get("dtype")
-            .or_else(|| self.get("torch_dtype"))
-            .and_then(Value::as_str)
+        let top = self.outer.as_ref().unwrap_or(&self.json);
+        ["dtype", "torch_dtype"]
+            .iter()
+            .find_map(|key| top.get(key).or_else(|| self.get(key)).and_then(Value::as_str))
             .map(str::to_string)
+    }
+
+    /// The names of MoE layer `layer`'s tensors.
+    pub(crate) fn names(&self, layer: usize) -> LayerNames {
+        LayerNames::new(self.family, self.root, layer)
     }
 
     /// The block size of the checkpoint's FP8 weights, if `quantization_config` says it has
@@ -239,7 +289,8 @@ impl HfConfig {
     /// [`MoeError::File`] naming `config.json` and the key if the method is not fp8 or the
     /// block size is bad.
     pub(crate) fn fp8_blocks(&self) -> Result<Option<super::fp8::Fp8Blocks>> {
-        super::fp8::Fp8Blocks::from_config(&self.json).map_err(|reason| self.error(reason))
+        super::fp8::Fp8Blocks::from_config(self.outer.as_ref().unwrap_or(&self.json))
+            .map_err(|reason| self.error(reason))
     }
 
     /// Whether layer `layer` is a MoE layer (rather than a dense MLP).
@@ -404,7 +455,7 @@ pub(crate) struct LayerNames {
 }
 
 impl LayerNames {
-    pub(crate) fn new(family: Family, layer: usize) -> Self {
+    pub(crate) fn new(family: Family, root: &str, layer: usize) -> Self {
         let block = match family {
             Family::Mixtral => "block_sparse_moe",
             Family::Llama4 => "feed_forward",
@@ -412,7 +463,7 @@ impl LayerNames {
         };
         Self {
             family,
-            prefix: format!("model.layers.{layer}.{block}."),
+            prefix: format!("{root}layers.{layer}.{block}."),
         }
     }
 

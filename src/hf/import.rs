@@ -23,6 +23,10 @@ pub struct HfLayer {
     /// The layer config `config.json` implies.
     #[serde(skip)]
     pub config: MoeLayerConfig,
+    /// What the checkpoint's tensor names start with before `layers.` (`model.`, or
+    /// `language_model.model.` in a multimodal Llama 4).
+    #[serde(skip)]
+    pub(crate) root: &'static str,
     /// The dtype the layer is stored in (`float32`, `bfloat16`, `float16`): after
     /// [`read_layer`], the tensors' own; from [`HfLayer::read`] alone, what `config.json` says.
     pub dtype: Option<String>,
@@ -39,6 +43,7 @@ impl HfLayer {
         Ok(Self {
             family: hf.family,
             layer,
+            root: hf.root,
             config: hf.layer_config(layer)?,
             dtype: hf.dtype(),
         })
@@ -56,7 +61,7 @@ impl HfLayer {
     }
 
     pub(crate) fn names(&self) -> LayerNames {
-        LayerNames::new(self.family, self.layer)
+        LayerNames::new(self.family, self.root, self.layer)
     }
 }
 

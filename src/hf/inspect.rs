@@ -5,7 +5,7 @@ use std::path::Path;
 use serde::Serialize;
 
 use super::checkpoint::Checkpoint;
-use super::family::{Family, HfConfig, LayerNames, Part};
+use super::family::{Family, HfConfig, Part};
 use crate::error::{MoeError, Result};
 
 /// One MoE layer as `mpipemoe inspect` lists it.
@@ -48,7 +48,7 @@ pub fn inspect(dir: impl AsRef<Path>) -> Result<Vec<LayerSummary>> {
         .map(|layer| {
             let c = hf.layer_config(layer)?;
             let (e, m, h) = (c.n_experts, c.d_model, c.d_hidden);
-            let names = LayerNames::new(hf.family, layer);
+            let names = hf.names(layer);
             let first_expert = match names.stacked() {
                 true => (names.stacked_gate_up(), vec![e, m, 2 * h]),
                 false => (names.expert(0, Part::Gate), vec![h, m]),

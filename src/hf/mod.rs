@@ -2,7 +2,8 @@
 //!
 //! Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and DeepSeek-V3 checkpoints (one `model.safetensors`
 //! or shards with `model.safetensors.index.json`; f32, bf16 or f16 stored) hold their MoE
-//! layers as one `[out, in]` matrix per projection and expert; Llama 4 (`llama4_text`) and
+//! layers as one `[out, in]` matrix per projection and expert; Llama 4 (`llama4`, and the
+//! text-only `llama4_text`) and
 //! GPT-OSS (unquantised) stack each projection's experts in one 3-D tensor applied as `x · W`
 //! (GPT-OSS with gate and up columns interleaved, per-expert biases and its clamped SwiGLU,
 //! [`Activation::ClampedSwiGlu`](crate::Activation::ClampedSwiGlu); Llama 4 with the router's

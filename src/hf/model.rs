@@ -96,6 +96,7 @@ impl HfCheckpoint {
         Ok(HfLayer {
             family: self.config.family,
             layer,
+            root: self.config.root,
             config: self.config.layer_config(layer)?,
             dtype: self.config.dtype(),
         })

@@ -14,6 +14,11 @@ but multiplies the weight into the expert's *input*, not its output:
 `y = shared(x) + sum_j expert_{idx_j}(sigmoid(l_{idx_j}) * x)`. That is not the same function
 (the expert is not linear), so the case's meta says `"weights_on_input": true`.
 
+llama4-multimodal-tiny/ is the same text model inside `Llama4ForConditionalGeneration` with a
+tiny vision tower, saved the same way: `model_type` "llama4" with the text model's keys under
+`text_config`, and its layers named `language_model.model.layers.*`, as the Hub's Llama 4
+releases are. Its layer 1 has the same weights, so the same case checks it.
+
 llama4-tiny.layer1.safetensors is the case of MoE layer 1 in the format of the cases' README:
 the layer's weights under the canonical names (bf16 -> f32, exact), an input, the output of
 transformers' `Llama4TextMoe` for that layer computed in float64 from the stored weights, and
@@ -29,10 +34,17 @@ from pathlib import Path
 import torch
 import transformers
 from safetensors.torch import save_file
-from transformers import Llama4ForCausalLM, Llama4TextConfig
+from transformers import (
+    Llama4Config,
+    Llama4ForCausalLM,
+    Llama4ForConditionalGeneration,
+    Llama4TextConfig,
+    Llama4VisionConfig,
+)
 
 HERE = Path(__file__).parent
 OUT = HERE / "llama4-tiny"
+MULTIMODAL = HERE / "llama4-multimodal-tiny"
 LAYER = 1
 E, M, H, K, T = 8, 32, 16, 1, 40
 
@@ -66,6 +78,28 @@ def main():
     if OUT.exists():
         shutil.rmtree(OUT)
     model.save_pretrained(OUT, max_shard_size="20KB")
+
+    # The multimodal model's own initialisation must not move the draws of the case below.
+    rng = torch.get_rng_state()
+    vision = Llama4VisionConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=32,
+        image_size=28,
+        patch_size=14,
+        vision_output_dim=32,
+        projector_input_dim=32,
+        projector_output_dim=32,
+    )
+    multimodal = Llama4ForConditionalGeneration(
+        Llama4Config(text_config=config.to_dict(), vision_config=vision.to_dict())
+    ).to(torch.bfloat16)
+    multimodal.language_model.load_state_dict(model.state_dict(), strict=True)
+    if MULTIMODAL.exists():
+        shutil.rmtree(MULTIMODAL)
+    multimodal.save_pretrained(MULTIMODAL, max_shard_size="40KB")
+    torch.set_rng_state(rng)
 
     # The case, from the stored (bf16) weights in float64.
     block = model.model.layers[LAYER].feed_forward
