@@ -868,14 +868,53 @@ fn fp8_block_scaled_weights_import_as_transformers_dequantises_them() {
     let whole = halves[0].as_ref().unwrap();
     assert!(bytes(&whole["experts.w_out"]) == bytes(&want["experts.w_out"]));
 
-    // Exporting into the FP8 checkpoint is refused, naming the tensor, and writes nothing.
+    // Exported unchanged into the FP8 checkpoint, every weight keeps its block scales and is
+    // written back to the same bits: the whole folder is byte-identical.
     let out = dir.join("export");
-    let err = hf::write_layer(&fp8, 1, &got, &out).unwrap_err().to_string();
-    assert!(
-        err.contains("float8_e4m3fn") && err.contains("model.layers.1.mlp."),
-        "{err}"
+    let report = hf::write_layer(&fp8, 1, &got, &out).unwrap();
+    assert_eq!(
+        report.requantized.len(),
+        8 * 3 + 3,
+        "8 experts x 3 and the shared expert's 3"
     );
-    assert!(!out.exists());
+    assert!(
+        report.requantized.iter().all(|r| r.rescaled_blocks == 0),
+        "{report:?}"
+    );
+    for entry in std::fs::read_dir(&fp8).unwrap() {
+        let name = entry.unwrap().file_name();
+        assert!(
+            std::fs::read(fp8.join(&name)).unwrap() == std::fs::read(out.join(&name)).unwrap(),
+            "{} changed on an unchanged export",
+            name.to_string_lossy()
+        );
+    }
+    // Weights times 4 fit no stored scale: every block is quantised afresh, bit for bit as
+    // transformers' Fp8Quantize does it (make_fp8.py).
+    let mut times4 = got.clone();
+    for name in ["experts.w_in", "experts.w_out", "shared.w_in", "shared.w_out"] {
+        let data = &got[name];
+        let values: Vec<f32> = data.to_vec::<f32>().unwrap().iter().map(|v| v * 4.0).collect();
+        times4.insert(name.into(), TensorData::new(values, data.shape.clone()));
+    }
+    let out4 = dir.join("export-x4");
+    let report = hf::write_layer(&fp8, 1, &times4, &out4).unwrap();
+    assert!(
+        report.requantized.iter().all(|r| r.rescaled_blocks == r.blocks),
+        "{report:?}"
+    );
+    let written = all_tensors(&out4);
+    let bytes = std::fs::read(generated().join("deepseek-v3-fp8-tiny.requantized-x4.safetensors")).unwrap();
+    let want = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(want.len(), 2 * report.requantized.len());
+    for (name, view) in want.tensors() {
+        let (dtype, shape, data) = &written[&name];
+        assert_eq!((*dtype, shape.as_slice()), (view.dtype(), view.shape()), "{name}");
+        assert!(
+            data.as_slice() == view.data(),
+            "{name} differs from transformers' quantisation"
+        );
+    }
     std::fs::remove_dir_all(&dir).ok();
 }
 

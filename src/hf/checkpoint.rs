@@ -398,6 +398,20 @@ pub(crate) fn narrow(values: &[f32], dtype: Dtype) -> std::result::Result<Vec<u8
         Dtype::BF16 => data.convert::<bf16>(),
         Dtype::F16 => data.convert::<f16>(),
         Dtype::F64 => data.convert::<f64>(),
+        // The values of an FP8 weight were rounded to float8_e4m3fn values by
+        // `fp8::quantize`; this only stores their bits.
+        Dtype::F8_E4M3 => {
+            return values
+                .iter()
+                .map(|&v| {
+                    let bits = super::fp8::f32_to_e4m3(v);
+                    match super::fp8::e4m3_to_f32(bits) == v || v.is_nan() {
+                        true => Ok(bits),
+                        false => Err(format!("{v} is not a float8_e4m3fn value")),
+                    }
+                })
+                .collect();
+        }
         other => return Err(format!("dtype {other:?} is not supported (f32, bf16, f16, f64)")),
     };
     Ok(data.as_bytes().to_vec())

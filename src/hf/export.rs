@@ -7,10 +7,10 @@ use burn::tensor::backend::Backend;
 use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
 
-use super::checkpoint::{narrow, parse, Checkpoint};
+use super::checkpoint::{narrow, parse, Checkpoint, ImportOptions};
 use super::family::HfConfig;
-use super::fp8::is_fp8;
-use super::layout::to_hf;
+use super::fp8::{is_fp8, quantize, scale_name};
+use super::layout::{to_hf, HfEntry};
 use crate::error::{MoeError, Result};
 use crate::files::{file_in, map_regular, StagedDir};
 use crate::layer::{MoeLayer, MoeLayerConfig, TensorMap};
@@ -24,6 +24,23 @@ pub struct ExportReport {
     pub tensors: usize,
     /// Other files copied unchanged (0 when writing in place).
     pub files_copied: usize,
+    /// The weights the checkpoint stores as FP8 (float8_e4m3fn with block scales), written
+    /// back as FP8 from the layer's f32 values; empty for other checkpoints.
+    pub requantized: Vec<Requantized>,
+}
+
+/// An FP8 weight written back by an export: the layer holds it in f32, and the checkpoint
+/// keeps FP8, so it is quantised again in the checkpoint's blocks.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Requantized {
+    /// The weight's name in the checkpoint.
+    pub tensor: String,
+    /// Its scale blocks.
+    pub blocks: usize,
+    /// Blocks whose values no longer fit the stored scale (`|w| · (1 / scale) > 464`, beyond
+    /// what clamping to 448 costs no more than rounding) and got a new one (`amax / 448`);
+    /// the others keep theirs, so an unchanged weight is written back to the same bytes.
+    pub rescaled_blocks: usize,
 }
 
 /// Options of an export.
@@ -101,23 +118,9 @@ pub fn write_layers_with(
         let config = hf.layer_config(layer)?;
         values.extend(to_hf(&config, &hf.names(layer), tensors)?);
     }
-    let ckpt = Checkpoint::open(dir)?;
-    // FP8 weights are dequantised on import; writing them back would need their block scales
-    // recomputed and the checkpoint's quantization_config kept true for every other layer,
-    // which this writer does not do yet. Refused before anything is written.
-    let names: Vec<String> = values.keys().cloned().collect();
-    if let Some((name, _)) = ckpt
-        .header_shapes(&names)?
-        .into_iter()
-        .find(|(_, (dtype, _))| is_fp8(*dtype))
-    {
-        return Err(MoeError::file(
-            dir.join(ckpt.shard_of(&name)?),
-            format!(
-                "tensor `{name}` is stored as float8_e4m3fn with block scales; writing FP8 weights back is not supported (import dequantises them: save the layer as a canonical file with `mpipemoe convert`, or into a checkpoint stored in bfloat16 or float32)"
-            ),
-        ));
-    }
+    let mut ckpt = Checkpoint::open(dir)?;
+    ckpt.fp8 = hf.fp8_blocks()?;
+    let requantized = requantize_fp8(&ckpt, &mut values)?;
     let mut by_shard: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for name in values.keys() {
         by_shard
@@ -151,7 +154,49 @@ pub fn write_layers_with(
         shards_rewritten: by_shard.into_keys().collect(),
         tensors: count,
         files_copied,
+        requantized,
     })
+}
+
+/// Turns the values of every weight the checkpoint stores as float8_e4m3fn into FP8 values
+/// and block scales (`fp8::quantize`), and adds the scales to `values`, so that the
+/// checkpoint stays what its `quantization_config` says. Returns what was re-quantised.
+fn requantize_fp8(ckpt: &Checkpoint, values: &mut HashMap<String, Vec<f32>>) -> Result<Vec<Requantized>> {
+    let names: Vec<String> = values.keys().cloned().collect();
+    let mut fp8: Vec<(String, Vec<usize>)> = ckpt
+        .header_shapes(&names)?
+        .into_iter()
+        .filter(|(_, (dtype, _))| is_fp8(*dtype))
+        .map(|(name, (_, shape))| (name, shape))
+        .collect();
+    fp8.sort();
+    let mut out = Vec::with_capacity(fp8.len());
+    for (name, shape) in fp8 {
+        let shard = ckpt.dir.join(ckpt.shard_of(&name)?);
+        let (blocks, [rows, cols]) = match (ckpt.fp8, shape.as_slice()) {
+            (Some(blocks), &[rows, cols]) => (blocks, [rows, cols]),
+            _ => {
+                return Err(MoeError::file(
+                    shard,
+                    format!("tensor `{name}` is float8_e4m3fn of shape {shape:?}, but config.json gives no block size for it (`quantization_config.weight_block_size`) or it is not a matrix"),
+                ))
+            }
+        };
+        let scale = scale_name(&name);
+        let grid = blocks.grid(&shape).expect("a matrix has a grid");
+        let entry = HfEntry::whole(scale.clone(), grid.to_vec());
+        let stored = ckpt.read(std::slice::from_ref(&entry), &ImportOptions::default())?;
+        let (q, scales, rescaled_blocks) =
+            quantize(&values[&name], [rows, cols], &stored[&scale].values, blocks);
+        values.insert(name.clone(), q);
+        values.insert(scale.clone(), scales);
+        out.push(Requantized {
+            tensor: name,
+            blocks: grid[0] * grid[1],
+            rescaled_blocks,
+        });
+    }
+    Ok(out)
 }
 
 /// Copies (in place: hard-links) every file of `dir` except the shards in `rewritten` into

@@ -99,6 +99,95 @@ pub(crate) fn dequantize(q: &[u8], shape: [usize; 2], scale: &[f32], blocks: Fp8
     out
 }
 
+/// The `[rows, cols]` weight `w` as float8_e4m3fn values (returned as the f32 values they
+/// stand for) and block scales, given the checkpoint's block scales `scale` (`grid` layout).
+/// A block keeps its scale where `w · (1 / scale)` stays within ±464, which clamping to 448
+/// moves by no more than rounding would (half the spacing of 32 between 448 and the next
+/// power's values), so a weight that was imported and not changed is written back to the
+/// same bits (its largest value comes back as `448 · scale · (1 / scale)`, a rounding away
+/// from 448). A block that no longer fits
+/// gets transformers' scale (`Fp8Quantize`: `scales = 448 / amax` computed as
+/// `(1 / amax) · 448`, stored as `1 / scales`,
+/// `q = clamp(w · scales, ±448)` rounded to nearest even). Returns the values, the scales
+/// and how many blocks were rescaled.
+pub(crate) fn quantize(
+    w: &[f32],
+    shape: [usize; 2],
+    scale: &[f32],
+    blocks: Fp8Blocks,
+) -> (Vec<f32>, Vec<f32>, usize) {
+    let [rows, cols] = shape;
+    let [grid_rows, grid_cols] = [rows.div_ceil(blocks.rows), cols.div_ceil(blocks.cols)];
+    let mut inv = scale.to_vec();
+    let mut forward: Vec<f32> = scale.iter().map(|s| 1.0 / s).collect();
+    let mut rescaled = 0;
+    for (b, (inv_b, forward_b)) in inv
+        .iter_mut()
+        .zip(&mut forward)
+        .enumerate()
+        .take(grid_rows * grid_cols)
+    {
+        let (bi, bj) = (b / grid_cols, b % grid_cols);
+        let amax = (bi * blocks.rows..((bi + 1) * blocks.rows).min(rows))
+            .flat_map(|i| {
+                w[i * cols + bj * blocks.cols..i * cols + ((bj + 1) * blocks.cols).min(cols)].iter()
+            })
+            .fold(0f32, |m, v| m.max(v.abs()));
+        if amax * *forward_b > E4M3_KEEP || !forward_b.is_finite() {
+            // transformers writes `_FP8_MAX / safe_max_abs`, and torch evaluates a number
+            // divided by a tensor as the tensor's reciprocal times the number
+            // (`Tensor.__rtruediv__`): two roundings, kept here for the same bits.
+            let scales = if amax > 0.0 { (1.0 / amax) * E4M3_MAX } else { 1.0 };
+            *forward_b = scales;
+            *inv_b = 1.0 / scales;
+            rescaled += 1;
+        }
+    }
+    let mut q = Vec::with_capacity(rows * cols);
+    for i in 0..rows {
+        let forward_row = &forward[(i / blocks.rows) * grid_cols..][..grid_cols];
+        for j in 0..cols {
+            let scaled = (w[i * cols + j] * forward_row[j / blocks.cols]).clamp(-E4M3_MAX, E4M3_MAX);
+            q.push(e4m3_to_f32(f32_to_e4m3(scaled)));
+        }
+    }
+    (q, inv, rescaled)
+}
+
+/// The largest finite float8_e4m3fn value.
+const E4M3_MAX: f32 = 448.0;
+
+/// The largest scaled value a block keeps its scale for: 448 plus half the spacing (32) of
+/// the values at the top of the range.
+const E4M3_KEEP: f32 = 464.0;
+
+/// `x` (within ±448, not NaN) rounded to the nearest float8_e4m3fn value, ties to the even
+/// code (the one whose last mantissa bit is 0), as torch's cast rounds.
+pub(crate) fn f32_to_e4m3(x: f32) -> u8 {
+    let sign = if x.is_sign_negative() { 0x80 } else { 0x00 };
+    if x.is_nan() {
+        return sign | 0x7F;
+    }
+    let magnitude = x.abs();
+    // Codes 0x00..=0x7E are the non-negative finite values in increasing order.
+    let (mut lo, mut hi) = (0u8, 0x7Eu8);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if e4m3_to_f32(mid) <= magnitude {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    let (below, above) = (magnitude - e4m3_to_f32(lo), e4m3_to_f32(hi) - magnitude);
+    let code = if magnitude >= e4m3_to_f32(hi) || above < below || (above == below && hi % 2 == 0) {
+        hi
+    } else {
+        lo
+    };
+    sign | code
+}
+
 /// One float8_e4m3fn value (1 sign, 4 exponent bits biased by 7, 3 mantissa bits; no
 /// infinities, `S.1111.111` is NaN; the largest value is 448) as f32, exactly.
 pub(crate) fn e4m3_to_f32(bits: u8) -> f32 {
@@ -119,6 +208,20 @@ pub(crate) fn e4m3_to_f32(bits: u8) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_e4m3_value_encodes_to_itself_and_midpoints_round_to_even() {
+        for bits in (0u8..=0xFF).filter(|b| b & 0x7F != 0x7F) {
+            assert_eq!(f32_to_e4m3(e4m3_to_f32(bits)), bits, "{bits:#04x}");
+        }
+        // 1.0 (0x38) and 1.125 (0x39): the midpoint goes to the even code, just above it up.
+        assert_eq!(f32_to_e4m3(1.0625), 0x38);
+        assert_eq!(f32_to_e4m3(1.0626), 0x39);
+        // 1.125 (0x39) and 1.25 (0x3A): the midpoint goes up to the even code.
+        assert_eq!(f32_to_e4m3(1.1875), 0x3A);
+        assert_eq!(f32_to_e4m3(-448.0), 0xFE);
+        assert_eq!(f32_to_e4m3(2f32.powi(-11)), 0x00); // below half the smallest subnormal
+    }
 
     #[test]
     fn e4m3_decodes_its_landmarks() {

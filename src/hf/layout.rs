@@ -23,7 +23,7 @@ pub(crate) struct HfEntry {
 
 impl HfEntry {
     /// The whole tensor.
-    fn whole(name: String, shape: Vec<usize>) -> Self {
+    pub(crate) fn whole(name: String, shape: Vec<usize>) -> Self {
         let rows = 0..shape.first().copied().unwrap_or(1);
         Self { name, shape, rows }
     }

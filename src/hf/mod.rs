@@ -21,7 +21,8 @@
 //! FP8 block-scaled weights (`float8_e4m3fn` with a `weight_scale_inv` per block of
 //! `quantization_config.weight_block_size`, as DeepSeek-V3 and Qwen3 publish them) are
 //! dequantised on import, `f32(q) · f32(scale)`, as transformers' `Fp8Dequantize` does;
-//! exporting into such a checkpoint is refused.
+//! exporting into such a checkpoint writes them as FP8 again in its blocks
+//! ([`ExportReport::requantized`] says which and how many blocks needed a new scale).
 //!
 //! ```no_run
 //! use burn::backend::{Autodiff, NdArray};
@@ -47,7 +48,9 @@ mod layout;
 mod model;
 
 pub use checkpoint::{ImportOptions, ReadStats};
-pub use export::{write_layer, write_layer_with, write_layers_with, ExportOptions, ExportReport};
+pub use export::{
+    write_layer, write_layer_with, write_layers_with, ExportOptions, ExportReport, Requantized,
+};
 pub use family::Family;
 pub use import::{convert_to_file, convert_to_file_with, read_layer, read_layer_with, HfLayer};
 pub use inspect::{inspect, LayerSummary};

@@ -7,6 +7,10 @@ transformers' `Fp8Quantize` (integrations/finegrained_fp8.py); the router, norms
 and head unquantised; `quantization_config` in config.json. The blocks are 8 x 16 rather than
 128 x 128 so that the tiny matrices have several blocks each.
 
+deepseek-v3-fp8-tiny.requantized-x4.safetensors holds transformers' `Fp8Quantize` of layer 1's
+MoE weights (experts and shared experts) dequantised and multiplied by 4: what exporting that
+layer, so changed, into the FP8 checkpoint must write.
+
 deepseek-v3-fp8-tiny.dequantized.safetensors holds, under the checkpoint's names, every
 quantised weight dequantised to float32 by transformers' `Fp8Dequantize` (what
 `from_pretrained(..., quantization_config=FineGrainedFP8Config(dequantize=True))` applies on
@@ -102,4 +106,17 @@ save_file(
     HERE / "deepseek-v3-fp8-tiny.dequantized.safetensors",
     metadata={"transformers": transformers.__version__, "torch": torch.__version__},
 )
+# An export into the FP8 checkpoint writes FP8 again. A layer whose MoE weights were all
+# multiplied by 4 no longer fits any block's stored scale, so each block is quantised afresh:
+# this is transformers' Fp8Quantize of the dequantised weights times 4 (exact in f32).
+requantized = {}
+for name, value in expected.items():
+    if name.startswith("model.layers.1.mlp."):
+        requantized.update(quantize.convert({name: value * 4}))
+save_file(
+    requantized,
+    HERE / "deepseek-v3-fp8-tiny.requantized-x4.safetensors",
+    metadata={"transformers": transformers.__version__, "torch": torch.__version__},
+)
+
 print(f"wrote {OUT.name}/ ({len(expected) - 1} quantised weights) with transformers {transformers.__version__}")

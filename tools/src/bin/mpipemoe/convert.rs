@@ -117,5 +117,13 @@ fn to_hf(dir: &PathBuf, args: &ConvertArgs) -> Result<(), MoeError> {
         report.shards_rewritten.join(", "),
         report.files_copied
     );
+    if !report.requantized.is_empty() {
+        let blocks: usize = report.requantized.iter().map(|r| r.blocks).sum();
+        let rescaled: usize = report.requantized.iter().map(|r| r.rescaled_blocks).sum();
+        println!(
+            "{} weights written as float8_e4m3fn in the checkpoint's blocks ({rescaled} of {blocks} blocks needed a new scale)",
+            report.requantized.len()
+        );
+    }
     Ok(())
 }
