@@ -22,6 +22,10 @@ pub struct LayerShape {
     /// Hidden width of the shared expert, if the layer has one (it runs on every token, beside
     /// the exchange).
     pub shared_expert: Option<usize>,
+    /// Whether the combine weights multiply the experts' input rows (Llama 4,
+    /// [`MoeLayerConfig::weights_on_input`](crate::MoeLayerConfig::weights_on_input)): autodiff
+    /// then keeps the unweighted rows besides the weighted ones.
+    pub weights_on_input: bool,
     /// `E`, over all ranks.
     pub n_experts: usize,
     /// `N`
@@ -46,6 +50,7 @@ impl LayerShape {
             d_hidden,
             activation: Activation::Gelu,
             shared_expert: None,
+            weights_on_input: false,
             n_experts: n_ranks,
             n_ranks,
             n_partitions,

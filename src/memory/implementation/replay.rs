@@ -15,6 +15,8 @@ pub(super) struct Replay<'a> {
     pub(super) f: f64,
     pub(super) activation: Activation,
     shared: Option<f64>,
+    /// The combine weights multiply `T_I` (Llama 4).
+    weights_on_input: bool,
     /// One rank: all-to-alls return their input, dispatched rows are views of `T_I`.
     pub(super) identity: bool,
     /// Received rows are regrouped expert-major (several ranks and several local experts).
@@ -36,6 +38,7 @@ impl<'a> Replay<'a> {
             f: shape.d_inner() as f64,
             activation: shape.activation,
             shared: shape.shared_expert.map(|h| h as f64),
+            weights_on_input: shape.weights_on_input,
             identity,
             permuted: !identity && shape.local_experts() > 1,
             grads_seen: vec![false; shape.local_experts()],
@@ -76,6 +79,12 @@ impl<'a> Replay<'a> {
         // scores (small, kept by autodiff), the permuted rows T_I.
         l.at("input check", &[("is_finite temporaries", t * m * 1.25)]);
         l.alloc("permute", "T_I", s * m);
+        if self.weights_on_input {
+            // T_I · weights is what the exchange takes; autodiff keeps the unweighted T_I
+            // for the weights' gradient until the backward reaches the permute.
+            l.rename("T_I", "saved: T_I before its weights");
+            l.alloc("permute", "T_I", s * m);
+        }
         self.exchange_forward(n);
         let l = &mut self.ledger;
         // T_I outlives the exchange where it is re-dispatched in backward, or (one rank) where
@@ -142,6 +151,9 @@ impl<'a> Replay<'a> {
         let l = &mut self.ledger;
         l.free("dT_O");
         l.free("T_I, kept for backward");
+        if self.weights_on_input {
+            l.free("saved: T_I before its weights");
+        }
         l.free("shared expert gradients (dx parts, weights)");
         // The permute's backward scatters dT_I onto a zero [T, M] gradient in place, the
         // router's GEMM makes its own gradient of x, and autodiff sums the two, all while dT_I

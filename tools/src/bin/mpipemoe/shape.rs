@@ -110,6 +110,7 @@ impl ShapeArgs {
             d_hidden: h,
             activation: self.activation,
             shared_expert: None,
+            weights_on_input: false,
             n_experts: e,
             n_ranks: self.gpus,
             n_partitions,
