@@ -51,6 +51,10 @@ fn case_layer(config: &mpipemoe::MoeLayerConfig, tensors: &mpipemoe::format::Ten
     .unwrap()
 }
 
+fn f64s(data: TensorData) -> Vec<f64> {
+    data.convert::<f64>().into_vec::<f64>().unwrap()
+}
+
 fn bytes(data: &TensorData) -> Vec<u8> {
     data.as_bytes().to_vec()
 }
@@ -426,21 +430,9 @@ fn the_llama4_case_depends_on_weighting_the_input() {
             .indices
             .into_iter()
             .collect();
-        let y = layer
-            .forward(x)
-            .output
-            .into_data()
-            .convert::<f64>()
-            .into_vec::<f64>()
-            .unwrap();
-        (y, experts.len())
+        (f64s(layer.forward(x).output.into_data()), experts.len())
     };
-    let want = case
-        .tensor("y")
-        .clone()
-        .convert::<f64>()
-        .into_vec::<f64>()
-        .unwrap();
+    let want = f64s(case.tensor("y").clone());
     let (y, n_chosen) = run(&case.config);
     assert!(relative_error(&y, &want) < 1e-4);
     assert!(n_chosen > 2, "the case routes to {n_chosen} experts only");
@@ -497,20 +489,9 @@ fn the_gpt_oss_case_depends_on_the_clamp_and_the_biases() {
     let y_of = |config: &mpipemoe::MoeLayerConfig, tensors: &mpipemoe::format::TensorMap| {
         let layer = case_layer(config, tensors);
         let x = Tensor::<B, 2>::from_data(case.tensor("x").clone(), &device);
-        layer
-            .forward(x)
-            .output
-            .into_data()
-            .convert::<f64>()
-            .into_vec::<f64>()
-            .unwrap()
+        f64s(layer.forward(x).output.into_data())
     };
-    let want = case
-        .tensor("y")
-        .clone()
-        .convert::<f64>()
-        .into_vec::<f64>()
-        .unwrap();
+    let want = f64s(case.tensor("y").clone());
     assert!(relative_error(&y_of(&case.config, &case.tensors), &want) < 1e-4);
     let unclamped = case
         .config
