@@ -11,6 +11,7 @@ use super::checkpoint::{narrow, parse, Checkpoint, ImportOptions};
 use super::family::HfConfig;
 use super::fp8::{is_fp8, quantize, scale_name};
 use super::layout::{to_hf, HfEntry};
+use super::model::HfCheckpoint;
 use crate::error::{MoeError, Result};
 use crate::files::{file_in, map_regular, StagedDir};
 use crate::layer::{MoeLayer, MoeLayerConfig, TensorMap};
@@ -106,7 +107,8 @@ pub fn write_layers_with(
     options: &ExportOptions,
 ) -> Result<ExportReport> {
     let (dir, out_dir) = (checkpoint.as_ref(), out_dir.as_ref());
-    let hf = HfConfig::read(dir)?;
+    let source = HfCheckpoint::open(dir)?;
+    let (hf, ckpt) = (&source.config, &source.ckpt);
     let mut values = HashMap::new();
     for (i, &(layer, tensors)) in layers.iter().enumerate() {
         if layers[..i].iter().any(|&(seen, _)| seen == layer) {
@@ -118,9 +120,7 @@ pub fn write_layers_with(
         let config = hf.layer_config(layer)?;
         values.extend(to_hf(&config, &hf.names(layer), tensors)?);
     }
-    let mut ckpt = Checkpoint::open(dir)?;
-    ckpt.fp8 = hf.fp8_blocks()?;
-    let requantized = requantize_fp8(&ckpt, &mut values)?;
+    let requantized = requantize_fp8(ckpt, &mut values)?;
     let mut by_shard: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for name in values.keys() {
         by_shard
@@ -149,6 +149,9 @@ pub fn write_layers_with(
         let source = file_in(dir, shard, &dir.join("model.safetensors.index.json"))?;
         rewrite_shard(&source, &staged.path().join(shard), &shard_values)?;
     }
+    // The source's shard maps go before the new folder takes the old one's place (in place,
+    // the old shards are replaced; some systems refuse to replace a mapped file).
+    drop(source);
     staged.commit()?;
     Ok(ExportReport {
         shards_rewritten: by_shard.into_keys().collect(),

@@ -117,16 +117,12 @@ pub(crate) fn quantize(
     blocks: Fp8Blocks,
 ) -> (Vec<f32>, Vec<f32>, usize) {
     let [rows, cols] = shape;
-    let [grid_rows, grid_cols] = [rows.div_ceil(blocks.rows), cols.div_ceil(blocks.cols)];
+    let grid_cols = cols.div_ceil(blocks.cols);
     let mut inv = scale.to_vec();
     let mut forward: Vec<f32> = scale.iter().map(|s| 1.0 / s).collect();
     let mut rescaled = 0;
-    for (b, (inv_b, forward_b)) in inv
-        .iter_mut()
-        .zip(&mut forward)
-        .enumerate()
-        .take(grid_rows * grid_cols)
-    {
+    // `scale` holds one value per block: the reader checked its shape against the grid.
+    for (b, (inv_b, forward_b)) in inv.iter_mut().zip(&mut forward).enumerate() {
         let (bi, bj) = (b / grid_cols, b % grid_cols);
         let amax = (bi * blocks.rows..((bi + 1) * blocks.rows).min(rows))
             .flat_map(|i| {

@@ -39,7 +39,11 @@ impl HfLayer {
     /// [`MoeError::File`](crate::MoeError::File) naming `config.json` if the family is not
     /// supported, the layer does not exist or is a dense MLP, or a key is missing.
     pub fn read(dir: impl AsRef<Path>, layer: usize) -> Result<Self> {
-        let hf = HfConfig::read(dir.as_ref())?;
+        Self::from_config(&HfConfig::read(dir.as_ref())?, layer)
+    }
+
+    /// MoE layer `layer` of a parsed `config.json`.
+    pub(crate) fn from_config(hf: &HfConfig, layer: usize) -> Result<Self> {
         Ok(Self {
             family: hf.family,
             layer,

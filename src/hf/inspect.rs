@@ -4,8 +4,8 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use super::checkpoint::Checkpoint;
-use super::family::{Family, HfConfig, Part};
+use super::family::{Family, Part};
+use super::model::HfCheckpoint;
 use crate::error::{MoeError, Result};
 
 /// One MoE layer as `mpipemoe inspect` lists it.
@@ -41,8 +41,8 @@ pub struct LayerSummary {
 /// index or shard if a tensor is missing.
 pub fn inspect(dir: impl AsRef<Path>) -> Result<Vec<LayerSummary>> {
     let dir = dir.as_ref();
-    let hf = HfConfig::read(dir)?;
-    let ckpt = Checkpoint::open(dir)?;
+    let source = HfCheckpoint::open(dir)?;
+    let (hf, ckpt) = (&source.config, &source.ckpt);
     hf.moe_layers()?
         .into_iter()
         .map(|layer| {

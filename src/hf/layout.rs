@@ -75,15 +75,22 @@ pub(crate) fn hf_entries(config: &MoeLayerConfig, names: &LayerNames, experts: R
     out
 }
 
-/// Each `2h`-wide row of `values` with its interleaved columns (`gate, up, gate, up, ...`,
-/// GPT-OSS) put as halves (`gate ... | up ...`, the canonical layout).
+/// Where column `c` of a `2h`-wide interleaved row (`gate, up, gate, up, ...`, GPT-OSS) stands
+/// in the canonical layout (`gate ... | up ...`).
+fn halves_column(c: usize, h: usize) -> usize {
+    match c % 2 {
+        0 => c / 2,
+        _ => h + c / 2,
+    }
+}
+
+/// Each `2h`-wide row of `values` from the interleaved layout to halves.
 fn interleaved_to_halves(values: &[f32], h: usize) -> Vec<f32> {
     let mut out = vec![0.0; values.len()];
     for (src, dst) in values.chunks_exact(2 * h).zip(out.chunks_exact_mut(2 * h)) {
-        for j in 0..h {
-            dst[j] = src[2 * j];
-            dst[h + j] = src[2 * j + 1];
-        }
+        src.iter()
+            .enumerate()
+            .for_each(|(c, &v)| dst[halves_column(c, h)] = v);
     }
     out
 }
@@ -92,10 +99,9 @@ fn interleaved_to_halves(values: &[f32], h: usize) -> Vec<f32> {
 fn halves_to_interleaved(values: &[f32], h: usize) -> Vec<f32> {
     let mut out = vec![0.0; values.len()];
     for (src, dst) in values.chunks_exact(2 * h).zip(out.chunks_exact_mut(2 * h)) {
-        for j in 0..h {
-            dst[2 * j] = src[j];
-            dst[2 * j + 1] = src[h + j];
-        }
+        dst.iter_mut()
+            .enumerate()
+            .for_each(|(c, v)| *v = src[halves_column(c, h)]);
     }
     out
 }

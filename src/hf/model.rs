@@ -40,8 +40,9 @@ use crate::layer::{MoeLayer, TensorMap};
 /// # Ok::<(), mpipemoe::MoeError>(())
 /// ```
 pub struct HfCheckpoint {
-    config: HfConfig,
-    ckpt: Checkpoint,
+    pub(crate) config: HfConfig,
+    /// The folder's tensors, with the FP8 block size from `config`.
+    pub(crate) ckpt: Checkpoint,
     options: ImportOptions,
 }
 
@@ -93,13 +94,7 @@ impl HfCheckpoint {
     /// # Errors
     /// As [`HfLayer::read`].
     pub fn layer(&self, layer: usize) -> Result<HfLayer> {
-        Ok(HfLayer {
-            family: self.config.family,
-            layer,
-            root: self.config.root,
-            config: self.config.layer_config(layer)?,
-            dtype: self.config.dtype(),
-        })
+        HfLayer::from_config(&self.config, layer)
     }
 
     /// What has been read so far: shards mapped, metadata parsed, tensor bytes copied.

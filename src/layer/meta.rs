@@ -180,6 +180,10 @@ impl LayerMeta {
     pub fn from_config(config: &MoeLayerConfig) -> Self {
         let sigmoid = config.scoring == Scoring::Sigmoid;
         let grouped = config.n_group > 1 || sigmoid;
+        let swiglu = match config.activation {
+            Activation::ClampedSwiGlu { alpha, limit } => Some((alpha as f64, limit as f64)),
+            _ => None,
+        };
         Self {
             top_k: config.top_k,
             scoring: config.scoring.name().to_string(),
@@ -205,14 +209,8 @@ impl LayerMeta {
             score_bias: (config.score_bias != sigmoid).then_some(config.score_bias),
             capacity_factor: config.capacity_factor,
             weights_on_input: config.weights_on_input,
-            swiglu_alpha: match config.activation {
-                Activation::ClampedSwiGlu { alpha, .. } => Some(alpha as f64),
-                _ => None,
-            },
-            swiglu_limit: match config.activation {
-                Activation::ClampedSwiGlu { limit, .. } => Some(limit as f64),
-                _ => None,
-            },
+            swiglu_alpha: swiglu.map(|(alpha, _)| alpha),
+            swiglu_limit: swiglu.map(|(_, limit)| limit),
         }
     }
 }
