@@ -21,14 +21,15 @@ type B = Autodiff<NdArray>;
 
 /// (folder, MoE layer checked, its case `<case>.layer<L>.safetensors`): the checkpoints the
 /// tests are given, and the project's own Llama 4 (text-only and multimodal, the same weights)
-/// and GPT-OSS ones (stacked experts).
-const CHECKPOINTS: [(&str, usize, &str); 6] = [
+/// and GPT-OSS ones (stacked experts; bf16, and MXFP4 as the Hub's releases store them).
+const CHECKPOINTS: [(&str, usize, &str); 7] = [
     ("mixtral-tiny", 1, "mixtral-tiny"),
     ("qwen2-moe-tiny", 0, "qwen2-moe-tiny"),
     ("deepseek-v3-tiny", 1, "deepseek-v3-tiny"),
     ("generated/llama4-tiny", 1, "generated/llama4-tiny"),
     ("generated/llama4-multimodal-tiny", 1, "generated/llama4-tiny"),
     ("generated/gpt-oss-tiny", 1, "generated/gpt-oss-tiny"),
+    ("generated/gpt-oss-mxfp4-tiny", 1, "generated/gpt-oss-mxfp4-tiny"),
 ];
 
 fn data() -> PathBuf {
@@ -510,20 +511,6 @@ fn the_gpt_oss_case_depends_on_the_clamp_and_the_biases() {
         assert!(err > 1e-3, "{name} never changes the output (rel err {err:e})");
         no_bias.insert(name.into(), case.tensor(name).clone());
     }
-    // The Hub's GPT-OSS releases store the experts in MXFP4, which is refused by name.
-    let dir = scratch_dir("hf-mxfp4");
-    let source = dir.join("gpt-oss-mxfp4");
-    copy_dir(&data().join("generated/gpt-oss-tiny"), &source);
-    let config_path = source.join("config.json");
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
-    config["quantization_config"] = serde_json::json!({"quant_method": "mxfp4"});
-    std::fs::write(&config_path, config.to_string()).unwrap();
-    let err = MoeLayer::<B>::from_hf(&source, 1, &device)
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("config.json") && err.contains("mxfp4"), "{err}");
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// A single `model.safetensors` (no index) stored in f16: the layer imports as the f16-rounded
@@ -953,6 +940,212 @@ fn fp8_checkpoints_with_a_bad_block_size_or_scale_are_refused_by_name() {
         stored.clone(),
         json.to_string(),
         vec!["float8_e4m3fn", "quantization_config", "model.layers.1.mlp."],
+    ));
+    for (i, (name, tensors, config, needles)) in cases.into_iter().enumerate() {
+        let ckpt = dir.join(format!("{name}-{i}"));
+        write_single(&ckpt, &tensors, &config);
+        let err = hf::read_layer(&ckpt, 1, 0..8).unwrap_err().to_string();
+        for needle in needles {
+            assert!(err.contains(needle), "{name}: {needle:?} not in {err}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The MXFP4 checkpoint's tensors with transformers' dequantised experts (bfloat16) in place
+/// of each projection's `_blocks` and `_scales`, and its config.json without
+/// `quantization_config`: what `from_pretrained(..., Mxfp4Config(dequantize=True))` loads.
+fn mxfp4_reference(mxfp4: &Path, out: &Path) {
+    let bytes = std::fs::read(generated().join("gpt-oss-mxfp4-tiny.dequantized.safetensors")).unwrap();
+    let dequantized = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut reference: BTreeMap<String, Stored> = all_tensors(mxfp4)
+        .into_iter()
+        .filter(|(name, _)| !name.ends_with("_blocks") && !name.ends_with("_scales"))
+        .collect();
+    for (name, view) in dequantized.tensors() {
+        reference.insert(name, (view.dtype(), view.shape().to_vec(), view.data().to_vec()));
+    }
+    assert_eq!(dequantized.len(), 4, "two projections in each of two layers");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(mxfp4.join("config.json")).unwrap()).unwrap();
+    config.as_object_mut().unwrap().remove("quantization_config");
+    write_single(out, &reference, &config.to_string());
+}
+
+#[test]
+fn mxfp4_experts_import_as_transformers_dequantises_them() {
+    let dir = scratch_dir("hf-mxfp4");
+    let mxfp4 = generated().join("gpt-oss-mxfp4-tiny");
+    let reference = dir.join("reference");
+    mxfp4_reference(&mxfp4, &reference);
+    for layer in [0, 1] {
+        let (info, got) = hf::read_layer(&mxfp4, layer, 0..8).unwrap();
+        let (_, want) = hf::read_layer(&reference, layer, 0..8).unwrap();
+        assert_eq!(got.len(), want.len());
+        for (name, data) in &want {
+            assert!(bytes(&got[name]) == bytes(data), "layer {layer}: {name}");
+        }
+        assert_eq!(
+            info.dtype.as_deref(),
+            Some("bfloat16 + mxfp4 experts (e2m1, an e8m0 scale per 32)")
+        );
+    }
+    // Layer 1's first block sits at exponent 0: values of 2^-128 and the like, subnormal in
+    // float32 and bfloat16 (make_mxfp4.py), come through unflushed.
+    let (_, layer1) = hf::read_layer(&mxfp4, 1, 0..8).unwrap();
+    let w_in = layer1["experts.w_in"].to_vec::<f32>().unwrap();
+    assert!(w_in.iter().any(|v| *v != 0.0 && v.abs() < f32::MIN_POSITIVE));
+
+    // A rank reads its experts' bytes only: half the experts cost half the experts' bytes,
+    // and the router (weight and bias, bfloat16) is read either way.
+    let read = |experts: std::ops::Range<usize>| {
+        let ckpt = hf::HfCheckpoint::open(&mxfp4).unwrap();
+        let (_, tensors) = ckpt.read_layer(1, experts).unwrap();
+        (ckpt.stats().tensor_bytes, tensors)
+    };
+    let (all, whole) = read(0..8);
+    let (half, upper) = read(4..8);
+    assert_eq!(2 * half - all, (8 * 64 + 8) * 2, "{half} of {all} bytes");
+    let per_expert = whole["experts.w_out"].num_elements() / 8;
+    assert_eq!(
+        upper["experts.w_out"].to_vec::<f32>().unwrap(),
+        whole["experts.w_out"].to_vec::<f32>().unwrap()[4 * per_expert..]
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn mxfp4_export_writes_mxfp4_as_transformers_quantiser_does() {
+    let dir = scratch_dir("hf-mxfp4-export");
+    let mxfp4 = generated().join("gpt-oss-mxfp4-tiny");
+    let (_, got) = hf::read_layer(&mxfp4, 1, 0..8).unwrap();
+    // Unchanged, every block keeps its exponent and codes: the folder comes back byte for
+    // byte (the generic round-trip test covers this too; here the report is checked).
+    let out = dir.join("export");
+    let report = hf::write_layer(&mxfp4, 1, &got, &out).unwrap();
+    let formats: Vec<(&str, &str, usize, usize)> = report
+        .requantized
+        .iter()
+        .map(|r| (r.tensor.as_str(), r.format, r.blocks, r.rescaled_blocks))
+        .collect();
+    assert_eq!(
+        formats,
+        [
+            ("model.layers.1.mlp.experts.down_proj", "mxfp4", 8 * 64, 0),
+            ("model.layers.1.mlp.experts.gate_up_proj", "mxfp4", 8 * 64 * 2, 0),
+        ]
+    );
+    for entry in std::fs::read_dir(&mxfp4).unwrap() {
+        let name = entry.unwrap().file_name();
+        assert!(
+            std::fs::read(mxfp4.join(&name)).unwrap() == std::fs::read(out.join(&name)).unwrap(),
+            "{} changed on an unchanged export",
+            name.to_string_lossy()
+        );
+    }
+    // Times 1.3, no block's values are codes at its stored exponent any more: each is
+    // quantised afresh, bit for bit as triton_kernels' quantiser (transformers'
+    // Mxfp4Quantize) does it (make_mxfp4.py).
+    let mut scaled = got.clone();
+    for name in ["experts.w_in", "experts.w_out"] {
+        let data = &got[name];
+        let values: Vec<f32> = data.to_vec::<f32>().unwrap().iter().map(|v| v * 1.3).collect();
+        scaled.insert(name.into(), TensorData::new(values, data.shape.clone()));
+    }
+    let out = dir.join("export-x1.3");
+    let report = hf::write_layer(&mxfp4, 1, &scaled, &out).unwrap();
+    assert!(
+        report.requantized.iter().all(|r| r.rescaled_blocks == r.blocks),
+        "{report:?}"
+    );
+    let written = all_tensors(&out);
+    let bytes = std::fs::read(generated().join("gpt-oss-mxfp4-tiny.requantized-x1.3.safetensors")).unwrap();
+    let want = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(want.len(), 4);
+    for (name, view) in want.tensors() {
+        let (dtype, shape, data) = &written[&name];
+        assert_eq!((*dtype, shape.as_slice()), (view.dtype(), view.shape()), "{name}");
+        assert!(
+            data.as_slice() == view.data(),
+            "{name} differs from transformers' quantisation"
+        );
+    }
+    // The biases, the router and layer 0 are as they were.
+    let source = all_tensors(&mxfp4);
+    for (name, tensor) in &source {
+        if !want.names().contains(&name.as_str()) {
+            assert!(written[name] == *tensor, "{name} changed");
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn mxfp4_checkpoints_with_bad_packing_are_refused_by_name() {
+    let dir = scratch_dir("hf-mxfp4-bad");
+    let mxfp4 = generated().join("gpt-oss-mxfp4-tiny");
+    let stored = all_tensors(&mxfp4);
+    let config = std::fs::read_to_string(mxfp4.join("config.json")).unwrap();
+    let blocks = "model.layers.1.mlp.experts.down_proj_blocks";
+    let scales = "model.layers.1.mlp.experts.down_proj_scales";
+    // (name, tensors, config.json, what the error must name)
+    type BadCase<'a> = (&'a str, BTreeMap<String, Stored>, String, Vec<&'a str>);
+    let mut cases: Vec<BadCase> = Vec::new();
+    let mut missing = stored.clone();
+    missing.remove(scales);
+    cases.push((
+        "missing-scales",
+        missing,
+        config.clone(),
+        vec![blocks, scales, "missing"],
+    ));
+    let mut wrong = stored.clone();
+    wrong.get_mut(scales).unwrap().1 = vec![8, 32, 2];
+    cases.push((
+        "scales-shape",
+        wrong,
+        config.clone(),
+        vec![scales, "[8, 32, 2]", "[8, 64, 1]"],
+    ));
+    let mut wrong = stored.clone();
+    let b = wrong.get_mut(blocks).unwrap();
+    (b.0, b.1) = (safetensors::Dtype::BF16, vec![8, 64, 1, 8]);
+    cases.push((
+        "blocks-dtype",
+        wrong,
+        config.clone(),
+        vec![blocks, "bfloat16", "uint8"],
+    ));
+    // Exponent 255 is e8m0's NaN: the block dequantises to infinities, refused as
+    // non-finite, naming the projection.
+    let mut nan = stored.clone();
+    nan.get_mut(scales).unwrap().2[5] = 255;
+    cases.push((
+        "nan-scale",
+        nan,
+        config.clone(),
+        vec!["model.layers.1.mlp.experts.down_proj`", "non-finite"],
+    ));
+    // A hidden size of 48 does not pack in blocks of 32.
+    let mut narrow = stored.clone();
+    let router = narrow.get_mut("model.layers.1.mlp.router.weight").unwrap();
+    (router.1, router.2) = (vec![8, 48], vec![0; 8 * 48 * 2]);
+    let mut json: serde_json::Value = serde_json::from_str(&config).unwrap();
+    json["hidden_size"] = 48.into();
+    cases.push((
+        "not-whole-blocks",
+        narrow,
+        json.to_string(),
+        vec!["gate_up_proj", "[8, 48, 64]", "multiple of 32"],
+    ));
+    // Without `quantization_config`, the packed tensors are not read as MXFP4.
+    let mut json: serde_json::Value = serde_json::from_str(&config).unwrap();
+    json.as_object_mut().unwrap().remove("quantization_config");
+    cases.push((
+        "no-config",
+        stored.clone(),
+        json.to_string(),
+        vec!["missing tensor", "model.layers.1.mlp.experts.gate_up_proj`"],
     ));
     for (i, (name, tensors, config, needles)) in cases.into_iter().enumerate() {
         let ckpt = dir.join(format!("{name}-{i}"));

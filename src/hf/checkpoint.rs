@@ -11,17 +11,20 @@ use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
-use super::fp8::{dequantize, is_fp8, scale_name, Fp8Blocks};
+use super::fp8::{dequantize, is_fp8, scale_name};
 use super::layout::HfEntry;
+use super::quantization::Quantization;
 use crate::error::{MoeError, Result};
 use crate::files::{file_in, map_regular, read_text};
 
 /// One tensor as stored: its dtype, and its values widened to f32 (exact for bf16, f16 and
-/// f32).
+/// f32) or dequantised (FP8, MXFP4: `quantized`; `dtype` is then the stored form's, float8 or
+/// the uint8 of MXFP4's blocks).
 #[derive(Debug, Clone)]
 pub(crate) struct StoredTensor {
     pub dtype: Dtype,
     pub values: Vec<f32>,
+    pub quantized: bool,
 }
 
 /// The name transformers gives a stored dtype (`config.json`'s `dtype`).
@@ -69,7 +72,7 @@ pub(crate) struct Shard {
 impl Shard {
     /// The stored bytes of the tensor `info` describes. Its offsets were checked
     /// against the file's length when the header was parsed (`Metadata::validate`).
-    fn data(&self, info: &TensorInfo) -> &[u8] {
+    pub(super) fn data(&self, info: &TensorInfo) -> &[u8] {
         let (start, end) = info.data_offsets;
         &self.map[self.data_start + start..self.data_start + end]
     }
@@ -81,8 +84,8 @@ pub(crate) struct Checkpoint {
     pub dir: PathBuf,
     /// Tensor name → shard file name (relative to `dir`; a plain file name inside it).
     pub weight_map: BTreeMap<String, String>,
-    /// The block size of FP8 weights (`quantization_config`), if the checkpoint has them.
-    pub fp8: Option<Fp8Blocks>,
+    /// What `quantization_config` says is quantised, if anything.
+    pub quant: Option<Quantization>,
     shards: Mutex<BTreeMap<String, Arc<Shard>>>,
     stats: Mutex<ReadStats>,
 }
@@ -96,7 +99,7 @@ impl Checkpoint {
         let ckpt = Self {
             dir: dir.to_path_buf(),
             weight_map: BTreeMap::new(),
-            fp8: None,
+            quant: None,
             shards: Mutex::default(),
             stats: Mutex::default(),
         };
@@ -198,7 +201,7 @@ impl Checkpoint {
     }
 
     /// The shard holding `name` and the tensor's header entry.
-    fn locate(&self, name: &str) -> Result<(Arc<Shard>, TensorInfo)> {
+    pub(super) fn locate(&self, name: &str) -> Result<(Arc<Shard>, TensorInfo)> {
         let shard = self.shard(self.shard_of(name)?)?;
         let info = shard.meta.info(name).cloned().ok_or_else(|| {
             MoeError::file(
@@ -210,7 +213,8 @@ impl Checkpoint {
     }
 
     /// The stored dtype and shape of each tensor in `names`, from the shards' headers only
-    /// (no tensor data is read).
+    /// (no tensor data is read). A projection stored in MXFP4 has its logical shape and the
+    /// blocks' dtype (uint8).
     ///
     /// # Errors
     /// [`MoeError::File`] naming the index or shard if a tensor is missing or a header is bad.
@@ -218,6 +222,9 @@ impl Checkpoint {
         names
             .iter()
             .map(|name| {
+                if let Some(packed) = self.mxfp4_header(name)? {
+                    return Ok((name.clone(), packed));
+                }
                 let (_, info) = self.locate(name)?;
                 Ok((name.clone(), (info.dtype, info.shape)))
             })
@@ -237,7 +244,12 @@ impl Checkpoint {
         options: &ImportOptions,
     ) -> Result<HashMap<String, StoredTensor>> {
         let mut out = HashMap::with_capacity(wanted.len());
-        for HfEntry { name, shape, rows } in wanted {
+        for entry in wanted {
+            if let Some(tensor) = self.read_mxfp4(entry, options)? {
+                out.insert(entry.name.clone(), tensor);
+                continue;
+            }
+            let HfEntry { name, shape, rows } = entry;
             let (shard, info) = self.locate(name)?;
             let path = &shard.path;
             if info.shape != *shape {
@@ -278,22 +290,13 @@ impl Checkpoint {
                 (false, _) => widen(info.dtype, bytes, &read_shape)
                     .map_err(|reason| MoeError::file(path, format!("tensor `{name}`: {reason}")))?,
             };
-            if !options.allow_nonfinite {
-                if let Some(at) = values.iter().position(|v| !v.is_finite()) {
-                    return Err(MoeError::file(
-                        path,
-                        format!(
-                            "tensor `{name}` holds a non-finite value ({} at flat index {at}); pass --allow-nonfinite (ImportOptions::allow_nonfinite) to accept it",
-                            values[at]
-                        ),
-                    ));
-                }
-            }
+            check_finite(name, &values, options, path)?;
             out.insert(
                 name.clone(),
                 StoredTensor {
                     dtype: info.dtype,
                     values,
+                    quantized: is_fp8(info.dtype),
                 },
             );
         }
@@ -310,7 +313,7 @@ impl Checkpoint {
     /// the block grid.
     fn dequantize(&self, name: &str, shard: &Shard, info: &TensorInfo) -> Result<Vec<f32>> {
         let path = &shard.path;
-        let blocks = self.fp8.ok_or_else(|| {
+        let blocks = self.quant.and_then(Quantization::fp8).ok_or_else(|| {
             MoeError::file(
                 path,
                 format!("tensor `{name}` is float8_e4m3fn, but config.json has no `quantization_config` to give its block size"),
@@ -358,6 +361,21 @@ impl Checkpoint {
         let scales = widen(scale_info.dtype, scale_bytes, &scale_info.shape)
             .map_err(|reason| MoeError::file(&scale_shard.path, format!("scale `{scale}`: {reason}")))?;
         Ok(dequantize(shard.data(info), shape, &scales, blocks))
+    }
+}
+
+/// Refuses NaN or infinite `values` of tensor `name` (in the file `path`) unless
+/// `options.allow_nonfinite`.
+pub(super) fn check_finite(name: &str, values: &[f32], options: &ImportOptions, path: &Path) -> Result<()> {
+    match values.iter().position(|v| !v.is_finite()) {
+        Some(at) if !options.allow_nonfinite => Err(MoeError::file(
+            path,
+            format!(
+                "tensor `{name}` holds a non-finite value ({} at flat index {at}); pass --allow-nonfinite (ImportOptions::allow_nonfinite) to accept it",
+                values[at]
+            ),
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -409,6 +427,17 @@ pub(crate) fn narrow(values: &[f32], dtype: Dtype) -> std::result::Result<Vec<u8
                         true => Ok(bits),
                         false => Err(format!("{v} is not a float8_e4m3fn value")),
                     }
+                })
+                .collect();
+        }
+        // MXFP4's blocks and scales: bytes that `mxfp4::quantize` computed, carried as the
+        // integers they are.
+        Dtype::U8 => {
+            return values
+                .iter()
+                .map(|&v| match v.fract() == 0.0 && (0.0..=255.0).contains(&v) {
+                    true => Ok(v as u8),
+                    false => Err(format!("{v} is not a byte")),
                 })
                 .collect();
         }

@@ -12,6 +12,7 @@ use super::family::HfConfig;
 use super::fp8::{is_fp8, quantize, scale_name};
 use super::layout::{to_hf, HfEntry};
 use super::model::HfCheckpoint;
+use super::quantization::Quantization;
 use crate::error::{MoeError, Result};
 use crate::files::{file_in, map_regular, StagedDir};
 use crate::layer::{MoeLayer, MoeLayerConfig, TensorMap};
@@ -25,22 +26,28 @@ pub struct ExportReport {
     pub tensors: usize,
     /// Other files copied unchanged (0 when writing in place).
     pub files_copied: usize,
-    /// The weights the checkpoint stores as FP8 (float8_e4m3fn with block scales), written
-    /// back as FP8 from the layer's f32 values; empty for other checkpoints.
+    /// The weights the checkpoint stores quantised (FP8 with block scales, or MXFP4 experts),
+    /// written back in that form from the layer's values; empty for other checkpoints.
     pub requantized: Vec<Requantized>,
 }
 
-/// An FP8 weight written back by an export: the layer holds it in f32, and the checkpoint
-/// keeps FP8, so it is quantised again in the checkpoint's blocks.
+/// A quantised weight written back by an export: the layer holds it unquantised, and the
+/// checkpoint keeps FP8 or MXFP4, so it is quantised again in the checkpoint's blocks.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Requantized {
-    /// The weight's name in the checkpoint.
+    /// The weight's name in the checkpoint (for MXFP4, the projection whose `_blocks` and
+    /// `_scales` are written).
     pub tensor: String,
+    /// The stored form: `"float8_e4m3fn"` or `"mxfp4"`.
+    pub format: &'static str,
     /// Its scale blocks.
     pub blocks: usize,
-    /// Blocks whose values no longer fit the stored scale (`|w| · (1 / scale) > 464`, beyond
-    /// what clamping to 448 costs no more than rounding) and got a new one (`amax / 448`);
-    /// the others keep theirs, so an unchanged weight is written back to the same bytes.
+    /// Blocks that got a new scale; the others keep theirs, so an unchanged weight is written
+    /// back to the same bytes. FP8: blocks whose values no longer fit the stored scale
+    /// (`|w| · (1 / scale) > 464`, beyond what clamping to 448 costs no more than rounding),
+    /// rescaled to `amax / 448`. MXFP4: blocks whose values are no longer e2m1 values times
+    /// the stored scale, rescaled as transformers' quantiser does (`amax / 6` rounded up to a
+    /// power of two).
     pub rescaled_blocks: usize,
 }
 
@@ -120,7 +127,8 @@ pub fn write_layers_with(
         let config = hf.layer_config(layer)?;
         values.extend(to_hf(&config, &hf.names(layer), tensors)?);
     }
-    let requantized = requantize_fp8(ckpt, &mut values)?;
+    let mut requantized = requantize_fp8(ckpt, &mut values)?;
+    requantized.extend(ckpt.requantize_mxfp4(&mut values)?);
     let mut by_shard: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for name in values.keys() {
         by_shard
@@ -176,7 +184,7 @@ fn requantize_fp8(ckpt: &Checkpoint, values: &mut HashMap<String, Vec<f32>>) -> 
     let mut out = Vec::with_capacity(fp8.len());
     for (name, shape) in fp8 {
         let shard = ckpt.dir.join(ckpt.shard_of(&name)?);
-        let (blocks, [rows, cols]) = match (ckpt.fp8, shape.as_slice()) {
+        let (blocks, [rows, cols]) = match (ckpt.quant.and_then(Quantization::fp8), shape.as_slice()) {
             (Some(blocks), &[rows, cols]) => (blocks, [rows, cols]),
             _ => {
                 return Err(MoeError::file(
@@ -195,6 +203,7 @@ fn requantize_fp8(ckpt: &Checkpoint, values: &mut HashMap<String, Vec<f32>>) -> 
         values.insert(scale.clone(), scales);
         out.push(Requantized {
             tensor: name,
+            format: "float8_e4m3fn",
             blocks: grid[0] * grid[1],
             rescaled_blocks,
         });

@@ -35,9 +35,10 @@ pub enum Family {
     /// logits with `sigmoid(logit)` multiplied into the expert's input, an ungated
     /// `shared_expert`.
     Llama4,
-    /// `gpt_oss` (unquantised): `mlp.router` with a bias, softmax over the top-k logits, the
-    /// experts stacked in `mlp.experts.gate_up_proj [E, M, 2H]` with gate and up columns
-    /// interleaved, per-expert biases, and the clamped SwiGLU.
+    /// `gpt_oss`: `mlp.router` with a bias, softmax over the top-k logits, the experts
+    /// stacked in `mlp.experts.gate_up_proj [E, M, 2H]` with gate and up columns interleaved,
+    /// per-expert biases, and the clamped SwiGLU; the projections stored as they are or, as
+    /// the Hub's releases store them, in MXFP4 (`_blocks` and `_scales`).
     GptOss,
 }
 
@@ -282,14 +283,13 @@ impl HfConfig {
         LayerNames::new(self.family, self.root, layer)
     }
 
-    /// The block size of the checkpoint's FP8 weights, if `quantization_config` says it has
-    /// them.
+    /// The checkpoint's quantisation, if `quantization_config` declares one.
     ///
     /// # Errors
-    /// [`MoeError::File`] naming `config.json` and the key if the method is not fp8 or the
-    /// block size is bad.
-    pub(crate) fn fp8_blocks(&self) -> Result<Option<super::fp8::Fp8Blocks>> {
-        super::fp8::Fp8Blocks::from_config(self.outer.as_ref().unwrap_or(&self.json))
+    /// [`MoeError::File`] naming `config.json` and the key if the method is unknown or the
+    /// FP8 block size is bad.
+    pub(crate) fn quantization(&self) -> Result<Option<super::quantization::Quantization>> {
+        super::quantization::Quantization::from_config(self.outer.as_ref().unwrap_or(&self.json))
             .map_err(|reason| self.error(reason))
     }
 

@@ -20,22 +20,11 @@ pub(crate) struct Fp8Blocks {
 }
 
 impl Fp8Blocks {
-    /// The block of `config.json`'s `quantization_config` (`quant_method: "fp8"`,
-    /// `weight_block_size: [rows, cols]`), `None` without a `quantization_config`.
+    /// The block of an fp8 `quantization_config` (`weight_block_size: [rows, cols]`).
     ///
     /// # Errors
-    /// A reason naming the key if the method is not fp8 or the block size is not two
-    /// positive integers.
-    pub(crate) fn from_config(json: &Value) -> Result<Option<Self>, String> {
-        let Some(q) = json.get("quantization_config") else {
-            return Ok(None);
-        };
-        let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("");
-        if method != "fp8" {
-            return Err(format!(
-                "`quantization_config.quant_method` is {method:?}: only \"fp8\" (block-scaled float8_e4m3fn) is supported"
-            ));
-        }
+    /// A reason naming the key if the block size is not two positive integers.
+    pub(crate) fn from_quantization_config(q: &Value) -> Result<Self, String> {
         let bad = || {
             format!(
                 "`quantization_config.weight_block_size` is {}: two positive integers (rows, columns) expected",
@@ -56,7 +45,7 @@ impl Fp8Blocks {
             .collect::<Option<_>>()
             .ok_or_else(bad)?;
         match sizes[..] {
-            [rows, cols] => Ok(Some(Self { rows, cols })),
+            [rows, cols] => Ok(Self { rows, cols }),
             _ => Err(bad()),
         }
     }
@@ -266,26 +255,5 @@ mod tests {
                 "{bits:#04x}: {got} vs {want}"
             );
         }
-    }
-
-    #[test]
-    fn the_block_size_is_read_or_refused_by_name() {
-        let cfg =
-            |q: &str| serde_json::from_str::<Value>(&format!("{{\"quantization_config\": {q}}}")).unwrap();
-        assert_eq!(Fp8Blocks::from_config(&Value::Null), Ok(None));
-        assert_eq!(
-            Fp8Blocks::from_config(&cfg(r#"{"quant_method": "fp8", "weight_block_size": [128, 64]}"#)),
-            Ok(Some(Fp8Blocks { rows: 128, cols: 64 }))
-        );
-        for bad in [
-            r#"{"quant_method": "fp8", "weight_block_size": [128]}"#,
-            r#"{"quant_method": "fp8", "weight_block_size": [0, 128]}"#,
-            r#"{"quant_method": "fp8"}"#,
-        ] {
-            let err = Fp8Blocks::from_config(&cfg(bad)).unwrap_err();
-            assert!(err.contains("weight_block_size"), "{err}");
-        }
-        let err = Fp8Blocks::from_config(&cfg(r#"{"quant_method": "gptq"}"#)).unwrap_err();
-        assert!(err.contains("quant_method"), "{err}");
     }
 }

@@ -4,7 +4,7 @@
 //! or shards with `model.safetensors.index.json`; f32, bf16 or f16 stored) hold their MoE
 //! layers as one `[out, in]` matrix per projection and expert; Llama 4 (`llama4`, and the
 //! text-only `llama4_text`) and
-//! GPT-OSS (unquantised) stack each projection's experts in one 3-D tensor applied as `x · W`
+//! GPT-OSS (unquantised or MXFP4) stack each projection's experts in one 3-D tensor applied as `x · W`
 //! (GPT-OSS with gate and up columns interleaved, per-expert biases and its clamped SwiGLU,
 //! [`Activation::ClampedSwiGlu`](crate::Activation::ClampedSwiGlu); Llama 4 with the router's
 //! weight on the expert's input, [`MoeLayerConfig::weights_on_input`](crate::MoeLayerConfig::weights_on_input)).
@@ -23,6 +23,9 @@
 //! dequantised on import, `f32(q) · f32(scale)`, as transformers' `Fp8Dequantize` does;
 //! exporting into such a checkpoint writes them as FP8 again in its blocks
 //! ([`ExportReport::requantized`] says which and how many blocks needed a new scale).
+//! GPT-OSS's MXFP4 experts (`_blocks` / `_scales`, `quant_method: "mxfp4"`) are dequantised
+//! as transformers' `convert_moe_packed_tensors` does, and written back as MXFP4 the same
+//! way.
 //!
 //! ```no_run
 //! use burn::backend::{Autodiff, NdArray};
@@ -46,6 +49,8 @@ mod import;
 mod inspect;
 mod layout;
 mod model;
+mod mxfp4;
+mod quantization;
 
 pub use checkpoint::{ImportOptions, ReadStats};
 pub use export::{

@@ -10,7 +10,6 @@ use burn::tensor::backend::Backend;
 
 use super::checkpoint::{dtype_name, Checkpoint, ImportOptions, ReadStats};
 use super::family::{Family, HfConfig};
-use super::fp8::is_fp8;
 use super::import::HfLayer;
 use super::layout::{hf_entries, to_canonical};
 use crate::comm::Communicator;
@@ -57,7 +56,7 @@ impl HfCheckpoint {
         let dir = dir.as_ref();
         let config = HfConfig::read(dir)?;
         let mut ckpt = Checkpoint::open(dir)?;
-        ckpt.fp8 = config.fp8_blocks()?;
+        ckpt.quant = config.quantization()?;
         ckpt.count(|s| s.metadata_bytes += config.bytes as u64);
         Ok(Self {
             config,
@@ -133,13 +132,14 @@ impl HfCheckpoint {
         let entries = hf_entries(&info.config, &names, experts.clone());
         let stored = self.ckpt.read(&entries, &self.options)?;
         // The dtype is what the tensors are stored in, not what config.json says; a layer
-        // whose tensors disagree has no one dtype to write back, so it is refused. FP8 weights
-        // (dequantised above) sit beside an unquantised router, as published.
+        // whose tensors disagree has no one dtype to write back, so it is refused. Quantised
+        // weights (FP8, MXFP4; dequantised above) sit beside an unquantised router, as
+        // published.
         let router_dtype = stored[&router].dtype;
-        let fp8 = stored.values().any(|t| is_fp8(t.dtype));
+        let quantized = stored.values().any(|t| t.quantized);
         if let Some((other, t)) = stored
             .iter()
-            .find(|(_, t)| t.dtype != router_dtype && !is_fp8(t.dtype))
+            .find(|(_, t)| t.dtype != router_dtype && !t.quantized)
         {
             return Err(MoeError::file(
                 self.dir().join(self.ckpt.shard_of(other)?),
@@ -150,13 +150,8 @@ impl HfCheckpoint {
                 ),
             ));
         }
-        info.dtype = Some(match (fp8, self.ckpt.fp8) {
-            (true, Some(b)) => format!(
-                "{} + float8_e4m3fn in {} x {} blocks",
-                dtype_name(router_dtype),
-                b.rows,
-                b.cols
-            ),
+        info.dtype = Some(match (quantized, self.ckpt.quant) {
+            (true, Some(q)) => format!("{} + {}", dtype_name(router_dtype), q.describe()),
             _ => dtype_name(router_dtype),
         });
         let values: HashMap<String, Vec<f32>> =

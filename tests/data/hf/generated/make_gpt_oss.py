@@ -48,12 +48,12 @@ def halves(interleaved):
     return torch.cat([interleaved[..., ::2], interleaved[..., 1::2]], dim=-1)
 
 
-def main():
-    torch.manual_seed(2027)
-    config = GptOssConfig(
+def tiny_config(hidden, intermediate):
+    """The tiny GPT-OSS configuration, with hidden size `hidden` and expert width `intermediate`."""
+    return GptOssConfig(
         vocab_size=64,
-        hidden_size=M,
-        intermediate_size=H,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -69,23 +69,20 @@ def main():
         # grouped-GEMM kernel it picks by default takes no float64.
         experts_implementation="eager",
     )
-    model = GptOssForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0.0, 0.5 if name.endswith("_bias") else 0.2)
-    model = model.to(torch.bfloat16)
-    if OUT.exists():
-        shutil.rmtree(OUT)
-    model.save_pretrained(OUT, max_shard_size="20KB")
 
-    block = model.model.layers[LAYER].mlp
+
+def write_case(model, config, layer, path, t, extra_meta):
+    """Writes the case of MoE layer `layer` of `model` to `path`: `t` tokens of input drawn from
+    torch's global generator, transformers' `GptOssMLP` run in float64, every gradient of
+    `sum(y * probe)`. Returns how many gate / up values pass the clamp."""
+    block = model.model.layers[layer].mlp
     assert type(block).__name__ == "GptOssMLP", type(block)
     block = block.to(torch.float64)
     params = dict(block.named_parameters())
-    x = (3.0 * torch.randn(T, M, dtype=torch.float64)).requires_grad_(True)
-    probe = torch.randn(T, M, dtype=torch.float64)
-    y = block(x.reshape(1, T, M))
-    y = (y[0] if isinstance(y, tuple) else y).reshape(T, M)
+    x = (3.0 * torch.randn(t, config.hidden_size, dtype=torch.float64)).requires_grad_(True)
+    probe = torch.randn(t, config.hidden_size, dtype=torch.float64)
+    y = block(x.reshape(1, t, config.hidden_size))
+    y = (y[0] if isinstance(y, tuple) else y).reshape(t, config.hidden_size)
     (y * probe).sum().backward()
 
     # How often the clamps act on this input, so that the test is known to exercise them.
@@ -116,7 +113,7 @@ def main():
     tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in tensors.items()}
     meta = {
         "kind": "gpt_oss",
-        "top_k": K,
+        "top_k": config.num_experts_per_tok,
         "scoring": "softmax",
         "normalize_topk": True,
         "activation": "swiglu_clamped",
@@ -124,16 +121,33 @@ def main():
         "swiglu_limit": config.swiglu_limit,
         "bias": True,
         "capacity": None,
-        "E": E,
-        "M": M,
-        "H": H,
+        "E": config.num_local_experts,
+        "M": config.hidden_size,
+        "H": config.intermediate_size,
         "shared": None,
-        "hf_layer": LAYER,
+        "hf_layer": layer,
         "hf_dtype": "bfloat16",
         "transformers_version": transformers.__version__,
         "clamped_values": clamped,
     }
-    save_file(tensors, HERE / f"gpt-oss-tiny.layer{LAYER}.safetensors", metadata={"meta": json.dumps(meta)})
+    meta.update(extra_meta)
+    save_file(tensors, path, metadata={"meta": json.dumps(meta)})
+    return clamped
+
+
+def main():
+    torch.manual_seed(2027)
+    config = tiny_config(M, H)
+    model = GptOssForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.5 if name.endswith("_bias") else 0.2)
+    model = model.to(torch.bfloat16)
+    if OUT.exists():
+        shutil.rmtree(OUT)
+    model.save_pretrained(OUT, max_shard_size="20KB")
+
+    clamped = write_case(model, config, LAYER, HERE / f"gpt-oss-tiny.layer{LAYER}.safetensors", T, {})
     print("wrote", OUT, "and the case of layer", LAYER, f"({clamped} gate/up values clamped)")
 
 

@@ -117,12 +117,17 @@ fn to_hf(dir: &PathBuf, args: &ConvertArgs) -> Result<(), MoeError> {
         report.shards_rewritten.join(", "),
         report.files_copied
     );
-    if !report.requantized.is_empty() {
-        let blocks: usize = report.requantized.iter().map(|r| r.blocks).sum();
-        let rescaled: usize = report.requantized.iter().map(|r| r.rescaled_blocks).sum();
+    // One line per stored format (a checkpoint has one, but the report allows both).
+    for format in ["float8_e4m3fn", "mxfp4"] {
+        let weights: Vec<_> = report.requantized.iter().filter(|r| r.format == format).collect();
+        if weights.is_empty() {
+            continue;
+        }
+        let blocks: usize = weights.iter().map(|r| r.blocks).sum();
+        let rescaled: usize = weights.iter().map(|r| r.rescaled_blocks).sum();
         println!(
-            "{} weights written as float8_e4m3fn in the checkpoint's blocks ({rescaled} of {blocks} blocks needed a new scale)",
-            report.requantized.len()
+            "{} weights written as {format} in the checkpoint's blocks ({rescaled} of {blocks} blocks needed a new scale)",
+            weights.len()
         );
     }
     Ok(())
