@@ -71,6 +71,21 @@ def tiny_config(hidden, intermediate):
     )
 
 
+def save_tiny(config, out, max_shard_size):
+    """A `GptOssForCausalLM(config)` with random weights (normal, std 0.2; biases std 0.5,
+    drawn from torch's global generator) in bfloat16, saved by transformers into `out`
+    (replaced) in shards of at most `max_shard_size`. Returns the model."""
+    model = GptOssForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.5 if name.endswith("_bias") else 0.2)
+    model = model.to(torch.bfloat16)
+    if out.exists():
+        shutil.rmtree(out)
+    model.save_pretrained(out, max_shard_size=max_shard_size)
+    return model
+
+
 def write_case(model, config, layer, path, t, extra_meta):
     """Writes the case of MoE layer `layer` of `model` to `path`: `t` tokens of input drawn from
     torch's global generator, transformers' `GptOssMLP` run in float64, every gradient of
@@ -138,14 +153,7 @@ def write_case(model, config, layer, path, t, extra_meta):
 def main():
     torch.manual_seed(2027)
     config = tiny_config(M, H)
-    model = GptOssForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0.0, 0.5 if name.endswith("_bias") else 0.2)
-    model = model.to(torch.bfloat16)
-    if OUT.exists():
-        shutil.rmtree(OUT)
-    model.save_pretrained(OUT, max_shard_size="20KB")
+    model = save_tiny(config, OUT, "20KB")
 
     clamped = write_case(model, config, LAYER, HERE / f"gpt-oss-tiny.layer{LAYER}.safetensors", T, {})
     print("wrote", OUT, "and the case of layer", LAYER, f"({clamped} gate/up values clamped)")

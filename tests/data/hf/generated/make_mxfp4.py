@@ -37,7 +37,6 @@ These files are the project's own; run: python make_mxfp4.py (torch and transfor
 """
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -45,7 +44,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers import GptOssForCausalLM, Mxfp4Config
 
-from make_gpt_oss import tiny_config, write_case
+from make_gpt_oss import save_tiny, tiny_config, write_case
 
 try:
     from triton_kernels.numerics_details.mxfp import downcast_to_mxfp_torch
@@ -69,14 +68,7 @@ def pack(generator, experts, out_dim, in_dim):
 def main():
     torch.manual_seed(2028)
     config = tiny_config(M, H)
-    model = GptOssForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0.0, 0.5 if name.endswith("_bias") else 0.2)
-    model = model.to(torch.bfloat16)
-    if OUT.exists():
-        shutil.rmtree(OUT)
-    model.save_pretrained(OUT, max_shard_size="40KB")
+    save_tiny(config, OUT, "40KB")
 
     generator = torch.Generator().manual_seed(2029)
     index_path = OUT / "model.safetensors.index.json"
