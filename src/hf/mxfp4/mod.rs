@@ -65,31 +65,72 @@ pub(crate) fn is_packed_dtype(dtype: Dtype) -> bool {
 
 /// The `[n, in, out]` projection (row-major f32) of `n` experts' packed `blocks`
 /// (`[n, out, in / 32, 16]` bytes) and `scales` (`[n, out, in / 32]` bytes). The caller has
-/// checked both lengths against `[n, in, out]` (see [`packed_shapes`]).
+/// checked both lengths against `[n, in, out]` (see [`packed_shapes`]). Experts are decoded
+/// on parallel threads.
 pub(crate) fn dequantize(blocks: &[u8], scales: &[u8], shape: [usize; 3]) -> Vec<f32> {
     let [n, input, out] = shape;
     let groups = input / BLOCK;
     debug_assert_eq!(blocks.len(), n * out * groups * BLOCK_BYTES);
     debug_assert_eq!(scales.len(), n * out * groups);
     let mut values = vec![0f32; n * input * out];
-    // One stored row is one output column of the projection: decode it along the input
-    // dimension and scatter it into the transposed layout.
-    for e in 0..n {
-        let expert = &mut values[e * input * out..(e + 1) * input * out];
-        for o in 0..out {
-            let row = e * out + o;
-            for g in 0..groups {
-                let scale = e8m0_to_f32(scales[row * groups + g]);
-                let bytes = &blocks[(row * groups + g) * BLOCK_BYTES..][..BLOCK_BYTES];
-                for (b, &byte) in bytes.iter().enumerate() {
-                    let i = g * BLOCK + 2 * b;
-                    expert[i * out + o] = E2M1[usize::from(byte & 0x0F)] * scale;
-                    expert[(i + 1) * out + o] = E2M1[usize::from(byte >> 4)] * scale;
+    let experts: Vec<_> = values
+        .chunks_exact_mut(input * out)
+        .zip(blocks.chunks_exact(out * groups * BLOCK_BYTES))
+        .zip(scales.chunks_exact(out * groups))
+        .collect();
+    on_threads(experts, |((values, blocks), scales)| {
+        dequantize_expert(blocks, scales, values, input, out);
+    });
+    values
+}
+
+/// Values per tile: a tile is `TILE` stored rows (output columns) of one block of 32 inputs.
+/// A stored row is one output column of the projection; decoding a tile and then writing it
+/// as 32 runs of `TILE` contiguous values keeps both sides in cache, where writing each row
+/// down its column touches a new cache line for every value.
+const TILE: usize = 64;
+
+/// One expert's `[in, out]` matrix `values` from its `[out, in / 32, 16]` `blocks` and
+/// `[out, in / 32]` `scales`.
+fn dequantize_expert(blocks: &[u8], scales: &[u8], values: &mut [f32], input: usize, out: usize) {
+    let groups = input / BLOCK;
+    // tile[t]: the 32 values of stored row `o0 + t` in this block.
+    let mut tile = [[0f32; BLOCK]; TILE];
+    for g in 0..groups {
+        for o0 in (0..out).step_by(TILE) {
+            let width = TILE.min(out - o0);
+            for (t, decoded) in tile[..width].iter_mut().enumerate() {
+                let row = (o0 + t) * groups + g;
+                let scale = e8m0_to_f32(scales[row]);
+                let bytes = &blocks[row * BLOCK_BYTES..][..BLOCK_BYTES];
+                for (pair, &byte) in decoded.chunks_exact_mut(2).zip(bytes) {
+                    pair[0] = E2M1[usize::from(byte & 0x0F)] * scale;
+                    pair[1] = E2M1[usize::from(byte >> 4)] * scale;
+                }
+            }
+            for i in 0..BLOCK {
+                let run = &mut values[(g * BLOCK + i) * out + o0..][..width];
+                for (v, decoded) in run.iter_mut().zip(&tile) {
+                    *v = decoded[i];
                 }
             }
         }
     }
-    values
+}
+
+/// Runs `work` on every item, the items split in contiguous runs over the machine's threads.
+fn on_threads<T: Send>(items: Vec<T>, work: impl Fn(T) + Sync) {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per_thread = items.len().div_ceil(threads).max(1);
+    let mut items = items.into_iter();
+    std::thread::scope(|scope| loop {
+        let run: Vec<T> = items.by_ref().take(per_thread).collect();
+        if run.is_empty() {
+            break;
+        }
+        let work = &work;
+        scope.spawn(move || run.into_iter().for_each(work));
+    });
 }
 
 /// The e2m1 code nearest to `q`, ties to the even code, saturating at ±6 (the OCP MX
@@ -133,7 +174,8 @@ pub(crate) struct Packed {
 /// changed is written back to the same bytes. Any other block gets the scale triton_kernels'
 /// `downcast_to_mxfp_torch` computes (its default, `ROUND_UP`): `amax / 6` in float32,
 /// rounded up to a power of two on its bits, the values multiplied by its reciprocal and
-/// rounded to the nearest e2m1 code ([`e2m1_nearest`]).
+/// rounded to the nearest e2m1 code ([`e2m1_nearest`]). Experts are quantised on parallel
+/// threads.
 ///
 /// # Errors
 /// The flat index of the first non-finite value: MXFP4 has no code for it.
@@ -143,45 +185,91 @@ pub(crate) fn quantize(w: &[f32], shape: [usize; 3], stored: &[u8]) -> Result<Pa
     }
     let [n, input, out] = shape;
     let groups = input / BLOCK;
-    let mut packed = Packed {
-        blocks: Vec::with_capacity(n * out * groups * BLOCK_BYTES),
-        scales: Vec::with_capacity(n * out * groups),
-        rescaled: 0,
-    };
-    let mut codes = [0u8; BLOCK];
-    for e in 0..n {
-        for o in 0..out {
-            for g in 0..groups {
-                let block: [f32; BLOCK] = std::array::from_fn(|i| {
-                    burn::tensor::bf16::from_f32(w[(e * input + g * BLOCK + i) * out + o]).to_f32()
-                });
-                let kept = stored[(e * out + o) * groups + g];
-                let scale = e8m0_to_f32(kept);
-                let exact = block
-                    .iter()
-                    .zip(&mut codes)
-                    .all(|(&v, code)| e2m1_exact(v / scale).map(|c| *code = c).is_some());
-                let byte = if exact {
-                    kept
-                } else {
-                    packed.rescaled += 1;
-                    let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-                    let bits = ((amax / 6.0).to_bits() + 0x007F_FFFF) & 0x7F80_0000;
-                    let dequant = f32::from_bits(bits);
-                    let quant = if dequant == 0.0 { 0.0 } else { 1.0 / dequant };
-                    for (v, code) in block.iter().zip(&mut codes) {
-                        *code = e2m1_nearest(v * quant);
-                    }
-                    (bits >> 23) as u8
-                };
-                packed.scales.push(byte);
-                packed
-                    .blocks
-                    .extend(codes.chunks(2).map(|pair| pair[0] | (pair[1] << 4)));
+    let mut blocks = vec![0u8; n * out * groups * BLOCK_BYTES];
+    let mut scales = vec![0u8; n * out * groups];
+    let rescaled = std::sync::atomic::AtomicUsize::new(0);
+    let experts: Vec<_> = w
+        .chunks_exact(input * out)
+        .zip(stored.chunks_exact(out * groups))
+        .zip(blocks.chunks_exact_mut(out * groups * BLOCK_BYTES))
+        .zip(scales.chunks_exact_mut(out * groups))
+        .collect();
+    on_threads(experts, |(((w, stored), blocks), scales)| {
+        let count = quantize_expert(w, stored, blocks, scales, input, out);
+        rescaled.fetch_add(count, std::sync::atomic::Ordering::Relaxed);
+    });
+    Ok(Packed {
+        blocks,
+        scales,
+        rescaled: rescaled.into_inner(),
+    })
+}
+
+/// One expert's `[in, out]` matrix `w` into its `[out, in / 32, 16]` `blocks` and
+/// `[out, in / 32]` `scales`, given its stored exponents. Returns how many blocks got a new
+/// exponent. Tiled as [`dequantize_expert`] is, the other way round.
+fn quantize_expert(
+    w: &[f32],
+    stored: &[u8],
+    blocks: &mut [u8],
+    scales: &mut [u8],
+    input: usize,
+    out: usize,
+) -> usize {
+    let groups = input / BLOCK;
+    let mut rescaled = 0;
+    let mut tile = [[0f32; BLOCK]; TILE];
+    for g in 0..groups {
+        for o0 in (0..out).step_by(TILE) {
+            let width = TILE.min(out - o0);
+            for i in 0..BLOCK {
+                let run = &w[(g * BLOCK + i) * out + o0..][..width];
+                for (t, &v) in run.iter().enumerate() {
+                    tile[t][i] = burn::tensor::bf16::from_f32(v).to_f32();
+                }
+            }
+            for (t, block) in tile[..width].iter().enumerate() {
+                let row = (o0 + t) * groups + g;
+                let (byte, codes) = quantize_block(block, stored[row]);
+                rescaled += usize::from(codes.is_none());
+                let codes = codes.unwrap_or_else(|| fresh_codes(block, byte));
+                scales[row] = byte;
+                for (packed, pair) in blocks[row * BLOCK_BYTES..][..BLOCK_BYTES]
+                    .iter_mut()
+                    .zip(codes.chunks(2))
+                {
+                    *packed = pair[0] | (pair[1] << 4);
+                }
             }
         }
     }
-    Ok(packed)
+    rescaled
+}
+
+/// A block's exponent and, if it keeps the stored exponent `kept` (every value is a code
+/// times it), its codes; otherwise the `ROUND_UP` exponent and `None` (see
+/// [`fresh_codes`]).
+fn quantize_block(block: &[f32; BLOCK], kept: u8) -> (u8, Option<[u8; BLOCK]>) {
+    let scale = e8m0_to_f32(kept);
+    let mut codes = [0u8; BLOCK];
+    if block
+        .iter()
+        .zip(&mut codes)
+        .all(|(&v, code)| e2m1_exact(v / scale).map(|c| *code = c).is_some())
+    {
+        return (kept, Some(codes));
+    }
+    let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let bits = ((amax / 6.0).to_bits() + 0x007F_FFFF) & 0x7F80_0000;
+    ((bits >> 23) as u8, None)
+}
+
+/// The codes of `block` at the `ROUND_UP` exponent `byte`: the values times the reciprocal of
+/// its power of two (0 for exponent 0, as triton_kernels guards a zero scale), rounded.
+fn fresh_codes(block: &[f32; BLOCK], byte: u8) -> [u8; BLOCK] {
+    let dequant = f32::from_bits(u32::from(byte) << 23);
+    let quant = if dequant == 0.0 { 0.0 } else { 1.0 / dequant };
+    std::array::from_fn(|i| e2m1_nearest(block[i] * quant))
 }
 
 #[cfg(test)]
@@ -268,6 +356,37 @@ mod tests {
             );
         }
         assert_eq!(quantize(&[f32::NAN; 32], [1, 32, 1], &[127]).err(), Some(0));
+    }
+
+    /// The tiled, threaded decoder against the format's definition, value by value, at a
+    /// width that leaves a partial tile and an expert count that does not split evenly.
+    #[test]
+    fn tiled_dequantize_matches_the_plain_formula() {
+        let (n, input, out) = (3, 96, TILE + 6);
+        let groups = input / BLOCK;
+        let blocks: Vec<u8> = (0..n * out * groups * 16).map(|i| (i * 73 + 5) as u8).collect();
+        let scales: Vec<u8> = (0..n * out * groups).map(|i| 115 + (i * 7 % 17) as u8).collect();
+        let values = dequantize(&blocks, &scales, [n, input, out]);
+        for e in 0..n {
+            for i in 0..input {
+                for o in 0..out {
+                    let row = (e * out + o) * groups + i / BLOCK;
+                    let byte = blocks[row * 16 + (i % BLOCK) / 2];
+                    let code = if i % 2 == 0 { byte & 0x0F } else { byte >> 4 };
+                    let want = E2M1[usize::from(code)] * 2f32.powi(i32::from(scales[row]) - 127);
+                    assert_eq!(
+                        values[(e * input + i) * out + o],
+                        want,
+                        "expert {e}, in {i}, out {o}"
+                    );
+                }
+            }
+        }
+        let packed = quantize(&values, [n, input, out], &scales).unwrap();
+        assert_eq!(
+            (packed.blocks, packed.scales, packed.rescaled),
+            (blocks, scales, 0)
+        );
     }
 
     #[test]
