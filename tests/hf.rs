@@ -577,6 +577,7 @@ fn a_single_file_f16_checkpoint_imports_and_exports() {
 fn deep_checkpoint(dir: &Path) -> PathBuf {
     let ckpt = dir.join("deep");
     let spec = mpipemoe::harness::SyntheticCheckpoint {
+        family: mpipemoe::harness::SyntheticFamily::Mixtral,
         n_layers: 16,
         n_experts: 4,
         top_k: 2,

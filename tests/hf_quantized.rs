@@ -6,9 +6,11 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::TensorData;
+use mpipemoe::comm::SingleRank;
 use mpipemoe::format::TensorMap;
 use mpipemoe::hf::{self, HfLayer};
 use mpipemoe::{LocalGroup, MoeLayer};
@@ -451,5 +453,57 @@ fn mxfp4_checkpoints_with_bad_packing_are_refused_by_name() {
         vec!["missing tensor", "model.layers.1.mlp.experts.gate_up_proj`"],
     ));
     assert_refused(&dir, cases);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The generated GPT-OSS checkpoints the MXFP4 benchmark compares (`hf_mxfp4`): every layer
+/// imports, and exports unchanged to the same files; MXFP4 refuses widths that do not pack
+/// by 32.
+#[test]
+fn generated_gpt_oss_checkpoints_round_trip_in_bf16_and_mxfp4() {
+    use mpipemoe::harness::{write_synthetic_checkpoint, SyntheticCheckpoint, SyntheticFamily};
+    let dir = scratch_dir("hf-synthetic-gpt-oss");
+    let spec = |family| SyntheticCheckpoint {
+        family,
+        n_layers: 3,
+        n_experts: 4,
+        top_k: 2,
+        d_model: 64,
+        d_hidden: 32,
+        n_shards: 2,
+        bf16: true,
+        seed: 5,
+    };
+    for (family, name) in [
+        (SyntheticFamily::GptOss, "bf16"),
+        (SyntheticFamily::GptOssMxfp4, "mxfp4"),
+    ] {
+        let source = dir.join(name);
+        write_synthetic_checkpoint(&source, &spec(family)).unwrap();
+        let layers =
+            MoeLayer::<B>::from_hf_layers(&source, &Default::default(), Arc::new(SingleRank)).unwrap();
+        assert_eq!(layers.len(), 3, "{name}");
+        let refs: Vec<(usize, &MoeLayer<B>)> = layers.iter().map(|(l, layer)| (*l, layer)).collect();
+        let out = dir.join(format!("{name}-out"));
+        MoeLayer::save_hf_layers(&refs, &source, &out).unwrap();
+        assert_same_files(&source, &out);
+        let (info, _) = hf::read_layer(&source, 2, 0..4).unwrap();
+        let quantised = info.dtype.as_deref().is_some_and(|d| d.contains("mxfp4"));
+        assert_eq!(
+            quantised,
+            family == SyntheticFamily::GptOssMxfp4,
+            "{name}: {:?}",
+            info.dtype
+        );
+    }
+    let err = write_synthetic_checkpoint(
+        &dir.join("narrow"),
+        &SyntheticCheckpoint {
+            d_hidden: 48,
+            ..spec(SyntheticFamily::GptOssMxfp4)
+        },
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("multiples of 32"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }

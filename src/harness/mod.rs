@@ -13,4 +13,4 @@ pub use crate::memory::alloc::CountingAllocator;
 pub use memory::{
     measure_layer_memory, measure_layer_memory_with, MemoryMeasurement, RankMemory, TokenSource,
 };
-pub use synthetic::{write_synthetic_checkpoint, SyntheticCheckpoint};
+pub use synthetic::{write_synthetic_checkpoint, SyntheticCheckpoint, SyntheticFamily};

@@ -90,6 +90,7 @@ fn ms(start: Instant) -> f64 {
 fn run(a: Args) -> mpipemoe::Result<()> {
     let source = a.dir.join("checkpoint");
     let spec = SyntheticCheckpoint {
+        family: mpipemoe::harness::SyntheticFamily::Mixtral,
         n_layers: a.layers,
         n_experts: a.experts,
         top_k: 2,
