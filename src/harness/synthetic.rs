@@ -77,7 +77,9 @@ pub fn write_synthetic_checkpoint(dir: &Path, spec: &SyntheticCheckpoint) -> Res
             ),
         ));
     }
-    if s.family == SyntheticFamily::GptOssMxfp4 && (s.d_model % 32 != 0 || s.d_hidden % 32 != 0) {
+    if s.family == SyntheticFamily::GptOssMxfp4
+        && (!s.d_model.is_multiple_of(32) || !s.d_hidden.is_multiple_of(32))
+    {
         return Err(MoeError::config(
             "d_model",
             format!(
