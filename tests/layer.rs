@@ -179,12 +179,75 @@ fn generate(config: &MoeLayerConfig, tokens: usize, seed: u64) -> Case {
     Case::from_parts("random", config, inputs).unwrap()
 }
 
+/// The gradients that are plain sums over tokens of per-token contributions of either sign.
+const TOKEN_SUMS: [&str; 3] = ["grad.router.bias", "grad.experts.b_in", "grad.experts.b_out"];
+
+/// For each of [`TOKEN_SUMS`] the case has, `‖Σ_t |g_t|‖`: the norm of the elementwise sum of
+/// the absolute per-token contributions `g_t` (each token's case computed alone by the f64
+/// oracle). Where the contributions cancel, the gradient is far smaller than its parts, and
+/// f32 rounding, which is relative to the parts, is a large fraction of it: a router-bias
+/// gradient of 5e-5 made of parts near 1e-2 misses 1e-4 relative by rounding alone. A scale
+/// is given only where the parts add up to the case's gradient (to 1e-6 of their size): a
+/// capacity limit that drops tokens couples them, and the plain relative error applies then.
+fn token_sum_scales(case: &Case) -> std::collections::BTreeMap<String, f64> {
+    // name -> (Σ_t g_t, Σ_t |g_t|)
+    let mut sums: std::collections::BTreeMap<String, (Vec<f64>, Vec<f64>)> = Default::default();
+    let [n_tokens, m] = [case.tensor("x").shape[0], case.tensor("x").shape[1]];
+    for t in 0..n_tokens {
+        let mut inputs: std::collections::BTreeMap<String, TensorData> = case
+            .tensors
+            .iter()
+            .filter(|(n, _)| !n.starts_with("grad.") && !["y", "dx"].contains(&n.as_str()))
+            .map(|(n, d)| (n.clone(), d.clone()))
+            .collect();
+        for name in ["x", "probe"] {
+            let row = expected(case, name)[t * m..(t + 1) * m].to_vec();
+            inputs.insert(name.into(), TensorData::new(row, [1, m]).convert::<f32>());
+        }
+        let alone = Case::from_parts("token", &case.config, inputs).unwrap();
+        for name in TOKEN_SUMS.iter().filter(|n| case.tensors.contains_key(**n)) {
+            let part = expected(&alone, name);
+            let (signed, abs) = sums
+                .entry(name.to_string())
+                .or_insert_with(|| (vec![0.0; part.len()], vec![0.0; part.len()]));
+            for ((s, a), p) in signed.iter_mut().zip(abs.iter_mut()).zip(part) {
+                *s += p;
+                *a += p.abs();
+            }
+        }
+    }
+    let norm = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>().sqrt();
+    sums.into_iter()
+        .filter_map(|(name, (signed, abs))| {
+            // The case's gradient was stored in f32, so the parts' sum matches it to f32
+            // rounding of the gradient itself, well within 1e-6 of the parts.
+            let whole = expected(case, &name);
+            let off = agreement_error(&signed, &whole, &vec![0.0; whole.len()]);
+            (off <= 1e-6 * norm(&abs)).then(|| (name, norm(&abs)))
+        })
+        .collect()
+}
+
+/// `‖a − b‖ / max(‖want‖, scale)`: `agreement_error` with its denominator floored at the
+/// gradient's token-sum scale where it has one (`‖a − b‖` where both are zero).
+fn conditioned_error(a: &[f64], b: &[f64], want: &[f64], scale: Option<&f64>) -> f64 {
+    let norm = want.iter().map(|w| w * w).sum::<f64>().sqrt();
+    let denominator = norm.max(scale.copied().unwrap_or(0.0));
+    let diff = agreement_error(a, b, &vec![0.0; want.len()]);
+    if denominator == 0.0 {
+        diff
+    } else {
+        diff / denominator
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
     /// Reference and fused paths agree to 1e-5 on random configs (every rank count that
     /// divides the experts, random partitions and strategy), and both match the float64
-    /// reference to 1e-4.
+    /// reference to 1e-4: relative to each tensor's norm, or for a gradient summed over
+    /// tokens to the norm of its parts where that is larger (`token_sum_scales`).
     #[test]
     fn reference_and_fused_agree_on_random_configs(
         (config, tokens, seed) in arb_config(),
@@ -193,14 +256,18 @@ proptest! {
     ) {
         prop_assert!(config.validate().is_ok(), "{:?}", config.validate());
         let case = generate(&config, tokens, seed);
+        let scales = token_sum_scales(&case);
         let device = Default::default();
         for n_ranks in [1usize, 2].into_iter().filter(|r| config.n_experts % r == 0) {
             let reference = check_case::<B>(&case, &CheckOptions { path: ExchangePath::Reference, n_ranks, ..CheckOptions::default() }, &device).unwrap();
             let fused = check_case::<B>(&case, &CheckOptions { path: ExchangePath::Fused, n_ranks, partitions: Partitions::Fixed(n), strategy, memory_budget: None, executor: Some(StepExecutor::StreamThreads) }, &device).unwrap();
-            prop_assert!(reference.passed(1e-4), "reference vs f64: {:?}", reference.worst());
-            prop_assert!(fused.passed(1e-4), "fused vs f64: {:?}", fused.worst());
             for (name, got) in &fused.tensors {
-                let err = agreement_error(got, &reference.tensors[name], &expected(&case, name));
+                let (want, scale, reference) = (expected(&case, name), scales.get(name), &reference.tensors[name]);
+                let err = conditioned_error(reference, &want, &want, scale);
+                prop_assert!(err <= 1e-4, "{name}: reference vs f64 {err:e} (token-sum scale {scale:?})");
+                let err = conditioned_error(got, &want, &want, scale);
+                prop_assert!(err <= 1e-4, "{name}: fused vs f64 {err:e} (ranks {n_ranks}, n {n}, {strategy})");
+                let err = conditioned_error(got, reference, &want, scale);
                 prop_assert!(err <= 1e-5, "{name}: fused vs reference {err:e} (ranks {n_ranks}, n {n}, {strategy})");
             }
         }
