@@ -205,17 +205,18 @@ impl Hub {
     }
 
     /// Marks the group failed by the thread of started-group rank `thread`, here and in every
-    /// sub-group.
+    /// sub-group. The first failure wins, and it is the one passed on: a peer that fails
+    /// because it learned of that failure (in a sub-group that the first failure reached
+    /// sooner) reports here after it, and its own failure must not overtake the first on the
+    /// way to a sub-group that has not heard yet.
     fn fail(&self, thread: usize, reason: String) {
         let mut state = self.lock();
-        if state.failed.is_none() {
-            state.failed = Some((thread, reason.clone()));
-        }
+        let (first, first_reason) = state.failed.get_or_insert((thread, reason)).clone();
         let children: Vec<Arc<Hub>> = state.children.values().cloned().collect();
         drop(state);
         self.wake.notify_all();
         for child in children {
-            child.fail(thread, reason.clone());
+            child.fail(first, first_reason.clone());
         }
     }
 
@@ -431,5 +432,25 @@ fn receive(own: bool, payload: Payload) -> Payload {
     match payload {
         Payload::Bytes(bytes) if !own => Payload::Bytes(bytes.as_slice().to_vec()),
         other => other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rank 3 fails the group; before that reaches sub-group {1, 3}, rank 0 (which learned it
+    /// in sub-group {0, 2}) fails too. Sub-group {1, 3} must hear of rank 3, the first.
+    #[test]
+    fn the_first_failure_is_the_one_passed_on() {
+        let root = Hub::new(vec![0, 1, 2, 3], Duration::from_secs(1));
+        let even = root.child((0, 0), &[0, 2]);
+        let odd = root.child((0, 1), &[1, 3]);
+        // Rank 3's failure, recorded at the root and passed on to {0, 2} only so far.
+        root.lock().failed = Some((3, "rank 3 gives up".into()));
+        even.fail(3, "rank 3 gives up".into());
+        root.fail(0, "rank 0 heard of rank 3".into());
+        assert_eq!(odd.lock().failed.as_ref().map(|f| f.0), Some(3));
+        assert_eq!(even.lock().failed.as_ref().map(|f| f.0), Some(3));
     }
 }
