@@ -13,7 +13,7 @@
 //! (tensor data), from `HfCheckpoint::stats`; `from_hf` is `HfCheckpoint::open` followed by
 //! `load_layer`, so its figures are those of that pair per layer.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -22,8 +22,12 @@ use clap::Parser;
 use mpipemoe::comm::SingleRank;
 use mpipemoe::harness::{write_synthetic_checkpoint, SyntheticCheckpoint};
 use mpipemoe::hf::{HfCheckpoint, ReadStats};
-use mpipemoe::{MoeError, MoeLayer};
+use mpipemoe::MoeLayer;
 use serde::Serialize;
+
+#[path = "shared/timing.rs"]
+mod timing;
+use timing::{median, ms, same_files};
 
 type B = Flex;
 
@@ -76,15 +80,6 @@ fn main() {
         eprintln!("error: {e}");
         std::process::exit(1);
     }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-fn ms(start: Instant) -> f64 {
-    start.elapsed().as_secs_f64() * 1e3
 }
 
 fn run(a: Args) -> mpipemoe::Result<()> {
@@ -214,18 +209,5 @@ fn run(a: Args) -> mpipemoe::Result<()> {
         "  per layer / at once: {:.2}x (the outputs are byte-identical)",
         r.export_speedup
     );
-    Ok(())
-}
-
-/// The two exports hold the same files, byte for byte.
-fn same_files(a: &Path, b: &Path) -> mpipemoe::Result<()> {
-    for entry in std::fs::read_dir(a).map_err(|e| MoeError::file(a, e.to_string()))? {
-        let name = entry.map_err(|e| MoeError::file(a, e.to_string()))?.file_name();
-        let (x, y) = (std::fs::read(a.join(&name)), std::fs::read(b.join(&name)));
-        match (x, y) {
-            (Ok(x), Ok(y)) if x == y => {}
-            _ => return Err(MoeError::file(b.join(&name), "differs between the two exports")),
-        }
-    }
     Ok(())
 }

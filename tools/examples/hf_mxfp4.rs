@@ -13,7 +13,7 @@
 //! cache: these are read, decode, convert and write times, not disk times. Each round checks
 //! that the unchanged MXFP4 export is byte-identical to its source.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -22,8 +22,12 @@ use clap::Parser;
 use mpipemoe::comm::SingleRank;
 use mpipemoe::harness::{write_synthetic_checkpoint, SyntheticCheckpoint, SyntheticFamily};
 use mpipemoe::hf::{HfCheckpoint, ReadStats};
-use mpipemoe::{MoeError, MoeLayer};
+use mpipemoe::MoeLayer;
 use serde::Serialize;
+
+#[path = "shared/timing.rs"]
+mod timing;
+use timing::{median, ms, same_files};
 
 type B = Flex;
 
@@ -83,15 +87,6 @@ fn main() {
         eprintln!("error: {e}");
         std::process::exit(1);
     }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-fn ms(start: Instant) -> f64 {
-    start.elapsed().as_secs_f64() * 1e3
 }
 
 fn run(a: Args) -> mpipemoe::Result<()> {
@@ -196,24 +191,5 @@ fn run(a: Args) -> mpipemoe::Result<()> {
         "bf16 / mxfp4: import {:.2}x, export {:.2}x (the unchanged exports are byte-identical to their sources)",
         r.import_ratio, r.export_ratio
     );
-    Ok(())
-}
-
-/// Every file of `source` is in `out` with the same bytes.
-fn same_files(source: &Path, out: &Path) -> mpipemoe::Result<()> {
-    for entry in std::fs::read_dir(source).map_err(|e| MoeError::file(source, e.to_string()))? {
-        let name = entry
-            .map_err(|e| MoeError::file(source, e.to_string()))?
-            .file_name();
-        match (std::fs::read(source.join(&name)), std::fs::read(out.join(&name))) {
-            (Ok(x), Ok(y)) if x == y => {}
-            _ => {
-                return Err(MoeError::file(
-                    out.join(&name),
-                    "differs from its source after an unchanged export",
-                ))
-            }
-        }
-    }
     Ok(())
 }
