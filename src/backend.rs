@@ -27,6 +27,7 @@ pub use crate::exchange::executor::{
     execute as execute_on_threads, execute_in_order, execute_on, StepExecutor,
 };
 pub use crate::exchange::fused::{backward as fused_backward, forward as fused_forward, Saved as FusedSaved};
+pub use crate::exchange::MoeBackend;
 pub use crate::exchange::{
     buffer_of, exchange_reference, ArenaCounters, ArenaStats, BlockLayout, ExchangeGrads, ExchangeRun,
     NoStreams, PartitionArena, SlotMemory, StepHold, SyncStreams, WorkerStreams,
@@ -35,4 +36,3 @@ pub use crate::experts::{ActivationKernels, ExpertTensors};
 pub use crate::memory::host_store::{HostBlock, HostStore};
 pub use crate::memory::Restore;
 pub use crate::pipeline::schedule::{Op, Role, Schedule, Slot, Span, Step, Stream};
-pub use crate::MoeBackend;

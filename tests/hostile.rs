@@ -457,3 +457,159 @@ proptest! {
         }
     }
 }
+
+/// A folder whose config and tensors disagree on which layers are MoE layers is refused when
+/// it is opened, naming the layer, the config key that decides it and a tensor, in every
+/// family with dense and MoE layers mixed; a step of 0 (transformers refuses it too) is
+/// named. Before, Llama 4 with `interleave_moe_layer_step` 0 imported every layer's experts.
+#[test]
+fn a_config_that_disagrees_with_the_tensors_on_layer_kinds_is_refused() {
+    let dir = scratch_dir("hostile-layer-kinds");
+    type Edit = Box<dyn FnOnce(&mut Value)>;
+    let cases: Vec<(&str, Edit, &[&str])> = vec![
+        // Layer 1 holds the experts; the config says no layer is MoE.
+        (
+            "generated/llama4-tiny",
+            Box::new(|c| c["moe_layers"] = serde_json::json!([])),
+            &[
+                "layer 1",
+                "moe_layers = []",
+                "layers.1.feed_forward.router.weight",
+            ],
+        ),
+        // Without `moe_layers`, a step of 1 makes layer 0 MoE, which has no router.
+        (
+            "generated/llama4-tiny",
+            Box::new(|c| {
+                c.as_object_mut().unwrap().remove("moe_layers");
+            }),
+            &[
+                "layer 0",
+                "interleave_moe_layer_step = 1",
+                "layers.0.feed_forward.router.weight",
+            ],
+        ),
+        (
+            "generated/llama4-tiny",
+            Box::new(|c| {
+                c.as_object_mut().unwrap().remove("moe_layers");
+                c["interleave_moe_layer_step"] = 0.into();
+            }),
+            &["interleave_moe_layer_step", "is 0"],
+        ),
+        // Every other layer: layer 0 dense, but it holds experts.
+        (
+            "qwen2-moe-tiny",
+            Box::new(|c| c["decoder_sparse_step"] = 2.into()),
+            &["layer 0", "decoder_sparse_step = 2", "layers.0.mlp."],
+        ),
+        (
+            "qwen2-moe-tiny",
+            Box::new(|c| c["mlp_only_layers"] = serde_json::json!([1])),
+            &["layer 1", "mlp_only_layers = [1]", "layers.1.mlp."],
+        ),
+        (
+            "qwen2-moe-tiny",
+            Box::new(|c| c["decoder_sparse_step"] = 0.into()),
+            &["decoder_sparse_step", "is 0"],
+        ),
+        // transformers reads `first_k_dense_replace` alone: a `moe_layer_freq` of 2 changes
+        // nothing, and 2 dense layers make layer 1 dense while it holds experts.
+        (
+            "deepseek-v3-tiny",
+            Box::new(|c| c["first_k_dense_replace"] = 2.into()),
+            &["layer 1", "first_k_dense_replace = 2", "layers.1.mlp."],
+        ),
+    ];
+    for (i, (folder, edit, needles)) in cases.into_iter().enumerate() {
+        let case_dir = dir.join(i.to_string());
+        let ckpt = with_config(&case_dir, folder, edit);
+        let err = error_of(hf::HfCheckpoint::open(&ckpt).map(drop));
+        for needle in needles {
+            assert!(
+                err.contains(needle),
+                "case {i} ({folder}): `{needle}` not in: {err}"
+            );
+        }
+        // The command-line import goes through the same open.
+        assert!(hf::read_layer(&ckpt, 1, 0..1).is_err(), "case {i}");
+    }
+    // DeepSeek's `moe_layer_freq`, which transformers ignores, does not make a layer dense.
+    let ckpt = with_config(&dir.join("freq"), "deepseek-v3-tiny", |c| {
+        c["moe_layer_freq"] = 2.into()
+    });
+    hf::read_layer(&ckpt, 1, 0..1).unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Every file of `dir` and its bytes.
+fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_file())
+        .map(|p| {
+            let bytes = std::fs::read(&p).unwrap();
+            (p, bytes)
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+/// A non-finite weight exported into a quantised checkpoint is refused before anything is
+/// written, naming the tensor and the index: float8_e4m3fn and e2m1 hold no infinity, and the
+/// block's scale would have been infinite (every value of the block NaN in transformers).
+/// Into a new folder nothing is created; in place the folder is left as it was.
+#[test]
+fn non_finite_weights_are_never_quantised_into_a_checkpoint() {
+    let dir = scratch_dir("hostile-nonfinite-export");
+    let cases = [
+        (
+            "generated/deepseek-v3-fp8-tiny",
+            "float8_e4m3fn",
+            "layers.1.mlp.experts.0.gate_proj.weight",
+        ),
+        (
+            "generated/gpt-oss-mxfp4-tiny",
+            "mxfp4",
+            "layers.1.mlp.experts.gate_up_proj",
+        ),
+    ];
+    for (folder, format, tensor) in cases {
+        let ckpt = dir.join(folder);
+        copy_dir(&data().join(folder), &ckpt);
+        let (_, mut tensors) = hf::read_layer(&ckpt, 1, 0..8).unwrap();
+        let w_in = tensors.get_mut("experts.w_in").unwrap();
+        let mut values = w_in.to_vec::<f32>().unwrap();
+        values[3] = f32::INFINITY;
+        *w_in = burn::tensor::TensorData::new(values, w_in.shape.clone());
+        let out = dir.join(format!("{format}-out"));
+        let err = error_of(hf::write_layer(&ckpt, 1, &tensors, &out));
+        for needle in [tensor, "inf", format, "nothing was written"] {
+            assert!(err.contains(needle), "{folder}: `{needle}` not in: {err}");
+        }
+        assert!(err.contains(" at ["), "{folder}: no index in: {err}");
+        assert!(!out.exists(), "{folder}: the output folder was created");
+        let before = snapshot(&ckpt);
+        error_of(hf::write_layer(&ckpt, 1, &tensors, &ckpt));
+        assert!(snapshot(&ckpt) == before, "{folder}: changed in place");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A folder whose `quantization_config` says MXFP4 but whose experts are stored as floats is
+/// refused by name (transformers would not load it, and an export could not tell which
+/// format to write), rather than imported as floats.
+#[test]
+fn mxfp4_declared_over_float_experts_is_refused() {
+    let dir = scratch_dir("hostile-mxfp4-floats");
+    let ckpt = with_config(&dir, "generated/gpt-oss-tiny", |c| {
+        c["quantization_config"] = serde_json::json!({"quant_method": "mxfp4"});
+    });
+    let err = error_of(hf::HfCheckpoint::open(&ckpt).map(drop));
+    for needle in ["quantization_config", "mxfp4", "experts.gate_up_proj", "_blocks"] {
+        assert!(err.contains(needle), "`{needle}` not in: {err}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -543,7 +543,8 @@ fn device_memory_does_not_grow_with_the_threaded_executor() {
 
 /// Ranks that receive no rows: every token to expert 0, which lives on rank 0, so rank 1's
 /// partition slots are all empty (zero-row receives, combines and expert blocks) under every
-/// strategy, on both executors, within 1e-4.
+/// strategy, on both executors, within 1e-4; and no op on zero elements reaches the device
+/// (the row helpers' debug assertion, `exchange/rows.rs`, fails the test where one does).
 #[test]
 fn a_rank_that_receives_no_rows_on_wgpu() {
     let _device = shared();
@@ -555,6 +556,34 @@ fn a_rank_that_receives_no_rows_on_wgpu() {
                 path: ExchangePath::Fused,
                 n_ranks: 2,
                 partitions: Partitions::Fixed(3),
+                strategy,
+                memory_budget: None,
+                executor: Some(executor),
+            };
+            let report = check_case::<B>(&case, &options, &device).unwrap();
+            assert!(report.passed(1e-4), "{options:?}: {:?}", report.worst());
+        }
+    }
+}
+
+/// Routing skew under `Partitions::ByRank` (one partition per source rank): every token to
+/// expert 0 with 4 ranks and 2 local experts each, so in every partition ranks 1-3 receive
+/// nothing, rank 0 receives from one rank only, and ranks return nothing to the ranks they
+/// heard nothing from. Every op the exchange issues on a zero-row partition would launch a
+/// kernel with an empty grid, which CUDA rejects; the row helpers' debug assertion (module
+/// docs of `exchange/rows.rs`) fails this test wherever one does. Both executors, every
+/// strategy, within 1e-4.
+#[test]
+fn routing_skew_by_rank_issues_no_empty_kernel_on_wgpu() {
+    let _device = shared();
+    let device = Default::default();
+    let case = Case::all_to_one_expert(8, 12).expect("case");
+    for executor in [StepExecutor::InOrder, StepExecutor::StreamThreads] {
+        for strategy in Strategy::ALL {
+            let options = CheckOptions {
+                path: ExchangePath::Fused,
+                n_ranks: 4,
+                partitions: Partitions::ByRank,
                 strategy,
                 memory_budget: None,
                 executor: Some(executor),

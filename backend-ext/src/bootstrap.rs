@@ -1,5 +1,7 @@
 //! Handing rank 0's NCCL unique id to every rank over TCP, as torchrun's `MASTER_ADDR` /
-//! `MASTER_PORT` rendezvous does: no shared filesystem needed.
+//! `MASTER_PORT` rendezvous does: no shared filesystem needed. The port is the crate's own
+//! ([`rendezvous_addr_from_env`]: `MPIPEMOE_RENDEZVOUS_PORT`, or `MASTER_PORT + 1`), because
+//! torchrun's agent already listens on `MASTER_PORT`.
 //!
 //! Rank 0 listens; every other rank connects (retrying until rank 0 is up), introduces itself
 //! with a fixed greeting, its rank and the world size, and receives the id. Rank 0 answers
@@ -142,17 +144,117 @@ fn try_fetch(addr: &str, rank: usize, world: usize, timeout: Duration) -> std::i
     Ok(id)
 }
 
-/// `MASTER_ADDR:MASTER_PORT` from the environment (torchrun's names), defaulting to
-/// `127.0.0.1:29500` as torchrun does for one node.
-pub fn master_addr_from_env() -> Result<String> {
+/// The environment variable that names the port of the crate's own NCCL-id rendezvous.
+pub const RENDEZVOUS_PORT_VAR: &str = "MPIPEMOE_RENDEZVOUS_PORT";
+
+/// How far above `MASTER_PORT` the rendezvous listens when [`RENDEZVOUS_PORT_VAR`] is unset.
+///
+/// Not `MASTER_PORT` itself: under torchrun, the elastic agent's own TCPStore already listens
+/// there (and the workers' `init_process_group` reuses it), so rank 0 could not bind it and
+/// the other ranks would greet torchrun's store instead of rank 0.
+pub const RENDEZVOUS_PORT_OFFSET: u16 = 1;
+
+/// A port number from environment variable `name`: 1 to 65535, or an error naming it.
+fn env_port(name: &str, value: &str) -> Result<u16> {
+    value
+        .trim()
+        .parse::<u16>()
+        .ok()
+        .filter(|&p| p != 0)
+        .ok_or_else(|| MoeError::Backend(format!("{name}={value:?} is not a port number (1 to 65535)")))
+}
+
+/// A count from environment variable `name`, or `default` when it is unset.
+pub fn env_usize(name: &str, default: usize) -> Result<usize> {
+    match std::env::var(name) {
+        Ok(v) => v
+            .trim()
+            .parse()
+            .map_err(|_| MoeError::Backend(format!("environment variable {name}={v:?} is not a number"))),
+        Err(_) => Ok(default),
+    }
+}
+
+/// Where rank 0 hands out the NCCL id: `MASTER_ADDR` (default `127.0.0.1`, as torchrun's for
+/// one node) at port [`RENDEZVOUS_PORT_VAR`] if set, else `MASTER_PORT` (default 29500) plus
+/// [`RENDEZVOUS_PORT_OFFSET`]. Every rank must see the same values.
+///
+/// # Errors
+/// A variable that is not a port number, or a `MASTER_PORT` with no port above it, named.
+pub fn rendezvous_addr_from_env() -> Result<String> {
     let host = std::env::var("MASTER_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
-    let port = match std::env::var("MASTER_PORT") {
-        Ok(p) => p
-            .parse::<u16>()
-            .map_err(|_| MoeError::Backend(format!("MASTER_PORT={p:?} is not a port number")))?,
-        Err(_) => 29500,
+    let port = match std::env::var(RENDEZVOUS_PORT_VAR) {
+        Ok(p) => env_port(RENDEZVOUS_PORT_VAR, &p)?,
+        Err(_) => {
+            let master = match std::env::var("MASTER_PORT") {
+                Ok(p) => env_port("MASTER_PORT", &p)?,
+                Err(_) => 29500,
+            };
+            master.checked_add(RENDEZVOUS_PORT_OFFSET).ok_or_else(|| {
+                MoeError::Backend(format!(
+                    "MASTER_PORT={master} leaves no port for the NCCL-id rendezvous at MASTER_PORT + \
+                     {RENDEZVOUS_PORT_OFFSET}: set {RENDEZVOUS_PORT_VAR}"
+                ))
+            })?
+        }
     };
-    Ok(format!("{host}:{port}"))
+    // An IPv6 literal needs brackets to take a port.
+    Ok(match host.contains(':') && !host.starts_with('[') {
+        true => format!("[{host}]:{port}"),
+        false => format!("{host}:{port}"),
+    })
+}
+
+/// This process's rank and the world size from torchrun's `RANK` and `WORLD_SIZE` (defaults
+/// 0 and 1).
+///
+/// # Errors
+/// A value that is not a number, a world of 0, or a rank not below the world, named.
+pub fn rank_from_env() -> Result<(usize, usize)> {
+    let rank = env_usize("RANK", 0)?;
+    let world = env_usize("WORLD_SIZE", 1)?;
+    if world == 0 || rank >= world {
+        return Err(MoeError::Backend(format!(
+            "RANK {rank} is not below WORLD_SIZE {world}"
+        )));
+    }
+    Ok((rank, world))
+}
+
+/// The whole rendezvous of one process as the environment describes it ([`rank_from_env`],
+/// [`rendezvous_addr_from_env`]): rank 0 makes the id with `make_id`, listens and hands it to
+/// every other rank; the others fetch it. Returns `(rank, world, id)`. A world of one needs
+/// no rendezvous.
+///
+/// # Errors
+/// A bad variable, a port rank 0 cannot bind, or a rank that does not arrive within
+/// `timeout`.
+pub fn rendezvous_from_env(
+    make_id: impl FnOnce() -> Result<[u8; ID_BYTES]>,
+    timeout: Duration,
+) -> Result<(usize, usize, [u8; ID_BYTES])> {
+    let (rank, world) = rank_from_env()?;
+    if world == 1 {
+        return Ok((rank, world, make_id()?));
+    }
+    let addr = rendezvous_addr_from_env()?;
+    let id = if rank == 0 {
+        let id = make_id()?;
+        let listener = TcpListener::bind(&addr).map_err(|e| {
+            init_err(
+                rank,
+                format!("listen on {addr} for the NCCL-id rendezvous: {e} (the port is {RENDEZVOUS_PORT_VAR}, or MASTER_PORT + {RENDEZVOUS_PORT_OFFSET})"),
+            )
+        })?;
+        // Every rank has the id before rank 0 joins NCCL: the others wait inside NCCL's
+        // initialisation for it, and a rank that never came is an error here rather than a
+        // hang inside NCCL.
+        serve_id(&listener, world, &id, timeout)?;
+        id
+    } else {
+        fetch_id(&addr, rank, world, timeout)?
+    };
+    Ok((rank, world, id))
 }
 
 #[cfg(test)]

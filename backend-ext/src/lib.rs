@@ -9,7 +9,8 @@
 //!   algorithm: same schedule and strategies as on the CPU, on burn's stream).
 //! - [`cuda_available`]: a clear error instead of a panic on machines without a driver.
 //! - [`Nccl`]: ranks over NCCL, as processes (torchrun's `RANK` / `WORLD_SIZE` / `LOCAL_RANK`,
-//!   rank 0 handing out the NCCL id on `MASTER_ADDR:MASTER_PORT`, [`bootstrap`]) or as
+//!   rank 0 handing out the NCCL id on `MASTER_ADDR` at `MPIPEMOE_RENDEZVOUS_PORT`, or
+//!   `MASTER_PORT + 1` since torchrun's own store holds `MASTER_PORT`: [`bootstrap`]) or as
 //!   threads of one process over its GPUs ([`Nccl::run_local`]). The layer's rows move by
 //!   one NCCL group of `ncclSend` / `ncclRecv` on device pointers, posted by the same
 //!   `mpipemoe::comm::post_all_to_all_v` the CPU twin is tested with; only counts pass
@@ -20,6 +21,8 @@
 //!   cross streams").
 //! - [`nccl_available`]: whether NCCL can be loaded, so a caller runs its single-GPU work and
 //!   reports NCCL as unavailable instead of cudarc panicking.
+//! - [`group`]: the waits on NCCL (a group's end, a non-blocking initialisation, split or
+//!   finalize), bounded by the timeout, aborting the communicator on every error path.
 //! - [`check_plan`]: what `examples/gpu_check.rs` checks, single-GPU checks first.
 //! - `examples/gpu_check.rs` and `examples/gpu_bench.rs`, run by `scripts/gpu/`.
 //!
@@ -38,6 +41,7 @@ pub mod bootstrap;
 pub mod check_plan;
 #[cfg(feature = "cuda")]
 mod driver;
+pub mod group;
 #[cfg(feature = "cuda")]
 mod nccl;
 #[cfg(feature = "cuda")]

@@ -17,7 +17,8 @@ use cudarc::nccl::{result as nccl, sys as nccl_sys};
 use mpipemoe::comm::{post_all_to_all_v, Payload, PeerLayout, PeerTransport, RowPaths};
 use mpipemoe::{Communicator, MoeError, RankContext, Result};
 
-use crate::bootstrap::{fetch_id, master_addr_from_env, serve_id, ID_BYTES};
+use crate::bootstrap::{env_usize, rank_from_env, rendezvous_from_env};
+use crate::group::{NcclOps, Poll, Wait};
 use crate::payload::{decode, encode, MAX_PAYLOAD_BYTES};
 
 /// One rank of an NCCL group.
@@ -41,10 +42,13 @@ pub(crate) struct NcclShared {
     timeout_ms: AtomicU64,
 }
 
-/// An NCCL communicator handle, aborted on drop unless a timeout aborted it already.
+/// An NCCL communicator handle: closed with `ncclCommFinalize` + `ncclCommDestroy` when its
+/// rank is done with it ([`RawComm::close`]), aborted on every error path and on a drop that
+/// was not preceded by a close.
 #[derive(Debug)]
 struct RawComm {
     handle: nccl_sys::ncclComm_t,
+    /// Aborted or destroyed: the handle must not be used again.
     aborted: bool,
 }
 
@@ -60,11 +64,107 @@ impl RawComm {
     fn abort(&mut self) {
         if !self.aborted {
             self.aborted = true;
-            // SAFETY: the handle is live (not aborted before).
+            // SAFETY: the handle is live (not aborted or destroyed before).
             unsafe {
                 let _ = nccl::comm_abort(self.handle);
             }
         }
+    }
+
+    /// The orderly end of a healthy communicator: `ncclCommFinalize` (non-blocking, so polled
+    /// until done, at most `timeout`), then `ncclCommDestroy`, which frees its resources. A
+    /// finalize that fails or does not finish aborts instead (through [`Wait`]).
+    fn close(&mut self, rank: usize, timeout: Duration) -> Result<()> {
+        if self.aborted {
+            return Ok(());
+        }
+        // SAFETY: the handle is live.
+        if let Err(e) = unsafe { nccl::comm_finalize(self.handle) } {
+            self.abort();
+            return Err(nccl_err("finalize", rank, e));
+        }
+        let wait = Wait {
+            op: "finalize",
+            rank,
+            timeout,
+        };
+        wait.until_ready(&mut CommOps(self), "ncclCommFinalize")?;
+        self.aborted = true;
+        // SAFETY: finalized, so no operation is outstanding; the handle is not used again.
+        unsafe { nccl::comm_destroy(self.handle) }
+            .map(|_| ())
+            .map_err(|e| nccl_err("destroy", rank, e))
+    }
+}
+
+/// The non-blocking configuration every communicator of this crate is created with: NCCL's
+/// `NCCL_CONFIG_INITIALIZER` (size, magic, the version of the headers cudarc's bindings were
+/// generated from, every other field unset) with `blocking = 0`, so that
+/// `ncclCommInitRankConfig` and `ncclCommSplit` return at once and are polled against the
+/// crate's timeout ([`Wait::until_ready`]) instead of blocking forever for a peer that died.
+fn non_blocking_config() -> nccl_sys::ncclConfig_t {
+    const UNDEF: std::ffi::c_int = std::ffi::c_int::MIN;
+    nccl_sys::ncclConfig_t {
+        size: std::mem::size_of::<nccl_sys::ncclConfig_t>(),
+        magic: 0xcafe_beef,
+        // NCCL_VERSION(2, 30, 0): cudarc's `nccl` feature binds NCCL 2.30's headers, whose
+        // `ncclConfig_t` has exactly these fields; NCCL reads the fields its version knows.
+        version: 2 * 10_000 + 30 * 100,
+        blocking: 0,
+        cgaClusterSize: UNDEF,
+        minCTAs: UNDEF,
+        maxCTAs: UNDEF,
+        netName: std::ptr::null(),
+        splitShare: UNDEF,
+        trafficClass: UNDEF,
+        commName: std::ptr::null(),
+        collnetEnable: UNDEF,
+        CTAPolicy: UNDEF,
+        shrinkShare: UNDEF,
+        nvlsCTAs: UNDEF,
+        nChannelsPerNetPeer: UNDEF,
+        nvlinkCentricSched: UNDEF,
+        graphUsageMode: UNDEF,
+        numRmaCtx: UNDEF,
+        maxP2pPeers: UNDEF,
+    }
+}
+
+/// [`NcclOps`] of a communicator alone (no stream): what initialisation, split and finalize
+/// poll.
+struct CommOps<'a>(&'a mut RawComm);
+
+impl NcclOps for CommOps<'_> {
+    fn group_end(&mut self) -> Poll {
+        Poll::Ready
+    }
+
+    fn async_state(&mut self) -> Poll {
+        async_state(self.0)
+    }
+
+    fn stream_state(&mut self) -> Poll {
+        Poll::Ready
+    }
+
+    fn abort(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// `ncclCommGetAsyncError` of a live communicator as a [`Poll`].
+fn async_state(comm: &RawComm) -> Poll {
+    if comm.aborted {
+        return Poll::Failed("the communicator was aborted".into());
+    }
+    let mut state = nccl_sys::ncclResult_t::ncclSuccess;
+    // SAFETY: the handle is live (not aborted or destroyed).
+    let asked = unsafe { nccl_sys::ncclCommGetAsyncError(comm.handle, &mut state) };
+    match (asked, state) {
+        (nccl_sys::ncclResult_t::ncclSuccess, nccl_sys::ncclResult_t::ncclSuccess) => Poll::Ready,
+        (nccl_sys::ncclResult_t::ncclSuccess, nccl_sys::ncclResult_t::ncclInProgress) => Poll::Pending,
+        (nccl_sys::ncclResult_t::ncclSuccess, state) => Poll::Failed(format!("{state:?}")),
+        (asked, _) => Poll::Failed(format!("ncclCommGetAsyncError: {asked:?}")),
     }
 }
 
@@ -74,18 +174,29 @@ unsafe impl Send for RawComm {}
 
 impl Drop for RawComm {
     fn drop(&mut self) {
-        // Abort rather than destroy: destroy waits for outstanding work, which after a failed
-        // peer never completes.
+        // A communicator dropped without `close` (a panic, or a rank's error unwinding): abort
+        // rather than finalize, which would wait for outstanding work that a failed peer never
+        // completes.
         self.abort();
     }
 }
 
-fn env_usize(name: &str, default: usize) -> Result<usize> {
-    match std::env::var(name) {
-        Ok(v) => v
-            .parse()
-            .map_err(|_| MoeError::Backend(format!("environment variable {name}={v:?} is not a number"))),
-        Err(_) => Ok(default),
+impl Drop for NcclShared {
+    /// The success path's teardown: finalize and destroy, bounded by the transfer timeout
+    /// (a failure or timeout aborts, see [`RawComm::close`]).
+    fn drop(&mut self) {
+        let timeout = Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed));
+        let comm = self.comm.get_mut().unwrap_or_else(|e| e.into_inner());
+        if self.context.bind_to_thread().is_err() {
+            comm.abort();
+            return;
+        }
+        if let Err(e) = comm.close(self.rank, timeout) {
+            eprintln!(
+                "mpipemoe-cuda: closing rank {}'s NCCL communicator: {e}",
+                self.rank
+            );
+        }
     }
 }
 
@@ -99,19 +210,14 @@ fn cuda_err(op: &str, rank: usize, e: impl std::fmt::Debug) -> MoeError {
 
 impl Nccl {
     /// Joins the group described by torchrun's environment: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`
-    /// (the GPU; default `RANK` modulo the device count) and `MASTER_ADDR` / `MASTER_PORT`
-    /// (default `127.0.0.1:29500`), where rank 0 hands out the NCCL id over TCP. Waits at most
-    /// `timeout` for the rendezvous.
+    /// (the GPU; default `RANK` modulo the device count) and `MASTER_ADDR`, where rank 0 hands
+    /// out the NCCL id over TCP on port `MPIPEMOE_RENDEZVOUS_PORT`, or `MASTER_PORT + 1`
+    /// (torchrun's own store holds `MASTER_PORT`; see [`crate::bootstrap`]). Waits at most
+    /// `timeout` for the rendezvous and for NCCL's initialisation.
     pub fn from_env(timeout: Duration) -> Result<Self> {
         crate::cuda_available().map_err(|e| MoeError::Backend(e.to_string()))?;
         crate::nccl_available().map_err(|e| MoeError::Backend(e.to_string()))?;
-        let rank = env_usize("RANK", 0)?;
-        let world = env_usize("WORLD_SIZE", 1)?;
-        if world == 0 || rank >= world {
-            return Err(MoeError::Backend(format!(
-                "RANK {rank} is not below WORLD_SIZE {world}"
-            )));
-        }
+        let (rank, _) = rank_from_env()?;
         let devices = CudaContext::device_count().map_err(|e| cuda_err("init", rank, e))? as usize;
         let ordinal = env_usize("LOCAL_RANK", rank % devices.max(1))?;
         if ordinal >= devices {
@@ -119,41 +225,56 @@ impl Nccl {
                 "LOCAL_RANK {ordinal} names a GPU, but this machine has {devices}"
             )));
         }
-        let addr = master_addr_from_env()?;
-        let id = if world == 1 {
-            // A group of one needs no rendezvous.
-            nccl::get_uniqueid().map_err(|e| nccl_err("init", rank, e))?
-        } else if rank == 0 {
+        let make_id = || {
             let id = nccl::get_uniqueid().map_err(|e| nccl_err("init", rank, e))?;
-            let listener = std::net::TcpListener::bind(&addr)
-                .map_err(|e| MoeError::comm("init", rank, format!("listen on {addr}: {e}")))?;
-            let bytes: [u8; ID_BYTES] = std::array::from_fn(|i| id.internal[i] as u8);
-            // Every rank has the id before rank 0 joins: the others wait inside
-            // `ncclCommInitRank` for it, and a rank that never came is an error here rather
-            // than a hang inside NCCL.
-            serve_id(&listener, world, &bytes, timeout)?;
-            id
-        } else {
-            let bytes = fetch_id(&addr, rank, world, timeout)?;
-            nccl_sys::ncclUniqueId {
-                internal: std::array::from_fn(|i| bytes[i] as std::ffi::c_char),
-            }
+            Ok(std::array::from_fn(|i| id.internal[i] as u8))
         };
-        Self::join(rank, world, ordinal, id)
+        let (rank, world, bytes) = rendezvous_from_env(make_id, timeout)?;
+        let id = nccl_sys::ncclUniqueId {
+            internal: std::array::from_fn(|i| bytes[i] as std::ffi::c_char),
+        };
+        Self::join(rank, world, ordinal, id, timeout)
     }
 
     /// `rank` of `world` on GPU `ordinal`, with the group's id.
-    fn join(rank: usize, world: usize, ordinal: usize, id: nccl_sys::ncclUniqueId) -> Result<Self> {
+    ///
+    /// The communicator is created non-blocking (`ncclCommInitRankConfig`, `blocking = 0`)
+    /// and polled until ready for at most `timeout`: a peer that dies before first contact is
+    /// an error naming the wait, with the communicator aborted, instead of a hang.
+    fn join(
+        rank: usize,
+        world: usize,
+        ordinal: usize,
+        id: nccl_sys::ncclUniqueId,
+        timeout: Duration,
+    ) -> Result<Self> {
         let context = CudaContext::new(ordinal).map_err(|e| cuda_err("init", rank, e))?;
         let stream = context.new_stream().map_err(|e| cuda_err("init", rank, e))?;
-        let mut comm = std::mem::MaybeUninit::uninit();
-        // SAFETY: `comm` is written by NCCL before it is read; the id is the group's.
-        let comm = unsafe {
-            nccl::comm_init_rank(comm.as_mut_ptr(), world as i32, id, rank as i32)
+        let mut comm = std::ptr::null_mut();
+        let mut config = non_blocking_config();
+        // SAFETY: `comm` is written by NCCL (the handle is valid to poll and abort even while
+        // the initialisation is in progress); the id is the group's; the config outlives the
+        // call.
+        unsafe {
+            nccl_sys::ncclCommInitRankConfig(&mut comm, world as i32, id, rank as i32, &mut config)
+                .result()
                 .map_err(|e| nccl_err("init", rank, e))?;
-            comm.assume_init()
+        }
+        if comm.is_null() {
+            return Err(nccl_err(
+                "init",
+                rank,
+                "ncclCommInitRankConfig returned no communicator",
+            ));
+        }
+        let mut raw = RawComm::new(comm);
+        let wait = Wait {
+            op: "init",
+            rank,
+            timeout,
         };
-        Self::from_parts(rank, world, RawComm::new(comm), stream, context)
+        wait.until_ready(&mut CommOps(&mut raw), "ncclCommInitRankConfig")?;
+        Self::from_parts(rank, world, raw, stream, context)
     }
 
     fn from_parts(
@@ -294,7 +415,7 @@ impl NcclShared {
             return Err(MoeError::comm(
                 op,
                 self.rank,
-                "the NCCL communicator was aborted after an earlier transfer timed out",
+                "the NCCL communicator was aborted after an earlier error or timeout",
             ));
         }
         self.context
@@ -451,49 +572,43 @@ impl PeerTransport for NcclTransport<'_> {
         self.comm.abort();
     }
 
-    /// Waits by polling the stream and NCCL's asynchronous error rather than blocking in
-    /// `cuStreamSynchronize`, so that a peer that died or never posts its half is an error after
-    /// the timeout (the communicator is then aborted, which stops the waiting kernels) instead
-    /// of a hang.
+    /// Closes the group and waits for it ([`Wait::end_group`]): every error path, a failed
+    /// `ncclGroupEnd` and a failed stream included, aborts the communicator.
     fn end(&mut self) -> Result<()> {
-        use cudarc::driver::sys::{cuStreamQuery, CUresult};
-        nccl::group_end().map_err(|e| nccl_err(self.op, self.rank, e))?;
-        let start = std::time::Instant::now();
-        loop {
-            // SAFETY: the stream belongs to this rank's context, which is bound to this thread.
-            match unsafe { cuStreamQuery(self.stream) } {
-                CUresult::CUDA_SUCCESS => return Ok(()),
-                CUresult::CUDA_ERROR_NOT_READY => {}
-                other => return Err(cuda_err(self.op, self.rank, other)),
-            }
-            let mut state = nccl_sys::ncclResult_t::ncclSuccess;
-            // SAFETY: the handle is live (checked not aborted when the transport was made).
-            unsafe { nccl_sys::ncclCommGetAsyncError(self.comm.handle, &mut state) };
-            if !matches!(
-                state,
-                nccl_sys::ncclResult_t::ncclSuccess | nccl_sys::ncclResult_t::ncclInProgress
-            ) {
-                self.comm.abort();
-                return Err(nccl_err(self.op, self.rank, state));
-            }
-            if start.elapsed() > self.timeout {
-                self.comm.abort();
-                return Err(MoeError::comm(
-                    self.op,
-                    self.rank,
-                    format!(
-                        "the NCCL transfer did not complete within {:?}: a peer failed or never posted its half; the communicator is aborted",
-                        self.timeout
-                    ),
-                ));
-            }
-            // Short waits first: most transfers finish within microseconds of the group.
-            if start.elapsed() < Duration::from_micros(200) {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(50));
-            }
+        let wait = Wait {
+            op: self.op,
+            rank: self.rank,
+            timeout: self.timeout,
+        };
+        wait.end_group(self)
+    }
+}
+
+impl NcclOps for NcclTransport<'_> {
+    fn group_end(&mut self) -> Poll {
+        match nccl::group_end() {
+            Ok(nccl::NcclStatus::InProgress) => Poll::Pending,
+            Ok(_) => Poll::Ready,
+            Err(e) => Poll::Failed(format!("{e:?}")),
         }
+    }
+
+    fn async_state(&mut self) -> Poll {
+        async_state(self.comm)
+    }
+
+    fn stream_state(&mut self) -> Poll {
+        use cudarc::driver::sys::{cuStreamQuery, CUresult};
+        // SAFETY: the stream belongs to this rank's context, which is bound to this thread.
+        match unsafe { cuStreamQuery(self.stream) } {
+            CUresult::CUDA_SUCCESS => Poll::Ready,
+            CUresult::CUDA_ERROR_NOT_READY => Poll::Pending,
+            other => Poll::Failed(format!("{other:?}")),
+        }
+    }
+
+    fn abort(&mut self) {
+        self.comm.abort();
     }
 }
 
@@ -522,7 +637,7 @@ impl Communicator for Nccl {
         let shared = &self.shared;
         let color = i32::try_from(color)
             .map_err(|_| MoeError::comm(op, shared.rank, format!("color {color} does not fit NCCL's int")))?;
-        let comm = shared.comm.lock().unwrap_or_else(|e| e.into_inner());
+        let mut comm = shared.comm.lock().unwrap_or_else(|e| e.into_inner());
         if comm.aborted {
             return Err(MoeError::comm(
                 op,
@@ -534,23 +649,37 @@ impl Communicator for Nccl {
             .context
             .bind_to_thread()
             .map_err(|e| cuda_err(op, shared.rank, e))?;
-        let mut new = std::mem::MaybeUninit::uninit();
+        let mut new = std::ptr::null_mut();
+        let mut config = non_blocking_config();
+        let timeout = Duration::from_millis(shared.timeout_ms.load(Ordering::Relaxed));
         // SAFETY: the parent handle is live (not aborted, held under its lock); `new` is
-        // written by NCCL before it is read; a null config inherits the parent's.
-        let new = unsafe {
-            nccl_sys::ncclCommSplit(
-                comm.handle,
-                color,
-                shared.rank as i32,
-                new.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-            .result()
-            .map_err(|e| nccl_err(op, shared.rank, e))?;
-            new.assume_init()
+        // written by NCCL; the config (non-blocking, so the split is polled against the
+        // timeout rather than blocking until every rank calls it) outlives the call.
+        let split = unsafe {
+            nccl_sys::ncclCommSplit(comm.handle, color, shared.rank as i32, &mut new, &mut config).result()
         };
+        if let Err(e) = split {
+            // The parent may be left mid-collective: abort it, as every error path does.
+            comm.abort();
+            return Err(nccl_err(op, shared.rank, e));
+        }
+        // A non-blocking parent is in progress until the split is done on every rank.
+        let wait = Wait {
+            op,
+            rank: shared.rank,
+            timeout,
+        };
+        wait.until_ready(&mut CommOps(&mut comm), "ncclCommSplit (the parent)")?;
         drop(comm);
-        let raw = RawComm::new(new);
+        if new.is_null() {
+            return Err(nccl_err(
+                op,
+                shared.rank,
+                "ncclCommSplit returned no communicator",
+            ));
+        }
+        let mut raw = RawComm::new(new);
+        wait.until_ready(&mut CommOps(&mut raw), "ncclCommSplit")?;
         // SAFETY: `raw.handle` is the live communicator just created.
         let (rank, world) = unsafe {
             (

@@ -3,11 +3,15 @@
 //! Only the counts (a few bytes, through the counts collective) pass through the host.
 //!
 //! Ordering with cubecl's streams: the exchange step runs on one of the schedule's worker
-//! threads, whose cubecl stream `get_resource` first aligns with the streams that wrote the
-//! rows (cubecl's event fences); `client.sync()` then waits until those writes are done, the
-//! NCCL group runs on this rank's own CUDA stream, and `end` waits for it before the output
-//! tensor is handed to the next step. Blocking the comm worker's host thread costs nothing:
-//! compute is issued from the other workers.
+//! threads, and the rows it sends were written either on that worker's stream or on another
+//! worker's stream that the executor fenced after that step (mpipemoe's `execute_on`: every
+//! step's stream is synchronised before a step on another stream may read what it wrote);
+//! cubecl's own cross-stream events are not what makes this correct, since they key a buffer
+//! to the stream that allocated it (mpipemoe's `exchange/streams.rs`). `client.sync()` then
+//! waits until the writes queued on this worker's stream are done, the NCCL group runs on
+//! this rank's own CUDA stream, and `end` waits for it before the output tensor is handed to
+//! the next step. Blocking the comm worker's host thread costs nothing: compute is issued
+//! from the other workers.
 
 use std::sync::Arc;
 
@@ -123,7 +127,10 @@ impl NcclRows {
                 self.0.world
             )));
         }
-        if layout.send_bytes() != rows * row_bytes || (x.handle.size() as usize) < layout.send_bytes() {
+        // The bytes in use, not the whole buffer: a view (a slice of a larger tensor) holds a
+        // handle to all of it, so `size()` would let a view of too few rows through.
+        let used = usize::try_from(x.handle.size_in_used()).unwrap_or(usize::MAX);
+        if layout.send_bytes() != rows * row_bytes || used < layout.send_bytes() {
             return Err(self.err(format!(
                 "send counts {send_rows:?} do not describe a [{rows}, {width}] tensor"
             )));

@@ -164,6 +164,7 @@ def main():
     funcs = []
     exports = root_exports(strip_comments((src / "lib.rs").read_text())) if (src / "lib.rs").exists() else {}
     round_trips = []
+    front_door = []
     for f in files:
         room = room_of(f, src)
         text = f.read_text()
@@ -175,6 +176,10 @@ def main():
             if not ((src / target).is_dir() or (src / f"{target}.rs").exists()):
                 if target not in exports:
                     continue
+                # A path through lib.rs's re-exports, in a `use` line, a signature or a body
+                # alike: an arrow from the room up to the front door, whichever room the item
+                # lives in.
+                front_door.append(f"{room}: crate::{target} ({where})")
                 if exports[target] == room:
                     round_trips.append(f"{room}: crate::{target} ({where})")
                     continue
@@ -191,6 +196,9 @@ def main():
     for a in rooms:
         for b in sorted(edges[a]):
             print(f"  {a} -> {b}   ({witness[(a, b)]})")
+    print(f"paths through the front door (crate::Item re-exported by lib.rs): {len(front_door)}")
+    for r in front_door:
+        print(f"  {r}")
     print(f"round trips through the front door: {len(round_trips)}")
     for r in round_trips:
         print(f"  {r}")

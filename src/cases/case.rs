@@ -5,8 +5,8 @@ use std::path::{Path, PathBuf};
 use burn::tensor::TensorData;
 
 use crate::error::{MoeError, Result};
+use crate::layer::MoeLayerConfig;
 use crate::layer::{parameter_shapes, read_safetensors, LayerMeta, TensorMap};
-use crate::MoeLayerConfig;
 
 /// A reference case (see `tests/data/cases/README.md`): weights in the canonical layout, `x`,
 /// `probe` (the loss is `sum(y · probe)`), and the expected `y`, `dx` and `grad.<param>`.

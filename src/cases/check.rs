@@ -190,7 +190,7 @@ struct RankResult {
 /// backward.
 fn run_rank<B>(
     case: &Case,
-    config: &crate::MoeLayerConfig,
+    config: &crate::layer::MoeLayerConfig,
     comm: Arc<dyn Communicator>,
     (x_all, probe_all): (&[f64], &[f64]),
     device: &B::Device,

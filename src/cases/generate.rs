@@ -8,8 +8,8 @@ use super::golden::golden;
 use super::Case;
 use crate::error::Result;
 
+use crate::layer::MoeLayerConfig;
 use crate::layer::{LayerMeta, TensorMap};
-use crate::MoeLayerConfig;
 
 impl Case {
     /// A case whose expected `y`, `dx` and gradients come from an independent float64

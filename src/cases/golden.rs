@@ -9,9 +9,9 @@ use std::collections::BTreeMap;
 use super::oracle_math::{act_backward, act_forward, mat_vec, outer, sigmoid, vec_mat};
 use crate::dispatch::{capacity_for, CapacityDecision};
 use crate::experts::Activation;
+use crate::layer::MoeLayerConfig;
 use crate::layer::TensorMap;
 use crate::router::Scoring;
-use crate::MoeLayerConfig;
 
 /// The oracle's results for `loss = sum(y · probe)`.
 pub(crate) struct Golden {

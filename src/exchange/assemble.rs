@@ -4,7 +4,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::Slice;
 
-use super::rows::{dims2, zeros_like_rows};
+use super::rows::{dims2, issue, zeros_like_rows};
 use super::MoeBackend;
 use crate::dispatch::{ExchangePlan, PartitionPlan};
 
@@ -13,12 +13,13 @@ use crate::dispatch::{ExchangePlan, PartitionPlan};
 ///
 /// # Shapes
 /// - dst: `[n_rows, width]`, rows: `[len, width]`; returns `[n_rows, width]`
-pub(crate) fn slice_assign_rows<B: Backend>(
+pub(crate) fn slice_assign_rows<B: MoeBackend>(
     dst: FloatTensor<B>,
     start: usize,
     rows: FloatTensor<B>,
 ) -> FloatTensor<B> {
     let [n, width] = dims2::<B>(&rows);
+    issue::<B>("float_slice_assign", n * width);
     B::float_slice_assign(dst, &[Slice::from(start..start + n), Slice::from(0..width)], rows)
 }
 
@@ -71,7 +72,17 @@ impl<B: MoeBackend> RowAssembler<B> {
         self.out = Some(B::assign_rows(out, part.send_offset, rows));
     }
 
+    /// The assembled tensor, on the calling thread: it must live on that thread's stream
+    /// (allocated there before the workers started, or by in-order steps on it), because the
+    /// caller drops it with its own reads still queued (the rule in `exchange/streams.rs`).
+    /// The debug check holds every executor to it, the threaded one included, whose writes
+    /// `place` accepts as fenced.
     pub(crate) fn finish(self) -> FloatTensor<B> {
-        self.out.expect("every partition placed")
+        let out = self.out.expect("every partition placed");
+        debug_assert!(
+            B::allocated_on_current_stream(&out),
+            "the assembled rows go back to the caller from a stream other than the caller's"
+        );
+        out
     }
 }

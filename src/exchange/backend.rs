@@ -76,6 +76,16 @@ pub trait MoeBackend: ActivationKernels {
 
     /// Forward of the exchange: returns `T_O` and what backward needs.
     ///
+    /// # Precondition on device backends with streams
+    /// `input` and the expert tensors have no writes pending on another thread's stream. The
+    /// threaded executor fences the calling thread's stream before its workers read them
+    /// ([`execute_on`](crate::backend::execute_on)), and nothing else: a weight that an
+    /// optimizer on another thread updated in place must be synchronised on that thread
+    /// (`B::sync`) before this thread runs the layer. It cannot be checked here, because
+    /// cubecl records only the stream that *allocated* a buffer (`Handle::stream`), not the
+    /// last one that wrote it. Training loops that step the optimizer on the thread that runs
+    /// the layer (every example and burn's `Learner`) meet it.
+    ///
     /// # Shapes
     /// - input (`T_I`): `[n_rows, d_model]`, rows in the plan's order
     /// - returns `T_O`: `[n_rows, d_model]`, row `i` the expert output for input row `i`
@@ -138,6 +148,15 @@ pub trait MoeBackend: ActivationKernels {
     fn allocated_on_current_stream(tensor: &FloatTensor<Self>) -> bool {
         let _ = tensor;
         true
+    }
+
+    /// Whether every op on this backend that writes a tensor launches a device kernel, even
+    /// over zero elements: the CubeCL backends do, and CUDA refuses such a launch (see
+    /// `exchange/rows.rs`, "No kernel on zero elements"). The exchange's row helpers make
+    /// empty tensors without an op, and in debug builds assert that no op they issue on such
+    /// a backend covers zero elements. The default is `false` (host backends).
+    fn issues_kernels() -> bool {
+        false
     }
 
     /// The partition arena's buffers for this backend on the device and dtype of `like`,

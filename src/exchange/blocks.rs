@@ -7,6 +7,7 @@ use burn::tensor::ops::FloatTensor;
 use super::arena::SlotMemory;
 use super::rows::{cat_rows, narrow_rows};
 use super::schedule::Slot;
+use super::MoeBackend;
 use crate::error::Result;
 
 /// Where the fused exchange builds a pass's partitions: the partition arena's slot buffers
@@ -71,7 +72,7 @@ pub(crate) fn layout_of<B: Backend>(mem: Mem<'_, B>, rows_per_expert: &[usize], 
 }
 
 /// Expert `e`'s rows of a partition tensor laid out by `layout`.
-pub(crate) fn block<B: Backend>(
+pub(crate) fn block<B: MoeBackend>(
     mem: Mem<'_, B>,
     x: &FloatTensor<B>,
     layout: &BlockLayout,
@@ -95,7 +96,7 @@ pub(crate) struct Blocks<'a, B: Backend> {
     like: FloatTensor<B>,
 }
 
-impl<'a, B: Backend> Blocks<'a, B> {
+impl<'a, B: MoeBackend> Blocks<'a, B> {
     /// An empty slot for blocks of `rows_per_expert` rows and `width` columns; `like` gives
     /// the dtype and device.
     ///

@@ -52,6 +52,11 @@ where
         Box::new(CubeStreams::<Self>::new(device))
     }
 
+    /// Yes: every op launches a kernel, a zero-element one with an empty grid.
+    fn issues_kernels() -> bool {
+        true
+    }
+
     fn allocated_on_current_stream(tensor: &CubeTensor<R>) -> bool {
         tensor.handle.stream == StreamId::current()
     }

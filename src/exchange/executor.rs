@@ -37,9 +37,11 @@ pub enum StepExecutor {
 
 impl StepExecutor {
     /// The executor for a CubeCL runtime, by the name cubecl gives it (`Runtime::name`): a
-    /// worker per stream on CUDA, whose streams cubecl fences with events where a buffer
-    /// crosses them; in issue order on every other runtime (WGPU's streams are not fenced
-    /// against each other; ROCm is not measured yet).
+    /// worker per stream on CUDA, where the streams run concurrently; in issue order on every
+    /// other runtime (WGPU submits every stream to one queue; ROCm is not measured yet).
+    /// Correctness on CUDA rests on the executor's own fence after every step
+    /// ([`execute_on`]), not on cubecl's cross-stream events, which key a buffer to the
+    /// stream that allocated it (`exchange/streams.rs`).
     pub fn for_cubecl_runtime(name: &str) -> Self {
         if name == "cuda" {
             StepExecutor::StreamThreads
@@ -123,6 +125,10 @@ pub fn execute(schedule: &Schedule, run: &(dyn Fn(usize, &Step) -> Result<()> + 
 /// workers start (they read what it wrote), and every worker fences its stream once more when
 /// it ends, on success or error, so nothing a pass issued is still running when this returns.
 /// The rule behind it is in [`WorkerStreams`]' module docs (`exchange/streams.rs`).
+///
+/// The entry fence covers the calling thread's stream only: what the workers read must have
+/// no writes pending on any other thread's stream (the precondition of
+/// [`MoeBackend::exchange_forward`](crate::MoeBackend::exchange_forward)).
 pub fn execute_on(
     streams: &dyn WorkerStreams,
     schedule: &Schedule,

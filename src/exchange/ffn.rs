@@ -8,9 +8,10 @@ use burn::tensor::{Shape, TensorMetadata};
 use super::blocks::{block, layout_of, Blocks, Mem};
 use super::rows::{dims2, expert_matrix, expert_row, float_dtype};
 use super::schedule::{Role, Slot};
+use super::MoeBackend;
 use crate::dispatch::PartitionPlan;
 use crate::error::Result;
-use crate::experts::{activation_backward, activation_forward, Activation, ActivationKernels, ExpertTensors};
+use crate::experts::{activation_backward, activation_forward, Activation, ExpertTensors};
 
 /// `x_e · w_in[e] + b_in[e]`: the first GEMM of expert `e`, i.e. `T_M` before activation.
 pub(crate) fn first_gemm<B: Backend>(
@@ -35,7 +36,7 @@ pub(crate) type PerExpert<B> = Vec<Option<FloatTensor<B>>>;
 /// # Shapes
 /// - x (`T_DI`): `[rows, d_model]` laid out by [`layout_of`] → `T_DO` the same;
 ///   `T_M` per expert `[rows_e, d_hidden]`
-pub(crate) fn compute<B: ActivationKernels>(
+pub(crate) fn compute<B: MoeBackend>(
     x: FloatTensor<B>,
     part: &PartitionPlan,
     i: usize,
@@ -98,7 +99,7 @@ pub(crate) struct Restored<B: Backend> {
 /// C'_i: the FFN backward of every local expert on partition `i`. Returns the gradient of
 /// the partition's expert-major inputs (in the arena's `dT_DI` slot where `mem` is one) and
 /// adds the weight gradients to `acc`.
-pub(crate) fn compute_backward<B: ActivationKernels>(
+pub(crate) fn compute_backward<B: MoeBackend>(
     restored: Restored<B>,
     part: &PartitionPlan,
     i: usize,

@@ -501,7 +501,7 @@ fn check_input<B: Backend>(
 /// experts' ranks and returns what this rank receives, in expert-major order: in the arena's
 /// buffer of `target` where `mem` is one (each expert's block at its aligned start), as a
 /// fresh tensor otherwise.
-fn dispatch<B: Backend>(
+fn dispatch<B: MoeBackend>(
     rows: &FloatTensor<B>,
     part: &PartitionPlan,
     comm: &dyn Communicator,
@@ -542,7 +542,7 @@ fn dispatch<B: Backend>(
 
 /// R_i: returns expert-major rows (laid out as `mem` places them) to the ranks they came
 /// from.
-fn combine<B: Backend>(
+fn combine<B: MoeBackend>(
     rows: FloatTensor<B>,
     part: &PartitionPlan,
     comm: &dyn Communicator,

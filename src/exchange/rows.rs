@@ -2,13 +2,40 @@
 //!
 //! They exist mostly to make zero-row tensors safe: ranks and experts that receive no rows
 //! are normal, and some backends cannot multiply or gather an empty matrix.
+//!
+//! # No kernel on zero elements
+//!
+//! A tensor of zero rows is made with `float_empty`, which allocates and launches nothing;
+//! every other op these helpers issue goes through [`issue`], which holds them to it in debug
+//! builds. On a CubeCL backend every op that writes a tensor launches a kernel, even over zero
+//! elements: the grid is then `CubeCount::Static(0, 0, 0)` (cubecl-core 0.10 `lib.rs`,
+//! `calculate_cube_count_elemwise` returns it for `num_elems == 0`), cubecl-runtime 0.10's
+//! client launches it without asking `CubeCount::is_empty` (`client.rs`, `launch_inner`),
+//! cubecl-cuda hands the grid to `cuLaunchKernel`, which refuses a zero dimension, and keeps
+//! the error on the stream (`compute/server.rs`, `launch` → `launch_checked`) until the
+//! stream's next `sync` fails the pass. WGPU and the CPU backends take a zero grid as a
+//! no-op, so without the check no test here could see it.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{FloatDType, Shape, Slice, TensorData, TensorMetadata};
 
+use super::MoeBackend;
 use crate::comm::{Communicator, HostRows, RowExchange};
 use crate::error::Result;
+
+/// Holds an op the exchange is about to issue to the rule of the module docs: on a backend
+/// that launches device kernels ([`MoeBackend::issues_kernels`]), never over zero elements.
+/// A debug assertion: the helpers below make empty tensors without ops, so it fires only
+/// where a caller bypasses them.
+#[track_caller]
+pub(crate) fn issue<B: MoeBackend>(op: &str, elements: usize) {
+    debug_assert!(
+        elements > 0 || !B::issues_kernels(),
+        "`{op}` over zero elements would launch a kernel with an empty grid, which CUDA \
+         rejects: make empty tensors with `float_empty` (exchange/rows.rs)"
+    );
+}
 
 /// `[rows, width]` of a 2-D primitive.
 pub(crate) fn dims2<B: Backend>(x: &FloatTensor<B>) -> [usize; 2] {
@@ -27,41 +54,62 @@ pub(crate) fn index<B: Backend>(idx: &[usize], device: &B::Device) -> IntTensor<
     B::int_from_data(data.convert::<B::IntElem>(), device)
 }
 
-/// `[rows, width]` zeros with `x`'s dtype and device.
-pub(crate) fn zeros_like_rows<B: Backend>(x: &FloatTensor<B>, rows: usize, width: usize) -> FloatTensor<B> {
-    B::float_zeros(
-        Shape::new([rows, width]),
-        &B::float_device(x),
-        float_dtype::<B>(x),
-    )
+/// `[rows, width]` zeros with `x`'s dtype and device; without a kernel where that is no
+/// element (module docs).
+pub(crate) fn zeros_like_rows<B: MoeBackend>(
+    x: &FloatTensor<B>,
+    rows: usize,
+    width: usize,
+) -> FloatTensor<B> {
+    let shape = Shape::new([rows, width]);
+    let (device, dtype) = (B::float_device(x), float_dtype::<B>(x));
+    if rows * width == 0 {
+        return B::float_empty(shape, &device, dtype);
+    }
+    issue::<B>("float_zeros", rows * width);
+    B::float_zeros(shape, &device, dtype)
 }
 
 /// Rows `idx` of `x`, in that order.
-pub(crate) fn gather_rows<B: Backend>(x: FloatTensor<B>, idx: &[usize]) -> FloatTensor<B> {
+pub(crate) fn gather_rows<B: MoeBackend>(x: FloatTensor<B>, idx: &[usize]) -> FloatTensor<B> {
     let [_, width] = dims2::<B>(&x);
     if idx.is_empty() {
         return zeros_like_rows::<B>(&x, 0, width);
     }
+    issue::<B>("float_select", idx.len() * width);
     let device = B::float_device(&x);
     B::float_select(x, 0, index::<B>(idx, &device))
 }
 
-/// Rows `start..start + len` of `x` (a view where the backend allows).
-pub(crate) fn narrow_rows<B: Backend>(x: FloatTensor<B>, start: usize, len: usize) -> FloatTensor<B> {
+/// Rows `start..start + len` of `x`: a view where the backend allows, a copy otherwise (on a
+/// CubeCL backend, where the start is not at the device's binding alignment), and an empty
+/// tensor for no rows.
+pub(crate) fn narrow_rows<B: MoeBackend>(x: FloatTensor<B>, start: usize, len: usize) -> FloatTensor<B> {
     let [_, width] = dims2::<B>(&x);
+    if len * width == 0 {
+        return zeros_like_rows::<B>(&x, len, width);
+    }
+    issue::<B>("float_slice", len * width);
     B::float_slice(x, &[Slice::from(start..start + len), Slice::from(0..width)])
 }
 
-/// Concatenates row blocks of equal width; `like` supplies dtype and device when `parts` is empty.
-pub(crate) fn cat_rows<B: Backend>(
-    mut parts: Vec<FloatTensor<B>>,
+/// Concatenates row blocks of equal width, leaving out empty ones; `like` supplies dtype and
+/// device when no block has rows.
+pub(crate) fn cat_rows<B: MoeBackend>(
+    parts: Vec<FloatTensor<B>>,
     like: &FloatTensor<B>,
     width: usize,
 ) -> FloatTensor<B> {
+    let mut parts: Vec<FloatTensor<B>> = parts.into_iter().filter(|p| dims2::<B>(p)[0] > 0).collect();
     match parts.len() {
         0 => zeros_like_rows::<B>(like, 0, width),
         1 => parts.pop().expect("one part"),
-        _ => B::float_cat(parts, 0),
+        _ => {
+            for part in &parts {
+                issue::<B>("float_cat", dims2::<B>(part)[0] * width);
+            }
+            B::float_cat(parts, 0)
+        }
     }
 }
 

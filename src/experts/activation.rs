@@ -46,12 +46,12 @@ impl Activation {
     /// GPT-OSS's clamped SwiGLU with slope `alpha` and clamp `limit`.
     ///
     /// # Errors
-    /// [`MoeError::Config`](crate::MoeError::Config) naming `alpha` or `limit` if it is not
+    /// [`MoeError::Config`](crate::error::MoeError::Config) naming `alpha` or `limit` if it is not
     /// a finite positive number.
-    pub fn clamped_swiglu(alpha: f64, limit: f64) -> crate::Result<Self> {
+    pub fn clamped_swiglu(alpha: f64, limit: f64) -> crate::error::Result<Self> {
         for (field, value) in [("alpha", alpha), ("limit", limit)] {
             if !(value.is_finite() && value > 0.0 && value <= f32::MAX as f64) {
-                return Err(crate::MoeError::config(
+                return Err(crate::error::MoeError::config(
                     field,
                     format!("the clamped SwiGLU's {field} is {value}; it must be a finite positive number"),
                 ));

@@ -12,7 +12,7 @@ use super::family::HfConfig;
 use super::fp8::{is_fp8, quantize, scale_name};
 use super::layout::{to_hf, HfEntry};
 use super::model::HfCheckpoint;
-use super::quantization::Quantization;
+use super::quantization::{refuse_nonfinite, Quantization};
 use crate::error::{MoeError, Result};
 use crate::files::{file_in, map_regular, StagedDir};
 use crate::layer::{MoeLayer, MoeLayerConfig, TensorMap};
@@ -196,6 +196,7 @@ fn requantize_fp8(ckpt: &Checkpoint, values: &mut HashMap<String, Vec<f32>>) -> 
         let scale = scale_name(&name);
         let grid = blocks.grid(&shape).expect("a matrix has a grid");
         let entry = HfEntry::whole(scale.clone(), grid.to_vec());
+        refuse_nonfinite(&name, &values[&name], &shape, "float8_e4m3fn")?;
         let stored = ckpt.read(std::slice::from_ref(&entry), &ImportOptions::default())?;
         let (q, scales, rescaled_blocks) =
             quantize(&values[&name], [rows, cols], &stored[&scale].values, blocks);

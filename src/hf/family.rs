@@ -293,27 +293,47 @@ impl HfConfig {
             .map_err(|reason| self.error(reason))
     }
 
-    /// Whether layer `layer` is a MoE layer (rather than a dense MLP).
+    /// Whether layer `layer` is a MoE layer (rather than a dense MLP), decided from the config
+    /// as transformers decides it (5.24: `Qwen2MoeDecoderLayer`, `Qwen3MoeDecoderLayer`,
+    /// `DeepseekV3DecoderLayer`, `Llama4TextConfig.moe_layers`).
+    ///
+    /// # Errors
+    /// [`MoeError::File`] naming `config.json` and the key where transformers itself refuses
+    /// the value (a step of 0: Python's `range` or `%` by zero) or a key is not a number.
     pub(crate) fn is_moe(&self, layer: usize) -> Result<bool> {
+        let step = |key: &str| -> Result<usize> {
+            match self.usize_or(key, 1)? {
+                0 => Err(self.error(format!(
+                    "`{key}` is 0: a MoE layer every 0 layers is no rule (transformers refuses it)"
+                ))),
+                step => Ok(step),
+            }
+        };
         Ok(match self.family {
             Family::Mixtral | Family::Olmoe | Family::GptOss => true,
             Family::Qwen2Moe | Family::Qwen3Moe => {
-                let dense = self
-                    .get("mlp_only_layers")
-                    .and_then(Value::as_array)
-                    .is_some_and(|l| l.iter().any(|v| v.as_u64() == Some(layer as u64)));
-                let step = self.usize_or("decoder_sparse_step", 1)?.max(1);
+                let dense = match self.get("mlp_only_layers") {
+                    None | Some(Value::Null) => false,
+                    Some(list) => list
+                        .as_array()
+                        .ok_or_else(|| {
+                            self.error(format!(
+                                "`mlp_only_layers` is {list}, expected a list of layer indices"
+                            ))
+                        })?
+                        .iter()
+                        .any(|v| v.as_u64() == Some(layer as u64)),
+                };
+                let step = step("decoder_sparse_step")?;
                 !dense && self.n_experts()? > 0 && (layer + 1).is_multiple_of(step)
             }
-            Family::DeepseekV3 => {
-                let first_dense = self.usize_or("first_k_dense_replace", 0)?;
-                let freq = self.usize_or("moe_layer_freq", 1)?.max(1);
-                layer >= first_dense && layer.is_multiple_of(freq)
-            }
-            // transformers writes the list it derives from `interleave_moe_layer_step`
-            // (every step-th layer, the last of each step) into `moe_layers`.
+            // transformers 5.24 reads `first_k_dense_replace` alone (DeepSeek's own modelling
+            // code also read `moe_layer_freq`, which transformers ignores).
+            Family::DeepseekV3 => layer >= self.usize_or("first_k_dense_replace", 0)?,
+            // `moe_layers` when set, else every `interleave_moe_layer_step`-th layer (the last
+            // of each step), as `Llama4TextConfig` derives it.
             Family::Llama4 => match self.get("moe_layers") {
-                Some(list) => list
+                Some(list) if !list.is_null() => list
                     .as_array()
                     .ok_or_else(|| {
                         self.error(format!(
@@ -322,9 +342,75 @@ impl HfConfig {
                     })?
                     .iter()
                     .any(|v| v.as_u64() == Some(layer as u64)),
-                None => (layer + 1).is_multiple_of(self.usize_or("interleave_moe_layer_step", 1)?.max(1)),
+                _ => (layer + 1).is_multiple_of(step("interleave_moe_layer_step")?),
             },
         })
+    }
+
+    /// The config keys that decide which layers are MoE layers, with their values, for
+    /// errors: `first_k_dense_replace = 1`, ...
+    pub(crate) fn layer_kind_keys(&self) -> String {
+        let keys: &[&str] = match self.family {
+            Family::Mixtral | Family::Olmoe | Family::GptOss => &[],
+            Family::Qwen2Moe | Family::Qwen3Moe => &["mlp_only_layers", "decoder_sparse_step", "num_experts"],
+            Family::DeepseekV3 => &["first_k_dense_replace"],
+            Family::Llama4 => match self.get("moe_layers") {
+                Some(list) if !list.is_null() => &["moe_layers"],
+                _ => &["interleave_moe_layer_step"],
+            },
+        };
+        let shown: Vec<String> = keys
+            .iter()
+            .map(|k| match self.get(k) {
+                Some(v) => format!("{k} = {v}"),
+                None => format!("{k} unset"),
+            })
+            .collect();
+        match shown.is_empty() {
+            true => "every layer is a MoE layer in this family".into(),
+            false => shown.join(", "),
+        }
+    }
+
+    /// Holds the folder's tensors to the config's layer kinds: a layer the config makes dense
+    /// must hold no router or expert tensor (transformers would drop them as unexpected and
+    /// leave the dense layer's weights random), and a MoE layer must hold its router.
+    ///
+    /// # Errors
+    /// [`MoeError::File`] naming `config.json`, the layer, the deciding keys and a tensor.
+    pub(crate) fn check_layer_kinds<V>(&self, tensors: &std::collections::BTreeMap<String, V>) -> Result<()> {
+        for layer in 0..self.n_layers {
+            let names = self.names(layer);
+            let router = names.router();
+            // The names are sorted, so a layer's expert tensors are one range of them.
+            let experts = names.experts_prefix();
+            let moe_tensor = tensors.get_key_value(&router).map(|(k, _)| k).or_else(|| {
+                tensors
+                    .range(experts.clone()..)
+                    .next()
+                    .map(|(k, _)| k)
+                    .filter(|k| k.starts_with(&experts))
+            });
+            match (self.is_moe(layer)?, moe_tensor) {
+                (false, Some(tensor)) => {
+                    return Err(self.error(format!(
+                        "layer {layer} is a dense MLP by the config ({}), but the folder holds its \
+                         MoE tensor `{tensor}`: transformers would drop it as unexpected and leave \
+                         the layer's dense weights random",
+                        self.layer_kind_keys()
+                    )))
+                }
+                (true, None) => {
+                    return Err(self.error(format!(
+                        "layer {layer} is a MoE layer by the config ({}), but the folder has no \
+                         `{router}`",
+                        self.layer_kind_keys()
+                    )))
+                }
+                _ => {}
+            }
+        }
+        Ok(())
     }
 
     /// The MoE layers of the model, in order.
@@ -347,17 +433,9 @@ impl HfConfig {
             )));
         }
         if !self.is_moe(layer)? {
-            let why = match self.family {
-                Family::DeepseekV3 => format!(
-                    " (first_k_dense_replace = {}, moe_layer_freq = {})",
-                    self.usize_or("first_k_dense_replace", 0)?,
-                    self.usize_or("moe_layer_freq", 1)?
-                ),
-                Family::Llama4 => " (moe_layers / interleave_moe_layer_step)".to_string(),
-                _ => " (mlp_only_layers / decoder_sparse_step)".to_string(),
-            };
             return Err(self.error(format!(
-                "layer {layer} is a dense MLP, not a MoE layer{why}; the MoE layers are {:?}",
+                "layer {layer} is a dense MLP, not a MoE layer ({}); the MoE layers are {:?}",
+                self.layer_kind_keys(),
                 self.moe_layers()?
             )));
         }
@@ -473,6 +551,12 @@ impl LayerNames {
             Family::Llama4 | Family::GptOss => format!("{}router.weight", self.prefix),
             _ => format!("{}gate.weight", self.prefix),
         }
+    }
+
+    /// The prefix every routed-expert tensor of this layer starts with (one matrix per expert
+    /// or stacked, with their biases, scales or MXFP4 blocks).
+    pub(crate) fn experts_prefix(&self) -> String {
+        format!("{}experts.", self.prefix)
     }
 
     /// The router's bias `[E]` (GPT-OSS).

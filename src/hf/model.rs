@@ -50,13 +50,23 @@ impl HfCheckpoint {
     /// header); no tensor data is read.
     ///
     /// # Errors
-    /// [`MoeError::File`] naming `config.json` if its family is not supported or a key is
-    /// bad; naming the index if it is not JSON or names a shard outside the folder.
+    /// [`MoeError::File`] naming `config.json` if its family is not supported, a key is bad,
+    /// or the folder's tensors disagree with the layer kinds the config decides (a dense
+    /// layer holding expert tensors, a MoE layer without its router: named with the layer,
+    /// the deciding keys and a tensor); naming the index if it is not JSON or names a shard
+    /// outside the folder.
     pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref();
         let config = HfConfig::read(dir)?;
         let mut ckpt = Checkpoint::open(dir)?;
+        config.check_layer_kinds(&ckpt.weight_map)?;
         ckpt.quant = config.quantization()?;
+        if config.family.stacked_experts() {
+            for layer in config.moe_layers()? {
+                let names = config.names(layer);
+                ckpt.refuse_unpacked_experts(&[names.stacked_gate_up(), names.stacked_down()])?;
+            }
+        }
         ckpt.count(|s| s.metadata_bytes += config.bytes as u64);
         Ok(Self {
             config,

@@ -4,6 +4,33 @@
 use serde_json::Value;
 
 use super::fp8::Fp8Blocks;
+use crate::error::{MoeError, Result};
+
+/// Refuses `values` (tensor `name`, of `shape`) before they are quantised to `format`
+/// (`float8_e4m3fn`, `mxfp4`) if one is NaN or infinite: neither format holds an infinity,
+/// and a block's scale computed from one would be infinite, so every value of the block
+/// would load as NaN. The export calls it before anything is written, so the folder is left
+/// as it was.
+///
+/// # Errors
+/// [`MoeError::Input`] naming the tensor, the value and its index.
+pub(crate) fn refuse_nonfinite(name: &str, values: &[f32], shape: &[usize], format: &str) -> Result<()> {
+    let Some(at) = values.iter().position(|v| !v.is_finite()) else {
+        return Ok(());
+    };
+    // The flat index as one index per dimension, last dimension fastest.
+    let mut index = vec![0; shape.len()];
+    let mut rest = at;
+    for (i, &dim) in shape.iter().enumerate().rev() {
+        index[i] = rest % dim.max(1);
+        rest /= dim.max(1);
+    }
+    Err(MoeError::Input(format!(
+        "`{name}` holds {} at {index:?}: {format} has no infinity or NaN, and the block holding \
+         it would load as NaN throughout; nothing was written",
+        values[at]
+    )))
+}
 
 /// A checkpoint's quantisation, from `quantization_config.quant_method`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

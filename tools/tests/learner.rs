@@ -199,5 +199,16 @@ fn learners_train_resume_exactly_and_agree_over_ranks() {
             err.contains("experts 2..4") && err.contains("experts 0..2"),
             "{err}"
         );
+        // A damaged checkpoint of one rank (the records back in place, rank 1's truncated):
+        // the error that reaches the caller is that rank's own, naming the file, not rank 0's
+        // word that another rank could not start.
+        std::fs::rename(&a, &swap).unwrap();
+        std::fs::rename(&b, &a).unwrap();
+        std::fs::rename(&swap, &b).unwrap();
+        std::fs::write(&b, &std::fs::read(&b).unwrap()[..64]).unwrap();
+        let err = run(2, &options(&two.0, 3, Some(2), None))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(&b.display().to_string()), "{err}");
     }
 }

@@ -15,6 +15,8 @@ mod load;
 #[allow(dead_code)]
 #[path = "../examples/train_gpt_moe/model.rs"]
 mod model;
+#[path = "../examples/train_gpt_moe/out.rs"]
+mod out;
 #[allow(dead_code)]
 #[path = "../examples/train_gpt_moe/train.rs"]
 mod train;

@@ -12,7 +12,7 @@ use crate::error::{MoeError, Result};
 use crate::hf::checkpoint::{check_finite, dtype_name, Checkpoint, ImportOptions, Shard, StoredTensor};
 use crate::hf::export::Requantized;
 use crate::hf::layout::HfEntry;
-use crate::hf::quantization::Quantization;
+use crate::hf::quantization::{refuse_nonfinite, Quantization};
 
 /// Where a projection's MXFP4 bytes live: its blocks and its scales, checked against its
 /// shape.
@@ -22,6 +22,35 @@ struct PackedTensors {
 }
 
 impl Checkpoint {
+    /// Refuses a checkpoint whose `quantization_config` says MXFP4 but which stores one of the
+    /// projections `names` unquantised: transformers' loader expects `_blocks` and `_scales`
+    /// for every expert projection of such a folder and would not load it, and an export
+    /// could not say which format the folder is meant to hold. (Refused rather than read as
+    /// float: the folder contradicts itself, and only its author knows which half is right.)
+    ///
+    /// # Errors
+    /// [`MoeError::File`] naming the shard, the tensor and `quantization_config`.
+    pub(crate) fn refuse_unpacked_experts(&self, names: &[String]) -> Result<()> {
+        if self.quant != Some(Quantization::Mxfp4) {
+            return Ok(());
+        }
+        for name in names {
+            if let Some(shard) = self.weight_map.get(name) {
+                return Err(MoeError::file(
+                    self.dir.join(shard),
+                    format!(
+                        "holds `{name}` unquantised, but config.json's `quantization_config` says \
+                         mxfp4, which stores it as `{}` and `{}`: drop the quantization_config \
+                         for a float checkpoint, or store the experts in MXFP4",
+                        packed_names(name).0,
+                        packed_names(name).1
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Whether the checkpoint stores projection `name` in MXFP4: it says `mxfp4`, and holds
     /// `name_blocks` rather than `name`.
     fn stores_mxfp4(&self, name: &str) -> bool {
@@ -166,6 +195,7 @@ impl Checkpoint {
             let PackedTensors { blocks, scales } =
                 self.locate_packed(&name, &shape)?.expect("stored in MXFP4");
             let w = values.remove(&name).expect("a key of values");
+            refuse_nonfinite(&name, &w, &shape, "mxfp4")?;
             let count: usize = shape.iter().product();
             let shape = [shape[0], shape[1], shape[2]];
             let packed = match w.len() == count {

@@ -21,7 +21,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::train::checkpoint::KeepLastNCheckpoints;
 use burn::train::metric::LossMetric;
 use burn::train::{Learner, SupervisedTraining};
-use mpipemoe::comm::rank_range;
+use mpipemoe::comm::{rank_range, Payload};
 use mpipemoe::parallel::ParallelGroups;
 use mpipemoe::{MemoryReuse, MoeBackend, MoeError, Partitions, RankContext};
 use serde::{Deserialize, Serialize};
@@ -140,15 +140,7 @@ where
         None if ctx.rank == 0 => write_layout(&o.dir, &layout),
         None => Ok(()),
     };
-    let mut refused = [f64::from(u8::from(checked.is_err()))];
-    ctx.comm.all_reduce_sum(&mut refused)?;
-    checked?;
-    if refused[0] > 0.0 {
-        return Err(MoeError::config(
-            "resume",
-            format!("{} other rank(s) could not start (see their errors)", refused[0]),
-        ));
-    }
+    agree_to_start(ctx, checked)?;
     // 2. This rank's slice of every global batch, the same batches every epoch and in order,
     //    so that a resumed epoch sees what the uninterrupted run saw.
     let mine = rank_range(o.batch, ctx.n_ranks, ctx.rank);
@@ -201,6 +193,59 @@ where
     })?;
     // 5. What burn-train logged for the epochs this run trained, read back from its files.
     read_report(&rank_dir, o.resume.map_or(1, |e| e + 1)..=o.epochs)
+}
+
+/// The ranks' agreement to start: every rank hands its own check's error (or nothing) to
+/// every other, so that whichever rank reports names every damaged file, not only its own.
+/// A rank whose check failed returns its error (with several failing ranks, all of them in
+/// one, rank by rank); a rank whose check passed returns a peer failure carrying them, which
+/// `LocalGroup` and the NCCL runner rank below the failing rank's own error.
+fn agree_to_start(ctx: &RankContext, checked: mpipemoe::Result<()>) -> mpipemoe::Result<()> {
+    /// An error's text is cut here: a peer's message, not a file's contents.
+    const MAX_MESSAGE: usize = 4096;
+    let mut mine = checked
+        .as_ref()
+        .err()
+        .map(ToString::to_string)
+        .unwrap_or_default();
+    if mine.len() > MAX_MESSAGE {
+        let cut = (0..=MAX_MESSAGE)
+            .rev()
+            .find(|&i| mine.is_char_boundary(i))
+            .unwrap_or(0);
+        mine.truncate(cut);
+    }
+    let outgoing = vec![Payload::Bytes(mine.into_bytes()); ctx.n_ranks];
+    let heard = ctx.comm.exchange("resume", outgoing)?;
+    let failed: Vec<(usize, String)> = heard
+        .iter()
+        .enumerate()
+        .filter_map(|(rank, p)| match p {
+            Payload::Bytes(b) if !b.is_empty() => Some((rank, String::from_utf8_lossy(b).into_owned())),
+            _ => None,
+        })
+        .collect();
+    let Some((first, _)) = failed.first() else {
+        return Ok(());
+    };
+    let all = failed
+        .iter()
+        .map(|(rank, e)| format!("rank {rank}: {e}"))
+        .collect::<Vec<_>>()
+        .join("; ");
+    match checked {
+        Err(own) if failed.len() == 1 => Err(own),
+        Err(_) => Err(MoeError::config(
+            "resume",
+            format!("{} ranks could not start: {all}", failed.len()),
+        )),
+        Ok(()) => Err(MoeError::PeerFailed {
+            op: "resume".into(),
+            rank: ctx.rank,
+            peer: *first,
+            reason: all,
+        }),
+    }
 }
 
 /// The metrics burn-train logged in one rank's folder for `epochs`.

@@ -32,6 +32,7 @@ mod data;
 mod host_sync;
 mod load;
 mod model;
+mod out;
 mod train;
 
 use std::path::PathBuf;
@@ -295,6 +296,9 @@ fn run(args: &Args) -> Result<(), String> {
             GradSyncArg::HostF64 => GradSync::HostF64,
         },
     };
+    // The outputs this run promises are checked before the first step, so a bad `--out`
+    // costs nothing; the chart itself is written at the end.
+    let png = out::check_out(&args.out)?;
     let entropy = corpus.unigram_entropy();
     eprintln!(
         "corpus: {} ({} training bytes, unigram entropy {entropy:.3} nats/byte); {} ranks, partitions {}, strategy {}, router {:?}",
@@ -354,10 +358,7 @@ fn run(args: &Args) -> Result<(), String> {
     let val_loss = report.val_losses.last().map_or(f64::NAN, |v| v.1);
     let tokens_per_s = (args.steps * args.batch * options.model.seq_len) as f64 / report.seconds;
     let (imbalance_first, imbalance_last) = load::imbalance_first_and_last(&report.load);
-    let png = args.out.join("load.png");
-    let chart = std::fs::create_dir_all(&args.out)
-        .map_err(|e| mpipemoe::MoeError::file(&args.out, e.to_string()))
-        .and_then(|()| load::write_heatmap(&png, &report.load));
+    let chart = load::write_heatmap(&png, &report.load).map_err(|e| format!("load chart not written: {e}"));
     if args.json {
         let summary = Summary {
             corpus: &corpus.name,
@@ -387,12 +388,11 @@ fn run(args: &Args) -> Result<(), String> {
             "{}",
             serde_json::to_string_pretty(&summary).map_err(|e| e.to_string())?
         );
-        return Ok(());
+        // A promised output that was not written fails the run, after what was measured.
+        return chart;
     }
-    match chart {
-        Ok(()) => eprintln!("load per expert over the steps: {}", png.display()),
-        Err(e) => eprintln!("load chart not written: {e}"),
-    }
+    chart?;
+    eprintln!("load per expert over the steps: {}", png.display());
     println!("sample: {}", report.sample.replace('\n', "\n        "));
     println!(
         "load max/mean (mean over layers and the first / last tenth of the steps): {imbalance_first:.3} -> {imbalance_last:.3}"
