@@ -541,6 +541,26 @@ fn device_memory_does_not_grow_with_the_threaded_executor() {
     }
 }
 
+/// `case` through the fused path on `n_ranks` ranks cut into `partitions`, on both executors
+/// and under every strategy, within 1e-4.
+fn check_skewed(case: &Case, n_ranks: usize, partitions: Partitions) {
+    let device = Default::default();
+    for executor in [StepExecutor::InOrder, StepExecutor::StreamThreads] {
+        for strategy in Strategy::ALL {
+            let options = CheckOptions {
+                path: ExchangePath::Fused,
+                n_ranks,
+                partitions,
+                strategy,
+                memory_budget: None,
+                executor: Some(executor),
+            };
+            let report = check_case::<B>(case, &options, &device).unwrap();
+            assert!(report.passed(1e-4), "{options:?}: {:?}", report.worst());
+        }
+    }
+}
+
 /// Ranks that receive no rows: every token to expert 0, which lives on rank 0, so rank 1's
 /// partition slots are all empty (zero-row receives, combines and expert blocks) under every
 /// strategy, on both executors, within 1e-4; and no op on zero elements reaches the device
@@ -548,22 +568,11 @@ fn device_memory_does_not_grow_with_the_threaded_executor() {
 #[test]
 fn a_rank_that_receives_no_rows_on_wgpu() {
     let _device = shared();
-    let device = Default::default();
-    let case = Case::all_to_one_expert(4, 10).expect("case");
-    for executor in [StepExecutor::InOrder, StepExecutor::StreamThreads] {
-        for strategy in Strategy::ALL {
-            let options = CheckOptions {
-                path: ExchangePath::Fused,
-                n_ranks: 2,
-                partitions: Partitions::Fixed(3),
-                strategy,
-                memory_budget: None,
-                executor: Some(executor),
-            };
-            let report = check_case::<B>(&case, &options, &device).unwrap();
-            assert!(report.passed(1e-4), "{options:?}: {:?}", report.worst());
-        }
-    }
+    check_skewed(
+        &Case::all_to_one_expert(4, 10).expect("case"),
+        2,
+        Partitions::Fixed(3),
+    );
 }
 
 /// Routing skew under `Partitions::ByRank` (one partition per source rank): every token to
@@ -576,22 +585,11 @@ fn a_rank_that_receives_no_rows_on_wgpu() {
 #[test]
 fn routing_skew_by_rank_issues_no_empty_kernel_on_wgpu() {
     let _device = shared();
-    let device = Default::default();
-    let case = Case::all_to_one_expert(8, 12).expect("case");
-    for executor in [StepExecutor::InOrder, StepExecutor::StreamThreads] {
-        for strategy in Strategy::ALL {
-            let options = CheckOptions {
-                path: ExchangePath::Fused,
-                n_ranks: 4,
-                partitions: Partitions::ByRank,
-                strategy,
-                memory_budget: None,
-                executor: Some(executor),
-            };
-            let report = check_case::<B>(&case, &options, &device).unwrap();
-            assert!(report.passed(1e-4), "{options:?}: {:?}", report.worst());
-        }
-    }
+    check_skewed(
+        &Case::all_to_one_expert(8, 12).expect("case"),
+        4,
+        Partitions::ByRank,
+    );
 }
 
 /// At a shape where the streams' work takes long enough for a missing fence to show (d_model
