@@ -5,9 +5,9 @@
 //!
 //! # No kernel on zero elements
 //!
-//! A tensor of zero rows is made with `float_empty`, which allocates and launches nothing;
-//! every other op these helpers issue goes through [`issue`], which holds them to it in debug
-//! builds. On a CubeCL backend every op that writes a tensor launches a kernel, even over zero
+//! A tensor of zero rows is made with `float_empty`, which allocates and launches nothing:
+//! every helper below routes an empty result through `zeros_like_rows`, and [`issue`] holds
+//! the zero fill and the row write to it in debug builds. On a CubeCL backend every op that writes a tensor launches a kernel, even over zero
 //! elements: the grid is then `CubeCount::Static(0, 0, 0)` (cubecl-core 0.10 `lib.rs`,
 //! `calculate_cube_count_elemwise` returns it for `num_elems == 0`), cubecl-runtime 0.10's
 //! client launches it without asking `CubeCount::is_empty` (`client.rs`, `launch_inner`),
@@ -26,8 +26,9 @@ use crate::error::Result;
 
 /// Holds an op the exchange is about to issue to the rule of the module docs: on a backend
 /// that launches device kernels ([`MoeBackend::issues_kernels`]), never over zero elements.
-/// A debug assertion: the helpers below make empty tensors without ops, so it fires only
-/// where a caller bypasses them.
+/// A debug assertion at the two ops that may meet an empty block, the zero fill and the row
+/// write: every helper below routes an empty result through `zeros_like_rows`' no-kernel
+/// branch, so it fires only where that branch or a caller's skip of empty blocks is lost.
 #[track_caller]
 pub(crate) fn issue<B: MoeBackend>(op: &str, elements: usize) {
     debug_assert!(
@@ -73,10 +74,9 @@ pub(crate) fn zeros_like_rows<B: MoeBackend>(
 /// Rows `idx` of `x`, in that order.
 pub(crate) fn gather_rows<B: MoeBackend>(x: FloatTensor<B>, idx: &[usize]) -> FloatTensor<B> {
     let [_, width] = dims2::<B>(&x);
-    if idx.is_empty() {
-        return zeros_like_rows::<B>(&x, 0, width);
+    if idx.len() * width == 0 {
+        return zeros_like_rows::<B>(&x, idx.len(), width);
     }
-    issue::<B>("float_select", idx.len() * width);
     let device = B::float_device(&x);
     B::float_select(x, 0, index::<B>(idx, &device))
 }
@@ -89,7 +89,6 @@ pub(crate) fn narrow_rows<B: MoeBackend>(x: FloatTensor<B>, start: usize, len: u
     if len * width == 0 {
         return zeros_like_rows::<B>(&x, len, width);
     }
-    issue::<B>("float_slice", len * width);
     B::float_slice(x, &[Slice::from(start..start + len), Slice::from(0..width)])
 }
 
@@ -104,12 +103,7 @@ pub(crate) fn cat_rows<B: MoeBackend>(
     match parts.len() {
         0 => zeros_like_rows::<B>(like, 0, width),
         1 => parts.pop().expect("one part"),
-        _ => {
-            for part in &parts {
-                issue::<B>("float_cat", dims2::<B>(part)[0] * width);
-            }
-            B::float_cat(parts, 0)
-        }
+        _ => B::float_cat(parts, 0),
     }
 }
 
