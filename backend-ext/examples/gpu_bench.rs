@@ -114,6 +114,7 @@ fn main() {
     };
     let profile = Profile::h100_node(1);
     let mut rows = Vec::new();
+    let started = Instant::now();
     for (name, m, h) in shapes {
         for &tokens in token_counts {
             let experts = 8;
@@ -122,6 +123,10 @@ fn main() {
             let x = Tensor::<CudaMoe<f32>, 2>::random([tokens, m], Distribution::Default, &device);
             let w1 = Tensor::<CudaMoe<f32>, 2>::random([m, h], Distribution::Default, &device);
             let w2 = Tensor::<CudaMoe<f32>, 2>::random([h, m], Distribution::Default, &device);
+            eprintln!(
+                "[{:7.1} s] {name} {tokens} tokens: dense reference",
+                started.elapsed().as_secs_f64()
+            );
             let dense = median_time(
                 || {
                     let a = x.clone().matmul(w1.clone());
@@ -177,6 +182,13 @@ fn main() {
                     let (t, layer, n, strategy) =
                         layer_time(&config, Arc::new(HostLoopback), tokens, &profile);
                     let arena = layer.context().partition_arena().stats().reserved_bytes;
+                    // The table comes at the end; this line shows progress (and where kernel
+                    // compilation and autotuning spend the first minutes) in a captured log.
+                    eprintln!(
+                        "[{:7.1} s] {name} {tokens} tokens {system} {executor:?}: {:.2} ms (n={n}, {strategy})",
+                        started.elapsed().as_secs_f64(),
+                        t * 1e3
+                    );
                     measured.push((system.clone(), executor, t, n, strategy, arena));
                 }
             }

@@ -4,7 +4,22 @@
 # (2) the toy GPT-MoE trained briefly on CUDA, raw and with fusion (the loss must fall),
 # (3) the forward + backward benchmark (both executors), (4) PyTorch eager's layer on the same
 # GPU and shapes, with ours / theirs; one table at the end of each.
+# Each phase runs under its own time limit (seconds, from the environment), so a lease that ends
+# early still returns every earlier phase's log: CHECK_S (default 300), TRAIN_S per training run
+# (120), TRAIN_STEPS (200), BENCH_S (240), PEER_S (120); BENCH_ARGS (e.g. --quick) goes to the
+# benchmark. A phase cut by its limit reports exit 124. PHASES picks the phases (default
+# "check train bench peer"); TRAIN_RUNS replaces the training runs ("BACKEND COMM RANKS", joined
+# by ";"). Every process compiles its kernels with NVRTC and autotunes its matmuls afresh: the
+# first H200 run spent 96 s on the first case and the toy printed no step within 50 s.
 set -uo pipefail
+CHECK_S=${CHECK_S:-300}
+TRAIN_S=${TRAIN_S:-120}
+TRAIN_STEPS=${TRAIN_STEPS:-200}
+BENCH_S=${BENCH_S:-240}
+PEER_S=${PEER_S:-120}
+BENCH_ARGS=${BENCH_ARGS:-}
+PHASES=" ${PHASES:-check train bench peer} "
+check=0
 dir="$(cd "$(dirname "$0")" && pwd)"
 out="${OUT:-$dir}"
 bin="$(mktemp -d)"
@@ -13,27 +28,50 @@ for packed in "$dir"/bin/*.gz; do
   gzip -dc "$packed" >"$bin/$name" && chmod +x "$bin/$name"
 done
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-echo "== correctness"
-"$bin/gpu_check" "$dir/cases" | tee "$out/gpu_check.txt"
-check=${PIPESTATUS[0]}
-echo "== toy GPT-MoE on CUDA (200 steps; the loss must fall by at least 1 nat)"
+# cubecl reads `cubecl.toml` from the working directory (cubecl-common 0.10 `config/mod.rs`
+# `from_current_dir`): each phase logs every kernel compilation and autotune result to files of
+# its own under $out, so a slow phase shows whether NVRTC and autotuning spent the time. The
+# counts are printed at the end. CUBECL_LOGS=0 turns this off.
+cubecl_logs() {
+  [ "${CUBECL_LOGS:-1}" = 1 ] || return 0
+  cat >cubecl.toml <<TOML
+[compilation.logger]
+level = "basic"
+file = "$out/cubecl-$1-compile.log"
+
+[autotune.logger]
+level = "minimal"
+file = "$out/cubecl-$1-autotune.log"
+TOML
+}
+if [[ $PHASES == *" check "* ]]; then
+  echo "== correctness"
+  cubecl_logs check
+  timeout "$CHECK_S" "$bin/gpu_check" "$dir/cases" | tee "$out/gpu_check.txt"
+  check=${PIPESTATUS[0]}
+fi
+echo "== toy GPT-MoE on CUDA ($TRAIN_STEPS steps; the loss must fall by at least 1 nat)"
 # The working tree's docs and sources as the corpus (the binary's built-in corpus is read from
 # the build machine's paths).
 cat README.md docs/*.md src/*.rs src/*/*.rs >"$bin/corpus.txt"
 gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
 runs=("cuda threads 1" "cuda-fusion threads 1" "cuda threads 2")
 [ "$gpus" -ge 2 ] && runs+=("cuda nccl 2" "cuda-fusion nccl 2")
+[ -z "${TRAIN_RUNS:-}" ] || IFS=";" read -r -a runs <<<"$TRAIN_RUNS"
+[[ $PHASES == *" train "* ]] || runs=()
 for run in "${runs[@]}"; do
   read -r backend comm ranks <<<"$run"
   name="train-$backend-$comm-$ranks"
-  "$bin/train_gpt_moe" --data "$bin/corpus.txt" --backend "$backend" --comm "$comm" \
-    --ranks "$ranks" --steps 200 --eval-every 100 --out "$out/$name" --json >"$out/$name.json"
+  cubecl_logs "$name"
+  timeout "$TRAIN_S" "$bin/train_gpt_moe" --data "$bin/corpus.txt" --backend "$backend" --comm "$comm" \
+    --ranks "$ranks" --steps "$TRAIN_STEPS" --eval-every "$((TRAIN_STEPS / 2))" --out "$out/$name" --json >"$out/$name.json" 2>"$out/$name.err"
   status=$?
   python3 - "$out/$name.json" "$name" "$status" <<'PY' || check=1
 import json, sys
 path, name, status = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if status != 0:
-    sys.exit(f"{name}: exit {status}")
+    err = open(path[:-5] + ".err").read()[-2000:]
+    sys.exit(f"{name}: exit {status}\n{err}")
 d = json.load(open(path))
 ok = d["train_loss"] < d["initial_loss"] - 1.0
 print(f"{name}: loss {d['initial_loss']:.3f} -> {d['train_loss']:.3f} "
@@ -41,9 +79,18 @@ print(f"{name}: loss {d['initial_loss']:.3f} -> {d['train_loss']:.3f} "
 sys.exit(0 if ok else 1)
 PY
 done
+if [[ $PHASES == *" bench "* ]]; then
 echo "== benchmark"
-"$bin/gpu_bench" --json "$out/gpu_bench.json" | tee "$out/gpu_bench.txt"
+cubecl_logs bench
+timeout "$BENCH_S" "$bin/gpu_bench" $BENCH_ARGS --json "$out/gpu_bench.json" | tee "$out/gpu_bench.txt"
+fi
+if [[ $PHASES == *" peer "* ]]; then
 echo "== PyTorch eager peer"
-python3 "$dir/torch_gpu_peer.py" --ours "$out/gpu_bench.json" --json "$out/torch_gpu_peer.json" \
+timeout "$PEER_S" python3 "$dir/torch_gpu_peer.py" --ours "$out/gpu_bench.json" --json "$out/torch_gpu_peer.json" \
   | tee "$out/torch_gpu_peer.txt" || true
+fi
+rm -f cubecl.toml
+for log in "$out"/cubecl-*.log; do
+  [ -f "$log" ] && echo "$(basename "$log"): $(wc -l <"$log") lines"
+done
 exit "$check"

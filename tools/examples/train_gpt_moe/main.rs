@@ -35,6 +35,7 @@ mod model;
 mod out;
 mod train;
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -319,9 +320,27 @@ fn run(args: &Args) -> Result<(), String> {
         ProgressStyle::with_template("{elapsed_precise} [{bar:25}] {pos}/{len} {msg}")
             .map_err(|e| e.to_string())?,
     );
+    // indicatif draws nothing when stderr is not a terminal (a log file, a batch job, a GPU
+    // machine's captured output), so there a plain line goes out at the first steps, where
+    // kernel compilation shows, and about twenty times over the run.
+    let plain = leader && !std::io::stderr().is_terminal();
+    let plain_every = (args.steps / 20).max(1);
+    let started = std::time::Instant::now();
     let on_step = |log: &StepLog| {
         bar.set_position(log.step as u64 + 1);
         let imbalance: Vec<String> = log.imbalance.iter().map(|v| format!("{v:.2}")).collect();
+        let evaluated = args.eval_every > 0 && (log.step + 1).is_multiple_of(args.eval_every);
+        if plain && (log.step < 3 || (log.step + 1).is_multiple_of(plain_every) || evaluated) {
+            eprintln!(
+                "[{:7.1} s] step {}/{} loss {:.3} val {} | {:.0} tok/s",
+                started.elapsed().as_secs_f64(),
+                log.step + 1,
+                args.steps,
+                log.loss,
+                log.val_loss.map_or("-".into(), |v| format!("{v:.3}")),
+                log.tokens_per_s
+            );
+        }
         bar.set_message(format!(
             "loss {:.3} val {} | load max/mean {} | {:.0} tok/s | n={} {}",
             log.loss,
