@@ -1,0 +1,238 @@
+//! Which hot experts to replicate ("shadow") on every rank for one step, from the per-expert
+//! row counts the layer gathers and the hardware profile (FasterMoE's dynamic shadowing,
+//! PPoPP'22, with a rule that looks at the hottest rank; issue 45).
+//!
+//! This is the decision alone, a pure function of the counts; the derivation is in
+//! `docs/design-notes.md`, "Shadowing hot experts: the decision rule". A shadowed expert's
+//! weights go to every rank before the forward, each rank computes its own rows of it, and its
+//! gradients are reduced to the owner after the backward, so the step's result does not depend
+//! on which experts are shadowed, only its time does.
+//!
+//! # Shapes
+//! - `counts`: `[n_ranks][n_experts]`, the rows rank `r` routes to expert `e` this step;
+//! - `owner`: `[n_experts]`, the rank that holds expert `e`'s weights.
+
+use super::Profile;
+
+/// The rates the decision needs, in seconds and bytes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ShadowCosts {
+    /// Seconds for one row through one expert, forward and backward.
+    pub row_seconds: f64,
+    /// Bytes of one row (`d_model` elements).
+    pub row_bytes: f64,
+    /// Bytes of one expert's weights (as many again for its gradient).
+    pub weight_bytes: f64,
+    /// All-to-all rate, bytes a rank sends (or receives) per second.
+    pub exchange_rate: f64,
+    /// Broadcast and reduce rate, bytes per second per rank.
+    pub broadcast_rate: f64,
+}
+
+impl ShadowCosts {
+    /// The costs of an expert with `gemms` GEMMs of `d_model × d_hidden` (2 for GELU and ReLU,
+    /// 3 for SwiGLU) in `elem_bytes`-byte elements, on `profile`'s rates. The backward costs
+    /// two GEMMs per forward GEMM, so a row costs `3 · gemms · 2 · d_model · d_hidden` FLOPs;
+    /// broadcasts and reduces run at the all-to-all rate (NCCL's ring moves about the same
+    /// bytes per rank for both).
+    pub fn from_profile(
+        profile: &Profile,
+        d_model: usize,
+        d_hidden: usize,
+        gemms: usize,
+        elem_bytes: usize,
+    ) -> Self {
+        let per_gemm = (d_model * d_hidden) as f64;
+        Self {
+            row_seconds: 3.0 * gemms as f64 * 2.0 * per_gemm / profile.w_comp,
+            row_bytes: (d_model * elem_bytes) as f64,
+            weight_bytes: gemms as f64 * per_gemm * elem_bytes as f64,
+            exchange_rate: profile.w_comm,
+            broadcast_rate: profile.w_comm,
+        }
+    }
+}
+
+/// Checks the contract shared by [`shadowed_step_time`] and [`choose_shadows`].
+fn check_shapes(counts: &[Vec<usize>], owner: &[usize], shadowed: Option<&[bool]>) {
+    let n_ranks = counts.len();
+    assert!(n_ranks > 0, "shadowing: counts has no rank");
+    for (rank, row) in counts.iter().enumerate() {
+        assert_eq!(
+            row.len(),
+            owner.len(),
+            "shadowing: rank {rank} counts {} experts, owner lists {}",
+            row.len(),
+            owner.len()
+        );
+    }
+    if let Some(&bad) = owner.iter().find(|&&r| r >= n_ranks) {
+        panic!("shadowing: an expert's owner is rank {bad}, with {n_ranks} ranks");
+    }
+    if let Some(shadowed) = shadowed {
+        assert_eq!(shadowed.len(), owner.len(), "shadowing: one flag per expert");
+    }
+}
+
+/// The modelled step time with the experts flagged in `shadowed` replicated: the slowest
+/// rank's compute or exchange (the pipeline overlaps the two), plus the shadows' weight
+/// broadcast and gradient reduce, counted in full.
+///
+/// # Panics
+/// If `counts` is empty, its rows and `owner` differ in length, an owner is not a rank, or
+/// `shadowed` has not one flag per expert.
+pub fn shadowed_step_time(
+    counts: &[Vec<usize>],
+    owner: &[usize],
+    shadowed: &[bool],
+    costs: &ShadowCosts,
+) -> f64 {
+    check_shapes(counts, owner, Some(shadowed));
+    let n_ranks = counts.len();
+    let mut rows_computed = vec![0usize; n_ranks];
+    let mut rows_sent = vec![0usize; n_ranks];
+    let mut rows_received = vec![0usize; n_ranks];
+    for (rank, row) in counts.iter().enumerate() {
+        for (expert, &rows) in row.iter().enumerate() {
+            let home = owner[expert];
+            if shadowed[expert] {
+                // Computed where it was routed: no row crosses.
+                rows_computed[rank] += rows;
+            } else {
+                rows_computed[home] += rows;
+                if home != rank {
+                    rows_sent[rank] += rows;
+                    rows_received[home] += rows;
+                }
+            }
+        }
+    }
+    let slowest = (0..n_ranks)
+        .map(|r| {
+            let compute = rows_computed[r] as f64 * costs.row_seconds;
+            // Dispatch and combine, forward and backward: four all-to-alls.
+            let crossing = rows_sent[r].max(rows_received[r]) as f64;
+            let exchange = 4.0 * crossing * costs.row_bytes / costs.exchange_rate;
+            compute.max(exchange)
+        })
+        .fold(0.0, f64::max);
+    let n_shadows = shadowed.iter().filter(|&&s| s).count() as f64;
+    slowest + 2.0 * n_shadows * costs.weight_bytes / costs.broadcast_rate
+}
+
+/// The experts to shadow this step (`Auto`), at most `limit` of them: in decreasing total
+/// load, each is added while it lowers [`shadowed_step_time`], and the search stops at the
+/// first that does not (a less loaded expert saves less). Every rank computes the same answer
+/// from the same gathered counts. Returned in the order they were chosen.
+///
+/// # Panics
+/// As [`shadowed_step_time`].
+pub fn choose_shadows(
+    counts: &[Vec<usize>],
+    owner: &[usize],
+    costs: &ShadowCosts,
+    limit: usize,
+) -> Vec<usize> {
+    check_shapes(counts, owner, None);
+    let n_experts = owner.len();
+    let load = |e: usize| counts.iter().map(|row| row[e]).sum::<usize>();
+    let mut order: Vec<usize> = (0..n_experts).collect();
+    // Ties go to the lower index, so the order is the same on every rank.
+    order.sort_by(|&a, &b| load(b).cmp(&load(a)).then(a.cmp(&b)));
+    let mut shadowed = vec![false; n_experts];
+    let mut best = shadowed_step_time(counts, owner, &shadowed, costs);
+    let mut chosen = Vec::new();
+    for expert in order.into_iter().take(limit) {
+        shadowed[expert] = true;
+        let time = shadowed_step_time(counts, owner, &shadowed, costs);
+        if time < best {
+            best = time;
+            chosen.push(expert);
+        } else {
+            shadowed[expert] = false;
+            break;
+        }
+    }
+    chosen
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One row costs 1 s to compute and 1 s per all-to-all (so 4 s to exchange); a shadow
+    /// costs `2 · weight_bytes` seconds.
+    fn unit_costs(weight_bytes: f64) -> ShadowCosts {
+        ShadowCosts {
+            row_seconds: 1.0,
+            row_bytes: 1.0,
+            weight_bytes,
+            exchange_rate: 1.0,
+            broadcast_rate: 1.0,
+        }
+    }
+
+    #[test]
+    fn shadowed_step_time_is_the_slowest_rank_plus_the_shadow_traffic() {
+        // Two ranks, expert 0 on rank 0, expert 1 on rank 1. Rank 0 routes 3 rows to expert 0
+        // and 1 to expert 1; rank 1 routes 5 to expert 0 and 2 to expert 1.
+        let counts = vec![vec![3, 1], vec![5, 2]];
+        let owner = [0, 1];
+        let costs = unit_costs(10.0);
+        // Unshadowed: rank 0 computes 3 + 5 = 8 rows and receives 5 (exchange 20); rank 1
+        // computes 1 + 2 = 3 and sends 5 (exchange 20). Slowest: 20.
+        assert_eq!(shadowed_step_time(&counts, &owner, &[false, false], &costs), 20.0);
+        // Expert 0 shadowed: rank 0 computes its own 3 rows of it; rank 1 its own 5 of it and
+        // expert 1's 1 + 2; only rank 0's row to expert 1 crosses (exchange 4). Slowest 8,
+        // plus 2 · 10 for the shadow's weights and gradient: 28.
+        assert_eq!(shadowed_step_time(&counts, &owner, &[true, false], &costs), 28.0);
+    }
+
+    #[test]
+    fn balanced_routing_shadows_nothing() {
+        // Four ranks, one expert each, every rank sends one row to every expert: no rank is
+        // hotter than another, so any shadow only adds its traffic.
+        let counts = vec![vec![1; 4]; 4];
+        let owner = [0, 1, 2, 3];
+        assert!(choose_shadows(&counts, &owner, &unit_costs(0.01), 4).is_empty());
+    }
+
+    #[test]
+    fn all_rows_to_one_expert_shadow_it_when_its_weights_are_light() {
+        // Every rank sends 100 rows to expert 2 (on rank 2) and nothing else.
+        let counts = vec![vec![0, 0, 100, 0]; 4];
+        let owner = [0, 1, 2, 3];
+        // Unshadowed: rank 2 receives 300 rows (exchange 1,200) and computes 400. Shadowed:
+        // each rank computes its own 100, nothing crosses, plus 2 · 1 for the weights.
+        assert_eq!(choose_shadows(&counts, &owner, &unit_costs(1.0), 4), vec![2]);
+        // The same rows with weights heavier than what shadowing saves (2 · 600 > 1,200 - 100).
+        assert!(choose_shadows(&counts, &owner, &unit_costs(600.0), 4).is_empty());
+    }
+
+    #[test]
+    fn the_limit_caps_the_shadows_and_the_order_follows_the_load() {
+        // Two hot experts on rank 0 (experts 0 and 1), the hotter first; rank 1 owns expert 2.
+        let counts = vec![vec![50, 40, 0], vec![50, 40, 0]];
+        let owner = [0, 0, 1];
+        let costs = unit_costs(1.0);
+        assert_eq!(choose_shadows(&counts, &owner, &costs, 3), vec![0, 1]);
+        assert_eq!(choose_shadows(&counts, &owner, &costs, 1), vec![0]);
+        assert!(choose_shadows(&counts, &owner, &costs, 0).is_empty());
+    }
+
+    #[test]
+    fn costs_from_a_profile_count_three_passes_of_each_gemm() {
+        let profile = Profile::h100_node(2);
+        let costs = ShadowCosts::from_profile(&profile, 1024, 4096, 2, 4);
+        let flops = 3.0 * 2.0 * 2.0 * 1024.0 * 4096.0;
+        assert!((costs.row_seconds - flops / profile.w_comp).abs() <= 1e-12 * costs.row_seconds.abs());
+        assert_eq!(costs.row_bytes, 4096.0);
+        assert_eq!(costs.weight_bytes, 2.0 * 1024.0 * 4096.0 * 4.0);
+    }
+
+    #[test]
+    #[should_panic(expected = "owner is rank 2, with 2 ranks")]
+    fn an_owner_outside_the_ranks_is_a_contract_violation() {
+        let _ = choose_shadows(&[vec![1, 1], vec![1, 1]], &[0, 2], &unit_costs(1.0), 2);
+    }
+}
