@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use mpipemoe::backend::StepExecutor;
-use mpipemoe::harness::{check_case, check_case_through, Case, CheckOptions};
+use mpipemoe::harness::{check_case, check_case_through, relative_error, Case, CheckOptions};
 use mpipemoe::memory::Strategy;
 use mpipemoe::{Communicator, ExchangePath, MoeBackend, Partitions};
 use mpipemoe_cuda::check_plan::{check_runs, CheckRun};
@@ -96,15 +96,10 @@ fn f32_matmul_error(device: &burn::tensor::Device<CudaMoe<f32>>) -> f64 {
             .collect()
     };
     let (a, b, c) = (host(a), host(b), host(c));
-    let (mut err, mut norm) = (0.0, 0.0);
-    for i in 0..n {
-        for j in 0..n {
-            let exact: f64 = (0..n).map(|k| a[i * n + k] * b[k * n + j]).sum();
-            err += (c[i * n + j] - exact).powi(2);
-            norm += exact * exact;
-        }
-    }
-    (err / norm).sqrt()
+    let exact: Vec<f64> = (0..n * n)
+        .map(|ij| (0..n).map(|k| a[ij / n * n + k] * b[k * n + ij % n]).sum())
+        .collect();
+    relative_error(&c, &exact)
 }
 
 /// The checker's options and tolerance for one planned run; `f32_tolerance` is the cases' 1e-4

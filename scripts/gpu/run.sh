@@ -50,7 +50,7 @@ if [[ $PHASES == *" check "* ]]; then
   timeout "$CHECK_S" "$bin/gpu_check" "$dir/cases" | tee "$out/gpu_check.txt"
   check=${PIPESTATUS[0]}
 fi
-echo "== toy GPT-MoE on CUDA ($TRAIN_STEPS steps; the loss must fall by at least 1 nat)"
+[[ $PHASES != *" train "* ]] || echo "== toy GPT-MoE on CUDA ($TRAIN_STEPS steps; the loss must fall by at least 1 nat)"
 # The working tree's docs and sources as the corpus (the binary's built-in corpus is read from
 # the build machine's paths).
 cat README.md docs/*.md src/*.rs src/*/*.rs >"$bin/corpus.txt"

@@ -135,10 +135,12 @@ pub fn choose_shadows(
 ) -> Vec<usize> {
     check_shapes(counts, owner, None);
     let n_experts = owner.len();
-    let load = |e: usize| counts.iter().map(|row| row[e]).sum::<usize>();
+    let load: Vec<usize> = (0..n_experts)
+        .map(|e| counts.iter().map(|row| row[e]).sum())
+        .collect();
     let mut order: Vec<usize> = (0..n_experts).collect();
     // Ties go to the lower index, so the order is the same on every rank.
-    order.sort_by(|&a, &b| load(b).cmp(&load(a)).then(a.cmp(&b)));
+    order.sort_by(|&a, &b| load[b].cmp(&load[a]).then(a.cmp(&b)));
     let mut shadowed = vec![false; n_experts];
     let mut best = shadowed_step_time(counts, owner, &shadowed, costs);
     let mut chosen = Vec::new();

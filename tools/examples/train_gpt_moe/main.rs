@@ -325,7 +325,6 @@ fn run(args: &Args) -> Result<(), String> {
     // kernel compilation shows, and about twenty times over the run.
     let plain = leader && !std::io::stderr().is_terminal();
     let plain_every = (args.steps / 20).max(1);
-    let started = std::time::Instant::now();
     let on_step = |log: &StepLog| {
         bar.set_position(log.step as u64 + 1);
         let imbalance: Vec<String> = log.imbalance.iter().map(|v| format!("{v:.2}")).collect();
@@ -333,7 +332,7 @@ fn run(args: &Args) -> Result<(), String> {
         if plain && (log.step < 3 || (log.step + 1).is_multiple_of(plain_every) || evaluated) {
             eprintln!(
                 "[{:7.1} s] step {}/{} loss {:.3} val {} | {:.0} tok/s",
-                started.elapsed().as_secs_f64(),
+                bar.elapsed().as_secs_f64(),
                 log.step + 1,
                 args.steps,
                 log.loss,
