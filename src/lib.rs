@@ -101,3 +101,4 @@ pub use layer::{
 };
 pub use memory::MemoryReuse;
 pub use router::{Router, Routing, RoutingRule, Scoring};
+pub use tuning::Shadowing;

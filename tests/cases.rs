@@ -139,6 +139,7 @@ fn configurations(n_experts: usize, executor: Option<StepExecutor>) -> Vec<Check
                     strategy,
                     memory_budget: None,
                     executor,
+                    shadowing: mpipemoe::Shadowing::Off,
                 });
             }
         }
@@ -379,4 +380,85 @@ fn nothing_outside_the_tests_points_at_the_shared_folder() {
         }
     }
     assert!(found.is_empty(), "references to ../shared:\n{}", found.join("\n"));
+}
+
+/// Shadowing (issue 45) changes where rows are computed, never the result: every case at 2
+/// and 4 ranks, both paths, n ∈ {1, 3}, every strategy, with the
+/// hottest expert shadowed (one shadowed, the others not) and with all but one shadowed,
+/// equals the same configuration without shadows to 1e-5 and the case to 1e-4. Each run
+/// must report the shadows it was given, so a layer that ignored the setting fails.
+#[test]
+fn shadowed_experts_change_no_output_or_gradient() {
+    use mpipemoe::Shadowing;
+    let device = Default::default();
+    let mut failures = Vec::new();
+    let mut runs = 0;
+    for file in case_files() {
+        let case = Case::load(&file).unwrap_or_else(|e| panic!("{e}"));
+        let n_experts = case.config.n_experts;
+        for n_ranks in [2, 4].into_iter().filter(|r| n_experts.is_multiple_of(*r)) {
+            let mut configs = vec![CheckOptions {
+                path: ExchangePath::Reference,
+                n_ranks,
+                ..CheckOptions::default()
+            }];
+            for partitions in [Partitions::Fixed(1), Partitions::Fixed(3)] {
+                for strategy in Strategy::ALL {
+                    configs.push(CheckOptions {
+                        n_ranks,
+                        partitions,
+                        strategy,
+                        ..CheckOptions::default()
+                    });
+                }
+            }
+            for base in configs {
+                let label = format!(
+                    "{} {} ranks={} {:?} {}",
+                    case.name,
+                    base.path.name(),
+                    n_ranks,
+                    base.partitions,
+                    base.strategy
+                );
+                let plain = check_case::<Autodiff<NdArray>>(&case, &base, &device)
+                    .unwrap_or_else(|e| panic!("{label}: {e}"));
+                assert!(plain.shadows.is_empty(), "{label}: shadows without shadowing");
+                for k in [1, n_experts - 1] {
+                    let options = CheckOptions {
+                        shadowing: Shadowing::Fixed(k),
+                        ..base
+                    };
+                    let report = check_case::<Autodiff<NdArray>>(&case, &options, &device)
+                        .unwrap_or_else(|e| panic!("{label} Fixed({k}): {e}"));
+                    runs += 1;
+                    if report.shadows.len() != k {
+                        failures.push(format!("{label} Fixed({k}): shadowed {:?}", report.shadows));
+                    }
+                    if !report.passed(TOLERANCE) {
+                        let worst = report.worst();
+                        failures.push(format!(
+                            "{label} Fixed({k}): {} rel err {:.3e}",
+                            worst.name, worst.rel_err
+                        ));
+                    }
+                    for (name, got) in &report.tensors {
+                        let err = agreement_error(got, &plain.tensors[name], &expected(&case, name));
+                        if err > STRATEGY_AGREEMENT {
+                            failures.push(format!(
+                                "{label} Fixed({k}): {name} differs from the unshadowed layer by {err:.3e}"
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(runs > 0, "no case could be sharded");
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }

@@ -24,6 +24,7 @@ type B = Autodiff<NdArray>;
 fn short() -> GroupOptions {
     GroupOptions {
         timeout: Duration::from_millis(400),
+        ..GroupOptions::default()
     }
 }
 
@@ -295,6 +296,7 @@ fn the_fused_exchange_moves_rows_through_the_communicators_row_path() {
                 strategy,
                 memory_budget: None,
                 executor: None,
+                shadowing: mpipemoe::Shadowing::Off,
             };
             let counted = Arc::new(Counted::default());
             let offloads = Arc::new(Counted::default());
@@ -375,6 +377,7 @@ fn a_rank_that_errors_mid_exchange_fails_the_others_promptly() {
     let results = LocalGroup::run_each(
         GroupOptions {
             timeout: Duration::from_secs(30),
+            ..GroupOptions::default()
         },
         3,
         |ctx| {
@@ -442,6 +445,7 @@ fn a_rank_that_finishes_early_is_named() {
     let results = LocalGroup::run_each(
         GroupOptions {
             timeout: Duration::from_secs(30),
+            ..GroupOptions::default()
         },
         2,
         |ctx| {
@@ -506,6 +510,7 @@ fn results_are_bitwise_identical_run_to_run() {
                 strategy,
                 memory_budget: None,
                 executor: None,
+                shadowing: mpipemoe::Shadowing::Off,
             };
             let a = check_case::<B>(&case, &options, &device).unwrap();
             let b = check_case::<B>(&case, &options, &device).unwrap();
@@ -541,4 +546,39 @@ fn n_experts_not_divisible_by_ranks_names_both_numbers() {
     )
     .unwrap_err();
     assert!(err.to_string().contains("6 experts"));
+}
+
+/// `threads_per_rank` (issue 45): each rank's closure runs on a rayon pool of its own with
+/// that many threads, so its kernels cannot borrow another rank's cores; 0 is refused by name.
+#[test]
+fn each_rank_computes_on_a_pool_of_its_own() {
+    // Three threads each: neither the global pool's size here (the machine's cores) nor one.
+    let options = GroupOptions {
+        threads_per_rank: Some(3),
+        ..GroupOptions::default()
+    };
+    let seen = LocalGroup::run_with(options, 2, |ctx| {
+        let name = std::thread::current().name().unwrap_or_default().to_string();
+        Ok((
+            ctx.rank,
+            rayon::current_num_threads(),
+            rayon::current_thread_index(),
+            name,
+        ))
+    })
+    .unwrap();
+    for (rank, threads, index, name) in seen {
+        assert_eq!(threads, 3, "rank {rank}");
+        assert!(index.is_some(), "rank {rank} runs outside its pool");
+        assert!(
+            name.starts_with(&format!("rank{rank}-compute")),
+            "rank {rank} on thread {name}"
+        );
+    }
+    let zero = GroupOptions {
+        threads_per_rank: Some(0),
+        ..GroupOptions::default()
+    };
+    let err = LocalGroup::run_with(zero, 2, |_| Ok(())).unwrap_err();
+    assert!(err.to_string().contains("threads_per_rank"), "{err}");
 }

@@ -9,7 +9,7 @@ use mpipemoe::backend::StepExecutor;
 use mpipemoe::harness::{agreement_error, check_case, expected, Case, CheckOptions};
 use mpipemoe::memory::Strategy;
 use mpipemoe::{
-    Activation, ExchangePath, MemoryReuse, MoeError, MoeLayer, MoeLayerConfig, Partitions, Scoring,
+    Activation, ExchangePath, MemoryReuse, MoeError, MoeLayer, MoeLayerConfig, Partitions, Scoring, Shadowing,
 };
 use proptest::prelude::*;
 use proptest::strategy::Strategy as PropStrategy;
@@ -260,7 +260,7 @@ proptest! {
         let device = Default::default();
         for n_ranks in [1usize, 2].into_iter().filter(|r| config.n_experts % r == 0) {
             let reference = check_case::<B>(&case, &CheckOptions { path: ExchangePath::Reference, n_ranks, ..CheckOptions::default() }, &device).unwrap();
-            let fused = check_case::<B>(&case, &CheckOptions { path: ExchangePath::Fused, n_ranks, partitions: Partitions::Fixed(n), strategy, memory_budget: None, executor: Some(StepExecutor::StreamThreads) }, &device).unwrap();
+            let fused = check_case::<B>(&case, &CheckOptions { path: ExchangePath::Fused, n_ranks, partitions: Partitions::Fixed(n), strategy, memory_budget: None, executor: Some(StepExecutor::StreamThreads), shadowing: mpipemoe::Shadowing::Off  }, &device).unwrap();
             for (name, got) in &fused.tensors {
                 let (want, scale, reference) = (expected(&case, name), scales.get(name), &reference.tensors[name]);
                 let err = conditioned_error(reference, &want, &want, scale);
@@ -279,18 +279,29 @@ fn all_tokens_to_one_expert_and_ranks_without_rows_are_exact() {
     let device = Default::default();
     let case = Case::all_to_one_expert(4, 10).unwrap();
     for n_ranks in [1, 2, 4] {
-        for path in [ExchangePath::Reference, ExchangePath::Fused] {
-            for strategy in Strategy::ALL {
-                let options = CheckOptions {
-                    path,
-                    n_ranks,
-                    partitions: Partitions::Fixed(3),
-                    strategy,
-                    memory_budget: None,
-                    executor: None,
-                };
-                let report = check_case::<B>(&case, &options, &device).unwrap();
-                assert!(report.passed(1e-4), "{options:?}: {:?}", report.worst());
+        // Shadowing the hot expert (issue 45) computes every row where it was routed: then
+        // no row crosses, and every rank's own experts receive nothing.
+        let shadowings = match n_ranks {
+            1 => vec![Shadowing::Off],
+            _ => vec![Shadowing::Off, Shadowing::Fixed(1)],
+        };
+        for shadowing in shadowings {
+            for path in [ExchangePath::Reference, ExchangePath::Fused] {
+                for strategy in Strategy::ALL {
+                    let options = CheckOptions {
+                        path,
+                        n_ranks,
+                        partitions: Partitions::Fixed(3),
+                        strategy,
+                        memory_budget: None,
+                        executor: None,
+                        shadowing,
+                    };
+                    let report = check_case::<B>(&case, &options, &device).unwrap();
+                    assert!(report.passed(1e-4), "{options:?}: {:?}", report.worst());
+                    let want = if shadowing == Shadowing::Off { 0 } else { 1 };
+                    assert_eq!(report.shadows.len(), want, "{options:?}");
+                }
             }
         }
     }
@@ -313,6 +324,7 @@ fn ranks_with_zero_input_tokens_are_exact() {
                 strategy: Strategy::S2,
                 memory_budget: None,
                 executor: None,
+                shadowing: mpipemoe::Shadowing::Off,
             };
             let report = check_case::<Autodiff<Flex>>(&case, &options, &device).unwrap();
             assert!(

@@ -19,7 +19,7 @@ use mpipemoe::harness::{
 use mpipemoe::memory::Strategy;
 use mpipemoe::memory::{LayerShape, PaperTerms};
 use mpipemoe::tuning::Profile;
-use mpipemoe::{LocalGroup, MemoryReuse, MoeError, MoeLayer, MoeLayerConfig, Partitions};
+use mpipemoe::{LocalGroup, MemoryReuse, MoeError, MoeLayer, MoeLayerConfig, Partitions, Shadowing};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator::new();
@@ -114,11 +114,20 @@ fn model_tracks_gpt_oss_and_llama4_rules(device: &burn::tensor::Device<B>) {
 
 fn model_tracks_every_rank(device: &burn::tensor::Device<B>) {
     let mut report = Vec::new();
-    for (skew, shared) in [(false, None), (true, None), (true, Some(2 * M))] {
+    // The last: the hot expert shadowed (issue 45), so every rank holds its copy, computes
+    // its own rows of it and returns the copy's gradients.
+    let runs = [
+        (false, None, Shadowing::Off),
+        (true, None, Shadowing::Off),
+        (true, Some(2 * M), Shadowing::Off),
+        (true, None, Shadowing::Fixed(1)),
+    ];
+    for (skew, shared, shadowing) in runs {
         for n in [1, 4] {
             for strategy in Strategy::ALL {
                 let config = base(Partitions::Fixed(n), strategy.into())
                     .with_shared_expert(shared)
+                    .with_shadowing(shadowing)
                     .with_memory_budget(Some(usize::MAX / 4));
                 let weights = skew.then(|| skewed(&config));
                 let measured = measure_layer_memory_with::<B>(
@@ -136,7 +145,7 @@ fn model_tracks_every_rank(device: &burn::tensor::Device<B>) {
                     let decision = r.stats.memory.as_ref().expect("a budget reports its decision");
                     assert_eq!((decision.n_partitions, decision.strategy), (n, strategy));
                     let label = format!(
-                        "skew={skew} shared={shared:?} n={n} {strategy} rank {rank} ({} rows)",
+                        "skew={skew} shared={shared:?} {shadowing:?} n={n} {strategy} rank {rank} ({} rows)",
                         r.recv_rows
                     );
                     let modelled = decision.peak_bytes[rank];
@@ -161,8 +170,13 @@ fn model_tracks_every_rank(device: &burn::tensor::Device<B>) {
                     assert_eq!(r.host_bytes, r.recv_rows * width * 4, "{label}: host bytes");
                     assert_eq!(decision.recv_rows[rank], r.recv_rows, "{label}");
                 }
-                if skew {
+                if skew && shadowing == Shadowing::Off {
                     assert_eq!(measured.ranks[1].recv_rows, 0, "every token goes to rank 0");
+                }
+                if shadowing != Shadowing::Off {
+                    // Rank 1 computes its own rows of the shadowed expert.
+                    assert_eq!(measured.ranks[0].stats.shadows.len(), 1);
+                    assert!(measured.ranks[1].recv_rows > 0, "rank 1 computes its rows");
                 }
             }
         }
@@ -272,6 +286,7 @@ fn budget_below_the_floor_is_an_error_before_the_exchange(device: &burn::tensor:
     let results = LocalGroup::run_each(
         GroupOptions {
             timeout: Duration::from_secs(20),
+            ..GroupOptions::default()
         },
         2,
         |ctx| {

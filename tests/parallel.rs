@@ -63,6 +63,7 @@ fn sub_groups_reduce_among_their_members_only() {
 fn a_rank_that_fails_is_reported_in_its_sub_group_before_the_timeout() {
     let options = GroupOptions {
         timeout: Duration::from_secs(30),
+        ..GroupOptions::default()
     };
     let start = Instant::now();
     let results = LocalGroup::run_each(options, 4, |ctx| {

@@ -136,6 +136,7 @@ fn every_case_on_wgpu() {
                             strategy,
                             memory_budget: None,
                             executor,
+                            shadowing: mpipemoe::Shadowing::Off,
                         });
                     }
                 }
@@ -426,6 +427,7 @@ fn every_case_in_f16_on_wgpu() {
                 strategy,
                 memory_budget: None,
                 executor: None,
+                shadowing: mpipemoe::Shadowing::Off,
             };
             match check_case::<H>(&case, &options, &device) {
                 Ok(report) if report.passed(1e-2) => {}
@@ -554,6 +556,7 @@ fn check_skewed(case: &Case, n_ranks: usize, partitions: Partitions) {
                 strategy,
                 memory_budget: None,
                 executor: Some(executor),
+                shadowing: mpipemoe::Shadowing::Off,
             };
             let report = check_case::<B>(case, &options, &device).unwrap();
             assert!(report.passed(1e-4), "{options:?}: {:?}", report.worst());

@@ -60,6 +60,7 @@ fn fused(n: usize, strategy: Strategy) -> CheckOptions {
         strategy,
         memory_budget: None,
         executor: None,
+        shadowing: mpipemoe::Shadowing::Off,
     }
 }
 

@@ -12,6 +12,7 @@ use crate::exchange::executor::StepExecutor;
 use crate::layer::{ExchangePath, MoeLayer, ParamKind, Partitions};
 use crate::memory::{MemoryReuse, Strategy};
 use crate::pipeline::chunk_range;
+use crate::tuning::Shadowing;
 use crate::{Communicator, LocalGroup, MoeBackend};
 
 /// One configuration to check a case with.
@@ -31,6 +32,9 @@ pub struct CheckOptions {
     pub memory_budget: Option<usize>,
     /// How the exchange runs its schedule (`None`: the backend's default).
     pub executor: Option<StepExecutor>,
+    /// Hot experts replicated on every rank (changes where rows are computed, never the
+    /// result).
+    pub shadowing: Shadowing,
 }
 
 impl Default for CheckOptions {
@@ -42,6 +46,7 @@ impl Default for CheckOptions {
             strategy: Strategy::None,
             memory_budget: None,
             executor: None,
+            shadowing: Shadowing::Off,
         }
     }
 }
@@ -64,6 +69,8 @@ pub struct CheckReport {
     pub errors: Vec<TensorError>,
     /// What was computed, gathered over ranks: `y`, `dx` and `grad.<param>` (f64, row-major).
     pub tensors: BTreeMap<String, Vec<f64>>,
+    /// The experts the layer shadowed (every rank's list is the same).
+    pub shadows: Vec<usize>,
 }
 
 impl CheckReport {
@@ -155,7 +162,8 @@ where
             None => MemoryReuse::from(options.strategy),
         })
         .with_memory_budget(options.memory_budget)
-        .with_executor(options.executor);
+        .with_executor(options.executor)
+        .with_shadowing(options.shadowing);
     config.validate_for_ranks(options.n_ranks)?;
     let x_all = values(case.tensor("x"));
     let probe_all = values(case.tensor("probe"));
@@ -163,6 +171,7 @@ where
         let comm = wrap(ctx.comm.clone());
         run_rank::<B>(case, &config, comm, (&x_all, &probe_all), device)
     })?;
+    let shadows = ranks.first().map(|r| r.shadows.clone()).unwrap_or_default();
     let tensors = gather_ranks(case, ranks);
     let errors = tensors
         .iter()
@@ -175,6 +184,7 @@ where
         case: case.name.clone(),
         errors,
         tensors,
+        shadows,
     })
 }
 
@@ -184,6 +194,8 @@ struct RankResult {
     dx: Vec<f64>,
     /// Every parameter's gradient on this rank, empty where it has none.
     grads: Vec<(&'static str, ParamKind, Vec<f64>)>,
+    /// The experts the layer shadowed.
+    shadows: Vec<usize>,
 }
 
 /// One rank's part: its contiguous slice of the tokens forward, then `loss = sum(y · probe)`
@@ -213,6 +225,7 @@ where
         device,
     );
     let out = layer.try_forward(x.clone())?;
+    let shadows = out.stats.shadows.clone();
     let y = values(&out.output.to_data());
     let grads = (out.output * probe).sum().backward();
     let dx = x
@@ -224,7 +237,12 @@ where
         .into_iter()
         .map(|(name, kind, g)| (name, kind, g.map(|g| values(&g)).unwrap_or_default()))
         .collect();
-    Ok(RankResult { y, dx, grads })
+    Ok(RankResult {
+        y,
+        dx,
+        grads,
+        shadows,
+    })
 }
 
 /// The ranks' results as the case's tensors: `y` and `dx` in token order, expert gradients

@@ -22,12 +22,20 @@ use crate::error::{MoeError, Result};
 pub struct GroupOptions {
     /// How long a rank waits in one collective for its peers before giving up.
     pub timeout: Duration,
+    /// Each rank runs its closure in a rayon thread pool of its own with this many threads,
+    /// as each GPU has its own SMs: the kernels a rank issues (Flex's, and this crate's CPU
+    /// kernels, which use rayon) then run on that rank's threads only, so a rank with little
+    /// work cannot lend its cores to a loaded one. `None`: every rank shares rayon's global
+    /// pool (the machine's cores). Threads the rank starts itself (the threaded executor's
+    /// stream workers) and backends that do not use rayon (NdArray's GEMMs) are not confined.
+    pub threads_per_rank: Option<usize>,
 }
 
 impl Default for GroupOptions {
     fn default() -> Self {
         Self {
             timeout: Duration::from_secs(120),
+            threads_per_rank: None,
         }
     }
 }
@@ -41,6 +49,36 @@ pub struct RankContext {
     pub n_ranks: usize,
     /// This rank's handle to the group.
     pub comm: Arc<dyn Communicator>,
+}
+
+/// Runs `f` in a rayon pool of `options.threads_per_rank` threads named after `rank`, or
+/// directly without that option: how [`LocalGroup::run_each`] gives each rank a fixed compute
+/// budget, for callers that manage their own rank threads.
+///
+/// # Errors
+/// [`MoeError::Config`] naming `threads_per_rank` if it is 0 or the pool cannot be started.
+pub fn in_rank_pool<T>(options: GroupOptions, rank: usize, f: impl FnOnce() -> Result<T> + Send) -> Result<T>
+where
+    T: Send,
+{
+    match options.threads_per_rank {
+        None => f(),
+        Some(0) => Err(MoeError::config(
+            "threads_per_rank",
+            "must be at least 1 (or None)",
+        )),
+        Some(threads) => rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(move |i| format!("rank{rank}-compute{i}"))
+            .build()
+            .map_err(|e| {
+                MoeError::config(
+                    "threads_per_rank",
+                    format!("rank {rank}'s pool of {threads}: {e}"),
+                )
+            })?
+            .install(f),
+    }
 }
 
 /// Runs N ranks as threads of this process.
@@ -109,8 +147,9 @@ impl LocalGroup {
                             n_ranks,
                             comm: Arc::new(comm),
                         };
-                        let result = catch_unwind(AssertUnwindSafe(|| f(ctx)))
-                            .unwrap_or_else(|payload| Err(MoeError::from_panic(payload, rank)));
+                        let result =
+                            catch_unwind(AssertUnwindSafe(|| in_rank_pool(options, rank, || f(ctx))))
+                                .unwrap_or_else(|payload| Err(MoeError::from_panic(payload, rank)));
                         match &result {
                             Ok(_) => hub.exit(rank),
                             Err(err) => hub.fail(rank, err.to_string()),
@@ -128,6 +167,8 @@ impl LocalGroup {
     }
 
     /// The communicators of a fresh group, for callers that manage their own threads.
+    ///
+    /// `options.threads_per_rank` is theirs to apply (see [`in_rank_pool`]).
     pub fn communicators(options: GroupOptions, n_ranks: usize) -> Vec<LocalComm> {
         assert!(n_ranks > 0, "a group needs at least one rank");
         let hub = Arc::new(Hub::new((0..n_ranks).collect(), options.timeout));

@@ -18,7 +18,7 @@ mod single;
 
 pub use communicator::{Communicator, Payload};
 pub use device_rows::{HostOffload, HostRows, OffloadPath, Offloaded, RowExchange, RowPaths, WithRowPaths};
-pub use local::{GroupOptions, LocalComm, LocalGroup, RankContext};
+pub use local::{in_rank_pool, GroupOptions, LocalComm, LocalGroup, RankContext};
 pub use loopback::HostLoopback;
 pub use peer::{host_all_to_all_v, post_all_to_all_v, HostPeers, PeerLayout, PeerTransport};
 pub use reduce::{all_reduce_tensor, HostReduce, TensorReduce};

@@ -13,22 +13,22 @@ use crate::memory::RankRows;
 /// one collective step; plans for any split are then pure functions of it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RoutingCounts {
-    rank: usize,
-    n_ranks: usize,
-    n_local: usize,
-    n_tokens: usize,
-    top_k: usize,
+    pub(super) rank: usize,
+    pub(super) n_ranks: usize,
+    pub(super) n_local: usize,
+    pub(super) n_tokens: usize,
+    pub(super) top_k: usize,
     /// Kept assignment slots (`t * top_k + j`) per global expert, in token order.
-    rows_of_expert: Vec<Vec<usize>>,
+    pub(super) rows_of_expert: Vec<Vec<usize>>,
     /// Kept assignments of every rank to every expert: `[n_ranks][n_experts]`. Every rank
     /// knows them after the counts exchange, so every rank can model every rank's memory.
-    kept_by_rank: Vec<Vec<usize>>,
+    pub(super) kept_by_rank: Vec<Vec<usize>>,
     /// Tokens on every rank.
-    tokens_by_rank: Vec<usize>,
-    send_counts: Vec<usize>,
-    recv_counts: Vec<usize>,
-    expert_fraction: Vec<f64>,
-    stats: RoutingStats,
+    pub(super) tokens_by_rank: Vec<usize>,
+    pub(super) send_counts: Vec<usize>,
+    pub(super) recv_counts: Vec<usize>,
+    pub(super) expert_fraction: Vec<f64>,
+    pub(super) stats: RoutingStats,
 }
 
 /// Every expert's routed rows over the group, and those of the ranks before `rank` (where

@@ -9,6 +9,7 @@ mod capacity;
 mod counts;
 mod partition;
 mod plan;
+mod shadows;
 
 pub use crate::pipeline::{chunk_len, chunk_range};
 pub use capacity::{capacity_for, CapacityDecision};

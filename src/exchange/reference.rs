@@ -8,7 +8,7 @@ use super::MoeBackend;
 use crate::comm::Communicator;
 use crate::dispatch::ExchangePlan;
 use crate::error::{MoeError, Result};
-use crate::experts::Experts;
+use crate::experts::ExpertWeights;
 
 /// The exchange computed from ordinary tensor ops: a differentiable all-to-all, per-expert
 /// `matmul` and activation, and the reverse all-to-all. Autodiff derives its backward.
@@ -26,7 +26,7 @@ use crate::experts::Experts;
 /// collective fails.
 pub fn exchange_reference<B: MoeBackend>(
     input: Tensor<B, 2>,
-    experts: &Experts<B>,
+    experts: &ExpertWeights<B>,
     plan: &ExchangePlan,
     comm: &Arc<dyn Communicator>,
 ) -> Result<Tensor<B, 2>> {
@@ -59,7 +59,7 @@ pub fn exchange_reference<B: MoeBackend>(
         // No rows reached this rank's experts. The result must still depend on the experts,
         // or this rank's combine all-to-all would drop out of the backward pass while its
         // peers wait for it there.
-        let anchor = experts.w_out.val().sum().reshape([1, 1]) * 0.0;
+        let anchor = experts.w_out.clone().sum().reshape([1, 1]) * 0.0;
         expert_major + anchor
     } else {
         Tensor::cat(outputs, 0)

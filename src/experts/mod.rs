@@ -10,6 +10,7 @@ mod kernels;
 mod module;
 mod shard;
 mod shared;
+mod weights;
 
 pub use activation::Activation;
 pub(crate) use activation::{activation_backward, activation_forward};
@@ -20,3 +21,4 @@ pub(crate) use module::ExpertsSpec;
 pub use module::{ExpertTensors, Experts};
 pub use shard::{ExpertShard, ShardCheck};
 pub use shared::SharedExpert;
+pub use weights::ExpertWeights;

@@ -3,11 +3,11 @@
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::Tensor;
 
 use super::init::stacked;
 use super::Activation;
-use super::{ExpertShard, ShardCheck};
+use super::{ExpertShard, ExpertWeights, ShardCheck};
 use crate::error::Result;
 
 /// The experts one rank owns: `n_local_experts` FFNs stacked along the first dimension.
@@ -78,13 +78,6 @@ pub(crate) struct ExpertsSpec {
     pub activation: Activation,
     pub bias: bool,
     pub seed: u64,
-}
-
-fn primitive<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
-    match t.into_primitive() {
-        TensorPrimitive::Float(p) => p,
-        TensorPrimitive::QFloat(_) => panic!("quantized expert weights are not supported"),
-    }
 }
 
 impl<B: Backend> Experts<B> {
@@ -158,11 +151,18 @@ impl<B: Backend> Experts<B> {
 
     /// The weights as primitives (cheap: shares the buffers).
     pub fn tensors(&self) -> ExpertTensors<B> {
-        ExpertTensors {
-            w_in: primitive(self.w_in.val()),
-            b_in: self.b_in.as_ref().map(|b| primitive(b.val())),
-            w_out: primitive(self.w_out.val()),
-            b_out: self.b_out.as_ref().map(|b| primitive(b.val())),
+        self.weights().tensors()
+    }
+
+    /// The weights as tensors autodiff tracks back to the parameters (cheap: shares the
+    /// buffers): what one exchange runs, before any shadowed experts are appended.
+    pub fn weights(&self) -> ExpertWeights<B> {
+        ExpertWeights {
+            w_in: self.w_in.val(),
+            b_in: self.b_in.as_ref().map(|b| b.val()),
+            w_out: self.w_out.val(),
+            b_out: self.b_out.as_ref().map(|b| b.val()),
+            activation: self.activation,
         }
     }
 
@@ -172,19 +172,6 @@ impl<B: Backend> Experts<B> {
     /// # Shapes
     /// - rows: `[n_rows, d_model]` → `[n_rows, d_model]`
     pub fn forward_expert(&self, e: usize, rows: Tensor<B, 2>) -> Tensor<B, 2> {
-        let [_, m, f] = self.w_in.dims();
-        let h = self.w_out.dims()[1];
-        let w_in = self.w_in.val().slice([e..e + 1, 0..m, 0..f]).reshape([m, f]);
-        let mut z = rows.matmul(w_in);
-        if let Some(b) = &self.b_in {
-            z = z + b.val().slice([e..e + 1, 0..f]);
-        }
-        let a = self.activation.forward(z);
-        let w_out = self.w_out.val().slice([e..e + 1, 0..h, 0..m]).reshape([h, m]);
-        let mut out = a.matmul(w_out);
-        if let Some(b) = &self.b_out {
-            out = out + b.val().slice([e..e + 1, 0..m]);
-        }
-        out
+        self.weights().forward_expert(e, rows)
     }
 }

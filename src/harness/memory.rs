@@ -128,10 +128,7 @@ where
         let host = layer.context().meter().report().host_peak_bytes;
         ctx.comm.barrier()?;
         CountingAllocator::tag_thread(None);
-        let n_local = config.n_experts / ctx.n_ranks;
-        let recv_rows = stats.routing.tokens_per_expert[ctx.rank * n_local..(ctx.rank + 1) * n_local]
-            .iter()
-            .sum();
+        let recv_rows = stats.recv_rows;
         Ok(RankMemory {
             peak_device_bytes: peak,
             host_bytes: host,

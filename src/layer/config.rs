@@ -13,6 +13,7 @@ use crate::exchange::executor::StepExecutor;
 use crate::experts::Activation;
 use crate::memory::MemoryReuse;
 use crate::router::{RoutingRule, Scoring};
+use crate::tuning::Shadowing;
 
 /// The most partitions the exchange may be cut into. The paper's best `n` is at most 16 on
 /// every shape it measures; each partition costs a few small per-rank, per-expert tables, so
@@ -167,6 +168,12 @@ pub struct MoeLayerConfig {
     /// so that a missing dependency between streams shows up there).
     #[config(default = "None")]
     pub executor: Option<StepExecutor>,
+    /// Hot experts replicated on every rank of the expert-parallel group for a step
+    /// (FasterMoE's shadowing): their rows are computed where they were routed instead of
+    /// crossing the all-to-all. Changes the step's time and memory, never its result; nothing
+    /// to do on one rank. See [`Shadowing`].
+    #[config(default = "Shadowing::Off")]
+    pub shadowing: Shadowing,
 }
 
 impl MoeLayerConfig {
@@ -287,6 +294,12 @@ impl MoeLayerConfig {
                     "is {:?}; needs at least one partition count, all in 1..={MAX_PARTITIONS}",
                     self.adaptive_candidates
                 ),
+            ));
+        }
+        if self.shadowing == Shadowing::Fixed(0) {
+            return Err(MoeError::config(
+                "shadowing",
+                "is Fixed(0), which shadows nothing; use Shadowing::Off",
             ));
         }
         if self.memory_budget == Some(0) {

@@ -10,6 +10,7 @@ mod meta;
 mod module;
 mod output;
 mod plan;
+mod shadows;
 
 pub use config::{ExchangePath, MoeLayerConfig, Partitions, MAX_PARTITIONS};
 pub use context::MoeContext;

@@ -196,9 +196,11 @@ impl<B: MoeBackend> MoeLayer<B> {
             false => (permute(&x, &plan.dispatch), Some(row_weights)),
         };
 
-        // 5. Exchange: dispatch, local experts, combine — fused or reference.
+        // 5. Exchange: dispatch, local experts (and copies of the shadowed ones), combine —
+        //    fused or reference.
         let n_partitions = plan.exchange.n_partitions();
-        let t_o = self.exchange(t_i, plan.exchange, plan.strategy)?;
+        let recv_rows = plan.exchange.recv_rows();
+        let t_o = self.exchange(t_i, plan.exchange, plan.strategy, &plan.shadows)?;
 
         // 6. Unpermute: y[t] += w[t, j] · T_O[row(t, j)] (unweighted where step 4 weighted).
         let mut y = unpermute(t_o, row_weights, &plan.dispatch, d_model);
@@ -230,6 +232,8 @@ impl<B: MoeBackend> MoeLayer<B> {
                 strategy: plan.strategy,
                 path: config.path,
                 memory: plan.memory,
+                recv_rows,
+                shadows: plan.shadows,
             },
         })
     }
@@ -261,14 +265,22 @@ impl<B: MoeBackend> MoeLayer<B> {
         Ok(x)
     }
 
-    fn exchange(&self, t_i: Tensor<B, 2>, plan: ExchangePlan, strategy: Strategy) -> Result<Tensor<B, 2>> {
+    /// Step 5 with this rank's experts and the copies of the shadowed ones.
+    fn exchange(
+        &self,
+        t_i: Tensor<B, 2>,
+        plan: ExchangePlan,
+        strategy: Strategy,
+        shadows: &[usize],
+    ) -> Result<Tensor<B, 2>> {
+        let experts = self.weights_with_shadows(shadows)?;
         match self.ctx.config.path {
-            ExchangePath::Reference => exchange_reference(t_i, &self.experts, &plan, &self.ctx.comm),
+            ExchangePath::Reference => exchange_reference(t_i, &experts, &plan, &self.ctx.comm),
             ExchangePath::Fused => {
                 let run = self.exchange_run(strategy);
                 let out = B::exchange(
                     t_i.into_primitive().tensor(),
-                    self.experts.tensors(),
+                    experts.tensors(),
                     Arc::new(plan),
                     &run,
                 )?;

@@ -49,4 +49,10 @@ pub struct MoeStats {
     /// With a `memory_budget`: what the budget chose and why (received rows and modelled
     /// peak per rank). `None` without one.
     pub memory: Option<MemoryDecision>,
+    /// Rows this rank's experts computed: every rank's kept rows of its own experts, and with
+    /// shadowing, its own rows of the shadowed experts in place of the others' rows of them.
+    pub recv_rows: usize,
+    /// The experts replicated on every rank this step ([`Shadowing`](crate::Shadowing)), in
+    /// increasing index; empty without shadowing.
+    pub shadows: Vec<usize>,
 }

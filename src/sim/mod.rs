@@ -2,6 +2,8 @@
 //! rank count and batch on a [`Profile`](crate::tuning::Profile), for clusters far larger than
 //! this machine.
 
+mod shadowing;
 mod simulator;
 
+pub use shadowing::{predict_shadowing, ShadowingPrediction};
 pub use simulator::{simulate, sweep, SimResult, Stream, TimedStep};

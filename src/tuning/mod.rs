@@ -11,4 +11,4 @@ pub use cost::{CostModel, StrategyChoice, StrategyCost};
 pub use granularity::{search_best_gran, GranularityTable, Lookup, TrialTimer, WallClock};
 pub use measure::{measure_profile, ProfileOptions};
 pub use profile::Profile;
-pub use shadowing::{choose_shadows, shadowed_step_time, ShadowCosts};
+pub use shadowing::{choose_shadows, hottest_experts, shadowed_step_time, ShadowCosts, Shadowing};

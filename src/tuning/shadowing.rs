@@ -12,7 +12,40 @@
 //! - `counts`: `[n_ranks][n_experts]`, the rows rank `r` routes to expert `e` this step;
 //! - `owner`: `[n_experts]`, the rank that holds expert `e`'s weights.
 
+use serde::{Deserialize, Serialize};
+
 use super::Profile;
+
+/// Whether the layer replicates hot experts on every rank of its expert-parallel group for a
+/// step ([`MoeLayerConfig::shadowing`](crate::MoeLayerConfig::shadowing)).
+///
+/// Shadowing changes where rows are computed, never the result: a shadowed expert's weights
+/// are sent from its owner to every rank before the exchange, each rank computes the rows it
+/// routed to it, and the copies' gradients are summed back onto the owner's weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+pub enum Shadowing {
+    /// Every row goes to its expert's owner.
+    #[default]
+    Off,
+    /// Per step, the experts [`choose_shadows`] picks from the gathered counts and the
+    /// layer's hardware profile (measured on first use, as for `MemoryReuse::Auto`), at most
+    /// one expert fewer than the layer has.
+    Auto,
+    /// The `k` experts with the most rows each step (fewer if the layer has fewer).
+    Fixed(usize),
+}
+
+/// The experts in decreasing total load over the ranks, ties to the lower index (so every
+/// rank computes the same order from the same counts), the first `k` of them.
+pub fn hottest_experts(counts: &[Vec<usize>], n_experts: usize, k: usize) -> Vec<usize> {
+    let load: Vec<usize> = (0..n_experts)
+        .map(|e| counts.iter().map(|row| row[e]).sum())
+        .collect();
+    let mut order: Vec<usize> = (0..n_experts).collect();
+    order.sort_by(|&a, &b| load[b].cmp(&load[a]).then(a.cmp(&b)));
+    order.truncate(k);
+    order
+}
 
 /// The rates the decision needs, in seconds and bytes.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -49,6 +82,20 @@ impl ShadowCosts {
             weight_bytes: gemms as f64 * per_gemm * elem_bytes as f64,
             exchange_rate: profile.w_comm,
             broadcast_rate: profile.w_comm,
+        }
+    }
+}
+
+impl ShadowCosts {
+    /// The same costs with the shadows sent as the layer sends them: by an all-to-all in
+    /// which every rank sends every shadowed expert's parameters to every other rank (zeros
+    /// where it is not the owner), and the gradients back the same way. Each rank then moves
+    /// `(n_ranks - 1)` times an expert's bytes per shadow each way, where a ring broadcast
+    /// moves about one: the broadcast rate falls by that factor.
+    pub fn with_all_to_all_broadcast(self, n_ranks: usize) -> Self {
+        Self {
+            broadcast_rate: self.exchange_rate / n_ranks.saturating_sub(1).max(1) as f64,
+            ..self
         }
     }
 }
@@ -135,16 +182,10 @@ pub fn choose_shadows(
 ) -> Vec<usize> {
     check_shapes(counts, owner, None);
     let n_experts = owner.len();
-    let load: Vec<usize> = (0..n_experts)
-        .map(|e| counts.iter().map(|row| row[e]).sum())
-        .collect();
-    let mut order: Vec<usize> = (0..n_experts).collect();
-    // Ties go to the lower index, so the order is the same on every rank.
-    order.sort_by(|&a, &b| load[b].cmp(&load[a]).then(a.cmp(&b)));
     let mut shadowed = vec![false; n_experts];
     let mut best = shadowed_step_time(counts, owner, &shadowed, costs);
     let mut chosen = Vec::new();
-    for expert in order.into_iter().take(limit) {
+    for expert in hottest_experts(counts, n_experts, limit) {
         shadowed[expert] = true;
         let time = shadowed_step_time(counts, owner, &shadowed, costs);
         if time < best {

@@ -11,116 +11,17 @@
 //! `cargo bench --bench layer` prints criterion's report, then a table of medians, and writes
 //! `target/bench/layer.json` and `target/bench/layer.png`.
 
-use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::sync::Mutex;
+use std::time::Duration;
 
-use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Tensor, TensorData};
 use criterion::{criterion_group, criterion_main, Criterion};
 use mpipemoe::memory::Strategy;
-use mpipemoe::{LocalGroup, MemoryReuse, MoeBackend, MoeLayerConfig, Partitions};
-use mpipemoe_tools::backends::{run_on, BackendArg, BackendJob};
-use mpipemoe_tools::inputs::{balance_router, balanced_tokens};
+use mpipemoe::{MemoryReuse, MoeLayerConfig, Partitions};
+use mpipemoe_tools::backends::{run_on, BackendArg};
+use mpipemoe_tools::bench_ranks::{RankSetup, StartRanks};
+use mpipemoe_tools::inputs::Skew;
 use mpipemoe_tools::report::{write_panels, Panel, Series};
 use serde::Serialize;
-
-/// Rank threads that each keep a layer replica and an input, and run one forward + backward
-/// per command, so that benchmark iterations time only the pass.
-struct Ranks {
-    commands: Vec<Sender<bool>>,
-    done: Receiver<Duration>,
-    threads: Vec<JoinHandle<()>>,
-}
-
-/// Starts [`Ranks`] on the chosen backend.
-struct StartRanks<'a> {
-    config: &'a MoeLayerConfig,
-    n_ranks: usize,
-    tokens: usize,
-}
-
-impl BackendJob for StartRanks<'_> {
-    type Output = Ranks;
-
-    fn run<B>(self, _device: &B::Device) -> Ranks
-    where
-        B: AutodiffBackend + MoeBackend,
-        B::InnerBackend: MoeBackend,
-    {
-        Ranks::new::<B>(self.config, self.n_ranks, self.tokens)
-    }
-}
-
-impl Ranks {
-    fn new<B: AutodiffBackend + MoeBackend>(config: &MoeLayerConfig, n_ranks: usize, tokens: usize) -> Self {
-        let (done_tx, done) = channel();
-        let mut commands = Vec::new();
-        let mut receivers = Vec::new();
-        for _ in 0..n_ranks {
-            let (tx, rx) = channel::<bool>();
-            commands.push(tx);
-            receivers.push(Mutex::new(Some(rx)));
-        }
-        let receivers = Arc::new(receivers);
-        let config = config.clone();
-        let starter = std::thread::spawn(move || {
-            let _ = LocalGroup::run(n_ranks, |ctx| {
-                let device = Default::default();
-                let rx = receivers[ctx.rank].lock().unwrap().take().unwrap();
-                // Seeded tokens and a router that spreads them evenly: every configuration
-                // times the same batch with the same per-expert load.
-                let mut layer = config.init_rank::<B>(&device, ctx.comm.clone())?;
-                balance_router(&mut layer);
-                let values = balanced_tokens(
-                    7,
-                    ctx.rank,
-                    tokens,
-                    config.d_model,
-                    config.n_experts,
-                    config.top_k,
-                );
-                let x = Tensor::<B, 2>::from_data(TensorData::new(values, [tokens, config.d_model]), &device)
-                    .require_grad();
-                while let Ok(true) = rx.recv() {
-                    let start = Instant::now();
-                    let out = layer.try_forward(x.clone())?;
-                    let _ = (out.output.sum() + out.aux_loss).backward();
-                    done_tx.send(start.elapsed()).unwrap();
-                }
-                Ok(())
-            });
-        });
-        Self {
-            commands,
-            done,
-            threads: vec![starter],
-        }
-    }
-
-    /// One pass on every rank; the slowest rank's time.
-    fn step(&self) -> Duration {
-        for c in &self.commands {
-            c.send(true).unwrap();
-        }
-        (0..self.commands.len())
-            .map(|_| self.done.recv().unwrap())
-            .max()
-            .unwrap()
-    }
-}
-
-impl Drop for Ranks {
-    fn drop(&mut self) {
-        for c in &self.commands {
-            let _ = c.send(false);
-        }
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
-    }
-}
 
 #[derive(Debug, Clone, Serialize)]
 struct Row {
@@ -168,15 +69,14 @@ fn layer(c: &mut Criterion) {
                 let config = MoeLayerConfig::new(m, h, 2 * n_ranks, 1)
                     .with_partitions(partitions)
                     .with_memory_reuse(MemoryReuse::from(strategy));
-                let ranks = run_on(
-                    backend,
-                    StartRanks {
-                        config: &config,
-                        n_ranks,
-                        tokens,
-                    },
-                )
-                .unwrap_or_else(|e| panic!("{e}"));
+                let setup = RankSetup {
+                    config,
+                    n_ranks,
+                    tokens,
+                    skew: Skew::Balanced,
+                    threads_per_rank: None,
+                };
+                let ranks = run_on(backend, StartRanks(&setup)).unwrap_or_else(|e| panic!("{e}"));
                 let samples = Mutex::new(Vec::new());
                 let n = match partitions {
                     Partitions::Fixed(n) => n,
@@ -187,7 +87,7 @@ fn layer(c: &mut Criterion) {
                     b.iter_custom(|iters| {
                         let mut total = Duration::ZERO;
                         for _ in 0..iters {
-                            let t = ranks.step();
+                            let (t, _) = ranks.step();
                             samples.lock().unwrap().push(t);
                             total += t;
                         }

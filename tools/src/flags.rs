@@ -23,6 +23,26 @@ pub fn count(lo: usize, hi: usize) -> impl Fn(&str) -> Result<usize, String> + C
     }
 }
 
+/// `--shadowing`: `off`, `auto` (the cost model's choice each step) or a count `k` (the `k`
+/// most loaded experts each step, 1..=65536).
+///
+/// ```
+/// use mpipemoe::Shadowing;
+/// use mpipemoe_tools::flags::shadowing;
+/// assert_eq!(shadowing("auto").unwrap(), Shadowing::Auto);
+/// assert_eq!(shadowing("2").unwrap(), Shadowing::Fixed(2));
+/// assert!(shadowing("0").unwrap_err().contains("off"));
+/// ```
+pub fn shadowing(text: &str) -> Result<mpipemoe::Shadowing, String> {
+    match text.trim() {
+        "off" => Ok(mpipemoe::Shadowing::Off),
+        "auto" => Ok(mpipemoe::Shadowing::Auto),
+        other => count(1, 65536)(other)
+            .map(mpipemoe::Shadowing::Fixed)
+            .map_err(|e| format!("expected off, auto or a count of experts ({e})")),
+    }
+}
+
 /// Writing to `path` needs `--overwrite` if it exists: say so before any work is done.
 ///
 /// # Errors

@@ -3,6 +3,7 @@
 //! the `mpipemoe` library.
 
 pub mod backends;
+pub mod bench_ranks;
 pub mod flags;
 pub mod heap;
 pub mod inputs;

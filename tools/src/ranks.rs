@@ -4,6 +4,7 @@
 //! torchrun's environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`).
 
 use clap::ValueEnum;
+use mpipemoe::comm::GroupOptions;
 use mpipemoe::{LocalGroup, RankContext};
 
 use crate::backends::BackendArg;
@@ -43,20 +44,34 @@ pub fn check_comm(comm: CommArg, backend: BackendArg, n_ranks: usize) -> Result<
 }
 
 /// Runs `f` once per rank as `comm` says, with the GPU each rank uses on this machine.
+/// `threads_per_rank` gives each thread rank a compute pool of its own
+/// ([`GroupOptions::threads_per_rank`]); a GPU rank has its own device already, and
+/// [`check_comm`] refuses the option with NCCL.
 ///
 /// # Errors
 /// The first rank's own error (a peer's timeout caused by it comes second), or a group that
 /// cannot be formed.
-pub fn run_ranks<T, F>(comm: CommArg, n_ranks: usize, f: F) -> mpipemoe::Result<RankResults<T>>
+pub fn run_ranks<T, F>(
+    comm: CommArg,
+    n_ranks: usize,
+    threads_per_rank: Option<usize>,
+    f: F,
+) -> mpipemoe::Result<RankResults<T>>
 where
     T: Send,
     F: Fn(RankContext, usize) -> mpipemoe::Result<T> + Sync,
 {
     match comm {
-        CommArg::Threads => Ok(RankResults {
-            first_rank: 0,
-            results: LocalGroup::run(n_ranks, |ctx| f(ctx, 0))?,
-        }),
+        CommArg::Threads => {
+            let options = GroupOptions {
+                threads_per_rank,
+                ..GroupOptions::default()
+            };
+            Ok(RankResults {
+                first_rank: 0,
+                results: LocalGroup::run_with(options, n_ranks, |ctx| f(ctx, 0))?,
+            })
+        }
         CommArg::Nccl => run_nccl(n_ranks, f),
     }
 }

@@ -22,7 +22,7 @@ mod out;
 mod train;
 
 use burn::backend::{Autodiff, Flex};
-use mpipemoe::{LocalGroup, MemoryReuse, Partitions};
+use mpipemoe::{LocalGroup, MemoryReuse, Partitions, Shadowing};
 
 fn losses(ranks: usize, partitions: Partitions, memory_reuse: MemoryReuse) -> Vec<f64> {
     run(ranks, partitions, memory_reuse, train::RouterChoice::Softmax, 20).losses
@@ -57,6 +57,7 @@ where
         memory_reuse,
         router,
         steps,
+        Shadowing::Off,
     )
 }
 
@@ -69,6 +70,7 @@ fn run_parallel<B>(
     memory_reuse: MemoryReuse,
     router: train::RouterChoice,
     steps: usize,
+    shadowing: Shadowing,
 ) -> train::TrainReport
 where
     B: burn::tensor::backend::AutodiffBackend + mpipemoe::MoeBackend,
@@ -99,6 +101,7 @@ where
         sample_len: 0,
         expert_parallel,
         grad_sync,
+        shadowing,
     };
     let reports = LocalGroup::run(ranks, |ctx| {
         train::train_rank::<B>(&ctx, &corpus, &options, &Default::default(), &|_| {})
@@ -160,16 +163,26 @@ fn expert_and_data_parallel_ranks_and_either_sync_train_the_one_rank_model() {
         20,
     );
     let (p, m, r, steps) = setup;
-    let one = run_parallel::<Autodiff<Flex>>(1, None, train::GradSync::Library, p, m, r, steps).losses;
-    let ep_dp = run_parallel::<Autodiff<Flex>>(4, Some(2), train::GradSync::Library, p, m, r, steps);
-    let host = run_parallel::<Autodiff<Flex>>(2, None, train::GradSync::HostF64, p, m, r, steps).losses;
-    let library = run_parallel::<Autodiff<Flex>>(2, None, train::GradSync::Library, p, m, r, steps).losses;
+    let sync = train::GradSync::Library;
+    let off = Shadowing::Off;
+    let one = run_parallel::<Autodiff<Flex>>(1, None, sync, p, m, r, steps, off).losses;
+    let ep_dp = run_parallel::<Autodiff<Flex>>(4, Some(2), sync, p, m, r, steps, off);
+    let host = run_parallel::<Autodiff<Flex>>(2, None, train::GradSync::HostF64, p, m, r, steps, off).losses;
+    let library = run_parallel::<Autodiff<Flex>>(2, None, sync, p, m, r, steps, off).losses;
+    // Issue 45: the hottest expert of each of the toy's MoE layers shadowed every step, at 2
+    // ranks and within each expert-parallel group of EP 2 x DP 2; several layers' copies are
+    // sent forward and their gradients returned in backward, in the same order on every rank.
+    let shadowed = run_parallel::<Autodiff<Flex>>(2, None, sync, p, m, r, steps, Shadowing::Fixed(1)).losses;
+    let ep_dp_shadowed =
+        run_parallel::<Autodiff<Flex>>(4, Some(2), sync, p, m, r, steps, Shadowing::Fixed(2)).losses;
     for (step, a) in one.iter().enumerate() {
         for (name, b, bound) in [
             ("4 ranks, EP 2 x DP 2", ep_dp.losses[step], 1e-4),
             ("2 ranks, host f64 sync", host[step], 1e-4),
             // The two syncs differ only in f32 against f64 summation of two terms.
             ("2 ranks, library sync", library[step], 1e-4),
+            ("2 ranks, hot expert shadowed", shadowed[step], 1e-4),
+            ("EP 2 x DP 2, two experts shadowed", ep_dp_shadowed[step], 1e-4),
         ] {
             let rel = (a - b).abs() / a.abs();
             assert!(rel <= bound, "step {step}: {a} (1 rank) vs {b} ({name}): {rel:e}");

@@ -4,16 +4,19 @@
 //!    drops are applied ([`RoutingCounts::gather`]).
 //! 2. **Split.** The configured `n`, FasterMoE's split, or Algorithm 1's choice for the global
 //!    token count, searched on a miss of the granularity table (`split.rs`).
-//! 3. **Strategy.** The configured memory strategy or the cost model's (Eq. 13,
+//! 3. **Shadows.** The hot experts replicated on every rank this step, if the layer shadows
+//!    (`shadows.rs`); from here on the counts are those of the expert slots every rank runs.
+//! 4. **Strategy.** The configured memory strategy or the cost model's (Eq. 13,
 //!    `strategy.rs`); under a memory budget, the split and strategy that fit every rank
 //!    (`budget.rs`), decided before anything of the exchange is allocated.
-//! 4. **Plans.** `T_I`'s row order ([`DispatchPlan`]) and the partitions ([`ExchangePlan`]);
+//! 5. **Plans.** `T_I`'s row order ([`DispatchPlan`]) and the partitions ([`ExchangePlan`]);
 //!    [`MoeLayer::exchange_run`] adds the settings the exchange carries.
 //!
 //! Every rank reaches the same decisions: they depend only on the gathered counts, the
 //! configuration, and profiles or timings summed over the ranks.
 
 mod budget;
+mod shadows;
 mod split;
 mod strategy;
 
@@ -37,6 +40,9 @@ pub(super) struct BatchPlan {
     pub dispatch: DispatchPlan,
     /// The partitions of the all-to-all and the local experts' rows in each.
     pub exchange: ExchangePlan,
+    /// The experts shadowed this step, in increasing index: the exchange's expert slots
+    /// after this rank's own.
+    pub shadows: Vec<usize>,
 }
 
 impl<B: MoeBackend> MoeLayer<B> {
@@ -62,6 +68,12 @@ impl<B: MoeBackend> MoeLayer<B> {
             self.ctx.replicas.as_ref(),
         )?;
         let scheme = self.resolve_split(&counts, x)?;
+        // Shadows are chosen on the experts' counts; from here on the plan sees the expert
+        // slots every rank runs (its own, then the shadows), so the budget and the cost model
+        // count the shadows' rows where they are computed. (Algorithm 1 above timed the
+        // exchange without shadows: its choice of n is for the unshadowed exchange.)
+        let shadows = self.choose_shadows(&counts)?;
+        let counts = counts.with_shadows(&shadows);
         let (scheme, strategy, memory) = match (config.path, config.memory_budget) {
             (ExchangePath::Reference, _) => (scheme, Strategy::None, None),
             (ExchangePath::Fused, Some(budget)) => {
@@ -80,6 +92,7 @@ impl<B: MoeBackend> MoeLayer<B> {
             memory,
             dispatch,
             exchange,
+            shadows,
         })
     }
 

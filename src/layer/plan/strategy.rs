@@ -48,7 +48,7 @@ impl<B: MoeBackend> MoeLayer<B> {
         CostModel::new(profile).choose(&shape, elem_bytes, budget.map(|b| b as f64))
     }
 
-    fn profile_or_measure(&self) -> Result<Profile> {
+    pub(super) fn profile_or_measure(&self) -> Result<Profile> {
         if let Some(profile) = self.ctx.tuning.profile().clone() {
             return Ok(profile);
         }

@@ -21,8 +21,15 @@ pub(super) struct Replay<'a> {
     pub(super) identity: bool,
     /// Received rows are regrouped expert-major (several ranks and several local experts).
     pub(super) permuted: bool,
-    /// Whether each local expert's weight gradients exist yet.
+    /// Whether each expert slot's weight gradients exist yet.
     pub(super) grads_seen: Vec<bool>,
+    /// Shadowed experts: slots beyond the local experts (see `dispatch::RoutingCounts::
+    /// with_shadows`), whose copies arrive before the exchange.
+    shadows: f64,
+    /// One expert's parameters, elements.
+    params: f64,
+    n_ranks: f64,
+    n_local: f64,
     pub(super) ledger: Ledger,
     pub(super) host: Vec<Term>,
 }
@@ -30,6 +37,14 @@ pub(super) struct Replay<'a> {
 impl<'a> Replay<'a> {
     pub(super) fn new(shape: &LayerShape, rows: &'a RankRows, strategy: Strategy) -> Self {
         let identity = shape.n_ranks <= 1;
+        // The rows say how many expert slots the rank runs: its local experts, and a copy of
+        // each shadowed expert beyond them.
+        let slots = rows.recv.first().map_or(shape.local_experts(), Vec::len);
+        let (m, h, f) = (
+            shape.d_model as f64,
+            shape.d_hidden as f64,
+            shape.d_inner() as f64,
+        );
         Self {
             rows,
             strategy,
@@ -40,8 +55,12 @@ impl<'a> Replay<'a> {
             shared: shape.shared_expert.map(|h| h as f64),
             weights_on_input: shape.weights_on_input,
             identity,
-            permuted: !identity && shape.local_experts() > 1,
-            grads_seen: vec![false; shape.local_experts()],
+            permuted: !identity && slots > 1,
+            grads_seen: vec![false; slots],
+            shadows: slots.saturating_sub(shape.local_experts()) as f64,
+            params: m * f + h * m,
+            n_ranks: shape.n_ranks as f64,
+            n_local: shape.local_experts() as f64,
             ledger: Ledger::default(),
             host: Vec::new(),
         }
@@ -85,6 +104,7 @@ impl<'a> Replay<'a> {
             l.rename("T_I", "saved: T_I before its weights");
             l.alloc("permute", "T_I", s * m);
         }
+        self.shadow_broadcast();
         self.exchange_forward(n);
         let l = &mut self.ledger;
         // T_I outlives the exchange where it is re-dispatched in backward, or (one rank) where
@@ -120,6 +140,50 @@ impl<'a> Replay<'a> {
             .collect()
     }
 
+    /// The shadows' parameters sent to every rank (`layer/shadows.rs`): a row per shadow
+    /// to every rank and as many received, summed into the copies; the experts the exchange
+    /// runs are this rank's own and the copies, concatenated, and autodiff keeps them until
+    /// the exchange's backward.
+    fn shadow_broadcast(&mut self) {
+        if self.shadows == 0.0 {
+            return;
+        }
+        let (s, p, r) = (self.shadows, self.params, self.n_ranks);
+        self.ledger.at(
+            "shadow broadcast",
+            &[
+                ("sent rows", r * s * p),
+                ("payloads", r * s * p),
+                ("received rows", r * s * p),
+            ],
+        );
+        self.ledger.alloc(
+            "shadow broadcast",
+            "saved: experts and shadow copies",
+            (self.n_local + s) * p,
+        );
+    }
+
+    /// The copies' gradients back to their owners: split from the stacked weight gradients,
+    /// sent to every rank by the reverse all-to-all and masked onto the owner's parameters.
+    /// The exchange's backward has dropped what it kept (the concatenated experts among it)
+    /// by then: autodiff runs this node after the exchange's, which consumes its state.
+    fn shadow_gradients(&mut self) {
+        if self.shadows == 0.0 {
+            return;
+        }
+        self.ledger.free("saved: experts and shadow copies");
+        let (s, p, r) = (self.shadows, self.params, self.n_ranks);
+        self.ledger.at(
+            "shadow gradients",
+            &[
+                ("sent rows", r * s * p),
+                ("payloads", r * s * p),
+                ("received rows", r * s * p),
+            ],
+        );
+    }
+
     /// The layer's backward from the loss, through the exchange, to the gradient of `x`.
     fn layer_backward(&mut self, n: usize) {
         let (t, s, m) = (self.rows.tokens as f64, self.rows.send_rows() as f64, self.m);
@@ -150,6 +214,8 @@ impl<'a> Replay<'a> {
         self.exchange_backward(n);
         let l = &mut self.ledger;
         l.free("dT_O");
+        self.shadow_gradients();
+        let l = &mut self.ledger;
         l.free("T_I, kept for backward");
         if self.weights_on_input {
             l.free("saved: T_I before its weights");

@@ -175,7 +175,7 @@ fn run(args: &Args) -> Result<(), String> {
         args.ranks,
         args.dir.display()
     );
-    let ranks = run_ranks(args.comm, args.ranks, |ctx, gpu| {
+    let ranks = run_ranks(args.comm, args.ranks, None, |ctx, gpu| {
         let job = LearnerJob {
             ctx: &ctx,
             corpus: &corpus,

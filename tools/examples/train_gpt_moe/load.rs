@@ -23,6 +23,20 @@ pub fn imbalance_first_and_last(load: &[Vec<Vec<usize>>]) -> (f64, f64) {
     (mean(&load[..tenth]), mean(&load[load.len() - tenth..]))
 }
 
+/// Each expert's share of the assignments over the first tenth of the steps, summed over the
+/// layers: the toy's measured routing, in the form the skew benchmark takes
+/// (`MPIPEMOE_SKEW_MEASURED=weights:...`).
+pub fn early_routing(load: &[Vec<Vec<usize>>]) -> Vec<f64> {
+    let tenth = (load.len() / 10).max(1).min(load.len());
+    let n_experts = load.first().and_then(|s| s.first()).map_or(0, Vec::len);
+    let mut sums = vec![0usize; n_experts];
+    for layer in load[..tenth].iter().flatten() {
+        sums.iter_mut().zip(layer).for_each(|(s, l)| *s += l);
+    }
+    let total = sums.iter().sum::<usize>().max(1) as f64;
+    sums.iter().map(|&s| s as f64 / total).collect()
+}
+
 /// One heatmap per MoE layer: each expert's share of the assignments over the steps, relative
 /// to the balanced share (white = balanced, red = overloaded, blue = underloaded). Steps are
 /// averaged into at most 200 columns.

@@ -44,7 +44,7 @@ use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use mpipemoe::{MemoryReuse, MoeBackend, Partitions, RankContext};
 use mpipemoe_tools::backends::{run_on_gpu, BackendArg, BackendJob};
-use mpipemoe_tools::flags::{count, ExecutorArg};
+use mpipemoe_tools::flags::{count, shadowing, ExecutorArg};
 use mpipemoe_tools::heap::Heap;
 use mpipemoe_tools::ranks::{check_comm, run_ranks, CommArg};
 use serde::Serialize;
@@ -150,6 +150,15 @@ struct Args {
     /// How the exchange runs its schedule: `threads`, `in-order`, or the backend's default.
     #[arg(long, value_enum, default_value_t = ExecutorArg::Default)]
     executor: ExecutorArg,
+    /// Hot experts replicated on every rank of an expert-parallel group: `off`, `auto` (the
+    /// cost model's choice each step) or a count k (the k most loaded experts each step).
+    #[arg(long, default_value = "off", value_parser = shadowing)]
+    shadowing: mpipemoe::Shadowing,
+    /// Each thread rank computes on a pool of this many threads of its own (1..=1024), as each
+    /// GPU has its own cores; default: all ranks share the machine's cores. Not with
+    /// `--comm nccl`.
+    #[arg(long, value_parser = count(1, 1024))]
+    threads_per_rank: Option<usize>,
     /// `keep`: freed memory stays in the process for the next step (no page faults on the
     /// large tensors every step); `system`: glibc's defaults.
     #[arg(long, value_enum, default_value_t = Heap::Keep)]
@@ -177,6 +186,9 @@ struct Summary<'a> {
     router: String,
     load_imbalance_first: f64,
     load_imbalance_last: f64,
+    /// Each expert's share of the routing over the first tenth of the steps (all layers):
+    /// `MPIPEMOE_SKEW_MEASURED=weights:...` replays it in the skew benchmark.
+    early_routing: Vec<f64>,
     expert_parallel: usize,
     grad_sync: String,
     /// Median over the steps of rank 0's gradient-sync time, seconds.
@@ -232,6 +244,11 @@ fn main() -> ExitCode {
 }
 
 fn run(args: &Args) -> Result<(), String> {
+    if args.threads_per_rank.is_some() && args.comm == CommArg::Nccl {
+        return Err(
+            "--threads-per-rank sizes thread ranks' pools; with --comm nccl each rank is a GPU".into(),
+        );
+    }
     let partitions = parse_partitions(&args.partitions)?;
     let memory_reuse = parse_strategy(&args.strategy)?;
     if args.ranks == 0 || args.batch < args.ranks {
@@ -296,6 +313,7 @@ fn run(args: &Args) -> Result<(), String> {
             GradSyncArg::Library => GradSync::Library,
             GradSyncArg::HostF64 => GradSync::HostF64,
         },
+        shadowing: args.shadowing,
     };
     // The outputs this run promises are checked before the first step, so a bad `--out`
     // costs nothing; the chart itself is written at the end.
@@ -350,7 +368,7 @@ fn run(args: &Args) -> Result<(), String> {
             log.strategy
         ));
     };
-    let ranks = run_ranks(args.comm, args.ranks, |ctx, gpu| {
+    let ranks = run_ranks(args.comm, args.ranks, args.threads_per_rank, |ctx, gpu| {
         let quiet = |_: &StepLog| {};
         let log: &(dyn Fn(&StepLog) + Sync) = if ctx.rank == 0 { &on_step } else { &quiet };
         let job = TrainJob {
@@ -395,6 +413,7 @@ fn run(args: &Args) -> Result<(), String> {
             router: format!("{:?}", args.router).to_lowercase(),
             load_imbalance_first: imbalance_first,
             load_imbalance_last: imbalance_last,
+            early_routing: load::early_routing(&report.load),
             expert_parallel,
             grad_sync: format!("{:?}", args.grad_sync).to_lowercase(),
             sync_s_median: median(&report.sync_seconds),

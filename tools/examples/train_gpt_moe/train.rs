@@ -10,7 +10,9 @@ use mpipemoe::backend::StepExecutor;
 use mpipemoe::comm::rank_range;
 use mpipemoe::memory::Strategy;
 use mpipemoe::parallel::ParallelGroups;
-use mpipemoe::{seeded_uniform, MemoryReuse, MoeBackend, MoeLayerConfig, Partitions, RankContext, Scoring};
+use mpipemoe::{
+    seeded_uniform, MemoryReuse, MoeBackend, MoeLayerConfig, Partitions, RankContext, Scoring, Shadowing,
+};
 use serde::Serialize;
 
 use super::data::Corpus;
@@ -84,6 +86,8 @@ pub struct TrainOptions {
     pub expert_parallel: Option<usize>,
     /// How gradients are summed over the ranks.
     pub grad_sync: GradSync,
+    /// Hot experts of every MoE layer replicated on its expert-parallel group's ranks.
+    pub shadowing: Shadowing,
 }
 
 /// How the gradients of a step are summed over the ranks.
@@ -175,7 +179,8 @@ where
         .with_partitions(o.partitions)
         .with_memory_reuse(o.memory_reuse)
         .with_memory_budget(o.memory_budget)
-        .with_executor(o.executor);
+        .with_executor(o.executor)
+        .with_shadowing(o.shadowing);
     let groups = match o.expert_parallel {
         Some(ep) => ParallelGroups::new(ctx.comm.clone(), ep)?,
         None => ParallelGroups::expert_parallel(ctx.comm.clone()),

@@ -11,7 +11,7 @@ use mpipemoe::MoeBackend;
 use mpipemoe::MAX_PARTITIONS;
 use mpipemoe::{ExchangePath, Partitions};
 use mpipemoe_tools::backends::{run_on, BackendArg, BackendJob};
-use mpipemoe_tools::flags::{count, ExecutorArg};
+use mpipemoe_tools::flags::{count, shadowing, ExecutorArg};
 
 /// Tolerance on the relative error of y, dx and every gradient.
 const TOLERANCE: f64 = 1e-4;
@@ -42,6 +42,10 @@ pub struct CheckArgs {
     /// backend's default.
     #[arg(long, value_enum, default_value_t = ExecutorArg::Default)]
     executor: ExecutorArg,
+    /// Hot experts replicated on every rank: `off`, `auto` (the cost model's choice each
+    /// step) or a count k (the k most loaded experts each step). Changes no result.
+    #[arg(long, default_value = "off", value_parser = shadowing)]
+    shadowing: mpipemoe::Shadowing,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug)]
@@ -94,6 +98,7 @@ pub fn run(args: CheckArgs) -> ExitCode {
         },
         memory_budget: None,
         executor: args.executor.executor(),
+        shadowing: args.shadowing,
     };
     let mut failed = false;
     for file in &args.files {

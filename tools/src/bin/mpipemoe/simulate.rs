@@ -5,9 +5,11 @@ use std::process::ExitCode;
 
 use clap::Args;
 use mpipemoe::memory::Strategy;
-use mpipemoe::sim::{sweep, SimResult};
+use mpipemoe::sim::{predict_shadowing, sweep, ShadowingPrediction, SimResult};
 use mpipemoe::tuning::{CostModel, Profile};
 use serde::Serialize;
+
+use mpipemoe_tools::inputs::Skew;
 
 use crate::shape::ShapeArgs;
 
@@ -21,6 +23,10 @@ pub struct SimulateArgs {
     /// Print JSON.
     #[arg(long)]
     json: bool,
+    /// Also predict hot-expert shadowing under this routing skew (`balanced`, `all-to-one`,
+    /// `zipf:S`, `weights:W0,W1,...`): every GPU routes its tokens with these expert shares.
+    #[arg(long, value_parser = Skew::parse)]
+    skew: Option<Skew>,
 }
 
 #[derive(Serialize)]
@@ -40,6 +46,8 @@ struct Report {
     best: Row,
     best_per_strategy: Vec<Row>,
     cost_model_choice: Strategy,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    shadowing: Option<ShadowingPrediction>,
 }
 
 fn row(r: &SimResult) -> Row {
@@ -102,6 +110,16 @@ pub fn run(args: SimulateArgs) -> ExitCode {
         .choose(&shape_n, bytes, None)
         .map(|c| c.best)
         .unwrap_or(Strategy::None);
+    let shadowing = match &args.skew {
+        None => None,
+        Some(skew) => match predict_shadowing(&shape, &profile, &skew.shares(shape.n_experts), bytes) {
+            Ok(p) => Some(p),
+            Err(e) => {
+                eprintln!("error: --skew: {e}");
+                return ExitCode::from(2);
+            }
+        },
+    };
     if args.json {
         let mut rows: Vec<Row> = results.iter().map(row).collect();
         rows.sort_by(|a, b| (a.n, a.strategy.name()).cmp(&(b.n, b.strategy.name())));
@@ -111,6 +129,7 @@ pub fn run(args: SimulateArgs) -> ExitCode {
             best: row(best),
             best_per_strategy: best_per_strategy.iter().map(|r| row(r)).collect(),
             cost_model_choice: choice,
+            shadowing,
         };
         println!(
             "{}",
@@ -158,5 +177,24 @@ pub fn run(args: SimulateArgs) -> ExitCode {
         "cost model (Eq. 13) at n={} without a memory budget: {choice}",
         best.n_partitions
     );
+    if let (Some(p), Some(skew)) = (shadowing, &args.skew) {
+        println!(
+            "\nshadowing under {} routing (the rule's step model: slowest rank's compute or exchange, plus the shadows' traffic):",
+            skew.name()
+        );
+        println!("  off:                       {:.3} ms", p.off_seconds * 1e3);
+        println!(
+            "  auto, ring broadcast:      {:.3} ms ({:.2}x), shadows {:?}",
+            p.ring_seconds * 1e3,
+            p.ring_speedup(),
+            p.ring_shadows
+        );
+        println!(
+            "  auto, this crate's a2a:    {:.3} ms ({:.2}x), shadows {:?}",
+            p.all_to_all_seconds * 1e3,
+            p.all_to_all_speedup(),
+            p.all_to_all_shadows
+        );
+    }
     ExitCode::SUCCESS
 }

@@ -1,0 +1,132 @@
+//! The experts a forward pass runs: this rank's own, and the copies of shadowed experts
+//! appended to them, as tensors that autodiff tracks back to the parameters.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorPrimitive};
+
+use super::{Activation, ExpertTensors};
+
+/// The weights of the experts one exchange runs, stacked along the first dimension: a view
+/// of [`Experts`](super::Experts)' parameters (cheap: shares their buffers), with the copies
+/// of any shadowed experts appended after this rank's own. Gradients flow back through the
+/// view to the parameters.
+///
+/// # Shapes
+/// - w_in: `[n_slots, d_model, d_inner]`
+/// - b_in: `[n_slots, d_inner]`
+/// - w_out: `[n_slots, d_hidden, d_model]`
+/// - b_out: `[n_slots, d_model]`
+///
+/// where `n_slots` is `n_local_experts` plus the shadowed experts.
+#[derive(Debug, Clone)]
+pub struct ExpertWeights<B: Backend> {
+    /// First GEMM's weights.
+    pub w_in: Tensor<B, 3>,
+    /// First GEMM's bias, if the experts have biases.
+    pub b_in: Option<Tensor<B, 2>>,
+    /// Second GEMM's weights.
+    pub w_out: Tensor<B, 3>,
+    /// Second GEMM's bias, if the experts have biases.
+    pub b_out: Option<Tensor<B, 2>>,
+    /// The activation between the two GEMMs.
+    pub activation: Activation,
+}
+
+fn primitive<B: Backend, const D: usize>(t: Tensor<B, D>) -> burn::tensor::ops::FloatTensor<B> {
+    match t.into_primitive() {
+        TensorPrimitive::Float(p) => p,
+        TensorPrimitive::QFloat(_) => panic!("quantized expert weights are not supported"),
+    }
+}
+
+impl<B: Backend> ExpertWeights<B> {
+    /// Experts in the view.
+    pub fn n_slots(&self) -> usize {
+        self.w_in.dims()[0]
+    }
+
+    /// The weights as primitives, the form the fused exchange op takes.
+    pub fn tensors(&self) -> ExpertTensors<B> {
+        ExpertTensors {
+            w_in: primitive(self.w_in.clone()),
+            b_in: self.b_in.clone().map(primitive),
+            w_out: primitive(self.w_out.clone()),
+            b_out: self.b_out.clone().map(primitive),
+        }
+    }
+
+    /// Expert `e` (slot index) applied to `rows` with ordinary tensor ops: the reference twin
+    /// of the fused op's compute step.
+    ///
+    /// # Shapes
+    /// - rows: `[n_rows, d_model]` → `[n_rows, d_model]`
+    pub fn forward_expert(&self, e: usize, rows: Tensor<B, 2>) -> Tensor<B, 2> {
+        let [_, m, f] = self.w_in.dims();
+        let h = self.w_out.dims()[1];
+        let w_in = self.w_in.clone().slice([e..e + 1, 0..m, 0..f]).reshape([m, f]);
+        let mut z = rows.matmul(w_in);
+        if let Some(b) = &self.b_in {
+            z = z + b.clone().slice([e..e + 1, 0..f]);
+        }
+        let a = self.activation.forward(z);
+        let w_out = self.w_out.clone().slice([e..e + 1, 0..h, 0..m]).reshape([h, m]);
+        let mut out = a.matmul(w_out);
+        if let Some(b) = &self.b_out {
+            out = out + b.clone().slice([e..e + 1, 0..m]);
+        }
+        out
+    }
+
+    /// Each expert's parameters as one row, in the order `w_in`, `b_in`, `w_out`, `b_out`:
+    /// the form in which shadowed experts travel.
+    ///
+    /// # Shapes
+    /// - returns `[n_slots, params_per_expert]`
+    pub fn flatten(&self) -> Tensor<B, 2> {
+        let n = self.n_slots();
+        let mut parts = vec![self.w_in.clone().reshape([n as i64, -1])];
+        parts.extend(self.b_in.clone());
+        parts.push(self.w_out.clone().reshape([n as i64, -1]));
+        parts.extend(self.b_out.clone());
+        Tensor::cat(parts, 1)
+    }
+
+    /// The inverse of [`flatten`](Self::flatten) for rows of experts shaped like these.
+    ///
+    /// # Shapes
+    /// - rows: `[n, params_per_expert]` → `n` experts
+    pub fn unflatten_like(&self, rows: Tensor<B, 2>) -> Self {
+        let [n, _] = rows.dims();
+        let [_, m, f] = self.w_in.dims();
+        let h = self.w_out.dims()[1];
+        let mut at = 0;
+        let mut take = |width: usize| {
+            let part = rows.clone().slice([0..n, at..at + width]);
+            at += width;
+            part
+        };
+        let w_in = take(m * f).reshape([n, m, f]);
+        let b_in = self.b_in.as_ref().map(|_| take(f));
+        let w_out = take(h * m).reshape([n, h, m]);
+        let b_out = self.b_out.as_ref().map(|_| take(m));
+        Self {
+            w_in,
+            b_in,
+            w_out,
+            b_out,
+            activation: self.activation,
+        }
+    }
+
+    /// These experts followed by `more` (shaped alike), along the first dimension.
+    pub fn append(self, more: Self) -> Self {
+        let cat2 = |a: Tensor<B, 2>, b: Tensor<B, 2>| Tensor::cat(vec![a, b], 0);
+        Self {
+            w_in: Tensor::cat(vec![self.w_in, more.w_in], 0),
+            b_in: self.b_in.zip(more.b_in).map(|(a, b)| cat2(a, b)),
+            w_out: Tensor::cat(vec![self.w_out, more.w_out], 0),
+            b_out: self.b_out.zip(more.b_out).map(|(a, b)| cat2(a, b)),
+            activation: self.activation,
+        }
+    }
+}
