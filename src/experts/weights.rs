@@ -77,6 +77,26 @@ impl<B: Backend> ExpertWeights<B> {
         out
     }
 
+    /// The experts at `slots` (slot indices, in that order), each tensor selected along the
+    /// first dimension.
+    pub fn select(&self, slots: &[usize]) -> Self {
+        let device = self.w_in.device();
+        let index = || {
+            let idx: Vec<i64> = slots.iter().map(|&e| e as i64).collect();
+            Tensor::<B, 1, burn::tensor::Int>::from_data(
+                burn::tensor::TensorData::new(idx, [slots.len()]),
+                &device,
+            )
+        };
+        Self {
+            w_in: self.w_in.clone().select(0, index()),
+            b_in: self.b_in.clone().map(|b| b.select(0, index())),
+            w_out: self.w_out.clone().select(0, index()),
+            b_out: self.b_out.clone().map(|b| b.select(0, index())),
+            activation: self.activation,
+        }
+    }
+
     /// Each expert's parameters as one row, in the order `w_in`, `b_in`, `w_out`, `b_out`:
     /// the form in which shadowed experts travel.
     ///

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use burn::tensor::{Int, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
 use super::MoeLayer;
 use crate::comm::Communicator;
@@ -38,17 +38,15 @@ impl<B: MoeBackend> MoeLayer<B> {
         let device = own.w_in.device();
 
         // Each shadow's row of this rank's parameters: its own expert's where it owns it, any
-        // local row (masked to zero below) where it does not.
-        let flat = own.flatten();
-        let local: Vec<i64> = shadows.iter().map(|&e| (e % n_local) as i64).collect();
+        // local expert's (masked to zero) where it does not. Selected before flattening, so
+        // only the shadows' parameters are copied.
+        let local: Vec<usize> = shadows.iter().map(|&e| e % n_local).collect();
         let mask: Vec<f32> = shadows
             .iter()
             .map(|&e| f32::from(u8::from(e / n_local == rank)))
             .collect();
-        let rows = flat.select(
-            0,
-            Tensor::<B, 1, Int>::from_data(TensorData::new(local, [s]), &device),
-        ) * Tensor::<B, 1>::from_data(TensorData::new(mask, [s]), &device).unsqueeze_dim(1);
+        let rows = own.select(&local).flatten()
+            * Tensor::<B, 1>::from_data(TensorData::new(mask, [s]), &device).unsqueeze_dim(1);
 
         // To every rank, itself included; from every rank, summed over the senders.
         let send = Tensor::cat(vec![rows; n_ranks], 0);

@@ -11,7 +11,6 @@
 //! `cargo bench --bench layer` prints criterion's report, then a table of medians, and writes
 //! `target/bench/layer.json` and `target/bench/layer.png`.
 
-use std::sync::Mutex;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion};
@@ -77,26 +76,13 @@ fn layer(c: &mut Criterion) {
                     threads_per_rank: None,
                 };
                 let ranks = run_on(backend, StartRanks(&setup)).unwrap_or_else(|e| panic!("{e}"));
-                let samples = Mutex::new(Vec::new());
                 let n = match partitions {
                     Partitions::Fixed(n) => n,
                     _ => n_ranks,
                 };
                 let id = format!("{system}/n{n}/{}", strategy.name());
-                group.bench_function(&id, |b| {
-                    b.iter_custom(|iters| {
-                        let mut total = Duration::ZERO;
-                        for _ in 0..iters {
-                            let (t, _) = ranks.step();
-                            samples.lock().unwrap().push(t);
-                            total += t;
-                        }
-                        total
-                    })
-                });
-                let mut s = samples.into_inner().unwrap();
-                s.sort();
-                let median = s[s.len() / 2].as_secs_f64() * 1e3;
+                group.bench_function(&id, |b| b.iter_custom(|iters| ranks.run(iters)));
+                let median = ranks.median_ms();
                 let base = *baseline.get_or_insert(median);
                 rows.push(Row {
                     shape: name.to_string(),

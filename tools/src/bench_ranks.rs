@@ -34,6 +34,9 @@ pub struct BenchRanks {
     commands: Vec<Sender<bool>>,
     done: Receiver<(usize, Duration, MoeStats)>,
     threads: Vec<JoinHandle<()>>,
+    /// What [`run`](Self::run) timed: each step's slowest rank, and the last step's
+    /// statistics.
+    record: Mutex<(Vec<Duration>, Vec<MoeStats>)>,
 }
 
 /// Starts [`BenchRanks`] on the chosen backend ([`crate::backends::run_on`]).
@@ -105,7 +108,35 @@ impl BenchRanks {
             commands,
             done,
             threads: vec![starter],
+            record: Mutex::new((Vec::new(), Vec::new())),
         }
+    }
+
+    /// `iters` timed steps (criterion's `iter_custom`): their total, each recorded for
+    /// [`median_ms`](Self::median_ms) and the last one's statistics for
+    /// [`last_stats`](Self::last_stats).
+    pub fn run(&self, iters: u64) -> Duration {
+        let mut total = Duration::ZERO;
+        for _ in 0..iters {
+            let (t, stats) = self.step();
+            let mut record = self.record.lock().unwrap_or_else(|e| e.into_inner());
+            record.0.push(t);
+            record.1 = stats;
+            total += t;
+        }
+        total
+    }
+
+    /// The median of the steps [`run`](Self::run) timed, milliseconds (0 if none).
+    pub fn median_ms(&self) -> f64 {
+        let mut times = self.record.lock().unwrap_or_else(|e| e.into_inner()).0.clone();
+        times.sort();
+        times.get(times.len() / 2).map_or(0.0, |t| t.as_secs_f64() * 1e3)
+    }
+
+    /// Every rank's statistics of the last step [`run`](Self::run) timed, in rank order.
+    pub fn last_stats(&self) -> Vec<MoeStats> {
+        self.record.lock().unwrap_or_else(|e| e.into_inner()).1.clone()
     }
 
     /// One pass on every rank: the slowest rank's time, and every rank's statistics in rank
