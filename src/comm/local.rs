@@ -23,9 +23,10 @@ pub struct GroupOptions {
     /// How long a rank waits in one collective for its peers before giving up.
     pub timeout: Duration,
     /// Each rank runs its closure in a rayon thread pool of its own with this many threads,
-    /// as each GPU has its own SMs: the kernels a rank issues (Flex's, and this crate's CPU
-    /// kernels, which use rayon) then run on that rank's threads only, so a rank with little
-    /// work cannot lend its cores to a loaded one. `None`: every rank shares rayon's global
+    /// as each GPU has its own SMs: work a rank hands to rayon (this crate's CPU kernels)
+    /// then runs on that rank's threads only, so a rank with little work cannot lend its
+    /// cores to a loaded one. Whether Flex's GEMMs stay in the pool is not verified (the skew
+    /// benchmark suggests they do not: BENCHMARKS §11). `None`: every rank shares rayon's global
     /// pool (the machine's cores). Threads the rank starts itself (the threaded executor's
     /// stream workers) and backends that do not use rayon (NdArray's GEMMs) are not confined.
     pub threads_per_rank: Option<usize>,
