@@ -17,7 +17,7 @@ use burn::tensor::{Distribution, Tensor};
 use mpipemoe::backend::StepExecutor;
 use mpipemoe::comm::{HostLoopback, SingleRank};
 use mpipemoe::memory::Strategy;
-use mpipemoe::memory::{ImplementationModel, LayerShape};
+use mpipemoe::memory::{ImplementationModel, LayerShape, MODEL_HEADROOM};
 use mpipemoe::tuning::Profile;
 use mpipemoe::{Communicator, MemoryReuse, MoeLayer, MoeLayerConfig, Partitions};
 use mpipemoe_cuda::{cuda_available, CudaMoe};
@@ -156,9 +156,35 @@ fn main() {
                 1,
                 5,
             );
-            let fast_peak = ImplementationModel::new(&LayerShape::paper(tokens, m, h, 1, 1), Strategy::None)
+            // MPipeMoE's budget: halfway between FastMoE's modelled peak and the lowest any
+            // strategy reaches at n = 8, both for this layer (8 experts on the one rank, their
+            // weights and gradients included) and with the model's headroom, so FastMoE's plan
+            // would not fit and some strategy's does. With 8 local experts the peak is the
+            // stacking of their weight gradients (`mpipemoe plan --d-model 768 --d-hidden 3072
+            // --experts 8 --gpus 1 --tokens 4096`: 252 MiB without reuse, 240 with S1 or S3), so
+            // the budget binds only a little. Half of a one-expert layer's FastMoE peak, as first
+            // written, is under the eight experts' weights alone: the first run without
+            // autotuning (H200) stopped there with the layer's memory-plan error.
+            let shape = LayerShape {
+                n_experts: experts,
+                ..LayerShape::paper(tokens, m, h, 1, 1)
+            };
+            let peak = |strategy, n| {
+                ImplementationModel::new(
+                    &LayerShape {
+                        n_partitions: n,
+                        ..shape
+                    },
+                    strategy,
+                )
                 .peak_device()
-                * 4.0;
+                    * 4.0
+            };
+            let lowest = Strategy::ALL
+                .into_iter()
+                .map(|s| peak(s, 8))
+                .fold(f64::INFINITY, f64::min);
+            let budget = MODEL_HEADROOM * 0.5 * (peak(Strategy::None, 1) + lowest);
             let mut candidates = vec![("FastMoE".to_string(), base.clone())];
             for n in [2, 4, 8] {
                 candidates.push((
@@ -171,7 +197,7 @@ fn main() {
                 base.clone()
                     .with_partitions(Partitions::Adaptive)
                     .with_memory_reuse(MemoryReuse::Auto)
-                    .with_memory_budget(Some((fast_peak * 0.5) as usize)),
+                    .with_memory_budget(Some(budget as usize)),
             ));
             let mut measured = Vec::new();
             // Each system with a worker per stream (CUDA's default: S, C and R of different

@@ -1,7 +1,9 @@
 //! Every reference case on CUDA, through every strategy and n ∈ {1, 2, 4}, in f32 (1e-4) and
 //! bf16 (at bf16's own tolerance), plus the reference path; then the f32 runs again with the
 //! in-order executor, which builds every partition in the partition arena (the threaded
-//! executor, CUDA's default, does not use it), and last with the rows moved by NCCL on device
+//! executor, CUDA's default, does not use it), then at two thread ranks on the one GPU with and
+//! without a shadowed expert (rows and shadow parameters exchanged between the ranks' streams),
+//! and last with the rows moved by NCCL on device
 //! pointers (a one-rank NCCL group whose all-to-alls are not skipped) and S1–S3 offloading to
 //! pinned host memory through that group's offload path, so each path is checked against the
 //! cases on its own (the plan: `mpipemoe_cuda::check_plan`). Where NCCL cannot be loaded or its
@@ -33,7 +35,7 @@ use std::time::Duration;
 use mpipemoe::backend::StepExecutor;
 use mpipemoe::harness::{check_case, check_case_through, relative_error, Case, CheckOptions};
 use mpipemoe::memory::Strategy;
-use mpipemoe::{Communicator, ExchangePath, MoeBackend, Partitions};
+use mpipemoe::{Communicator, ExchangePath, MoeBackend, Partitions, Shadowing};
 use mpipemoe_cuda::check_plan::{check_runs, CheckRun};
 use mpipemoe_cuda::{cuda_available, nccl_available, CudaMoe, Nccl};
 
@@ -60,7 +62,7 @@ fn fused(n: usize, strategy: Strategy) -> CheckOptions {
         strategy,
         memory_budget: None,
         executor: None,
-        shadowing: mpipemoe::Shadowing::Off,
+        shadowing: Shadowing::Off,
     }
 }
 
@@ -131,6 +133,27 @@ fn options(run: CheckRun, f32_tolerance: f64) -> (&'static str, CheckOptions, f6
             "f32 in-order arena",
             CheckOptions {
                 executor: Some(StepExecutor::InOrder),
+                ..fused(n, strategy)
+            },
+            f32_tolerance,
+        ),
+        CheckRun::TwoRanks {
+            n,
+            strategy,
+            shadowed,
+        } => (
+            if shadowed {
+                "f32 2 ranks shadowed"
+            } else {
+                "f32 2 ranks"
+            },
+            CheckOptions {
+                n_ranks: 2,
+                shadowing: if shadowed {
+                    Shadowing::Fixed(1)
+                } else {
+                    Shadowing::Off
+                },
                 ..fused(n, strategy)
             },
             f32_tolerance,

@@ -26,6 +26,17 @@ pub enum CheckRun {
         /// Memory strategy.
         strategy: Strategy,
     },
+    /// The fused path at two thread ranks on the one GPU (`LocalGroup`, experts sharded), with
+    /// or without the hottest expert shadowed on both ranks: the all-to-all of rows and of the
+    /// shadow's parameters between two ranks' streams.
+    TwoRanks {
+        /// Partitions.
+        n: usize,
+        /// Memory strategy.
+        strategy: Strategy,
+        /// One expert shadowed (`Shadowing::Fixed(1)`) instead of none.
+        shadowed: bool,
+    },
     /// The fused path with the rows moved by NCCL on device pointers (a one-rank group whose
     /// all-to-alls are not skipped) and S1–S3 offloading through its pinned path.
     NcclRows {
@@ -56,6 +67,15 @@ pub fn check_runs(with_nccl: bool) -> Vec<CheckRun> {
     for n in [1, 3] {
         for strategy in Strategy::ALL {
             runs.push(CheckRun::InOrderArena { n, strategy });
+        }
+    }
+    for (n, strategy) in [(1, Strategy::None), (3, Strategy::S4)] {
+        for shadowed in [false, true] {
+            runs.push(CheckRun::TwoRanks {
+                n,
+                strategy,
+                shadowed,
+            });
         }
     }
     if with_nccl {

@@ -25,4 +25,12 @@ fn without_nccl_every_other_check_still_runs() {
         }
         assert!(without.contains(&CheckRun::InOrderArena { n: 3, strategy }));
     }
+    // Two thread ranks on the one GPU, with and without a shadowed expert.
+    for shadowed in [false, true] {
+        assert!(without.contains(&CheckRun::TwoRanks {
+            n: 3,
+            strategy: mpipemoe::memory::Strategy::S4,
+            shadowed
+        }));
+    }
 }

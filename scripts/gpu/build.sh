@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
 # Build the GPU binaries here (no GPU needed) and stage them in .gpu/ for the device machine.
-#   scripts/gpu/build.sh
+#   scripts/gpu/build.sh          # AUTOTUNE=1 for burn's matmul autotuning
 # Then, with the device tool: run with carry [".gpu"] and the command
 #   . .gpu/device-env.sh && .gpu/run.sh 2>&1 | tee $OUT/log.txt
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export CUDARC_CUDA_VERSION=13000
-cargo build --release -p mpipemoe-cuda --features cuda --example gpu_check --example gpu_bench
+# AUTOTUNE=1 builds with burn's matmul autotuning (mpipemoe-cuda's `autotune` feature). Off by
+# default: on a fresh H200 the toy with it finished no step in 240 s (each new GEMM shape
+# compiles and times about seven kernels with NVRTC), without it the toy's first step came at
+# 12.5 s (docs/design-notes.md, "CUDA's first minutes").
+cuda_features=cuda
+tools_features=cuda
+if [ "${AUTOTUNE:-0}" = 1 ]; then
+  cuda_features=cuda,autotune
+  tools_features=cuda-autotune
+fi
+cargo build --release -p mpipemoe-cuda --features "$cuda_features" --example gpu_check --example gpu_bench
 # The toy GPT-MoE with `--backend cuda|cuda-fusion` and `--comm nccl` (tools' `cuda` feature).
-cargo build --release -p mpipemoe-tools --features cuda --example train_gpt_moe
+cargo build --release -p mpipemoe-tools --features "$tools_features" --example train_gpt_moe
 rm -rf .gpu
 mkdir -p .gpu/cases .gpu/bin
 # Three stripped binaries are about 85 MB, over what a run can carry; gzip brings them to about
@@ -20,7 +30,7 @@ for path in target/release/examples/gpu_check target/release/examples/gpu_bench 
   strip ".gpu/bin/$name"
   gzip -9 ".gpu/bin/$name"
 done
-cp scripts/gpu/run.sh .gpu/run.sh
+cp scripts/gpu/run.sh scripts/gpu/first_minutes.sh .gpu/
 # The PyTorch eager peer (run when the GPU machine has PyTorch with CUDA).
 cp scripts/bench/torch_peer.py scripts/bench/torch_gpu_peer.py .gpu/
 cp tests/data/cases/*.safetensors .gpu/cases/

@@ -5,7 +5,8 @@
 //! cargo run --release --example train_gpt_moe -- [--data FILE] [--ranks 2] [--partitions N|auto]
 //!     [--strategy none|s1|s2|s3|s4|auto] [--router softmax|deepseek] [--bias-update G]
 //!     [--steps N] [--seed S] [--backend flex|ndarray|wgpu|wgpu-fusion|cuda|cuda-fusion]
-//!     [--comm threads|nccl] [--expert-parallel N] [--grad-sync library|host-f64] [--out DIR] [--json]
+//!     [--comm threads|nccl] [--expert-parallel N] [--grad-sync library|host-f64]
+//!     [--out DIR | --no-chart] [--json]
 //! ```
 //!
 //! On CUDA (`--features cuda`), `--comm nccl` makes each rank a GPU: `--ranks N` drives GPUs
@@ -124,6 +125,9 @@ struct Args {
     /// Folder for load.png (the load of every expert over the steps).
     #[arg(long, default_value = "target/train")]
     out: PathBuf,
+    /// No load chart: neither `--out` nor a TrueType font is needed (a headless machine).
+    #[arg(long)]
+    no_chart: bool,
     /// Optimizer steps (1..=10^7).
     #[arg(long, default_value_t = 3000, value_parser = count(1, 10_000_000))]
     steps: usize,
@@ -315,9 +319,21 @@ fn run(args: &Args) -> Result<(), String> {
         },
         shadowing: args.shadowing,
     };
-    // The outputs this run promises are checked before the first step, so a bad `--out`
-    // costs nothing; the chart itself is written at the end.
-    let png = out::check_out(&args.out)?;
+    // The outputs this run promises are checked before the first step, so a bad `--out` or a
+    // machine without a font for the chart's text costs nothing; the chart itself is written
+    // at the end.
+    let png = if args.no_chart {
+        None
+    } else {
+        let png = out::check_out(&args.out)?;
+        mpipemoe_tools::report::chart_font().map_err(|e| {
+            format!(
+                "the load chart {} cannot be drawn: {e}; or pass --no-chart",
+                png.display()
+            )
+        })?;
+        Some(png)
+    };
     let entropy = corpus.unigram_entropy();
     eprintln!(
         "corpus: {} ({} training bytes, unigram entropy {entropy:.3} nats/byte); {} ranks, partitions {}, strategy {}, router {:?}",
@@ -394,7 +410,12 @@ fn run(args: &Args) -> Result<(), String> {
     let val_loss = report.val_losses.last().map_or(f64::NAN, |v| v.1);
     let tokens_per_s = (args.steps * args.batch * options.model.seq_len) as f64 / report.seconds;
     let (imbalance_first, imbalance_last) = load::imbalance_first_and_last(&report.load);
-    let chart = load::write_heatmap(&png, &report.load).map_err(|e| format!("load chart not written: {e}"));
+    let chart = match &png {
+        Some(png) => {
+            load::write_heatmap(png, &report.load).map_err(|e| format!("load chart not written: {e}"))
+        }
+        None => Ok(()),
+    };
     if args.json {
         let summary = Summary {
             corpus: &corpus.name,
@@ -429,7 +450,9 @@ fn run(args: &Args) -> Result<(), String> {
         return chart;
     }
     chart?;
-    eprintln!("load per expert over the steps: {}", png.display());
+    if let Some(png) = &png {
+        eprintln!("load per expert over the steps: {}", png.display());
+    }
     println!("sample: {}", report.sample.replace('\n', "\n        "));
     println!(
         "load max/mean (mean over layers and the first / last tenth of the steps): {imbalance_first:.3} -> {imbalance_last:.3}"

@@ -66,6 +66,15 @@ pub(crate) fn ensure_font() -> Result<()> {
         .map_err(MoeError::Backend)
 }
 
+/// Whether charts can be drawn here: loads the font their text needs (as every chart does
+/// first), so a run that promises a chart can fail before its work rather than after it.
+///
+/// # Errors
+/// [`MoeError::Backend`] naming `MPIPEMOE_FONT` when no TrueType font is found.
+pub fn chart_font() -> Result<()> {
+    ensure_font()
+}
+
 pub(crate) fn chart_err(path: &Path, e: impl std::fmt::Display) -> MoeError {
     MoeError::file(path, format!("cannot draw chart: {e}"))
 }

@@ -3,5 +3,5 @@
 mod chart;
 mod heatmap;
 
-pub use chart::{write_panels, Panel, Series};
+pub use chart::{chart_font, write_panels, Panel, Series};
 pub use heatmap::{write_heatmaps, Heatmap};
