@@ -30,7 +30,7 @@ for path in target/release/examples/gpu_check target/release/examples/gpu_bench 
   strip ".gpu/bin/$name"
   gzip -9 ".gpu/bin/$name"
 done
-cp scripts/gpu/run.sh scripts/gpu/first_minutes.sh .gpu/
+cp scripts/gpu/run.sh scripts/gpu/first_minutes.sh scripts/gpu/unpack.sh .gpu/
 # The PyTorch eager peer (run when the GPU machine has PyTorch with CUDA).
 cp scripts/bench/torch_peer.py scripts/bench/torch_gpu_peer.py .gpu/
 cp tests/data/cases/*.safetensors .gpu/cases/

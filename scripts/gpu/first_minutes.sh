@@ -23,12 +23,7 @@ dir="$(cd "$(dirname "$0")" && pwd)"
 out="${OUT:-$dir/out}"
 mkdir -p "$out"
 logs="$(mktemp -d)"
-bin="$(mktemp -d)"
-for packed in "$dir"/bin/*.gz; do
-  name=$(basename "$packed" .gz)
-  gzip -dc "$packed" >"$bin/$name" && chmod +x "$bin/$name"
-done
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+. "$dir/unpack.sh"
 cat README.md docs/*.md src/*.rs src/*/*.rs >"$bin/corpus.txt"
 
 # A folder for one process, with a cubecl.toml that logs to $logs/NAME-*.log.

@@ -22,12 +22,7 @@ PHASES=" ${PHASES:-check train bench peer} "
 check=0
 dir="$(cd "$(dirname "$0")" && pwd)"
 out="${OUT:-$dir}"
-bin="$(mktemp -d)"
-for packed in "$dir"/bin/*.gz; do
-  name=$(basename "$packed" .gz)
-  gzip -dc "$packed" >"$bin/$name" && chmod +x "$bin/$name"
-done
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+. "$dir/unpack.sh"
 # cubecl reads `cubecl.toml` from the working directory (cubecl-common 0.10 `config/mod.rs`
 # `from_current_dir`): each phase logs every kernel compilation and autotune result to files of
 # its own under $out, so a slow phase shows whether NVRTC and autotuning spent the time. The
