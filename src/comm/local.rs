@@ -25,8 +25,10 @@ pub struct GroupOptions {
     /// Each rank runs its closure in a rayon thread pool of its own with this many threads,
     /// as each GPU has its own SMs: work a rank hands to rayon (this crate's CPU kernels)
     /// then runs on that rank's threads only, so a rank with little work cannot lend its
-    /// cores to a loaded one. Whether Flex's GEMMs stay in the pool is not verified (the skew
-    /// benchmark suggests they do not: BENCHMARKS §11). `None`: every rank shares rayon's global
+    /// cores to a loaded one. Flex's GEMMs stay in the pool: burn-flex 0.21 asks gemm for
+    /// `Parallelism::Rayon(0)` (`ops/matmul.rs`), which gemm-common 0.19 turns into
+    /// `rayon::current_num_threads()` threads of the current pool (`gemm.rs`, the
+    /// `Parallelism::Rayon` arm). `None`: every rank shares rayon's global
     /// pool (the machine's cores). Threads the rank starts itself (the threaded executor's
     /// stream workers) and backends that do not use rayon (NdArray's GEMMs) are not confined.
     pub threads_per_rank: Option<usize>,

@@ -3,7 +3,8 @@
 //! checkpoint, on one rank or several.
 //!
 //! ```text
-//! cargo run --release --example learner_gpt_moe -- [--dir DIR] [--ranks 2] [--expert-parallel N]
+//! cargo run --release -p mpipemoe-tools --features learner --example learner_gpt_moe --
+//!     [--dir DIR] [--ranks 2] [--expert-parallel N]
 //!     [--epochs 4] [--steps-per-epoch 50] [--resume EPOCH] [--backend flex|ndarray|wgpu|...]
 //! ```
 //!
