@@ -137,9 +137,8 @@ fn configurations(n_experts: usize, executor: Option<StepExecutor>) -> Vec<Check
                     n_ranks,
                     partitions,
                     strategy,
-                    memory_budget: None,
                     executor,
-                    shadowing: mpipemoe::Shadowing::Off,
+                    ..CheckOptions::default()
                 });
             }
         }

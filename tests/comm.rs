@@ -294,9 +294,7 @@ fn the_fused_exchange_moves_rows_through_the_communicators_row_path() {
                 n_ranks,
                 partitions: Partitions::Fixed(n),
                 strategy,
-                memory_budget: None,
-                executor: None,
-                shadowing: mpipemoe::Shadowing::Off,
+                ..CheckOptions::default()
             };
             let counted = Arc::new(Counted::default());
             let offloads = Arc::new(Counted::default());
@@ -508,9 +506,7 @@ fn results_are_bitwise_identical_run_to_run() {
                 n_ranks,
                 partitions: Partitions::Fixed(3),
                 strategy,
-                memory_budget: None,
-                executor: None,
-                shadowing: mpipemoe::Shadowing::Off,
+                ..CheckOptions::default()
             };
             let a = check_case::<B>(&case, &options, &device).unwrap();
             let b = check_case::<B>(&case, &options, &device).unwrap();

@@ -293,9 +293,8 @@ fn all_tokens_to_one_expert_and_ranks_without_rows_are_exact() {
                         n_ranks,
                         partitions: Partitions::Fixed(3),
                         strategy,
-                        memory_budget: None,
-                        executor: None,
                         shadowing,
+                        ..CheckOptions::default()
                     };
                     let report = check_case::<B>(&case, &options, &device).unwrap();
                     assert!(report.passed(1e-4), "{options:?}: {:?}", report.worst());
@@ -322,9 +321,7 @@ fn ranks_with_zero_input_tokens_are_exact() {
                 n_ranks: 4,
                 partitions: Partitions::Fixed(2),
                 strategy: Strategy::S2,
-                memory_budget: None,
-                executor: None,
-                shadowing: mpipemoe::Shadowing::Off,
+                ..CheckOptions::default()
             };
             let report = check_case::<Autodiff<Flex>>(&case, &options, &device).unwrap();
             assert!(

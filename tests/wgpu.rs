@@ -134,9 +134,8 @@ fn every_case_on_wgpu() {
                             n_ranks,
                             partitions: Partitions::Fixed(n),
                             strategy,
-                            memory_budget: None,
                             executor,
-                            shadowing: mpipemoe::Shadowing::Off,
+                            ..CheckOptions::default()
                         });
                     }
                 }
@@ -425,9 +424,7 @@ fn every_case_in_f16_on_wgpu() {
                 n_ranks: 1,
                 partitions: Partitions::Fixed(3),
                 strategy,
-                memory_budget: None,
-                executor: None,
-                shadowing: mpipemoe::Shadowing::Off,
+                ..CheckOptions::default()
             };
             match check_case::<H>(&case, &options, &device) {
                 Ok(report) if report.passed(1e-2) => {}
@@ -554,9 +551,8 @@ fn check_skewed(case: &Case, n_ranks: usize, partitions: Partitions) {
                 n_ranks,
                 partitions,
                 strategy,
-                memory_budget: None,
                 executor: Some(executor),
-                shadowing: mpipemoe::Shadowing::Off,
+                ..CheckOptions::default()
             };
             let report = check_case::<B>(case, &options, &device).unwrap();
             assert!(report.passed(1e-4), "{options:?}: {:?}", report.worst());

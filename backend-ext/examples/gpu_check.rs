@@ -60,9 +60,7 @@ fn fused(n: usize, strategy: Strategy) -> CheckOptions {
         n_ranks: 1,
         partitions: Partitions::Fixed(n),
         strategy,
-        memory_budget: None,
-        executor: None,
-        shadowing: Shadowing::Off,
+        ..CheckOptions::default()
     }
 }
 

@@ -148,15 +148,8 @@ impl<'a> Replay<'a> {
         if self.shadows == 0.0 {
             return;
         }
-        let (s, p, r) = (self.shadows, self.params, self.n_ranks);
-        self.ledger.at(
-            "shadow broadcast",
-            &[
-                ("sent rows", r * s * p),
-                ("payloads", r * s * p),
-                ("received rows", r * s * p),
-            ],
-        );
+        self.shadow_all_to_all("shadow broadcast");
+        let (s, p) = (self.shadows, self.params);
         self.ledger.alloc(
             "shadow broadcast",
             "saved: experts and shadow copies",
@@ -173,13 +166,20 @@ impl<'a> Replay<'a> {
             return;
         }
         self.ledger.free("saved: experts and shadow copies");
-        let (s, p, r) = (self.shadows, self.params, self.n_ranks);
+        self.shadow_all_to_all("shadow gradients");
+    }
+
+    /// One all-to-all of the shadows' parameters (or their gradients): every rank sends each
+    /// shadow to every rank, so the send buffer, the transport's payloads and the receive
+    /// buffer each hold `n_ranks` copies of every shadow at the step.
+    fn shadow_all_to_all(&mut self, step: &'static str) {
+        let elements = self.n_ranks * self.shadows * self.params;
         self.ledger.at(
-            "shadow gradients",
+            step,
             &[
-                ("sent rows", r * s * p),
-                ("payloads", r * s * p),
-                ("received rows", r * s * p),
+                ("sent rows", elements),
+                ("payloads", elements),
+                ("received rows", elements),
             ],
         );
     }
