@@ -113,10 +113,29 @@ pub fn write_layers_with(
     out_dir: impl AsRef<Path>,
     options: &ExportOptions,
 ) -> Result<ExportReport> {
+    write_model_with(checkpoint, layers, HashMap::new(), out_dir, options)
+}
+
+/// [`write_layers_with`] for a whole model: the MoE layers from their canonical tensors, and
+/// `others` — any other tensor of the checkpoint (attention, norms, embeddings, dense MLPs)
+/// under its Hugging Face name, as f32 values in its stored layout — each written in the dtype
+/// (and, for FP8 block-scaled weights, the blocks) it is stored in. What a fine-tuned whole
+/// model is saved with.
+///
+/// # Errors
+/// As [`write_layer`]; [`MoeError::File`] naming the index if a tensor of `others` is not in
+/// the checkpoint, or the shard if its value count differs from the stored shape's.
+pub fn write_model_with(
+    checkpoint: impl AsRef<Path>,
+    layers: &[(usize, &TensorMap)],
+    others: HashMap<String, Vec<f32>>,
+    out_dir: impl AsRef<Path>,
+    options: &ExportOptions,
+) -> Result<ExportReport> {
     let (dir, out_dir) = (checkpoint.as_ref(), out_dir.as_ref());
     let source = HfCheckpoint::open(dir)?;
     let (hf, ckpt) = (&source.config, &source.ckpt);
-    let mut values = HashMap::new();
+    let mut values = others;
     for (i, &(layer, tensors)) in layers.iter().enumerate() {
         if layers[..i].iter().any(|&(seen, _)| seen == layer) {
             return Err(MoeError::config(

@@ -220,6 +220,11 @@ impl HfConfig {
         })
     }
 
+    /// The text model's keys (`text_config` where they are nested).
+    pub(crate) fn json(&self) -> &Value {
+        &self.json
+    }
+
     fn error(&self, reason: impl Into<String>) -> MoeError {
         MoeError::file(&self.source, reason)
     }

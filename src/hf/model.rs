@@ -42,7 +42,7 @@ pub struct HfCheckpoint {
     pub(crate) config: HfConfig,
     /// The folder's tensors, with the FP8 block size from `config`.
     pub(crate) ckpt: Checkpoint,
-    options: ImportOptions,
+    pub(crate) options: ImportOptions,
 }
 
 impl HfCheckpoint {

@@ -285,3 +285,52 @@ fn nccl_ranks_need_a_cuda_backend() {
         assert!(err.contains("--features cuda"), "{err}");
     }
 }
+
+/// `generate` prints transformers' greedy ids for the tiny Mixtral (the expected ids are in
+/// its `.expected.safetensors`, from `generate(do_sample=False)`), at one rank and with the
+/// experts sharded over two, three partitions, S4; `logits` writes `[T, vocab]`.
+#[test]
+fn generate_and_logits_on_a_tiny_model() {
+    let models = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/models");
+    let bytes = std::fs::read(models.join("mixtral-tiny.expected.safetensors")).unwrap();
+    let expected = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let ints = |name: &str| -> Vec<String> {
+        let t = expected.tensor(name).unwrap();
+        t.data()
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()).to_string())
+            .collect()
+    };
+    let (prompt, greedy) = (ints("prompt").join(","), ints("greedy").join(","));
+    let dir = models.join("mixtral-tiny");
+    let dir = dir.to_str().unwrap();
+    for extra in [
+        &[][..],
+        &["--ranks", "2", "--partitions", "3", "--strategy", "s4"][..],
+    ] {
+        let mut args = vec!["generate", dir, "--ids", &prompt, "--max-new-tokens", "32"];
+        args.extend_from_slice(extra);
+        let out = mpipemoe(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), greedy, "{extra:?}");
+    }
+    let file = std::env::temp_dir().join(format!("mpipemoe-cli-logits-{}.safetensors", std::process::id()));
+    let out = mpipemoe(&[
+        "logits",
+        dir,
+        "--ids",
+        "1,5,9",
+        "--out",
+        file.to_str().unwrap(),
+        "--overwrite",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let bytes = std::fs::read(&file).unwrap();
+    let _ = std::fs::remove_file(&file);
+    let written = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(written.tensor("logits").unwrap().shape(), [3, 96]);
+    // An id outside the vocabulary is an error naming it, not a panic.
+    let out = mpipemoe(&["generate", dir, "--ids", "1,500"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("500"));
+}

@@ -6,7 +6,6 @@ use std::process::ExitCode;
 use burn::tensor::backend::AutodiffBackend;
 use clap::{Args, ValueEnum};
 use mpipemoe::harness::{check_case, Case, CheckOptions, CheckReport};
-use mpipemoe::memory::Strategy;
 use mpipemoe::MoeBackend;
 use mpipemoe::MAX_PARTITIONS;
 use mpipemoe::{ExchangePath, Partitions};
@@ -54,8 +53,9 @@ enum PathArg {
     Reference,
 }
 
+/// `--strategy`: the memory-reuse strategy of the exchange.
 #[derive(ValueEnum, Clone, Copy, Debug)]
-enum StrategyArg {
+pub(crate) enum StrategyArg {
     None,
     S1,
     S2,
@@ -89,13 +89,7 @@ pub fn run(args: CheckArgs) -> ExitCode {
         },
         n_ranks: args.ranks,
         partitions: Partitions::Fixed(args.partitions),
-        strategy: match args.strategy {
-            StrategyArg::None => Strategy::None,
-            StrategyArg::S1 => Strategy::S1,
-            StrategyArg::S2 => Strategy::S2,
-            StrategyArg::S3 => Strategy::S3,
-            StrategyArg::S4 => Strategy::S4,
-        },
+        strategy: args.strategy.strategy(),
         memory_budget: None,
         executor: args.executor.executor(),
         shadowing: args.shadowing,

@@ -3,6 +3,7 @@
 mod check;
 mod convert;
 mod inspect;
+mod lm;
 mod plan;
 mod profile;
 mod shape;
@@ -28,6 +29,10 @@ enum Command {
     Convert(convert::ConvertArgs),
     /// List the MoE layers of a Hugging Face checkpoint folder.
     Inspect(inspect::InspectArgs),
+    /// A Hugging Face MoE model's logits for token ids, written to a safetensors file.
+    Logits(lm::LogitsArgs),
+    /// A Hugging Face MoE model's greedy continuation of token ids (KV cache), printed as ids.
+    Generate(lm::GenerateArgs),
     /// Memory plan: the paper's Eq. 1-9 and this implementation's model for a layer shape.
     Plan(plan::PlanArgs),
     /// Measure this machine's stream rates and slowdowns (a profile for the cost model).
@@ -44,6 +49,8 @@ fn main() -> ExitCode {
         Command::Check(args) => check::run(args),
         Command::Convert(args) => convert::run(args),
         Command::Inspect(args) => inspect::run(args),
+        Command::Logits(args) => lm::logits(args),
+        Command::Generate(args) => lm::generate(args),
         Command::Plan(args) => plan::run(args),
         Command::Profile(args) => profile::run(args),
         Command::Simulate(args) => simulate::run(args),

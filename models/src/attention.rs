@@ -1,0 +1,187 @@
+//! Causal self-attention with grouped-query heads, rotary embeddings, optional q/k norms,
+//! clipping and sliding windows.
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
+use burn::tensor::activation::softmax;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Bool, Tensor, TensorData};
+
+use crate::cache::LayerCache;
+use crate::config::DecoderConfig;
+use crate::norm::RmsNorm;
+use crate::rotary::Rotary;
+
+/// Where RMSNorm is applied to the queries and keys (before the rotary embedding).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNorm {
+    /// None (Mixtral, Qwen2-MoE).
+    None,
+    /// Over each head's `head_dim` (Qwen3-MoE's `q_norm` / `k_norm` of `[head_dim]`).
+    PerHead,
+    /// Over the whole projection (OLMoE's `q_norm` of `[n_heads · head_dim]` and `k_norm` of
+    /// `[n_kv_heads · head_dim]`).
+    Whole,
+}
+
+/// One attention block (`self_attn`).
+#[derive(Module, Debug)]
+pub struct Attention<B: Backend> {
+    /// `[d_model, n_heads · head_dim]`
+    pub q: Linear<B>,
+    /// `[d_model, n_kv_heads · head_dim]`
+    pub k: Linear<B>,
+    /// `[d_model, n_kv_heads · head_dim]`
+    pub v: Linear<B>,
+    /// `[n_heads · head_dim, d_model]`
+    pub o: Linear<B>,
+    /// The queries' norm, if the family has one.
+    pub q_norm: Option<RmsNorm<B>>,
+    /// The keys' norm, if the family has one.
+    pub k_norm: Option<RmsNorm<B>>,
+    #[module(skip)]
+    shape: Heads,
+}
+
+/// The head layout and rules, fixed at construction.
+#[derive(Debug, Clone, Copy)]
+struct Heads {
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    qk_norm: QkNorm,
+    clip: Option<f64>,
+}
+
+impl<B: Backend> Attention<B> {
+    /// Randomly initialised for `config` (burn's `Linear` initialisation, norms at one).
+    pub fn new(config: &DecoderConfig, device: &B::Device) -> Self {
+        let (m, hd) = (config.d_model, config.head_dim);
+        let (q_width, kv_width) = (config.n_heads * hd, config.n_kv_heads * hd);
+        let linear = |i, o, bias| LinearConfig::new(i, o).with_bias(bias).init(device);
+        let (q_norm, k_norm) = match config.qk_norm {
+            QkNorm::None => (None, None),
+            QkNorm::PerHead => (Some(hd), Some(hd)),
+            QkNorm::Whole => (Some(q_width), Some(kv_width)),
+        };
+        Self {
+            q: linear(m, q_width, config.qkv_bias),
+            k: linear(m, kv_width, config.qkv_bias),
+            v: linear(m, kv_width, config.qkv_bias),
+            o: linear(q_width, m, config.o_bias),
+            q_norm: q_norm.map(|w| RmsNorm::new(w, config.rms_eps, device)),
+            k_norm: k_norm.map(|w| RmsNorm::new(w, config.rms_eps, device)),
+            shape: Heads {
+                n_heads: config.n_heads,
+                n_kv_heads: config.n_kv_heads,
+                head_dim: hd,
+                qk_norm: config.qk_norm,
+                clip: config.clip_qkv,
+            },
+        }
+    }
+
+    /// Attends the tokens `x` at `positions` to themselves and to `cached` (earlier
+    /// positions), causally and within `window`. Returns the output and the cache extended by
+    /// these tokens' keys and values (trimmed to the window).
+    ///
+    /// # Shapes
+    /// - x: `[batch, seq, d_model]`; positions: `seq` entries
+    /// - cos, sin: `[seq, head_dim]` (the rotary tables of `positions`)
+    /// - output: `[batch, seq, d_model]`
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        positions: &[usize],
+        (cos, sin): (&Tensor<B, 2>, &Tensor<B, 2>),
+        window: Option<usize>,
+        cached: Option<&LayerCache<B>>,
+    ) -> (Tensor<B, 3>, LayerCache<B>) {
+        let Heads {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            qk_norm,
+            clip,
+        } = self.shape;
+        let [b, t, _] = x.dims();
+        let device = x.device();
+        let mut q = self.q.forward(x.clone());
+        let mut k = self.k.forward(x.clone());
+        let mut v = self.v.forward(x);
+        if qk_norm == QkNorm::Whole {
+            q = norm(&self.q_norm, q);
+            k = norm(&self.k_norm, k);
+        }
+        if let Some(c) = clip {
+            q = q.clamp(-c, c);
+            k = k.clamp(-c, c);
+            v = v.clamp(-c, c);
+        }
+        // [batch, seq, heads, head_dim] -> [batch, heads, seq, head_dim]
+        let heads = |x: Tensor<B, 3>, n: usize| x.reshape([b, t, n, head_dim]);
+        let (mut q, mut k, v) = (heads(q, n_heads), heads(k, n_kv_heads), heads(v, n_kv_heads));
+        if qk_norm == QkNorm::PerHead {
+            q = norm(&self.q_norm, q);
+            k = norm(&self.k_norm, k);
+        }
+        let q = Rotary::apply(q.swap_dims(1, 2), cos, sin);
+        let k = Rotary::apply(k.swap_dims(1, 2), cos, sin);
+        let v = v.swap_dims(1, 2);
+
+        let cache = LayerCache::extend(cached, k, v, positions);
+        let s = cache.positions.len();
+        let n_rep = n_heads / n_kv_heads;
+        // Grouped-query attention: each key/value head serves `n_rep` query heads in a row
+        // (transformers' `repeat_kv`).
+        let repeat = |x: Tensor<B, 4>| {
+            x.unsqueeze_dim::<5>(2)
+                .repeat_dim(2, n_rep)
+                .reshape([b, n_heads, s, head_dim])
+        };
+        let keys = repeat(cache.keys.clone());
+        let values = repeat(cache.values.clone());
+        let scale = (head_dim as f64).powf(-0.5);
+        let scores = q.matmul(keys.swap_dims(2, 3)) * scale;
+        let hidden = mask(positions, &cache.positions, window, &device);
+        let scores = scores.mask_fill(
+            hidden.unsqueeze::<4>().expand([b, n_heads, t, s]),
+            f32::NEG_INFINITY,
+        );
+        let out = softmax(scores, 3).matmul(values);
+        let out = out.swap_dims(1, 2).reshape([b, t, n_heads * head_dim]);
+        (self.o.forward(out), cache.trim(window))
+    }
+}
+
+fn norm<B: Backend, const D: usize>(norm: &Option<RmsNorm<B>>, x: Tensor<B, D>) -> Tensor<B, D> {
+    match norm {
+        Some(n) => n.forward(x),
+        None => x,
+    }
+}
+
+/// `true` where query `i` (at `queries[i]`) may not see key `j` (at `keys[j]`): a later
+/// position, or one outside the window (transformers' causal mask with
+/// `sliding_window_overlay`: visible iff `key > query - window`).
+///
+/// # Shapes
+/// - output: `[queries, keys]`
+fn mask<B: Backend>(
+    queries: &[usize],
+    keys: &[usize],
+    window: Option<usize>,
+    device: &B::Device,
+) -> Tensor<B, 2, Bool> {
+    let hidden: Vec<bool> = queries
+        .iter()
+        .flat_map(|&q| {
+            keys.iter().map(move |&k| {
+                let future = k > q;
+                let outside = window.is_some_and(|w| k + w <= q);
+                future || outside
+            })
+        })
+        .collect();
+    Tensor::from_data(TensorData::new(hidden, [queries.len(), keys.len()]), device)
+}

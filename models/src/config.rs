@@ -1,0 +1,128 @@
+//! What a decoder is made of: the sizes and the rules its family switches on.
+
+use mpipemoe::{MoeError, MoeLayerConfig, Result};
+
+use crate::attention::QkNorm;
+
+/// A decoder layer's feed-forward block.
+#[derive(Debug, Clone)]
+pub enum FfnKind {
+    /// A dense SwiGLU MLP of width `d_hidden` (`down(silu(gate(x)) · up(x))`).
+    Dense {
+        /// The MLP's hidden width.
+        d_hidden: usize,
+    },
+    /// An [`MoeLayer`](mpipemoe::MoeLayer) with this configuration.
+    Moe(Box<MoeLayerConfig>),
+}
+
+/// One decoder layer's rules.
+#[derive(Debug, Clone)]
+pub struct LayerSpec {
+    /// Dense MLP or MoE layer.
+    pub ffn: FfnKind,
+    /// Sliding-window attention: a query at position `p` sees keys at positions
+    /// `p - window + 1 ..= p` (transformers' `sliding_window_overlay`); `None` for full causal
+    /// attention.
+    pub window: Option<usize>,
+}
+
+/// A decoder-only MoE language model's configuration: what [`family`](crate::family) reads
+/// from a Hugging Face `config.json`, or what a user writes for a model of their own.
+#[derive(Debug, Clone)]
+pub struct DecoderConfig {
+    /// The Hugging Face `model_type` it was read from (or a name of the user's).
+    pub model_type: String,
+    /// Tokens in the vocabulary.
+    pub vocab_size: usize,
+    /// The residual stream's width.
+    pub d_model: usize,
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads (grouped-query attention: `n_heads` is a multiple of it).
+    pub n_kv_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+    /// RMSNorm's epsilon.
+    pub rms_eps: f64,
+    /// Rotary embeddings' base (`rope_theta`).
+    pub rope_theta: f64,
+    /// Biases on the q, k and v projections.
+    pub qkv_bias: bool,
+    /// A bias on the output projection.
+    pub o_bias: bool,
+    /// RMSNorm on the queries and keys before the rotary embedding.
+    pub qk_norm: QkNorm,
+    /// Clamp q, k and v to `[-c, c]` after the projections (OLMoE's `clip_qkv`).
+    pub clip_qkv: Option<f64>,
+    /// Every layer's rules, in order.
+    pub layers: Vec<LayerSpec>,
+    /// The output projection is the embedding's transpose.
+    pub tie_embeddings: bool,
+    /// Ids that end generation.
+    pub eos_token_ids: Vec<usize>,
+}
+
+impl DecoderConfig {
+    /// Checks the sizes agree with each other.
+    ///
+    /// # Errors
+    /// [`MoeError::Config`] naming the field that is zero or does not divide.
+    pub fn validate(&self) -> Result<()> {
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("d_model", self.d_model),
+            ("n_heads", self.n_heads),
+            ("n_kv_heads", self.n_kv_heads),
+            ("head_dim", self.head_dim),
+            ("layers", self.layers.len()),
+        ];
+        if let Some((field, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(MoeError::config(field, "must be positive"));
+        }
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
+            return Err(MoeError::config(
+                "n_kv_heads",
+                format!("{} does not divide n_heads = {}", self.n_kv_heads, self.n_heads),
+            ));
+        }
+        if !self.head_dim.is_multiple_of(2) {
+            return Err(MoeError::config(
+                "head_dim",
+                format!("{} is odd: rotary embeddings rotate pairs", self.head_dim),
+            ));
+        }
+        for (i, layer) in self.layers.iter().enumerate() {
+            if layer.window == Some(0) {
+                return Err(MoeError::config(
+                    "window",
+                    format!("layer {i}: a window of 0 sees nothing"),
+                ));
+            }
+            match &layer.ffn {
+                FfnKind::Dense { d_hidden: 0 } => {
+                    return Err(MoeError::config(
+                        "d_hidden",
+                        format!("layer {i}: must be positive"),
+                    ))
+                }
+                FfnKind::Moe(moe) if moe.d_model != self.d_model => {
+                    return Err(MoeError::config(
+                        "d_model",
+                        format!(
+                            "layer {i}'s MoE layer is {} wide, the model {}",
+                            moe.d_model, self.d_model
+                        ),
+                    ))
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Query heads per key/value head.
+    pub fn n_rep(&self) -> usize {
+        self.n_heads / self.n_kv_heads
+    }
+}

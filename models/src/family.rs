@@ -1,0 +1,249 @@
+//! The families: how a Hugging Face `config.json` maps onto [`DecoderConfig`], and which rule
+//! each switches on. A family is a description of its differences from the common decoder
+//! (as transformers' "modular" files describe one model as a difference from another), not a
+//! copy of it:
+//!
+//! | `model_type` | q/k/v bias | o bias | q/k norm | clip | sliding window | dense layers |
+//! |---|---|---|---|---|---|---|
+//! | `mixtral` | no | no | none | no | `sliding_window`, every layer | none |
+//! | `qwen2_moe` | `qkv_bias` | no | none | no | `layer_types` (or `use_sliding_window`, `max_window_layers`) | `mlp_only_layers`, `decoder_sparse_step` |
+//! | `qwen3_moe` | `attention_bias` | `attention_bias` | per head | no | `sliding_window` if `use_sliding_window` | `mlp_only_layers`, `decoder_sparse_step` |
+//! | `olmoe` | `attention_bias` | `attention_bias` | whole projection | `clip_qkv` | none | none |
+//!
+//! Which layers are MoE is decided by mpipemoe's checkpoint reader
+//! ([`HfCheckpoint::moe_layers`](mpipemoe::hf::HfCheckpoint::moe_layers)), as transformers
+//! decides it, and it refuses a folder whose tensors disagree.
+
+use std::path::PathBuf;
+
+use mpipemoe::hf::HfCheckpoint;
+use mpipemoe::{MoeError, Result};
+use serde_json::Value;
+
+use crate::attention::QkNorm;
+use crate::config::{DecoderConfig, FfnKind, LayerSpec};
+
+/// The `model_type`s whole models are built for.
+pub const SUPPORTED: [&str; 4] = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"];
+
+/// Reads the folder's `config.json` into a [`DecoderConfig`].
+///
+/// # Errors
+/// [`MoeError::File`] naming `config.json` and the key if the family is not one of
+/// [`SUPPORTED`] (naming them), a key is missing or of the wrong type, or the folder uses a
+/// rule not built yet (a rotary scaling other than `default`).
+pub fn decoder_config(ckpt: &HfCheckpoint) -> Result<DecoderConfig> {
+    let keys = Keys {
+        json: ckpt.config_json(),
+        source: ckpt.dir().join("config.json"),
+    };
+    let model_type = keys.str("model_type")?;
+    if !SUPPORTED.contains(&model_type.as_str()) {
+        return Err(keys.error(format!(
+            "`model_type` {model_type:?} has no whole-model support yet (supported: {}); its MoE layers import with `MoeLayer::from_hf`",
+            SUPPORTED.join(", ")
+        )));
+    }
+    let d_model = keys.usize("hidden_size")?;
+    let n_heads = keys.usize("num_attention_heads")?;
+    let n_kv_heads = keys.usize_or("num_key_value_heads", n_heads)?;
+    let head_dim = keys.usize_or("head_dim", d_model / n_heads.max(1))?;
+    let n_layers = ckpt
+        .config_json()
+        .get("num_hidden_layers")
+        .and_then(Value::as_u64)
+        .unwrap_or(0) as usize;
+    let moe_layers = ckpt.moe_layers()?;
+    let mut layers = Vec::with_capacity(n_layers);
+    for layer in 0..n_layers {
+        let ffn = match moe_layers.contains(&layer) {
+            true => FfnKind::Moe(Box::new(ckpt.layer(layer)?.config)),
+            false => FfnKind::Dense {
+                d_hidden: keys.usize("intermediate_size")?,
+            },
+        };
+        layers.push(LayerSpec {
+            ffn,
+            window: keys.window(&model_type, layer)?,
+        });
+    }
+    let attention_bias = keys.bool_or("attention_bias", false)?;
+    let (qkv_bias, o_bias, qk_norm, clip_qkv) = match model_type.as_str() {
+        "mixtral" => (false, false, QkNorm::None, None),
+        "qwen2_moe" => (keys.bool_or("qkv_bias", true)?, false, QkNorm::None, None),
+        "qwen3_moe" => (attention_bias, attention_bias, QkNorm::PerHead, None),
+        _ => (
+            attention_bias,
+            attention_bias,
+            QkNorm::Whole,
+            keys.f64_opt("clip_qkv")?,
+        ),
+    };
+    let config = DecoderConfig {
+        model_type,
+        vocab_size: keys.usize("vocab_size")?,
+        d_model,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        rms_eps: keys.f64_opt("rms_norm_eps")?.unwrap_or(1e-6),
+        rope_theta: keys.rope_theta()?,
+        qkv_bias,
+        o_bias,
+        qk_norm,
+        clip_qkv,
+        layers,
+        tie_embeddings: keys.bool_or("tie_word_embeddings", false)?,
+        eos_token_ids: keys.ids("eos_token_id")?,
+    };
+    config.validate().map_err(|e| keys.error(e.to_string()))?;
+    Ok(config)
+}
+
+/// `config.json`'s keys, with errors that name the file and the key.
+struct Keys<'a> {
+    json: &'a Value,
+    source: PathBuf,
+}
+
+impl Keys<'_> {
+    fn error(&self, reason: impl Into<String>) -> MoeError {
+        MoeError::file(&self.source, reason)
+    }
+
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.json.get(key).filter(|v| !v.is_null())
+    }
+
+    fn str(&self, key: &str) -> Result<String> {
+        self.get(key)
+            .and_then(Value::as_str)
+            .map(str::to_string)
+            .ok_or_else(|| self.error(format!("missing or non-string `{key}`")))
+    }
+
+    fn usize(&self, key: &str) -> Result<usize> {
+        let v = self
+            .get(key)
+            .and_then(Value::as_u64)
+            .ok_or_else(|| self.error(format!("missing or non-integer `{key}`")))?;
+        // The tensors' stored shapes are checked against these before anything is allocated
+        // from them; the bound keeps the products of a few far from overflow until then.
+        if v > 1 << 32 {
+            return Err(self.error(format!("`{key}` is {v}, over 2^32")));
+        }
+        Ok(v as usize)
+    }
+
+    fn usize_or(&self, key: &str, default: usize) -> Result<usize> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(_) => self.usize(key),
+        }
+    }
+
+    fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| self.error(format!("`{key}` is not true or false"))),
+        }
+    }
+
+    fn f64_opt(&self, key: &str) -> Result<Option<f64>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .filter(|x| x.is_finite() && *x > 0.0)
+                .map(Some)
+                .ok_or_else(|| self.error(format!("`{key}` is not a positive number"))),
+        }
+    }
+
+    /// An id or a list of ids (`eos_token_id`); none if absent.
+    fn ids(&self, key: &str) -> Result<Vec<usize>> {
+        let bad = || self.error(format!("`{key}` is not a token id or a list of them"));
+        match self.get(key) {
+            None => Ok(Vec::new()),
+            Some(Value::Array(ids)) => ids
+                .iter()
+                .map(|v| v.as_u64().map(|id| id as usize).ok_or_else(bad))
+                .collect(),
+            Some(v) => Ok(vec![v.as_u64().ok_or_else(bad)? as usize]),
+        }
+    }
+
+    /// `rope_parameters` (transformers 5) or `rope_theta` / `rope_scaling` (4.x). Only
+    /// unscaled rotary embeddings are built so far.
+    fn rope_theta(&self) -> Result<f64> {
+        let (theta, kind) = match self.get("rope_parameters") {
+            Some(p) => (
+                p.get("rope_theta").and_then(Value::as_f64),
+                p.get("rope_type").and_then(Value::as_str).map(str::to_string),
+            ),
+            None => (
+                self.get("rope_theta").and_then(Value::as_f64),
+                self.get("rope_scaling")
+                    .and_then(|s| s.get("rope_type").or_else(|| s.get("type")))
+                    .and_then(Value::as_str)
+                    .map(str::to_string),
+            ),
+        };
+        if let Some(kind) = kind.filter(|k| k != "default") {
+            return Err(self.error(format!(
+                "rotary scaling {kind:?} (`rope_type`) is not built yet: only unscaled (\"default\") rotary embeddings"
+            )));
+        }
+        theta
+            .filter(|t| t.is_finite() && *t > 0.0)
+            .ok_or_else(|| self.error("missing or non-positive `rope_theta`"))
+    }
+
+    /// Layer `layer`'s sliding window, by its family's rule.
+    fn window(&self, model_type: &str, layer: usize) -> Result<Option<usize>> {
+        let window = || self.usize("sliding_window");
+        match model_type {
+            "mixtral" => match self.get("sliding_window") {
+                None => Ok(None),
+                Some(_) => window().map(Some),
+            },
+            "qwen2_moe" => {
+                let sliding = match self.get("layer_types") {
+                    Some(types) => {
+                        let kind = types
+                            .as_array()
+                            .and_then(|t| t.get(layer))
+                            .and_then(Value::as_str)
+                            .ok_or_else(|| {
+                                self.error(format!("`layer_types` has no string for layer {layer}"))
+                            })?;
+                        match kind {
+                            "sliding_attention" => true,
+                            "full_attention" => false,
+                            other => return Err(self.error(format!("`layer_types`[{layer}] is {other:?}"))),
+                        }
+                    }
+                    // transformers' rule when the file predates `layer_types`.
+                    None => {
+                        self.bool_or("use_sliding_window", false)?
+                            && !(layer + 1).is_multiple_of(2)
+                            && layer < self.usize_or("max_window_layers", 28)?
+                    }
+                };
+                match sliding && self.bool_or("use_sliding_window", false)? {
+                    true => window().map(Some),
+                    false => Ok(None),
+                }
+            }
+            "qwen3_moe" => {
+                match self.bool_or("use_sliding_window", false)? && self.get("sliding_window").is_some() {
+                    true => window().map(Some),
+                    false => Ok(None),
+                }
+            }
+            _ => Ok(None),
+        }
+    }
+}

@@ -1,0 +1,79 @@
+//! One decoder layer: pre-norm attention, then a pre-norm dense MLP or MoE layer, each added
+//! to the residual stream.
+
+use burn::module::Module;
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+use mpipemoe::{MoeBackend, MoeLayer, Result};
+
+use crate::attention::Attention;
+use crate::cache::LayerCache;
+use crate::mlp::Mlp;
+use crate::norm::RmsNorm;
+
+/// `h = x + attn(norm1(x)); y = h + ffn(norm2(h))`, the ffn dense or MoE.
+#[derive(Module, Debug)]
+pub struct DecoderLayer<B: Backend> {
+    /// `input_layernorm`
+    pub attn_norm: RmsNorm<B>,
+    /// `self_attn`
+    pub attn: Attention<B>,
+    /// `post_attention_layernorm`
+    pub ffn_norm: RmsNorm<B>,
+    /// The dense MLP of a dense layer.
+    pub mlp: Option<Mlp<B>>,
+    /// The MoE layer of a MoE layer (this rank's experts).
+    pub moe: Option<MoeLayer<B>>,
+    /// The layer's sliding window, if any.
+    #[module(skip)]
+    pub window: Option<usize>,
+}
+
+/// A layer's output: the residual stream and the MoE layer's losses (zero for a dense one).
+pub(crate) struct LayerOutput<B: Backend> {
+    pub hidden: Tensor<B, 3>,
+    pub aux_loss: Option<Tensor<B, 1>>,
+    pub z_loss: Option<Tensor<B, 1>>,
+    pub cache: LayerCache<B>,
+}
+
+impl<B: MoeBackend> DecoderLayer<B> {
+    /// Runs the layer on `x` at `positions`.
+    ///
+    /// # Shapes
+    /// - x: `[batch, seq, d_model]`; output the same
+    ///
+    /// # Errors
+    /// As [`MoeLayer::try_forward`] (a peer rank that fails).
+    pub(crate) fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        positions: &[usize],
+        rope: (&Tensor<B, 2>, &Tensor<B, 2>),
+        cached: Option<&LayerCache<B>>,
+    ) -> Result<LayerOutput<B>> {
+        let (attended, cache) = self.attn.forward(
+            self.attn_norm.forward(x.clone()),
+            positions,
+            rope,
+            self.window,
+            cached,
+        );
+        let h = x + attended;
+        let normed = self.ffn_norm.forward(h.clone());
+        let (ffn, aux_loss, z_loss) = match (&self.mlp, &self.moe) {
+            (_, Some(moe)) => {
+                let out = moe.try_forward(normed)?;
+                (out.output, Some(out.aux_loss), Some(out.z_loss))
+            }
+            (Some(mlp), None) => (mlp.forward(normed), None, None),
+            (None, None) => unreachable!("a decoder layer is built with an MLP or an MoE layer"),
+        };
+        Ok(LayerOutput {
+            hidden: h + ffn,
+            aux_loss,
+            z_loss,
+            cache,
+        })
+    }
+}

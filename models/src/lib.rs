@@ -1,0 +1,46 @@
+//! Whole Mixture-of-Experts language models in burn, built around [`mpipemoe::MoeLayer`].
+//!
+//! One decoder ([`MoeCausalLm`]) made of shared parts — [`RmsNorm`], [`Rotary`] embeddings,
+//! [`Attention`] with grouped-query heads, optional q/k norms and sliding windows, a dense
+//! [`Mlp`] or an `MoeLayer` per layer, and a [`KvCache`] — configured by a
+//! [`DecoderConfig`]. A family is a description, not a copy of the decoder: [`family`] reads a
+//! Hugging Face `config.json` of Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE into a
+//! `DecoderConfig` (which rule each switches on), and [`MoeCausalLm::from_hf`] loads the
+//! folder's tensors through mpipemoe's checkpoint reader, each rank reading its own experts.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use burn::backend::NdArray;
+//! use burn::tensor::{Int, Tensor};
+//! use mpipemoe::comm::SingleRank;
+//! use mpipemoe_models::MoeCausalLm;
+//!
+//! let device = Default::default();
+//! let model = MoeCausalLm::<NdArray>::from_hf("Mixtral-tiny", &device, Arc::new(SingleRank))?;
+//! let ids = Tensor::<NdArray, 2, Int>::from_ints([[1, 5, 9]], &device);
+//! let logits = model.forward(ids, None).logits; // [1, 3, vocab]
+//! let new_ids = model.generate(&[1, 5, 9], 32, &device)?;
+//! # Ok::<(), mpipemoe::MoeError>(())
+//! ```
+
+mod attention;
+mod cache;
+mod config;
+pub mod family;
+mod generate;
+mod layer;
+mod load;
+mod mlp;
+mod model;
+mod norm;
+mod rotary;
+mod save;
+
+pub use attention::{Attention, QkNorm};
+pub use cache::{KvCache, LayerCache};
+pub use config::{DecoderConfig, FfnKind, LayerSpec};
+pub use layer::DecoderLayer;
+pub use mlp::Mlp;
+pub use model::{LmOutput, MoeCausalLm};
+pub use norm::RmsNorm;
+pub use rotary::Rotary;

@@ -1,0 +1,171 @@
+//! A whole model from a Hugging Face folder, every tensor read through mpipemoe's checkpoint
+//! reader (bounded, shape-checked against `config.json`, FP8 dequantised, each rank reading
+//! only its own experts).
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::sync::Arc;
+
+use burn::module::Param;
+use burn::nn::{Embedding, Linear};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use mpipemoe::hf::HfCheckpoint;
+use mpipemoe::{Communicator, MoeError, Result};
+
+use crate::attention::Attention;
+use crate::config::{DecoderConfig, FfnKind};
+use crate::family::decoder_config;
+use crate::layer::DecoderLayer;
+use crate::mlp::Mlp;
+use crate::model::{linear_weight, MoeCausalLm};
+use crate::norm::RmsNorm;
+
+/// Reads tensors by name and remembers which were read, so that the folder's other tensors
+/// can be reported.
+struct Reader<'a, B: Backend> {
+    ckpt: &'a HfCheckpoint,
+    device: &'a B::Device,
+    used: BTreeSet<String>,
+}
+
+impl<B: Backend> Reader<'_, B> {
+    fn tensor<const D: usize>(&mut self, name: &str, shape: [usize; D]) -> Result<Tensor<B, D>> {
+        let values = self.ckpt.read_tensor(name, &shape)?;
+        self.used.insert(name.to_string());
+        Ok(Tensor::from_data(TensorData::new(values, shape), self.device))
+    }
+
+    /// A `Linear` from `{prefix}.weight` (`[out, in]`) and, if `bias`, `{prefix}.bias`.
+    fn linear(&mut self, prefix: &str, d_in: usize, d_out: usize, bias: bool) -> Result<Linear<B>> {
+        let weight = linear_weight(self.tensor(&format!("{prefix}.weight"), [d_out, d_in])?);
+        let bias = match bias {
+            true => Some(Param::from_tensor(
+                self.tensor(&format!("{prefix}.bias"), [d_out])?,
+            )),
+            false => None,
+        };
+        Ok(Linear { weight, bias })
+    }
+
+    fn norm(&mut self, name: &str, width: usize, eps: f64) -> Result<RmsNorm<B>> {
+        Ok(RmsNorm {
+            weight: Param::from_tensor(self.tensor(name, [width])?),
+            eps,
+        })
+    }
+}
+
+impl<B: Backend> MoeCausalLm<B> {
+    /// The model in the Hugging Face folder `dir` (`config.json`, safetensors shards), with
+    /// this rank's experts of every MoE layer (all of them on one rank).
+    ///
+    /// # Errors
+    /// [`MoeError::File`] naming `config.json` if the family is not supported or a key is bad
+    /// (see [`family`](crate::family)); naming the shard and tensor if a tensor the model
+    /// needs is missing or of another shape; naming the folder and the tensors the model does
+    /// not read if there are any (transformers would leave them unused: a checkpoint of
+    /// another shape or family); [`MoeError::Config`] if the experts do not split over the
+    /// ranks.
+    pub fn from_hf(dir: impl AsRef<Path>, device: &B::Device, comm: Arc<dyn Communicator>) -> Result<Self> {
+        let ckpt = HfCheckpoint::open(dir)?;
+        Self::from_checkpoint(&ckpt, device, comm)
+    }
+
+    /// As [`from_hf`](Self::from_hf), from a checkpoint already open.
+    ///
+    /// # Errors
+    /// As [`from_hf`](Self::from_hf).
+    pub fn from_checkpoint(
+        ckpt: &HfCheckpoint,
+        device: &B::Device,
+        comm: Arc<dyn Communicator>,
+    ) -> Result<Self> {
+        let config = decoder_config(ckpt)?;
+        let root = ckpt.root().to_string();
+        let mut r = Reader::<B> {
+            ckpt,
+            device,
+            used: BTreeSet::new(),
+        };
+        let (m, v, eps) = (config.d_model, config.vocab_size, config.rms_eps);
+        let embed = Embedding {
+            weight: Param::from_tensor(r.tensor(&format!("{root}embed_tokens.weight"), [v, m])?),
+        };
+        let mut layers = Vec::with_capacity(config.layers.len());
+        for (i, spec) in config.layers.iter().enumerate() {
+            let prefix = format!("{root}layers.{i}");
+            let attn = read_attention(&mut r, &config, &format!("{prefix}.self_attn"))?;
+            let (mlp, moe) = match &spec.ffn {
+                FfnKind::Dense { d_hidden } => {
+                    let p = format!("{prefix}.mlp");
+                    let mlp = Mlp {
+                        gate: r.linear(&format!("{p}.gate_proj"), m, *d_hidden, false)?,
+                        up: r.linear(&format!("{p}.up_proj"), m, *d_hidden, false)?,
+                        down: r.linear(&format!("{p}.down_proj"), *d_hidden, m, false)?,
+                    };
+                    (Some(mlp), None)
+                }
+                FfnKind::Moe(_) => {
+                    r.used.extend(ckpt.layer_tensor_names(i)?);
+                    (None, Some(ckpt.load_layer(i, device, comm.clone())?))
+                }
+            };
+            layers.push(DecoderLayer {
+                attn_norm: r.norm(&format!("{prefix}.input_layernorm.weight"), m, eps)?,
+                attn,
+                ffn_norm: r.norm(&format!("{prefix}.post_attention_layernorm.weight"), m, eps)?,
+                mlp,
+                moe,
+                window: spec.window,
+            });
+        }
+        let norm = r.norm(&format!("{root}norm.weight"), m, eps)?;
+        let lm_head = match config.tie_embeddings {
+            true => None,
+            false => Some(r.linear("lm_head", m, v, false)?),
+        };
+        let unused: Vec<&str> = ckpt.tensor_names().filter(|n| !r.used.contains(*n)).collect();
+        if !unused.is_empty() {
+            let shown: Vec<&str> = unused.iter().take(5).copied().collect();
+            return Err(MoeError::file(
+                ckpt.dir(),
+                format!(
+                    "{} tensor(s) the {} model does not use (a checkpoint of another shape or family?): {}{}",
+                    unused.len(),
+                    config.model_type,
+                    shown.join(", "),
+                    if unused.len() > shown.len() { ", ..." } else { "" }
+                ),
+            ));
+        }
+        Ok(Self {
+            embed,
+            layers,
+            norm,
+            lm_head,
+            config,
+        })
+    }
+}
+
+fn read_attention<B: Backend>(
+    r: &mut Reader<'_, B>,
+    config: &DecoderConfig,
+    p: &str,
+) -> Result<Attention<B>> {
+    let mut attn = Attention::new(config, r.device);
+    let (m, hd) = (config.d_model, config.head_dim);
+    let (q_width, kv_width) = (config.n_heads * hd, config.n_kv_heads * hd);
+    attn.q = r.linear(&format!("{p}.q_proj"), m, q_width, config.qkv_bias)?;
+    attn.k = r.linear(&format!("{p}.k_proj"), m, kv_width, config.qkv_bias)?;
+    attn.v = r.linear(&format!("{p}.v_proj"), m, kv_width, config.qkv_bias)?;
+    attn.o = r.linear(&format!("{p}.o_proj"), q_width, m, config.o_bias)?;
+    if let Some(n) = attn.q_norm.as_ref().map(|n| n.weight.dims()[0]) {
+        attn.q_norm = Some(r.norm(&format!("{p}.q_norm.weight"), n, config.rms_eps)?);
+    }
+    if let Some(n) = attn.k_norm.as_ref().map(|n| n.weight.dims()[0]) {
+        attn.k_norm = Some(r.norm(&format!("{p}.k_norm.weight"), n, config.rms_eps)?);
+    }
+    Ok(attn)
+}

@@ -1,0 +1,41 @@
+//! The dense feed-forward block of the layers that are not MoE.
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
+use burn::tensor::activation::silu;
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+
+/// `down(silu(gate(x)) · up(x))`, no biases (the `mlp` of Qwen2-MoE's and Qwen3-MoE's dense
+/// layers, DeepSeek's first layers, Llama's MLP).
+///
+/// # Shapes
+/// - input: `[batch, seq, d_model]`
+/// - output: the same
+#[derive(Module, Debug)]
+pub struct Mlp<B: Backend> {
+    /// `[d_model, d_hidden]`
+    pub gate: Linear<B>,
+    /// `[d_model, d_hidden]`
+    pub up: Linear<B>,
+    /// `[d_hidden, d_model]`
+    pub down: Linear<B>,
+}
+
+impl<B: Backend> Mlp<B> {
+    /// Randomly initialised, as burn initialises a `Linear`.
+    pub fn new(d_model: usize, d_hidden: usize, device: &B::Device) -> Self {
+        let linear = |i, o| LinearConfig::new(i, o).with_bias(false).init(device);
+        Self {
+            gate: linear(d_model, d_hidden),
+            up: linear(d_model, d_hidden),
+            down: linear(d_hidden, d_model),
+        }
+    }
+
+    /// Applies the block.
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.down
+            .forward(silu(self.gate.forward(x.clone())) * self.up.forward(x))
+    }
+}

@@ -1,0 +1,224 @@
+//! The whole decoder: embedding, layers, final norm, output projection.
+
+use std::sync::Arc;
+
+use burn::module::{Module, Param};
+use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
+use burn::tensor::activation::log_softmax;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor};
+use mpipemoe::{Communicator, MoeBackend, MoeLayer, MoeLayerConfig, Result};
+
+use crate::attention::Attention;
+use crate::cache::KvCache;
+use crate::config::{DecoderConfig, FfnKind};
+use crate::layer::DecoderLayer;
+use crate::mlp::Mlp;
+use crate::norm::RmsNorm;
+use crate::rotary::Rotary;
+
+/// A decoder-only MoE language model (`*ForCausalLM`).
+#[derive(Module, Debug)]
+pub struct MoeCausalLm<B: Backend> {
+    /// `embed_tokens`: `[vocab, d_model]`
+    pub embed: Embedding<B>,
+    /// The decoder layers.
+    pub layers: Vec<DecoderLayer<B>>,
+    /// The final `norm`.
+    pub norm: RmsNorm<B>,
+    /// `lm_head` (`[d_model, vocab]`); `None` when tied to the embedding.
+    pub lm_head: Option<Linear<B>>,
+    #[module(skip)]
+    pub(crate) config: DecoderConfig,
+}
+
+/// What [`MoeCausalLm::forward`] returns.
+#[derive(Debug, Clone)]
+pub struct LmOutput<B: Backend> {
+    /// `[batch, seq, vocab]`
+    pub logits: Tensor<B, 3>,
+    /// The MoE layers' auxiliary losses summed (this rank's share; already scaled by each
+    /// layer's coefficient). `[1]`
+    pub aux_loss: Tensor<B, 1>,
+    /// The MoE layers' z-losses summed (this rank's share). `[1]`
+    pub z_loss: Tensor<B, 1>,
+}
+
+impl<B: Backend> MoeCausalLm<B> {
+    /// A randomly initialised model of `config` (burn's initialisation; each MoE layer from its
+    /// own configuration's seed), with this rank's experts of every MoE layer.
+    ///
+    /// # Errors
+    /// [`MoeError::Config`](mpipemoe::MoeError::Config) naming a bad field, or an MoE layer
+    /// whose experts do not split over `comm`'s ranks.
+    pub fn new(config: DecoderConfig, device: &B::Device, comm: Arc<dyn Communicator>) -> Result<Self> {
+        config.validate()?;
+        let layers = config
+            .layers
+            .iter()
+            .map(|spec| {
+                let (mlp, moe) = match &spec.ffn {
+                    FfnKind::Dense { d_hidden } => (Some(Mlp::new(config.d_model, *d_hidden, device)), None),
+                    FfnKind::Moe(moe) => (None, Some(moe.init_rank::<B>(device, comm.clone())?)),
+                };
+                Ok(DecoderLayer {
+                    attn_norm: RmsNorm::new(config.d_model, config.rms_eps, device),
+                    attn: Attention::new(&config, device),
+                    ffn_norm: RmsNorm::new(config.d_model, config.rms_eps, device),
+                    mlp,
+                    moe,
+                    window: spec.window,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            embed: EmbeddingConfig::new(config.vocab_size, config.d_model).init(device),
+            layers,
+            norm: RmsNorm::new(config.d_model, config.rms_eps, device),
+            lm_head: (!config.tie_embeddings).then(|| {
+                LinearConfig::new(config.d_model, config.vocab_size)
+                    .with_bias(false)
+                    .init(device)
+            }),
+            config,
+        })
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &DecoderConfig {
+        &self.config
+    }
+
+    /// The same weights with every MoE layer's run settings changed by `f` (partitions,
+    /// memory reuse, exchange path, shadowing, ...; see [`MoeLayer::with_config`]).
+    ///
+    /// # Errors
+    /// As [`MoeLayer::with_config`]: if `f` changes a layer's shape or parameters, or makes
+    /// its configuration invalid.
+    pub fn map_moe_configs(mut self, f: impl Fn(MoeLayerConfig) -> MoeLayerConfig) -> Result<Self> {
+        for (layer, spec) in self.layers.iter_mut().zip(self.config.layers.iter_mut()) {
+            if let Some(moe) = layer.moe.take() {
+                let config = f(moe.config().clone());
+                spec.ffn = FfnKind::Moe(Box::new(config.clone()));
+                layer.moe = Some(moe.with_config(config)?);
+            }
+        }
+        Ok(self)
+    }
+
+    /// The MoE layers, with their decoder-layer index.
+    pub fn moe_layers(&self) -> impl Iterator<Item = (usize, &MoeLayer<B>)> {
+        self.layers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, l)| l.moe.as_ref().map(|m| (i, m)))
+    }
+}
+
+impl<B: MoeBackend> MoeCausalLm<B> {
+    /// Runs the model on `ids`, continuing `cache` if one is given (positions start at its
+    /// `next_position`, and the cache is extended by these tokens).
+    ///
+    /// # Shapes
+    /// - ids: `[batch, seq]`
+    /// - logits: `[batch, seq, vocab]`
+    ///
+    /// # Panics
+    /// Where [`try_forward`](Self::try_forward) would return an error.
+    pub fn forward(&self, ids: Tensor<B, 2, Int>, cache: Option<&mut KvCache<B>>) -> LmOutput<B> {
+        self.try_forward(ids, cache).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// As [`forward`](Self::forward).
+    ///
+    /// # Errors
+    /// As [`MoeLayer::try_forward`] (a peer rank that fails); [`MoeError::Input`](mpipemoe::MoeError::Input)
+    /// if a cache of another depth is given.
+    pub fn try_forward(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        mut cache: Option<&mut KvCache<B>>,
+    ) -> Result<LmOutput<B>> {
+        let device = ids.device();
+        let [_, t] = ids.dims();
+        if let Some(c) = &cache {
+            if c.layers.len() != self.layers.len() {
+                return Err(mpipemoe::MoeError::Input(format!(
+                    "a cache of {} layers for a model of {}",
+                    c.layers.len(),
+                    self.layers.len()
+                )));
+            }
+        }
+        let start = cache.as_ref().map_or(0, |c| c.next_position);
+        let positions: Vec<usize> = (start..start + t).collect();
+        let rotary = Rotary::new(self.config.head_dim, self.config.rope_theta);
+        let (cos, sin) = rotary.tables::<B>(&positions, &device);
+        let mut hidden = self.embed.forward(ids);
+        let mut aux = Tensor::zeros([1], &device);
+        let mut z = Tensor::zeros([1], &device);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let cached = cache.as_ref().and_then(|c| c.layers[i].as_ref());
+            let out = layer.forward(hidden, &positions, (&cos, &sin), cached)?;
+            hidden = out.hidden;
+            if let Some(a) = out.aux_loss {
+                aux = aux + a;
+            }
+            if let Some(zl) = out.z_loss {
+                z = z + zl;
+            }
+            if let Some(c) = cache.as_mut() {
+                c.layers[i] = Some(out.cache);
+            }
+        }
+        if let Some(c) = cache {
+            c.next_position = start + t;
+        }
+        let hidden = self.norm.forward(hidden);
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(hidden),
+            None => hidden.matmul(self.embed.weight.val().transpose().unsqueeze::<3>()),
+        };
+        Ok(LmOutput {
+            logits,
+            aux_loss: aux,
+            z_loss: z,
+        })
+    }
+
+    /// The causal language-modelling loss of `ids`: the mean cross-entropy of predicting
+    /// token `t + 1` from the tokens up to `t`, over every row and position (as transformers'
+    /// `ForCausalLMLoss` with `labels = ids`), and the MoE layers' losses beside it (add them
+    /// to train with them).
+    ///
+    /// # Shapes
+    /// - ids: `[batch, seq]` with `seq ≥ 2`
+    ///
+    /// # Errors
+    /// As [`try_forward`](Self::try_forward); [`MoeError::Input`](mpipemoe::MoeError::Input)
+    /// if `seq < 2`.
+    pub fn loss(&self, ids: Tensor<B, 2, Int>) -> Result<(Tensor<B, 1>, LmOutput<B>)> {
+        let [b, t] = ids.dims();
+        if t < 2 {
+            return Err(mpipemoe::MoeError::Input(format!(
+                "a loss needs at least 2 tokens a row, got {t}"
+            )));
+        }
+        let out = self.try_forward(ids.clone(), None)?;
+        let v = self.config.vocab_size;
+        let predicted = out
+            .logits
+            .clone()
+            .slice([0..b, 0..t - 1, 0..v])
+            .reshape([b * (t - 1), v]);
+        let targets = ids.slice([0..b, 1..t]).reshape([b * (t - 1), 1]);
+        let loss = log_softmax(predicted, 1).gather(1, targets).mean().neg();
+        Ok((loss, out))
+    }
+}
+
+/// `Param` of a `Linear` weight from a stored `[out, in]` matrix: burn's `Linear` holds
+/// `[in, out]`.
+pub(crate) fn linear_weight<B: Backend>(stored: Tensor<B, 2>) -> Param<Tensor<B, 2>> {
+    Param::from_tensor(stored.transpose())
+}

@@ -1,0 +1,215 @@
+//! `mpipemoe logits` and `mpipemoe generate`: a whole Hugging Face MoE model
+//! (`mpipemoe-models`) on the chosen backend, at one rank or with its experts sharded over
+//! thread ranks.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Int, Tensor, TensorData};
+use clap::Args;
+use mpipemoe::format::TensorMap;
+use mpipemoe::memory::Strategy;
+use mpipemoe::{LocalGroup, MemoryReuse, MoeBackend, MoeError, Partitions, MAX_PARTITIONS};
+use mpipemoe_models::MoeCausalLm;
+use mpipemoe_tools::backends::{run_on, BackendArg, BackendJob};
+use mpipemoe_tools::flags::{count, may_write};
+
+use crate::check::StrategyArg;
+
+/// How the model runs: backend, ranks and the MoE layers' exchange.
+#[derive(Args, Debug, Clone)]
+pub struct RunFlags {
+    /// Backend (`wgpu` needs the tool built with `--features wgpu`).
+    #[arg(long, value_enum, default_value_t = BackendArg::Flex)]
+    backend: BackendArg,
+    /// Expert-parallel ranks (threads, 1..=256): every MoE layer's experts are sharded over
+    /// them; each rank runs the same tokens and rank 0 reports.
+    #[arg(long, default_value_t = 1, value_parser = count(1, 256))]
+    ranks: usize,
+    /// Partitions of every MoE layer's exchange (the paper's n).
+    #[arg(long, default_value_t = 1, value_parser = count(1, MAX_PARTITIONS))]
+    partitions: usize,
+    /// Memory-reuse strategy of every MoE layer.
+    #[arg(long, value_enum, default_value_t = StrategyArg::None)]
+    strategy: StrategyArg,
+}
+
+#[derive(Args, Debug)]
+pub struct LogitsArgs {
+    /// A Hugging Face model folder (config.json, safetensors).
+    dir: PathBuf,
+    /// Token ids, comma-separated (e.g. `1,5,9`).
+    #[arg(long, required = true, value_delimiter = ',')]
+    ids: Vec<usize>,
+    /// Where to write the logits: a safetensors file with `logits` `[T, vocab]` in f32.
+    #[arg(long)]
+    out: PathBuf,
+    /// Replace `--out` if it exists.
+    #[arg(long)]
+    overwrite: bool,
+    #[command(flatten)]
+    run: RunFlags,
+}
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    /// A Hugging Face model folder (config.json, safetensors).
+    dir: PathBuf,
+    /// The prompt's token ids, comma-separated (e.g. `1,5,9`).
+    #[arg(long, required = true, value_delimiter = ',')]
+    ids: Vec<usize>,
+    /// Most new tokens (fewer if an end-of-sequence id comes).
+    #[arg(long, default_value_t = 32, value_parser = count(0, 1 << 20))]
+    max_new_tokens: usize,
+    #[command(flatten)]
+    run: RunFlags,
+}
+
+/// What to do with the model once loaded.
+#[derive(Clone)]
+enum Task {
+    Logits(Vec<usize>),
+    Generate(Vec<usize>, usize),
+}
+
+/// The model's answer: logits `[T, vocab]`, or the new ids.
+enum Answer {
+    Logits(Vec<f32>, [usize; 2]),
+    Ids(Vec<usize>),
+}
+
+struct LmJob<'a> {
+    dir: &'a Path,
+    run: &'a RunFlags,
+    task: Task,
+}
+
+impl BackendJob for LmJob<'_> {
+    type Output = mpipemoe::Result<Answer>;
+
+    fn run<B>(self, _device: &B::Device) -> Self::Output
+    where
+        B: AutodiffBackend + MoeBackend,
+        B::InnerBackend: MoeBackend,
+    {
+        // Inference only: the backend without autodiff. Rank 0's answer (every rank computes
+        // the same tokens).
+        let strategy = self.run.strategy.strategy();
+        let partitions = self.run.partitions;
+        let answers = LocalGroup::run(self.run.ranks, |ctx| {
+            let device = Default::default();
+            let model = MoeCausalLm::<B::InnerBackend>::from_hf(self.dir, &device, ctx.comm)?
+                .map_moe_configs(|c| {
+                    c.with_partitions(Partitions::Fixed(partitions))
+                        .with_memory_reuse(MemoryReuse::from(strategy))
+                })?;
+            match &self.task {
+                Task::Logits(ids) => {
+                    let t = ids.len();
+                    let tensor = Tensor::<B::InnerBackend, 2, Int>::from_data(
+                        TensorData::new(ids.iter().map(|&i| i as i64).collect::<Vec<_>>(), [1, t]),
+                        &device,
+                    );
+                    let vocab = model.config().vocab_size;
+                    let logits = model.try_forward(tensor, None)?.logits;
+                    let values = logits
+                        .into_data()
+                        .convert::<f32>()
+                        .into_vec::<f32>()
+                        .map_err(|e| MoeError::Input(format!("logits: {e:?}")))?;
+                    Ok(Answer::Logits(values, [t, vocab]))
+                }
+                Task::Generate(prompt, n) => Ok(Answer::Ids(model.generate(prompt, *n, &device)?)),
+            }
+        })?;
+        Ok(answers.into_iter().next().expect("at least one rank"))
+    }
+}
+
+fn check_ids(ids: &[usize]) -> Result<(), String> {
+    if ids.is_empty() {
+        return Err("--ids: give at least one token id".into());
+    }
+    Ok(())
+}
+
+fn answer(dir: &Path, run: &RunFlags, task: Task) -> Result<Answer, ExitCode> {
+    let job = LmJob { dir, run, task };
+    match run_on(run.backend, job) {
+        Err(message) => {
+            eprintln!("error: {message}");
+            Err(ExitCode::from(2))
+        }
+        Ok(Err(e)) => {
+            eprintln!("error: {e}");
+            Err(ExitCode::FAILURE)
+        }
+        Ok(Ok(answer)) => Ok(answer),
+    }
+}
+
+pub fn logits(args: LogitsArgs) -> ExitCode {
+    if let Err(message) = check_ids(&args.ids).and_then(|()| may_write(&args.out, args.overwrite)) {
+        eprintln!("error: {message}");
+        return ExitCode::from(2);
+    }
+    match answer(&args.dir, &args.run, Task::Logits(args.ids.clone())) {
+        Ok(Answer::Logits(values, shape)) => {
+            let mut tensors = TensorMap::new();
+            tensors.insert("logits".to_string(), TensorData::new(values, shape));
+            let meta =
+                serde_json::json!({ "model": args.dir.display().to_string(), "ids": args.ids }).to_string();
+            match mpipemoe::format::write_safetensors(&args.out, &tensors, &meta) {
+                Ok(()) => {
+                    println!(
+                        "logits [{}, {}] written to {}",
+                        shape[0],
+                        shape[1],
+                        args.out.display()
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Ok(Answer::Ids(_)) => unreachable!("a logits task answers logits"),
+        Err(code) => code,
+    }
+}
+
+pub fn generate(args: GenerateArgs) -> ExitCode {
+    if let Err(message) = check_ids(&args.ids) {
+        eprintln!("error: {message}");
+        return ExitCode::from(2);
+    }
+    match answer(
+        &args.dir,
+        &args.run,
+        Task::Generate(args.ids.clone(), args.max_new_tokens),
+    ) {
+        Ok(Answer::Ids(ids)) => {
+            let line: Vec<String> = ids.iter().map(usize::to_string).collect();
+            println!("{}", line.join(","));
+            ExitCode::SUCCESS
+        }
+        Ok(Answer::Logits(..)) => unreachable!("a generate task answers ids"),
+        Err(code) => code,
+    }
+}
+
+impl StrategyArg {
+    /// The strategy the flag names.
+    pub fn strategy(self) -> Strategy {
+        match self {
+            StrategyArg::None => Strategy::None,
+            StrategyArg::S1 => Strategy::S1,
+            StrategyArg::S2 => Strategy::S2,
+            StrategyArg::S3 => Strategy::S3,
+            StrategyArg::S4 => Strategy::S4,
+        }
+    }
+}
