@@ -3,6 +3,7 @@
 use mpipemoe::{MoeError, MoeLayerConfig, Result};
 
 use crate::attention::QkNorm;
+use crate::rotary::RopeScaling;
 
 /// A decoder layer's feed-forward block.
 #[derive(Debug, Clone)]
@@ -47,6 +48,8 @@ pub struct DecoderConfig {
     pub rms_eps: f64,
     /// Rotary embeddings' base (`rope_theta`).
     pub rope_theta: f64,
+    /// Rotary embeddings' scaling rule.
+    pub rope_scaling: RopeScaling,
     /// Biases on the q, k and v projections.
     pub qkv_bias: bool,
     /// A bias on the output projection.

@@ -22,6 +22,7 @@ use serde_json::Value;
 
 use crate::attention::QkNorm;
 use crate::config::{DecoderConfig, FfnKind, LayerSpec};
+use crate::rotary::RopeScaling;
 
 /// The `model_type`s whole models are built for.
 pub const SUPPORTED: [&str; 4] = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"];
@@ -31,7 +32,7 @@ pub const SUPPORTED: [&str; 4] = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"];
 /// # Errors
 /// [`MoeError::File`] naming `config.json` and the key if the family is not one of
 /// [`SUPPORTED`] (naming them), a key is missing or of the wrong type, or the folder uses a
-/// rule not built yet (a rotary scaling other than `default`).
+/// rule not built yet (a rotary scaling other than default, linear, llama3 or yarn).
 pub fn decoder_config(ckpt: &HfCheckpoint) -> Result<DecoderConfig> {
     let keys = Keys {
         json: ckpt.config_json(),
@@ -68,6 +69,7 @@ pub fn decoder_config(ckpt: &HfCheckpoint) -> Result<DecoderConfig> {
         });
     }
     let attention_bias = keys.bool_or("attention_bias", false)?;
+    let (rope_theta, rope_scaling) = keys.rope()?;
     let (qkv_bias, o_bias, qk_norm, clip_qkv) = match model_type.as_str() {
         "mixtral" => (false, false, QkNorm::None, None),
         "qwen2_moe" => (keys.bool_or("qkv_bias", true)?, false, QkNorm::None, None),
@@ -87,7 +89,8 @@ pub fn decoder_config(ckpt: &HfCheckpoint) -> Result<DecoderConfig> {
         n_kv_heads,
         head_dim,
         rms_eps: keys.f64_opt("rms_norm_eps")?.unwrap_or(1e-6),
-        rope_theta: keys.rope_theta()?,
+        rope_theta,
+        rope_scaling,
         qkv_bias,
         o_bias,
         qk_norm,
@@ -175,30 +178,91 @@ impl Keys<'_> {
         }
     }
 
-    /// `rope_parameters` (transformers 5) or `rope_theta` / `rope_scaling` (4.x). Only
-    /// unscaled rotary embeddings are built so far.
-    fn rope_theta(&self) -> Result<f64> {
-        let (theta, kind) = match self.get("rope_parameters") {
-            Some(p) => (
-                p.get("rope_theta").and_then(Value::as_f64),
-                p.get("rope_type").and_then(Value::as_str).map(str::to_string),
-            ),
+    /// `rope_parameters` (transformers 5) or `rope_theta` / `rope_scaling` (4.x): the base
+    /// and the scaling rule, with transformers' defaults (`_compute_*_parameters` in
+    /// `modeling_rope_utils.py`). `"dynamic"` (frequencies that change with the sequence
+    /// length) and `"longrope"` are refused.
+    fn rope(&self) -> Result<(f64, RopeScaling)> {
+        let (theta, params) = match self.get("rope_parameters") {
+            Some(p) => (p.get("rope_theta").and_then(Value::as_f64), Some(p)),
             None => (
                 self.get("rope_theta").and_then(Value::as_f64),
-                self.get("rope_scaling")
-                    .and_then(|s| s.get("rope_type").or_else(|| s.get("type")))
-                    .and_then(Value::as_str)
-                    .map(str::to_string),
+                self.get("rope_scaling"),
             ),
         };
-        if let Some(kind) = kind.filter(|k| k != "default") {
-            return Err(self.error(format!(
-                "rotary scaling {kind:?} (`rope_type`) is not built yet: only unscaled (\"default\") rotary embeddings"
-            )));
-        }
-        theta
-            .filter(|t| t.is_finite() && *t > 0.0)
-            .ok_or_else(|| self.error("missing or non-positive `rope_theta`"))
+        let theta = theta
+            .filter(|t| t.is_finite() && *t > 1.0)
+            .ok_or_else(|| self.error("missing `rope_theta`, or not a number over 1"))?;
+        let Some(params) = params.filter(|p| !p.is_null()) else {
+            return Ok((theta, RopeScaling::None));
+        };
+        let kind = params
+            .get("rope_type")
+            .or_else(|| params.get("type"))
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        let number = |key: &str| -> Result<Option<f64>> {
+            match params.get(key).filter(|v| !v.is_null()) {
+                None => Ok(None),
+                Some(v) => v
+                    .as_f64()
+                    .filter(|x| x.is_finite() && *x > 0.0)
+                    .map(Some)
+                    .ok_or_else(|| self.error(format!("rotary scaling's `{key}` is not a positive number"))),
+            }
+        };
+        let needed = |key: &str| -> Result<f64> {
+            number(key)?.ok_or_else(|| self.error(format!("rotary scaling {kind:?} needs `{key}`")))
+        };
+        let scaling = match kind {
+            "default" => RopeScaling::None,
+            "linear" => RopeScaling::Linear {
+                factor: needed("factor")?,
+            },
+            "llama3" => RopeScaling::Llama3 {
+                factor: needed("factor")?,
+                low_freq_factor: needed("low_freq_factor")?,
+                high_freq_factor: needed("high_freq_factor")?,
+                original_max_position_embeddings: needed("original_max_position_embeddings")?,
+            },
+            "yarn" => {
+                let original = needed("original_max_position_embeddings")?;
+                let factor = match number("factor")? {
+                    Some(f) => f,
+                    None => self.usize("max_position_embeddings")? as f64 / original,
+                };
+                let mscale = |scale: f64, m: f64| {
+                    if scale <= 1.0 {
+                        1.0
+                    } else {
+                        0.1 * m * scale.ln() + 1.0
+                    }
+                };
+                let attention_factor = match (
+                    number("attention_factor")?,
+                    number("mscale")?,
+                    number("mscale_all_dim")?,
+                ) {
+                    (Some(a), _, _) => a,
+                    (None, Some(m), Some(all)) => mscale(factor, m) / mscale(factor, all),
+                    _ => mscale(factor, 1.0),
+                };
+                RopeScaling::Yarn {
+                    factor,
+                    attention_factor,
+                    beta_fast: number("beta_fast")?.unwrap_or(32.0),
+                    beta_slow: number("beta_slow")?.unwrap_or(1.0),
+                    original_max_position_embeddings: original,
+                    truncate: params.get("truncate").and_then(Value::as_bool).unwrap_or(true),
+                }
+            }
+            other => {
+                return Err(self.error(format!(
+                "rotary scaling {other:?} (`rope_type`) is not built: default, linear, llama3 and yarn are"
+            )))
+            }
+        };
+        Ok((theta, scaling))
     }
 
     /// Layer `layer`'s sliding window, by its family's rule.

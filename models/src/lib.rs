@@ -43,4 +43,4 @@ pub use layer::DecoderLayer;
 pub use mlp::Mlp;
 pub use model::{LmOutput, MoeCausalLm};
 pub use norm::RmsNorm;
-pub use rotary::Rotary;
+pub use rotary::{RopeScaling, Rotary};

@@ -152,7 +152,11 @@ impl<B: MoeBackend> MoeCausalLm<B> {
         }
         let start = cache.as_ref().map_or(0, |c| c.next_position);
         let positions: Vec<usize> = (start..start + t).collect();
-        let rotary = Rotary::new(self.config.head_dim, self.config.rope_theta);
+        let rotary = Rotary::scaled(
+            self.config.head_dim,
+            self.config.rope_theta,
+            self.config.rope_scaling,
+        );
         let (cos, sin) = rotary.tables::<B>(&positions, &device);
         let mut hidden = self.embed.forward(ids);
         let mut aux = Tensor::zeros([1], &device);

@@ -1,29 +1,128 @@
-//! Rotary position embeddings (unscaled), computed as transformers computes them.
+//! Rotary position embeddings, unscaled or with the scaling rules published models use,
+//! computed as transformers computes them.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
+/// How the rotary frequencies are scaled for contexts beyond the pretraining length
+/// (`rope_parameters.rope_type` in a transformers 5 config, `rope_scaling` in 4.x).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    /// Unscaled (`"default"`).
+    None,
+    /// Positions divided by `factor` (`"linear"`): every frequency divided by it.
+    Linear {
+        /// The context's stretch.
+        factor: f64,
+    },
+    /// Llama 3's rule (`"llama3"`): low frequencies divided by `factor`, high ones kept, the
+    /// band between interpolated.
+    Llama3 {
+        /// The context's stretch.
+        factor: f64,
+        /// Wavelengths over `original_max_position_embeddings / low_freq_factor` are scaled.
+        low_freq_factor: f64,
+        /// Wavelengths under `original_max_position_embeddings / high_freq_factor` are kept.
+        high_freq_factor: f64,
+        /// The pretraining context length.
+        original_max_position_embeddings: f64,
+    },
+    /// YaRN (`"yarn"`): frequencies blended between interpolated and kept by a linear ramp
+    /// over the dimensions, and cos / sin multiplied by an attention factor.
+    Yarn {
+        /// The context's stretch.
+        factor: f64,
+        /// cos and sin are multiplied by this (given, or `0.1 · ln(factor) + 1`, or DeepSeek's
+        /// ratio of the `mscale` and `mscale_all_dim` forms).
+        attention_factor: f64,
+        /// The ramp's fast boundary in rotations (default 32).
+        beta_fast: f64,
+        /// The ramp's slow boundary in rotations (default 1).
+        beta_slow: f64,
+        /// The pretraining context length.
+        original_max_position_embeddings: f64,
+        /// Round the ramp's bounds outwards to whole dimensions (default true).
+        truncate: bool,
+    },
+}
+
 /// Rotary embeddings of `head_dim` with base `theta`, applied in transformers' "rotate half"
 /// layout: the first half of a head pairs with the second half.
 ///
-/// The angles are computed in f32 as transformers does in every dtype
-/// (`inv_freq = 1 / theta^(2i / d)` in f32, `angle = inv_freq · position` in f32, then cos and
-/// sin), so that the tables are the same numbers.
+/// The frequencies and angles are computed in f32 as transformers computes them in every
+/// dtype (`inv_freq = 1 / theta^(2i / d)` in f32, the scaling rule in f32, `angle = inv_freq ·
+/// position` in f32, then cos and sin times the attention factor), so that the tables are
+/// the same numbers.
 #[derive(Debug, Clone)]
 pub struct Rotary {
     inv_freq: Vec<f32>,
+    attention_factor: f32,
 }
 
 impl Rotary {
-    /// For heads of `head_dim` (even) and base `theta`.
+    /// For heads of `head_dim` (even) and base `theta`, unscaled.
     pub fn new(head_dim: usize, theta: f64) -> Self {
-        let inv_freq = (0..head_dim / 2)
-            .map(|i| {
-                let exponent = (2 * i) as f32 / head_dim as f32;
-                1.0 / (theta as f32).powf(exponent)
-            })
+        Self::scaled(head_dim, theta, RopeScaling::None)
+    }
+
+    /// For heads of `head_dim` (even) and base `theta`, scaled by `scaling`.
+    pub fn scaled(head_dim: usize, theta: f64, scaling: RopeScaling) -> Self {
+        let half = head_dim / 2;
+        // transformers: `base ** (arange(0, dim, 2).float() / dim)` in f32.
+        let pos_freqs: Vec<f32> = (0..half)
+            .map(|i| (theta as f32).powf((2 * i) as f32 / head_dim as f32))
             .collect();
-        Self { inv_freq }
+        let plain: Vec<f32> = pos_freqs.iter().map(|p| 1.0 / p).collect();
+        let (inv_freq, attention_factor) = match scaling {
+            RopeScaling::None => (plain, 1.0),
+            RopeScaling::Linear { factor } => (plain.iter().map(|f| f / factor as f32).collect(), 1.0),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings: old,
+            } => (
+                llama3(&plain, factor, low_freq_factor, high_freq_factor, old),
+                1.0,
+            ),
+            RopeScaling::Yarn {
+                factor,
+                attention_factor,
+                beta_fast,
+                beta_slow,
+                original_max_position_embeddings,
+                truncate,
+            } => {
+                let dim = head_dim as f64;
+                let correction_dim = |rotations: f64| {
+                    dim * (original_max_position_embeddings / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                        / (2.0 * theta.ln())
+                };
+                let (mut low, mut high) = (correction_dim(beta_fast), correction_dim(beta_slow));
+                if truncate {
+                    (low, high) = (low.floor(), high.ceil());
+                }
+                let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+                if low == high {
+                    high += 0.001;
+                }
+                let freqs = pos_freqs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &p)| {
+                        let ramp = ((i as f32 - low as f32) / (high - low) as f32).clamp(0.0, 1.0);
+                        let extrapolation = 1.0 - ramp;
+                        let interpolated = 1.0 / (factor as f32 * p);
+                        interpolated * (1.0 - extrapolation) + (1.0 / p) * extrapolation
+                    })
+                    .collect();
+                (freqs, attention_factor as f32)
+            }
+        };
+        Self {
+            inv_freq,
+            attention_factor,
+        }
     }
 
     /// `cos` and `sin` for `positions`, each `[n_positions, head_dim]` (the half-width table
@@ -40,8 +139,8 @@ impl Rotary {
             for _ in 0..2 {
                 for &f in &self.inv_freq {
                     let angle = f * p as f32;
-                    cos.push(angle.cos());
-                    sin.push(angle.sin());
+                    cos.push(angle.cos() * self.attention_factor);
+                    sin.push(angle.sin() * self.attention_factor);
                 }
             }
         }
@@ -66,5 +165,92 @@ impl Rotary {
         let cos = cos.clone().unsqueeze::<4>();
         let sin = sin.clone().unsqueeze::<4>();
         x * cos + rotated * sin
+    }
+}
+
+/// Llama 3's frequencies (transformers' `_compute_llama3_parameters`, in f32): wavelengths
+/// over `old / low_freq_factor` divided by `factor`, under `old / high_freq_factor` kept, and
+/// those between interpolated by how many times they fit in `old`.
+fn llama3(plain: &[f32], factor: f64, low_freq_factor: f64, high_freq_factor: f64, old: f64) -> Vec<f32> {
+    let (low_wavelen, high_wavelen) = (old / low_freq_factor, old / high_freq_factor);
+    let factor = factor as f32;
+    plain
+        .iter()
+        .map(|&f| {
+            let wavelen = (2.0 * std::f64::consts::PI) as f32 / f;
+            let long = wavelen as f64 > low_wavelen;
+            let short = (wavelen as f64) < high_wavelen;
+            let scaled = if long { f / factor } else { f };
+            match !long && !short {
+                true => {
+                    let smooth = (old as f32 / wavelen - low_freq_factor as f32)
+                        / (high_freq_factor - low_freq_factor) as f32;
+                    (1.0 - smooth) * scaled / factor + smooth * scaled
+                }
+                false => scaled,
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Frequencies of published shapes (head_dim 128), printed by transformers 5.24's
+    /// `ROPE_INIT_FUNCTIONS` (Qwen3 with YaRN ×4 over 32,768; Llama 3.1's rule), at
+    /// dimensions across the ramp.
+    #[test]
+    fn frequencies_of_published_shapes_equal_transformers() {
+        let cases = [
+            (
+                1e6,
+                RopeScaling::Yarn {
+                    factor: 4.0,
+                    attention_factor: 0.1 * 4f64.ln() + 1.0,
+                    beta_fast: 32.0,
+                    beta_slow: 1.0,
+                    original_max_position_embeddings: 32768.0,
+                    truncate: true,
+                },
+                [
+                    1.0,
+                    0.031622779,
+                    0.0053753215,
+                    0.00060294115,
+                    4.4456985e-05,
+                    7.9056936e-06,
+                    3.1023444e-07,
+                ],
+            ),
+            (
+                5e5,
+                RopeScaling::Llama3 {
+                    factor: 8.0,
+                    low_freq_factor: 1.0,
+                    high_freq_factor: 4.0,
+                    original_max_position_embeddings: 8192.0,
+                },
+                [
+                    1.0,
+                    0.03760603,
+                    0.0072926651,
+                    0.00052484602,
+                    3.4281024e-05,
+                    6.6478697e-06,
+                    3.0689259e-07,
+                ],
+            ),
+        ];
+        for (theta, scaling, expected) in cases {
+            let rotary = Rotary::scaled(128, theta, scaling);
+            for (&i, want) in [0, 16, 24, 32, 40, 48, 63].iter().zip(expected) {
+                let got = rotary.inv_freq[i];
+                assert!(
+                    (got - want).abs() <= 2e-6 * want,
+                    "{scaling:?}: dimension {i}: {got} against {want}"
+                );
+            }
+        }
     }
 }

@@ -407,11 +407,11 @@ fn an_unsupported_family_or_rotary_scaling_is_an_error_naming_it() {
         err.contains("\"gpt_oss\"") && err.contains("mixtral, qwen2_moe, qwen3_moe, olmoe"),
         "{err}"
     );
-    let dir = edited_copy("olmoe-tiny", "yarn", |config, _| {
-        config["rope_parameters"]["rope_type"] = "yarn".into();
+    let dir = edited_copy("olmoe-tiny", "dynamic", |config, _| {
+        config["rope_parameters"]["rope_type"] = "dynamic".into();
     });
     let err = load_error(&dir);
-    assert!(err.contains("\"yarn\"") && err.contains("rope_type"), "{err}");
+    assert!(err.contains("\"dynamic\"") && err.contains("rope_type"), "{err}");
 }
 
 fn temp_dir(test: &str) -> PathBuf {

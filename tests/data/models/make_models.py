@@ -20,7 +20,8 @@ Run with transformers 5.24 and torch 2.15: `python make_models.py` (about a minu
 Each configuration switches on the rules its family has: grouped-query attention (4 query
 heads share 2 key/value heads), sliding windows shorter than the sequence, dense and MoE
 layers mixed, biases on q/k/v, per-head or whole-projection q/k norms, clipped q/k/v,
-renormalised or plain top-k, a gated shared expert.
+renormalised or plain top-k, a gated shared expert, and each rotary rule (Mixtral linear
+scaling, Qwen2-MoE none, Qwen3-MoE YaRN, OLMoE Llama 3's).
 """
 
 import json
@@ -63,7 +64,7 @@ def families():
                 num_local_experts=4,
                 num_experts_per_tok=2,
                 sliding_window=5,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
             ),
         ),
         (
@@ -99,7 +100,12 @@ def families():
                 mlp_only_layers=[0],
                 use_sliding_window=True,
                 sliding_window=6,
-                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "rope_theta": 1000000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 32,
+                },
             ),
         ),
         (
@@ -111,7 +117,14 @@ def families():
                 num_experts_per_tok=2,
                 norm_topk_prob=False,
                 clip_qkv=1.5,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                rope_parameters={
+                    "rope_type": "llama3",
+                    "rope_theta": 10000.0,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 32,
+                },
             ),
         ),
     ]
