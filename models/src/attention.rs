@@ -81,6 +81,21 @@ impl<B: Backend> Attention<B> {
         }
     }
 
+    /// The Hugging Face names of its projections and norms under `prefix` (`...self_attn`).
+    pub fn hf_parts(&self, prefix: &str) -> (Vec<(String, &Linear<B>)>, Vec<(String, &RmsNorm<B>)>) {
+        let linears = vec![
+            (format!("{prefix}.q_proj"), &self.q),
+            (format!("{prefix}.k_proj"), &self.k),
+            (format!("{prefix}.v_proj"), &self.v),
+            (format!("{prefix}.o_proj"), &self.o),
+        ];
+        let norms = [("q_norm", &self.q_norm), ("k_norm", &self.k_norm)]
+            .into_iter()
+            .filter_map(|(name, n)| n.as_ref().map(|n| (format!("{prefix}.{name}"), n)))
+            .collect();
+        (linears, norms)
+    }
+
     /// Attends the tokens `x` at `positions` to themselves and to `cached` (earlier
     /// positions), causally and within `window`. Returns the output and the cache extended by
     /// these tokens' keys and values (trimmed to the window).
@@ -143,7 +158,7 @@ impl<B: Backend> Attention<B> {
         let values = repeat(cache.values.clone());
         let scale = (head_dim as f64).powf(-0.5);
         let scores = q.matmul(keys.swap_dims(2, 3)) * scale;
-        let hidden = mask(positions, &cache.positions, window, &device);
+        let hidden = causal_mask(positions, &cache.positions, window, &device);
         let scores = scores.mask_fill(
             hidden.unsqueeze::<4>().expand([b, n_heads, t, s]),
             f32::NEG_INFINITY,
@@ -167,7 +182,7 @@ fn norm<B: Backend, const D: usize>(norm: &Option<RmsNorm<B>>, x: Tensor<B, D>) 
 ///
 /// # Shapes
 /// - output: `[queries, keys]`
-fn mask<B: Backend>(
+pub(crate) fn causal_mask<B: Backend>(
     queries: &[usize],
     keys: &[usize],
     window: Option<usize>,

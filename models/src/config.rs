@@ -3,6 +3,7 @@
 use mpipemoe::{MoeError, MoeLayerConfig, Result};
 
 use crate::attention::QkNorm;
+use crate::latent::LatentConfig;
 use crate::rotary::RopeScaling;
 
 /// A decoder layer's feed-forward block.
@@ -64,6 +65,11 @@ pub struct DecoderConfig {
     pub tie_embeddings: bool,
     /// Ids that end generation.
     pub eos_token_ids: Vec<usize>,
+    /// Multi-head latent attention in place of grouped-query attention (DeepSeek-V3); the
+    /// rotary embedding then covers `qk_rope_head_dim` (`head_dim` is set to it).
+    pub latent: Option<LatentConfig>,
+    /// What the Hugging Face names of the text model start with (`model.`).
+    pub hf_root: String,
 }
 
 impl DecoderConfig {

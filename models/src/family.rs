@@ -9,6 +9,13 @@
 //! | `qwen2_moe` | `qkv_bias` | no | none | no | `layer_types` (or `use_sliding_window`, `max_window_layers`) | `mlp_only_layers`, `decoder_sparse_step` |
 //! | `qwen3_moe` | `attention_bias` | `attention_bias` | per head | no | `sliding_window` if `use_sliding_window` | `mlp_only_layers`, `decoder_sparse_step` |
 //! | `olmoe` | `attention_bias` | `attention_bias` | whole projection | `clip_qkv` | none | none |
+//! | `deepseek_v3` | latent attention: `attention_bias` on `q_a`, `kv_a`, `o` | | `q_a` / `kv_a` latent norms | no | none | `first_k_dense_replace` |
+//!
+//! DeepSeek-V3's attention is multi-head latent attention ([`LatentAttention`](crate::LatentAttention):
+//! `q_lora_rank`, `kv_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`,
+//! `rope_interleave`), its rotary embedding covers `qk_rope_head_dim`, and under YaRN with
+//! `mscale_all_dim` its softmax scale is multiplied by `mscale²` (transformers'
+//! `yarn_apply_mscale`).
 //!
 //! Which layers are MoE is decided by mpipemoe's checkpoint reader
 //! ([`HfCheckpoint::moe_layers`](mpipemoe::hf::HfCheckpoint::moe_layers)), as transformers
@@ -22,10 +29,11 @@ use serde_json::Value;
 
 use crate::attention::QkNorm;
 use crate::config::{DecoderConfig, FfnKind, LayerSpec};
+use crate::latent::LatentConfig;
 use crate::rotary::RopeScaling;
 
 /// The `model_type`s whole models are built for.
-pub const SUPPORTED: [&str; 4] = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"];
+pub const SUPPORTED: [&str; 5] = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"];
 
 /// Reads the folder's `config.json` into a [`DecoderConfig`].
 ///
@@ -47,8 +55,19 @@ pub fn decoder_config(ckpt: &HfCheckpoint) -> Result<DecoderConfig> {
     }
     let d_model = keys.usize("hidden_size")?;
     let n_heads = keys.usize("num_attention_heads")?;
-    let n_kv_heads = keys.usize_or("num_key_value_heads", n_heads)?;
-    let head_dim = keys.usize_or("head_dim", d_model / n_heads.max(1))?;
+    let latent = match model_type.as_str() {
+        "deepseek_v3" => Some(keys.latent()?),
+        _ => None,
+    };
+    // Latent attention expands every head's keys and values: no grouping.
+    let n_kv_heads = match latent {
+        Some(_) => n_heads,
+        None => keys.usize_or("num_key_value_heads", n_heads)?,
+    };
+    let head_dim = match latent {
+        Some(c) => c.qk_rope_head_dim,
+        None => keys.usize_or("head_dim", d_model / n_heads.max(1))?,
+    };
     let n_layers = ckpt
         .config_json()
         .get("num_hidden_layers")
@@ -74,6 +93,8 @@ pub fn decoder_config(ckpt: &HfCheckpoint) -> Result<DecoderConfig> {
         "mixtral" => (false, false, QkNorm::None, None),
         "qwen2_moe" => (keys.bool_or("qkv_bias", true)?, false, QkNorm::None, None),
         "qwen3_moe" => (attention_bias, attention_bias, QkNorm::PerHead, None),
+        // Latent attention reads `attention_bias` as `o_bias` (on q_a, kv_a and o).
+        "deepseek_v3" => (false, attention_bias, QkNorm::None, None),
         _ => (
             attention_bias,
             attention_bias,
@@ -98,6 +119,8 @@ pub fn decoder_config(ckpt: &HfCheckpoint) -> Result<DecoderConfig> {
         layers,
         tie_embeddings: keys.bool_or("tie_word_embeddings", false)?,
         eos_token_ids: keys.ids("eos_token_id")?,
+        latent,
+        hf_root: ckpt.root().to_string(),
     };
     config.validate().map_err(|e| keys.error(e.to_string()))?;
     Ok(config)
@@ -263,6 +286,45 @@ impl Keys<'_> {
             }
         };
         Ok((theta, scaling))
+    }
+
+    /// DeepSeek-V3's latent attention, with its softmax scale.
+    fn latent(&self) -> Result<LatentConfig> {
+        let q_lora_rank = match self.get("q_lora_rank") {
+            None => None,
+            Some(_) => Some(self.usize("q_lora_rank")?),
+        };
+        let (nope, rope) = (self.usize("qk_nope_head_dim")?, self.usize("qk_rope_head_dim")?);
+        let mut softmax_scale = ((nope + rope) as f64).powf(-0.5);
+        // transformers' `yarn_apply_mscale`: any scaled rope with a non-zero `mscale_all_dim`.
+        if let Some(p) = self.get("rope_parameters").or_else(|| self.get("rope_scaling")) {
+            let kind = p
+                .get("rope_type")
+                .or_else(|| p.get("type"))
+                .and_then(Value::as_str);
+            let all_dim = p.get("mscale_all_dim").and_then(Value::as_f64).unwrap_or(0.0);
+            if kind.is_some_and(|k| k != "default") && all_dim != 0.0 {
+                let factor = p
+                    .get("factor")
+                    .and_then(Value::as_f64)
+                    .ok_or_else(|| self.error("rotary scaling with `mscale_all_dim` needs `factor`"))?;
+                let mscale = if factor <= 1.0 {
+                    1.0
+                } else {
+                    0.1 * all_dim * factor.ln() + 1.0
+                };
+                softmax_scale *= mscale * mscale;
+            }
+        }
+        Ok(LatentConfig {
+            q_lora_rank,
+            kv_lora_rank: self.usize("kv_lora_rank")?,
+            qk_nope_head_dim: nope,
+            qk_rope_head_dim: rope,
+            v_head_dim: self.usize("v_head_dim")?,
+            rope_interleave: self.bool_or("rope_interleave", true)?,
+            softmax_scale,
+        })
     }
 
     /// Layer `layer`'s sliding window, by its family's rule.

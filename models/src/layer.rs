@@ -2,12 +2,14 @@
 //! to the residual stream.
 
 use burn::module::Module;
+use burn::nn::Linear;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use mpipemoe::{MoeBackend, MoeLayer, Result};
 
 use crate::attention::Attention;
 use crate::cache::LayerCache;
+use crate::latent::LatentAttention;
 use crate::mlp::Mlp;
 use crate::norm::RmsNorm;
 
@@ -16,8 +18,10 @@ use crate::norm::RmsNorm;
 pub struct DecoderLayer<B: Backend> {
     /// `input_layernorm`
     pub attn_norm: RmsNorm<B>,
-    /// `self_attn`
-    pub attn: Attention<B>,
+    /// `self_attn`, multi-head (grouped-query) attention.
+    pub attn: Option<Attention<B>>,
+    /// `self_attn`, multi-head latent attention (DeepSeek-V3).
+    pub mla: Option<LatentAttention<B>>,
     /// `post_attention_layernorm`
     pub ffn_norm: RmsNorm<B>,
     /// The dense MLP of a dense layer.
@@ -37,6 +41,25 @@ pub(crate) struct LayerOutput<B: Backend> {
     pub cache: LayerCache<B>,
 }
 
+impl<B: Backend> DecoderLayer<B> {
+    /// The Hugging Face names of its projections and vectors (norm weights) under `prefix`
+    /// (`model.layers.{i}`), the MoE layer's left out.
+    pub fn hf_parts(&self, prefix: &str) -> (Vec<(String, &Linear<B>)>, Vec<(String, &RmsNorm<B>)>) {
+        let attn = format!("{prefix}.self_attn");
+        let (mut linears, mut norms) = match (&self.attn, &self.mla) {
+            (Some(a), _) => a.hf_parts(&attn),
+            (None, Some(m)) => m.hf_parts(&attn),
+            (None, None) => (Vec::new(), Vec::new()),
+        };
+        if let Some(mlp) = &self.mlp {
+            linears.extend(mlp.hf_parts(&format!("{prefix}.mlp")));
+        }
+        norms.push((format!("{prefix}.input_layernorm"), &self.attn_norm));
+        norms.push((format!("{prefix}.post_attention_layernorm"), &self.ffn_norm));
+        (linears, norms)
+    }
+}
+
 impl<B: MoeBackend> DecoderLayer<B> {
     /// Runs the layer on `x` at `positions`.
     ///
@@ -52,13 +75,12 @@ impl<B: MoeBackend> DecoderLayer<B> {
         rope: (&Tensor<B, 2>, &Tensor<B, 2>),
         cached: Option<&LayerCache<B>>,
     ) -> Result<LayerOutput<B>> {
-        let (attended, cache) = self.attn.forward(
-            self.attn_norm.forward(x.clone()),
-            positions,
-            rope,
-            self.window,
-            cached,
-        );
+        let normed = self.attn_norm.forward(x.clone());
+        let (attended, cache) = match (&self.attn, &self.mla) {
+            (Some(attn), _) => attn.forward(normed, positions, rope, self.window, cached),
+            (None, Some(mla)) => mla.forward(normed, positions, rope, cached),
+            (None, None) => unreachable!("a decoder layer is built with an attention block"),
+        };
         let h = x + attended;
         let normed = self.ffn_norm.forward(h.clone());
         let (ffn, aux_loss, z_loss) = match (&self.mlp, &self.moe) {

@@ -4,7 +4,8 @@
 //! [`Attention`] with grouped-query heads, optional q/k norms and sliding windows, a dense
 //! [`Mlp`] or an `MoeLayer` per layer, and a [`KvCache`] — configured by a
 //! [`DecoderConfig`]. A family is a description, not a copy of the decoder: [`family`] reads a
-//! Hugging Face `config.json` of Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE into a
+//! Hugging Face `config.json` of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE or DeepSeek-V3 (with
+//! [`LatentAttention`]) into a
 //! `DecoderConfig` (which rule each switches on), and [`MoeCausalLm::from_hf`] loads the
 //! folder's tensors through mpipemoe's checkpoint reader, each rank reading its own experts.
 //!
@@ -28,6 +29,7 @@ mod cache;
 mod config;
 pub mod family;
 mod generate;
+mod latent;
 mod layer;
 mod load;
 mod mlp;
@@ -39,8 +41,9 @@ mod save;
 pub use attention::{Attention, QkNorm};
 pub use cache::{KvCache, LayerCache};
 pub use config::{DecoderConfig, FfnKind, LayerSpec};
+pub use latent::{LatentAttention, LatentConfig};
 pub use layer::DecoderLayer;
 pub use mlp::Mlp;
-pub use model::{LmOutput, MoeCausalLm};
+pub use model::{HfParts, LmOutput, MoeCausalLm};
 pub use norm::RmsNorm;
 pub use rotary::{RopeScaling, Rotary};

@@ -16,6 +16,7 @@ use mpipemoe::{Communicator, MoeError, Result};
 use crate::attention::Attention;
 use crate::config::{DecoderConfig, FfnKind};
 use crate::family::decoder_config;
+use crate::latent::{LatentAttention, LatentConfig};
 use crate::layer::DecoderLayer;
 use crate::mlp::Mlp;
 use crate::model::{linear_weight, MoeCausalLm};
@@ -33,6 +34,10 @@ impl<B: Backend> Reader<'_, B> {
     fn tensor<const D: usize>(&mut self, name: &str, shape: [usize; D]) -> Result<Tensor<B, D>> {
         let values = self.ckpt.read_tensor(name, &shape)?;
         self.used.insert(name.to_string());
+        // An FP8 weight was read with its block scales (dequantised): they are used too.
+        if let Some(stem) = name.strip_suffix(".weight") {
+            self.used.insert(format!("{stem}.weight_scale_inv"));
+        }
         Ok(Tensor::from_data(TensorData::new(values, shape), self.device))
     }
 
@@ -95,7 +100,11 @@ impl<B: Backend> MoeCausalLm<B> {
         let mut layers = Vec::with_capacity(config.layers.len());
         for (i, spec) in config.layers.iter().enumerate() {
             let prefix = format!("{root}layers.{i}");
-            let attn = read_attention(&mut r, &config, &format!("{prefix}.self_attn"))?;
+            let p = format!("{prefix}.self_attn");
+            let (attn, mla) = match config.latent {
+                None => (Some(read_attention(&mut r, &config, &p)?), None),
+                Some(latent) => (None, Some(read_latent(&mut r, &config, latent, &p)?)),
+            };
             let (mlp, moe) = match &spec.ffn {
                 FfnKind::Dense { d_hidden } => {
                     let p = format!("{prefix}.mlp");
@@ -114,6 +123,7 @@ impl<B: Backend> MoeCausalLm<B> {
             layers.push(DecoderLayer {
                 attn_norm: r.norm(&format!("{prefix}.input_layernorm.weight"), m, eps)?,
                 attn,
+                mla,
                 ffn_norm: r.norm(&format!("{prefix}.post_attention_layernorm.weight"), m, eps)?,
                 mlp,
                 moe,
@@ -167,5 +177,39 @@ fn read_attention<B: Backend>(
     if let Some(n) = attn.k_norm.as_ref().map(|n| n.weight.dims()[0]) {
         attn.k_norm = Some(r.norm(&format!("{p}.k_norm.weight"), n, config.rms_eps)?);
     }
+    Ok(attn)
+}
+
+fn read_latent<B: Backend>(
+    r: &mut Reader<'_, B>,
+    config: &DecoderConfig,
+    c: LatentConfig,
+    p: &str,
+) -> Result<LatentAttention<B>> {
+    let (m, h, eps, bias) = (config.d_model, config.n_heads, config.rms_eps, config.o_bias);
+    let qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
+    let mut attn = LatentAttention::new(m, h, c, bias, eps, r.device);
+    match c.q_lora_rank {
+        None => attn.q = Some(r.linear(&format!("{p}.q_proj"), m, h * qk, false)?),
+        Some(rank) => {
+            attn.q_a = Some(r.linear(&format!("{p}.q_a_proj"), m, rank, bias)?);
+            attn.q_a_norm = Some(r.norm(&format!("{p}.q_a_layernorm.weight"), rank, eps)?);
+            attn.q_b = Some(r.linear(&format!("{p}.q_b_proj"), rank, h * qk, false)?);
+        }
+    }
+    attn.kv_a = r.linear(
+        &format!("{p}.kv_a_proj_with_mqa"),
+        m,
+        c.kv_lora_rank + c.qk_rope_head_dim,
+        bias,
+    )?;
+    attn.kv_a_norm = r.norm(&format!("{p}.kv_a_layernorm.weight"), c.kv_lora_rank, eps)?;
+    attn.kv_b = r.linear(
+        &format!("{p}.kv_b_proj"),
+        c.kv_lora_rank,
+        h * (c.qk_nope_head_dim + c.v_head_dim),
+        false,
+    )?;
+    attn.o = r.linear(&format!("{p}.o_proj"), h * c.v_head_dim, m, bias)?;
     Ok(attn)
 }

@@ -33,6 +33,15 @@ impl<B: Backend> Mlp<B> {
         }
     }
 
+    /// The Hugging Face names of its projections under `prefix` (`...mlp`).
+    pub fn hf_parts(&self, prefix: &str) -> Vec<(String, &Linear<B>)> {
+        vec![
+            (format!("{prefix}.gate_proj"), &self.gate),
+            (format!("{prefix}.up_proj"), &self.up),
+            (format!("{prefix}.down_proj"), &self.down),
+        ]
+    }
+
     /// Applies the block.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         self.down

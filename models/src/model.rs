@@ -12,6 +12,7 @@ use mpipemoe::{Communicator, MoeBackend, MoeLayer, MoeLayerConfig, Result};
 use crate::attention::Attention;
 use crate::cache::KvCache;
 use crate::config::{DecoderConfig, FfnKind};
+use crate::latent::LatentAttention;
 use crate::layer::DecoderLayer;
 use crate::mlp::Mlp;
 use crate::norm::RmsNorm;
@@ -30,6 +31,18 @@ pub struct MoeCausalLm<B: Backend> {
     pub lm_head: Option<Linear<B>>,
     #[module(skip)]
     pub(crate) config: DecoderConfig,
+}
+
+/// The parameters outside the MoE layers, by Hugging Face name: a `Linear` named `x` stores
+/// `x.weight` (`[out, in]`) and `x.bias`; a norm named `x` stores `x.weight`.
+#[derive(Debug)]
+pub struct HfParts<'a, B: Backend> {
+    /// The projections.
+    pub linears: Vec<(String, &'a Linear<B>)>,
+    /// The norms.
+    pub norms: Vec<(String, &'a RmsNorm<B>)>,
+    /// The token embedding's name and weight (`[vocab, d_model]`, stored as is).
+    pub embedding: (String, &'a Param<Tensor<B, 2>>),
 }
 
 /// What [`MoeCausalLm::forward`] returns.
@@ -61,9 +74,24 @@ impl<B: Backend> MoeCausalLm<B> {
                     FfnKind::Dense { d_hidden } => (Some(Mlp::new(config.d_model, *d_hidden, device)), None),
                     FfnKind::Moe(moe) => (None, Some(moe.init_rank::<B>(device, comm.clone())?)),
                 };
+                let (attn, mla) = match config.latent {
+                    None => (Some(Attention::new(&config, device)), None),
+                    Some(latent) => (
+                        None,
+                        Some(LatentAttention::new(
+                            config.d_model,
+                            config.n_heads,
+                            latent,
+                            config.o_bias,
+                            config.rms_eps,
+                            device,
+                        )),
+                    ),
+                };
                 Ok(DecoderLayer {
                     attn_norm: RmsNorm::new(config.d_model, config.rms_eps, device),
-                    attn: Attention::new(&config, device),
+                    attn,
+                    mla,
                     ffn_norm: RmsNorm::new(config.d_model, config.rms_eps, device),
                     mlp,
                     moe,
@@ -104,6 +132,26 @@ impl<B: Backend> MoeCausalLm<B> {
             }
         }
         Ok(self)
+    }
+
+    /// Every parameter outside the MoE layers under its Hugging Face name: the projections
+    /// (`Linear`s, stored `[out, in]`), the norms, and the embedding.
+    pub fn hf_parts(&self) -> HfParts<'_, B> {
+        let root = &self.config.hf_root;
+        let mut parts = HfParts {
+            linears: Vec::new(),
+            norms: vec![(format!("{root}norm"), &self.norm)],
+            embedding: (format!("{root}embed_tokens.weight"), &self.embed.weight),
+        };
+        for (i, layer) in self.layers.iter().enumerate() {
+            let (linears, norms) = layer.hf_parts(&format!("{root}layers.{i}"));
+            parts.linears.extend(linears);
+            parts.norms.extend(norms);
+        }
+        if let Some(head) = &self.lm_head {
+            parts.linears.push(("lm_head".to_string(), head));
+        }
+        parts
     }
 
     /// The MoE layers, with their decoder-layer index.

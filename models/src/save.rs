@@ -3,12 +3,10 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use burn::module::Param;
-use burn::nn::Linear;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use mpipemoe::format::TensorMap;
-use mpipemoe::hf::{write_model_with, ExportOptions, ExportReport, HfCheckpoint};
+use mpipemoe::hf::{write_model_with, ExportOptions, ExportReport};
 use mpipemoe::{MoeError, Result};
 
 use crate::model::MoeCausalLm;
@@ -42,62 +40,27 @@ impl<B: Backend> MoeCausalLm<B> {
         if gathered.len() != self.moe_layers().count() {
             return Ok(None);
         }
-        let ckpt = HfCheckpoint::open(checkpoint)?;
-        let others = self.dense_tensors(ckpt.root())?;
-        drop(ckpt);
+        let others = self.dense_tensors()?;
         let layers: Vec<(usize, &TensorMap)> = gathered.iter().map(|(i, t)| (*i, t)).collect();
         write_model_with(checkpoint, &layers, others, out_dir, options).map(Some)
     }
 
     /// Every tensor but the MoE layers', under the Hugging Face names and in their layout
     /// (`[out, in]` matrices), as f32.
-    fn dense_tensors(&self, root: &str) -> Result<HashMap<String, Vec<f32>>> {
+    fn dense_tensors(&self) -> Result<HashMap<String, Vec<f32>>> {
+        let parts = self.hf_parts();
         let mut out = HashMap::new();
-        let mut linear = |name: String, l: &Linear<B>| -> Result<()> {
+        for (name, l) in parts.linears {
             out.insert(format!("{name}.weight"), values(l.weight.val().transpose())?);
             if let Some(b) = &l.bias {
                 out.insert(format!("{name}.bias"), values(b.val())?);
             }
-            Ok(())
-        };
-        for (i, layer) in self.layers.iter().enumerate() {
-            let p = format!("{root}layers.{i}");
-            linear(format!("{p}.self_attn.q_proj"), &layer.attn.q)?;
-            linear(format!("{p}.self_attn.k_proj"), &layer.attn.k)?;
-            linear(format!("{p}.self_attn.v_proj"), &layer.attn.v)?;
-            linear(format!("{p}.self_attn.o_proj"), &layer.attn.o)?;
-            if let Some(mlp) = &layer.mlp {
-                linear(format!("{p}.mlp.gate_proj"), &mlp.gate)?;
-                linear(format!("{p}.mlp.up_proj"), &mlp.up)?;
-                linear(format!("{p}.mlp.down_proj"), &mlp.down)?;
-            }
         }
-        if let Some(head) = &self.lm_head {
-            linear("lm_head".into(), head)?;
+        for (name, n) in parts.norms {
+            out.insert(format!("{name}.weight"), values(n.weight.val())?);
         }
-        let vector = |p: &Param<Tensor<B, 1>>| values(p.val());
-        out.insert(
-            format!("{root}embed_tokens.weight"),
-            values(self.embed.weight.val())?,
-        );
-        out.insert(format!("{root}norm.weight"), vector(&self.norm.weight)?);
-        for (i, layer) in self.layers.iter().enumerate() {
-            let p = format!("{root}layers.{i}");
-            out.insert(
-                format!("{p}.input_layernorm.weight"),
-                vector(&layer.attn_norm.weight)?,
-            );
-            out.insert(
-                format!("{p}.post_attention_layernorm.weight"),
-                vector(&layer.ffn_norm.weight)?,
-            );
-            if let Some(n) = &layer.attn.q_norm {
-                out.insert(format!("{p}.self_attn.q_norm.weight"), vector(&n.weight)?);
-            }
-            if let Some(n) = &layer.attn.k_norm {
-                out.insert(format!("{p}.self_attn.k_norm.weight"), vector(&n.weight)?);
-            }
-        }
+        let (name, weight) = parts.embedding;
+        out.insert(name, values(weight.val())?);
         Ok(out)
     }
 }

@@ -19,7 +19,13 @@ use safetensors::SafeTensors;
 
 type B = Autodiff<NdArray>;
 
-const FAMILIES: [&str; 4] = ["mixtral-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny", "olmoe-tiny"];
+const FAMILIES: [&str; 5] = [
+    "mixtral-tiny",
+    "qwen2-moe-tiny",
+    "qwen3-moe-tiny",
+    "olmoe-tiny",
+    "deepseek-v3-tiny",
+];
 
 fn data() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/data/models")
@@ -101,73 +107,46 @@ struct RankGrads {
 
 fn rank_grads<Bk: AutodiffBackend + mpipemoe::MoeBackend>(
     model: &MoeCausalLm<Bk>,
-    root: &str,
     grads: &Bk::Gradients,
 ) -> RankGrads {
+    let grad = |p: &Param<Tensor<Bk, 1>>| values(p.grad(grads).expect("every parameter gets a gradient"));
+    let parts = model.hf_parts();
     let mut dense = HashMap::new();
-    let grad2 = |p: &Param<Tensor<Bk, 2>>, transpose: bool| {
-        let g = p.grad(grads).expect("every parameter gets a gradient");
-        values(if transpose { g.transpose() } else { g })
-    };
-    let grad1 = |p: &Param<Tensor<Bk, 1>>| values(p.grad(grads).expect("a gradient"));
-    let mut linear = |name: String, l: &burn::nn::Linear<Bk>| {
-        dense.insert(format!("{name}.weight"), grad2(&l.weight, true));
+    for (name, l) in parts.linears {
+        let g = l.weight.grad(grads).expect("every parameter gets a gradient");
+        dense.insert(format!("{name}.weight"), values(g.transpose()));
         if let Some(b) = &l.bias {
-            dense.insert(format!("{name}.bias"), grad1(b));
-        }
-    };
-    for (i, layer) in model.layers.iter().enumerate() {
-        let p = format!("{root}layers.{i}");
-        linear(format!("{p}.self_attn.q_proj"), &layer.attn.q);
-        linear(format!("{p}.self_attn.k_proj"), &layer.attn.k);
-        linear(format!("{p}.self_attn.v_proj"), &layer.attn.v);
-        linear(format!("{p}.self_attn.o_proj"), &layer.attn.o);
-        if let Some(mlp) = &layer.mlp {
-            linear(format!("{p}.mlp.gate_proj"), &mlp.gate);
-            linear(format!("{p}.mlp.up_proj"), &mlp.up);
-            linear(format!("{p}.mlp.down_proj"), &mlp.down);
+            dense.insert(format!("{name}.bias"), grad(b));
         }
     }
-    if let Some(head) = &model.lm_head {
-        linear("lm_head".into(), head);
+    for (name, n) in parts.norms {
+        dense.insert(format!("{name}.weight"), grad(&n.weight));
     }
-    dense.insert(
-        format!("{root}embed_tokens.weight"),
-        grad2(&model.embed.weight, false),
-    );
-    dense.insert(format!("{root}norm.weight"), grad1(&model.norm.weight));
-    let mut moe = Vec::new();
-    for (i, layer) in model.layers.iter().enumerate() {
-        let p = format!("{root}layers.{i}");
-        dense.insert(
-            format!("{p}.input_layernorm.weight"),
-            grad1(&layer.attn_norm.weight),
-        );
-        dense.insert(
-            format!("{p}.post_attention_layernorm.weight"),
-            grad1(&layer.ffn_norm.weight),
-        );
-        if let Some(n) = &layer.attn.q_norm {
-            dense.insert(format!("{p}.self_attn.q_norm.weight"), grad1(&n.weight));
-        }
-        if let Some(n) = &layer.attn.k_norm {
-            dense.insert(format!("{p}.self_attn.k_norm.weight"), grad1(&n.weight));
-        }
-        if let Some(layer) = &layer.moe {
+    let (name, embedding) = parts.embedding;
+    dense.insert(name, values(embedding.grad(grads).expect("a gradient")));
+    let moe = model
+        .moe_layers()
+        .map(|(i, layer)| {
             let named = layer
                 .grads_by_name(grads)
                 .into_iter()
                 .map(|(name, kind, g)| {
-                    (
-                        name.to_string(),
-                        kind,
-                        g.expect("every expert gets a gradient here"),
-                    )
+                    // DeepSeek's score bias chooses experts and takes no gradient; the
+                    // reference stores zeros for it.
+                    let g = g.unwrap_or_else(|| {
+                        assert_eq!(
+                            name, "router.score_bias",
+                            "every parameter but the score bias gets a gradient"
+                        );
+                        let n = layer.config().n_experts;
+                        TensorData::new(vec![0f32; n], [n])
+                    });
+                    (name.to_string(), kind, g)
                 })
                 .collect();
-            moe.push((i, named));
-        }
-    }
+            (i, named)
+        })
+        .collect();
     RankGrads { dense, moe }
 }
 
@@ -261,7 +240,7 @@ fn every_family_matches_transformers_logits_loss_and_gradients() {
         assert!(logits_err < 1e-4, "{family}: logits off by {logits_err:.2e}");
         assert!(loss_err < 1e-4, "{family}: loss off by {loss_err:.2e}");
         let grads = loss.backward();
-        let ours = combine(&ckpt, vec![rank_grads(&model, ckpt.root(), &grads)]);
+        let ours = combine(&ckpt, vec![rank_grads(&model, &grads)]);
         let compared = compare_grads(family, &ckpt, &ours, &exp);
         println!("{family}: logits {logits_err:.1e}, loss {loss_err:.1e}, {compared} gradients");
     }
@@ -305,7 +284,7 @@ fn experts_sharded_over_two_ranks_with_three_partitions_and_s4_match_too() {
             let loss = loss * 0.5;
             let half = values(loss.clone())[0];
             let grads = loss.backward();
-            Ok((logits, half, rank_grads(&model, ckpt.root(), &grads)))
+            Ok((logits, half, rank_grads(&model, &grads)))
         })
         .unwrap();
         let mut logits = Vec::new();
@@ -404,7 +383,7 @@ fn an_unsupported_family_or_rotary_scaling_is_an_error_naming_it() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("\"gpt_oss\"") && err.contains("mixtral, qwen2_moe, qwen3_moe, olmoe"),
+        err.contains("\"gpt_oss\"") && err.contains("mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3"),
         "{err}"
     );
     let dir = edited_copy("olmoe-tiny", "dynamic", |config, _| {
@@ -503,4 +482,43 @@ fn fine_tuned_at_two_ranks_then_saved_and_reloaded_gives_the_trained_logits() {
             "{family}: training changed the logits by only {moved:.2e}"
         );
     }
+}
+
+/// DeepSeek-V3 as its releases store it, FP8 block-scaled weights in the attention and the
+/// dense layer too (tests/data/hf/generated/deepseek-v3-fp8-tiny): every projection loads as
+/// transformers dequantises it (its values are in `.dequantized.safetensors`), and saved
+/// untrained the folder comes back byte for byte (FP8 blocks and scales kept).
+#[test]
+fn fp8_weights_anywhere_in_deepseek_v3_load_dequantised_and_save_back_unchanged() {
+    let hf = data().join("../hf/generated");
+    let src = hf.join("deepseek-v3-fp8-tiny");
+    let model = MoeCausalLm::<NdArray>::from_hf(&src, &Default::default(), Arc::new(SingleRank)).unwrap();
+    let bytes = std::fs::read(hf.join("deepseek-v3-fp8-tiny.dequantized.safetensors")).unwrap();
+    let reference = SafeTensors::deserialize(&bytes).unwrap();
+    let mut compared = 0;
+    for (name, linear) in model.hf_parts().linears {
+        let Ok(view) = reference.tensor(&format!("{name}.weight")) else {
+            continue;
+        };
+        let want: Vec<f32> = view
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(values(linear.weight.val().transpose()), want, "{name}");
+        compared += 1;
+    }
+    assert!(
+        compared >= 5,
+        "the attention's and the dense layer's FP8 projections ({compared})"
+    );
+    let out = temp_dir("fp8-roundtrip");
+    let report = model.save_hf(&src, &out, &Default::default()).unwrap().unwrap();
+    assert!(!report.requantized.is_empty());
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let name = entry.unwrap().file_name();
+        let same = std::fs::read(src.join(&name)).unwrap() == std::fs::read(out.join(&name)).unwrap();
+        assert!(same, "{name:?} differs after a round trip");
+    }
+    std::fs::remove_dir_all(&out).unwrap();
 }

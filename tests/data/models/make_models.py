@@ -21,7 +21,10 @@ Each configuration switches on the rules its family has: grouped-query attention
 heads share 2 key/value heads), sliding windows shorter than the sequence, dense and MoE
 layers mixed, biases on q/k/v, per-head or whole-projection q/k norms, clipped q/k/v,
 renormalised or plain top-k, a gated shared expert, and each rotary rule (Mixtral linear
-scaling, Qwen2-MoE none, Qwen3-MoE YaRN, OLMoE Llama 3's).
+scaling, Qwen2-MoE none, Qwen3-MoE YaRN, OLMoE Llama 3's); DeepSeek-V3 with multi-head latent
+attention (q and kv low-rank projections, interleaved rotary dimensions, YaRN with `mscale` in
+the softmax scale), a dense first layer, sigmoid group-limited routing with a score bias and a
+shared expert.
 """
 
 import json
@@ -127,6 +130,39 @@ def families():
                 },
             ),
         ),
+        (
+            "deepseek-v3-tiny",
+            transformers.DeepseekV3Config(
+                # Every head has its own keys and values, as DeepSeek-V3's attention expects.
+                **{**COMMON, "num_key_value_heads": 4},
+                intermediate_size=40,
+                moe_intermediate_size=12,
+                n_routed_experts=8,
+                num_experts_per_tok=2,
+                n_group=2,
+                topk_group=1,
+                n_shared_experts=1,
+                routed_scaling_factor=2.5,
+                norm_topk_prob=True,
+                first_k_dense_replace=1,
+                q_lora_rank=16,
+                kv_lora_rank=12,
+                qk_nope_head_dim=8,
+                qk_rope_head_dim=4,
+                v_head_dim=6,
+                rope_interleave=True,
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "rope_theta": 10000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 32,
+                    "mscale": 1.0,
+                    "mscale_all_dim": 1.0,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                },
+            ),
+        ),
     ]
 
 
@@ -143,6 +179,10 @@ def randomise(model, seed):
                 p.copy_(0.1 * noise)
             else:
                 p.copy_(0.2 * noise)
+        # DeepSeek-V3's score-correction bias is a buffer (chosen by, never trained by gradient).
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g, dtype=torch.float64))
 
 
 def stored_names(folder):
@@ -158,6 +198,9 @@ def stored_grads(model, tmp):
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.grad)
+        # Buffers (DeepSeek-V3's score-correction bias) take no gradient: zeros.
+        for b in model.buffers():
+            b.zero_()
     shutil.rmtree(tmp, ignore_errors=True)
     model.to(torch.float32).save_pretrained(tmp)
     out = {}

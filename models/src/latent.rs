@@ -1,0 +1,211 @@
+//! Multi-head latent attention (DeepSeek-V2 / V3): queries through an optional low-rank
+//! projection, keys and values expanded from a shared compressed latent, a rotary part of
+//! each head kept apart and shared by all heads for the keys.
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
+use burn::tensor::activation::softmax;
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+
+use crate::attention::causal_mask;
+use crate::cache::LayerCache;
+use crate::norm::RmsNorm;
+use crate::rotary::Rotary;
+
+/// The sizes and rules of latent attention (DeepSeek-V3's `q_lora_rank`, `kv_lora_rank`,
+/// `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`, `rope_interleave`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LatentConfig {
+    /// The queries' low rank (`q_a_proj` → `q_a_layernorm` → `q_b_proj`); `None` for one
+    /// `q_proj`.
+    pub q_lora_rank: Option<usize>,
+    /// The keys' and values' shared latent width.
+    pub kv_lora_rank: usize,
+    /// Each head's query/key width without rotary embedding.
+    pub qk_nope_head_dim: usize,
+    /// Each head's query/key width with it (the key's is shared by every head).
+    pub qk_rope_head_dim: usize,
+    /// Each head's value width.
+    pub v_head_dim: usize,
+    /// The rotary dimensions come in interleaved pairs `(x0, x1), (x2, x3), ...`
+    /// (transformers' `apply_rotary_pos_emb_interleave`); else "rotate half".
+    pub rope_interleave: bool,
+    /// The softmax's scale: `(qk_nope + qk_rope)^-0.5`, times `mscale²` under YaRN with
+    /// `mscale_all_dim` (transformers' `yarn_apply_mscale`).
+    pub softmax_scale: f64,
+}
+
+/// One latent attention block (`self_attn` of DeepSeek-V3).
+#[derive(Module, Debug)]
+pub struct LatentAttention<B: Backend> {
+    /// `q_proj` without a query rank: `[d_model, n_heads · (nope + rope)]`
+    pub q: Option<Linear<B>>,
+    /// `q_a_proj`: `[d_model, q_lora_rank]`
+    pub q_a: Option<Linear<B>>,
+    /// `q_a_layernorm`
+    pub q_a_norm: Option<RmsNorm<B>>,
+    /// `q_b_proj`: `[q_lora_rank, n_heads · (nope + rope)]`
+    pub q_b: Option<Linear<B>>,
+    /// `kv_a_proj_with_mqa`: `[d_model, kv_lora_rank + rope]`
+    pub kv_a: Linear<B>,
+    /// `kv_a_layernorm`
+    pub kv_a_norm: RmsNorm<B>,
+    /// `kv_b_proj`: `[kv_lora_rank, n_heads · (nope + v)]`
+    pub kv_b: Linear<B>,
+    /// `o_proj`: `[n_heads · v, d_model]`
+    pub o: Linear<B>,
+    #[module(skip)]
+    rules: (usize, LatentConfig),
+}
+
+impl<B: Backend> LatentAttention<B> {
+    /// Randomly initialised (burn's `Linear` initialisation, norms at one): `n_heads` heads on
+    /// a residual of `d_model`, biases on `q_a`, `kv_a` and `o` if `bias`.
+    pub fn new(
+        d_model: usize,
+        n_heads: usize,
+        c: LatentConfig,
+        bias: bool,
+        eps: f64,
+        device: &B::Device,
+    ) -> Self {
+        let linear = |i, o, bias| LinearConfig::new(i, o).with_bias(bias).init(device);
+        let qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
+        let (q, q_a, q_a_norm, q_b) = match c.q_lora_rank {
+            None => (Some(linear(d_model, n_heads * qk, false)), None, None, None),
+            Some(r) => (
+                None,
+                Some(linear(d_model, r, bias)),
+                Some(RmsNorm::new(r, eps, device)),
+                Some(linear(r, n_heads * qk, false)),
+            ),
+        };
+        Self {
+            q,
+            q_a,
+            q_a_norm,
+            q_b,
+            kv_a: linear(d_model, c.kv_lora_rank + c.qk_rope_head_dim, bias),
+            kv_a_norm: RmsNorm::new(c.kv_lora_rank, eps, device),
+            kv_b: linear(
+                c.kv_lora_rank,
+                n_heads * (c.qk_nope_head_dim + c.v_head_dim),
+                false,
+            ),
+            o: linear(n_heads * c.v_head_dim, d_model, bias),
+            rules: (n_heads, c),
+        }
+    }
+
+    /// The Hugging Face names of its projections and norms under `prefix` (`...self_attn`).
+    pub fn hf_parts(&self, prefix: &str) -> (Vec<(String, &Linear<B>)>, Vec<(String, &RmsNorm<B>)>) {
+        let mut linears = Vec::new();
+        let mut norms = Vec::new();
+        if let Some(q) = &self.q {
+            linears.push((format!("{prefix}.q_proj"), q));
+        }
+        if let (Some(a), Some(n), Some(b)) = (&self.q_a, &self.q_a_norm, &self.q_b) {
+            linears.push((format!("{prefix}.q_a_proj"), a));
+            norms.push((format!("{prefix}.q_a_layernorm"), n));
+            linears.push((format!("{prefix}.q_b_proj"), b));
+        }
+        linears.push((format!("{prefix}.kv_a_proj_with_mqa"), &self.kv_a));
+        norms.push((format!("{prefix}.kv_a_layernorm"), &self.kv_a_norm));
+        linears.push((format!("{prefix}.kv_b_proj"), &self.kv_b));
+        linears.push((format!("{prefix}.o_proj"), &self.o));
+        (linears, norms)
+    }
+
+    /// Attends the tokens `x` at `positions` to themselves and to `cached`, causally. The cache
+    /// holds every head's expanded keys and values.
+    ///
+    /// # Shapes
+    /// - x: `[batch, seq, d_model]`; cos, sin: `[seq, qk_rope_head_dim]`
+    /// - output: `[batch, seq, d_model]`
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        positions: &[usize],
+        (cos, sin): (&Tensor<B, 2>, &Tensor<B, 2>),
+        cached: Option<&LayerCache<B>>,
+    ) -> (Tensor<B, 3>, LayerCache<B>) {
+        let (h, c) = self.rules;
+        let (nope, rope, v_dim, lora) = (
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+            c.kv_lora_rank,
+        );
+        let [b, t, _] = x.dims();
+        let device = x.device();
+        let q = match (&self.q, &self.q_a, &self.q_a_norm, &self.q_b) {
+            (Some(q), ..) => q.forward(x.clone()),
+            (None, Some(a), Some(n), Some(qb)) => qb.forward(n.forward(a.forward(x.clone()))),
+            _ => unreachable!("built with q_proj or the q_a / q_b pair"),
+        };
+        // [batch, heads, seq, nope + rope]
+        let q = q.reshape([b, t, h, nope + rope]).swap_dims(1, 2);
+        let q_pass = q.clone().slice([0..b, 0..h, 0..t, 0..nope]);
+        let q_rot = q.slice([0..b, 0..h, 0..t, nope..nope + rope]);
+        let compressed = self.kv_a.forward(x);
+        let kv = self
+            .kv_a_norm
+            .forward(compressed.clone().slice([0..b, 0..t, 0..lora]));
+        let k_rot = compressed
+            .slice([0..b, 0..t, lora..lora + rope])
+            .reshape([b, 1, t, rope]);
+        let (q_rot, k_rot) = match c.rope_interleave {
+            true => (interleaved(q_rot, cos, sin), interleaved(k_rot, cos, sin)),
+            false => (Rotary::apply(q_rot, cos, sin), Rotary::apply(k_rot, cos, sin)),
+        };
+        // Every head's keys: its own non-rotary part, the shared rotary part.
+        let kv = self
+            .kv_b
+            .forward(kv)
+            .reshape([b, t, h, nope + v_dim])
+            .swap_dims(1, 2);
+        let k_nope = kv.clone().slice([0..b, 0..h, 0..t, 0..nope]);
+        let values = kv.slice([0..b, 0..h, 0..t, nope..nope + v_dim]);
+        let keys = Tensor::cat(vec![k_nope, k_rot.repeat_dim(1, h)], 3);
+        let query = Tensor::cat(vec![q_pass, q_rot], 3);
+
+        let cache = LayerCache::extend(cached, keys, values, positions);
+        let s = cache.positions.len();
+        let scores = query.matmul(cache.keys.clone().swap_dims(2, 3)) * c.softmax_scale;
+        let hidden = causal_mask::<B>(positions, &cache.positions, None, &device);
+        let scores = scores.mask_fill(hidden.unsqueeze::<4>().expand([b, h, t, s]), f32::NEG_INFINITY);
+        let out = softmax(scores, 3).matmul(cache.values.clone());
+        let out = out.swap_dims(1, 2).reshape([b, t, h * v_dim]);
+        (self.o.forward(out), cache)
+    }
+}
+
+/// DeepSeek's interleaved rotary embedding: pairs `(x0, x1), (x2, x3), ...` each rotated by
+/// one frequency, written out as `[rotated evens | rotated odds]` (transformers'
+/// `apply_rotary_pos_emb_interleave`, bit for bit the de-interleaved "rotate half").
+///
+/// # Shapes
+/// - x: `[batch, heads, seq, rope]`; cos, sin: `[seq, rope]` (`cat(freqs, freqs)`: the first
+///   half is used)
+fn interleaved<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 2>, sin: &Tensor<B, 2>) -> Tensor<B, 4> {
+    let [b, h, t, d] = x.dims();
+    let half = d / 2;
+    let pairs = x.reshape([b, h, t, half, 2]);
+    let even = pairs
+        .clone()
+        .slice([0..b, 0..h, 0..t, 0..half, 0..1])
+        .reshape([b, h, t, half]);
+    let odd = pairs
+        .slice([0..b, 0..h, 0..t, 0..half, 1..2])
+        .reshape([b, h, t, half]);
+    let cos = cos.clone().slice([0..t, 0..half]).unsqueeze::<4>();
+    let sin = sin.clone().slice([0..t, 0..half]).unsqueeze::<4>();
+    Tensor::cat(
+        vec![
+            even.clone() * cos.clone() - odd.clone() * sin.clone(),
+            odd * cos + even * sin,
+        ],
+        3,
+    )
+}
