@@ -9,7 +9,7 @@ use burn::tensor::{Bool, Tensor, TensorData};
 
 use crate::cache::LayerCache;
 use crate::config::DecoderConfig;
-use crate::norm::RmsNorm;
+use crate::norm::{NamedParts, RmsNorm};
 use crate::rotary::Rotary;
 
 /// Where RMSNorm is applied to the queries and keys (before the rotary embedding).
@@ -82,7 +82,7 @@ impl<B: Backend> Attention<B> {
     }
 
     /// The Hugging Face names of its projections and norms under `prefix` (`...self_attn`).
-    pub fn hf_parts(&self, prefix: &str) -> (Vec<(String, &Linear<B>)>, Vec<(String, &RmsNorm<B>)>) {
+    pub fn hf_parts(&self, prefix: &str) -> NamedParts<'_, B> {
         let linears = vec![
             (format!("{prefix}.q_proj"), &self.q),
             (format!("{prefix}.k_proj"), &self.k),

@@ -10,7 +10,7 @@ use burn::tensor::Tensor;
 
 use crate::attention::causal_mask;
 use crate::cache::LayerCache;
-use crate::norm::RmsNorm;
+use crate::norm::{NamedParts, RmsNorm};
 use crate::rotary::Rotary;
 
 /// The sizes and rules of latent attention (DeepSeek-V3's `q_lora_rank`, `kv_lora_rank`,
@@ -99,7 +99,7 @@ impl<B: Backend> LatentAttention<B> {
     }
 
     /// The Hugging Face names of its projections and norms under `prefix` (`...self_attn`).
-    pub fn hf_parts(&self, prefix: &str) -> (Vec<(String, &Linear<B>)>, Vec<(String, &RmsNorm<B>)>) {
+    pub fn hf_parts(&self, prefix: &str) -> NamedParts<'_, B> {
         let mut linears = Vec::new();
         let mut norms = Vec::new();
         if let Some(q) = &self.q {

@@ -2,7 +2,6 @@
 //! to the residual stream.
 
 use burn::module::Module;
-use burn::nn::Linear;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use mpipemoe::{MoeBackend, MoeLayer, Result};
@@ -11,7 +10,7 @@ use crate::attention::Attention;
 use crate::cache::LayerCache;
 use crate::latent::LatentAttention;
 use crate::mlp::Mlp;
-use crate::norm::RmsNorm;
+use crate::norm::{NamedParts, RmsNorm};
 
 /// `h = x + attn(norm1(x)); y = h + ffn(norm2(h))`, the ffn dense or MoE.
 #[derive(Module, Debug)]
@@ -44,7 +43,7 @@ pub(crate) struct LayerOutput<B: Backend> {
 impl<B: Backend> DecoderLayer<B> {
     /// The Hugging Face names of its projections and vectors (norm weights) under `prefix`
     /// (`model.layers.{i}`), the MoE layer's left out.
-    pub fn hf_parts(&self, prefix: &str) -> (Vec<(String, &Linear<B>)>, Vec<(String, &RmsNorm<B>)>) {
+    pub fn hf_parts(&self, prefix: &str) -> NamedParts<'_, B> {
         let attn = format!("{prefix}.self_attn");
         let (mut linears, mut norms) = match (&self.attn, &self.mla) {
             (Some(a), _) => a.hf_parts(&attn),

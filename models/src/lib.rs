@@ -45,5 +45,5 @@ pub use latent::{LatentAttention, LatentConfig};
 pub use layer::DecoderLayer;
 pub use mlp::Mlp;
 pub use model::{HfParts, LmOutput, MoeCausalLm};
-pub use norm::RmsNorm;
+pub use norm::{NamedParts, RmsNorm};
 pub use rotary::{RopeScaling, Rotary};

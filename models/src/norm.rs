@@ -1,8 +1,13 @@
 //! RMSNorm as transformers computes it.
 
 use burn::module::{Module, Param};
+use burn::nn::Linear;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
+
+/// A block's projections and norms under their Hugging Face names (a `Linear` named `x` is
+/// stored as `x.weight` `[out, in]` and `x.bias`; a norm named `x` as `x.weight`).
+pub type NamedParts<'a, B> = (Vec<(String, &'a Linear<B>)>, Vec<(String, &'a RmsNorm<B>)>);
 
 /// `weight · x / sqrt(mean(x²) + eps)` over the last dimension (transformers' `*RMSNorm`:
 /// `x · rsqrt(variance + eps)`, then the weight).

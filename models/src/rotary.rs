@@ -202,7 +202,7 @@ mod tests {
     /// dimensions across the ramp.
     #[test]
     fn frequencies_of_published_shapes_equal_transformers() {
-        let cases = [
+        let cases: [(f64, RopeScaling, [f64; 7]); 2] = [
             (
                 1e6,
                 RopeScaling::Yarn {
@@ -245,7 +245,7 @@ mod tests {
         for (theta, scaling, expected) in cases {
             let rotary = Rotary::scaled(128, theta, scaling);
             for (&i, want) in [0, 16, 24, 32, 40, 48, 63].iter().zip(expected) {
-                let got = rotary.inv_freq[i];
+                let got = f64::from(rotary.inv_freq[i]);
                 assert!(
                     (got - want).abs() <= 2e-6 * want,
                     "{scaling:?}: dimension {i}: {got} against {want}"
