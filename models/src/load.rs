@@ -135,7 +135,14 @@ impl<B: Backend> MoeCausalLm<B> {
             true => None,
             false => Some(r.linear("lm_head", m, v, false)?),
         };
-        let unused: Vec<&str> = ckpt.tensor_names().filter(|n| !r.used.contains(*n)).collect();
+        // Tensors transformers itself skips on load are reported, not refused: DeepSeek-V3's
+        // multi-token-prediction layers follow the decoder's (`layers.61` of the 61-layer
+        // release: `_keys_to_ignore_on_load_unexpected`).
+        let (ignored, unused): (Vec<&str>, Vec<&str>) = ckpt
+            .tensor_names()
+            .filter(|n| !r.used.contains(*n))
+            .partition(|n| ignored_by_transformers(&config, &root, n));
+        let ignored: Vec<String> = ignored.into_iter().map(str::to_string).collect();
         if !unused.is_empty() {
             let shown: Vec<&str> = unused.iter().take(5).copied().collect();
             return Err(MoeError::file(
@@ -155,8 +162,23 @@ impl<B: Backend> MoeCausalLm<B> {
             norm,
             lm_head,
             config,
+            ignored,
         })
     }
+}
+
+/// Whether transformers skips tensor `name` when it loads this family: DeepSeek-V3's layers
+/// past `num_hidden_layers` (its multi-token-prediction modules).
+fn ignored_by_transformers(config: &DecoderConfig, root: &str, name: &str) -> bool {
+    if config.model_type != "deepseek_v3" {
+        return false;
+    }
+    let layer = name
+        .strip_prefix(root)
+        .and_then(|rest| rest.strip_prefix("layers."))
+        .and_then(|rest| rest.split('.').next())
+        .and_then(|index| index.parse::<usize>().ok());
+    layer.is_some_and(|l| l >= config.layers.len())
 }
 
 fn read_attention<B: Backend>(

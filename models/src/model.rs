@@ -31,6 +31,8 @@ pub struct MoeCausalLm<B: Backend> {
     pub lm_head: Option<Linear<B>>,
     #[module(skip)]
     pub(crate) config: DecoderConfig,
+    #[module(skip)]
+    pub(crate) ignored: Vec<String>,
 }
 
 /// The parameters outside the MoE layers, by Hugging Face name: a `Linear` named `x` stores
@@ -109,12 +111,20 @@ impl<B: Backend> MoeCausalLm<B> {
                     .init(device)
             }),
             config,
+            ignored: Vec::new(),
         })
     }
 
     /// The model's configuration.
     pub fn config(&self) -> &DecoderConfig {
         &self.config
+    }
+
+    /// The folder's tensors that were not loaded because transformers skips them too
+    /// (DeepSeek-V3's multi-token-prediction layers); empty for a model not loaded from a
+    /// folder.
+    pub fn ignored_tensors(&self) -> &[String] {
+        &self.ignored
     }
 
     /// The same weights with every MoE layer's run settings changed by `f` (partitions,

@@ -522,3 +522,22 @@ fn fp8_weights_anywhere_in_deepseek_v3_load_dequantised_and_save_back_unchanged(
     }
     std::fs::remove_dir_all(&out).unwrap();
 }
+
+/// DeepSeek-V3's multi-token-prediction layer (after the decoder's layers) is skipped and
+/// reported, as transformers skips it; the same tensor in a Mixtral folder is refused.
+#[test]
+fn deepseeks_prediction_layer_is_reported_and_skipped() {
+    let extra = |family: &str, layer: usize| {
+        edited_copy(family, &format!("mtp-{family}"), move |_, index| {
+            let map = index["weight_map"].as_object_mut().unwrap();
+            let shard = map["model.norm.weight"].clone();
+            map.insert(format!("model.layers.{layer}.eh_proj.weight"), shard);
+        })
+    };
+    let dir = extra("deepseek-v3-tiny", 3);
+    let model = MoeCausalLm::<NdArray>::from_hf(&dir, &Default::default(), Arc::new(SingleRank)).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(model.ignored_tensors(), ["model.layers.3.eh_proj.weight"]);
+    let err = load_error(&extra("mixtral-tiny", 3));
+    assert!(err.contains("model.layers.3.eh_proj.weight"), "{err}");
+}

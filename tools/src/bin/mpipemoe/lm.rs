@@ -99,11 +99,18 @@ impl BackendJob for LmJob<'_> {
         let partitions = self.run.partitions;
         let answers = LocalGroup::run(self.run.ranks, |ctx| {
             let device = Default::default();
-            let model = MoeCausalLm::<B::InnerBackend>::from_hf(self.dir, &device, ctx.comm)?
-                .map_moe_configs(|c| {
-                    c.with_partitions(Partitions::Fixed(partitions))
-                        .with_memory_reuse(MemoryReuse::from(strategy))
-                })?;
+            let model = MoeCausalLm::<B::InnerBackend>::from_hf(self.dir, &device, ctx.comm)?;
+            if ctx.rank == 0 && !model.ignored_tensors().is_empty() {
+                eprintln!(
+                    "note: {} tensor(s) not loaded, as transformers skips them too (e.g. {})",
+                    model.ignored_tensors().len(),
+                    model.ignored_tensors()[0]
+                );
+            }
+            let model = model.map_moe_configs(|c| {
+                c.with_partitions(Partitions::Fixed(partitions))
+                    .with_memory_reuse(MemoryReuse::from(strategy))
+            })?;
             match &self.task {
                 Task::Logits(ids) => {
                     let t = ids.len();
