@@ -1,7 +1,7 @@
 //! Causal self-attention with grouped-query heads, rotary embeddings, optional q/k norms,
 //! clipping and sliding windows.
 
-use burn::module::Module;
+use burn::module::{Module, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
@@ -39,6 +39,9 @@ pub struct Attention<B: Backend> {
     pub q_norm: Option<RmsNorm<B>>,
     /// The keys' norm, if the family has one.
     pub k_norm: Option<RmsNorm<B>>,
+    /// GPT-OSS's attention sinks: one learned logit per head that joins every query's softmax
+    /// and is dropped after it, so a head can attend to nothing. `[n_heads]`
+    pub sinks: Option<Param<Tensor<B, 1>>>,
     #[module(skip)]
     shape: Heads,
 }
@@ -71,6 +74,9 @@ impl<B: Backend> Attention<B> {
             o: linear(q_width, m, config.o_bias),
             q_norm: q_norm.map(|w| RmsNorm::new(w, config.rms_eps, device)),
             k_norm: k_norm.map(|w| RmsNorm::new(w, config.rms_eps, device)),
+            sinks: config
+                .attention_sinks
+                .then(|| Param::from_tensor(Tensor::zeros([config.n_heads], device))),
             shape: Heads {
                 n_heads: config.n_heads,
                 n_kv_heads: config.n_kv_heads,
@@ -81,19 +87,26 @@ impl<B: Backend> Attention<B> {
         }
     }
 
-    /// The Hugging Face names of its projections and norms under `prefix` (`...self_attn`).
+    /// The Hugging Face names of its parameters under `prefix` (`...self_attn`).
     pub fn hf_parts(&self, prefix: &str) -> NamedParts<'_, B> {
-        let linears = vec![
-            (format!("{prefix}.q_proj"), &self.q),
-            (format!("{prefix}.k_proj"), &self.k),
-            (format!("{prefix}.v_proj"), &self.v),
-            (format!("{prefix}.o_proj"), &self.o),
-        ];
-        let norms = [("q_norm", &self.q_norm), ("k_norm", &self.k_norm)]
-            .into_iter()
-            .filter_map(|(name, n)| n.as_ref().map(|n| (format!("{prefix}.{name}"), n)))
-            .collect();
-        (linears, norms)
+        let mut parts = NamedParts::default();
+        for (name, l) in [
+            ("q_proj", &self.q),
+            ("k_proj", &self.k),
+            ("v_proj", &self.v),
+            ("o_proj", &self.o),
+        ] {
+            parts.linears.push((format!("{prefix}.{name}"), l));
+        }
+        for (name, n) in [("q_norm", &self.q_norm), ("k_norm", &self.k_norm)] {
+            if let Some(n) = n {
+                parts.norm(format!("{prefix}.{name}"), n);
+            }
+        }
+        if let Some(sinks) = &self.sinks {
+            parts.vectors.push((format!("{prefix}.sinks"), sinks));
+        }
+        parts
     }
 
     /// Attends the tokens `x` at `positions` to themselves and to `cached` (earlier
@@ -163,7 +176,15 @@ impl<B: Backend> Attention<B> {
             hidden.unsqueeze::<4>().expand([b, n_heads, t, s]),
             f32::NEG_INFINITY,
         );
-        let out = softmax(scores, 3).matmul(values);
+        let probs = match &self.sinks {
+            None => softmax(scores, 3),
+            // The sink's logit joins each row's softmax as one more column, then is dropped.
+            Some(sinks) => {
+                let column = sinks.val().reshape([1, n_heads, 1, 1]).expand([b, n_heads, t, 1]);
+                softmax(Tensor::cat(vec![scores, column], 3), 3).slice([0..b, 0..n_heads, 0..t, 0..s])
+            }
+        };
+        let out = probs.matmul(values);
         let out = out.swap_dims(1, 2).reshape([b, t, n_heads * head_dim]);
         (self.o.forward(out), cache.trim(window))
     }

@@ -59,6 +59,8 @@ pub struct DecoderConfig {
     pub qk_norm: QkNorm,
     /// Clamp q, k and v to `[-c, c]` after the projections (OLMoE's `clip_qkv`).
     pub clip_qkv: Option<f64>,
+    /// A learned sink logit per head in every softmax (GPT-OSS's `sinks`).
+    pub attention_sinks: bool,
     /// Every layer's rules, in order.
     pub layers: Vec<LayerSpec>,
     /// The output projection is the embedding's transpose.

@@ -9,6 +9,7 @@
 //! | `qwen2_moe` | `qkv_bias` | no | none | no | `layer_types` (or `use_sliding_window`, `max_window_layers`) | `mlp_only_layers`, `decoder_sparse_step` |
 //! | `qwen3_moe` | `attention_bias` | `attention_bias` | per head | no | `sliding_window` if `use_sliding_window` | `mlp_only_layers`, `decoder_sparse_step` |
 //! | `olmoe` | `attention_bias` | `attention_bias` | whole projection | `clip_qkv` | none | none |
+//! | `gpt_oss` | `attention_bias` | `attention_bias` | none (sinks per head) | no | `layer_types` | none |
 //! | `deepseek_v3` | latent attention: `attention_bias` on `q_a`, `kv_a`, `o` | | `q_a` / `kv_a` latent norms | no | none | `first_k_dense_replace` |
 //!
 //! DeepSeek-V3's attention is multi-head latent attention ([`LatentAttention`](crate::LatentAttention):
@@ -33,7 +34,14 @@ use crate::latent::LatentConfig;
 use crate::rotary::RopeScaling;
 
 /// The `model_type`s whole models are built for.
-pub const SUPPORTED: [&str; 5] = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"];
+pub const SUPPORTED: [&str; 6] = [
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "deepseek_v3",
+    "gpt_oss",
+];
 
 /// Reads the folder's `config.json` into a [`DecoderConfig`].
 ///
@@ -89,12 +97,14 @@ pub fn decoder_config(ckpt: &HfCheckpoint) -> Result<DecoderConfig> {
     }
     let attention_bias = keys.bool_or("attention_bias", false)?;
     let (rope_theta, rope_scaling) = keys.rope()?;
+    let attention_sinks = model_type == "gpt_oss";
     let (qkv_bias, o_bias, qk_norm, clip_qkv) = match model_type.as_str() {
         "mixtral" => (false, false, QkNorm::None, None),
         "qwen2_moe" => (keys.bool_or("qkv_bias", true)?, false, QkNorm::None, None),
         "qwen3_moe" => (attention_bias, attention_bias, QkNorm::PerHead, None),
         // Latent attention reads `attention_bias` as `o_bias` (on q_a, kv_a and o).
         "deepseek_v3" => (false, attention_bias, QkNorm::None, None),
+        "gpt_oss" => (attention_bias, attention_bias, QkNorm::None, None),
         _ => (
             attention_bias,
             attention_bias,
@@ -116,6 +126,7 @@ pub fn decoder_config(ckpt: &HfCheckpoint) -> Result<DecoderConfig> {
         o_bias,
         qk_norm,
         clip_qkv,
+        attention_sinks,
         layers,
         tie_embeddings: keys.bool_or("tie_word_embeddings", false)?,
         eos_token_ids: keys.ids("eos_token_id")?,
@@ -288,6 +299,20 @@ impl Keys<'_> {
         Ok((theta, scaling))
     }
 
+    /// `layer_types[layer]`: `sliding_attention` or `full_attention`.
+    fn layer_type(&self, layer: usize) -> Result<String> {
+        let kind = self
+            .get("layer_types")
+            .and_then(Value::as_array)
+            .and_then(|t| t.get(layer))
+            .and_then(Value::as_str)
+            .ok_or_else(|| self.error(format!("`layer_types` has no string for layer {layer}")))?;
+        match kind {
+            "sliding_attention" | "full_attention" => Ok(kind.to_string()),
+            other => Err(self.error(format!("`layer_types`[{layer}] is {other:?}"))),
+        }
+    }
+
     /// DeepSeek-V3's latent attention, with its softmax scale.
     fn latent(&self) -> Result<LatentConfig> {
         let q_lora_rank = match self.get("q_lora_rank") {
@@ -363,6 +388,10 @@ impl Keys<'_> {
                     false => Ok(None),
                 }
             }
+            "gpt_oss" => match self.layer_type(layer)?.as_str() {
+                "sliding_attention" => window().map(Some),
+                _ => Ok(None),
+            },
             "qwen3_moe" => {
                 match self.bool_or("use_sliding_window", false)? && self.get("sliding_window").is_some() {
                     true => window().map(Some),

@@ -98,23 +98,24 @@ impl<B: Backend> LatentAttention<B> {
         }
     }
 
-    /// The Hugging Face names of its projections and norms under `prefix` (`...self_attn`).
+    /// The Hugging Face names of its parameters under `prefix` (`...self_attn`).
     pub fn hf_parts(&self, prefix: &str) -> NamedParts<'_, B> {
-        let mut linears = Vec::new();
-        let mut norms = Vec::new();
+        let mut parts = NamedParts::default();
         if let Some(q) = &self.q {
-            linears.push((format!("{prefix}.q_proj"), q));
+            parts.linears.push((format!("{prefix}.q_proj"), q));
         }
         if let (Some(a), Some(n), Some(b)) = (&self.q_a, &self.q_a_norm, &self.q_b) {
-            linears.push((format!("{prefix}.q_a_proj"), a));
-            norms.push((format!("{prefix}.q_a_layernorm"), n));
-            linears.push((format!("{prefix}.q_b_proj"), b));
+            parts.linears.push((format!("{prefix}.q_a_proj"), a));
+            parts.norm(format!("{prefix}.q_a_layernorm"), n);
+            parts.linears.push((format!("{prefix}.q_b_proj"), b));
         }
-        linears.push((format!("{prefix}.kv_a_proj_with_mqa"), &self.kv_a));
-        norms.push((format!("{prefix}.kv_a_layernorm"), &self.kv_a_norm));
-        linears.push((format!("{prefix}.kv_b_proj"), &self.kv_b));
-        linears.push((format!("{prefix}.o_proj"), &self.o));
-        (linears, norms)
+        parts
+            .linears
+            .push((format!("{prefix}.kv_a_proj_with_mqa"), &self.kv_a));
+        parts.norm(format!("{prefix}.kv_a_layernorm"), &self.kv_a_norm);
+        parts.linears.push((format!("{prefix}.kv_b_proj"), &self.kv_b));
+        parts.linears.push((format!("{prefix}.o_proj"), &self.o));
+        parts
     }
 
     /// Attends the tokens `x` at `positions` to themselves and to `cached`, causally. The cache

@@ -41,21 +41,21 @@ pub(crate) struct LayerOutput<B: Backend> {
 }
 
 impl<B: Backend> DecoderLayer<B> {
-    /// The Hugging Face names of its projections and vectors (norm weights) under `prefix`
-    /// (`model.layers.{i}`), the MoE layer's left out.
+    /// The Hugging Face names of its parameters under `prefix` (`model.layers.{i}`), the MoE
+    /// layer's left out.
     pub fn hf_parts(&self, prefix: &str) -> NamedParts<'_, B> {
         let attn = format!("{prefix}.self_attn");
-        let (mut linears, mut norms) = match (&self.attn, &self.mla) {
+        let mut parts = match (&self.attn, &self.mla) {
             (Some(a), _) => a.hf_parts(&attn),
             (None, Some(m)) => m.hf_parts(&attn),
-            (None, None) => (Vec::new(), Vec::new()),
+            (None, None) => NamedParts::default(),
         };
         if let Some(mlp) = &self.mlp {
-            linears.extend(mlp.hf_parts(&format!("{prefix}.mlp")));
+            parts.linears.extend(mlp.hf_parts(&format!("{prefix}.mlp")));
         }
-        norms.push((format!("{prefix}.input_layernorm"), &self.attn_norm));
-        norms.push((format!("{prefix}.post_attention_layernorm"), &self.ffn_norm));
-        (linears, norms)
+        parts.norm(format!("{prefix}.input_layernorm"), &self.attn_norm);
+        parts.norm(format!("{prefix}.post_attention_layernorm"), &self.ffn_norm);
+        parts
     }
 }
 

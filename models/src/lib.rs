@@ -4,8 +4,8 @@
 //! [`Attention`] with grouped-query heads, optional q/k norms and sliding windows, a dense
 //! [`Mlp`] or an `MoeLayer` per layer, and a [`KvCache`] — configured by a
 //! [`DecoderConfig`]. A family is a description, not a copy of the decoder: [`family`] reads a
-//! Hugging Face `config.json` of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE or DeepSeek-V3 (with
-//! [`LatentAttention`]) into a
+//! Hugging Face `config.json` of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3 (with
+//! [`LatentAttention`]) or GPT-OSS (attention sinks) into a
 //! `DecoderConfig` (which rule each switches on), and [`MoeCausalLm::from_hf`] loads the
 //! folder's tensors through mpipemoe's checkpoint reader, each rank reading its own experts.
 //!

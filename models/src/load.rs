@@ -199,6 +199,11 @@ fn read_attention<B: Backend>(
     if let Some(n) = attn.k_norm.as_ref().map(|n| n.weight.dims()[0]) {
         attn.k_norm = Some(r.norm(&format!("{p}.k_norm.weight"), n, config.rms_eps)?);
     }
+    if attn.sinks.is_some() {
+        attn.sinks = Some(Param::from_tensor(
+            r.tensor(&format!("{p}.sinks"), [config.n_heads])?,
+        ));
+    }
     Ok(attn)
 }
 

@@ -15,7 +15,7 @@ use crate::config::{DecoderConfig, FfnKind};
 use crate::latent::LatentAttention;
 use crate::layer::DecoderLayer;
 use crate::mlp::Mlp;
-use crate::norm::RmsNorm;
+use crate::norm::{NamedParts, RmsNorm};
 use crate::rotary::Rotary;
 
 /// A decoder-only MoE language model (`*ForCausalLM`).
@@ -35,14 +35,12 @@ pub struct MoeCausalLm<B: Backend> {
     pub(crate) ignored: Vec<String>,
 }
 
-/// The parameters outside the MoE layers, by Hugging Face name: a `Linear` named `x` stores
-/// `x.weight` (`[out, in]`) and `x.bias`; a norm named `x` stores `x.weight`.
+/// The parameters outside the MoE layers, by Hugging Face name (see [`NamedParts`]), and
+/// the token embedding.
 #[derive(Debug)]
 pub struct HfParts<'a, B: Backend> {
-    /// The projections.
-    pub linears: Vec<(String, &'a Linear<B>)>,
-    /// The norms.
-    pub norms: Vec<(String, &'a RmsNorm<B>)>,
+    /// The projections and vectors.
+    pub parts: NamedParts<'a, B>,
     /// The token embedding's name and weight (`[vocab, d_model]`, stored as is).
     pub embedding: (String, &'a Param<Tensor<B, 2>>),
 }
@@ -148,20 +146,18 @@ impl<B: Backend> MoeCausalLm<B> {
     /// (`Linear`s, stored `[out, in]`), the norms, and the embedding.
     pub fn hf_parts(&self) -> HfParts<'_, B> {
         let root = &self.config.hf_root;
-        let mut parts = HfParts {
-            linears: Vec::new(),
-            norms: vec![(format!("{root}norm"), &self.norm)],
-            embedding: (format!("{root}embed_tokens.weight"), &self.embed.weight),
-        };
+        let mut parts = NamedParts::default();
+        parts.norm(format!("{root}norm"), &self.norm);
         for (i, layer) in self.layers.iter().enumerate() {
-            let (linears, norms) = layer.hf_parts(&format!("{root}layers.{i}"));
-            parts.linears.extend(linears);
-            parts.norms.extend(norms);
+            parts.extend(layer.hf_parts(&format!("{root}layers.{i}")));
         }
         if let Some(head) = &self.lm_head {
             parts.linears.push(("lm_head".to_string(), head));
         }
-        parts
+        HfParts {
+            parts,
+            embedding: (format!("{root}embed_tokens.weight"), &self.embed.weight),
+        }
     }
 
     /// The MoE layers, with their decoder-layer index.

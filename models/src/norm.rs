@@ -5,9 +5,38 @@ use burn::nn::Linear;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
-/// A block's projections and norms under their Hugging Face names (a `Linear` named `x` is
-/// stored as `x.weight` `[out, in]` and `x.bias`; a norm named `x` as `x.weight`).
-pub type NamedParts<'a, B> = (Vec<(String, &'a Linear<B>)>, Vec<(String, &'a RmsNorm<B>)>);
+/// A block's parameters under their Hugging Face names: projections (a `Linear` named `x` is
+/// stored as `x.weight` `[out, in]` and `x.bias`) and vectors under their full names (norm
+/// weights `x.weight`, GPT-OSS's `sinks`).
+#[derive(Debug)]
+pub struct NamedParts<'a, B: Backend> {
+    /// The projections.
+    pub linears: Vec<(String, &'a Linear<B>)>,
+    /// The vectors, stored as they are.
+    pub vectors: Vec<(String, &'a Param<Tensor<B, 1>>)>,
+}
+
+impl<B: Backend> Default for NamedParts<'_, B> {
+    fn default() -> Self {
+        Self {
+            linears: Vec::new(),
+            vectors: Vec::new(),
+        }
+    }
+}
+
+impl<'a, B: Backend> NamedParts<'a, B> {
+    /// Adds `other`'s parts.
+    pub fn extend(&mut self, other: NamedParts<'a, B>) {
+        self.linears.extend(other.linears);
+        self.vectors.extend(other.vectors);
+    }
+
+    /// Adds norm `norm` named `name` (stored as `name.weight`).
+    pub fn norm(&mut self, name: String, norm: &'a RmsNorm<B>) {
+        self.vectors.push((format!("{name}.weight"), &norm.weight));
+    }
+}
 
 /// `weight · x / sqrt(mean(x²) + eps)` over the last dimension (transformers' `*RMSNorm`:
 /// `x · rsqrt(variance + eps)`, then the weight).

@@ -50,14 +50,14 @@ impl<B: Backend> MoeCausalLm<B> {
     fn dense_tensors(&self) -> Result<HashMap<String, Vec<f32>>> {
         let parts = self.hf_parts();
         let mut out = HashMap::new();
-        for (name, l) in parts.linears {
+        for (name, l) in parts.parts.linears {
             out.insert(format!("{name}.weight"), values(l.weight.val().transpose())?);
             if let Some(b) = &l.bias {
                 out.insert(format!("{name}.bias"), values(b.val())?);
             }
         }
-        for (name, n) in parts.norms {
-            out.insert(format!("{name}.weight"), values(n.weight.val())?);
+        for (name, v) in parts.parts.vectors {
+            out.insert(name, values(v.val())?);
         }
         let (name, weight) = parts.embedding;
         out.insert(name, values(weight.val())?);

@@ -19,12 +19,13 @@ use safetensors::SafeTensors;
 
 type B = Autodiff<NdArray>;
 
-const FAMILIES: [&str; 5] = [
+const FAMILIES: [&str; 6] = [
     "mixtral-tiny",
     "qwen2-moe-tiny",
     "qwen3-moe-tiny",
     "olmoe-tiny",
     "deepseek-v3-tiny",
+    "gpt-oss-tiny",
 ];
 
 fn data() -> PathBuf {
@@ -112,15 +113,15 @@ fn rank_grads<Bk: AutodiffBackend + mpipemoe::MoeBackend>(
     let grad = |p: &Param<Tensor<Bk, 1>>| values(p.grad(grads).expect("every parameter gets a gradient"));
     let parts = model.hf_parts();
     let mut dense = HashMap::new();
-    for (name, l) in parts.linears {
+    for (name, l) in parts.parts.linears {
         let g = l.weight.grad(grads).expect("every parameter gets a gradient");
         dense.insert(format!("{name}.weight"), values(g.transpose()));
         if let Some(b) = &l.bias {
             dense.insert(format!("{name}.bias"), grad(b));
         }
     }
-    for (name, n) in parts.norms {
-        dense.insert(format!("{name}.weight"), grad(&n.weight));
+    for (name, v) in parts.parts.vectors {
+        dense.insert(name, grad(v));
     }
     let (name, embedding) = parts.embedding;
     dense.insert(name, values(embedding.grad(grads).expect("a gradient")));
@@ -378,12 +379,13 @@ fn a_tensor_the_model_does_not_use_is_an_error_naming_it() {
 
 #[test]
 fn an_unsupported_family_or_rotary_scaling_is_an_error_naming_it() {
-    let dir = data().join("../hf/generated/gpt-oss-tiny");
+    let dir = data().join("../hf/generated/llama4-tiny");
     let err = MoeCausalLm::<NdArray>::from_hf(&dir, &Default::default(), Arc::new(SingleRank))
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("\"gpt_oss\"") && err.contains("mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3"),
+        err.contains("\"llama4_text\"")
+            && err.contains("mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, gpt_oss"),
         "{err}"
     );
     let dir = edited_copy("olmoe-tiny", "dynamic", |config, _| {
@@ -496,7 +498,7 @@ fn fp8_weights_anywhere_in_deepseek_v3_load_dequantised_and_save_back_unchanged(
     let bytes = std::fs::read(hf.join("deepseek-v3-fp8-tiny.dequantized.safetensors")).unwrap();
     let reference = SafeTensors::deserialize(&bytes).unwrap();
     let mut compared = 0;
-    for (name, linear) in model.hf_parts().linears {
+    for (name, linear) in model.hf_parts().parts.linears {
         let Ok(view) = reference.tensor(&format!("{name}.weight")) else {
             continue;
         };

@@ -24,7 +24,8 @@ renormalised or plain top-k, a gated shared expert, and each rotary rule (Mixtra
 scaling, Qwen2-MoE none, Qwen3-MoE YaRN, OLMoE Llama 3's); DeepSeek-V3 with multi-head latent
 attention (q and kv low-rank projections, interleaved rotary dimensions, YaRN with `mscale` in
 the softmax scale), a dense first layer, sigmoid group-limited routing with a score bias and a
-shared expert.
+shared expert; GPT-OSS with attention sinks, sliding and full layers alternating, YaRN without
+truncation, biases everywhere and its clamped SwiGLU experts.
 """
 
 import json
@@ -160,6 +161,27 @@ def families():
                     "mscale_all_dim": 1.0,
                     "beta_fast": 32.0,
                     "beta_slow": 1.0,
+                },
+            ),
+        ),
+        (
+            "gpt-oss-tiny",
+            transformers.GptOssConfig(
+                **COMMON,
+                head_dim=8,
+                intermediate_size=16,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                sliding_window=5,
+                attention_bias=True,
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "rope_theta": 150000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 32,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                    "truncate": False,
                 },
             ),
         ),
