@@ -8,7 +8,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, Tensor, TensorData};
 
 use crate::cache::LayerCache;
-use crate::config::DecoderConfig;
+use crate::config::{AttnRules, DecoderConfig};
 use crate::norm::{NamedParts, RmsNorm};
 use crate::rotary::Rotary;
 
@@ -54,6 +54,8 @@ struct Heads {
     head_dim: usize,
     qk_norm: QkNorm,
     clip: Option<f64>,
+    rope_pairs: bool,
+    eps: f64,
 }
 
 impl<B: Backend> Attention<B> {
@@ -83,6 +85,8 @@ impl<B: Backend> Attention<B> {
                 head_dim: hd,
                 qk_norm: config.qk_norm,
                 clip: config.clip_qkv,
+                rope_pairs: config.rope_pairs,
+                eps: config.rms_eps,
             },
         }
     }
@@ -122,7 +126,7 @@ impl<B: Backend> Attention<B> {
         x: Tensor<B, 3>,
         positions: &[usize],
         (cos, sin): (&Tensor<B, 2>, &Tensor<B, 2>),
-        window: Option<usize>,
+        rules: &AttnRules,
         cached: Option<&LayerCache<B>>,
     ) -> (Tensor<B, 3>, LayerCache<B>) {
         let Heads {
@@ -131,6 +135,8 @@ impl<B: Backend> Attention<B> {
             head_dim,
             qk_norm,
             clip,
+            rope_pairs,
+            eps,
         } = self.shape;
         let [b, t, _] = x.dims();
         let device = x.device();
@@ -153,9 +159,19 @@ impl<B: Backend> Attention<B> {
             q = norm(&self.q_norm, q);
             k = norm(&self.k_norm, k);
         }
-        let q = Rotary::apply(q.swap_dims(1, 2), cos, sin);
-        let k = Rotary::apply(k.swap_dims(1, 2), cos, sin);
-        let v = v.swap_dims(1, 2);
+        let (mut q, mut k, v) = (q.swap_dims(1, 2), k.swap_dims(1, 2), v.swap_dims(1, 2));
+        if rules.rope {
+            (q, k) = match rope_pairs {
+                true => (Rotary::apply_pairs(q, cos, sin), Rotary::apply_pairs(k, cos, sin)),
+                false => (Rotary::apply(q, cos, sin), Rotary::apply(k, cos, sin)),
+            };
+        }
+        if rules.l2_qk_norm {
+            (q, k) = (l2_norm(q, eps), l2_norm(k, eps));
+        }
+        if let Some((attn_scale, floor_scale)) = rules.temperature {
+            q = q * temperature::<B>(positions, attn_scale, floor_scale, &device);
+        }
 
         let cache = LayerCache::extend(cached, k, v, positions);
         let s = cache.positions.len();
@@ -171,7 +187,7 @@ impl<B: Backend> Attention<B> {
         let values = repeat(cache.values.clone());
         let scale = (head_dim as f64).powf(-0.5);
         let scores = q.matmul(keys.swap_dims(2, 3)) * scale;
-        let hidden = causal_mask(positions, &cache.positions, window, &device);
+        let hidden = causal_mask(positions, &cache.positions, rules, &device);
         let scores = scores.mask_fill(
             hidden.unsqueeze::<4>().expand([b, n_heads, t, s]),
             f32::NEG_INFINITY,
@@ -186,7 +202,7 @@ impl<B: Backend> Attention<B> {
         };
         let out = probs.matmul(values);
         let out = out.swap_dims(1, 2).reshape([b, t, n_heads * head_dim]);
-        (self.o.forward(out), cache.trim(window))
+        (self.o.forward(out), cache.trim(rules.window))
     }
 }
 
@@ -198,15 +214,16 @@ fn norm<B: Backend, const D: usize>(norm: &Option<RmsNorm<B>>, x: Tensor<B, D>) 
 }
 
 /// `true` where query `i` (at `queries[i]`) may not see key `j` (at `keys[j]`): a later
-/// position, or one outside the window (transformers' causal mask with
-/// `sliding_window_overlay`: visible iff `key > query - window`).
+/// position, one outside the window (transformers' causal mask with `sliding_window_overlay`:
+/// visible iff `key > query - window`), or one in another chunk (`chunked_overlay`: visible iff
+/// `key / chunk == query / chunk`).
 ///
 /// # Shapes
 /// - output: `[queries, keys]`
 pub(crate) fn causal_mask<B: Backend>(
     queries: &[usize],
     keys: &[usize],
-    window: Option<usize>,
+    rules: &AttnRules,
     device: &B::Device,
 ) -> Tensor<B, 2, Bool> {
     let hidden: Vec<bool> = queries
@@ -214,10 +231,40 @@ pub(crate) fn causal_mask<B: Backend>(
         .flat_map(|&q| {
             keys.iter().map(move |&k| {
                 let future = k > q;
-                let outside = window.is_some_and(|w| k + w <= q);
-                future || outside
+                let outside = rules.window.is_some_and(|w| k + w <= q);
+                let other_chunk = rules.chunk.is_some_and(|c| k / c != q / c);
+                future || outside || other_chunk
             })
         })
         .collect();
     Tensor::from_data(TensorData::new(hidden, [queries.len(), keys.len()]), device)
+}
+
+/// `x / sqrt(mean(x²) + eps)` over the last dimension, no weight (Llama 4's `L2Norm`).
+fn l2_norm<B: Backend>(x: Tensor<B, 4>, eps: f64) -> Tensor<B, 4> {
+    let mean_square = x.clone().powi_scalar(2).mean_dim(3);
+    x * (mean_square + eps).sqrt().recip()
+}
+
+/// Llama 4's attention temperature per query position, in f32 as transformers computes it:
+/// `ln(1 + floor((p + 1) / floor_scale)) · attn_scale + 1`.
+///
+/// # Shapes
+/// - output: `[1, 1, positions, 1]`
+fn temperature<B: Backend>(
+    positions: &[usize],
+    attn_scale: f64,
+    floor_scale: f64,
+    device: &B::Device,
+) -> Tensor<B, 4> {
+    let scales: Vec<f32> = positions
+        .iter()
+        .map(|&p| ((p as f32 + 1.0) / floor_scale as f32).floor().ln_1p() * attn_scale as f32 + 1.0)
+        .collect();
+    Tensor::<B, 1>::from_data(TensorData::new(scales, [positions.len()]), device).reshape([
+        1,
+        1,
+        positions.len(),
+        1,
+    ])
 }

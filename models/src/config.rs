@@ -23,10 +23,40 @@ pub enum FfnKind {
 pub struct LayerSpec {
     /// Dense MLP or MoE layer.
     pub ffn: FfnKind,
+    /// Its attention's rules.
+    pub attn: AttnRules,
+}
+
+/// The rules one layer's attention follows (beyond the model-wide ones).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttnRules {
     /// Sliding-window attention: a query at position `p` sees keys at positions
     /// `p - window + 1 ..= p` (transformers' `sliding_window_overlay`); `None` for full causal
     /// attention.
     pub window: Option<usize>,
+    /// Chunked attention (Llama 4): a query sees only the keys of its own chunk of this many
+    /// positions (transformers' `chunked_overlay`).
+    pub chunk: Option<usize>,
+    /// Rotary embeddings on this layer (Llama 4's NoPE layers have none).
+    pub rope: bool,
+    /// L2 norm (an RMS norm without weight) on queries and keys after the rotary embedding
+    /// (Llama 4's `use_qk_norm`, on its rotary layers).
+    pub l2_qk_norm: bool,
+    /// Attention temperature tuning (Llama 4's NoPE layers): queries at position `p` times
+    /// `ln(1 + floor((p + 1) / floor_scale)) · attn_scale + 1`, as `(attn_scale, floor_scale)`.
+    pub temperature: Option<(f64, f64)>,
+}
+
+impl Default for AttnRules {
+    fn default() -> Self {
+        Self {
+            window: None,
+            chunk: None,
+            rope: true,
+            l2_qk_norm: false,
+            temperature: None,
+        }
+    }
 }
 
 /// A decoder-only MoE language model's configuration: what [`family`](crate::family) reads
@@ -72,9 +102,21 @@ pub struct DecoderConfig {
     pub latent: Option<LatentConfig>,
     /// What the Hugging Face names of the text model start with (`model.`).
     pub hf_root: String,
+    /// The dense MLP's module name (`mlp`; Llama 4's `feed_forward`).
+    pub mlp_name: String,
+    /// Rotary dimensions in interleaved pairs `(x0, x1), (x2, x3), ...`, rotated in place
+    /// (Llama 4's complex-number form); else "rotate half".
+    pub rope_pairs: bool,
 }
 
 impl DecoderConfig {
+    /// The output projection's Hugging Face name: `lm_head`, or `language_model.lm_head`
+    /// inside a multimodal release (Llama 4's), beside its text model's root.
+    pub fn lm_head_name(&self) -> String {
+        let outer = self.hf_root.strip_suffix("model.").unwrap_or("");
+        format!("{outer}lm_head")
+    }
+
     /// Checks the sizes agree with each other.
     ///
     /// # Errors
@@ -104,10 +146,10 @@ impl DecoderConfig {
             ));
         }
         for (i, layer) in self.layers.iter().enumerate() {
-            if layer.window == Some(0) {
+            if layer.attn.window == Some(0) || layer.attn.chunk == Some(0) {
                 return Err(MoeError::config(
                     "window",
-                    format!("layer {i}: a window of 0 sees nothing"),
+                    format!("layer {i}: a window or chunk of 0 sees nothing"),
                 ));
             }
             match &layer.ffn {

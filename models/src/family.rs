@@ -9,6 +9,7 @@
 //! | `qwen2_moe` | `qkv_bias` | no | none | no | `layer_types` (or `use_sliding_window`, `max_window_layers`) | `mlp_only_layers`, `decoder_sparse_step` |
 //! | `qwen3_moe` | `attention_bias` | `attention_bias` | per head | no | `sliding_window` if `use_sliding_window` | `mlp_only_layers`, `decoder_sparse_step` |
 //! | `olmoe` | `attention_bias` | `attention_bias` | whole projection | `clip_qkv` | none | none |
+//! | `llama4_text` (and `llama4`'s text model) | `attention_bias` | `attention_bias` | L2 after rotary (`use_qk_norm`) | no | chunks (`layer_types`, `attention_chunk_size`) | `moe_layers` / `interleave_moe_layer_step` |
 //! | `gpt_oss` | `attention_bias` | `attention_bias` | none (sinks per head) | no | `layer_types` | none |
 //! | `deepseek_v3` | latent attention: `attention_bias` on `q_a`, `kv_a`, `o` | | `q_a` / `kv_a` latent norms | no | none | `first_k_dense_replace` |
 //!
@@ -29,18 +30,19 @@ use mpipemoe::{MoeError, Result};
 use serde_json::Value;
 
 use crate::attention::QkNorm;
-use crate::config::{DecoderConfig, FfnKind, LayerSpec};
+use crate::config::{AttnRules, DecoderConfig, FfnKind, LayerSpec};
 use crate::latent::LatentConfig;
 use crate::rotary::RopeScaling;
 
 /// The `model_type`s whole models are built for.
-pub const SUPPORTED: [&str; 6] = [
+pub const SUPPORTED: [&str; 7] = [
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
     "olmoe",
     "deepseek_v3",
     "gpt_oss",
+    "llama4_text",
 ];
 
 /// Reads the folder's `config.json` into a [`DecoderConfig`].
@@ -87,24 +89,28 @@ pub fn decoder_config(ckpt: &HfCheckpoint) -> Result<DecoderConfig> {
         let ffn = match moe_layers.contains(&layer) {
             true => FfnKind::Moe(Box::new(ckpt.layer(layer)?.config)),
             false => FfnKind::Dense {
-                d_hidden: keys.usize("intermediate_size")?,
+                d_hidden: match model_type.as_str() {
+                    "llama4_text" => keys.usize("intermediate_size_mlp")?,
+                    _ => keys.usize("intermediate_size")?,
+                },
             },
         };
         layers.push(LayerSpec {
             ffn,
-            window: keys.window(&model_type, layer)?,
+            attn: keys.attn_rules(&model_type, layer)?,
         });
     }
     let attention_bias = keys.bool_or("attention_bias", false)?;
     let (rope_theta, rope_scaling) = keys.rope()?;
     let attention_sinks = model_type == "gpt_oss";
+    let llama4 = model_type == "llama4_text";
     let (qkv_bias, o_bias, qk_norm, clip_qkv) = match model_type.as_str() {
         "mixtral" => (false, false, QkNorm::None, None),
         "qwen2_moe" => (keys.bool_or("qkv_bias", true)?, false, QkNorm::None, None),
         "qwen3_moe" => (attention_bias, attention_bias, QkNorm::PerHead, None),
         // Latent attention reads `attention_bias` as `o_bias` (on q_a, kv_a and o).
         "deepseek_v3" => (false, attention_bias, QkNorm::None, None),
-        "gpt_oss" => (attention_bias, attention_bias, QkNorm::None, None),
+        "gpt_oss" | "llama4_text" => (attention_bias, attention_bias, QkNorm::None, None),
         _ => (
             attention_bias,
             attention_bias,
@@ -132,6 +138,8 @@ pub fn decoder_config(ckpt: &HfCheckpoint) -> Result<DecoderConfig> {
         eos_token_ids: keys.ids("eos_token_id")?,
         latent,
         hf_root: ckpt.root().to_string(),
+        mlp_name: if llama4 { "feed_forward" } else { "mlp" }.to_string(),
+        rope_pairs: llama4,
     };
     config.validate().map_err(|e| keys.error(e.to_string()))?;
     Ok(config)
@@ -299,7 +307,38 @@ impl Keys<'_> {
         Ok((theta, scaling))
     }
 
-    /// `layer_types[layer]`: `sliding_attention` or `full_attention`.
+    /// Layer `layer`'s attention rules: its window by the family's rule, and Llama 4's
+    /// chunks, NoPE layers, L2 q/k norm and temperature tuning.
+    fn attn_rules(&self, model_type: &str, layer: usize) -> Result<AttnRules> {
+        let mut rules = AttnRules {
+            window: self.window(model_type, layer)?,
+            ..AttnRules::default()
+        };
+        if model_type == "llama4_text" {
+            // `no_rope_layers[i]` is 1 where the layer *uses* rotary embeddings; absent, every
+            // `no_rope_layer_interval`-th layer is NoPE (transformers' default).
+            rules.rope = match self.get("no_rope_layers").and_then(Value::as_array) {
+                Some(flags) => flags
+                    .get(layer)
+                    .and_then(Value::as_u64)
+                    .map(|f| f != 0)
+                    .ok_or_else(|| self.error(format!("`no_rope_layers` has no 0 or 1 for layer {layer}")))?,
+                None => !(layer + 1).is_multiple_of(self.usize_or("no_rope_layer_interval", 4)?.max(1)),
+            };
+            if self.layer_type(layer)? == "chunked_attention" {
+                rules.chunk = Some(self.usize("attention_chunk_size")?);
+            }
+            rules.l2_qk_norm = self.bool_or("use_qk_norm", true)? && rules.rope;
+            if self.bool_or("attn_temperature_tuning", true)? && !rules.rope {
+                let attn_scale = self.f64_opt("attn_scale")?.unwrap_or(0.1);
+                let floor_scale = self.f64_opt("floor_scale")?.unwrap_or(8192.0);
+                rules.temperature = Some((attn_scale, floor_scale));
+            }
+        }
+        Ok(rules)
+    }
+
+    /// `layer_types[layer]`: `sliding_attention`, `chunked_attention` or `full_attention`.
     fn layer_type(&self, layer: usize) -> Result<String> {
         let kind = self
             .get("layer_types")
@@ -308,7 +347,7 @@ impl Keys<'_> {
             .and_then(Value::as_str)
             .ok_or_else(|| self.error(format!("`layer_types` has no string for layer {layer}")))?;
         match kind {
-            "sliding_attention" | "full_attention" => Ok(kind.to_string()),
+            "sliding_attention" | "chunked_attention" | "full_attention" => Ok(kind.to_string()),
             other => Err(self.error(format!("`layer_types`[{layer}] is {other:?}"))),
         }
     }

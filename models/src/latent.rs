@@ -10,6 +10,7 @@ use burn::tensor::Tensor;
 
 use crate::attention::causal_mask;
 use crate::cache::LayerCache;
+use crate::config::AttnRules;
 use crate::norm::{NamedParts, RmsNorm};
 use crate::rotary::Rotary;
 
@@ -174,7 +175,7 @@ impl<B: Backend> LatentAttention<B> {
         let cache = LayerCache::extend(cached, keys, values, positions);
         let s = cache.positions.len();
         let scores = query.matmul(cache.keys.clone().swap_dims(2, 3)) * c.softmax_scale;
-        let hidden = causal_mask::<B>(positions, &cache.positions, None, &device);
+        let hidden = causal_mask::<B>(positions, &cache.positions, &AttnRules::default(), &device);
         let scores = scores.mask_fill(hidden.unsqueeze::<4>().expand([b, h, t, s]), f32::NEG_INFINITY);
         let out = softmax(scores, 3).matmul(cache.values.clone());
         let out = out.swap_dims(1, 2).reshape([b, t, h * v_dim]);

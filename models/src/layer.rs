@@ -8,6 +8,7 @@ use mpipemoe::{MoeBackend, MoeLayer, Result};
 
 use crate::attention::Attention;
 use crate::cache::LayerCache;
+use crate::config::AttnRules;
 use crate::latent::LatentAttention;
 use crate::mlp::Mlp;
 use crate::norm::{NamedParts, RmsNorm};
@@ -27,9 +28,12 @@ pub struct DecoderLayer<B: Backend> {
     pub mlp: Option<Mlp<B>>,
     /// The MoE layer of a MoE layer (this rank's experts).
     pub moe: Option<MoeLayer<B>>,
-    /// The layer's sliding window, if any.
+    /// The layer's attention rules (window, chunks, NoPE, ...).
     #[module(skip)]
-    pub window: Option<usize>,
+    pub rules: AttnRules,
+    /// The dense MLP's module name (`mlp`, Llama 4's `feed_forward`).
+    #[module(skip)]
+    pub mlp_name: String,
 }
 
 /// A layer's output: the residual stream and the MoE layer's losses (zero for a dense one).
@@ -51,7 +55,9 @@ impl<B: Backend> DecoderLayer<B> {
             (None, None) => NamedParts::default(),
         };
         if let Some(mlp) = &self.mlp {
-            parts.linears.extend(mlp.hf_parts(&format!("{prefix}.mlp")));
+            parts
+                .linears
+                .extend(mlp.hf_parts(&format!("{prefix}.{}", self.mlp_name)));
         }
         parts.norm(format!("{prefix}.input_layernorm"), &self.attn_norm);
         parts.norm(format!("{prefix}.post_attention_layernorm"), &self.ffn_norm);
@@ -76,7 +82,7 @@ impl<B: MoeBackend> DecoderLayer<B> {
     ) -> Result<LayerOutput<B>> {
         let normed = self.attn_norm.forward(x.clone());
         let (attended, cache) = match (&self.attn, &self.mla) {
-            (Some(attn), _) => attn.forward(normed, positions, rope, self.window, cached),
+            (Some(attn), _) => attn.forward(normed, positions, rope, &self.rules, cached),
             (None, Some(mla)) => mla.forward(normed, positions, rope, cached),
             (None, None) => unreachable!("a decoder layer is built with an attention block"),
         };

@@ -5,7 +5,8 @@
 //! [`Mlp`] or an `MoeLayer` per layer, and a [`KvCache`] — configured by a
 //! [`DecoderConfig`]. A family is a description, not a copy of the decoder: [`family`] reads a
 //! Hugging Face `config.json` of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3 (with
-//! [`LatentAttention`]) or GPT-OSS (attention sinks) into a
+//! [`LatentAttention`]), GPT-OSS (attention sinks) or Llama 4 (chunked attention,
+//! NoPE layers) into a
 //! `DecoderConfig` (which rule each switches on), and [`MoeCausalLm::from_hf`] loads the
 //! folder's tensors through mpipemoe's checkpoint reader, each rank reading its own experts.
 //!
@@ -40,7 +41,7 @@ mod save;
 
 pub use attention::{Attention, QkNorm};
 pub use cache::{KvCache, LayerCache};
-pub use config::{DecoderConfig, FfnKind, LayerSpec};
+pub use config::{AttnRules, DecoderConfig, FfnKind, LayerSpec};
 pub use latent::{LatentAttention, LatentConfig};
 pub use layer::DecoderLayer;
 pub use mlp::Mlp;

@@ -107,7 +107,7 @@ impl<B: Backend> MoeCausalLm<B> {
             };
             let (mlp, moe) = match &spec.ffn {
                 FfnKind::Dense { d_hidden } => {
-                    let p = format!("{prefix}.mlp");
+                    let p = format!("{prefix}.{}", config.mlp_name);
                     let mlp = Mlp {
                         gate: r.linear(&format!("{p}.gate_proj"), m, *d_hidden, false)?,
                         up: r.linear(&format!("{p}.up_proj"), m, *d_hidden, false)?,
@@ -127,13 +127,14 @@ impl<B: Backend> MoeCausalLm<B> {
                 ffn_norm: r.norm(&format!("{prefix}.post_attention_layernorm.weight"), m, eps)?,
                 mlp,
                 moe,
-                window: spec.window,
+                rules: spec.attn,
+                mlp_name: config.mlp_name.clone(),
             });
         }
         let norm = r.norm(&format!("{root}norm.weight"), m, eps)?;
         let lm_head = match config.tie_embeddings {
             true => None,
-            false => Some(r.linear("lm_head", m, v, false)?),
+            false => Some(r.linear(&config.lm_head_name(), m, v, false)?),
         };
         // Tensors transformers itself skips on load are reported, not refused: DeepSeek-V3's
         // multi-token-prediction layers follow the decoder's (`layers.61` of the 61-layer
@@ -167,9 +168,16 @@ impl<B: Backend> MoeCausalLm<B> {
     }
 }
 
-/// Whether transformers skips tensor `name` when it loads this family: DeepSeek-V3's layers
-/// past `num_hidden_layers` (its multi-token-prediction modules).
+/// Whether transformers skips tensor `name` when it loads this family's text model:
+/// DeepSeek-V3's layers past `num_hidden_layers` (its multi-token-prediction modules), and in
+/// a multimodal release (Llama 4's) everything outside the language model (the vision tower,
+/// the projector).
 fn ignored_by_transformers(config: &DecoderConfig, root: &str, name: &str) -> bool {
+    if let Some(outer) = root.strip_suffix("model.").filter(|o| !o.is_empty()) {
+        if !name.starts_with(outer) {
+            return true;
+        }
+    }
     if config.model_type != "deepseek_v3" {
         return false;
     }

@@ -95,7 +95,8 @@ impl<B: Backend> MoeCausalLm<B> {
                     ffn_norm: RmsNorm::new(config.d_model, config.rms_eps, device),
                     mlp,
                     moe,
-                    window: spec.window,
+                    rules: spec.attn,
+                    mlp_name: config.mlp_name.clone(),
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -152,7 +153,7 @@ impl<B: Backend> MoeCausalLm<B> {
             parts.extend(layer.hf_parts(&format!("{root}layers.{i}")));
         }
         if let Some(head) = &self.lm_head {
-            parts.linears.push(("lm_head".to_string(), head));
+            parts.linears.push((self.config.lm_head_name(), head));
         }
         HfParts {
             parts,

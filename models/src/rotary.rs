@@ -151,6 +151,25 @@ impl Rotary {
         )
     }
 
+    /// Rotates `x` by the tables of its positions in interleaved pairs, each pair rotated in
+    /// place (Llama 4's complex form: `(x0 + i·x1) · e^{iθ}`, written back as `(re, im)`).
+    ///
+    /// # Shapes
+    /// - x: `[batch, heads, seq, head_dim]`
+    /// - cos, sin: `[seq, head_dim]` (`cat(freqs, freqs)`: the first half is used)
+    pub fn apply_pairs<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 2>, sin: &Tensor<B, 2>) -> Tensor<B, 4> {
+        let [b, h, t, d] = x.dims();
+        let half = d / 2;
+        let pairs = x.reshape([b, h, t, half, 2]);
+        let re = pairs.clone().slice([0..b, 0..h, 0..t, 0..half, 0..1]);
+        let im = pairs.slice([0..b, 0..h, 0..t, 0..half, 1..2]);
+        let cos = cos.clone().slice([0..t, 0..half]).reshape([1, 1, t, half, 1]);
+        let sin = sin.clone().slice([0..t, 0..half]).reshape([1, 1, t, half, 1]);
+        let out_re = re.clone() * cos.clone() - im.clone() * sin.clone();
+        let out_im = re * sin + im * cos;
+        Tensor::cat(vec![out_re, out_im], 4).reshape([b, h, t, d])
+    }
+
     /// Rotates `x` by the tables of its positions.
     ///
     /// # Shapes

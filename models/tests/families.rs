@@ -19,13 +19,14 @@ use safetensors::SafeTensors;
 
 type B = Autodiff<NdArray>;
 
-const FAMILIES: [&str; 6] = [
+const FAMILIES: [&str; 7] = [
     "mixtral-tiny",
     "qwen2-moe-tiny",
     "qwen3-moe-tiny",
     "olmoe-tiny",
     "deepseek-v3-tiny",
     "gpt-oss-tiny",
+    "llama4-tiny",
 ];
 
 fn data() -> PathBuf {
@@ -379,15 +380,11 @@ fn a_tensor_the_model_does_not_use_is_an_error_naming_it() {
 
 #[test]
 fn an_unsupported_family_or_rotary_scaling_is_an_error_naming_it() {
-    let dir = data().join("../hf/generated/llama4-tiny");
-    let err = MoeCausalLm::<NdArray>::from_hf(&dir, &Default::default(), Arc::new(SingleRank))
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("\"llama4_text\"")
-            && err.contains("mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, gpt_oss"),
-        "{err}"
-    );
+    let dir = edited_copy("mixtral-tiny", "jamba", |config, _| {
+        config["model_type"] = "jamba".into();
+    });
+    let err = load_error(&dir);
+    assert!(err.contains("\"jamba\"") && err.contains("mixtral"), "{err}");
     let dir = edited_copy("olmoe-tiny", "dynamic", |config, _| {
         config["rope_parameters"]["rope_type"] = "dynamic".into();
     });
@@ -542,4 +539,35 @@ fn deepseeks_prediction_layer_is_reported_and_skipped() {
     assert_eq!(model.ignored_tensors(), ["model.layers.3.eh_proj.weight"]);
     let err = load_error(&extra("mixtral-tiny", 3));
     assert!(err.contains("model.layers.3.eh_proj.weight"), "{err}");
+}
+
+/// Llama 4 as Meta publishes it: the text model inside a multimodal checkpoint
+/// (`language_model.model.*`, `language_model.lm_head`, a vision tower beside). The text model
+/// loads with the vision tower reported as not loaded, and computes what the text-only folder
+/// with the same weights computes.
+#[test]
+fn llama4s_text_model_loads_from_the_multimodal_release() {
+    let hf = data().join("../hf/generated");
+    let device = Default::default();
+    let multimodal =
+        MoeCausalLm::<NdArray>::from_hf(hf.join("llama4-multimodal-tiny"), &device, Arc::new(SingleRank))
+            .unwrap();
+    let text =
+        MoeCausalLm::<NdArray>::from_hf(hf.join("llama4-tiny"), &device, Arc::new(SingleRank)).unwrap();
+    assert!(multimodal
+        .ignored_tensors()
+        .iter()
+        .all(|n| !n.starts_with("language_model.")));
+    assert!(multimodal
+        .ignored_tensors()
+        .iter()
+        .any(|n| n.starts_with("vision_model.")));
+    assert!(text.ignored_tensors().is_empty());
+    let ids =
+        || Tensor::<NdArray, 2, Int>::from_data(TensorData::new(vec![1i64, 7, 3, 9, 4], [1, 5]), &device);
+    let (a, b) = (
+        values(multimodal.forward(ids(), None).logits),
+        values(text.forward(ids(), None).logits),
+    );
+    assert_eq!(a, b);
 }

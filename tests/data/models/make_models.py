@@ -25,7 +25,10 @@ scaling, Qwen2-MoE none, Qwen3-MoE YaRN, OLMoE Llama 3's); DeepSeek-V3 with mult
 attention (q and kv low-rank projections, interleaved rotary dimensions, YaRN with `mscale` in
 the softmax scale), a dense first layer, sigmoid group-limited routing with a score bias and a
 shared expert; GPT-OSS with attention sinks, sliding and full layers alternating, YaRN without
-truncation, biases everywhere and its clamped SwiGLU experts.
+truncation, biases everywhere and its clamped SwiGLU experts; Llama 4 (text) with chunked
+attention shorter than the sequence, a NoPE layer with attention temperature tuning, L2 q/k
+norms, interleaved rotary pairs, MoE and dense layers alternating, top-1 routing with the
+weight on the expert's input and a shared expert.
 """
 
 import json
@@ -182,6 +185,31 @@ def families():
                     "beta_fast": 32.0,
                     "beta_slow": 1.0,
                     "truncate": False,
+                },
+            ),
+        ),
+        (
+            "llama4-tiny",
+            transformers.Llama4TextConfig(
+                **{**COMMON, "num_hidden_layers": 4},
+                head_dim=8,
+                intermediate_size=16,
+                intermediate_size_mlp=40,
+                num_local_experts=4,
+                num_experts_per_tok=1,
+                interleave_moe_layer_step=2,
+                attention_chunk_size=4,
+                use_qk_norm=True,
+                attn_temperature_tuning=True,
+                floor_scale=4,
+                attn_scale=0.1,
+                rope_parameters={
+                    "rope_type": "llama3",
+                    "rope_theta": 500000.0,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 32,
                 },
             ),
         ),
