@@ -17,6 +17,7 @@ use mpipemoe::{LocalGroup, MemoryReuse, ParamKind, Partitions};
 use mpipemoe_models::MoeCausalLm;
 use safetensors::SafeTensors;
 
+/// One backend for every test here (each backend a test binary instantiates costs compile time).
 type B = Autodiff<NdArray>;
 
 const FAMILIES: [&str; 7] = [
@@ -253,8 +254,7 @@ fn every_family_generates_transformers_greedy_ids() {
     let device = Default::default();
     for family in FAMILIES {
         let exp = expected(family);
-        let model =
-            MoeCausalLm::<NdArray>::from_hf(data().join(family), &device, Arc::new(SingleRank)).unwrap();
+        let model = MoeCausalLm::<B>::from_hf(data().join(family), &device, Arc::new(SingleRank)).unwrap();
         let ids = model.generate(&exp.ints["prompt"], 32, &device).unwrap();
         assert_eq!(ids, exp.ints["greedy"], "{family}: greedy ids");
     }
@@ -314,7 +314,7 @@ fn experts_sharded_over_two_ranks_with_three_partitions_and_s4_match_too() {
 fn a_model_is_a_burn_module() {
     let device = Default::default();
     let model =
-        MoeCausalLm::<NdArray>::from_hf(data().join("mixtral-tiny"), &device, Arc::new(SingleRank)).unwrap();
+        MoeCausalLm::<B>::from_hf(data().join("mixtral-tiny"), &device, Arc::new(SingleRank)).unwrap();
     // 43,616 parameters in the checkpoint's index metadata.
     assert_eq!(model.num_params(), 43_616);
 }
@@ -347,7 +347,7 @@ fn edited_copy(
 }
 
 fn load_error(dir: &std::path::Path) -> String {
-    let err = MoeCausalLm::<NdArray>::from_hf(dir, &Default::default(), Arc::new(SingleRank)).unwrap_err();
+    let err = MoeCausalLm::<B>::from_hf(dir, &Default::default(), Arc::new(SingleRank)).unwrap_err();
     let _ = std::fs::remove_dir_all(dir);
     err.to_string()
 }
@@ -405,7 +405,7 @@ fn a_model_saved_untrained_gives_its_folder_back_byte_for_byte() {
     for family in FAMILIES {
         let src = data().join(family);
         let out = temp_dir(&format!("roundtrip-{family}"));
-        let model = MoeCausalLm::<NdArray>::from_hf(&src, &Default::default(), Arc::new(SingleRank)).unwrap();
+        let model = MoeCausalLm::<B>::from_hf(&src, &Default::default(), Arc::new(SingleRank)).unwrap();
         let report = model.save_hf(&src, &out, &Default::default()).unwrap().unwrap();
         assert!(report.tensors > 0);
         let mut files = 0;
@@ -433,7 +433,6 @@ fn a_model_saved_untrained_gives_its_folder_back_byte_for_byte() {
 /// the untrained ones.
 #[test]
 fn fine_tuned_at_two_ranks_then_saved_and_reloaded_gives_the_trained_logits() {
-    use burn::module::AutodiffModule;
     use burn::optim::{GradientsParams, Optimizer, SgdConfig};
     use mpipemoe::parallel::ParallelGroups;
     for family in ["mixtral-tiny", "qwen2-moe-tiny"] {
@@ -454,21 +453,15 @@ fn fine_tuned_at_two_ranks_then_saved_and_reloaded_gives_the_trained_logits() {
             groups.sync_grads(&model, &mut grads)?;
             let model = SgdConfig::new().init().step(0.5, model, grads);
             model.save_hf(&src, &saved, &Default::default())?;
-            let model = model.valid();
-            let all = Tensor::<NdArray, 2, Int>::from_data(
+            let all = Tensor::<B, 2, Int>::from_data(
                 TensorData::new(ids.iter().map(|&i| i as i64).collect::<Vec<_>>(), [shape[0], t]),
                 &device,
             );
             Ok(values(model.try_forward(all, None)?.logits))
         })
         .unwrap();
-        let reloaded =
-            MoeCausalLm::<NdArray>::from_hf(&saved, &Default::default(), Arc::new(SingleRank)).unwrap();
-        let logits = values(
-            reloaded
-                .forward(ids_tensor(&ids, [shape[0], t]).inner(), None)
-                .logits,
-        );
+        let reloaded = MoeCausalLm::<B>::from_hf(&saved, &Default::default(), Arc::new(SingleRank)).unwrap();
+        let logits = values(reloaded.forward(ids_tensor(&ids, [shape[0], t]), None).logits);
         std::fs::remove_dir_all(&saved).unwrap();
         let same = rel_err(&logits, &trained[0]);
         let moved = rel_err(&logits, &exp.floats["logits"].1);
@@ -491,7 +484,7 @@ fn fine_tuned_at_two_ranks_then_saved_and_reloaded_gives_the_trained_logits() {
 fn fp8_weights_anywhere_in_deepseek_v3_load_dequantised_and_save_back_unchanged() {
     let hf = data().join("../hf/generated");
     let src = hf.join("deepseek-v3-fp8-tiny");
-    let model = MoeCausalLm::<NdArray>::from_hf(&src, &Default::default(), Arc::new(SingleRank)).unwrap();
+    let model = MoeCausalLm::<B>::from_hf(&src, &Default::default(), Arc::new(SingleRank)).unwrap();
     let bytes = std::fs::read(hf.join("deepseek-v3-fp8-tiny.dequantized.safetensors")).unwrap();
     let reference = SafeTensors::deserialize(&bytes).unwrap();
     let mut compared = 0;
@@ -534,7 +527,7 @@ fn deepseeks_prediction_layer_is_reported_and_skipped() {
         })
     };
     let dir = extra("deepseek-v3-tiny", 3);
-    let model = MoeCausalLm::<NdArray>::from_hf(&dir, &Default::default(), Arc::new(SingleRank)).unwrap();
+    let model = MoeCausalLm::<B>::from_hf(&dir, &Default::default(), Arc::new(SingleRank)).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
     assert_eq!(model.ignored_tensors(), ["model.layers.3.eh_proj.weight"]);
     let err = load_error(&extra("mixtral-tiny", 3));
@@ -550,10 +543,8 @@ fn llama4s_text_model_loads_from_the_multimodal_release() {
     let hf = data().join("../hf/generated");
     let device = Default::default();
     let multimodal =
-        MoeCausalLm::<NdArray>::from_hf(hf.join("llama4-multimodal-tiny"), &device, Arc::new(SingleRank))
-            .unwrap();
-    let text =
-        MoeCausalLm::<NdArray>::from_hf(hf.join("llama4-tiny"), &device, Arc::new(SingleRank)).unwrap();
+        MoeCausalLm::<B>::from_hf(hf.join("llama4-multimodal-tiny"), &device, Arc::new(SingleRank)).unwrap();
+    let text = MoeCausalLm::<B>::from_hf(hf.join("llama4-tiny"), &device, Arc::new(SingleRank)).unwrap();
     assert!(multimodal
         .ignored_tensors()
         .iter()
@@ -563,8 +554,7 @@ fn llama4s_text_model_loads_from_the_multimodal_release() {
         .iter()
         .any(|n| n.starts_with("vision_model.")));
     assert!(text.ignored_tensors().is_empty());
-    let ids =
-        || Tensor::<NdArray, 2, Int>::from_data(TensorData::new(vec![1i64, 7, 3, 9, 4], [1, 5]), &device);
+    let ids = || Tensor::<B, 2, Int>::from_data(TensorData::new(vec![1i64, 7, 3, 9, 4], [1, 5]), &device);
     let (a, b) = (
         values(multimodal.forward(ids(), None).logits),
         values(text.forward(ids(), None).logits),
