@@ -186,24 +186,51 @@ impl<B: Backend> Attention<B> {
         let keys = repeat(cache.keys.clone());
         let values = repeat(cache.values.clone());
         let scale = (head_dim as f64).powf(-0.5);
-        let scores = q.matmul(keys.swap_dims(2, 3)) * scale;
-        let hidden = causal_mask(positions, &cache.positions, rules, &device);
-        let scores = scores.mask_fill(
-            hidden.unsqueeze::<4>().expand([b, n_heads, t, s]),
-            f32::NEG_INFINITY,
+        let sinks = self.sinks.as_ref().map(|p| p.val());
+        let out = attend(
+            q,
+            keys,
+            values,
+            (positions, &cache.positions),
+            rules,
+            scale,
+            sinks,
         );
-        let probs = match &self.sinks {
-            None => softmax(scores, 3),
-            // The sink's logit joins each row's softmax as one more column, then is dropped.
-            Some(sinks) => {
-                let column = sinks.val().reshape([1, n_heads, 1, 1]).expand([b, n_heads, t, 1]);
-                softmax(Tensor::cat(vec![scores, column], 3), 3).slice([0..b, 0..n_heads, 0..t, 0..s])
-            }
-        };
-        let out = probs.matmul(values);
         let out = out.swap_dims(1, 2).reshape([b, t, n_heads * head_dim]);
         (self.o.forward(out), cache.trim(rules.window))
     }
+}
+
+/// `softmax(q · kᵀ · scale, masked) · v`, the step every attention here ends with: keys hidden
+/// by [`causal_mask`] get `-inf`, and a sink logit per head (GPT-OSS), if given, joins each
+/// row's softmax as one more column and is dropped after it.
+///
+/// # Shapes
+/// - q: `[batch, heads, seq, d]`; keys: `[batch, heads, cached, d]`; values: `[batch, heads,
+///   cached, d_v]`; sinks: `[heads]`
+/// - output: `[batch, heads, seq, d_v]`
+pub(crate) fn attend<B: Backend>(
+    q: Tensor<B, 4>,
+    keys: Tensor<B, 4>,
+    values: Tensor<B, 4>,
+    (queries, cached): (&[usize], &[usize]),
+    rules: &AttnRules,
+    scale: f64,
+    sinks: Option<Tensor<B, 1>>,
+) -> Tensor<B, 4> {
+    let [b, h, t, _] = q.dims();
+    let s = cached.len();
+    let scores = q.matmul(keys.swap_dims(2, 3)) * scale;
+    let hidden = causal_mask(queries, cached, rules, &scores.device());
+    let scores = scores.mask_fill(hidden.unsqueeze::<4>().expand([b, h, t, s]), f32::NEG_INFINITY);
+    let probs = match sinks {
+        None => softmax(scores, 3),
+        Some(sinks) => {
+            let column = sinks.reshape([1, h, 1, 1]).expand([b, h, t, 1]);
+            softmax(Tensor::cat(vec![scores, column], 3), 3).slice([0..b, 0..h, 0..t, 0..s])
+        }
+    };
+    probs.matmul(values)
 }
 
 fn norm<B: Backend, const D: usize>(norm: &Option<RmsNorm<B>>, x: Tensor<B, D>) -> Tensor<B, D> {

@@ -4,11 +4,10 @@
 
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
-use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
-use crate::attention::causal_mask;
+use crate::attention::attend;
 use crate::cache::LayerCache;
 use crate::config::AttnRules;
 use crate::norm::{NamedParts, RmsNorm};
@@ -140,7 +139,6 @@ impl<B: Backend> LatentAttention<B> {
             c.kv_lora_rank,
         );
         let [b, t, _] = x.dims();
-        let device = x.device();
         let q = match (&self.q, &self.q_a, &self.q_a_norm, &self.q_b) {
             (Some(q), ..) => q.forward(x.clone()),
             (None, Some(a), Some(n), Some(qb)) => qb.forward(n.forward(a.forward(x.clone()))),
@@ -173,11 +171,15 @@ impl<B: Backend> LatentAttention<B> {
         let query = Tensor::cat(vec![q_pass, q_rot], 3);
 
         let cache = LayerCache::extend(cached, keys, values, positions);
-        let s = cache.positions.len();
-        let scores = query.matmul(cache.keys.clone().swap_dims(2, 3)) * c.softmax_scale;
-        let hidden = causal_mask::<B>(positions, &cache.positions, &AttnRules::default(), &device);
-        let scores = scores.mask_fill(hidden.unsqueeze::<4>().expand([b, h, t, s]), f32::NEG_INFINITY);
-        let out = softmax(scores, 3).matmul(cache.values.clone());
+        let out = attend(
+            query,
+            cache.keys.clone(),
+            cache.values.clone(),
+            (positions, &cache.positions),
+            &AttnRules::default(),
+            c.softmax_scale,
+            None,
+        );
         let out = out.swap_dims(1, 2).reshape([b, t, h * v_dim]);
         (self.o.forward(out), cache)
     }
