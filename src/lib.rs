@@ -80,6 +80,7 @@ pub mod format;
 #[cfg(feature = "testkit")]
 #[doc(hidden)]
 pub mod harness;
+pub mod heap;
 pub mod hf;
 mod layer;
 pub mod memory;

@@ -181,7 +181,7 @@ fn report(rows: &[Row], backend: BackendArg) {
 
 fn criterion() -> Criterion {
     // The layer's steps as the training example runs them: freed memory kept for the next.
-    mpipemoe_tools::heap::keep_freed_memory();
+    mpipemoe::heap::keep_freed_memory();
     // Criterion's own plots need a system font; this bench draws its chart itself.
     Criterion::default().without_plots()
 }

@@ -151,7 +151,7 @@ fn report(rows: &[Row], backend: BackendArg, threads: usize) {
 
 fn criterion() -> Criterion {
     // The layer's steps as the training example runs them: freed memory kept for the next.
-    mpipemoe_tools::heap::keep_freed_memory();
+    mpipemoe::heap::keep_freed_memory();
     Criterion::default().without_plots()
 }
 

@@ -80,7 +80,7 @@ fn sync<Bk: Backend, const D: usize>(t: Tensor<Bk, D>) {
 
 fn main() {
     let args = Args::parse();
-    mpipemoe_tools::heap::keep_freed_memory();
+    mpipemoe::heap::keep_freed_memory();
     let device = Default::default();
     let mut rows = Vec::new();
     for (name, m, h) in [("GPT3-S", 768usize, 3072usize), ("BERT-L", 1024, 4096)] {

@@ -1,42 +1,7 @@
-//! The heap setting of the binaries that train: freed memory stays in the process for the next
-//! step instead of going back to the kernel.
-//!
-//! glibc serves every allocation above its mmap threshold (at most 32 MiB) with a fresh `mmap`
-//! and returns it with `munmap` when it is freed. A training step allocates the same large
-//! tensors every step — one `[4096, 3072]` f32 hidden tensor is 48 MiB — so every step the
-//! kernel maps, zeroes and faults in each of them anew (`exc_page_fault` and `clear_page` in a
-//! profile). [`keep_freed_memory`] turns glibc's mmap path off, so large blocks come from the
-//! heap too, and stops it trimming the heap's top, so the second step reuses the pages of the
-//! first. PyTorch's CPU allocator gets a similar effect for large tensors by asking for huge
-//! pages. The cost is resident memory: what a step freed stays mapped (the layer's own peak,
-//! which the memory model and the counting allocator measure, is unchanged).
-//!
-//! The setting is process-wide, so the library never makes it; binaries call this first
-//! thing in `main`. Off glibc it does nothing.
+//! The heap setting of the binaries that train, as a flag: freed memory stays in the process
+//! for the next step ([`mpipemoe::heap`], the library's documented opt-in) or glibc's defaults.
 
-/// glibc's heap grows by this much beyond each request, so that a step's growth takes few
-/// `brk` calls.
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-const TOP_PAD: libc::c_int = 64 << 20;
-
-/// Keeps freed memory in the process (see the module docs); returns whether the allocator
-/// took the setting (`false` off glibc).
-pub fn keep_freed_memory() -> bool {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        // SAFETY: mallopt only changes glibc's tuning parameters; it is called before the
-        // binaries allocate anything large, and any value is valid for these three.
-        unsafe {
-            libc::mallopt(libc::M_MMAP_MAX, 0) == 1
-                && libc::mallopt(libc::M_TRIM_THRESHOLD, libc::c_int::MAX) == 1
-                && libc::mallopt(libc::M_TOP_PAD, TOP_PAD) == 1
-        }
-    }
-    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-    {
-        false
-    }
-}
+pub use mpipemoe::heap::keep_freed_memory;
 
 /// The `--heap` flag of the binaries that train, so that a benchmark can compare both.
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Default)]

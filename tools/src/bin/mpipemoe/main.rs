@@ -2,6 +2,7 @@
 
 mod check;
 mod convert;
+mod finetune;
 mod inspect;
 mod lm;
 mod plan;
@@ -12,11 +13,17 @@ mod simulate;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use mpipemoe_tools::heap::Heap;
 
 /// MoE layers with pipelined expert parallelism and memory reuse (MPipeMoE).
 #[derive(Parser, Debug)]
 #[command(name = "mpipemoe", version, about)]
 struct Cli {
+    /// The process's heap: `keep` keeps freed memory for the next step (`mpipemoe::heap`), as
+    /// the training binaries do; `system` leaves glibc's defaults (for a comparison with
+    /// another process under them).
+    #[arg(long, global = true, value_enum, default_value_t = Heap::Keep)]
+    heap: Heap,
     #[command(subcommand)]
     command: Command,
 }
@@ -31,8 +38,10 @@ enum Command {
     Inspect(inspect::InspectArgs),
     /// A Hugging Face MoE model's logits for token ids, written to a safetensors file.
     Logits(lm::LogitsArgs),
-    /// A Hugging Face MoE model's greedy continuation of token ids (KV cache), printed as ids.
+    /// A Hugging Face MoE model's greedy continuation of token ids or text (KV cache), printed as ids (and text).
     Generate(lm::GenerateArgs),
+    /// Fine-tune a Hugging Face MoE model on a text file with expert parallelism; write it back as a folder.
+    Finetune(finetune::FinetuneArgs),
     /// Memory plan: the paper's Eq. 1-9 and this implementation's model for a layer shape.
     Plan(plan::PlanArgs),
     /// Measure this machine's stream rates and slowdowns (a profile for the cost model).
@@ -42,15 +51,18 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    // `check` and `profile` run the layer's steps over and over: keep freed memory for them.
-    mpipemoe_tools::heap::keep_freed_memory();
+    // `check`, `profile` and `finetune` run steps over and over: by default freed memory is
+    // kept for them. Parsing the flags allocates nothing large, so the setting still comes
+    // before the first large block.
     let cli = Cli::parse();
+    cli.heap.apply();
     match cli.command {
         Command::Check(args) => check::run(args),
         Command::Convert(args) => convert::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Logits(args) => lm::logits(args),
         Command::Generate(args) => lm::generate(args),
+        Command::Finetune(args) => finetune::run(args),
         Command::Plan(args) => plan::run(args),
         Command::Profile(args) => profile::run(args),
         Command::Simulate(args) => simulate::run(args),
