@@ -17,20 +17,21 @@ if [ "${AUTOTUNE:-0}" = 1 ]; then
   tools_features=cuda-autotune
 fi
 cargo build --release -p mpipemoe-cuda --features "$cuda_features" --example gpu_check --example gpu_bench
-# The toy GPT-MoE with `--backend cuda|cuda-fusion` and `--comm nccl` (tools' `cuda` feature).
-cargo build --release -p mpipemoe-tools --features "$tools_features" --example train_gpt_moe
+# The toy GPT-MoE with `--backend cuda|cuda-fusion` and `--comm nccl` (tools' `cuda` feature), and
+# the `mpipemoe` CLI, whose `logits` / `generate` run the whole models of tests/data/models there.
+cargo build --release -p mpipemoe-tools --features "$tools_features" --example train_gpt_moe --bin mpipemoe
 rm -rf .gpu
 mkdir -p .gpu/cases .gpu/bin
-# Three stripped binaries are about 85 MB, over what a run can carry; gzip brings them to about
+# Four stripped binaries are over 100 MB, over what a run can carry; gzip brings them to about
 # a third, and run.sh unpacks them into a temporary folder on the GPU machine.
 for path in target/release/examples/gpu_check target/release/examples/gpu_bench \
-  target/release/examples/train_gpt_moe; do
+  target/release/examples/train_gpt_moe target/release/mpipemoe; do
   name=$(basename "$path")
   cp "$path" ".gpu/bin/$name"
   strip ".gpu/bin/$name"
   gzip -9 ".gpu/bin/$name"
 done
-cp scripts/gpu/run.sh scripts/gpu/first_minutes.sh scripts/gpu/unpack.sh .gpu/
+cp scripts/gpu/run.sh scripts/gpu/first_minutes.sh scripts/gpu/unpack.sh scripts/gpu/models.py .gpu/
 # The PyTorch eager peer (run when the GPU machine has PyTorch with CUDA).
 cp scripts/bench/torch_peer.py scripts/bench/torch_gpu_peer.py .gpu/
 cp tests/data/cases/*.safetensors .gpu/cases/

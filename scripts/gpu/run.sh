@@ -3,12 +3,14 @@
 # (1) every case on CUDA for every strategy and n in {1, 2, 4} (f32 and bf16),
 # (2) the toy GPT-MoE trained briefly on CUDA, raw and with fusion (the loss must fall),
 # (3) the forward + backward benchmark (both executors), (4) PyTorch eager's layer on the same
-# GPU and shapes, with ours / theirs; one table at the end of each.
+# GPU and shapes, with ours / theirs, (5) the whole models of tests/data/models through
+# `mpipemoe logits` / `generate` against transformers' logits and greedy ids; one table at the
+# end of each.
 # Each phase runs under its own time limit (seconds, from the environment), so a lease that ends
 # early still returns every earlier phase's log: CHECK_S (default 300), TRAIN_S per training run
-# (120), TRAIN_STEPS (200), BENCH_S (240), PEER_S (120); BENCH_ARGS (e.g. --quick) goes to the
+# (120), TRAIN_STEPS (200), BENCH_S (240), PEER_S (120), MODELS_S (240); BENCH_ARGS (e.g. --quick) goes to the
 # benchmark. A phase cut by its limit reports exit 124. PHASES picks the phases (default
-# "check train bench peer"); TRAIN_RUNS replaces the training runs ("BACKEND COMM RANKS", joined
+# "check models train bench peer"); TRAIN_RUNS replaces the training runs ("BACKEND COMM RANKS", joined
 # by ";"). Every process compiles its kernels with NVRTC and autotunes its matmuls afresh: the
 # first H200 run spent 96 s on the first case and the toy printed no step within 50 s.
 set -uo pipefail
@@ -17,8 +19,9 @@ TRAIN_S=${TRAIN_S:-120}
 TRAIN_STEPS=${TRAIN_STEPS:-200}
 BENCH_S=${BENCH_S:-240}
 PEER_S=${PEER_S:-120}
+MODELS_S=${MODELS_S:-240}
 BENCH_ARGS=${BENCH_ARGS:-}
-PHASES=" ${PHASES:-check train bench peer} "
+PHASES=" ${PHASES:-check models train bench peer} "
 check=0
 dir="$(cd "$(dirname "$0")" && pwd)"
 out="${OUT:-$dir}"
@@ -44,6 +47,13 @@ if [[ $PHASES == *" check "* ]]; then
   cubecl_logs check
   timeout "$CHECK_S" "$bin/gpu_check" "$dir/cases" | tee "$out/gpu_check.txt"
   check=${PIPESTATUS[0]}
+fi
+if [[ $PHASES == *" models "* ]]; then
+  echo "== whole models (tests/data/models) on CUDA against transformers"
+  rm -f cubecl.toml
+  timeout "$MODELS_S" python3 "$dir/models.py" "$bin" "$out" --timeout "$((MODELS_S - 10))" \
+    | tee "$out/models.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || check=1
 fi
 [[ $PHASES != *" train "* ]] || echo "== toy GPT-MoE on CUDA ($TRAIN_STEPS steps; the loss must fall by at least 1 nat)"
 # `--no-chart`: the GPU machines have no TrueType font for the load chart's text (the second

@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! cargo run --release --example peer -- gelu [--elements 12582912] [--rounds 7] [--input uniform]
+//! cargo run --release --example peer -- decode [--d-model 512 --d-hidden 768 --experts 32 --top-k 4]
 //! cargo run --release --example peer -- layer --d-model 768 --d-hidden 3072 --tokens 4096 \
 //!     [--experts 8] [--top-k 1] [--iters 3] [--partitions 1] [--executor default]
 //! ```
@@ -13,6 +14,12 @@
 //! Flex's own `gelu` / `gelu_backward` (burn's kernels). It prints nanoseconds per element.
 //! `--input` draws the buffer uniform on `[-4, 4]` (half of it in the tails, where the exact
 //! GELU costs most) or from a standard normal (the scale of a layer's pre-activations).
+//!
+//! `decode` times the layer's forward at one token on Flex without autodiff (a decode step's
+//! MoE work: SwiGLU experts, top-k of them used), against its floor in plain burn tensors: the
+//! router's product and the chosen experts' three products on separate weight tensors (no
+//! copy of any expert's weights). Medians in microseconds, with the bytes of expert weights a
+//! step must read.
 //!
 //! `layer` times one forward + backward of a FastMoE-style `MoeLayer` (one rank, `n = 1` unless
 //! `--partitions` says otherwise, no reuse, dropless, GELU experts; `--executor` picks how the
@@ -62,6 +69,25 @@ enum What {
     },
     /// One forward + backward of the layer, ms.
     Layer(LayerArgs),
+    /// The layer's forward at one token (a decode step), µs, beside its plain-tensor floor.
+    Decode(DecodeArgs),
+}
+
+/// The shape of one `decode` measurement (default: the Qwen3-MoE shape of
+/// `scripts/bench/models_peer.py`).
+#[derive(Args, Debug)]
+struct DecodeArgs {
+    #[arg(long, default_value_t = 512, value_parser = count(1, 65_536))]
+    d_model: usize,
+    #[arg(long, default_value_t = 768, value_parser = count(1, 262_144))]
+    d_hidden: usize,
+    #[arg(long, default_value_t = 32, value_parser = count(1, 1024))]
+    experts: usize,
+    #[arg(long, default_value_t = 4, value_parser = count(1, 64))]
+    top_k: usize,
+    /// Timed steps after ten warm-up steps; the median is reported.
+    #[arg(long, default_value_t = 300, value_parser = count(1, 100_000))]
+    iters: usize,
 }
 
 /// The distribution of the GELU benchmark's input.
@@ -221,6 +247,69 @@ fn layer(run: &LayerArgs) -> serde_json::Value {
     })
 }
 
+fn decode(run: &DecodeArgs) -> serde_json::Value {
+    type I = Flex;
+    let (m, h, experts, top_k) = (run.d_model, run.d_hidden, run.experts, run.top_k);
+    let device = Default::default();
+    let layer = MoeLayerConfig::new(m, h, experts, top_k)
+        .with_seed(3)
+        .with_activation(mpipemoe::Activation::SwiGlu)
+        .init::<I>(&device);
+    let x = Tensor::<I, 2>::from_data(
+        TensorData::new(mpipemoe::seeded_uniform(5, "decode token", m, 1.0), [1, m]),
+        &device,
+    );
+    // The floor: the router's product, then top-k experts' gate, up and down products on
+    // weights held apart (what a decode step must read), weighted and summed.
+    let weight = |seed: u64, rows: usize, cols: usize| {
+        Tensor::<I, 2>::from_data(
+            TensorData::new(
+                mpipemoe::seeded_uniform(seed, "decode weight", rows * cols, 0.05),
+                [rows, cols],
+            ),
+            &device,
+        )
+    };
+    let router = weight(1, m, experts);
+    let chosen: Vec<[Tensor<I, 2>; 3]> = (0..top_k)
+        .map(|e| {
+            [
+                weight(10 + e as u64, m, h),
+                weight(20 + e as u64, m, h),
+                weight(30 + e as u64, h, m),
+            ]
+        })
+        .collect();
+    let floor = || {
+        let probs = burn::tensor::activation::softmax(x.clone().matmul(router.clone()), 1);
+        let (weights, _) = probs.topk_with_indices(top_k, 1);
+        let mut y = Tensor::<I, 2>::zeros([1, m], &device);
+        for (j, [gate, up, down]) in chosen.iter().enumerate() {
+            let a =
+                burn::tensor::activation::silu(x.clone().matmul(gate.clone())) * x.clone().matmul(up.clone());
+            y = y + a.matmul(down.clone()) * weights.clone().slice([0..1, j..j + 1]);
+        }
+        drop(y.into_data());
+    };
+    let step = || drop(layer.forward(x.clone()).output.into_data());
+    for _ in 0..10 {
+        step();
+        floor();
+    }
+    // Alternating, so drift hits both alike.
+    let (mut ours, mut plain) = (Vec::new(), Vec::new());
+    for _ in 0..run.iters {
+        ours.push(time(step));
+        plain.push(time(floor));
+    }
+    let bytes = top_k * 3 * m * h * 4;
+    json!({
+        "what": "decode", "d_model": m, "d_hidden": h, "experts": experts, "top_k": top_k,
+        "iters": run.iters, "threads": rayon::current_num_threads(),
+        "layer_us": median(ours) * 1e6, "floor_us": median(plain) * 1e6, "expert_bytes": bytes,
+    })
+}
+
 fn main() {
     let cli = Cli::parse();
     let keeps_freed_memory = cli.heap.apply();
@@ -240,6 +329,7 @@ fn main() {
             }
             layer(&run)
         }
+        What::Decode(run) => decode(&run),
     };
     row["heap_keeps_freed_memory"] = keeps_freed_memory.into();
     println!("{row}");

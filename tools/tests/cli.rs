@@ -312,7 +312,11 @@ fn generate_and_logits_on_a_tiny_model() {
         args.extend_from_slice(extra);
         let out = mpipemoe(&args);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), greedy, "{extra:?}");
+        // The ids on the first line; the folder has a tokenizer, so their text follows.
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        let (ids, text) = stdout.split_once('\n').unwrap();
+        assert_eq!(ids, greedy, "{extra:?}");
+        assert!(!text.trim().is_empty(), "{stdout}");
     }
     let file = std::env::temp_dir().join(format!("mpipemoe-cli-logits-{}.safetensors", std::process::id()));
     let out = mpipemoe(&[
@@ -333,4 +337,75 @@ fn generate_and_logits_on_a_tiny_model() {
     let out = mpipemoe(&["generate", dir, "--ids", "1,500"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("500"));
+}
+
+/// `finetune` at two ranks on a text file with the folder's tokenizer writes a folder that
+/// `generate --prompt` runs from; an occupied `--out`, a folder without a tokenizer and a
+/// prompt without one are errors naming what is wrong.
+#[test]
+fn finetune_then_generate_from_text_on_a_tiny_model() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let models = root.join("tests/data/models");
+    let text = root.join("docs/architecture.md");
+    let out_dir = std::env::temp_dir().join(format!("mpipemoe-cli-finetune-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out_dir);
+    let (dir, data, out) = (
+        models.join("mixtral-tiny"),
+        text.to_str().unwrap().to_string(),
+        out_dir.to_str().unwrap().to_string(),
+    );
+    let finetune = |dir: &std::path::Path| {
+        mpipemoe(&[
+            "finetune",
+            dir.to_str().unwrap(),
+            "--data",
+            &data,
+            "--steps",
+            "3",
+            "--batch",
+            "2",
+            "--seq-len",
+            "16",
+            "--ranks",
+            "2",
+            "--lr",
+            "1e-3",
+            "--out",
+            &out,
+            "--json",
+        ])
+    };
+    let run = finetune(&dir);
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let summary: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
+    assert_eq!(summary["steps"], 3);
+    assert_eq!(summary["tokens"], 3 * 2 * 16);
+    assert!(summary["final_loss"].as_f64().unwrap().is_finite());
+    assert!(summary["data_tokens"].as_u64().unwrap() > 1000);
+    assert!(out_dir.join("tokenizer.json").is_file() && out_dir.join("config.json").is_file());
+    let gen = mpipemoe(&[
+        "generate",
+        &out,
+        "--prompt",
+        "the layer routes",
+        "--max-new-tokens",
+        "4",
+    ]);
+    assert!(gen.status.success(), "{}", String::from_utf8_lossy(&gen.stderr));
+    let stdout = String::from_utf8_lossy(&gen.stdout).to_string();
+    let ids = stdout.lines().next().unwrap();
+    assert!((1..=4).contains(&ids.split(',').count()), "{stdout}");
+    // The output is kept: a second run without --overwrite is refused before training.
+    let again = finetune(&dir);
+    assert_eq!(again.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&again.stderr).contains(&out));
+    std::fs::remove_dir_all(&out_dir).unwrap();
+    let bare = models.join("olmoe-tiny");
+    let run = finetune(&bare);
+    assert_eq!(run.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&run.stderr).contains("tokenizer.json"));
+    assert!(!out_dir.exists(), "nothing written");
+    let gen = mpipemoe(&["generate", bare.to_str().unwrap(), "--prompt", "the layer"]);
+    assert_eq!(gen.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&gen.stderr).contains("tokenizer.json"));
 }

@@ -10,8 +10,8 @@ use burn::tensor::{Int, Tensor, TensorData};
 use clap::Args;
 use mpipemoe::format::TensorMap;
 use mpipemoe::memory::Strategy;
-use mpipemoe::{LocalGroup, MemoryReuse, MoeBackend, MoeError, Partitions, MAX_PARTITIONS};
-use mpipemoe_models::MoeCausalLm;
+use mpipemoe::{LocalGroup, MemoryReuse, MoeBackend, MoeError, MoeLayerConfig, Partitions, MAX_PARTITIONS};
+use mpipemoe_models::{MoeCausalLm, TextTokenizer};
 use mpipemoe_tools::backends::{run_on, BackendArg, BackendJob};
 use mpipemoe_tools::flags::{count, may_write};
 
@@ -22,17 +22,26 @@ use crate::check::StrategyArg;
 pub struct RunFlags {
     /// Backend (`wgpu` needs the tool built with `--features wgpu`).
     #[arg(long, value_enum, default_value_t = BackendArg::Flex)]
-    backend: BackendArg,
+    pub(crate) backend: BackendArg,
     /// Expert-parallel ranks (threads, 1..=256): every MoE layer's experts are sharded over
     /// them; each rank runs the same tokens and rank 0 reports.
     #[arg(long, default_value_t = 1, value_parser = count(1, 256))]
-    ranks: usize,
+    pub(crate) ranks: usize,
     /// Partitions of every MoE layer's exchange (the paper's n).
     #[arg(long, default_value_t = 1, value_parser = count(1, MAX_PARTITIONS))]
-    partitions: usize,
+    pub(crate) partitions: usize,
     /// Memory-reuse strategy of every MoE layer.
     #[arg(long, value_enum, default_value_t = StrategyArg::None)]
-    strategy: StrategyArg,
+    pub(crate) strategy: StrategyArg,
+}
+
+impl RunFlags {
+    /// Every MoE layer's configuration with these flags' partitions and strategy.
+    pub(crate) fn moe(&self, config: MoeLayerConfig) -> MoeLayerConfig {
+        config
+            .with_partitions(Partitions::Fixed(self.partitions))
+            .with_memory_reuse(MemoryReuse::from(self.strategy.strategy()))
+    }
 }
 
 #[derive(Args, Debug)]
@@ -57,8 +66,17 @@ pub struct GenerateArgs {
     /// A Hugging Face model folder (config.json, safetensors).
     dir: PathBuf,
     /// The prompt's token ids, comma-separated (e.g. `1,5,9`).
-    #[arg(long, required = true, value_delimiter = ',')]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        required_unless_present = "prompt",
+        conflicts_with = "prompt"
+    )]
     ids: Vec<usize>,
+    /// The prompt as text, encoded with the folder's `tokenizer.json` (special tokens added as
+    /// the tokenizer's template says, as transformers' `tokenizer(text)` does).
+    #[arg(long)]
+    prompt: Option<String>,
     /// Most new tokens (fewer if an end-of-sequence id comes).
     #[arg(long, default_value_t = 32, value_parser = count(0, 1 << 20))]
     max_new_tokens: usize,
@@ -66,17 +84,25 @@ pub struct GenerateArgs {
     run: RunFlags,
 }
 
+/// A prompt: token ids, or text for the folder's tokenizer.
+#[derive(Clone)]
+enum Prompt {
+    Ids(Vec<usize>),
+    Text(String),
+}
+
 /// What to do with the model once loaded.
 #[derive(Clone)]
 enum Task {
     Logits(Vec<usize>),
-    Generate(Vec<usize>, usize),
+    Generate(Prompt, usize),
 }
 
-/// The model's answer: logits `[T, vocab]`, or the new ids.
+/// The model's answer: logits `[T, vocab]`, or the new ids (and their text where the folder
+/// has a tokenizer).
 enum Answer {
     Logits(Vec<f32>, [usize; 2]),
-    Ids(Vec<usize>),
+    Ids(Vec<usize>, Option<String>),
 }
 
 struct LmJob<'a> {
@@ -95,8 +121,6 @@ impl BackendJob for LmJob<'_> {
     {
         // Inference only: the backend without autodiff. Rank 0's answer (every rank computes
         // the same tokens).
-        let strategy = self.run.strategy.strategy();
-        let partitions = self.run.partitions;
         let answers = LocalGroup::run(self.run.ranks, |ctx| {
             let device = Default::default();
             let model = MoeCausalLm::<B::InnerBackend>::from_hf(self.dir, &device, ctx.comm)?;
@@ -107,10 +131,7 @@ impl BackendJob for LmJob<'_> {
                     model.ignored_tensors()[0]
                 );
             }
-            let model = model.map_moe_configs(|c| {
-                c.with_partitions(Partitions::Fixed(partitions))
-                    .with_memory_reuse(MemoryReuse::from(strategy))
-            })?;
+            let model = model.map_moe_configs(|c| self.run.moe(c))?;
             match &self.task {
                 Task::Logits(ids) => {
                     let t = ids.len();
@@ -127,7 +148,34 @@ impl BackendJob for LmJob<'_> {
                         .map_err(|e| MoeError::Input(format!("logits: {e:?}")))?;
                     Ok(Answer::Logits(values, [t, vocab]))
                 }
-                Task::Generate(prompt, n) => Ok(Answer::Ids(model.generate(prompt, *n, &device)?)),
+                Task::Generate(prompt, n) => {
+                    let vocab = model.config().vocab_size;
+                    let tokenizer = TextTokenizer::from_dir(self.dir, vocab)?;
+                    let prompt = match (prompt, &tokenizer) {
+                        (Prompt::Ids(ids), _) => ids.clone(),
+                        (Prompt::Text(text), Some(tokenizer)) => tokenizer.encode(text, true)?,
+                        (Prompt::Text(_), None) => {
+                            return Err(MoeError::file(
+                                self.dir.join(TextTokenizer::FILE),
+                                "--prompt needs the folder's tokenizer, and there is none (give --ids)",
+                            ))
+                        }
+                    };
+                    let start = std::time::Instant::now();
+                    let ids = model.generate(&prompt, *n, &device)?;
+                    let seconds = start.elapsed().as_secs_f64();
+                    if ctx.rank == 0 {
+                        // On standard error, so that standard output stays ids and text.
+                        eprintln!(
+                            "generated {} tokens after a prompt of {} in {seconds:.3} s ({:.2} tokens/s, prefill included)",
+                            ids.len(),
+                            prompt.len(),
+                            ids.len() as f64 / seconds
+                        );
+                    }
+                    let text = tokenizer.map(|t| t.decode(&ids)).transpose()?;
+                    Ok(Answer::Ids(ids, text))
+                }
             }
         })?;
         Ok(answers.into_iter().next().expect("at least one rank"))
@@ -183,24 +231,30 @@ pub fn logits(args: LogitsArgs) -> ExitCode {
                 }
             }
         }
-        Ok(Answer::Ids(_)) => unreachable!("a logits task answers logits"),
+        Ok(Answer::Ids(..)) => unreachable!("a logits task answers logits"),
         Err(code) => code,
     }
 }
 
 pub fn generate(args: GenerateArgs) -> ExitCode {
-    if let Err(message) = check_ids(&args.ids) {
-        eprintln!("error: {message}");
-        return ExitCode::from(2);
-    }
-    match answer(
-        &args.dir,
-        &args.run,
-        Task::Generate(args.ids.clone(), args.max_new_tokens),
-    ) {
-        Ok(Answer::Ids(ids)) => {
+    let prompt = match args.prompt {
+        Some(text) => Prompt::Text(text),
+        None => {
+            if let Err(message) = check_ids(&args.ids) {
+                eprintln!("error: {message}");
+                return ExitCode::from(2);
+            }
+            Prompt::Ids(args.ids.clone())
+        }
+    };
+    match answer(&args.dir, &args.run, Task::Generate(prompt, args.max_new_tokens)) {
+        Ok(Answer::Ids(ids, text)) => {
+            // The ids alone on the first line, for scripts; the text after it.
             let line: Vec<String> = ids.iter().map(usize::to_string).collect();
             println!("{}", line.join(","));
+            if let Some(text) = text {
+                println!("{text}");
+            }
             ExitCode::SUCCESS
         }
         Ok(Answer::Logits(..)) => unreachable!("a generate task answers ids"),

@@ -1,0 +1,240 @@
+//! Fine-tuning a whole model on a token stream, with its experts sharded over ranks (and the
+//! expert-parallel groups replicated for data parallelism), then saving it as a Hugging Face
+//! folder.
+//!
+//! Each step draws `batch` windows of `seq_len + 1` tokens from the stream (the same windows
+//! on every rank, from the seed and the step), each rank takes its share of the rows, and the
+//! loss is the mean next-token cross-entropy over the whole batch plus the MoE layers'
+//! auxiliary and z-losses, each rank's share weighted by its share of the rows. The
+//! gradients of the replicated parameters are summed over every rank and those of the experts
+//! over their data-parallel replicas ([`ParallelGroups::sync_grads`]), so every rank takes the
+//! same AdamW step and a model trained at any rank count equals the one trained at one rank
+//! on the same batch, up to float rounding.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+use mpipemoe::hf::ExportOptions;
+use mpipemoe::parallel::ParallelGroups;
+use mpipemoe::{Communicator, MoeBackend, MoeError, MoeLayerConfig, Result};
+
+use crate::model::MoeCausalLm;
+
+/// How to fine-tune. Every rank must pass the same options.
+#[derive(Debug, Clone)]
+pub struct FinetuneOptions {
+    /// Optimizer steps.
+    pub steps: usize,
+    /// Sequences per step over all ranks (a multiple of the rank count).
+    pub batch: usize,
+    /// Tokens a sequence predicts (each window holds one more).
+    pub seq_len: usize,
+    /// AdamW's learning rate.
+    pub lr: f64,
+    /// AdamW's decoupled weight decay.
+    pub weight_decay: f32,
+    /// Seeds the windows drawn from the stream.
+    pub seed: u64,
+    /// Ranks per expert-parallel group (`None`: all of them); the groups are data-parallel
+    /// replicas of each other.
+    pub expert_parallel: Option<usize>,
+}
+
+impl Default for FinetuneOptions {
+    fn default() -> Self {
+        Self {
+            steps: 100,
+            batch: 4,
+            seq_len: 64,
+            lr: 1e-4,
+            weight_decay: 0.0,
+            seed: 0,
+            expert_parallel: None,
+        }
+    }
+}
+
+/// What one step did, the same on every rank.
+#[derive(Debug, Clone)]
+pub struct FinetuneStep {
+    /// The step's index (from 0).
+    pub step: usize,
+    /// Mean next-token cross-entropy of the batch (nats).
+    pub loss: f64,
+    /// The MoE layers' auxiliary and z-losses, as added to the loss.
+    pub aux: f64,
+    /// Tokens of the whole batch over the step's wall time.
+    pub tokens_per_s: f64,
+}
+
+/// The whole run, the same on every rank.
+#[derive(Debug, Clone)]
+pub struct FinetuneReport {
+    /// Each step's cross-entropy.
+    pub losses: Vec<f64>,
+    /// Each step's wall time (seconds).
+    pub step_seconds: Vec<f64>,
+    /// Wall time of the steps (loading and saving excluded).
+    pub seconds: f64,
+    /// Tokens predicted over the run (all ranks).
+    pub tokens: usize,
+}
+
+/// Fine-tunes the model of the Hugging Face folder `dir` on `tokens` (every rank the same
+/// stream), calling `on_step` after each step, and, with `out`, saves it there as a Hugging
+/// Face folder in `dir`'s layout (other files, the tokenizer among them, copied). A collective:
+/// every rank of `world` calls it with the same arguments. `moe` adjusts every MoE layer's
+/// configuration (partitions, memory reuse, executor). Returns this rank's trained model.
+///
+/// # Errors
+/// [`MoeError::Config`] naming `steps`, `batch`, `seq_len` or `expert_parallel` if it is 0,
+/// the batch does not split over the ranks or the groups do not divide them;
+/// [`MoeError::Input`] if the stream is shorter than one window or holds an id outside the
+/// vocabulary; [`MoeError::File`] naming `out` if it exists, is not empty and `overwrite` is
+/// off (checked before the first step); the errors of loading and saving
+/// ([`MoeCausalLm::from_hf`], [`MoeCausalLm::save_hf`]); [`MoeError::Comm`] if a peer fails.
+#[allow(clippy::too_many_arguments)]
+pub fn finetune_rank<B>(
+    world: Arc<dyn Communicator>,
+    dir: &Path,
+    tokens: &[u32],
+    options: &FinetuneOptions,
+    moe: &dyn Fn(MoeLayerConfig) -> MoeLayerConfig,
+    out: Option<(&Path, &ExportOptions)>,
+    device: &B::Device,
+    on_step: &dyn Fn(&FinetuneStep),
+) -> Result<(MoeCausalLm<B>, FinetuneReport)>
+where
+    B: AutodiffBackend + MoeBackend,
+    B::InnerBackend: MoeBackend,
+{
+    let o = options;
+    let n_ranks = world.n_ranks();
+    for (field, value) in [("steps", o.steps), ("batch", o.batch), ("seq_len", o.seq_len)] {
+        if value == 0 {
+            return Err(MoeError::config(field, "must be at least 1"));
+        }
+    }
+    if !o.batch.is_multiple_of(n_ranks) {
+        return Err(MoeError::config(
+            "batch",
+            format!("{} sequences do not split evenly over {n_ranks} ranks", o.batch),
+        ));
+    }
+    if tokens.len() <= o.seq_len {
+        return Err(MoeError::Input(format!(
+            "the data holds {} tokens, fewer than one window of seq_len + 1 = {}",
+            tokens.len(),
+            o.seq_len + 1
+        )));
+    }
+    if let Some((path, export)) = out {
+        check_out_dir(path, dir, export.overwrite)?;
+    }
+    let groups = match o.expert_parallel {
+        Some(ep) => ParallelGroups::new(world.clone(), ep)?,
+        None => ParallelGroups::expert_parallel(world.clone()),
+    };
+    let model = MoeCausalLm::<B>::from_hf(dir, device, groups.expert().clone())?;
+    let vocab = model.config().vocab_size;
+    if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(MoeError::Input(format!(
+            "the data holds token id {bad}, outside the model's vocabulary of {vocab}"
+        )));
+    }
+    let mut model = model.map_moe_configs(moe)?;
+    let mut optimizer = AdamWConfig::new()
+        .with_weight_decay(o.weight_decay)
+        .init::<B, MoeCausalLm<B>>();
+    let rows = o.batch / n_ranks;
+    let mine = world.rank() * rows..(world.rank() + 1) * rows;
+    // Each rank's loss is the mean over its rows; weighted by its share of the batch, the
+    // ranks' losses (and their gradients, summed by the sync) make the batch's mean.
+    let share = 1.0 / n_ranks as f32;
+    let global_tokens = o.batch * o.seq_len;
+    let mut losses = Vec::with_capacity(o.steps);
+    let mut step_seconds = Vec::with_capacity(o.steps);
+    let start = Instant::now();
+    for step in 0..o.steps {
+        let step_start = Instant::now();
+        let starts = window_starts(o.seed, step, o.batch, tokens.len() - o.seq_len);
+        let ids: Vec<i64> = starts[mine.clone()]
+            .iter()
+            .flat_map(|&s| tokens[s..s + o.seq_len + 1].iter().map(|&t| i64::from(t)))
+            .collect();
+        let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [rows, o.seq_len + 1]), device);
+        let (ce, out) = model.loss(ids)?;
+        let aux = out.aux_loss + out.z_loss;
+        let mut logged = vec![
+            ce.clone().into_scalar().elem::<f64>() * f64::from(share),
+            aux.clone().into_scalar().elem::<f64>() * f64::from(share),
+        ];
+        let loss = (ce + aux) * share;
+        let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+        groups.sync_grads(&model, &mut grads)?;
+        model = optimizer.step(o.lr, model, grads);
+        world.all_reduce_sum(&mut logged)?;
+        losses.push(logged[0]);
+        let seconds = step_start.elapsed().as_secs_f64();
+        step_seconds.push(seconds);
+        on_step(&FinetuneStep {
+            step,
+            loss: logged[0],
+            aux: logged[1],
+            tokens_per_s: global_tokens as f64 / seconds,
+        });
+    }
+    let report = FinetuneReport {
+        losses,
+        step_seconds,
+        seconds: start.elapsed().as_secs_f64(),
+        tokens: global_tokens * o.steps,
+    };
+    if let Some((path, export)) = out {
+        // One data-parallel replica writes; its ranks gather their experts for its rank 0.
+        if groups.expert_data().rank() == 0 {
+            model.save_hf(dir, path, export)?;
+        }
+        // No rank returns before the folder is written, so a caller that reads it after
+        // this call (any rank) finds it complete.
+        world.barrier()?;
+    }
+    Ok((model, report))
+}
+
+/// Where the `batch` windows of `step` start in a stream with `span` possible starts: a
+/// SplitMix64 sequence of the seed, the step and the row, the same on every rank.
+pub fn window_starts(seed: u64, step: usize, batch: usize, span: usize) -> Vec<usize> {
+    (0..batch)
+        .map(|row| {
+            let mut z = seed
+                .wrapping_add((step as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+                .wrapping_add((row as u64 + 1).wrapping_mul(0xbf58_476d_1ce4_e5b9));
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            (z % span as u64) as usize
+        })
+        .collect()
+}
+
+/// Refuses an output folder that exists and is not empty (unless `overwrite`), before any
+/// step is spent; the source folder itself is allowed (it is replaced as a whole).
+fn check_out_dir(out: &Path, source: &Path, overwrite: bool) -> Result<()> {
+    let same = matches!(
+        (out.canonicalize(), source.canonicalize()),
+        (Ok(a), Ok(b)) if a == b
+    );
+    let occupied = std::fs::read_dir(out).is_ok_and(|mut entries| entries.next().is_some());
+    if occupied && !overwrite && !same {
+        return Err(MoeError::file(
+            out,
+            "exists and is not empty (pass overwrite to replace it)",
+        ));
+    }
+    Ok(())
+}

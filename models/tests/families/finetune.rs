@@ -1,0 +1,224 @@
+//! The text side and fine-tuning: the folders' `tokenizer.json` against what Hugging Face's
+//! `tokenizers` gave (tests/data/models/make_tokenizer.py), and `finetune_rank` at one rank,
+//! at two expert-parallel ranks and at EP 1 × DP 2 on the same batches: the same losses and
+//! the same trained model, saved and loaded back.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use burn::tensor::{Int, Tensor, TensorData};
+use mpipemoe::comm::SingleRank;
+use mpipemoe::hf::ExportOptions;
+use mpipemoe::{Communicator, LocalGroup, MoeError};
+use mpipemoe_models::{finetune_rank, FinetuneOptions, MoeCausalLm, TextTokenizer};
+
+use super::{data, expected, rel_err, temp_dir, values, B};
+
+fn tokenizer(family: &str) -> TextTokenizer {
+    TextTokenizer::from_dir(data().join(family), 96)
+        .unwrap()
+        .expect("the folder has a tokenizer")
+}
+
+#[test]
+fn the_tokenizer_gives_the_ids_and_text_that_hugging_faces_tokenizers_gives() {
+    let text = std::fs::read_to_string(data().join("tokenizer.expected.json")).unwrap();
+    let expected: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let cases = expected["cases"].as_array().unwrap();
+    assert!(cases.len() >= 3);
+    for family in ["qwen3-moe-tiny", "mixtral-tiny"] {
+        let tokenizer = tokenizer(family);
+        for case in cases {
+            let text = case["text"].as_str().unwrap();
+            let want: Vec<usize> = case["ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as usize)
+                .collect();
+            let ids = tokenizer.encode(text, false).unwrap();
+            assert_eq!(ids, want, "{family}: ids of {text:?}");
+            assert_eq!(
+                tokenizer.decode(&ids).unwrap(),
+                case["decoded"].as_str().unwrap(),
+                "{family}: text of {text:?}"
+            );
+        }
+    }
+    // A folder without one has none; a tokenizer of a larger vocabulary than the model's is
+    // refused when it gives an id outside it; a file that is no tokenizer names itself.
+    assert!(TextTokenizer::from_dir(data().join("olmoe-tiny"), 96)
+        .unwrap()
+        .is_none());
+    let small = TextTokenizer::from_dir(data().join("mixtral-tiny"), 40)
+        .unwrap()
+        .unwrap();
+    let err = small
+        .encode("the layer routes every token", false)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("vocabulary of 40"), "{err}");
+    let bad = temp_dir("bad-tokenizer");
+    std::fs::create_dir_all(&bad).unwrap();
+    std::fs::write(bad.join("tokenizer.json"), b"{\"model\": 7}").unwrap();
+    let err = TextTokenizer::from_dir(&bad, 96).unwrap_err().to_string();
+    assert!(
+        err.contains("tokenizer.json") && err.contains("not a tokenizer"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&bad).unwrap();
+}
+
+/// The tokens fine-tuning reads: the tokenizer's training text, as `mpipemoe finetune` would
+/// read a file.
+fn stream() -> Vec<u32> {
+    let text = std::fs::read_to_string(data().join("../../../docs/architecture.md")).unwrap();
+    let ids = tokenizer("mixtral-tiny").encode(&text, false).unwrap();
+    ids.into_iter().map(|i| i as u32).collect()
+}
+
+fn options(expert_parallel: Option<usize>) -> FinetuneOptions {
+    FinetuneOptions {
+        steps: 2,
+        batch: 2,
+        seq_len: 12,
+        lr: 1e-3,
+        weight_decay: 0.01,
+        seed: 5,
+        expert_parallel,
+    }
+}
+
+/// Fine-tunes mixtral-tiny at `ranks` ranks, saving to `out`; returns rank 0's losses and its
+/// trained logits for the expected file's ids.
+fn tune(ranks: usize, expert_parallel: Option<usize>, out: &Path) -> (Vec<f64>, Vec<f32>) {
+    let src = data().join("mixtral-tiny");
+    let tokens = stream();
+    let exp = expected("mixtral-tiny");
+    let ids: Vec<i64> = exp.ints["ids"].iter().map(|&i| i as i64).collect();
+    let shape = [exp.floats["logits"].0[0], exp.floats["logits"].0[1]];
+    let export = ExportOptions { overwrite: true };
+    let results = LocalGroup::run(ranks, |ctx| {
+        let device = Default::default();
+        let (model, report) = finetune_rank::<B>(
+            ctx.comm,
+            &src,
+            &tokens,
+            &options(expert_parallel),
+            &|c| c,
+            Some((out, &export)),
+            &device,
+            &|_| {},
+        )?;
+        let all = Tensor::<B, 2, Int>::from_data(TensorData::new(ids.clone(), shape), &device);
+        Ok((report.losses, values(model.try_forward(all, None)?.logits)))
+    })
+    .unwrap();
+    results.into_iter().next().unwrap()
+}
+
+/// The same two AdamW steps at one rank, at EP 2 and at EP 1 × DP 2: the same losses and the
+/// same trained logits (the replicated gradients and the experts' summed over the right
+/// ranks), unlike the untrained model's; the folder each run saved loads back to its trained
+/// logits, with the tokenizer copied beside it.
+#[test]
+fn fine_tuning_at_one_rank_at_ep2_and_at_ep1_dp2_trains_the_same_model() {
+    let exp = expected("mixtral-tiny");
+    let ids = exp.ints["ids"].clone();
+    let shape = [exp.floats["logits"].0[0], exp.floats["logits"].0[1]];
+    let mut runs = Vec::new();
+    for (name, ranks, ep) in [("one", 1, None), ("ep2", 2, None), ("ep1dp2", 2, Some(1))] {
+        let out = temp_dir(&format!("finetune-{name}"));
+        let (losses, logits) = tune(ranks, ep, &out);
+        let reloaded = MoeCausalLm::<B>::from_hf(&out, &Default::default(), Arc::new(SingleRank)).unwrap();
+        let saved = values(reloaded.forward(super::ids_tensor(&ids, shape), None).logits);
+        assert!(
+            rel_err(&saved, &logits) < 1e-5,
+            "{name}: the saved folder's logits differ from the trained model's"
+        );
+        assert_eq!(
+            std::fs::read(out.join("tokenizer.json")).unwrap(),
+            std::fs::read(data().join("mixtral-tiny/tokenizer.json")).unwrap(),
+            "{name}: tokenizer copied"
+        );
+        std::fs::remove_dir_all(&out).unwrap();
+        runs.push((name, losses, logits));
+    }
+    let (_, losses, logits) = &runs[0];
+    assert!(losses[0].is_finite() && losses.len() == 2);
+    let moved = rel_err(logits, &exp.floats["logits"].1);
+    assert!(moved > 1e-3, "two steps changed the logits by only {moved:.2e}");
+    for (name, other_losses, other_logits) in &runs[1..] {
+        for (a, b) in losses.iter().zip(other_losses) {
+            assert!(
+                (a - b).abs() <= 1e-5 * a.abs(),
+                "{name}: loss {b} against one rank's {a}"
+            );
+        }
+        let err = rel_err(other_logits, logits);
+        assert!(err < 1e-4, "{name}: trained logits off one rank's by {err:.2e}");
+    }
+}
+
+fn finetune_error(ranks: usize, tokens: &[u32], options: FinetuneOptions, out: Option<&Path>) -> MoeError {
+    let src = data().join("mixtral-tiny");
+    let export = ExportOptions::default();
+    LocalGroup::run(ranks, |ctx| {
+        let comm: Arc<dyn Communicator> = ctx.comm;
+        finetune_rank::<B>(
+            comm,
+            &src,
+            tokens,
+            &options,
+            &|c| c,
+            out.map(|o| (o, &export)),
+            &Default::default(),
+            &|_| panic!("no step may run"),
+        )
+        .map(|_| ())
+    })
+    .unwrap_err()
+}
+
+#[test]
+fn bad_fine_tuning_options_data_or_output_are_errors_naming_them_before_any_step() {
+    let tokens = stream();
+    let err = finetune_error(
+        2,
+        &tokens,
+        FinetuneOptions {
+            batch: 3,
+            ..options(None)
+        },
+        None,
+    );
+    assert!(matches!(err, MoeError::Config { field: "batch", .. }), "{err}");
+    let err = finetune_error(
+        1,
+        &tokens,
+        FinetuneOptions {
+            steps: 0,
+            ..options(None)
+        },
+        None,
+    );
+    assert!(matches!(err, MoeError::Config { field: "steps", .. }), "{err}");
+    let err = finetune_error(2, &tokens, options(Some(3)), None);
+    assert!(err.to_string().contains("expert_parallel"), "{err}");
+    let err = finetune_error(1, &tokens[..12], options(None), None);
+    assert!(err.to_string().contains("12 tokens"), "{err}");
+    let mut foreign = tokens.clone();
+    foreign[40] = 96;
+    let err = finetune_error(1, &foreign, options(None), None);
+    assert!(err.to_string().contains("token id 96"), "{err}");
+    let occupied = temp_dir("finetune-occupied");
+    std::fs::create_dir_all(&occupied).unwrap();
+    std::fs::write(occupied.join("notes.txt"), b"keep me").unwrap();
+    let err = finetune_error(1, &tokens, options(None), Some(&occupied));
+    assert!(
+        matches!(&err, MoeError::File { path, .. } if path == &occupied),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(occupied.join("notes.txt")).unwrap(), b"keep me");
+    std::fs::remove_dir_all(&occupied).unwrap();
+}

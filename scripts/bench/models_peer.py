@@ -1,0 +1,237 @@
+#!/usr/bin/env python3
+"""Whole-model fine-tuning and generation beside transformers, on the same CPU, model and data.
+
+The model is a Qwen3-MoE of 163 M parameters (4 layers, d_model 512, 32 experts of width 768,
+top-4, 8 query / 4 key-value heads, 8,192 token ids), written by transformers with random
+weights (seed 0) into target/bench/qwen3-moe-163m with a tokenizer trained by Hugging Face's
+`tokenizers` on the repository's docs (the text both sides train on). Each round runs, as
+separate processes measured alike (peak resident memory from the kernel's rusage):
+
+- `mpipemoe finetune` (target/release/mpipemoe, `cargo build --release --bin mpipemoe`) and
+  transformers' model trained with torch eager: float32, AdamW (lr 1e-4, no weight decay), the
+  same batch of windows drawn from the same tokens (this file repeats the Rust side's
+  SplitMix64 window draw), loss = the cross-entropy alone on both sides (the config's
+  `output_router_logits` is false, transformers' default, so it adds no auxiliary loss; ours
+  has no coefficient set); the median step time after two warm-up steps;
+- `mpipemoe generate` and transformers' `generate(do_sample=False)`: a 64-token prompt, 64 new
+  tokens (no end-of-sequence stop on the torch side; ours stops at one, which is reported).
+
+Both sides run with the same heap setting, named in the output: `--heap keep` (default) keeps
+freed memory in the process (the `mpipemoe` binary's `mallopt`; the PyTorch process gets the
+same three settings through GLIBC_TUNABLES), `--heap system` gives both glibc's defaults.
+PyTorch runs with `torch.set_num_threads(THREADS)`, ours with burn's thread pool of the same size
+(RAYON_NUM_THREADS).
+
+    python3 scripts/bench/models_peer.py [--rounds 3] [--steps 8] [--threads 2] [--heap keep|system]
+        [--json docs/benchmarks/models_peer.json]
+
+Needs PyTorch, transformers and tokenizers; nothing in the build or the tests needs Python.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "../.."))
+BENCH = os.path.join(ROOT, "target/bench")
+MODEL = os.path.join(BENCH, "qwen3-moe-163m")
+CORPUS = os.path.join(BENCH, "models-corpus.txt")
+BINARY = os.path.join(ROOT, "target/release/mpipemoe")
+BATCH, SEQ, LR, SEED = 4, 128, 1e-4, 0
+# glibc's tunables for what `mpipemoe_tools::heap::keep_freed_memory` sets with mallopt.
+KEEP_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647:glibc.malloc.top_pad=67108864"
+
+
+def make_model():
+    if os.path.isfile(os.path.join(MODEL, "tokenizer.json")):
+        return
+    import torch
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    os.makedirs(MODEL, exist_ok=True)
+    with open(CORPUS, "w") as out:
+        for name in ["docs/design-notes.md", "docs/architecture.md", "README.md", "BENCHMARKS.md"]:
+            with open(os.path.join(ROOT, name)) as f:
+                out.write(f.read())
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.NFKC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    tokenizer.train([CORPUS], trainers.BpeTrainer(vocab_size=8192, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+                                                  show_progress=False))
+    tokenizer.save(os.path.join(MODEL, "tokenizer.json"))
+    config = Qwen3MoeConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536, moe_intermediate_size=768,
+                            num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                            num_experts=32, num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1,
+                            mlp_only_layers=[], max_position_embeddings=1024, tie_word_embeddings=False,
+                            router_aux_loss_coef=0.001, output_router_logits=False, bos_token_id=1, eos_token_id=2,
+                            pad_token_id=0)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).float()
+    model.save_pretrained(MODEL, max_shard_size="200MB")
+    print(f"wrote {MODEL}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters", file=sys.stderr)
+
+
+def window_starts(seed, step, batch, span):
+    """models/src/finetune.rs `window_starts`: SplitMix64 of the seed, the step and the row."""
+    mask = (1 << 64) - 1
+    out = []
+    for row in range(batch):
+        z = (seed + step * 0x9E3779B97F4A7C15 + (row + 1) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        z ^= z >> 31
+        out.append(z % span)
+    return out
+
+
+def torch_finetune(steps, threads):
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    tokens = Tokenizer.from_file(os.path.join(MODEL, "tokenizer.json")).encode(
+        open(CORPUS).read(), add_special_tokens=False).ids
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    times, losses = [], []
+    for step in range(steps):
+        start = time.perf_counter()
+        starts = window_starts(SEED, step, BATCH, len(tokens) - SEQ)
+        ids = torch.tensor([tokens[s:s + SEQ + 1] for s in starts])
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+        losses.append(float(out.loss))
+    return {"step_seconds": times, "losses": losses, "data_tokens": len(tokens)}
+
+
+def torch_generate(threads, prompt_len, new_tokens):
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    tokens = Tokenizer.from_file(os.path.join(MODEL, "tokenizer.json")).encode(
+        open(CORPUS).read(), add_special_tokens=False).ids
+    prompt = tokens[:prompt_len]
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    with torch.no_grad():
+        start = time.perf_counter()
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+        seconds = time.perf_counter() - start
+    new = ids[0, prompt_len:].tolist()
+    return {"seconds": seconds, "ids": new, "prompt": prompt}
+
+
+def wrapped(cmd, env):
+    """Runs cmd in a fresh Python wrapper that reports the child's own peak resident memory."""
+    wrapper = ("import json,os,resource,subprocess,sys,time;"
+               "t=time.perf_counter();p=subprocess.run(sys.argv[1:],capture_output=True,text=True);"
+               "print(json.dumps({'code':p.returncode,'out':p.stdout,'err':p.stderr[-4000:],"
+               "'wall':time.perf_counter()-t,"
+               "'peak_mib':resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss/1024}))")
+    done = subprocess.run([sys.executable, "-c", wrapper] + cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"wrapper failed: {done.stderr[-2000:]}")
+    result = json.loads(done.stdout)
+    if result["code"] != 0:
+        sys.exit(f"{' '.join(cmd[:3])}: exit {result['code']}\n{result['err']}")
+    return result
+
+
+def median_after_warm_up(seconds):
+    steady = seconds[2:] if len(seconds) > 3 else seconds
+    return statistics.median(steady)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--heap", choices=["keep", "system"], default="keep")
+    parser.add_argument("--json")
+    parser.add_argument("--side", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.side == "torch-finetune":
+        print(json.dumps(torch_finetune(args.steps, args.threads)))
+        return
+    if args.side == "torch-generate":
+        print(json.dumps(torch_generate(args.threads, 64, 64)))
+        return
+    if not os.access(BINARY, os.X_OK):
+        sys.exit(f"{BINARY} is missing: cargo build --release --bin mpipemoe")
+    make_model()
+    env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads))
+    torch_env = dict(env)
+    if args.heap == "keep":
+        torch_env["GLIBC_TUNABLES"] = KEEP_TUNABLES
+    heap = ["--heap", args.heap]
+    out_dir = os.path.join(BENCH, "qwen3-moe-163m-tuned")
+    rows = {"ours_finetune": [], "torch_finetune": [], "ours_generate": [], "torch_generate": []}
+    for round_ in range(args.rounds):
+        ours = wrapped([BINARY] + heap + ["finetune", MODEL, "--data", CORPUS, "--steps", str(args.steps),
+                                          "--batch", str(BATCH), "--seq-len", str(SEQ), "--lr", str(LR),
+                                          "--seed", str(SEED), "--out", out_dir, "--overwrite", "--json"], env)
+        summary = json.loads(ours["out"].strip().splitlines()[-1])
+        rows["ours_finetune"].append({"median_step_s": median_after_warm_up(summary["step_seconds"]),
+                                      "peak_mib": ours["peak_mib"], "losses": summary["losses"]})
+        theirs = wrapped([sys.executable, __file__, "--side", "torch-finetune", "--steps", str(args.steps),
+                          "--threads", str(args.threads)], torch_env)
+        t = json.loads(theirs["out"].strip().splitlines()[-1])
+        rows["torch_finetune"].append({"median_step_s": median_after_warm_up(t["step_seconds"]),
+                                       "peak_mib": theirs["peak_mib"], "losses": t["losses"]})
+        if summary["data_tokens"] != t["data_tokens"]:
+            sys.exit(f"the sides tokenised the data differently: {summary['data_tokens']} vs {t['data_tokens']}")
+        theirs = wrapped([sys.executable, __file__, "--side", "torch-generate", "--threads", str(args.threads)],
+                         torch_env)
+        g = json.loads(theirs["out"].strip().splitlines()[-1])
+        rows["torch_generate"].append({"tokens_per_s": len(g["ids"]) / g["seconds"], "peak_mib": theirs["peak_mib"]})
+        ours = wrapped([BINARY] + heap + ["generate", MODEL, "--ids", ",".join(map(str, g["prompt"])),
+                                          "--max-new-tokens", "64"], env)
+        ids = [int(i) for i in ours["out"].splitlines()[0].split(",") if i]
+        line = [l for l in ours["err"].splitlines() if l.startswith("generated ")][-1]
+        seconds = float(line.split(" in ")[1].split(" s ")[0])
+        same = next((i for i, (a, b) in enumerate(zip(ids, g["ids"])) if a != b), min(len(ids), len(g["ids"])))
+        rows["ours_generate"].append({"tokens_per_s": len(ids) / seconds, "peak_mib": ours["peak_mib"],
+                                      "new_tokens": len(ids), "equal_prefix": same})
+        print(f"round {round_ + 1}: finetune step ours {rows['ours_finetune'][-1]['median_step_s']:.3f} s, "
+              f"torch {rows['torch_finetune'][-1]['median_step_s']:.3f} s; generate ours "
+              f"{rows['ours_generate'][-1]['tokens_per_s']:.2f} tok/s, torch {rows['torch_generate'][-1]['tokens_per_s']:.2f}",
+              file=sys.stderr)
+
+    def med(side, key):
+        return statistics.median(r[key] for r in rows[side])
+
+    tokens = BATCH * SEQ
+    of, tf = med("ours_finetune", "median_step_s"), med("torch_finetune", "median_step_s")
+    og, tg = med("ours_generate", "tokens_per_s"), med("torch_generate", "tokens_per_s")
+    first = (rows["ours_finetune"][0]["losses"][0], rows["torch_finetune"][0]["losses"][0])
+    print(f"heap: {args.heap} on both sides; {args.threads} threads each; {args.rounds} rounds, medians")
+    print(f"{'':28} {'ours':>12} {'transformers':>14} {'ours/theirs':>12}")
+    print(f"{'finetune tokens/s':28} {tokens / of:12.1f} {tokens / tf:14.1f} {(tokens / of) / (tokens / tf):12.2f}")
+    print(f"{'finetune peak RSS (MiB)':28} {med('ours_finetune', 'peak_mib'):12.0f} "
+          f"{med('torch_finetune', 'peak_mib'):14.0f} {med('ours_finetune', 'peak_mib') / med('torch_finetune', 'peak_mib'):12.2f}")
+    print(f"{'generate new tokens/s':28} {og:12.2f} {tg:14.2f} {og / tg:12.2f}")
+    print(f"{'generate peak RSS (MiB)':28} {med('ours_generate', 'peak_mib'):12.0f} "
+          f"{med('torch_generate', 'peak_mib'):14.0f} {med('ours_generate', 'peak_mib') / med('torch_generate', 'peak_mib'):12.2f}")
+    print(f"first step's loss (cross-entropy, same batch): ours {first[0]:.5f}, transformers {first[1]:.5f}")
+    g = rows["ours_generate"][0]
+    print(f"greedy ids equal to transformers' for the first {g['equal_prefix']} of {g['new_tokens']} new tokens")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"heap": args.heap, "threads": args.threads, "batch": BATCH, "seq": SEQ, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+//! `mpipemoe finetune`: a whole Hugging Face MoE model fine-tuned on a text file with its
+//! experts sharded over thread ranks, written back as a Hugging Face folder.
+
+use std::io::{IsTerminal, Read};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use burn::tensor::backend::AutodiffBackend;
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use mpipemoe::hf::{ExportOptions, HfCheckpoint};
+use mpipemoe::{LocalGroup, MoeBackend, MoeError};
+use mpipemoe_models::family::decoder_config;
+use mpipemoe_models::{finetune_rank, FinetuneOptions, FinetuneReport, FinetuneStep, TextTokenizer};
+use mpipemoe_tools::backends::{run_on, BackendJob};
+use mpipemoe_tools::flags::count;
+use serde::Serialize;
+
+use crate::lm::RunFlags;
+
+/// The largest `--data` file read (1 GiB of text is about 250 M tokens).
+const MAX_DATA_BYTES: u64 = 1 << 30;
+
+#[derive(Args, Debug)]
+pub struct FinetuneArgs {
+    /// A Hugging Face model folder (config.json, safetensors, tokenizer.json).
+    dir: PathBuf,
+    /// A UTF-8 text file to train on, tokenised with the folder's tokenizer.json.
+    #[arg(long)]
+    data: PathBuf,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 100, value_parser = count(1, 1 << 30))]
+    steps: usize,
+    /// Where to write the trained model (a Hugging Face folder in DIR's layout).
+    #[arg(long)]
+    out: PathBuf,
+    /// Replace `--out` if it exists and is not empty.
+    #[arg(long)]
+    overwrite: bool,
+    /// Sequences per step over all ranks (a multiple of --ranks).
+    #[arg(long, default_value_t = 4, value_parser = count(1, 1 << 16))]
+    batch: usize,
+    /// Tokens a sequence predicts.
+    #[arg(long, default_value_t = 64, value_parser = count(1, 1 << 20))]
+    seq_len: usize,
+    /// AdamW's learning rate.
+    #[arg(long, default_value_t = 1e-4)]
+    lr: f64,
+    /// AdamW's decoupled weight decay.
+    #[arg(long, default_value_t = 0.0)]
+    weight_decay: f32,
+    /// Seeds the windows drawn from the data.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Every MoE layer's load-balancing loss weight (the Switch loss of each layer, summed over
+    /// the layers; default: the folder's layers have none, as transformers adds none unless
+    /// its config's `output_router_logits` is set).
+    #[arg(long)]
+    aux_loss_coef: Option<f64>,
+    /// Every MoE layer's router z-loss weight (default: none).
+    #[arg(long)]
+    z_loss_coef: Option<f64>,
+    /// Ranks per expert-parallel group (default: all); the groups are data-parallel replicas.
+    #[arg(long, value_parser = count(1, 256))]
+    expert_parallel: Option<usize>,
+    /// Print a JSON summary on stdout at the end.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    run: RunFlags,
+}
+
+/// What `--json` prints.
+#[derive(Serialize)]
+struct Summary {
+    steps: usize,
+    ranks: usize,
+    tokens: usize,
+    data_tokens: usize,
+    initial_loss: f64,
+    final_loss: f64,
+    seconds: f64,
+    tokens_per_s: f64,
+    /// The median step's time after the first two (kernel and allocator warm-up), or of all
+    /// steps when there are three or fewer.
+    median_step_s: f64,
+    /// Every step's time and loss.
+    step_seconds: Vec<f64>,
+    losses: Vec<f64>,
+    out: String,
+}
+
+struct FinetuneJob<'a> {
+    args: &'a FinetuneArgs,
+    tokens: &'a [u32],
+    options: FinetuneOptions,
+    bar: &'a ProgressBar,
+}
+
+impl BackendJob for FinetuneJob<'_> {
+    type Output = mpipemoe::Result<FinetuneReport>;
+
+    fn run<B>(self, _device: &B::Device) -> Self::Output
+    where
+        B: AutodiffBackend + MoeBackend,
+        B::InnerBackend: MoeBackend,
+    {
+        let args = self.args;
+        let export = ExportOptions {
+            overwrite: args.overwrite,
+        };
+        // indicatif draws nothing when stderr is not a terminal (a log file, a batch job), so
+        // there a plain line goes out at the first steps and about twenty times over the run.
+        let plain = !std::io::stderr().is_terminal();
+        let plain_every = (args.steps / 20).max(1);
+        let on_step = |log: &FinetuneStep| {
+            self.bar.set_position(log.step as u64 + 1);
+            self.bar.set_message(format!(
+                "loss {:.3} aux {:.4} | {:.0} tok/s",
+                log.loss, log.aux, log.tokens_per_s
+            ));
+            if plain && (log.step < 3 || (log.step + 1).is_multiple_of(plain_every)) {
+                eprintln!(
+                    "[{:7.1} s] step {}/{} loss {:.3} aux {:.4} | {:.0} tok/s",
+                    self.bar.elapsed().as_secs_f64(),
+                    log.step + 1,
+                    args.steps,
+                    log.loss,
+                    log.aux,
+                    log.tokens_per_s
+                );
+            }
+        };
+        let reports = LocalGroup::run(args.run.ranks, |ctx| {
+            let device = Default::default();
+            let quiet = |_: &FinetuneStep| {};
+            let log: &dyn Fn(&FinetuneStep) = if ctx.rank == 0 { &on_step } else { &quiet };
+            let (_, report) = finetune_rank::<B>(
+                ctx.comm,
+                &args.dir,
+                self.tokens,
+                &self.options,
+                &|c| {
+                    let c = args.run.moe(c);
+                    let c = match args.aux_loss_coef {
+                        Some(coef) => c.with_aux_loss_coef(coef),
+                        None => c,
+                    };
+                    match args.z_loss_coef {
+                        Some(coef) => c.with_z_loss_coef(coef),
+                        None => c,
+                    }
+                },
+                Some((&args.out, &export)),
+                &device,
+                log,
+            )?;
+            Ok(report)
+        })?;
+        Ok(reports.into_iter().next().expect("at least one rank"))
+    }
+}
+
+/// The folder's tokenizer (required) and the data file's tokens.
+fn tokens(args: &FinetuneArgs) -> Result<Vec<u32>, MoeError> {
+    let ckpt = HfCheckpoint::open(&args.dir)?;
+    let vocab = decoder_config(&ckpt)?.vocab_size;
+    let tokenizer = TextTokenizer::from_dir(&args.dir, vocab)?.ok_or_else(|| {
+        MoeError::file(
+            args.dir.join(TextTokenizer::FILE),
+            "finetune tokenises --data with the folder's tokenizer, and there is none",
+        )
+    })?;
+    let text = read_text(&args.data)?;
+    let ids = tokenizer.encode(&text, false)?;
+    // Every id is under the vocabulary (checked by `encode`), which fits u32 in any
+    // published model.
+    ids.into_iter()
+        .map(|id| u32::try_from(id).map_err(|_| MoeError::Input(format!("token id {id} is too large"))))
+        .collect()
+}
+
+fn read_text(path: &Path) -> Result<String, MoeError> {
+    let file = std::fs::File::open(path).map_err(|e| MoeError::file(path, e.to_string()))?;
+    let mut bytes = Vec::new();
+    file.take(MAX_DATA_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| MoeError::file(path, e.to_string()))?;
+    if bytes.len() as u64 > MAX_DATA_BYTES {
+        return Err(MoeError::file(
+            path,
+            format!("larger than {MAX_DATA_BYTES} bytes"),
+        ));
+    }
+    String::from_utf8(bytes).map_err(|e| MoeError::file(path, format!("not UTF-8 text: {e}")))
+}
+
+fn median_after_warm_up(seconds: &[f64]) -> f64 {
+    let skip = if seconds.len() > 3 { 2 } else { 0 };
+    let mut steady = seconds[skip..].to_vec();
+    steady.sort_by(f64::total_cmp);
+    match steady.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => steady[n / 2],
+        n => 0.5 * (steady[n / 2 - 1] + steady[n / 2]),
+    }
+}
+
+pub fn run(args: FinetuneArgs) -> ExitCode {
+    if let Err(message) = args.run.backend.available() {
+        eprintln!("error: {message}");
+        return ExitCode::from(2);
+    }
+    let tokens = match tokens(&args) {
+        Ok(tokens) => tokens,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    eprintln!(
+        "data: {} ({} tokens); {} ranks, expert-parallel {}, batch {} x {} tokens",
+        args.data.display(),
+        tokens.len(),
+        args.run.ranks,
+        args.expert_parallel.unwrap_or(args.run.ranks),
+        args.batch,
+        args.seq_len
+    );
+    let options = FinetuneOptions {
+        steps: args.steps,
+        batch: args.batch,
+        seq_len: args.seq_len,
+        lr: args.lr,
+        weight_decay: args.weight_decay,
+        seed: args.seed,
+        expert_parallel: args.expert_parallel,
+    };
+    let bar = ProgressBar::new(args.steps as u64);
+    if let Ok(style) = ProgressStyle::with_template("{elapsed_precise} [{bar:25}] {pos}/{len} {msg}") {
+        bar.set_style(style);
+    }
+    let job = FinetuneJob {
+        args: &args,
+        tokens: &tokens,
+        options,
+        bar: &bar,
+    };
+    let report = match run_on(args.run.backend, job) {
+        Err(message) => {
+            eprintln!("error: {message}");
+            return ExitCode::from(2);
+        }
+        Ok(Err(e)) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+        Ok(Ok(report)) => report,
+    };
+    bar.finish();
+    let initial = report.losses.first().copied().unwrap_or(f64::NAN);
+    // The last few steps' mean: one batch's loss is noisy.
+    let tail = &report.losses[report.losses.len().saturating_sub(10)..];
+    let last = tail.iter().sum::<f64>() / tail.len().max(1) as f64;
+    let tokens_per_s = report.tokens as f64 / report.seconds;
+    eprintln!(
+        "trained {} steps in {:.1} s ({tokens_per_s:.0} tokens/s): loss {initial:.3} -> {last:.3} (mean of the last {}); written to {}",
+        args.steps,
+        report.seconds,
+        tail.len(),
+        args.out.display()
+    );
+    if args.json {
+        let summary = Summary {
+            steps: args.steps,
+            ranks: args.run.ranks,
+            tokens: report.tokens,
+            data_tokens: tokens.len(),
+            initial_loss: initial,
+            final_loss: last,
+            seconds: report.seconds,
+            tokens_per_s,
+            median_step_s: median_after_warm_up(&report.step_seconds),
+            step_seconds: report.step_seconds.clone(),
+            losses: report.losses.clone(),
+            out: args.out.display().to_string(),
+        };
+        match serde_json::to_string(&summary) {
+            Ok(line) => println!("{line}"),
+            Err(e) => eprintln!("error: summary: {e}"),
+        }
+    }
+    ExitCode::SUCCESS
+}
