@@ -37,6 +37,9 @@ pub struct FinetuneOptions {
     pub lr: f64,
     /// AdamW's decoupled weight decay.
     pub weight_decay: f32,
+    /// AdamW's epsilon (PyTorch's and transformers' default 1e-8; burn's own default is
+    /// 1e-5, which damps the updates of parameters with small gradients).
+    pub epsilon: f32,
     /// Seeds the windows drawn from the stream.
     pub seed: u64,
     /// Ranks per expert-parallel group (`None`: all of them); the groups are data-parallel
@@ -52,6 +55,7 @@ impl Default for FinetuneOptions {
             seq_len: 64,
             lr: 1e-4,
             weight_decay: 0.0,
+            epsilon: 1e-8,
             seed: 0,
             expert_parallel: None,
         }
@@ -149,6 +153,7 @@ where
     let mut model = model.map_moe_configs(moe)?;
     let mut optimizer = AdamWConfig::new()
         .with_weight_decay(o.weight_decay)
+        .with_epsilon(o.epsilon)
         .init::<B, MoeCausalLm<B>>();
     let rows = o.batch / n_ranks;
     let mine = world.rank() * rows..(world.rank() + 1) * rows;

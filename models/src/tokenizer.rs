@@ -1,7 +1,6 @@
 //! A folder's `tokenizer.json`, read with Hugging Face's `tokenizers` crate: the text side of
 //! `generate --prompt` and of fine-tuning on a text file.
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use mpipemoe::{MoeError, Result};
@@ -47,11 +46,11 @@ impl TextTokenizer {
     /// The tokenizer in the file `path` (a `tokenizer.json`).
     ///
     /// # Errors
-    /// [`MoeError::File`] naming `path` if it cannot be read, is larger than
-    /// [`MAX_TOKENIZER_BYTES`], or is not a tokenizer `tokenizers` reads.
+    /// [`MoeError::File`] naming `path` if it is not a regular file, cannot be read, is larger
+    /// than [`MAX_TOKENIZER_BYTES`], or is not a tokenizer `tokenizers` reads.
     pub fn from_file(path: impl AsRef<Path>, vocab_size: usize) -> Result<Self> {
         let path = path.as_ref();
-        let bytes = read_bounded(path, MAX_TOKENIZER_BYTES)?;
+        let bytes = mpipemoe::files::read_bounded(path, MAX_TOKENIZER_BYTES)?;
         let inner = tokenizers::Tokenizer::from_bytes(&bytes)
             .map_err(|e| MoeError::file(path, format!("not a tokenizer: {e}")))?;
         Ok(Self {
@@ -104,19 +103,4 @@ impl TextTokenizer {
     pub fn path(&self) -> &Path {
         &self.path
     }
-}
-
-/// The whole of the file `path`, or an error naming it if it is larger than `limit` bytes.
-/// The limit is checked on the bytes read, not only on the file's reported size, so a file
-/// that grows while read is bounded too.
-pub(crate) fn read_bounded(path: &Path, limit: u64) -> Result<Vec<u8>> {
-    let file = std::fs::File::open(path).map_err(|e| MoeError::file(path, e.to_string()))?;
-    let mut bytes = Vec::new();
-    file.take(limit + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| MoeError::file(path, e.to_string()))?;
-    if bytes.len() as u64 > limit {
-        return Err(MoeError::file(path, format!("larger than {limit} bytes")));
-    }
-    Ok(bytes)
 }

@@ -42,7 +42,7 @@ CORPUS = os.path.join(BENCH, "models-corpus.txt")
 BINARY = os.path.join(ROOT, "target/release/mpipemoe")
 BATCH, SEQ, LR, SEED = 4, 128, 1e-4, 0
 # glibc's tunables for what `mpipemoe_tools::heap::keep_freed_memory` sets with mallopt.
-KEEP_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647:glibc.malloc.top_pad=67108864"
+KEEP_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=18446744073709551615:glibc.malloc.top_pad=67108864:glibc.malloc.arena_max=1"
 
 
 def make_model():

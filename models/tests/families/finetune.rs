@@ -84,6 +84,7 @@ fn options(expert_parallel: Option<usize>) -> FinetuneOptions {
         seq_len: 12,
         lr: 1e-3,
         weight_decay: 0.01,
+        epsilon: 1e-8,
         seed: 5,
         expert_parallel,
     }

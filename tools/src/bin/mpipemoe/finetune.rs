@@ -1,7 +1,7 @@
 //! `mpipemoe finetune`: a whole Hugging Face MoE model fine-tuned on a text file with its
 //! experts sharded over thread ranks, written back as a Hugging Face folder.
 
-use std::io::{IsTerminal, Read};
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -181,17 +181,7 @@ fn tokens(args: &FinetuneArgs) -> Result<Vec<u32>, MoeError> {
 }
 
 fn read_text(path: &Path) -> Result<String, MoeError> {
-    let file = std::fs::File::open(path).map_err(|e| MoeError::file(path, e.to_string()))?;
-    let mut bytes = Vec::new();
-    file.take(MAX_DATA_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| MoeError::file(path, e.to_string()))?;
-    if bytes.len() as u64 > MAX_DATA_BYTES {
-        return Err(MoeError::file(
-            path,
-            format!("larger than {MAX_DATA_BYTES} bytes"),
-        ));
-    }
+    let bytes = mpipemoe::files::read_bounded(path, MAX_DATA_BYTES)?;
     String::from_utf8(bytes).map_err(|e| MoeError::file(path, format!("not UTF-8 text: {e}")))
 }
 
@@ -233,6 +223,7 @@ pub fn run(args: FinetuneArgs) -> ExitCode {
         seq_len: args.seq_len,
         lr: args.lr,
         weight_decay: args.weight_decay,
+        epsilon: 1e-8,
         seed: args.seed,
         expert_parallel: args.expert_parallel,
     };
