@@ -223,3 +223,55 @@ fn bad_fine_tuning_options_data_or_output_are_errors_naming_them_before_any_step
     assert_eq!(std::fs::read(occupied.join("notes.txt")).unwrap(), b"keep me");
     std::fs::remove_dir_all(&occupied).unwrap();
 }
+
+/// Every family fine-tunes at two ranks (experts sharded) and saves a folder that loads back
+/// to the trained model's logits, which differ from the untrained ones.
+#[test]
+fn every_family_fine_tunes_at_two_ranks_and_saves_a_folder_that_loads_back() {
+    // Token ids under every tiny model's vocabulary of 96, as a tokenizer would give them.
+    let tokens: Vec<u32> = stream().into_iter().take(400).collect();
+    for family in super::FAMILIES {
+        let src = data().join(family);
+        let out = temp_dir(&format!("finetune-every-{family}"));
+        let exp = expected(family);
+        let ids: Vec<i64> = exp.ints["ids"].iter().map(|&i| i as i64).collect();
+        let shape = [exp.floats["logits"].0[0], exp.floats["logits"].0[1]];
+        let export = ExportOptions { overwrite: true };
+        let trained = LocalGroup::run(2, |ctx| {
+            let device = Default::default();
+            let (model, _) = finetune_rank::<B>(
+                ctx.comm,
+                &src,
+                &tokens,
+                &FinetuneOptions {
+                    steps: 1,
+                    ..options(None)
+                },
+                &|c| c,
+                Some((&out, &export)),
+                &device,
+                &|_| {},
+            )?;
+            let all = Tensor::<B, 2, Int>::from_data(TensorData::new(ids.clone(), shape), &device);
+            Ok(values(model.try_forward(all, None)?.logits))
+        })
+        .unwrap();
+        let reloaded = MoeCausalLm::<B>::from_hf(&out, &Default::default(), Arc::new(SingleRank)).unwrap();
+        let logits = values(
+            reloaded
+                .forward(super::ids_tensor(&exp.ints["ids"], shape), None)
+                .logits,
+        );
+        std::fs::remove_dir_all(&out).unwrap();
+        let same = rel_err(&logits, &trained[0]);
+        let moved = rel_err(&logits, &exp.floats["logits"].1);
+        assert!(
+            same < 1e-5,
+            "{family}: reloaded logits off the trained ones by {same:.2e}"
+        );
+        assert!(
+            moved > 1e-3,
+            "{family}: one step moved the logits by only {moved:.2e}"
+        );
+    }
+}
