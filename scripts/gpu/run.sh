@@ -4,11 +4,13 @@
 # (2) the toy GPT-MoE trained briefly on CUDA, raw and with fusion (the loss must fall),
 # (3) the forward + backward benchmark (both executors), (4) PyTorch eager's layer on the same
 # GPU and shapes, with ours / theirs, (5) the whole models of tests/data/models through
-# `mpipemoe logits` / `generate` against transformers' logits and greedy ids; one table at the
-# end of each.
+# `mpipemoe logits` / `generate` against transformers' logits and greedy ids, (6) two of them
+# fine-tuned on CUDA at two ranks (`mpipemoe finetune`; the loss must fall by 0.5 nat) and the
+# written folder loaded by transformers (no missing or unexpected key; logits against ours);
+# one table at the end of each.
 # Each phase runs under its own time limit (seconds, from the environment), so a lease that ends
 # early still returns every earlier phase's log: CHECK_S (default 300), TRAIN_S per training run
-# (120), TRAIN_STEPS (200), BENCH_S (240), PEER_S (120), MODELS_S (240); BENCH_ARGS (e.g. --quick) goes to the
+# (120), TRAIN_STEPS (200), BENCH_S (240), PEER_S (120), MODELS_S (240), FINETUNE_S (240); BENCH_ARGS (e.g. --quick) goes to the
 # benchmark. A phase cut by its limit reports exit 124. PHASES picks the phases (default
 # "check models train bench peer"); TRAIN_RUNS replaces the training runs ("BACKEND COMM RANKS", joined
 # by ";"). Every process compiles its kernels with NVRTC and autotunes its matmuls afresh: the
@@ -20,6 +22,7 @@ TRAIN_STEPS=${TRAIN_STEPS:-200}
 BENCH_S=${BENCH_S:-240}
 PEER_S=${PEER_S:-120}
 MODELS_S=${MODELS_S:-240}
+FINETUNE_S=${FINETUNE_S:-240}
 BENCH_ARGS=${BENCH_ARGS:-}
 PHASES=" ${PHASES:-check models train bench peer} "
 check=0
@@ -54,6 +57,41 @@ if [[ $PHASES == *" models "* ]]; then
   timeout "$MODELS_S" python3 "$dir/models.py" "$bin" "$out" --timeout "$((MODELS_S - 10))" \
     | tee "$out/models.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || check=1
+fi
+if [[ $PHASES == *" finetune "* ]]; then
+  echo "== whole models fine-tuned on CUDA (2 ranks), read back by transformers"
+  rm -f cubecl.toml
+  for family in mixtral-tiny qwen3-moe-tiny; do
+    tuned="$(mktemp -d)/$family"
+    timeout "$FINETUNE_S" "$bin/mpipemoe" finetune "tests/data/models/$family" --data docs/architecture.md \
+      --steps 100 --batch 4 --seq-len 64 --lr 1e-3 --ranks 2 --backend cuda --out "$tuned" --json \
+      >"$out/finetune-$family.json" 2>"$out/finetune-$family.err"
+    status=$?
+    timeout 120 "$bin/mpipemoe" logits "$tuned" --ids 1,5,9,40,41,42 --backend cuda \
+      --out "$tuned.logits.safetensors" >/dev/null 2>>"$out/finetune-$family.err"
+    python3 - "$out/finetune-$family.json" "$tuned" "$family" "$status" <<'PY' || check=1
+import json, sys
+import numpy as np
+import torch
+from safetensors.numpy import load_file
+from transformers import AutoModelForCausalLM
+path, tuned, family, status = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+if status != 0:
+    sys.exit(f"{family}: finetune exit {status}\n" + open(path[:-5] + ".err").read()[-2000:])
+d = json.load(open(path))
+model, info = AutoModelForCausalLM.from_pretrained(tuned, dtype=torch.float32, output_loading_info=True)
+bad = {k: v for k, v in info.items() if v}
+with torch.no_grad():
+    ref = model(torch.tensor([[1, 5, 9, 40, 41, 42]])).logits[0].numpy()
+ours = load_file(tuned + ".logits.safetensors")["logits"]
+err = float(np.abs(ours - ref).max() / np.abs(ref).max())
+ok = d["final_loss"] < d["initial_loss"] - 0.5 and not bad and err <= 5e-3
+print(f"{family}: loss {d['initial_loss']:.3f} -> {d['final_loss']:.3f} in {d['seconds']:.1f} s "
+      f"({d['tokens_per_s']:.0f} tokens/s, median step {d['median_step_s'] * 1e3:.1f} ms); transformers "
+      f"loads it ({bad or 'no missing or unexpected key'}), logits vs ours (CUDA) {err:.2e} {'ok' if ok else 'FAIL'}")
+sys.exit(0 if ok else 1)
+PY
+  done
 fi
 [[ $PHASES != *" train "* ]] || echo "== toy GPT-MoE on CUDA ($TRAIN_STEPS steps; the loss must fall by at least 1 nat)"
 # `--no-chart`: the GPU machines have no TrueType font for the load chart's text (the second
