@@ -137,7 +137,7 @@ where
         )));
     }
     if let Some((path, export)) = out {
-        check_out_dir(path, dir, export.overwrite)?;
+        mpipemoe::hf::check_out_dir(dir, path, export)?;
     }
     let groups = match o.expert_parallel {
         Some(ep) => ParallelGroups::new(world.clone(), ep)?,
@@ -225,21 +225,4 @@ pub fn window_starts(seed: u64, step: usize, batch: usize, span: usize) -> Vec<u
             (z % span as u64) as usize
         })
         .collect()
-}
-
-/// Refuses an output folder that exists and is not empty (unless `overwrite`), before any
-/// step is spent; the source folder itself is allowed (it is replaced as a whole).
-fn check_out_dir(out: &Path, source: &Path, overwrite: bool) -> Result<()> {
-    let same = matches!(
-        (out.canonicalize(), source.canonicalize()),
-        (Ok(a), Ok(b)) if a == b
-    );
-    let occupied = std::fs::read_dir(out).is_ok_and(|mut entries| entries.next().is_some());
-    if occupied && !overwrite && !same {
-        return Err(MoeError::file(
-            out,
-            "exists and is not empty (pass overwrite to replace it)",
-        ));
-    }
-    Ok(())
 }

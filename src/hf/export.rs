@@ -155,13 +155,8 @@ pub fn write_model_with(
             .or_default()
             .push(name.clone());
     }
+    check_out_dir(dir, out_dir, options)?;
     let in_place = same_dir(dir, out_dir);
-    if !in_place && !options.overwrite && holds_files(out_dir)? {
-        return Err(MoeError::file(
-            out_dir,
-            "is not empty and is not the source checkpoint; refusing to mix checkpoints (give an empty or new folder, or --overwrite to replace it as a whole)",
-        ));
-    }
     if let Some(parent) = out_dir.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent).map_err(|e| MoeError::file(parent, format!("cannot create: {e}")))?;
     }
@@ -264,6 +259,23 @@ fn copy_other_files(
 }
 
 /// Whether `dir` exists and holds anything.
+/// Whether the writers would accept `out_dir` for a checkpoint read from `checkpoint`: new,
+/// empty, the source folder itself, or any folder with `options.overwrite`. Long work that ends
+/// in a write (fine-tuning) calls it first, so a refused folder costs nothing.
+///
+/// # Errors
+/// [`MoeError::File`] naming `out_dir` if it holds files and may not be replaced, or cannot be
+/// read.
+pub fn check_out_dir(checkpoint: &Path, out_dir: &Path, options: &ExportOptions) -> Result<()> {
+    if !same_dir(checkpoint, out_dir) && !options.overwrite && holds_files(out_dir)? {
+        return Err(MoeError::file(
+            out_dir,
+            "is not empty and is not the source checkpoint; refusing to mix checkpoints (give an empty or new folder, or --overwrite to replace it as a whole)",
+        ));
+    }
+    Ok(())
+}
+
 fn holds_files(dir: &Path) -> Result<bool> {
     match std::fs::read_dir(dir) {
         Ok(mut entries) => Ok(entries.next().is_some()),

@@ -55,8 +55,8 @@ mod tensors;
 
 pub use checkpoint::{ImportOptions, ReadStats};
 pub use export::{
-    write_layer, write_layer_with, write_layers_with, write_model_with, ExportOptions, ExportReport,
-    Requantized,
+    check_out_dir, write_layer, write_layer_with, write_layers_with, write_model_with, ExportOptions,
+    ExportReport, Requantized,
 };
 pub use family::Family;
 pub use import::{convert_to_file, convert_to_file_with, read_layer, read_layer_with, HfLayer};
