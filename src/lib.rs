@@ -84,6 +84,7 @@ pub mod heap;
 pub mod hf;
 mod layer;
 pub mod memory;
+pub mod optim;
 pub mod parallel;
 mod pipeline;
 mod router;

@@ -350,6 +350,49 @@ fn counts_gather_and_reduce_agree_on_every_rank() {
     }
 }
 
+/// The broadcast copies the root's values to every rank and leaves the root's own alone, for
+/// every root; through the tensor path (`broadcast_tensor`, the host path here) a bf16 tensor
+/// arrives in its dtype; a root outside the group and a length that differs from the root's
+/// are errors naming them.
+#[test]
+fn broadcast_copies_the_roots_values_to_every_rank() {
+    use burn::backend::Flex;
+    use burn::tensor::{DType, TensorData, TensorPrimitive};
+    use mpipemoe::comm::broadcast_tensor;
+    let results = LocalGroup::run(3, |ctx| {
+        let mut seen = Vec::new();
+        for root in 0..3 {
+            let mut values: Vec<f32> = (0..5).map(|i| (10 * ctx.rank + i) as f32).collect();
+            ctx.comm.broadcast_f32(root, &mut values)?;
+            seen.push(values);
+        }
+        let device = Default::default();
+        let data = TensorData::new(vec![ctx.rank as f32 + 0.5; 4], [2, 2]);
+        // Flex holds a bf16 tensor as bf16 (NdArray stores its own float type).
+        let x = Tensor::<Flex, 2>::from_data(data, &device).cast(DType::BF16);
+        assert_eq!(x.dtype(), DType::BF16);
+        let out = broadcast_tensor::<Flex>(ctx.comm.as_ref(), x.into_primitive().tensor(), 2)?;
+        let out = Tensor::<Flex, 2>::from_primitive(TensorPrimitive::Float(out)).into_data();
+        Ok((seen, out.dtype, out.convert::<f32>().to_vec::<f32>().unwrap()))
+    })
+    .unwrap();
+    for (seen, dtype, tensor) in results {
+        for (root, values) in seen.into_iter().enumerate() {
+            let want: Vec<f32> = (0..5).map(|i| (10 * root + i) as f32).collect();
+            assert_eq!(values, want, "root {root}");
+        }
+        assert_eq!((dtype, tensor), (DType::BF16, vec![2.5; 4]));
+    }
+    let bad_root = LocalGroup::run_each(short(), 2, |ctx| ctx.comm.broadcast_f32(2, &mut [1.0]));
+    bad_root
+        .iter()
+        .for_each(|r| expect_comm_error(r, "root 2 is not a rank of 2"));
+    let bad_len = LocalGroup::run_each(short(), 2, |ctx| {
+        ctx.comm.broadcast_f32(0, &mut vec![1.0; 3 + ctx.rank])
+    });
+    expect_comm_error(&bad_len[1], "root 0 sent 3 values where this rank has 4");
+}
+
 fn expect_comm_error(result: &mpipemoe::Result<()>, naming: &str) {
     match result {
         Err(MoeError::Comm { reason, .. }) => assert!(reason.contains(naming), "{reason}"),

@@ -26,6 +26,7 @@ use mpipemoe::memory::Strategy;
 use mpipemoe::memory::{LayerShape, PaperTerms};
 use mpipemoe::{
     seeded_uniform, Activation, ExchangePath, MemoryReuse, MoeBackend, MoeLayer, MoeLayerConfig, Partitions,
+    Shadowing,
 };
 
 /// burn's default GPU backend (`Wgpu` with burn's default features, which wrap it in fusion).
@@ -540,9 +541,9 @@ fn device_memory_does_not_grow_with_the_threaded_executor() {
     }
 }
 
-/// `case` through the fused path on `n_ranks` ranks cut into `partitions`, on both executors
-/// and under every strategy, within 1e-4.
-fn check_skewed(case: &Case, n_ranks: usize, partitions: Partitions) {
+/// `case` through the fused path on `n_ranks` ranks cut into `partitions`, with `shadowing`,
+/// on both executors and under every strategy, within 1e-4.
+fn check_skewed(case: &Case, n_ranks: usize, partitions: Partitions, shadowing: Shadowing) {
     let device = Default::default();
     for executor in [StepExecutor::InOrder, StepExecutor::StreamThreads] {
         for strategy in Strategy::ALL {
@@ -552,6 +553,7 @@ fn check_skewed(case: &Case, n_ranks: usize, partitions: Partitions) {
                 partitions,
                 strategy,
                 executor: Some(executor),
+                shadowing,
                 ..CheckOptions::default()
             };
             let report = check_case::<B>(case, &options, &device).unwrap();
@@ -571,6 +573,23 @@ fn a_rank_that_receives_no_rows_on_wgpu() {
         &Case::all_to_one_expert(4, 10).expect("case"),
         2,
         Partitions::Fixed(3),
+        Shadowing::Off,
+    );
+}
+
+/// Shadowed experts on a device backend: every token to expert 0 (rank 0's), shadowed on both
+/// ranks (`Shadowing::Fixed(1)`), so rank 1 computes its own rows with the copy of expert 0's
+/// weights that reached it through the all-to-all, and the copy's gradient returns to rank 0;
+/// expert 1 stays unshadowed. Every strategy, both executors (the copies cross streams),
+/// n = 3, within 1e-4 of the case, whose gradients are those of the layer without shadows.
+#[test]
+fn shadowed_experts_on_wgpu() {
+    let _device = shared();
+    check_skewed(
+        &Case::all_to_one_expert(4, 10).expect("case"),
+        2,
+        Partitions::Fixed(3),
+        Shadowing::Fixed(1),
     );
 }
 
@@ -588,6 +607,7 @@ fn routing_skew_by_rank_issues_no_empty_kernel_on_wgpu() {
         &Case::all_to_one_expert(8, 12).expect("case"),
         4,
         Partitions::ByRank,
+        Shadowing::Off,
     );
 }
 

@@ -445,32 +445,42 @@ impl NcclShared {
         self.with_transport(op, send, recv, |t| post_all_to_all_v(t, self.rank, layout))
     }
 
-    /// Sums `count` elements of `dtype` from the device buffer at `send` into the one at
-    /// `recv` over the group (`ncclAllReduce`) on this rank's NCCL stream, and waits for it
-    /// with the same timeout and abort as the all-to-all.
-    pub(crate) fn all_reduce_device(
+    /// Runs one collective over `count` elements of `dtype` from the device buffer at `send`
+    /// into the one at `recv` on this rank's NCCL stream: the sum over the group
+    /// (`ncclAllReduce`, `root` `None`) or rank `root`'s buffer on every rank
+    /// (`ncclBroadcast`), and waits for it with the same timeout and abort as the all-to-all.
+    pub(crate) fn collective_device(
         &self,
         op: &str,
-        send: u64,
-        recv: u64,
+        (send, recv): (u64, u64),
         count: usize,
         dtype: nccl_sys::ncclDataType_t,
+        root: Option<usize>,
     ) -> Result<()> {
+        let root = match root.map(i32::try_from) {
+            Some(Ok(root)) => Some(root),
+            Some(Err(_)) => return Err(MoeError::comm(op, self.rank, "root rank out of range")),
+            None => None,
+        };
         self.with_transport(op, send, recv, |t| {
             t.begin()?;
             let (handle, stream) = (t.comm.handle, t.stream as _);
+            let (send, recv) = (send as *const std::ffi::c_void, recv as *mut std::ffi::c_void);
             // SAFETY: both buffers hold `count` elements of `dtype` (the caller sized them)
             // and outlive the group, which `end` waits for.
             let posted = unsafe {
-                nccl::all_reduce(
-                    send as *const std::ffi::c_void,
-                    recv as *mut std::ffi::c_void,
-                    count,
-                    dtype,
-                    nccl_sys::ncclRedOp_t::ncclSum,
-                    handle,
-                    stream,
-                )
+                match root {
+                    None => nccl::all_reduce(
+                        send,
+                        recv,
+                        count,
+                        dtype,
+                        nccl_sys::ncclRedOp_t::ncclSum,
+                        handle,
+                        stream,
+                    ),
+                    Some(root) => nccl::broadcast(send, recv, count, dtype, root, handle, stream),
+                }
             };
             if let Err(e) = posted {
                 t.abandon();

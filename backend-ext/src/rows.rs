@@ -48,9 +48,10 @@ pub(crate) fn row_paths(shared: &Arc<NcclShared>) -> Result<RowPaths> {
         .with_reduce::<CudaMoe<burn::tensor::f16>>(Arc::new(NcclReduce(shared.clone()))))
 }
 
-/// The gradient buckets' all-reduce on device pointers (`ncclAllReduce`), out of place into a
-/// fresh cubecl buffer: the input may share its buffer with other tensors. Ordered with
-/// cubecl's streams as the rows are (module docs).
+/// The gradient buckets' all-reduce (`ncclAllReduce`) and the shadowed experts' broadcast
+/// (`ncclBroadcast`) on device pointers, out of place into a fresh cubecl buffer: the input
+/// may share its buffer with other tensors. Ordered with cubecl's streams as the rows are
+/// (module docs).
 #[derive(Debug, Clone)]
 pub(crate) struct NcclReduce(pub(crate) Arc<NcclShared>);
 
@@ -60,10 +61,36 @@ impl<F: FloatElement> TensorReduce<CudaMoe<F>> for NcclReduce {
         comm: &dyn Communicator,
         x: CubeTensor<CudaRuntime>,
     ) -> Result<CubeTensor<CudaRuntime>> {
-        let op = "all_reduce_tensor";
+        self.collective(comm, x, "all_reduce_tensor", None)
+    }
+
+    /// `ncclBroadcast` from the root's buffer into a fresh buffer on every rank.
+    fn broadcast(
+        &self,
+        comm: &dyn Communicator,
+        x: CubeTensor<CudaRuntime>,
+        root: usize,
+    ) -> Result<CubeTensor<CudaRuntime>> {
+        self.collective(comm, x, "broadcast_tensor", Some(root))
+    }
+}
+
+impl NcclReduce {
+    /// One NCCL collective on `x`'s device buffer into a fresh one of its shape and dtype: the
+    /// sum over the group (`root` `None`) or rank `root`'s `x` on every rank.
+    fn collective(
+        &self,
+        comm: &dyn Communicator,
+        x: CubeTensor<CudaRuntime>,
+        op: &str,
+        root: Option<usize>,
+    ) -> Result<CubeTensor<CudaRuntime>> {
         let err = |reason: String| MoeError::comm(op, self.0.rank, reason);
         if comm.rank() != self.0.rank {
             return Err(err(format!("called through rank {}'s communicator", comm.rank())));
+        }
+        if let Some(root) = root.filter(|&r| r >= comm.n_ranks()) {
+            return Err(err(format!("root {root} is not a rank of {}", comm.n_ranks())));
         }
         let x = burn_cubecl::kernel::into_contiguous(x);
         let dtype: DType = x.dtype;
@@ -71,7 +98,7 @@ impl<F: FloatElement> TensorReduce<CudaMoe<F>> for NcclReduce {
             DType::F32 => nccl_sys::ncclDataType_t::ncclFloat32,
             DType::BF16 => nccl_sys::ncclDataType_t::ncclBfloat16,
             DType::F16 => nccl_sys::ncclDataType_t::ncclFloat16,
-            other => return Err(err(format!("no NCCL sum for {other:?}"))),
+            other => return Err(err(format!("no NCCL collective for {other:?}"))),
         };
         let count = x.meta.shape().num_elements();
         if count == 0 {
@@ -82,13 +109,18 @@ impl<F: FloatElement> TensorReduce<CudaMoe<F>> for NcclReduce {
         let device_err = |what: &str, e: &dyn std::fmt::Debug| err(format!("cubecl {what}: {e:?}"));
         let src = client
             .get_resource(x.handle.clone())
-            .map_err(|e| device_err("resource of the bucket", &e))?;
+            .map_err(|e| device_err("resource of the input", &e))?;
         let dst = client
             .get_resource(out.clone())
-            .map_err(|e| device_err("resource of the sum", &e))?;
+            .map_err(|e| device_err("resource of the output", &e))?;
         cubecl::future::block_on(client.sync()).map_err(|e| device_err("sync", &e))?;
-        self.0
-            .all_reduce_device(op, src.resource().ptr, dst.resource().ptr, count, nccl_type)?;
+        self.0.collective_device(
+            op,
+            (src.resource().ptr, dst.resource().ptr),
+            count,
+            nccl_type,
+            root,
+        )?;
         drop((src, dst));
         Ok(CubeTensor::new_contiguous(
             client,

@@ -15,10 +15,11 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use mpipemoe::hf::ExportOptions;
+use mpipemoe::optim::AdamWConfig;
 use mpipemoe::parallel::ParallelGroups;
 use mpipemoe::{Communicator, MoeBackend, MoeError, MoeLayerConfig, Result};
 

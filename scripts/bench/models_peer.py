@@ -23,7 +23,7 @@ PyTorch runs with `torch.set_num_threads(THREADS)`, ours with burn's thread pool
 (RAYON_NUM_THREADS).
 
     python3 scripts/bench/models_peer.py [--rounds 3] [--steps 8] [--threads 2] [--heap keep|system]
-        [--json docs/benchmarks/models_peer.json]
+        [--json docs/benchmarks/models_peer.json] [--baseline OTHER_MPIPEMOE] [--finetune-only]
 
 Needs PyTorch, transformers and tokenizers; nothing in the build or the tests needs Python.
 """
@@ -161,6 +161,9 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--heap", choices=["keep", "system"], default="keep")
     parser.add_argument("--json")
+    parser.add_argument("--baseline", help="a second `mpipemoe` binary (e.g. an earlier commit's build), "
+                        "fine-tuned in each round beside the two sides under the same conditions")
+    parser.add_argument("--finetune-only", action="store_true", help="skip generation")
     parser.add_argument("--side", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side == "torch-finetune":
@@ -178,14 +181,18 @@ def main():
         torch_env["GLIBC_TUNABLES"] = KEEP_TUNABLES
     heap = ["--heap", args.heap]
     out_dir = os.path.join(BENCH, "qwen3-moe-163m-tuned")
-    rows = {"ours_finetune": [], "torch_finetune": [], "ours_generate": [], "torch_generate": []}
+    rows = {"ours_finetune": [], "torch_finetune": [], "ours_generate": [], "torch_generate": [],
+            "baseline_finetune": []}
+    binaries = [("ours_finetune", BINARY)] + ([("baseline_finetune", args.baseline)] if args.baseline else [])
     for round_ in range(args.rounds):
-        ours = wrapped([BINARY] + heap + ["finetune", MODEL, "--data", CORPUS, "--steps", str(args.steps),
-                                          "--batch", str(BATCH), "--seq-len", str(SEQ), "--lr", str(LR),
-                                          "--seed", str(SEED), "--out", out_dir, "--overwrite", "--json"], env)
-        summary = json.loads(ours["out"].strip().splitlines()[-1])
-        rows["ours_finetune"].append({"median_step_s": median_after_warm_up(summary["step_seconds"]),
-                                      "peak_mib": ours["peak_mib"], "losses": summary["losses"]})
+        # The two builds of ours alternate which goes first from round to round.
+        for side, binary in (binaries if round_ % 2 == 0 else binaries[::-1]):
+            ours = wrapped([binary] + heap + ["finetune", MODEL, "--data", CORPUS, "--steps", str(args.steps),
+                                              "--batch", str(BATCH), "--seq-len", str(SEQ), "--lr", str(LR),
+                                              "--seed", str(SEED), "--out", out_dir, "--overwrite", "--json"], env)
+            summary = json.loads(ours["out"].strip().splitlines()[-1])
+            rows[side].append({"median_step_s": median_after_warm_up(summary["step_seconds"]),
+                               "peak_mib": ours["peak_mib"], "losses": summary["losses"]})
         theirs = wrapped([sys.executable, __file__, "--side", "torch-finetune", "--steps", str(args.steps),
                           "--threads", str(args.threads)], torch_env)
         t = json.loads(theirs["out"].strip().splitlines()[-1])
@@ -193,6 +200,10 @@ def main():
                                        "peak_mib": theirs["peak_mib"], "losses": t["losses"]})
         if summary["data_tokens"] != t["data_tokens"]:
             sys.exit(f"the sides tokenised the data differently: {summary['data_tokens']} vs {t['data_tokens']}")
+        if args.finetune_only:
+            print(f"round {round_ + 1}: finetune step ours {rows['ours_finetune'][-1]['median_step_s']:.3f} s, "
+                  f"torch {rows['torch_finetune'][-1]['median_step_s']:.3f} s", file=sys.stderr)
+            continue
         theirs = wrapped([sys.executable, __file__, "--side", "torch-generate", "--threads", str(args.threads)],
                          torch_env)
         g = json.loads(theirs["out"].strip().splitlines()[-1])
@@ -215,17 +226,29 @@ def main():
 
     tokens = BATCH * SEQ
     of, tf = med("ours_finetune", "median_step_s"), med("torch_finetune", "median_step_s")
-    og, tg = med("ours_generate", "tokens_per_s"), med("torch_generate", "tokens_per_s")
     first = (rows["ours_finetune"][0]["losses"][0], rows["torch_finetune"][0]["losses"][0])
     print(f"heap: {args.heap} on both sides; {args.threads} threads each; {args.rounds} rounds, medians")
     print(f"{'':28} {'ours':>12} {'transformers':>14} {'ours/theirs':>12}")
     print(f"{'finetune tokens/s':28} {tokens / of:12.1f} {tokens / tf:14.1f} {(tokens / of) / (tokens / tf):12.2f}")
     print(f"{'finetune peak RSS (MiB)':28} {med('ours_finetune', 'peak_mib'):12.0f} "
           f"{med('torch_finetune', 'peak_mib'):14.0f} {med('ours_finetune', 'peak_mib') / med('torch_finetune', 'peak_mib'):12.2f}")
+    if args.baseline:
+        bf = med("baseline_finetune", "median_step_s")
+        print(f"{'baseline finetune tokens/s':28} {tokens / bf:12.1f}   (ours / baseline {bf / of:.2f}, "
+              f"peak RSS {med('baseline_finetune', 'peak_mib'):.0f} MiB)")
+        print(f"losses, ours:     {' '.join(f'{l:.5f}' for l in rows['ours_finetune'][0]['losses'])}")
+        print(f"losses, baseline: {' '.join(f'{l:.5f}' for l in rows['baseline_finetune'][0]['losses'])}")
+    print(f"first step's loss (cross-entropy, same batch): ours {first[0]:.5f}, transformers {first[1]:.5f}")
+    if args.finetune_only:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"heap": args.heap, "threads": args.threads, "batch": BATCH, "seq": SEQ, "rows": rows}, f,
+                          indent=1)
+        return
+    og, tg = med("ours_generate", "tokens_per_s"), med("torch_generate", "tokens_per_s")
     print(f"{'generate new tokens/s':28} {og:12.2f} {tg:14.2f} {og / tg:12.2f}")
     print(f"{'generate peak RSS (MiB)':28} {med('ours_generate', 'peak_mib'):12.0f} "
           f"{med('torch_generate', 'peak_mib'):14.0f} {med('ours_generate', 'peak_mib') / med('torch_generate', 'peak_mib'):12.2f}")
-    print(f"first step's loss (cross-entropy, same batch): ours {first[0]:.5f}, transformers {first[1]:.5f}")
     g = rows["ours_generate"][0]
     print(f"greedy ids equal to transformers' for the first {g['equal_prefix']} of {g['new_tokens']} new tokens")
     if args.json:

@@ -202,6 +202,61 @@ pub trait Communicator: Send + Sync + fmt::Debug {
         Ok(())
     }
 
+    /// Copies rank `root`'s `values` into `values` on every rank (every rank passes a slice of
+    /// the same length): how the layer sends a shadowed expert's weights from its owner to
+    /// every rank.
+    ///
+    /// The default sends the root's vector to each other rank through
+    /// [`exchange`](Communicator::exchange): the root sends `n_ranks - 1` copies and the other
+    /// ranks send nothing, where the all-to-all it replaces had every rank send to every rank.
+    /// A device communicator broadcasts on the device (NCCL's ring moves about one vector per
+    /// rank), through its [`TensorReduce`](super::TensorReduce) path.
+    ///
+    /// # Errors
+    /// [`MoeError::Comm`] if `root` is not a rank, a peer fails, or the root's vector has
+    /// another length than this rank's.
+    fn broadcast_f32(&self, root: usize, values: &mut [f32]) -> Result<()> {
+        let op = "broadcast_f32";
+        let n = self.n_ranks();
+        if root >= n {
+            return Err(MoeError::comm(
+                op,
+                self.rank(),
+                format!("root {root} is not a rank of {n}"),
+            ));
+        }
+        if n == 1 {
+            return Ok(());
+        }
+        let outgoing = (0..n)
+            .map(|dst| {
+                let mine = self.rank() == root && dst != root;
+                Payload::Floats(if mine { values.to_vec() } else { Vec::new() })
+            })
+            .collect();
+        let incoming = self.exchange(op, outgoing)?;
+        for (src, payload) in incoming.into_iter().enumerate() {
+            let from_root = src == root && self.rank() != root;
+            match payload {
+                Payload::Floats(v) if from_root && v.len() == values.len() => values.copy_from_slice(&v),
+                Payload::Floats(v) if from_root => {
+                    return Err(MoeError::comm(
+                        op,
+                        self.rank(),
+                        format!(
+                            "root {root} sent {} values where this rank has {}",
+                            v.len(),
+                            values.len()
+                        ),
+                    ))
+                }
+                Payload::Floats(v) if v.is_empty() => {}
+                other => return Err(mismatch(self, op, src, "the root's floats, or nothing", &other)),
+            }
+        }
+        Ok(())
+    }
+
     /// Splits this group into sub-groups, collectively: the ranks that pass the same `color`
     /// form one, ranked in their order here (as `MPI_Comm_split` and `ncclCommSplit` with the
     /// rank as key). How [`ParallelGroups`](crate::parallel::ParallelGroups) builds the

@@ -21,7 +21,7 @@ pub use device_rows::{HostOffload, HostRows, OffloadPath, Offloaded, RowExchange
 pub use local::{in_rank_pool, GroupOptions, LocalComm, LocalGroup, RankContext};
 pub use loopback::HostLoopback;
 pub use peer::{host_all_to_all_v, post_all_to_all_v, HostPeers, PeerLayout, PeerTransport};
-pub use reduce::{all_reduce_tensor, HostReduce, TensorReduce};
+pub use reduce::{all_reduce_tensor, broadcast_tensor, HostReduce, TensorReduce};
 pub use single::SingleRank;
 
 /// The contiguous slice of `total` items that `rank` of `n_ranks` holds when they are split as

@@ -1,5 +1,6 @@
-//! The all-reduce of a float tensor on a given backend: how replicated gradients are summed
-//! over the ranks (`crate::parallel::sync_replicated_grads`).
+//! The all-reduce and the broadcast of a float tensor on a given backend: how replicated
+//! gradients are summed over the ranks (`crate::parallel::sync_replicated_grads`), and how a
+//! shadowed expert's weights reach every rank.
 //!
 //! As with the rows' all-to-all ([`RowExchange`](super::RowExchange)), a communicator may offer
 //! a path of its own per backend type in its [`RowPaths`] (NCCL's `ncclAllReduce` on the
@@ -22,6 +23,65 @@ pub trait TensorReduce<B: Backend>: Send + Sync + fmt::Debug {
     /// Returns the element-wise sum of `x` over the ranks of `comm`, in `x`'s dtype, on every
     /// rank. Every rank must pass a tensor of the same shape and dtype.
     fn all_reduce_sum(&self, comm: &dyn Communicator, x: FloatTensor<B>) -> Result<FloatTensor<B>>;
+
+    /// Returns rank `root`'s `x` on every rank, in `x`'s dtype. Every rank must pass a tensor
+    /// of the same shape and dtype (what a rank other than the root passes is not read). The
+    /// default is the host path: the root's values through
+    /// [`Communicator::broadcast_f32`], written back in the dtype on every rank.
+    fn broadcast(&self, comm: &dyn Communicator, x: FloatTensor<B>, root: usize) -> Result<FloatTensor<B>> {
+        host_broadcast::<B>(comm, x, root)
+    }
+}
+
+/// A tensor's values on the host as f32, with what writing them back needs.
+struct HostValues<B: Backend> {
+    values: Vec<f32>,
+    device: B::Device,
+    dtype: DType,
+    shape: Vec<usize>,
+}
+
+impl<B: Backend> HostValues<B> {
+    /// `x` read to the host; `what` names it in the error.
+    fn read(x: FloatTensor<B>, what: &str) -> Result<Self> {
+        let device = B::float_device(&x);
+        let data = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(x)).into_data();
+        let dtype = data.dtype;
+        let shape = data.shape.to_vec();
+        let values: Vec<f32> = match dtype {
+            // The common case reads the bytes as they are, without a conversion pass.
+            DType::F32 => data.into_vec::<f32>(),
+            _ => data.convert::<f32>().into_vec::<f32>(),
+        }
+        .map_err(|e| MoeError::Backend(format!("{what} of dtype {dtype:?} as f32: {e:?}")))?;
+        Ok(Self {
+            values,
+            device,
+            dtype,
+            shape,
+        })
+    }
+
+    /// The values written back in the tensor's dtype, on its device.
+    fn write(self) -> FloatTensor<B> {
+        B::float_from_data(
+            TensorData::new(self.values, self.shape).convert_dtype(self.dtype),
+            &self.device,
+        )
+    }
+}
+
+fn host_broadcast<B: Backend>(
+    comm: &dyn Communicator,
+    x: FloatTensor<B>,
+    root: usize,
+) -> Result<FloatTensor<B>> {
+    if comm.n_ranks() == 1 && root == 0 {
+        return Ok(x);
+    }
+    let mut host = HostValues::<B>::read(x, "broadcast tensor")?;
+    comm.broadcast_f32(root, &mut host.values)?;
+    Ok(host.write())
 }
 
 /// The host twin of a device [`TensorReduce`]: the tensor is read to the host, summed in f32
@@ -35,19 +95,9 @@ impl<B: Backend> TensorReduce<B> for HostReduce {
         if comm.n_ranks() == 1 {
             return Ok(x);
         }
-        let device = B::float_device(&x);
-        let data = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(x)).into_data();
-        let dtype = data.dtype;
-        let shape = data.shape.clone();
-        let mut values: Vec<f32> = match dtype {
-            // The common case reads the bytes as they are, without a conversion pass.
-            DType::F32 => data.into_vec::<f32>(),
-            _ => data.convert::<f32>().into_vec::<f32>(),
-        }
-        .map_err(|e| MoeError::Backend(format!("gradient bucket of dtype {dtype:?} as f32: {e:?}")))?;
-        comm.all_reduce_sum_f32(&mut values)?;
-        let summed = TensorData::new(values, shape).convert_dtype(dtype);
-        Ok(B::float_from_data(summed, &device))
+        let mut host = HostValues::<B>::read(x, "gradient bucket")?;
+        comm.all_reduce_sum_f32(&mut host.values)?;
+        Ok(host.write())
     }
 }
 
@@ -61,6 +111,22 @@ impl RowPaths {
     /// The all-reduce path for backend `B`, if there is one.
     pub fn reduce<B: Backend>(&self) -> Option<Arc<dyn TensorReduce<B>>> {
         self.find()
+    }
+}
+
+/// Rank `root`'s `x` on every rank of `comm`: the communicator's path for `B` where it has one
+/// (NCCL's broadcast on CUDA), the host path otherwise.
+///
+/// # Shapes
+/// - x: any, the same on every rank; returns that shape
+pub fn broadcast_tensor<B: Backend>(
+    comm: &dyn Communicator,
+    x: FloatTensor<B>,
+    root: usize,
+) -> Result<FloatTensor<B>> {
+    match comm.row_paths().and_then(RowPaths::reduce::<B>) {
+        Some(path) => path.broadcast(comm, x, root),
+        None => host_broadcast::<B>(comm, x, root),
     }
 }
 

@@ -82,6 +82,38 @@ impl<B: MoeBackend> Backward<B, 1> for AllToAllBackward {
     }
 }
 
+/// The broadcast's backward node: the gradient summed over the ranks, kept by the root.
+#[derive(Debug)]
+struct BroadcastBackward;
+
+#[derive(Debug, Clone)]
+struct BroadcastState {
+    root: usize,
+    comm: Arc<dyn Communicator>,
+    shape: Shape,
+}
+
+impl<B: MoeBackend> Backward<B, 1> for BroadcastBackward {
+    type State = BroadcastState;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let s = ops.state;
+        // Every rank sums, whatever it registers: the root waits for every rank's share.
+        let device = B::float_device(&grad);
+        let dtype = grad.dtype();
+        let sum = B::all_reduce_sum(grad, s.comm.as_ref()).unwrap_or_else(|e| e.raise());
+        let back = if s.comm.rank() == s.root {
+            sum
+        } else {
+            B::float_zeros(s.shape, &device, dtype.into())
+        };
+        if let [Some(parent)] = ops.parents {
+            grads.register::<B>(parent.id, back);
+        }
+    }
+}
+
 fn inner_experts<B: MoeBackend, C: CheckpointStrategy>(
     experts: &ExpertTensors<Autodiff<B, C>>,
 ) -> ExpertTensors<B> {
@@ -181,6 +213,32 @@ impl<B: MoeBackend, C: CheckpointStrategy> MoeBackend for Autodiff<B, C> {
                         send_per_rank: send_per_rank.to_vec(),
                         recv_per_rank: recv_per_rank.to_vec(),
                         comm: comm.clone(),
+                    },
+                    out,
+                ),
+                OpsKind::UnTracked(prep) => prep.finish(out),
+            },
+        )
+    }
+
+    fn broadcast(
+        x: FloatTensor<Self>,
+        root: usize,
+        comm: &Arc<dyn Communicator>,
+    ) -> Result<FloatTensor<Self>> {
+        let shape = x.primitive.shape();
+        let out = B::broadcast(x.primitive.clone(), root, comm)?;
+        Ok(
+            match BroadcastBackward
+                .prepare::<C>([x.node.clone()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish(
+                    BroadcastState {
+                        root,
+                        comm: comm.clone(),
+                        shape,
                     },
                     out,
                 ),

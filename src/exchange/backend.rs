@@ -17,6 +17,7 @@ use crate::dispatch::ExchangePlan;
 use crate::error::Result;
 use crate::experts::{Activation, ActivationKernels, ExpertTensors};
 use crate::memory::{HostStore, Strategy};
+use crate::optim::OptimizerKernels;
 
 /// Everything the exchange op needs besides tensors and the plan.
 ///
@@ -69,8 +70,10 @@ pub struct ExchangeGrads<B: Backend> {
 /// node. CPU backends share one generic implementation written with primitive ops
 /// ([`fused_forward`](crate::backend::fused_forward) and
 /// [`fused_backward`](crate::backend::fused_backward)); the expert FFN's activation kernels
-/// come from the supertrait [`ActivationKernels`].
-pub trait MoeBackend: ActivationKernels {
+/// come from the supertrait [`ActivationKernels`], and the fused optimizer's update
+/// ([`mpipemoe::optim::AdamW`](crate::optim::AdamW)) from [`OptimizerKernels`], so that a
+/// training loop generic over `MoeBackend` can step it.
+pub trait MoeBackend: ActivationKernels + OptimizerKernels {
     /// What the forward pass keeps for backward under the run's strategy.
     type Saved: Clone + Send + Sync + Debug + 'static;
 
@@ -178,6 +181,17 @@ pub trait MoeBackend: ActivationKernels {
         super::assemble::slice_assign_rows::<Self>(dst, start, rows)
     }
 
+    /// Expert `e`'s matrix of a stacked `[n_experts, rows, cols]` weight, as `[rows, cols]`:
+    /// what each expert's GEMMs read. The default slices and reshapes with burn's ops; Flex
+    /// returns a view, because its reshape copies every view that does not start at offset 0
+    /// (burn-flex 0.21 `Layout::reshape`), which copied each expert's matrices at every GEMM.
+    ///
+    /// # Shapes
+    /// - w: `[n_experts, rows, cols]` → `[rows, cols]`
+    fn expert_matrix(w: &FloatTensor<Self>, e: usize) -> FloatTensor<Self> {
+        rows::expert_matrix::<Self>(w, e)
+    }
+
     /// The uneven all-to-all of rows, differentiable where the backend tracks gradients (its
     /// backward is the reverse all-to-all). Used by the reference twin.
     ///
@@ -203,6 +217,27 @@ pub trait MoeBackend: ActivationKernels {
     /// - x: `[n]` → `[n]`
     fn all_reduce_sum(x: FloatTensor<Self>, comm: &dyn Communicator) -> Result<FloatTensor<Self>> {
         crate::comm::all_reduce_tensor::<Self>(comm, x)
+    }
+
+    /// Rank `root`'s `x` on every rank of `comm`, differentiable where the backend tracks
+    /// gradients: the backward sums the gradient over the ranks
+    /// ([`all_reduce_sum`](MoeBackend::all_reduce_sum)) and hands it to the root's `x` alone
+    /// (zeros on the other ranks, whose `x` was not read). How a shadowed expert's weights
+    /// reach every rank and their copies' gradients return to the owner. The communicator's
+    /// device path for this backend where it has one (NCCL's broadcast on CUDA), the host
+    /// path otherwise ([`broadcast_tensor`](crate::comm::broadcast_tensor)).
+    ///
+    /// Every rank must pass a tensor of the same shape, tracked on every rank or on none, so
+    /// that every rank runs the backward's all-reduce.
+    ///
+    /// # Shapes
+    /// - x: any, the same on every rank; returns that shape
+    fn broadcast(
+        x: FloatTensor<Self>,
+        root: usize,
+        comm: &Arc<dyn Communicator>,
+    ) -> Result<FloatTensor<Self>> {
+        crate::comm::broadcast_tensor::<Self>(comm.as_ref(), x, root)
     }
 }
 
@@ -255,5 +290,10 @@ impl MoeBackend for burn::backend::Flex {
     /// In place where Flex owns the destination alone (its `slice_assign` copies it whole).
     fn assign_rows(dst: FloatTensor<Self>, start: usize, rows: FloatTensor<Self>) -> FloatTensor<Self> {
         super::flex_rows::assign_rows(dst, start, rows)
+    }
+
+    /// A view of the weight's storage, not a copy.
+    fn expert_matrix(w: &FloatTensor<Self>, e: usize) -> FloatTensor<Self> {
+        super::flex_rows::expert_matrix(w, e)
     }
 }

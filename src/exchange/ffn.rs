@@ -6,7 +6,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Shape, TensorMetadata};
 
 use super::blocks::{block, layout_of, Blocks, Mem};
-use super::rows::{dims2, expert_matrix, expert_row, float_dtype};
+use super::rows::{dims2, expert_row, float_dtype};
 use super::schedule::{Role, Slot};
 use super::MoeBackend;
 use crate::dispatch::PartitionPlan;
@@ -14,12 +14,12 @@ use crate::error::Result;
 use crate::experts::{activation_backward, activation_forward, Activation, ExpertTensors};
 
 /// `x_e · w_in[e] + b_in[e]`: the first GEMM of expert `e`, i.e. `T_M` before activation.
-pub(crate) fn first_gemm<B: Backend>(
+pub(crate) fn first_gemm<B: MoeBackend>(
     x: FloatTensor<B>,
     experts: &ExpertTensors<B>,
     e: usize,
 ) -> FloatTensor<B> {
-    let z = B::float_matmul(x, expert_matrix::<B>(&experts.w_in, e));
+    let z = B::float_matmul(x, B::expert_matrix(&experts.w_in, e));
     match &experts.b_in {
         Some(b) => B::float_add(z, expert_row::<B>(b, e)),
         None => z,
@@ -65,7 +65,7 @@ pub(crate) fn compute<B: MoeBackend>(
             e,
             rows,
             x_e,
-            expert_matrix::<B>(&experts.w_in, e),
+            B::expert_matrix(&experts.w_in, e),
             bias::<B>(&experts.b_in, e),
         )?;
         let a = activation_forward::<B>(act, z.clone());
@@ -73,7 +73,7 @@ pub(crate) fn compute<B: MoeBackend>(
             e,
             rows,
             a,
-            expert_matrix::<B>(&experts.w_out, e),
+            B::expert_matrix(&experts.w_out, e),
             bias::<B>(&experts.b_out, e),
         )?;
         hidden.push(Some(z));
@@ -129,7 +129,7 @@ pub(crate) fn compute_backward<B: MoeBackend>(
         if experts.b_out.is_some() {
             acc.add(Param::BOut, e, B::float_sum_dim(g_e.clone(), 0));
         }
-        let grad_a = B::float_matmul(g_e, B::float_transpose(expert_matrix::<B>(&experts.w_out, e)));
+        let grad_a = B::float_matmul(g_e, B::float_transpose(B::expert_matrix(&experts.w_out, e)));
         let grad_z = activation_backward::<B>(act, z, grad_a);
         acc.add(
             Param::WIn,
@@ -143,7 +143,7 @@ pub(crate) fn compute_backward<B: MoeBackend>(
             e,
             rows,
             grad_z,
-            B::float_transpose(expert_matrix::<B>(&experts.w_in, e)),
+            B::float_transpose(B::expert_matrix(&experts.w_in, e)),
             None,
         )?;
     }

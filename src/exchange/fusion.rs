@@ -113,4 +113,15 @@ impl<B: FusionBackend + MoeBackend> MoeBackend for Fusion<B> {
         let sum = B::all_reduce_sum(resolve::<B>(x), comm)?;
         Ok(register::<B>(sum, &device))
     }
+
+    /// On the inner backend, for the same reason as the all-reduce.
+    fn broadcast(
+        x: FloatTensor<Self>,
+        root: usize,
+        comm: &Arc<dyn Communicator>,
+    ) -> Result<FloatTensor<Self>> {
+        let device = x.client.device().clone();
+        let out = B::broadcast(resolve::<B>(x), root, comm)?;
+        Ok(register::<B>(out, &device))
+    }
 }

@@ -11,16 +11,16 @@ use crate::tuning::{choose_shadows, shadowed_step_time, Profile, ShadowCosts};
 pub struct ShadowingPrediction {
     /// Modelled step time without shadows, seconds.
     pub off_seconds: f64,
-    /// With the shadows `Auto` picks when each shadow is sent once per link (a ring
-    /// broadcast and reduce, as NCCL's would), seconds.
+    /// With the shadows `Auto` picks when each shadow is sent once per link (NCCL's ring
+    /// broadcast and all-reduce: the layer's path on CUDA with NCCL), seconds.
     pub ring_seconds: f64,
     /// The experts shadowed in `ring_seconds`.
     pub ring_shadows: Vec<usize>,
-    /// With the shadows `Auto` picks under this crate's transport (every rank sends every
-    /// shadow to every rank, `ShadowCosts::with_all_to_all_broadcast`), seconds.
-    pub all_to_all_seconds: f64,
-    /// The experts shadowed in `all_to_all_seconds`.
-    pub all_to_all_shadows: Vec<usize>,
+    /// With the shadows `Auto` picks under the host path of the broadcast (the owner sends
+    /// each shadow to every other rank, `ShadowCosts::with_host_broadcast`), seconds.
+    pub host_seconds: f64,
+    /// The experts shadowed in `host_seconds`.
+    pub host_shadows: Vec<usize>,
 }
 
 impl ShadowingPrediction {
@@ -29,9 +29,9 @@ impl ShadowingPrediction {
         self.off_seconds / self.ring_seconds
     }
 
-    /// `off_seconds / all_to_all_seconds`.
-    pub fn all_to_all_speedup(&self) -> f64 {
-        self.off_seconds / self.all_to_all_seconds
+    /// `off_seconds / host_seconds`.
+    pub fn host_speedup(&self) -> f64 {
+        self.off_seconds / self.host_seconds
     }
 }
 
@@ -79,7 +79,7 @@ pub fn predict_shadowing(
     let owner: Vec<usize> = (0..n_experts).map(|e| e / n_local).collect();
     let gemms = (shape.d_inner() + shape.d_hidden) / shape.d_hidden;
     let ring = ShadowCosts::from_profile(profile, shape.d_model, shape.d_hidden, gemms, elem_bytes);
-    let all_to_all = ring.with_all_to_all_broadcast(n_ranks);
+    let host = ring.with_host_broadcast(n_ranks);
     let limit = n_experts.saturating_sub(1);
     let time = |shadows: &[usize], costs: &ShadowCosts| {
         let mut flags = vec![false; n_experts];
@@ -87,13 +87,13 @@ pub fn predict_shadowing(
         shadowed_step_time(&counts, &owner, &flags, costs)
     };
     let ring_shadows = choose_shadows(&counts, &owner, &ring, limit);
-    let all_to_all_shadows = choose_shadows(&counts, &owner, &all_to_all, limit);
+    let host_shadows = choose_shadows(&counts, &owner, &host, limit);
     Ok(ShadowingPrediction {
         off_seconds: time(&[], &ring),
         ring_seconds: time(&ring_shadows, &ring),
-        all_to_all_seconds: time(&all_to_all_shadows, &all_to_all),
+        host_seconds: time(&host_shadows, &host),
         ring_shadows,
-        all_to_all_shadows,
+        host_shadows,
     })
 }
 
@@ -121,7 +121,7 @@ mod tests {
     fn balanced_routing_gains_nothing_and_one_hot_expert_gains_up_to_the_rank_count() {
         let profile = Profile::a100_cluster(16);
         let balanced = predict_shadowing(&shape(16), &profile, &[1.0; 16], 4).unwrap();
-        assert!(balanced.ring_shadows.is_empty() && balanced.all_to_all_shadows.is_empty());
+        assert!(balanced.ring_shadows.is_empty() && balanced.host_shadows.is_empty());
         assert_eq!(balanced.ring_speedup(), 1.0);
         let mut one = vec![0.0; 16];
         one[3] = 1.0;
@@ -131,7 +131,7 @@ mod tests {
         // computes its own sixteenth, so the gain is below 16 by the shadow's traffic.
         assert!(hot.ring_speedup() > 4.0 && hot.ring_speedup() < 16.0, "{hot:?}");
         // This crate's transport sends 15 times the bytes: it gains less, never more.
-        assert!(hot.all_to_all_speedup() <= hot.ring_speedup());
+        assert!(hot.host_speedup() <= hot.ring_speedup());
     }
 
     #[test]

@@ -87,12 +87,12 @@ impl ShadowCosts {
 }
 
 impl ShadowCosts {
-    /// The same costs with the shadows sent as the layer sends them: by an all-to-all in
-    /// which every rank sends every shadowed expert's parameters to every other rank (zeros
-    /// where it is not the owner), and the gradients back the same way. Each rank then moves
-    /// `(n_ranks - 1)` times an expert's bytes per shadow each way, where a ring broadcast
-    /// moves about one: the broadcast rate falls by that factor.
-    pub fn with_all_to_all_broadcast(self, n_ranks: usize) -> Self {
+    /// The same costs with the shadows sent by the broadcast's host path
+    /// ([`Communicator::broadcast_f32`](crate::Communicator::broadcast_f32)): the owner sends
+    /// each other rank a copy, `(n_ranks - 1)` times an expert's bytes per shadow, where NCCL's
+    /// ring broadcast moves about one per rank; the broadcast rate falls by that factor (the
+    /// gradients' all-reduce moves about twice an expert's bytes per rank, within it).
+    pub fn with_host_broadcast(self, n_ranks: usize) -> Self {
         Self {
             broadcast_rate: self.exchange_rate / n_ranks.saturating_sub(1).max(1) as f64,
             ..self

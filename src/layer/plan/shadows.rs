@@ -36,8 +36,15 @@ impl<B: MoeBackend> MoeLayer<B> {
                 // GEMMs of d_model × d_hidden per expert: two, or three with SwiGLU's gate.
                 let gemms = (config.activation.d_inner(h) + h) / h;
                 let elem_bytes = std::mem::size_of::<B::FloatElem>();
-                let costs = ShadowCosts::from_profile(&profile, m, h, gemms, elem_bytes)
-                    .with_all_to_all_broadcast(n_ranks);
+                let costs = ShadowCosts::from_profile(&profile, m, h, gemms, elem_bytes);
+                // A device broadcast (NCCL's ring) moves about an expert's bytes per rank and
+                // shadow; the host path's owner sends one copy to each other rank.
+                let device_path = self.ctx.comm.row_paths().and_then(|p| p.reduce::<B>()).is_some();
+                let costs = if device_path {
+                    costs
+                } else {
+                    costs.with_host_broadcast(n_ranks)
+                };
                 // At most all but one: with every expert shadowed nothing crosses, which is
                 // the data-parallel layer, not a balancing of this one.
                 choose_shadows(kept, &owner, &costs, n_experts - 1)

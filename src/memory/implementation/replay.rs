@@ -140,15 +140,25 @@ impl<'a> Replay<'a> {
             .collect()
     }
 
-    /// The shadows' parameters sent to every rank (`layer/shadows.rs`): a row per shadow
-    /// to every rank and as many received, summed into the copies; the experts the exchange
-    /// runs are this rank's own and the copies, concatenated, and autodiff keeps them until
-    /// the exchange's backward.
+    /// The shadows' parameters broadcast by their owners (`layer/shadows.rs`); the experts the
+    /// exchange runs are this rank's own and the copies, concatenated, and autodiff keeps them
+    /// until the exchange's backward.
     fn shadow_broadcast(&mut self) {
         if self.shadows == 0.0 {
             return;
         }
-        self.shadow_all_to_all("shadow broadcast");
+        // On the host path: the selected rows, their values on the host, the owner's copy for
+        // each other rank (counted for every rank: any rank may own every shadow), the result.
+        let elements = self.shadows * self.params;
+        self.ledger.at(
+            "shadow broadcast",
+            &[
+                ("selected rows", elements),
+                ("host values", elements),
+                ("payloads", (self.n_ranks - 1.0) * elements),
+                ("copies", elements),
+            ],
+        );
         let (s, p) = (self.shadows, self.params);
         self.ledger.alloc(
             "shadow broadcast",
@@ -157,29 +167,24 @@ impl<'a> Replay<'a> {
         );
     }
 
-    /// The copies' gradients back to their owners: split from the stacked weight gradients,
-    /// sent to every rank by the reverse all-to-all and masked onto the owner's parameters.
-    /// The exchange's backward has dropped what it kept (the concatenated experts among it)
-    /// by then: autodiff runs this node after the exchange's, which consumes its state.
+    /// The copies' gradients summed over the ranks onto their owners: split from the stacked
+    /// weight gradients and all-reduced (the host path: the gradient, its host values, a
+    /// chunk per rank each way of the reduce-scatter and the all-gather, the sum). The
+    /// exchange's backward has dropped what it kept (the concatenated experts among it) by
+    /// then: autodiff runs this node after the exchange's, which consumes its state.
     fn shadow_gradients(&mut self) {
         if self.shadows == 0.0 {
             return;
         }
         self.ledger.free("saved: experts and shadow copies");
-        self.shadow_all_to_all("shadow gradients");
-    }
-
-    /// One all-to-all of the shadows' parameters (or their gradients): every rank sends each
-    /// shadow to every rank, so the send buffer, the transport's payloads and the receive
-    /// buffer each hold `n_ranks` copies of every shadow at the step.
-    fn shadow_all_to_all(&mut self, step: &'static str) {
-        let elements = self.n_ranks * self.shadows * self.params;
+        let elements = self.shadows * self.params;
         self.ledger.at(
-            step,
+            "shadow gradients",
             &[
-                ("sent rows", elements),
-                ("payloads", elements),
-                ("received rows", elements),
+                ("copies' gradients", elements),
+                ("host values", elements),
+                ("payloads", 2.0 * elements),
+                ("summed gradients", elements),
             ],
         );
     }

@@ -3,12 +3,13 @@
 use std::time::Instant;
 
 use burn::module::AutodiffModule;
-use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor, TensorData};
 use mpipemoe::backend::StepExecutor;
 use mpipemoe::comm::rank_range;
 use mpipemoe::memory::Strategy;
+use mpipemoe::optim::AdamWConfig;
 use mpipemoe::parallel::ParallelGroups;
 use mpipemoe::{
     seeded_uniform, MemoryReuse, MoeBackend, MoeLayerConfig, Partitions, RankContext, Scoring, Shadowing,
