@@ -20,9 +20,9 @@ impl<B: MoeBackend> MoeLayer<B> {
     /// rank: one [`MoeBackend::broadcast`] per owner with shadows, in rank order. The copies are
     /// therefore exact, and every rank builds the same graph whatever it owns: a rank that
     /// does not own the shadows passes rows of its own experts of the same shape, which the
-    /// broadcast does not read but which keep its node tracked, so that the backward's
-    /// all-reduce runs on every rank at the same point. That all-reduce sums the copies'
-    /// gradients over the ranks onto the owner's parameters.
+    /// broadcast does not read but which keep its node tracked and at the owner's depth, so
+    /// that the backward's all-reduce runs on every rank at the same point. That all-reduce
+    /// sums the copies' gradients over the ranks onto the owner's parameters.
     ///
     /// # Errors
     /// [`MoeError::Comm`](crate::MoeError::Comm) if a peer fails in a broadcast.
@@ -38,7 +38,13 @@ impl<B: MoeBackend> MoeLayer<B> {
         let mut copies = Vec::new();
         for group in shadows.chunk_by(|a, b| a / n_local == b / n_local) {
             let root = group[0] / n_local;
-            // Selected before flattening, so only the shadows' parameters are copied.
+            // Selected before flattening, so only the shadows' parameters are copied. A rank
+            // that does not own them takes the same slots of its own experts: the broadcast
+            // does not read them, but the same ops on every rank put the broadcast at the same
+            // depth of every rank's tape, which burn-autodiff 0.21 runs depth by depth
+            // (`runtime/server.rs` `execute_steps`), so that the backward's all-reduce comes at
+            // the same point on every rank (a fresh leaf there put it first and deadlocked the
+            // collectives' order, tried).
             let local: Vec<usize> = group.iter().map(|&e| e % n_local).collect();
             copies.push(broadcast(own.select(&local).flatten(), root, comm)?);
         }

@@ -7,11 +7,13 @@
 //! rank). Routing: balanced, Zipf(1.2) and all-to-one (`inputs::Skew`), and the toy's own
 //! measured routing where `MPIPEMOE_SKEW_MEASURED` gives it (`weights:W0,W1,...`, from
 //! `train_gpt_moe --json`'s `early_routing`). Shadowing: `Off`,
-//! `Auto` and every `Fixed(k)`, each configuration on the same batch, side by side in one run.
+//! `Auto` and every `Fixed(k)`, each configuration on the same batch, side by side in one run:
+//! all of a shape's configurations are started together and timed in interleaved rounds
+//! (`MPIPEMOE_SKEW_ROUNDS`, default 7), each row the median of its steps.
 //!
-//! `cargo bench --bench skew` prints criterion's report, then a table of medians (with each
-//! row against `Off` on the same routing, and against `Off` on balanced routing), and writes
-//! `target/bench/skew.json`.
+//! `cargo bench --bench skew` prints criterion's report of balanced routing without shadows,
+//! then a table of medians (with each row against `Off` on the same routing, and against `Off`
+//! on balanced routing), and writes `target/bench/skew.json`.
 
 use std::time::Duration;
 
@@ -63,17 +65,27 @@ fn skew(c: &mut Criterion) {
     if let Ok(measured) = std::env::var("MPIPEMOE_SKEW_MEASURED") {
         skews.push(Skew::parse(&measured).unwrap_or_else(|e| panic!("MPIPEMOE_SKEW_MEASURED: {e}")));
     }
+    let rounds = std::env::var("MPIPEMOE_SKEW_ROUNDS")
+        .ok()
+        .map(|r| r.parse::<usize>().expect("MPIPEMOE_SKEW_ROUNDS: a round count"))
+        .unwrap_or(7);
+    let only = std::env::var("MPIPEMOE_SKEW_ONLY").ok();
     let mut rows: Vec<Row> = Vec::new();
     for (shape, base, tokens) in shapes {
-        let mut balanced_off = None;
+        // Every configuration of a shape is started at once and timed in interleaved rounds
+        // (each round a few steps of every configuration in turn), so that a drift of the
+        // machine during the run touches all of them alike. Timed one after another, as
+        // criterion runs its benchmarks, identical configurations differed by up to 29% here
+        // (BENCHMARKS §11), more than the effects the comparison is for.
+        let mut runs = Vec::new();
         for routing in &skews {
-            let mut group = c.benchmark_group(format!("{shape}/{}", routing.name()));
-            group
-                .sample_size(10)
-                .warm_up_time(Duration::from_millis(500))
-                .measurement_time(Duration::from_secs(3));
-            let mut off = None;
             for shadowing in shadowings(base.n_experts) {
+                // `MPIPEMOE_SKEW_ONLY=GPT3-S/all-to-one` (a prefix of `shape/routing/Fixed(1)`)
+                // runs only the matching configurations, e.g. to profile one.
+                let name = format!("{shape}/{}/{shadowing:?}", routing.name());
+                if !only.as_deref().is_none_or(|p| name.starts_with(p)) {
+                    continue;
+                }
                 // Two partitions: the pipeline the shadowed rows join.
                 let config = base
                     .clone()
@@ -88,31 +100,56 @@ fn skew(c: &mut Criterion) {
                 };
                 let ranks = run_on(backend, StartRanks(&setup)).unwrap_or_else(|e| panic!("{e}"));
                 // Two untimed steps first: the first steps of a configuration fault in its
-                // buffers (and `Auto` measures its profile), which criterion's warm-up of one
-                // iteration at the larger shape did not absorb (the first configuration of a
-                // shape ran up to a third slower than the same configuration later).
+                // buffers (and `Auto` measures its profile).
                 for _ in 0..2 {
                     ranks.step();
                 }
-                group.bench_function(format!("{shadowing:?}"), |b| {
-                    b.iter_custom(|iters| ranks.run(iters))
-                });
-                let median = ranks.median_ms();
-                let stats = ranks.last_stats();
-                let off_ms = *off.get_or_insert(median);
-                let balanced_ms = *balanced_off.get_or_insert(median);
-                rows.push(Row {
-                    shape: shape.to_string(),
-                    routing: routing.name(),
-                    shadowing: format!("{shadowing:?}"),
-                    shadows: stats[0].shadows.clone(),
-                    rank_imbalance: rank_imbalance(&stats),
-                    median_ms: median,
-                    vs_off: off_ms / median,
-                    vs_balanced_off: median / balanced_ms,
-                });
+                runs.push((routing.name(), shadowing, ranks));
             }
-            group.finish();
+        }
+        // About a second of steps per configuration and round.
+        let steps = if shape == "toy" { 20 } else { 1 };
+        for round in 0..rounds {
+            for (_, _, ranks) in &runs {
+                ranks.run(steps);
+            }
+            eprintln!("{shape}: round {} of {rounds}", round + 1);
+        }
+        if runs.is_empty() {
+            continue;
+        }
+        // criterion's own report of one configuration, so that the harness still measures
+        // something comparable across runs: the first (balanced routing without shadows
+        // unless filtered).
+        let mut group = c.benchmark_group(shape);
+        group
+            .sample_size(10)
+            .warm_up_time(Duration::from_millis(200))
+            .measurement_time(Duration::from_secs(2));
+        let first = &runs[0].2;
+        group.bench_function(format!("{}/{:?}", runs[0].0, runs[0].1), |b| {
+            b.iter_custom(|iters| (0..iters).map(|_| first.step().0).sum())
+        });
+        group.finish();
+        let median = |routing: &str, shadowing: Shadowing| {
+            runs.iter()
+                .find(|(r, s, _)| r == routing && *s == shadowing)
+                .map_or(f64::NAN, |(_, _, ranks)| ranks.median_ms())
+        };
+        let balanced_off = median(&Skew::Balanced.name(), Shadowing::Off);
+        for (routing, shadowing, ranks) in &runs {
+            let stats = ranks.last_stats();
+            let ms = ranks.median_ms();
+            rows.push(Row {
+                shape: shape.to_string(),
+                routing: routing.clone(),
+                shadowing: format!("{shadowing:?}"),
+                shadows: stats[0].shadows.clone(),
+                rank_imbalance: rank_imbalance(&stats),
+                median_ms: ms,
+                vs_off: median(routing, Shadowing::Off) / ms,
+                vs_balanced_off: ms / balanced_off,
+            });
         }
     }
     report(&rows, backend, threads);
