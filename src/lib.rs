@@ -67,6 +67,45 @@
 
 #![warn(missing_docs)]
 
+/// The default implementations of a per-backend kernel trait (`$kernels`, whose methods all
+/// have defaults) for the backends the crate supports that do not override them: NdArray,
+/// the CubeCL backends, `Fusion<B>` and `Autodiff<B>` over any backend that has them. Flex,
+/// which overrides, implements each trait by hand.
+macro_rules! default_kernel_impls {
+    ($kernels:path) => {
+        #[cfg(feature = "ndarray")]
+        impl<E, I, Q> $kernels for burn::backend::NdArray<E, I, Q>
+        where
+            E: burn::backend::ndarray::FloatNdArrayElement,
+            I: burn::backend::ndarray::IntNdArrayElement,
+            Q: burn::backend::ndarray::QuantElement,
+            burn::backend::ndarray::NdArrayTensor:
+                From<burn::backend::ndarray::SharedArray<E>> + From<burn::backend::ndarray::SharedArray<I>>,
+        {
+        }
+
+        #[cfg(feature = "cubecl")]
+        impl<R, F, I, BT> $kernels for burn_cubecl::CubeBackend<R, F, I, BT>
+        where
+            R: burn_cubecl::CubeRuntime,
+            R::Server: burn_cubecl::cubecl::server::ComputeServer,
+            R::Device: burn::tensor::backend::DeviceOps,
+            F: burn_cubecl::FloatElement,
+            I: burn_cubecl::IntElement,
+            BT: burn_cubecl::BoolElement,
+        {
+        }
+
+        #[cfg(feature = "fusion")]
+        impl<B: burn_fusion::FusionBackend + $kernels> $kernels for burn_fusion::Fusion<B> {}
+
+        impl<B: $kernels, C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy> $kernels
+            for burn::backend::Autodiff<B, C>
+        {
+        }
+    };
+}
+
 pub mod backend;
 #[cfg(feature = "testkit")]
 mod cases;

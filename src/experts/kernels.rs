@@ -1,7 +1,5 @@
 //! The experts' activation kernels on backend primitives, overridable per backend.
 
-use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
-use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 
@@ -29,16 +27,12 @@ pub trait ActivationKernels: Backend {
     }
 }
 
-#[cfg(feature = "ndarray")]
-impl<E, I, Q> ActivationKernels for burn::backend::NdArray<E, I, Q>
-where
-    E: burn::backend::ndarray::FloatNdArrayElement,
-    I: burn::backend::ndarray::IntNdArrayElement,
-    Q: burn::backend::ndarray::QuantElement,
-    burn::backend::ndarray::NdArrayTensor:
-        From<burn::backend::ndarray::SharedArray<E>> + From<burn::backend::ndarray::SharedArray<I>>,
-{
-}
+// On NdArray, the CubeCL backends, fusion (where the layer computes an activation outside the
+// exchange, on the reference path, fusion can fuse the composed erf GELU with its neighbours;
+// the exchange itself runs the inner backend's kernels) and autodiff (the exchange runs its
+// expert FFNs on the inner backend, so the wrapper never calls them on tracked tensors): the
+// defaults.
+default_kernel_impls!(ActivationKernels);
 
 #[cfg(feature = "flex")]
 impl ActivationKernels for burn::backend::Flex {
@@ -52,25 +46,3 @@ impl ActivationKernels for burn::backend::Flex {
         super::flex_gelu::gelu_backward(z, grad)
     }
 }
-
-/// The exchange runs its expert FFNs on the inner backend, so the autodiff wrapper only needs
-/// the defaults (it never calls them on tracked tensors).
-impl<B: ActivationKernels, C: CheckpointStrategy> ActivationKernels for Autodiff<B, C> {}
-
-#[cfg(feature = "cubecl")]
-impl<R, F, I, BT> ActivationKernels for burn_cubecl::CubeBackend<R, F, I, BT>
-where
-    R: burn_cubecl::CubeRuntime,
-    R::Server: burn_cubecl::cubecl::server::ComputeServer,
-    R::Device: burn::tensor::backend::DeviceOps,
-    F: burn_cubecl::FloatElement,
-    I: burn_cubecl::IntElement,
-    BT: burn_cubecl::BoolElement,
-{
-}
-
-/// The defaults on fusion tensors: where the layer computes an activation outside the
-/// exchange (the reference path), fusion can fuse the composed erf GELU with its neighbours;
-/// the exchange itself runs the inner backend's kernels.
-#[cfg(feature = "fusion")]
-impl<B: burn_fusion::FusionBackend + ActivationKernels> ActivationKernels for burn_fusion::Fusion<B> {}

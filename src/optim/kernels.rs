@@ -1,7 +1,5 @@
 //! The optimizer's per-parameter update on backend tensors, overridable per backend.
 
-use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
-use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
@@ -114,16 +112,10 @@ pub fn adamw_update_composed<B: Backend, const D: usize>(
     }
 }
 
-#[cfg(feature = "ndarray")]
-impl<E, I, Q> OptimizerKernels for burn::backend::NdArray<E, I, Q>
-where
-    E: burn::backend::ndarray::FloatNdArrayElement,
-    I: burn::backend::ndarray::IntNdArrayElement,
-    Q: burn::backend::ndarray::QuantElement,
-    burn::backend::ndarray::NdArrayTensor:
-        From<burn::backend::ndarray::SharedArray<E>> + From<burn::backend::ndarray::SharedArray<I>>,
-{
-}
+// On NdArray, the CubeCL backends, fusion (which fuses the composed update's element-wise ops
+// into one kernel) and autodiff (burn's optimizers run on the inner backend; the wrapper's is
+// for a caller that steps tracked tensors itself): the composed default.
+default_kernel_impls!(OptimizerKernels);
 
 #[cfg(feature = "flex")]
 impl OptimizerKernels for burn::backend::Flex {
@@ -136,23 +128,3 @@ impl OptimizerKernels for burn::backend::Flex {
         super::flex_adamw::adamw_update(tensors, grad, coefficients)
     }
 }
-
-/// burn's optimizers run on the inner backend; the wrapper needs only the default, for a
-/// caller that steps tracked tensors itself.
-impl<B: OptimizerKernels, C: CheckpointStrategy> OptimizerKernels for Autodiff<B, C> {}
-
-#[cfg(feature = "cubecl")]
-impl<R, F, I, BT> OptimizerKernels for burn_cubecl::CubeBackend<R, F, I, BT>
-where
-    R: burn_cubecl::CubeRuntime,
-    R::Server: burn_cubecl::cubecl::server::ComputeServer,
-    R::Device: burn::tensor::backend::DeviceOps,
-    F: burn_cubecl::FloatElement,
-    I: burn_cubecl::IntElement,
-    BT: burn_cubecl::BoolElement,
-{
-}
-
-/// Fusion fuses the composed update's element-wise ops into one kernel.
-#[cfg(feature = "fusion")]
-impl<B: burn_fusion::FusionBackend + OptimizerKernels> OptimizerKernels for burn_fusion::Fusion<B> {}
