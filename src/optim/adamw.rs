@@ -35,29 +35,13 @@ pub struct AdamWConfig {
 /// saved by either optimizer loads into the other.
 #[derive(Debug, Clone)]
 pub struct AdamW {
-    config: AdamWConfigFields,
-}
-
-/// The config's fields, copied so that the optimizer is `Copy`-cheap to clone.
-#[derive(Debug, Clone, Copy)]
-struct AdamWConfigFields {
-    beta_1: f32,
-    beta_2: f32,
-    epsilon: f32,
-    weight_decay: f32,
+    config: AdamWConfig,
 }
 
 impl AdamWConfig {
     /// The optimizer, without burn's adaptor.
     pub fn build(&self) -> AdamW {
-        AdamW {
-            config: AdamWConfigFields {
-                beta_1: self.beta_1,
-                beta_2: self.beta_2,
-                epsilon: self.epsilon,
-                weight_decay: self.weight_decay,
-            },
-        }
+        AdamW { config: self.clone() }
     }
 
     /// The optimizer for module `M` on autodiff backend `B`, as burn's `AdamWConfig::init`.
@@ -81,7 +65,7 @@ impl<B: OptimizerKernels> SimpleOptimizer<B> for AdamW {
         grad: Tensor<B, D>,
         state: Option<Self::State<D>>,
     ) -> (Tensor<B, D>, Option<Self::State<D>>) {
-        let c = self.config;
+        let c = &self.config;
         // Before the first step the moments are zeros: `β·0 + (1 − β)·g` is burn's first
         // moment `(1 − β)·g` exactly, so one kernel serves every step.
         let (time, moment_1, moment_2) = match state {
