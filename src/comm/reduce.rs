@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{DType, Tensor, TensorData, TensorMetadata, TensorPrimitive};
 
 use super::{Communicator, RowPaths};
 use crate::error::{MoeError, Result};
@@ -62,6 +62,17 @@ impl<B: Backend> HostValues<B> {
         })
     }
 
+    /// Room for values shaped like `x`, in its dtype and on its device, without reading it.
+    fn receiver(x: &FloatTensor<B>) -> Self {
+        let shape = x.shape().to_vec();
+        Self {
+            values: vec![0.0; shape.iter().product()],
+            device: B::float_device(x),
+            dtype: x.dtype(),
+            shape,
+        }
+    }
+
     /// The values written back in the tensor's dtype, on its device.
     fn write(self) -> FloatTensor<B> {
         B::float_from_data(
@@ -79,7 +90,13 @@ fn host_broadcast<B: Backend>(
     if comm.n_ranks() == 1 && root == 0 {
         return Ok(x);
     }
-    let mut host = HostValues::<B>::read(x, "broadcast tensor")?;
+    // Only the root's values travel: the others' are a buffer to receive into (a fresh
+    // allocation, not a read of a tensor the broadcast then overwrites).
+    let mut host = if comm.rank() == root {
+        HostValues::<B>::read(x, "broadcast tensor")?
+    } else {
+        HostValues::<B>::receiver(&x)
+    };
     comm.broadcast_f32(root, &mut host.values)?;
     Ok(host.write())
 }

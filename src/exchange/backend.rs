@@ -42,6 +42,13 @@ pub struct ExchangeRun {
     /// its own. Not a constructor argument: set the field.
     #[new(default)]
     pub arena: Option<PartitionArena>,
+    /// The experts shadowed this step (global indices, increasing; experts numbered owner by
+    /// owner), empty without shadowing: the plan's expert slots past this rank's own run a
+    /// copy of each, which its owner broadcasts inside the op, and the copies' gradients are
+    /// summed over the ranks onto the owner's in backward. Every rank passes the same list.
+    /// Not a constructor argument: set the field.
+    #[new(default)]
+    pub shadows: Vec<usize>,
 }
 
 impl ExchangeRun {

@@ -6,9 +6,11 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Shape, TensorMetadata};
 
 use super::blocks::{block, layout_of, Blocks, Mem};
-use super::rows::{dims2, expert_row, float_dtype};
+use super::rows::{dims2, float_dtype};
 use super::schedule::{Role, Slot};
+use super::shadows::ExpertSlots;
 use super::MoeBackend;
+use crate::comm::Communicator;
 use crate::dispatch::PartitionPlan;
 use crate::error::Result;
 use crate::experts::{activation_backward, activation_forward, Activation, ExpertTensors};
@@ -16,12 +18,12 @@ use crate::experts::{activation_backward, activation_forward, Activation, Expert
 /// `x_e · w_in[e] + b_in[e]`: the first GEMM of expert `e`, i.e. `T_M` before activation.
 pub(crate) fn first_gemm<B: MoeBackend>(
     x: FloatTensor<B>,
-    experts: &ExpertTensors<B>,
+    experts: &ExpertSlots<B>,
     e: usize,
 ) -> FloatTensor<B> {
-    let z = B::float_matmul(x, B::expert_matrix(&experts.w_in, e));
-    match &experts.b_in {
-        Some(b) => B::float_add(z, expert_row::<B>(b, e)),
+    let z = B::float_matmul(x, experts.w_in(e));
+    match experts.b_in(e) {
+        Some(b) => B::float_add(z, b),
         None => z,
     }
 }
@@ -40,12 +42,12 @@ pub(crate) fn compute<B: MoeBackend>(
     x: FloatTensor<B>,
     part: &PartitionPlan,
     i: usize,
-    experts: &ExpertTensors<B>,
+    experts: &ExpertSlots<B>,
     act: Activation,
     mem: Mem<'_, B>,
 ) -> Result<(FloatTensor<B>, PerExpert<B>)> {
     let [_, d_model] = dims2::<B>(&x);
-    let d_hidden = experts.w_in.shape().to_vec()[2];
+    let d_hidden = experts.d_inner();
     let rows_per_expert = &part.rows_per_expert;
     let layout = layout_of(mem, rows_per_expert, d_model);
     let hidden_slot = Slot {
@@ -61,29 +63,12 @@ pub(crate) fn compute<B: MoeBackend>(
             continue;
         }
         let x_e = block::<B>(mem, &x, &layout, e, rows);
-        let z = hidden_blocks.gemm(
-            e,
-            rows,
-            x_e,
-            B::expert_matrix(&experts.w_in, e),
-            bias::<B>(&experts.b_in, e),
-        )?;
+        let z = hidden_blocks.gemm(e, rows, x_e, experts.w_in(e), experts.b_in(e))?;
         let a = activation_forward::<B>(act, z.clone());
-        out_blocks.gemm(
-            e,
-            rows,
-            a,
-            B::expert_matrix(&experts.w_out, e),
-            bias::<B>(&experts.b_out, e),
-        )?;
+        out_blocks.gemm(e, rows, a, experts.w_out(e), experts.b_out(e))?;
         hidden.push(Some(z));
     }
     Ok((out_blocks.finish(), hidden))
-}
-
-/// Expert `e`'s row of an optional stacked bias.
-fn bias<B: Backend>(b: &Option<FloatTensor<B>>, e: usize) -> Option<FloatTensor<B>> {
-    b.as_ref().map(|b| expert_row::<B>(b, e))
 }
 
 /// A partition's tensors, back for its backward step.
@@ -103,7 +88,7 @@ pub(crate) fn compute_backward<B: MoeBackend>(
     restored: Restored<B>,
     part: &PartitionPlan,
     i: usize,
-    experts: &ExpertTensors<B>,
+    experts: &ExpertSlots<B>,
     act: Activation,
     mem: Mem<'_, B>,
     acc: &mut ExpertGradAcc<B>,
@@ -126,26 +111,20 @@ pub(crate) fn compute_backward<B: MoeBackend>(
             e,
             B::float_matmul(B::float_transpose(a), g_e.clone()),
         );
-        if experts.b_out.is_some() {
+        if experts.own().b_out.is_some() {
             acc.add(Param::BOut, e, B::float_sum_dim(g_e.clone(), 0));
         }
-        let grad_a = B::float_matmul(g_e, B::float_transpose(B::expert_matrix(&experts.w_out, e)));
+        let grad_a = B::float_matmul(g_e, B::float_transpose(experts.w_out(e)));
         let grad_z = activation_backward::<B>(act, z, grad_a);
         acc.add(
             Param::WIn,
             e,
             B::float_matmul(B::float_transpose(x_e), grad_z.clone()),
         );
-        if experts.b_in.is_some() {
+        if experts.own().b_in.is_some() {
             acc.add(Param::BIn, e, B::float_sum_dim(grad_z.clone(), 0));
         }
-        grads_x.gemm(
-            e,
-            rows,
-            grad_z,
-            B::float_transpose(B::expert_matrix(&experts.w_in, e)),
-            None,
-        )?;
+        grads_x.gemm(e, rows, grad_z, B::float_transpose(experts.w_in(e)), None)?;
     }
     Ok(grads_x.finish())
 }
@@ -159,23 +138,74 @@ enum Param {
     BOut = 3,
 }
 
-/// Expert weight gradients summed over partitions, one running sum per expert (the adds
+/// Expert weight gradients summed over partitions, one running sum per expert slot (the adds
 /// happen in place where the backend owns the sum uniquely), stacked once at the end: a
 /// reshape when the rank holds one expert, a single concatenation otherwise. (Accumulating
-/// straight into the stacked tensor through slice views measured ~40x slower on Flex.)
-pub(crate) struct ExpertGradAcc<B: Backend> {
+/// straight into the stacked tensor through slice views measured ~40x slower on Flex.) The
+/// slots of shadow copies are summed onto their owners' slots first
+/// ([`fold_shadows`](Self::fold_shadows)); what is stacked has the own experts' shape.
+pub(crate) struct ExpertGradAcc<B: MoeBackend> {
     sums: [Vec<Option<FloatTensor<B>>>; 4],
     like: ExpertTensors<B>,
 }
 
-impl<B: Backend> ExpertGradAcc<B> {
-    pub(crate) fn new(experts: &ExpertTensors<B>) -> Self {
-        let n = experts.w_in.shape().to_vec()[0];
+impl<B: MoeBackend> ExpertGradAcc<B> {
+    pub(crate) fn new(experts: &ExpertSlots<B>) -> Self {
+        let n = experts.n_slots();
         let empty = || (0..n).map(|_| None).collect::<Vec<_>>();
         Self {
             sums: [empty(), empty(), empty(), empty()],
-            like: experts.clone(),
+            like: experts.own().clone(),
         }
+    }
+
+    /// Sums the gradients of the copy of each expert in `shadows` (slots past the own
+    /// experts, in that order) over the ranks of `comm` onto the owner's slot of that expert,
+    /// then drops the copies' slots. Every rank runs the same all-reduces in the same order
+    /// (shadow by shadow, parameter by parameter), with zeros where it computed no rows of a
+    /// shadow, so the collectives match whatever each rank received.
+    ///
+    /// # Errors
+    /// [`MoeError::Comm`](crate::MoeError::Comm) if a peer fails in an all-reduce.
+    pub(crate) fn fold_shadows(&mut self, shadows: &[usize], comm: &dyn Communicator) -> Result<()> {
+        let n_own = self.like.w_in.shape().to_vec()[0];
+        if shadows.is_empty() {
+            return Ok(());
+        }
+        let likes = [
+            Some(self.like.w_in.clone()),
+            self.like.b_in.clone(),
+            Some(self.like.w_out.clone()),
+            self.like.b_out.clone(),
+        ];
+        for (param, like) in likes.iter().enumerate() {
+            let Some(like) = like else { continue };
+            let mut one = like.shape().to_vec();
+            one[0] = 1;
+            // A weight's running sum is `[rows, cols]`, a bias's `[1, cols]`.
+            let one: Vec<usize> = if one.len() == 3 { one[1..].to_vec() } else { one };
+            for (j, &e) in shadows.iter().enumerate() {
+                let grad = self.sums[param][n_own + j].take().unwrap_or_else(|| {
+                    B::float_zeros(
+                        Shape::from(one.clone()),
+                        &B::float_device(like),
+                        float_dtype::<B>(like),
+                    )
+                });
+                let sum = B::all_reduce_sum(grad, comm)?;
+                if e / n_own == comm.rank() {
+                    let slot = &mut self.sums[param][e % n_own];
+                    *slot = Some(match slot.take() {
+                        Some(acc) => B::float_add(acc, sum),
+                        None => sum,
+                    });
+                }
+            }
+        }
+        for sums in &mut self.sums {
+            sums.truncate(n_own);
+        }
+        Ok(())
     }
 
     /// Adds `grad` (expert `e`'s `[rows, cols]` matrix, or `[1, cols]` bias row).
@@ -213,11 +243,17 @@ impl<B: Backend> ExpertGradAcc<B> {
     }
 
     /// [`finish`](Self::finish) into tensors allocated by the calling thread: the stacked
-    /// gradients, and the per-expert sums they were read from (which the caller keeps until
-    /// its stream has run those reads).
-    pub(crate) fn finish_on_caller(self) -> (ExpertTensors<B>, Vec<FloatTensor<B>>) {
+    /// gradients, and the per-slot sums they were read from (which the caller keeps until its
+    /// stream has run those reads: the shadow slots' too, which the fold's all-reduces and
+    /// adds read).
+    pub(crate) fn finish_on_caller(
+        mut self,
+        shadows: &[usize],
+        comm: &dyn Communicator,
+    ) -> Result<(ExpertTensors<B>, Vec<FloatTensor<B>>)> {
         let sums: Vec<FloatTensor<B>> = self.sums.iter().flatten().flatten().cloned().collect();
-        let stacked = self.finish();
+        self.fold_shadows(shadows, comm)?;
+        let stacked = self.stack_all();
         // A copy on this thread's stream; with the sums still held, the add cannot run in
         // place (and a concatenation of several experts is a new tensor already).
         let copy = |t: FloatTensor<B>| B::float_add_scalar(t, 0f32.into());
@@ -227,10 +263,17 @@ impl<B: Backend> ExpertGradAcc<B> {
             w_out: copy(stacked.w_out),
             b_out: stacked.b_out.map(copy),
         };
-        (grads, sums)
+        Ok((grads, sums))
     }
 
-    pub(crate) fn finish(self) -> ExpertTensors<B> {
+    /// The own experts' gradients, stacked, with the shadow copies' folded in.
+    pub(crate) fn finish(mut self, shadows: &[usize], comm: &dyn Communicator) -> Result<ExpertTensors<B>> {
+        self.fold_shadows(shadows, comm)?;
+        Ok(self.stack_all())
+    }
+
+    /// Every running sum stacked into the own experts' shapes (after the fold).
+    fn stack_all(self) -> ExpertTensors<B> {
         let [w_in, b_in, w_out, b_out] = self.sums;
         let like = self.like;
         ExpertTensors {

@@ -24,6 +24,7 @@ use super::executor::StepExecutor;
 use super::ffn::{compute, compute_backward, ExpertGradAcc, Restored};
 use super::rows::{all_to_all_rows, dims2, gather_rows, narrow_rows};
 use super::schedule::{Op, Role, Schedule, Slot, Step, Stream};
+use super::shadows::ExpertSlots;
 use super::streams::StepHold;
 use super::{ExchangeGrads, ExchangeRun, MoeBackend};
 use crate::comm::{Communicator, HostOffload, Offloaded};
@@ -34,8 +35,9 @@ use crate::memory::Restore;
 
 /// What the fused forward keeps for backward.
 #[derive(Debug, Clone)]
-pub struct Saved<B: Backend> {
-    experts: ExpertTensors<B>,
+pub struct Saved<B: MoeBackend> {
+    /// The own experts and the shadow copies the forward received.
+    experts: ExpertSlots<B>,
     /// `T_I`, kept only when `T_DI` is re-communicated (S2, S4).
     input: Option<FloatTensor<B>>,
     partitions: Vec<SavedPartition<B>>,
@@ -226,7 +228,10 @@ pub fn forward<B: MoeBackend>(
     plan: &ExchangePlan,
     run: &ExchangeRun,
 ) -> Result<(FloatTensor<B>, Saved<B>)> {
-    check_input::<B>(&input, &experts, plan)?;
+    check_input::<B>(&input, &experts, plan, &run.shadows)?;
+    // The shadows' copies, broadcast by their owners before the first dispatch: every rank
+    // runs these collectives at the same point of the same pass.
+    let experts = ExpertSlots::new(experts, &run.shadows, &run.comm)?;
     let comm = run.comm.as_ref();
     let strategy = run.strategy;
     let n = plan.n_partitions();
@@ -439,12 +444,12 @@ pub fn backward<B: MoeBackend>(
         // The sums were allocated on the compute worker's stream: the gradients handed back
         // are copies on this thread's stream, and the sums are let go only after this
         // stream has read them (the rule in `exchange/streams.rs`).
-        let (grads, sums) = into_inner(acc).finish_on_caller();
+        let (grads, sums) = into_inner(acc).finish_on_caller(&run.shadows, comm)?;
         super::streams::fence::<B>(&device)?;
         drop(sums);
         grads
     } else {
-        into_inner(acc).finish()
+        into_inner(acc).finish(&run.shadows, comm)?
     };
     Ok(ExchangeGrads {
         input: into_inner(input_grad).finish(),
@@ -478,19 +483,24 @@ fn check_input<B: Backend>(
     input: &FloatTensor<B>,
     experts: &ExpertTensors<B>,
     plan: &ExchangePlan,
+    shadows: &[usize],
 ) -> Result<()> {
     let [rows, width] = dims2::<B>(input);
     let w = experts.w_in.shape().to_vec();
-    if rows != plan.send_rows() || width != w[1] || w[0] != plan.n_local_experts || plan.partitions.is_empty()
+    if rows != plan.send_rows()
+        || width != w[1]
+        || w[0] + shadows.len() != plan.n_local_experts
+        || plan.partitions.is_empty()
     {
         return Err(MoeError::Input(format!(
             "exchange: T_I is [{rows}, {width}], the plan sends {} rows over {} partitions, \
-             the experts are [{}, {}, {}] for {} local experts",
+             the experts are [{}, {}, {}] and {} shadows for {} expert slots",
             plan.send_rows(),
             plan.n_partitions(),
             w[0],
             w[1],
             w[2],
+            shadows.len(),
             plan.n_local_experts
         )));
     }

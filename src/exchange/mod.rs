@@ -24,6 +24,7 @@ pub(crate) mod fused;
 mod fusion;
 mod reference;
 pub(crate) mod rows;
+mod shadows;
 pub(crate) mod streams;
 
 /// The schedule lives on the ground floor (`pipeline`), shared with `memory` and `sim`.

@@ -265,7 +265,9 @@ impl<B: MoeBackend> MoeLayer<B> {
         Ok(x)
     }
 
-    /// Step 5 with this rank's experts and the copies of the shadowed ones.
+    /// Step 5 with this rank's experts and the copies of the shadowed ones: the fused op
+    /// broadcasts the copies and folds their gradients back itself (`exchange/shadows.rs`);
+    /// the reference twin is handed them built from differentiable ops.
     fn exchange(
         &self,
         t_i: Tensor<B, 2>,
@@ -273,14 +275,17 @@ impl<B: MoeBackend> MoeLayer<B> {
         strategy: Strategy,
         shadows: &[usize],
     ) -> Result<Tensor<B, 2>> {
-        let experts = self.weights_with_shadows(shadows)?;
         match self.ctx.config.path {
-            ExchangePath::Reference => exchange_reference(t_i, &experts, &plan, &self.ctx.comm),
+            ExchangePath::Reference => {
+                let experts = self.weights_with_shadows(shadows)?;
+                exchange_reference(t_i, &experts, &plan, &self.ctx.comm)
+            }
             ExchangePath::Fused => {
-                let run = self.exchange_run(strategy);
+                let mut run = self.exchange_run(strategy);
+                run.shadows = shadows.to_vec();
                 let out = B::exchange(
                     t_i.into_primitive().tensor(),
-                    experts.tensors(),
+                    self.experts.weights().tensors(),
                     Arc::new(plan),
                     &run,
                 )?;

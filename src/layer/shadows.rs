@@ -1,6 +1,9 @@
-//! Step 5's experts when the layer shadows: this rank's own, then a copy of each shadowed
-//! expert, broadcast by its owner to every rank through the differentiable broadcast, so
-//! that the copies' gradients are summed back onto the owner's parameters.
+//! The reference twin's experts when the layer shadows: this rank's own, then a copy of each
+//! shadowed expert, broadcast by its owner to every rank through the differentiable
+//! broadcast, so that the copies' gradients are summed back onto the owner's parameters by
+//! autodiff. The fused op does the same inside itself (`exchange/shadows.rs`), without the
+//! concatenation and the split of gradients these ops cost; the two are held equal by the
+//! exactness tests.
 
 use std::sync::Arc;
 
@@ -13,8 +16,9 @@ use crate::exchange::MoeBackend;
 use crate::experts::ExpertWeights;
 
 impl<B: MoeBackend> MoeLayer<B> {
-    /// The experts the exchange runs this step: [`Experts::weights`](crate::Experts::weights)
-    /// with a copy of every expert in `shadows` (increasing index) appended.
+    /// The experts the reference exchange runs this step:
+    /// [`Experts::weights`](crate::Experts::weights) with a copy of every expert in `shadows`
+    /// (increasing index) appended.
     ///
     /// Each owner broadcasts its shadowed experts' parameters (one row per expert) to every
     /// rank: one [`MoeBackend::broadcast`] per owner with shadows, in rank order. The copies are

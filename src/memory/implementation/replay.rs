@@ -140,53 +140,65 @@ impl<'a> Replay<'a> {
             .collect()
     }
 
-    /// The shadows' parameters broadcast by their owners (`layer/shadows.rs`); the experts the
-    /// exchange runs are this rank's own and the copies, concatenated, and autodiff keeps them
-    /// until the exchange's backward.
+    /// The shadows' parameters, broadcast by their owners inside the exchange before its
+    /// first dispatch (`exchange/shadows.rs`), one parameter at a time: on the host path the
+    /// root's values read to the host (a buffer to receive into on the other ranks), the
+    /// owner's copy for each other rank (counted for every rank: any rank may own every
+    /// shadow), the copy written back, which the exchange keeps until its backward ends.
     fn shadow_broadcast(&mut self) {
         if self.shadows == 0.0 {
             return;
         }
-        // On the host path: the selected rows, their values on the host, the owner's copy for
-        // each other rank (counted for every rank: any rank may own every shadow), the result.
-        let elements = self.shadows * self.params;
-        self.ledger.at(
-            "shadow broadcast",
-            &[
-                ("selected rows", elements),
-                ("host values", elements),
-                ("payloads", (self.n_ranks - 1.0) * elements),
-                ("copies", elements),
-            ],
-        );
-        let (s, p) = (self.shadows, self.params);
-        self.ledger.alloc(
-            "shadow broadcast",
-            "saved: experts and shadow copies",
-            (self.n_local + s) * p,
-        );
+        for per_expert in [self.m * self.f, self.h * self.m] {
+            let elements = self.shadows * per_expert;
+            self.ledger.at(
+                "shadow broadcast",
+                &[
+                    ("host values", elements),
+                    ("payloads", (self.n_ranks - 1.0) * elements),
+                    ("copy", elements),
+                ],
+            );
+            self.ledger
+                .grow("shadow broadcast", "saved: shadow copies", elements);
+        }
     }
 
-    /// The copies' gradients summed over the ranks onto their owners: split from the stacked
-    /// weight gradients and all-reduced (the host path: the gradient, its host values, a
-    /// chunk per rank each way of the reduce-scatter and the all-gather, the sum). The
-    /// exchange's backward has dropped what it kept (the concatenated experts among it) by
-    /// then: autodiff runs this node after the exchange's, which consumes its state.
-    fn shadow_gradients(&mut self) {
+    /// The end of the exchange's backward, before the stacking: each copy's gradient summed
+    /// over the ranks onto its owner's (`ffn.rs::ExpertGradAcc::fold_shadows`), one
+    /// parameter of one copy at a time (the host path: the gradient's values, a chunk per rank
+    /// each way of the reduce-scatter and the all-gather, the sum). The copies' running
+    /// gradients go with it, so the stacking sees the own experts' alone.
+    pub(super) fn fold_shadow_gradients(&mut self) {
         if self.shadows == 0.0 {
             return;
         }
-        self.ledger.free("saved: experts and shadow copies");
-        let elements = self.shadows * self.params;
-        self.ledger.at(
-            "shadow gradients",
-            &[
-                ("copies' gradients", elements),
-                ("host values", elements),
-                ("payloads", 2.0 * elements),
-                ("summed gradients", elements),
-            ],
+        let n_local = self.n_local as usize;
+        // A copy that computed no rows on this rank has no running gradient: zeros stand in.
+        let unseen = self.grads_seen[n_local..].iter().filter(|&&seen| !seen).count() as f64;
+        if unseen > 0.0 {
+            self.ledger.grow(
+                "fold shadow gradients",
+                "expert weight gradients",
+                unseen * self.params,
+            );
+        }
+        for per_expert in [self.m * self.f, self.h * self.m] {
+            self.ledger.at(
+                "fold shadow gradients",
+                &[
+                    ("host values", per_expert),
+                    ("payloads", 2.0 * per_expert),
+                    ("sum", per_expert),
+                ],
+            );
+        }
+        self.ledger.grow(
+            "fold shadow gradients",
+            "expert weight gradients",
+            -self.shadows * self.params,
         );
+        self.grads_seen.truncate(n_local);
     }
 
     /// The layer's backward from the loss, through the exchange, to the gradient of `x`.
@@ -219,8 +231,8 @@ impl<'a> Replay<'a> {
         self.exchange_backward(n);
         let l = &mut self.ledger;
         l.free("dT_O");
-        self.shadow_gradients();
-        let l = &mut self.ledger;
+        // The exchange's state, the shadows' copies among it, goes when its backward returns.
+        l.free("saved: shadow copies");
         l.free("T_I, kept for backward");
         if self.weights_on_input {
             l.free("saved: T_I before its weights");

@@ -26,6 +26,7 @@ impl Replay<'_> {
             self.ledger.alloc("exchange backward", "dT_I", s_rows * m);
         }
         self.replay_schedule(&Schedule::backward(n, self.strategy), n);
+        self.fold_shadow_gradients();
         self.stack_weight_gradients();
     }
 
