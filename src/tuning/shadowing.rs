@@ -60,6 +60,10 @@ pub struct ShadowCosts {
     pub exchange_rate: f64,
     /// Broadcast and reduce rate, bytes per second per rank.
     pub broadcast_rate: f64,
+    /// Whether a rank's compute and exchange overlap (the pipeline's streams run at once, as
+    /// the threaded executor runs them on a GPU), so that a rank costs the slower of the two;
+    /// otherwise (one stream: the in-order executor) it costs their sum.
+    pub overlapped: bool,
 }
 
 impl ShadowCosts {
@@ -82,6 +86,17 @@ impl ShadowCosts {
             weight_bytes: gemms as f64 * per_gemm * elem_bytes as f64,
             exchange_rate: profile.w_comm,
             broadcast_rate: profile.w_comm,
+            overlapped: true,
+        }
+    }
+
+    /// The same costs on an executor that runs the pipeline's steps one after another (the
+    /// in-order executor, every CPU backend's): a rank's compute and exchange add up, so a
+    /// shadow also pays for the traffic it saves once the ranks' compute is balanced.
+    pub fn serial(self) -> Self {
+        Self {
+            overlapped: false,
+            ..self
         }
     }
 }
@@ -122,8 +137,9 @@ fn check_shapes(counts: &[Vec<usize>], owner: &[usize], shadowed: Option<&[bool]
 }
 
 /// The modelled step time with the experts flagged in `shadowed` replicated: the slowest
-/// rank's compute or exchange (the pipeline overlaps the two), plus the shadows' weight
-/// broadcast and gradient reduce, counted in full.
+/// rank's compute and exchange (the slower of the two where the pipeline overlaps them, their
+/// sum where it does not: [`ShadowCosts::overlapped`]), plus the shadows' weight broadcast and
+/// gradient reduce, counted in full.
 ///
 /// # Panics
 /// If `counts` is empty, its rows and `owner` differ in length, an owner is not a rank, or
@@ -160,17 +176,23 @@ pub fn shadowed_step_time(
             // Dispatch and combine, forward and backward: four all-to-alls.
             let crossing = rows_sent[r].max(rows_received[r]) as f64;
             let exchange = 4.0 * crossing * costs.row_bytes / costs.exchange_rate;
-            compute.max(exchange)
+            if costs.overlapped {
+                compute.max(exchange)
+            } else {
+                compute + exchange
+            }
         })
         .fold(0.0, f64::max);
     let n_shadows = shadowed.iter().filter(|&&s| s).count() as f64;
     slowest + 2.0 * n_shadows * costs.weight_bytes / costs.broadcast_rate
 }
 
-/// The experts to shadow this step (`Auto`), at most `limit` of them: in decreasing total
-/// load, each is added while it lowers [`shadowed_step_time`], and the search stops at the
-/// first that does not (a less loaded expert saves less). Every rank computes the same answer
-/// from the same gathered counts. Returned in the order they were chosen.
+/// The experts to shadow this step (`Auto`), at most `limit` of them: the `k` most loaded
+/// ([`hottest_experts`], what `Fixed(k)` takes) for the `k` in `0..=limit` with the lowest
+/// [`shadowed_step_time`], the fewest on a tie. Every `k` is tried, not only while each added
+/// expert pays: an expert can pay only together with the next (two hot experts on different
+/// ranks, whose rows cross both ways until both are shadowed). Every rank computes the same
+/// answer from the same gathered counts. Returned in decreasing load.
 ///
 /// # Panics
 /// As [`shadowed_step_time`].
@@ -182,21 +204,17 @@ pub fn choose_shadows(
 ) -> Vec<usize> {
     check_shapes(counts, owner, None);
     let n_experts = owner.len();
+    let order = hottest_experts(counts, n_experts, limit);
     let mut shadowed = vec![false; n_experts];
-    let mut best = shadowed_step_time(counts, owner, &shadowed, costs);
-    let mut chosen = Vec::new();
-    for expert in hottest_experts(counts, n_experts, limit) {
+    let mut best = (shadowed_step_time(counts, owner, &shadowed, costs), 0);
+    for (k, &expert) in order.iter().enumerate() {
         shadowed[expert] = true;
         let time = shadowed_step_time(counts, owner, &shadowed, costs);
-        if time < best {
-            best = time;
-            chosen.push(expert);
-        } else {
-            shadowed[expert] = false;
-            break;
+        if time < best.0 {
+            best = (time, k + 1);
         }
     }
-    chosen
+    order[..best.1].to_vec()
 }
 
 #[cfg(test)]
@@ -212,6 +230,7 @@ mod tests {
             weight_bytes,
             exchange_rate: 1.0,
             broadcast_rate: 1.0,
+            overlapped: true,
         }
     }
 
@@ -232,12 +251,46 @@ mod tests {
     }
 
     #[test]
+    fn on_a_serial_executor_a_shadow_also_pays_for_the_traffic_it_saves() {
+        // Two ranks, experts 0 and 1 on rank 0, 2 and 3 on rank 1. Expert 0 is hot on both
+        // ranks; rank 0's other rows go to expert 2, rank 1's to expert 1.
+        let counts = vec![vec![10, 0, 4, 0], vec![10, 4, 0, 0]];
+        let owner = [0, 0, 1, 1];
+        let costs = unit_costs(1.0);
+        let serial = costs.serial();
+        let time = |flags: [bool; 4], c: &ShadowCosts| shadowed_step_time(&counts, &owner, &flags, c);
+        // Expert 0 shadowed: each rank computes 14 rows and exchanges 4 each way (16), plus
+        // 2 for the shadow: 18 overlapped, 14 + 16 + 2 = 32 serial.
+        assert_eq!(time([true, false, false, false], &costs), 18.0);
+        assert_eq!(time([true, false, false, false], &serial), 32.0);
+        // Experts 0 and 1: rank 1 computes 18 rows, rank 0's 4 rows to expert 2 still cross:
+        // 18 + 4 = 22 overlapped, 18 + 16 + 4 = 38 serial. A search that stopped at the
+        // first shadow that does not pay would stop here.
+        assert_eq!(time([true, true, false, false], &costs), 22.0);
+        assert_eq!(time([true, true, false, false], &serial), 38.0);
+        // Experts 0, 1 and 2: nothing crosses, each rank computes its own 14 rows, plus 6.
+        assert_eq!(time([true, true, true, false], &costs), 20.0);
+        assert_eq!(time([true, true, true, false], &serial), 20.0);
+        // So the overlapped pipeline shadows expert 0 alone (the exchange hides behind
+        // compute), the serial one the three hot experts.
+        assert_eq!(choose_shadows(&counts, &owner, &costs, 3), vec![0]);
+        assert_eq!(choose_shadows(&counts, &owner, &serial, 3), vec![0, 1, 2]);
+    }
+
+    #[test]
     fn balanced_routing_shadows_nothing() {
         // Four ranks, one expert each, every rank sends one row to every expert: no rank is
-        // hotter than another, so any shadow only adds its traffic.
+        // hotter than another, so while one expert stays unshadowed (the layer's limit,
+        // `n_experts - 1`) its owner still receives every rank's rows of it, and any shadow
+        // only adds its traffic, on either executor.
         let counts = vec![vec![1; 4]; 4];
         let owner = [0, 1, 2, 3];
-        assert!(choose_shadows(&counts, &owner, &unit_costs(0.01), 4).is_empty());
+        let costs = unit_costs(0.01);
+        assert!(choose_shadows(&counts, &owner, &costs, 3).is_empty());
+        assert!(choose_shadows(&counts, &owner, &costs.serial(), 3).is_empty());
+        // With every expert allowed and weights this light, all four replicated is the
+        // data-parallel layer: nothing crosses (4 + 8 · 0.01 against an exchange of 12).
+        assert_eq!(choose_shadows(&counts, &owner, &costs, 4).len(), 4);
     }
 
     #[test]

@@ -5,6 +5,7 @@
 use super::super::MoeLayer;
 use crate::dispatch::RoutingCounts;
 use crate::error::Result;
+use crate::exchange::executor::StepExecutor;
 use crate::exchange::MoeBackend;
 use crate::tuning::{choose_shadows, hottest_experts, ShadowCosts, Shadowing};
 
@@ -44,6 +45,16 @@ impl<B: MoeBackend> MoeLayer<B> {
                     costs
                 } else {
                     costs.with_host_broadcast(n_ranks)
+                };
+                // The pipeline overlaps a rank's compute and exchange only where its steps run
+                // on streams at once; the in-order executor (every CPU backend's) pays both.
+                let executor = config
+                    .executor
+                    .unwrap_or_else(|| B::step_executor(&self.experts.w_in.device()));
+                let costs = if executor == StepExecutor::InOrder {
+                    costs.serial()
+                } else {
+                    costs
                 };
                 // At most all but one: with every expert shadowed nothing crosses, which is
                 // the data-parallel layer, not a balancing of this one.
