@@ -46,6 +46,11 @@ pub struct FinetuneOptions {
     /// Ranks per expert-parallel group (`None`: all of them); the groups are data-parallel
     /// replicas of each other.
     pub expert_parallel: Option<usize>,
+    /// DeepSeek-V3's bias update speed `gamma`: after each step every MoE layer with a score
+    /// bias moves it by `gamma · sign(mean_load − load[e])` from the step's load over the
+    /// whole batch (DeepSeek-V3 pre-trained with 0.001). `0` (the default) leaves the biases
+    /// as loaded, as transformers' training does (it holds them as a buffer).
+    pub bias_update_speed: f64,
 }
 
 impl Default for FinetuneOptions {
@@ -59,6 +64,7 @@ impl Default for FinetuneOptions {
             epsilon: 1e-8,
             seed: 0,
             expert_parallel: None,
+            bias_update_speed: 0.0,
         }
     }
 }
@@ -152,6 +158,22 @@ where
         )));
     }
     let mut model = model.map_moe_configs(moe)?;
+    let gamma = o.bias_update_speed;
+    if gamma != 0.0 {
+        if !(gamma.is_finite() && gamma > 0.0) {
+            return Err(MoeError::config(
+                "bias_update_speed",
+                format!("is {gamma}: a finite number > 0, or 0 to leave the biases"),
+            ));
+        }
+        if !model.moe_layers().any(|(_, m)| m.config().score_bias) {
+            return Err(MoeError::config(
+                "bias_update_speed",
+                "the model has no MoE layer with a score bias to balance (DeepSeek-V3's \
+                 e_score_correction_bias)",
+            ));
+        }
+    }
     let mut optimizer = AdamWConfig::new()
         .with_weight_decay(o.weight_decay)
         .with_epsilon(o.epsilon)
@@ -174,6 +196,7 @@ where
             .collect();
         let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [rows, o.seq_len + 1]), device);
         let (ce, out) = model.loss(ids)?;
+        let routed = out.routed_per_expert;
         let aux = out.aux_loss + out.z_loss;
         let mut logged = vec![
             ce.clone().into_scalar().elem::<f64>() * f64::from(share),
@@ -183,6 +206,9 @@ where
         let mut grads = GradientsParams::from_grads(loss.backward(), &model);
         groups.sync_grads(&model, &mut grads)?;
         model = optimizer.step(o.lr, model, grads);
+        if gamma > 0.0 {
+            model.balance_score_biases(&batch_load(&routed, &groups)?, gamma)?;
+        }
         world.all_reduce_sum(&mut logged)?;
         losses.push(logged[0]);
         let seconds = step_start.elapsed().as_secs_f64();
@@ -210,6 +236,27 @@ where
         world.barrier()?;
     }
     Ok((model, report))
+}
+
+/// Each MoE layer's load over the whole batch: every expert-parallel group counted its own
+/// rows (`routed`, the same on each of its ranks); the data-parallel replicas of it add
+/// theirs, so that every replica moves its biases alike.
+///
+/// # Errors
+/// [`MoeError::Comm`] if a peer fails in the sum.
+fn batch_load(routed: &[Vec<usize>], groups: &ParallelGroups) -> Result<Vec<Vec<usize>>> {
+    let mut flat: Vec<f64> = routed.iter().flatten().map(|&c| c as f64).collect();
+    groups.expert_data().all_reduce_sum(&mut flat)?;
+    let mut values = flat.into_iter();
+    Ok(routed
+        .iter()
+        .map(|layer| {
+            layer
+                .iter()
+                .map(|_| values.next().unwrap_or(0.0).round() as usize)
+                .collect()
+        })
+        .collect())
 }
 
 /// Where the `batch` windows of `step` start in a stream with `span` possible starts: a

@@ -41,6 +41,8 @@ pub(crate) struct LayerOutput<B: Backend> {
     pub hidden: Tensor<B, 3>,
     pub aux_loss: Option<Tensor<B, 1>>,
     pub z_loss: Option<Tensor<B, 1>>,
+    /// The MoE layer's rows per expert over its expert-parallel group this step.
+    pub routed_per_expert: Option<Vec<usize>>,
     pub cache: LayerCache<B>,
 }
 
@@ -88,18 +90,20 @@ impl<B: MoeBackend> DecoderLayer<B> {
         };
         let h = x + attended;
         let normed = self.ffn_norm.forward(h.clone());
-        let (ffn, aux_loss, z_loss) = match (&self.mlp, &self.moe) {
+        let (ffn, aux_loss, z_loss, routed_per_expert) = match (&self.mlp, &self.moe) {
             (_, Some(moe)) => {
                 let out = moe.try_forward(normed)?;
-                (out.output, Some(out.aux_loss), Some(out.z_loss))
+                let routed = out.stats.routing.routed_per_expert;
+                (out.output, Some(out.aux_loss), Some(out.z_loss), Some(routed))
             }
-            (Some(mlp), None) => (mlp.forward(normed), None, None),
+            (Some(mlp), None) => (mlp.forward(normed), None, None, None),
             (None, None) => unreachable!("a decoder layer is built with an MLP or an MoE layer"),
         };
         Ok(LayerOutput {
             hidden: h + ffn,
             aux_loss,
             z_loss,
+            routed_per_expert,
             cache,
         })
     }

@@ -55,6 +55,10 @@ pub struct LmOutput<B: Backend> {
     pub aux_loss: Tensor<B, 1>,
     /// The MoE layers' z-losses summed (this rank's share). `[1]`
     pub z_loss: Tensor<B, 1>,
+    /// Each MoE layer's rows per expert this step, over its expert-parallel group (the same
+    /// on each of its ranks), in layer order: the load DeepSeek-V3's bias balancing reads
+    /// ([`balance_score_biases`](MoeCausalLm::balance_score_biases)).
+    pub routed_per_expert: Vec<Vec<usize>>,
 }
 
 impl<B: Backend> MoeCausalLm<B> {
@@ -161,6 +165,42 @@ impl<B: Backend> MoeCausalLm<B> {
         }
     }
 
+    /// DeepSeek-V3's auxiliary-loss-free balancing after a training step: every MoE layer
+    /// with a score bias moves it by `gamma · sign(mean_load − load[e])`
+    /// ([`MoeLayer::balance_score_bias`]), `loads` holding one load per MoE layer in layer
+    /// order (as [`LmOutput::routed_per_expert`], summed over data-parallel replicas where
+    /// there are several, so that every replica moves alike). Returns how many layers moved.
+    ///
+    /// # Errors
+    /// [`MoeError::Config`](mpipemoe::MoeError::Config) naming `score_bias` if no MoE layer
+    /// has one (the model's family does not balance this way) or `gamma` is not a finite
+    /// number ≥ 0; [`MoeError::Input`](mpipemoe::MoeError::Input) if `loads` has not one load
+    /// per MoE layer.
+    pub fn balance_score_biases(&mut self, loads: &[Vec<usize>], gamma: f64) -> Result<usize> {
+        let n_moe = self.layers.iter().filter(|l| l.moe.is_some()).count();
+        if loads.len() != n_moe {
+            return Err(mpipemoe::MoeError::Input(format!(
+                "score bias balancing: {} loads for {n_moe} MoE layers",
+                loads.len()
+            )));
+        }
+        let biased = self.moe_layers().filter(|(_, m)| m.config().score_bias).count();
+        if biased == 0 {
+            return Err(mpipemoe::MoeError::config(
+                "score_bias",
+                "no MoE layer of this model has a score bias to balance (DeepSeek-V3's \
+                 e_score_correction_bias)",
+            ));
+        }
+        let moes = self.layers.iter_mut().filter_map(|l| l.moe.as_mut());
+        for (moe, load) in moes.zip(loads) {
+            if moe.config().score_bias {
+                moe.balance_score_bias(load, gamma)?;
+            }
+        }
+        Ok(biased)
+    }
+
     /// The MoE layers, with their decoder-layer index.
     pub fn moe_layers(&self) -> impl Iterator<Item = (usize, &MoeLayer<B>)> {
         self.layers
@@ -216,6 +256,7 @@ impl<B: MoeBackend> MoeCausalLm<B> {
         let mut hidden = self.embed.forward(ids);
         let mut aux = Tensor::zeros([1], &device);
         let mut z = Tensor::zeros([1], &device);
+        let mut routed_per_expert = Vec::new();
         for (i, layer) in self.layers.iter().enumerate() {
             let cached = cache.as_ref().and_then(|c| c.layers[i].as_ref());
             let out = layer.forward(hidden, &positions, (&cos, &sin), cached)?;
@@ -226,6 +267,7 @@ impl<B: MoeBackend> MoeCausalLm<B> {
             if let Some(zl) = out.z_loss {
                 z = z + zl;
             }
+            routed_per_expert.extend(out.routed_per_expert);
             if let Some(c) = cache.as_mut() {
                 c.layers[i] = Some(out.cache);
             }
@@ -244,6 +286,7 @@ impl<B: MoeBackend> MoeCausalLm<B> {
             logits,
             aux_loss: aux,
             z_loss: z,
+            routed_per_expert,
         })
     }
 

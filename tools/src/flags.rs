@@ -23,6 +23,21 @@ pub fn count(lo: usize, hi: usize) -> impl Fn(&str) -> Result<usize, String> + C
     }
 }
 
+/// A `clap` value parser for a finite number ≥ 0 (a rate, a speed, a weight).
+///
+/// ```
+/// let parse = mpipemoe_tools::flags::non_negative;
+/// assert_eq!(parse("0.001"), Ok(0.001));
+/// assert!(parse("-1").unwrap_err().contains(">= 0"));
+/// assert!(parse("inf").is_err() && parse("NaN").is_err());
+/// ```
+pub fn non_negative(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        _ => Err("must be a finite number >= 0".into()),
+    }
+}
+
 /// `--shadowing`: `off`, `auto` (the cost model's choice each step) or a count `k` (the `k`
 /// most loaded experts each step, 1..=65536).
 ///

@@ -408,4 +408,26 @@ fn finetune_then_generate_from_text_on_a_tiny_model() {
     let gen = mpipemoe(&["generate", bare.to_str().unwrap(), "--prompt", "the layer"]);
     assert_eq!(gen.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&gen.stderr).contains("tokenizer.json"));
+    // DeepSeek-V3's bias balancing on a family without a score bias is refused before
+    // training, naming the option; a negative speed is a usage error naming the flag.
+    for (gamma, code, names) in [
+        ("0.001", 1, "bias_update_speed"),
+        ("-1", 2, "--bias-update-speed"),
+    ] {
+        let run = mpipemoe(&[
+            "finetune",
+            dir.to_str().unwrap(),
+            "--data",
+            &data,
+            "--steps",
+            "1",
+            "--out",
+            &out,
+            &format!("--bias-update-speed={gamma}"),
+        ]);
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert_eq!(run.status.code(), Some(code), "{gamma}: {stderr}");
+        assert!(stderr.contains(names), "{gamma}: {stderr}");
+        assert!(!out_dir.exists(), "{gamma}: nothing written");
+    }
 }

@@ -87,6 +87,7 @@ fn options(expert_parallel: Option<usize>) -> FinetuneOptions {
         epsilon: 1e-8,
         seed: 5,
         expert_parallel,
+        bias_update_speed: 0.0,
     }
 }
 
@@ -274,4 +275,95 @@ fn every_family_fine_tunes_at_two_ranks_and_saves_a_folder_that_loads_back() {
             "{family}: one step moved the logits by only {moved:.2e}"
         );
     }
+}
+
+/// DeepSeek-V3's bias balancing in fine-tuning (`bias_update_speed`), with the learning rate at
+/// zero so that only the biases move: each moves by a whole number of `gamma` steps, some
+/// move, and at one rank, at EP 2 and at EP 1 × DP 2 they end equal — the replicas of EP 1 ×
+/// DP 2 each see half the batch and must sum their loads over the replicas to move alike
+/// (without that sum they differ). A family without a score bias refuses the option.
+#[test]
+fn deepseek_bias_balancing_moves_every_replica_alike() {
+    let src = data().join("deepseek-v3-tiny");
+    let tokens = stream();
+    let gamma = 0.01;
+    let options = |expert_parallel| FinetuneOptions {
+        lr: 0.0,
+        weight_decay: 0.0,
+        bias_update_speed: gamma,
+        ..options(expert_parallel)
+    };
+    let biases = |model: &MoeCausalLm<B>| -> Vec<Vec<f32>> {
+        model
+            .moe_layers()
+            .map(|(_, m)| {
+                let bias = m
+                    .router
+                    .score_bias
+                    .as_ref()
+                    .expect("DeepSeek-V3 has a score bias");
+                bias.val().into_data().to_vec::<f32>().unwrap()
+            })
+            .collect()
+    };
+    let before = biases(&MoeCausalLm::<B>::from_hf(&src, &Default::default(), Arc::new(SingleRank)).unwrap());
+    let mut after = Vec::new();
+    for (ranks, ep) in [(1, None), (2, None), (2, Some(1))] {
+        let run = LocalGroup::run(ranks, |ctx| {
+            let (model, _) = finetune_rank::<B>(
+                ctx.comm,
+                &src,
+                &tokens,
+                &options(ep),
+                &|c| c,
+                None,
+                &Default::default(),
+                &|_| {},
+            )?;
+            Ok(biases(&model))
+        })
+        .unwrap();
+        assert!(
+            run.windows(2).all(|w| w[0] == w[1]),
+            "ranks={ranks} ep={ep:?}: the ranks' biases differ"
+        );
+        after.push(run.into_iter().next().unwrap());
+    }
+    let mut moved = 0;
+    for (layer, (b, a)) in before.iter().zip(&after[0]).enumerate() {
+        for (x, y) in b.iter().zip(a) {
+            let steps = (y - x) / gamma as f32;
+            assert!(
+                (steps - steps.round()).abs() < 1e-3,
+                "layer {layer}: moved by {} (not a multiple of gamma)",
+                y - x
+            );
+            moved += usize::from(steps.round() != 0.0);
+        }
+    }
+    assert!(moved > 0, "no bias moved");
+    for (i, other) in after.iter().enumerate().skip(1) {
+        for (a, b) in after[0].iter().flatten().zip(other.iter().flatten()) {
+            assert!((a - b).abs() < 1e-6, "run {i}: biases {b} against one rank's {a}");
+        }
+    }
+    let err = LocalGroup::run(1, |ctx| {
+        finetune_rank::<B>(
+            ctx.comm,
+            &data().join("mixtral-tiny"),
+            &tokens,
+            &options(None),
+            &|c| c,
+            None,
+            &Default::default(),
+            &|_| {},
+        )
+        .map(|_| ())
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("bias_update_speed") && err.contains("score bias"),
+        "{err}"
+    );
 }

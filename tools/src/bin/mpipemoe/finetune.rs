@@ -13,7 +13,7 @@ use mpipemoe::{LocalGroup, MoeBackend, MoeError};
 use mpipemoe_models::family::decoder_config;
 use mpipemoe_models::{finetune_rank, FinetuneOptions, FinetuneReport, FinetuneStep, TextTokenizer};
 use mpipemoe_tools::backends::{run_on, BackendJob};
-use mpipemoe_tools::flags::count;
+use mpipemoe_tools::flags::{count, non_negative};
 use serde::Serialize;
 
 use crate::lm::RunFlags;
@@ -63,6 +63,11 @@ pub struct FinetuneArgs {
     /// Ranks per expert-parallel group (default: all); the groups are data-parallel replicas.
     #[arg(long, value_parser = count(1, 256))]
     expert_parallel: Option<usize>,
+    /// DeepSeek-V3's auxiliary-loss-free balancing: after each step, move every MoE layer's
+    /// score bias (`e_score_correction_bias`) by GAMMA towards balanced load (DeepSeek-V3
+    /// pre-trained with 0.001). Default 0: the biases stay as loaded, as in transformers.
+    #[arg(long, default_value_t = 0.0, value_name = "GAMMA", value_parser = non_negative)]
+    bias_update_speed: f64,
     /// Print a JSON summary on stdout at the end.
     #[arg(long)]
     json: bool,
@@ -226,6 +231,7 @@ pub fn run(args: FinetuneArgs) -> ExitCode {
         epsilon: 1e-8,
         seed: args.seed,
         expert_parallel: args.expert_parallel,
+        bias_update_speed: args.bias_update_speed,
     };
     let bar = ProgressBar::new(args.steps as u64);
     if let Ok(style) = ProgressStyle::with_template("{elapsed_precise} [{bar:25}] {pos}/{len} {msg}") {
