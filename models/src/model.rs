@@ -50,8 +50,9 @@ pub struct HfParts<'a, B: Backend> {
 pub struct LmOutput<B: Backend> {
     /// `[batch, seq, vocab]`
     pub logits: Tensor<B, 3>,
-    /// The MoE layers' auxiliary losses summed (this rank's share; already scaled by each
-    /// layer's coefficient). `[1]`
+    /// The router load-balancing loss across the MoE layers, as transformers takes it
+    /// (this rank's share; already scaled by the layers' `aux_loss_coef`, zero where they are
+    /// zero). `[1]`
     pub aux_loss: Tensor<B, 1>,
     /// The MoE layers' z-losses summed (this rank's share). `[1]`
     pub z_loss: Tensor<B, 1>,
@@ -210,6 +211,42 @@ impl<B: Backend> MoeCausalLm<B> {
     }
 }
 
+/// The router load-balancing loss across the MoE layers, as transformers takes it
+/// (`load_balancing_loss_func`, added as `router_aux_loss_coef · aux_loss`): with `L` MoE layers
+/// and `T` tokens in the world's batch, `F_e = Σ_l routed_l[e] / (L·T)` (the fraction of every
+/// layer's rows routed to `e`, summed over the top-k choices) and
+/// `P_e = Σ_l Σ_t softmax_l(t)[e] / (L·T)` (the mean router probability over every layer's
+/// rows), the loss is `n_experts · Σ_e F_e · P_e`, each layer's `P` part weighted by its
+/// coefficient. This rank's share: its own tokens' softmax sums (the ranks' shares add up to
+/// the loss). Zero when every coefficient is. Not the sum of each layer's own loss, which takes
+/// the two means per layer.
+fn balance_loss<B: Backend>(layers: Vec<crate::layer::BalanceTerms<B>>, device: &B::Device) -> Tensor<B, 1> {
+    let zero = || Tensor::zeros([1], device);
+    if layers.iter().all(|l| l.coef == 0.0) {
+        return zero();
+    }
+    let n_layers = layers.len() as f64;
+    let n_tokens = layers.iter().map(|l| l.n_tokens_world).max().unwrap_or(0);
+    let n_experts = layers[0].routed.len();
+    if n_tokens == 0 || layers.iter().any(|l| l.routed.len() != n_experts) {
+        return zero();
+    }
+    let scale = n_layers * n_tokens as f64;
+    let fraction: Vec<f64> = (0..n_experts)
+        .map(|e| layers.iter().map(|l| l.routed[e] as f64).sum::<f64>() / scale)
+        .collect();
+    let fraction = Tensor::<B, 1>::from_data(
+        burn::tensor::TensorData::new(fraction, [n_experts]).convert::<B::FloatElem>(),
+        device,
+    );
+    let weighted = layers
+        .into_iter()
+        .map(|l| l.softmax_sum * l.coef)
+        .reduce(|a, b| a + b)
+        .expect("at least one layer");
+    (weighted * fraction).sum() * (n_experts as f64 / scale)
+}
+
 impl<B: MoeBackend> MoeCausalLm<B> {
     /// Runs the model on `ids`, continuing `cache` if one is given (positions start at its
     /// `next_position`, and the cache is extended by these tokens).
@@ -254,16 +291,14 @@ impl<B: MoeBackend> MoeCausalLm<B> {
         );
         let (cos, sin) = rotary.tables::<B>(&positions, &device);
         let mut hidden = self.embed.forward(ids);
-        let mut aux = Tensor::zeros([1], &device);
         let mut z = Tensor::zeros([1], &device);
         let mut routed_per_expert = Vec::new();
+        let mut balance = Vec::new();
         for (i, layer) in self.layers.iter().enumerate() {
             let cached = cache.as_ref().and_then(|c| c.layers[i].as_ref());
             let out = layer.forward(hidden, &positions, (&cos, &sin), cached)?;
             hidden = out.hidden;
-            if let Some(a) = out.aux_loss {
-                aux = aux + a;
-            }
+            balance.extend(out.balance);
             if let Some(zl) = out.z_loss {
                 z = z + zl;
             }
@@ -284,7 +319,7 @@ impl<B: MoeBackend> MoeCausalLm<B> {
         };
         Ok(LmOutput {
             logits,
-            aux_loss: aux,
+            aux_loss: balance_loss(balance, &device),
             z_loss: z,
             routed_per_expert,
         })

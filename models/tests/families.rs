@@ -313,6 +313,55 @@ fn experts_sharded_over_two_ranks_with_three_partitions_and_s4_match_too() {
     }
 }
 
+/// The router load-balancing loss is transformers' (`load_balancing_loss_func`: one loss over
+/// every MoE layer's rows, `tests/data/models/make_aux.py`), not the sum of each layer's own:
+/// for every family that has one, with `router_aux_loss_coef` 0.01, our `aux_loss` equals
+/// `0.01 · aux_loss` and cross-entropy plus it equals transformers' loss to 1e-4, at one rank
+/// and at two (each rank's share of the batch's loss).
+#[test]
+fn the_load_balancing_loss_is_transformers_across_the_layers() {
+    let text = std::fs::read_to_string(data().join("aux.expected.json")).unwrap();
+    let reference: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let coef = reference["coef"].as_f64().unwrap();
+    let families = reference["families"].as_object().unwrap();
+    assert!(families.len() >= 5, "{families:?}");
+    for (family, want) in families {
+        let exp = expected(family);
+        let shape = exp.floats["logits"].0.clone();
+        let (batch, t) = (shape[0], shape[1]);
+        let ids = exp.ints["ids"].clone();
+        let ckpt = HfCheckpoint::open(data().join(family)).unwrap();
+        let want_aux = coef * want["aux_loss"].as_f64().unwrap();
+        let want_loss = want["loss"].as_f64().unwrap();
+        for ranks in [1, 2] {
+            let shares = LocalGroup::run(ranks, |ctx| {
+                let model = MoeCausalLm::<B>::from_checkpoint(&ckpt, &Default::default(), ctx.comm)?
+                    .map_moe_configs(|c| c.with_aux_loss_coef(coef))?;
+                let rows = batch / ranks;
+                let mine = &ids[ctx.rank * rows * t..(ctx.rank + 1) * rows * t];
+                let (ce, out) = model.loss(ids_tensor(mine, [rows, t]))?;
+                Ok((
+                    f64::from(values(ce)[0]) / ranks as f64,
+                    f64::from(values(out.aux_loss)[0]),
+                ))
+            })
+            .unwrap();
+            let ce: f64 = shares.iter().map(|s| s.0).sum();
+            let aux: f64 = shares.iter().map(|s| s.1).sum();
+            let rel = |a: f64, b: f64| (a - b).abs() / b.abs();
+            assert!(
+                rel(aux, want_aux) < 1e-4,
+                "{family} at {ranks} ranks: aux {aux} against transformers' {want_aux}"
+            );
+            assert!(
+                rel(ce + aux, want_loss) < 1e-4,
+                "{family} at {ranks} ranks: loss {} against transformers' {want_loss}",
+                ce + aux
+            );
+        }
+    }
+}
+
 #[test]
 fn a_model_is_a_burn_module() {
     let device = Default::default();

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use burn::module::Module;
+use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData, TensorPrimitive};
 
@@ -218,12 +219,22 @@ impl<B: MoeBackend> MoeLayer<B> {
             n_global,
             config.aux_loss_coef,
         );
+        // What a model's load-balancing loss across its layers needs (transformers'
+        // `load_balancing_loss_func`): this rank's sum of the softmax over all experts; only
+        // where the layer has a balancing loss, so that no other layer keeps a graph for it.
+        let router_softmax_sum = match (n_tokens, config.aux_loss_coef != 0.0) {
+            (0, _) | (_, false) => Tensor::zeros([config.n_experts], &routing.logits.device()),
+            _ => softmax(routing.logits.clone(), 1)
+                .sum_dim(0)
+                .reshape([config.n_experts]),
+        };
         let z_loss = z_loss(routing.logits, n_global, config.z_loss_coef);
 
         Ok(MoeOutput {
             output: y.reshape(shape),
             aux_loss,
             z_loss,
+            router_softmax_sum,
             stats: MoeStats {
                 load_imbalance: plan.dispatch.stats.load_imbalance(),
                 routing: plan.dispatch.stats,

@@ -24,6 +24,14 @@ pub struct MoeOutput<B: Backend, const D: usize> {
     pub aux_loss: Tensor<B, 1>,
     /// This rank's share of the router z-loss (sum over ranks for the loss). `[1]`
     pub z_loss: Tensor<B, 1>,
+    /// The softmax over all experts of each of this rank's tokens' router logits, summed over
+    /// those tokens (differentiable; zeros without tokens, and where the layer's
+    /// `aux_loss_coef` is 0, so that a layer without a balancing loss keeps no graph for it). With
+    /// `stats.routing.routed_per_expert` and `n_tokens_world`, what a load-balancing loss
+    /// taken across a model's layers needs, as transformers computes it for its MoE models
+    /// (`load_balancing_loss_func`: one loss over every layer's rows, not the sum of each
+    /// layer's own). `[n_experts]`
+    pub router_softmax_sum: Tensor<B, 1>,
     /// Routing and scheduling facts about this call.
     pub stats: MoeStats,
 }

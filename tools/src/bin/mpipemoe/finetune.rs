@@ -52,9 +52,9 @@ pub struct FinetuneArgs {
     /// Seeds the windows drawn from the data.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Every MoE layer's load-balancing loss weight (the Switch loss of each layer, summed over
-    /// the layers; default: the folder's layers have none, as transformers adds none unless
-    /// its config's `output_router_logits` is set).
+    /// The router load-balancing loss's weight (transformers' `router_aux_loss_coef`: one
+    /// loss over every MoE layer's rows, as transformers computes it; default: none, as
+    /// transformers adds none unless its config's `output_router_logits` is set).
     #[arg(long)]
     aux_loss_coef: Option<f64>,
     /// Every MoE layer's router z-loss weight (default: none).
