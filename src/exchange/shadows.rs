@@ -180,6 +180,16 @@ mod tests {
             .tensor()
     }
 
+    /// Rank `rank`'s three experts, `[3, 2, 4]` and `[3, 4, 2]`, without biases.
+    fn own(rank: usize) -> ExpertTensors<B> {
+        ExpertTensors {
+            w_in: stacked(rank, 3, 2, 4),
+            b_in: None,
+            w_out: stacked(rank, 3, 4, 2),
+            b_out: None,
+        }
+    }
+
     /// Three experts per rank over two ranks, shadows 0 and 2 (rank 0's, not consecutive: a
     /// gather) and 4 (rank 1's slot 1, a slice): every rank's copies are the owners' experts,
     /// in the list's order, and its own slots stay its own. A copy taken from the wrong
@@ -187,13 +197,7 @@ mod tests {
     #[test]
     fn copies_are_the_owners_experts_in_the_lists_order() {
         let seen = LocalGroup::run(2, |ctx| {
-            let own = ExpertTensors::<B> {
-                w_in: stacked(ctx.rank, 3, 2, 4),
-                b_in: None,
-                w_out: stacked(ctx.rank, 3, 4, 2),
-                b_out: None,
-            };
-            let slots = ExpertSlots::new(own, &[0, 2, 4], &ctx.comm)?;
+            let slots = ExpertSlots::new(own(ctx.rank), &[0, 2, 4], &ctx.comm)?;
             assert_eq!(slots.n_slots(), 6);
             Ok((0..6)
                 .map(|e| {
@@ -216,15 +220,10 @@ mod tests {
     #[test]
     fn a_bad_shadow_list_is_an_input_error() {
         for bad in [vec![2, 1], vec![1, 1], vec![6]] {
-            let errors = LocalGroup::run(2, |ctx| {
-                let own = ExpertTensors::<B> {
-                    w_in: stacked(ctx.rank, 3, 2, 4),
-                    b_in: None,
-                    w_out: stacked(ctx.rank, 3, 4, 2),
-                    b_out: None,
-                };
-                Ok(ExpertSlots::new(own, &bad, &ctx.comm).err())
-            })
+            let errors = LocalGroup::run(
+                2,
+                |ctx| Ok(ExpertSlots::new(own(ctx.rank), &bad, &ctx.comm).err()),
+            )
             .expect("no collective ran");
             for err in errors {
                 assert!(
