@@ -316,8 +316,9 @@ fn experts_sharded_over_two_ranks_with_three_partitions_and_s4_match_too() {
 /// The router load-balancing loss is transformers' (`load_balancing_loss_func`: one loss over
 /// every MoE layer's rows, `tests/data/models/make_aux.py`), not the sum of each layer's own:
 /// for every family that has one, with `router_aux_loss_coef` 0.01, our `aux_loss` equals
-/// `0.01 · aux_loss` and cross-entropy plus it equals transformers' loss to 1e-4, at one rank
-/// and at two (each rank's share of the batch's loss).
+/// `0.01 · aux_loss`, cross-entropy plus it equals transformers' loss, and every router
+/// parameter's gradient of that total equals torch autograd's, to 1e-4, at one rank and at two
+/// (each rank's share of the batch's loss, the gradients combined as the sync combines them).
 #[test]
 fn the_load_balancing_loss_is_transformers_across_the_layers() {
     let text = std::fs::read_to_string(data().join("aux.expected.json")).unwrap();
@@ -340,14 +341,33 @@ fn the_load_balancing_loss_is_transformers_across_the_layers() {
                 let rows = batch / ranks;
                 let mine = &ids[ctx.rank * rows * t..(ctx.rank + 1) * rows * t];
                 let (ce, out) = model.loss(ids_tensor(mine, [rows, t]))?;
-                Ok((
-                    f64::from(values(ce)[0]) / ranks as f64,
-                    f64::from(values(out.aux_loss)[0]),
-                ))
+                let ce = ce / ranks as f32;
+                let values_of = (
+                    f64::from(values(ce.clone())[0]),
+                    f64::from(values(out.aux_loss.clone())[0]),
+                );
+                let grads = (ce + out.aux_loss).backward();
+                Ok((values_of.0, values_of.1, rank_grads(&model, &grads)))
             })
             .unwrap();
             let ce: f64 = shares.iter().map(|s| s.0).sum();
             let aux: f64 = shares.iter().map(|s| s.1).sum();
+            let grads = combine(&ckpt, shares.into_iter().map(|s| s.2).collect());
+            let router_grads = want["router_grads"].as_object().unwrap();
+            assert!(!router_grads.is_empty());
+            for (name, reference) in router_grads {
+                let reference: Vec<f32> = reference
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_f64().unwrap() as f32)
+                    .collect();
+                let err = rel_err(&grads[name], &reference);
+                assert!(
+                    err < 1e-4,
+                    "{family} at {ranks} ranks: the gradient of {name} off by {err:.2e}"
+                );
+            }
             let rel = |a: f64, b: f64| (a - b).abs() / b.abs();
             assert!(
                 rel(aux, want_aux) < 1e-4,
