@@ -197,7 +197,7 @@ impl<B: Backend> Attention<B> {
             sinks,
         );
         let out = out.swap_dims(1, 2).reshape([b, t, n_heads * head_dim]);
-        (self.o.forward(out), cache.trim(rules.window))
+        (self.o.forward(out), cache.trim(rules.window, rules.chunk))
     }
 }
 
