@@ -158,6 +158,9 @@ where
         )));
     }
     let mut model = model.map_moe_configs(moe)?;
+    // The replicas' routing statistics summed, so that the losses and the loads are the
+    // world's batch's, as each layer built with `init_groups` would have them.
+    model.set_replicas(groups.expert_data());
     let gamma = o.bias_update_speed;
     if gamma != 0.0 {
         if !(gamma.is_finite() && gamma > 0.0) {
@@ -207,7 +210,7 @@ where
         groups.sync_grads(&model, &mut grads)?;
         model = optimizer.step(o.lr, model, grads);
         if gamma > 0.0 {
-            model.balance_score_biases(&batch_load(&routed, &groups)?, gamma)?;
+            model.balance_score_biases(&routed, gamma)?;
         }
         world.all_reduce_sum(&mut logged)?;
         losses.push(logged[0]);
@@ -236,27 +239,6 @@ where
         world.barrier()?;
     }
     Ok((model, report))
-}
-
-/// Each MoE layer's load over the whole batch: every expert-parallel group counted its own
-/// rows (`routed`, the same on each of its ranks); the data-parallel replicas of it add
-/// theirs, so that every replica moves its biases alike.
-///
-/// # Errors
-/// [`MoeError::Comm`] if a peer fails in the sum.
-fn batch_load(routed: &[Vec<usize>], groups: &ParallelGroups) -> Result<Vec<Vec<usize>>> {
-    let mut flat: Vec<f64> = routed.iter().flatten().map(|&c| c as f64).collect();
-    groups.expert_data().all_reduce_sum(&mut flat)?;
-    let mut values = flat.into_iter();
-    Ok(routed
-        .iter()
-        .map(|layer| {
-            layer
-                .iter()
-                .map(|_| values.next().unwrap_or(0.0).round() as usize)
-                .collect()
-        })
-        .collect())
 }
 
 /// Where the `batch` windows of `step` start in a stream with `span` possible starts: a

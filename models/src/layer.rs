@@ -42,7 +42,8 @@ pub struct DecoderLayer<B: Backend> {
 pub(crate) struct BalanceTerms<B: Backend> {
     /// This rank's tokens' softmax over all experts, summed. `[n_experts]`
     pub softmax_sum: Tensor<B, 1>,
-    /// Assignments per expert over the world's batch.
+    /// Assignments per expert over the expert-parallel group's batch, summed over its
+    /// data-parallel replicas.
     pub routed: Vec<usize>,
     /// Tokens in the world's batch.
     pub n_tokens_world: usize,
@@ -53,8 +54,6 @@ pub(crate) struct BalanceTerms<B: Backend> {
 pub(crate) struct LayerOutput<B: Backend> {
     pub hidden: Tensor<B, 3>,
     pub z_loss: Option<Tensor<B, 1>>,
-    /// The MoE layer's rows per expert over its expert-parallel group this step.
-    pub routed_per_expert: Option<Vec<usize>>,
     /// The MoE layer's share of the model's load-balancing loss.
     pub balance: Option<BalanceTerms<B>>,
     pub cache: LayerCache<B>,
@@ -104,27 +103,25 @@ impl<B: MoeBackend> DecoderLayer<B> {
         };
         let h = x + attended;
         let normed = self.ffn_norm.forward(h.clone());
-        let (ffn, z_loss, routed_per_expert, balance) = match (&self.mlp, &self.moe) {
+        let (ffn, z_loss, balance) = match (&self.mlp, &self.moe) {
             (_, Some(moe)) => {
                 // The layer's own `aux_loss` is not used: the model takes the loss across its
                 // layers, as transformers does.
                 let out = moe.try_forward(normed)?;
-                let routed = out.stats.routing.routed_per_expert;
                 let balance = BalanceTerms {
                     softmax_sum: out.router_softmax_sum,
-                    routed: routed.clone(),
+                    routed: out.stats.routing.routed_per_expert,
                     n_tokens_world: out.stats.routing.n_tokens_world,
                     coef: moe.config().aux_loss_coef,
                 };
-                (out.output, Some(out.z_loss), Some(routed), Some(balance))
+                (out.output, Some(out.z_loss), Some(balance))
             }
-            (Some(mlp), None) => (mlp.forward(normed), None, None, None),
+            (Some(mlp), None) => (mlp.forward(normed), None, None),
             (None, None) => unreachable!("a decoder layer is built with an MLP or an MoE layer"),
         };
         Ok(LayerOutput {
             hidden: h + ffn,
             z_loss,
-            routed_per_expert,
             balance,
             cache,
         })

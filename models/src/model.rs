@@ -56,8 +56,9 @@ pub struct LmOutput<B: Backend> {
     pub aux_loss: Tensor<B, 1>,
     /// The MoE layers' z-losses summed (this rank's share). `[1]`
     pub z_loss: Tensor<B, 1>,
-    /// Each MoE layer's rows per expert this step, over its expert-parallel group (the same
-    /// on each of its ranks), in layer order: the load DeepSeek-V3's bias balancing reads
+    /// Each MoE layer's rows per expert this step, over its expert-parallel group and, where
+    /// the replicas are set ([`MoeCausalLm::set_replicas`]), its data-parallel replicas (the
+    /// same on every such rank), in layer order: the load DeepSeek-V3's bias balancing reads
     /// ([`balance_score_biases`](MoeCausalLm::balance_score_biases)).
     pub routed_per_expert: Vec<Vec<usize>>,
 }
@@ -169,8 +170,9 @@ impl<B: Backend> MoeCausalLm<B> {
     /// DeepSeek-V3's auxiliary-loss-free balancing after a training step: every MoE layer
     /// with a score bias moves it by `gamma · sign(mean_load − load[e])`
     /// ([`MoeLayer::balance_score_bias`]), `loads` holding one load per MoE layer in layer
-    /// order (as [`LmOutput::routed_per_expert`], summed over data-parallel replicas where
-    /// there are several, so that every replica moves alike). Returns how many layers moved.
+    /// order (as [`LmOutput::routed_per_expert`]; with data-parallel replicas set
+    /// ([`set_replicas`](Self::set_replicas)) that is the world's load, the same on every
+    /// replica, so all move alike). Returns how many layers moved.
     ///
     /// # Errors
     /// [`MoeError::Config`](mpipemoe::MoeError::Config) naming `score_bias` if no MoE layer
@@ -202,6 +204,15 @@ impl<B: Backend> MoeCausalLm<B> {
         Ok(biased)
     }
 
+    /// Every MoE layer's data-parallel replicas ([`MoeLayer::set_replicas`]): under expert ×
+    /// data parallelism, pass `ParallelGroups::expert_data`, so that the losses and the
+    /// per-expert loads are the world's batch's, not one replica's.
+    pub fn set_replicas(&mut self, replicas: &Arc<dyn Communicator>) {
+        for moe in self.layers.iter_mut().filter_map(|l| l.moe.as_mut()) {
+            moe.set_replicas(replicas.clone());
+        }
+    }
+
     /// The MoE layers, with their decoder-layer index.
     pub fn moe_layers(&self) -> impl Iterator<Item = (usize, &MoeLayer<B>)> {
         self.layers
@@ -220,7 +231,7 @@ impl<B: Backend> MoeCausalLm<B> {
 /// coefficient. This rank's share: its own tokens' softmax sums (the ranks' shares add up to
 /// the loss). Zero when every coefficient is. Not the sum of each layer's own loss, which takes
 /// the two means per layer.
-fn balance_loss<B: Backend>(layers: Vec<crate::layer::BalanceTerms<B>>, device: &B::Device) -> Tensor<B, 1> {
+fn balance_loss<B: Backend>(layers: &[crate::layer::BalanceTerms<B>], device: &B::Device) -> Tensor<B, 1> {
     let zero = || Tensor::zeros([1], device);
     if layers.iter().all(|l| l.coef == 0.0) {
         return zero();
@@ -240,8 +251,8 @@ fn balance_loss<B: Backend>(layers: Vec<crate::layer::BalanceTerms<B>>, device: 
         device,
     );
     let weighted = layers
-        .into_iter()
-        .map(|l| l.softmax_sum * l.coef)
+        .iter()
+        .map(|l| l.softmax_sum.clone() * l.coef)
         .reduce(|a, b| a + b)
         .expect("at least one layer");
     (weighted * fraction).sum() * (n_experts as f64 / scale)
@@ -292,7 +303,6 @@ impl<B: MoeBackend> MoeCausalLm<B> {
         let (cos, sin) = rotary.tables::<B>(&positions, &device);
         let mut hidden = self.embed.forward(ids);
         let mut z = Tensor::zeros([1], &device);
-        let mut routed_per_expert = Vec::new();
         let mut balance = Vec::new();
         for (i, layer) in self.layers.iter().enumerate() {
             let cached = cache.as_ref().and_then(|c| c.layers[i].as_ref());
@@ -302,7 +312,6 @@ impl<B: MoeBackend> MoeCausalLm<B> {
             if let Some(zl) = out.z_loss {
                 z = z + zl;
             }
-            routed_per_expert.extend(out.routed_per_expert);
             if let Some(c) = cache.as_mut() {
                 c.layers[i] = Some(out.cache);
             }
@@ -319,9 +328,9 @@ impl<B: MoeBackend> MoeCausalLm<B> {
         };
         Ok(LmOutput {
             logits,
-            aux_loss: balance_loss(balance, &device),
+            aux_loss: balance_loss(&balance, &device),
             z_loss: z,
-            routed_per_expert,
+            routed_per_expert: balance.into_iter().map(|terms| terms.routed).collect(),
         })
     }
 

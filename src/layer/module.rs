@@ -110,6 +110,16 @@ impl<B: Backend> MoeLayer<B> {
         self.ctx.arena = arena;
     }
 
+    /// Sets the data-parallel replicas of this rank's experts (the ranks that hold the same
+    /// experts, [`ParallelGroups::expert_data`](crate::parallel::ParallelGroups::expert_data)),
+    /// as [`MoeLayerConfig::init_groups`] does: the routing statistics, the losses'
+    /// normalisation and the per-expert load are then the world's batch's. For a layer built
+    /// per rank ([`MoeLayerConfig::init_rank`], as a checkpoint loader builds them) that then
+    /// trains with data-parallel replicas. Every rank of the group must set it alike.
+    pub fn set_replicas(&mut self, replicas: Arc<dyn crate::comm::Communicator>) {
+        self.ctx.replicas = replicas;
+    }
+
     /// The same weights with other run settings (partitions, memory reuse, path, ...).
     ///
     /// # Errors

@@ -280,7 +280,7 @@ fn every_family_fine_tunes_at_two_ranks_and_saves_a_folder_that_loads_back() {
 /// DeepSeek-V3's bias balancing in fine-tuning (`bias_update_speed`), with the learning rate at
 /// zero so that only the biases move: each moves by a whole number of `gamma` steps, some
 /// move, and at one rank, at EP 2 and at EP 1 × DP 2 they end equal — the replicas of EP 1 ×
-/// DP 2 each see half the batch and must sum their loads over the replicas to move alike
+/// DP 2 each see half the batch and must take the load over the replicas to move alike
 /// (without that sum they differ). A family without a score bias refuses the option.
 #[test]
 fn deepseek_bias_balancing_moves_every_replica_alike() {
