@@ -498,6 +498,133 @@ fn flex_gelu_kernels_match_the_f64_formula_on_every_layout() {
     assert_eq!(shared, owned);
 }
 
+/// Flex's parallel SwiGLU kernels against the composed form (NdArray runs the trait's default,
+/// built from burn's primitives) on every layout the exchange hands them: contiguous, a row
+/// slice at an offset, and a transposed view (which they hand back to the composed form).
+/// The two differ only by the sigmoid's last bits.
+#[test]
+fn flex_swiglu_kernels_match_the_composed_form_on_every_layout() {
+    use burn::tensor::TensorPrimitive;
+    use mpipemoe::backend::ActivationKernels;
+
+    let device = Default::default();
+    let (rows, h) = (40, 350);
+    let z_values: Vec<f32> = (0..rows * 2 * h)
+        .map(|i| ((i * 7919) % 2003) as f32 / 100.0 - 10.0)
+        .collect();
+    let g_values: Vec<f32> = (0..rows * h)
+        .map(|i| ((i * 104729) % 1009) as f32 / 500.0 - 1.0)
+        .collect();
+    let flex = |v: &[f32], shape: [usize; 2]| {
+        Tensor::<Flex, 2>::from_data(TensorData::new(v.to_vec(), shape), &device)
+    };
+    let nd = |v: Vec<f32>, shape: [usize; 2]| {
+        Tensor::<NdArray, 2>::from_data(TensorData::new(v, shape), &Default::default())
+            .into_primitive()
+            .tensor()
+    };
+    let host = |t: Tensor<Flex, 2>| t.into_data().to_vec::<f32>().unwrap();
+    let wrap = |p| Tensor::<Flex, 2>::from_primitive(TensorPrimitive::Float(p));
+    let nd_host = |p| {
+        Tensor::<NdArray, 2>::from_primitive(TensorPrimitive::Float(p))
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap()
+    };
+    let close = |name: &str, got: &[f32], want: &[f32]| {
+        assert_eq!(got.len(), want.len(), "{name}: length");
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (g - w).abs() <= 1e-6 * (1.0 + w.abs()),
+                "{name}[{i}]: {g} against {w}"
+            );
+        }
+    };
+    let z_full = flex(&z_values, [rows, 2 * h]);
+    let g_full = flex(&g_values, [rows, h]);
+    // (name, z, grad): the transposed case is a [2h, rows] view of a [rows, 2h] buffer
+    // transposed back, so its shape matches but its strides do not.
+    let views: [(&str, Tensor<Flex, 2>, Tensor<Flex, 2>); 3] = [
+        ("contiguous", z_full.clone(), g_full.clone()),
+        (
+            "row slice",
+            z_full.clone().narrow(0, 13, 11),
+            g_full.clone().narrow(0, 13, 11),
+        ),
+        (
+            "transposed",
+            flex(&host(z_full.clone().transpose()), [2 * h, rows]).transpose(),
+            flex(&host(g_full.clone().transpose()), [h, rows]).transpose(),
+        ),
+    ];
+    for (name, z, g) in views {
+        let (zs, gs) = (host(z.clone()), host(g.clone()));
+        let [r, _] = z.dims();
+        let got = host(wrap(Flex::swiglu(z.clone().into_primitive().tensor())));
+        let want = nd_host(<NdArray as ActivationKernels>::swiglu(nd(zs.clone(), [r, 2 * h])));
+        close(&format!("{name} swiglu"), &got, &want);
+        let got = host(wrap(Flex::swiglu_backward(
+            z.into_primitive().tensor(),
+            g.into_primitive().tensor(),
+        )));
+        let want = nd_host(<NdArray as ActivationKernels>::swiglu_backward(nd(zs, [r, 2 * h]), nd(gs, [r, h])));
+        close(&format!("{name} swiglu backward"), &got, &want);
+    }
+}
+
+/// The experts' GEMMs on Flex (`MoeBackend::expert_matmul`, into an output allocated once)
+/// give Flex's own matmul bit for bit on the operand layouts the fused op hands them: plain,
+/// transposed views (the weight gradients' `xᵀ · g`), row slices at an offset, and an expert's
+/// matrix of a stacked weight.
+#[test]
+fn flex_expert_matmul_equals_flex_matmul_on_every_layout() {
+    use burn::tensor::ops::FloatTensorOps;
+    use burn::tensor::TensorPrimitive;
+    use mpipemoe::backend::MoeBackend;
+
+    let device = Default::default();
+    let values = |n: usize, seed: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i + seed) * 7919) % 2003) as f32 / 1000.0 - 1.0)
+            .collect()
+    };
+    let t = |n: [usize; 2], seed| {
+        Tensor::<Flex, 2>::from_data(TensorData::new(values(n[0] * n[1], seed), n), &device)
+    };
+    let stacked = Tensor::<Flex, 3>::from_data(TensorData::new(values(3 * 64 * 96, 9), [3, 64, 96]), &device);
+    let prim = |x: Tensor<Flex, 2>| x.into_primitive().tensor();
+    let host = |p| {
+        Tensor::<Flex, 2>::from_primitive(TensorPrimitive::Float(p))
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap()
+    };
+    // Small (one thread) and large (every core) products, so both of gemm's paths run.
+    let pairs: [(&str, Tensor<Flex, 2>, Tensor<Flex, 2>); 5] = [
+        ("plain", t([7, 5], 1), t([5, 3], 2)),
+        ("large", t([300, 200], 3), t([200, 250], 4)),
+        ("transposed lhs", t([200, 300], 5).transpose(), t([200, 250], 6)),
+        (
+            "row slices",
+            t([50, 64], 7).narrow(0, 9, 30),
+            t([90, 96], 8).narrow(0, 20, 64),
+        ),
+        (
+            "expert matrix",
+            t([30, 64], 10),
+            Tensor::from_primitive(TensorPrimitive::Float(Flex::expert_matrix(
+                &stacked.clone().into_primitive().tensor(),
+                1,
+            ))),
+        ),
+    ];
+    for (name, lhs, rhs) in pairs {
+        let want = host(Flex::float_matmul(prim(lhs.clone()), prim(rhs.clone())));
+        let got = host(Flex::expert_matmul(prim(lhs), prim(rhs)));
+        assert_eq!(got, want, "{name}");
+    }
+}
+
 /// The score bias is a buffer: it gets no gradient, moves only by `balance_score_bias`, and is
 /// saved and loaded with the module's record.
 #[test]

@@ -159,13 +159,21 @@ impl<B: Backend> Attention<B> {
             q = norm(&self.q_norm, q);
             k = norm(&self.k_norm, k);
         }
-        let (mut q, mut k, v) = (q.swap_dims(1, 2), k.swap_dims(1, 2), v.swap_dims(1, 2));
+        // The rotation is element-wise per position, so it runs here, on the contiguous
+        // sequence-major layout, rather than on the strided view the swap below makes.
         if rules.rope {
             (q, k) = match rope_pairs {
-                true => (Rotary::apply_pairs(q, cos, sin), Rotary::apply_pairs(k, cos, sin)),
-                false => (Rotary::apply(q, cos, sin), Rotary::apply(k, cos, sin)),
+                true => (
+                    Rotary::apply_pairs_seq_major(q, cos, sin),
+                    Rotary::apply_pairs_seq_major(k, cos, sin),
+                ),
+                false => (
+                    Rotary::apply_seq_major(q, cos, sin),
+                    Rotary::apply_seq_major(k, cos, sin),
+                ),
             };
         }
+        let (mut q, mut k, v) = (q.swap_dims(1, 2), k.swap_dims(1, 2), v.swap_dims(1, 2));
         if rules.l2_qk_norm {
             (q, k) = (l2_norm(q, eps), l2_norm(k, eps));
         }

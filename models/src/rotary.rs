@@ -158,16 +158,48 @@ impl Rotary {
     /// - x: `[batch, heads, seq, head_dim]`
     /// - cos, sin: `[seq, head_dim]` (`cat(freqs, freqs)`: the first half is used)
     pub fn apply_pairs<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 2>, sin: &Tensor<B, 2>) -> Tensor<B, 4> {
-        let [b, h, t, d] = x.dims();
+        Self::pairs_with(x, cos, sin, 2)
+    }
+
+    /// [`apply_pairs`](Self::apply_pairs) on the sequence-major layout, before the heads are
+    /// moved forward: element-wise ops on a contiguous tensor rather than on a strided view
+    /// of one (Flex walks a strided view element by element).
+    ///
+    /// # Shapes
+    /// - x: `[batch, seq, heads, head_dim]`
+    /// - cos, sin: `[seq, head_dim]`
+    pub fn apply_pairs_seq_major<B: Backend>(
+        x: Tensor<B, 4>,
+        cos: &Tensor<B, 2>,
+        sin: &Tensor<B, 2>,
+    ) -> Tensor<B, 4> {
+        Self::pairs_with(x, cos, sin, 1)
+    }
+
+    /// The pairs' rotation of `x` whose sequence axis is `seq_axis` (1 or 2).
+    fn pairs_with<B: Backend>(
+        x: Tensor<B, 4>,
+        cos: &Tensor<B, 2>,
+        sin: &Tensor<B, 2>,
+        seq_axis: usize,
+    ) -> Tensor<B, 4> {
+        let [b, n1, n2, d] = x.dims();
+        let t = [n1, n2][seq_axis - 1];
         let half = d / 2;
-        let pairs = x.reshape([b, h, t, half, 2]);
-        let re = pairs.clone().slice([0..b, 0..h, 0..t, 0..half, 0..1]);
-        let im = pairs.slice([0..b, 0..h, 0..t, 0..half, 1..2]);
-        let cos = cos.clone().slice([0..t, 0..half]).reshape([1, 1, t, half, 1]);
-        let sin = sin.clone().slice([0..t, 0..half]).reshape([1, 1, t, half, 1]);
+        let pairs = x.reshape([b, n1, n2, half, 2]);
+        let re = pairs.clone().slice([0..b, 0..n1, 0..n2, 0..half, 0..1]);
+        let im = pairs.slice([0..b, 0..n1, 0..n2, 0..half, 1..2]);
+        let table = |m: &Tensor<B, 2>| {
+            let m = m.clone().slice([0..t, 0..half]);
+            match seq_axis {
+                1 => m.reshape([1, t, 1, half, 1]),
+                _ => m.reshape([1, 1, t, half, 1]),
+            }
+        };
+        let (cos, sin) = (table(cos), table(sin));
         let out_re = re.clone() * cos.clone() - im.clone() * sin.clone();
         let out_im = re * sin + im * cos;
-        Tensor::cat(vec![out_re, out_im], 4).reshape([b, h, t, d])
+        Tensor::cat(vec![out_re, out_im], 4).reshape([b, n1, n2, d])
     }
 
     /// Rotates `x` by the tables of its positions.
@@ -177,14 +209,70 @@ impl Rotary {
     /// - cos, sin: `[seq, head_dim]`
     pub fn apply<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 2>, sin: &Tensor<B, 2>) -> Tensor<B, 4> {
         let [b, h, t, d] = x.dims();
-        let half = d / 2;
-        let first = x.clone().slice([0..b, 0..h, 0..t, 0..half]);
-        let second = x.clone().slice([0..b, 0..h, 0..t, half..d]);
-        let rotated = Tensor::cat(vec![second.neg(), first], 3);
-        let cos = cos.clone().unsqueeze::<4>();
-        let sin = sin.clone().unsqueeze::<4>();
-        x * cos + rotated * sin
+        // Each (batch, head) row of `t · d` values takes the tables as they are.
+        let table = |m: &Tensor<B, 2>| m.clone().reshape([1, t * d]);
+        Self::half_with(x, [b * h, t * d], table(cos), table(sin))
     }
+
+    /// [`apply`](Self::apply) on the sequence-major layout, before the heads are moved
+    /// forward: element-wise ops on a contiguous tensor rather than on a strided view of one
+    /// (Flex walks a strided view element by element).
+    ///
+    /// # Shapes
+    /// - x: `[batch, seq, heads, head_dim]`
+    /// - cos, sin: `[seq, head_dim]`
+    pub fn apply_seq_major<B: Backend>(
+        x: Tensor<B, 4>,
+        cos: &Tensor<B, 2>,
+        sin: &Tensor<B, 2>,
+    ) -> Tensor<B, 4> {
+        let [b, t, h, d] = x.dims();
+        // Each batch row of `t · h · d` values takes the tables repeated over the heads.
+        let table = |m: &Tensor<B, 2>| {
+            m.clone()
+                .reshape([t, 1, d])
+                .repeat_dim(1, h)
+                .reshape([1, t * h * d])
+        };
+        Self::half_with(x, [b, t * h * d], table(cos), table(sin))
+    }
+
+    /// `x · cos + rotate_half(x) · sin`, with `x` seen as `rows` (each row a run of whole
+    /// heads) and the tables as one such row, shared by every row.
+    ///
+    /// Both choices keep a CPU backend on its fast paths: a table shared row by row is a
+    /// broadcast Flex vectorises (a table broadcast over a middle axis it walks element by
+    /// element), and `rotate_half(x) = [−x₂ | x₁]` is one product with the signed permutation
+    /// matrix `[[0, I], [−I, 0]]` over contiguous rows rather than two strided slices, a
+    /// negation and a concatenation. The product is exact: each output is one input times ±1
+    /// plus zeros.
+    fn half_with<B: Backend>(
+        x: Tensor<B, 4>,
+        rows: [usize; 2],
+        cos: Tensor<B, 2>,
+        sin: Tensor<B, 2>,
+    ) -> Tensor<B, 4> {
+        let dims = x.dims();
+        let d = dims[3];
+        let rotated = x
+            .clone()
+            .reshape([rows[0] * rows[1] / d, d])
+            .matmul(rotate_half_matrix(d, &x.device()))
+            .reshape(rows);
+        (x.reshape(rows) * cos + rotated * sin).reshape(dims)
+    }
+}
+
+/// The `[d, d]` matrix `R` with `x · R = rotate_half(x) = [−x[d/2..] | x[..d/2]]` for a row
+/// `x`: `R[half + j][j] = −1` and `R[j][half + j] = 1`.
+fn rotate_half_matrix<B: Backend>(d: usize, device: &B::Device) -> Tensor<B, 2> {
+    let half = d / 2;
+    let mut r = vec![0f32; d * d];
+    for j in 0..half {
+        r[(half + j) * d + j] = -1.0;
+        r[j * d + half + j] = 1.0;
+    }
+    Tensor::from_data(TensorData::new(r, [d, d]), device)
 }
 
 /// Llama 3's frequencies (transformers' `_compute_llama3_parameters`, in f32): wavelengths
@@ -271,5 +359,39 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// The product form of `rotate_half` and the shared-row tables, on both layouts, against
+    /// transformers' formula written with slices (`x · cos + cat(−x₂, x₁) · sin`), on the
+    /// backend whose fast paths they were written for.
+    #[test]
+    fn both_layouts_equal_the_sliced_formula() {
+        use burn::backend::Flex;
+        let device = Default::default();
+        let (b, h, t, d) = (2, 3, 5, 8);
+        let values = |n: usize, seed: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| (((i + seed) * 7919) % 1013) as f32 / 101.0 - 5.0)
+                .collect()
+        };
+        let x =
+            Tensor::<Flex, 4>::from_data(TensorData::new(values(b * h * t * d, 1), [b, h, t, d]), &device);
+        let cos = Tensor::<Flex, 2>::from_data(TensorData::new(values(t * d, 2), [t, d]), &device);
+        let sin = Tensor::<Flex, 2>::from_data(TensorData::new(values(t * d, 3), [t, d]), &device);
+        let half = d / 2;
+        let rotated = Tensor::cat(
+            vec![
+                x.clone().slice([0..b, 0..h, 0..t, half..d]).neg(),
+                x.clone().slice([0..b, 0..h, 0..t, 0..half]),
+            ],
+            3,
+        );
+        let want = x.clone() * cos.clone().unsqueeze::<4>() + rotated * sin.clone().unsqueeze::<4>();
+        let want: Vec<f32> = want.into_data().to_vec().unwrap();
+        let heads_major: Vec<f32> = Rotary::apply(x.clone(), &cos, &sin).into_data().to_vec().unwrap();
+        let seq_major = Rotary::apply_seq_major(x.swap_dims(1, 2), &cos, &sin).swap_dims(1, 2);
+        let seq_major: Vec<f32> = seq_major.into_data().to_vec().unwrap();
+        assert_eq!(heads_major, want, "[batch, heads, seq, head_dim]");
+        assert_eq!(seq_major, want, "[batch, seq, heads, head_dim]");
     }
 }

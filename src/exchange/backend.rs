@@ -188,6 +188,17 @@ pub trait MoeBackend: ActivationKernels + OptimizerKernels {
         super::assemble::slice_assign_rows::<Self>(dst, start, rows)
     }
 
+    /// `lhs · rhs` for the experts' GEMMs (the fused op's forward and backward products). The
+    /// default is the backend's matmul; Flex writes into an output it allocates once, where
+    /// its matmul zero-fills and then copies every output before the GEMM
+    /// (`exchange/flex_gemm.rs`).
+    ///
+    /// # Shapes
+    /// - lhs: `[m, k]`, rhs: `[k, n]` → `[m, n]`
+    fn expert_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::float_matmul(lhs, rhs)
+    }
+
     /// Expert `e`'s matrix of a stacked `[n_experts, rows, cols]` weight, as `[rows, cols]`:
     /// what each expert's GEMMs read. The default slices and reshapes with burn's ops; Flex
     /// returns a view, because its reshape copies every view that does not start at offset 0
@@ -302,5 +313,10 @@ impl MoeBackend for burn::backend::Flex {
     /// A view of the weight's storage, not a copy.
     fn expert_matrix(w: &FloatTensor<Self>, e: usize) -> FloatTensor<Self> {
         super::flex_rows::expert_matrix(w, e)
+    }
+
+    /// Into an output zeroed once, not zeroed and copied (`exchange/flex_gemm.rs`).
+    fn expert_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        super::flex_gemm::matmul(lhs, rhs)
     }
 }

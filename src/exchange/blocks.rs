@@ -142,7 +142,7 @@ impl<'a, B: MoeBackend> Blocks<'a, B> {
                 Ok(out)
             }
             _ => {
-                let z = B::float_matmul(lhs, rhs);
+                let z = B::expert_matmul(lhs, rhs);
                 let z = match bias {
                     Some(b) => B::float_add(z, b),
                     None => z,

@@ -21,7 +21,7 @@ pub(crate) fn first_gemm<B: MoeBackend>(
     experts: &ExpertSlots<B>,
     e: usize,
 ) -> FloatTensor<B> {
-    let z = B::float_matmul(x, experts.w_in(e));
+    let z = B::expert_matmul(x, experts.w_in(e));
     match experts.b_in(e) {
         Some(b) => B::float_add(z, b),
         None => z,
@@ -109,17 +109,17 @@ pub(crate) fn compute_backward<B: MoeBackend>(
         acc.add(
             Param::WOut,
             e,
-            B::float_matmul(B::float_transpose(a), g_e.clone()),
+            B::expert_matmul(B::float_transpose(a), g_e.clone()),
         );
         if experts.own().b_out.is_some() {
             acc.add(Param::BOut, e, B::float_sum_dim(g_e.clone(), 0));
         }
-        let grad_a = B::float_matmul(g_e, B::float_transpose(experts.w_out(e)));
+        let grad_a = B::expert_matmul(g_e, B::float_transpose(experts.w_out(e)));
         let grad_z = activation_backward::<B>(act, z, grad_a);
         acc.add(
             Param::WIn,
             e,
-            B::float_matmul(B::float_transpose(x_e), grad_z.clone()),
+            B::expert_matmul(B::float_transpose(x_e), grad_z.clone()),
         );
         if experts.own().b_in.is_some() {
             acc.add(Param::BIn, e, B::float_sum_dim(grad_z.clone(), 0));

@@ -18,6 +18,8 @@ mod cubecl_arena;
 pub(crate) mod executor;
 mod ffn;
 #[cfg(feature = "flex")]
+mod flex_gemm;
+#[cfg(feature = "flex")]
 mod flex_rows;
 pub(crate) mod fused;
 #[cfg(feature = "fusion")]

@@ -140,10 +140,7 @@ pub(crate) fn activation_forward<B: ActivationKernels>(act: Activation, z: Float
     match act {
         Activation::Gelu => B::gelu_exact(z),
         Activation::Relu => B::relu(z),
-        Activation::SwiGlu => {
-            let (gate, up) = split_halves::<B>(z);
-            B::float_mul(silu::<B>(gate), up)
-        }
+        Activation::SwiGlu => B::swiglu(z),
         Activation::ClampedSwiGlu { alpha, limit } => {
             let (gate, up) = split_halves::<B>(z);
             let gate = B::float_clamp_max(gate, limit.into());
@@ -164,17 +161,7 @@ pub(crate) fn activation_backward<B: ActivationKernels>(
         Activation::Gelu => B::gelu_backward_exact(z, grad),
         // ReLU's mask is the same whether read from z or from relu(z).
         Activation::Relu => B::relu_backward(z, grad),
-        Activation::SwiGlu => {
-            let (gate, up) = split_halves::<B>(z);
-            let sig = B::sigmoid(gate.clone());
-            // d/d up = grad · silu(gate)
-            let d_up = B::float_mul(grad.clone(), B::float_mul(gate.clone(), sig.clone()));
-            // d/d gate = grad · up · σ(g) · (1 + g · (1 − σ(g)))
-            let one_minus = B::float_add_scalar(B::float_neg(sig.clone()), 1.0.into());
-            let slope = B::float_add_scalar(B::float_mul(gate, one_minus), 1.0.into());
-            let d_gate = B::float_mul(B::float_mul(grad, up), B::float_mul(sig, slope));
-            B::float_cat(vec![d_gate, d_up], 1)
-        }
+        Activation::SwiGlu => B::swiglu_backward(z, grad),
         Activation::ClampedSwiGlu { alpha, limit } => clamped_swiglu_backward::<B>(z, grad, alpha, limit),
     }
 }
@@ -216,8 +203,29 @@ fn clamped_swiglu_backward<B: Backend>(
     B::float_cat(vec![d_gate, d_up], 1)
 }
 
-fn silu<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
-    B::float_mul(x.clone(), B::sigmoid(x))
+/// SwiGLU composed from primitives; the default of [`ActivationKernels::swiglu`].
+/// `z` is `[n_rows, 2 · d_hidden]`.
+pub(crate) fn swiglu_composed<B: Backend>(z: FloatTensor<B>) -> FloatTensor<B> {
+    let (gate, up) = split_halves::<B>(z);
+    B::float_mul(B::float_mul(gate.clone(), B::sigmoid(gate)), up)
+}
+
+/// SwiGLU's backward composed from primitives; the default of
+/// [`ActivationKernels::swiglu_backward`]. `z` is `[n_rows, 2 · d_hidden]`, `grad`
+/// `[n_rows, d_hidden]`.
+pub(crate) fn swiglu_backward_composed<B: Backend>(
+    z: FloatTensor<B>,
+    grad: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let (gate, up) = split_halves::<B>(z);
+    let sig = B::sigmoid(gate.clone());
+    // d/d up = grad · silu(gate)
+    let d_up = B::float_mul(grad.clone(), B::float_mul(gate.clone(), sig.clone()));
+    // d/d gate = grad · up · σ(g) · (1 + g · (1 − σ(g)))
+    let one_minus = B::float_add_scalar(B::float_neg(sig.clone()), 1.0.into());
+    let slope = B::float_add_scalar(B::float_mul(gate, one_minus), 1.0.into());
+    let d_gate = B::float_mul(B::float_mul(grad, up), B::float_mul(sig, slope));
+    B::float_cat(vec![d_gate, d_up], 1)
 }
 
 fn split_halves<B: Backend>(z: FloatTensor<B>) -> (FloatTensor<B>, FloatTensor<B>) {

@@ -167,6 +167,13 @@ fn exp_parts(hi: f32, lo: f32) -> f32 {
     }
 }
 
+/// `e^x` for `x ≤ 0` (0 below `e^−104`), the same arithmetic as the tail's exponential: the
+/// sigmoid of the SwiGLU kernels (`swiglu_math`) takes it from here.
+#[inline(always)]
+pub(crate) fn exp_non_positive(x: f32) -> f32 {
+    exp_parts(x, 0.0)
+}
+
 /// `−a²` as `(hi, lo)` with `hi` exact and `hi + lo` correct to a few bits beyond `f32`.
 #[inline(always)]
 fn neg_square_parts(a: f32) -> (f32, f32) {
@@ -289,7 +296,7 @@ fn gelu_slope_central(x: f32) -> f32 {
 }
 
 /// Elements the slice kernels decide on together: one AVX2 vector of `f32`.
-const LANES: usize = 8;
+pub(crate) const LANES: usize = 8;
 
 /// Whether every element of `x` takes a central piece. A fold rather than `all`, so that the
 /// eight compares become one vector compare instead of eight early exits.
@@ -388,7 +395,7 @@ fn scale_by_slope_avx2(x: &[f32], grad: &mut [f32]) {
 
 /// Whether this CPU runs the 8-lane AVX2 build of the kernels. The answer is cached by std.
 #[inline]
-fn has_avx2() -> bool {
+pub(crate) fn has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx2")

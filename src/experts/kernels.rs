@@ -25,6 +25,22 @@ pub trait ActivationKernels: Backend {
     fn gelu_backward_exact(z: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
         super::activation::gelu_backward_composed::<Self>(z, grad)
     }
+
+    /// SwiGLU, `silu(gate) · up`, of `z = [gate | up]`.
+    ///
+    /// # Shapes
+    /// - z: `[n_rows, 2 · d_hidden]`; returns `[n_rows, d_hidden]`
+    fn swiglu(z: FloatTensor<Self>) -> FloatTensor<Self> {
+        super::activation::swiglu_composed::<Self>(z)
+    }
+
+    /// `d swiglu(z)/dz · grad`: `[d gate | d up]`.
+    ///
+    /// # Shapes
+    /// - z: `[n_rows, 2 · d_hidden]`; grad: `[n_rows, d_hidden]`; returns `[n_rows, 2 · d_hidden]`
+    fn swiglu_backward(z: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        super::activation::swiglu_backward_composed::<Self>(z, grad)
+    }
 }
 
 // On NdArray, the CubeCL backends, fusion (where the layer computes an activation outside the
@@ -44,5 +60,16 @@ impl ActivationKernels for burn::backend::Flex {
     /// The exact erf derivative in one pass over every core, in place where it can be.
     fn gelu_backward_exact(z: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
         super::flex_gelu::gelu_backward(z, grad)
+    }
+
+    /// One vectorised pass over every core; the composed form for layouts it does not read.
+    fn swiglu(z: FloatTensor<Self>) -> FloatTensor<Self> {
+        super::flex_swiglu::swiglu(z).unwrap_or_else(super::activation::swiglu_composed::<Self>)
+    }
+
+    /// One vectorised pass over every core; the composed form for layouts it does not read.
+    fn swiglu_backward(z: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        super::flex_swiglu::swiglu_backward(z, grad)
+            .unwrap_or_else(|(z, grad)| super::activation::swiglu_backward_composed::<Self>(z, grad))
     }
 }

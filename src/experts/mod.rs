@@ -4,12 +4,16 @@ mod activation;
 #[cfg(feature = "flex")]
 pub(crate) mod flex_gelu;
 #[cfg(feature = "flex")]
+pub(crate) mod flex_swiglu;
+#[cfg(feature = "flex")]
 mod gelu_math;
 mod init;
 mod kernels;
 mod module;
 mod shard;
 mod shared;
+#[cfg(feature = "flex")]
+mod swiglu_math;
 mod weights;
 
 pub use activation::Activation;
