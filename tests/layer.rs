@@ -567,7 +567,10 @@ fn flex_swiglu_kernels_match_the_composed_form_on_every_layout() {
             z.into_primitive().tensor(),
             g.into_primitive().tensor(),
         )));
-        let want = nd_host(<NdArray as ActivationKernels>::swiglu_backward(nd(zs, [r, 2 * h]), nd(gs, [r, h])));
+        let want = nd_host(<NdArray as ActivationKernels>::swiglu_backward(
+            nd(zs, [r, 2 * h]),
+            nd(gs, [r, h]),
+        ));
         close(&format!("{name} swiglu backward"), &got, &want);
     }
 }
