@@ -4,14 +4,14 @@
 //! SwiGLU (a sigmoid with a scalar `expf`, then products, each a new tensor) left the other
 //! cores idle for about 15% of a Qwen3-MoE fine-tuning step. These kernels run
 //! [`swiglu_math`](super::swiglu_math)'s row kernels in parallel chunks of rows (rayon).
-//! Layouts they do not handle (non-`f32`, strided views) are handed back, and the caller runs
-//! the composed form, so the result never depends on which path ran beyond the sigmoid's last
+//! Layouts they do not handle (non-`f32`, strided views) take the composed form, so the result never depends on which path ran beyond the sigmoid's last
 //! bits.
 
-use burn::backend::flex::FlexTensor;
+use burn::backend::flex::{Flex, FlexTensor};
 use burn::tensor::{DType, Shape, TensorData};
 use rayon::prelude::*;
 
+use super::activation::{swiglu_backward_composed, swiglu_composed};
 use super::swiglu_math;
 
 /// Elements per rayon task: large enough that scheduling costs nothing next to the kernel.
@@ -33,14 +33,14 @@ fn rows_per_task(width: usize) -> usize {
     (MIN_CHUNK / width.max(1)).max(1)
 }
 
-/// `silu(gate) · up` of `z = [gate | up]`, or `z` back if its layout is not one this kernel
-/// reads.
+/// `silu(gate) · up` of `z = [gate | up]` (the composed form where the layout is not one this
+/// kernel reads).
 ///
 /// # Shapes
 /// - z: `[n_rows, 2 · d_hidden]`; returns `[n_rows, d_hidden]`
-pub(crate) fn swiglu(z: FlexTensor) -> Result<FlexTensor, FlexTensor> {
+pub(crate) fn swiglu(z: FlexTensor) -> FlexTensor {
     let Some((src, rows, inner)) = contiguous_rows(&z).filter(|(_, _, inner)| inner % 2 == 0) else {
-        return Err(z);
+        return swiglu_composed::<Flex>(z);
     };
     let h = inner / 2;
     let mut out = vec![0.0f32; rows * h];
@@ -48,24 +48,21 @@ pub(crate) fn swiglu(z: FlexTensor) -> Result<FlexTensor, FlexTensor> {
     out.par_chunks_mut(task * h)
         .zip(src.par_chunks(task * inner))
         .for_each(|(out, z)| swiglu_math::forward_rows(z, out, h));
-    Ok(FlexTensor::from_data(TensorData::new(out, Shape::new([rows, h]))))
+    FlexTensor::from_data(TensorData::new(out, Shape::new([rows, h])))
 }
 
-/// `d (silu(gate) · up) / dz · grad`, or both inputs back if a layout is not one this kernel
-/// reads.
+/// `d (silu(gate) · up) / dz · grad` (the composed form where a layout is not one this kernel
+/// reads).
 ///
 /// # Shapes
 /// - z: `[n_rows, 2 · d_hidden]`; grad: `[n_rows, d_hidden]`; returns `[n_rows, 2 · d_hidden]`
-pub(crate) fn swiglu_backward(
-    z: FlexTensor,
-    grad: FlexTensor,
-) -> Result<FlexTensor, (FlexTensor, FlexTensor)> {
+pub(crate) fn swiglu_backward(z: FlexTensor, grad: FlexTensor) -> FlexTensor {
     let fits = match (contiguous_rows(&z), contiguous_rows(&grad)) {
         (Some((_, rows, inner)), Some((_, g_rows, h))) => inner % 2 == 0 && g_rows == rows && h * 2 == inner,
         _ => false,
     };
     if !fits {
-        return Err((z, grad));
+        return swiglu_backward_composed::<Flex>(z, grad);
     }
     let (x, rows, inner) = contiguous_rows(&z).expect("checked above");
     let (g, _, h) = contiguous_rows(&grad).expect("checked above");
@@ -75,8 +72,5 @@ pub(crate) fn swiglu_backward(
         .zip(x.par_chunks(task * inner))
         .zip(g.par_chunks(task * h))
         .for_each(|((dz, z), g)| swiglu_math::backward_rows(z, g, dz, h));
-    Ok(FlexTensor::from_data(TensorData::new(
-        dz,
-        Shape::new([rows, inner]),
-    )))
+    FlexTensor::from_data(TensorData::new(dz, Shape::new([rows, inner])))
 }

@@ -64,12 +64,11 @@ impl ActivationKernels for burn::backend::Flex {
 
     /// One vectorised pass over every core; the composed form for layouts it does not read.
     fn swiglu(z: FloatTensor<Self>) -> FloatTensor<Self> {
-        super::flex_swiglu::swiglu(z).unwrap_or_else(super::activation::swiglu_composed::<Self>)
+        super::flex_swiglu::swiglu(z)
     }
 
     /// One vectorised pass over every core; the composed form for layouts it does not read.
     fn swiglu_backward(z: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
         super::flex_swiglu::swiglu_backward(z, grad)
-            .unwrap_or_else(|(z, grad)| super::activation::swiglu_backward_composed::<Self>(z, grad))
     }
 }
