@@ -57,15 +57,10 @@ pub(crate) fn swiglu(z: FlexTensor) -> FlexTensor {
 /// # Shapes
 /// - z: `[n_rows, 2 · d_hidden]`; grad: `[n_rows, d_hidden]`; returns `[n_rows, 2 · d_hidden]`
 pub(crate) fn swiglu_backward(z: FlexTensor, grad: FlexTensor) -> FlexTensor {
-    let fits = match (contiguous_rows(&z), contiguous_rows(&grad)) {
-        (Some((_, rows, inner)), Some((_, g_rows, h))) => inner % 2 == 0 && g_rows == rows && h * 2 == inner,
-        _ => false,
+    let ((x, rows, inner), (g, _, h)) = match (contiguous_rows(&z), contiguous_rows(&grad)) {
+        (Some(z), Some(g)) if z.2 % 2 == 0 && g.1 == z.1 && g.2 * 2 == z.2 => (z, g),
+        _ => return swiglu_backward_composed::<Flex>(z, grad),
     };
-    if !fits {
-        return swiglu_backward_composed::<Flex>(z, grad);
-    }
-    let (x, rows, inner) = contiguous_rows(&z).expect("checked above");
-    let (g, _, h) = contiguous_rows(&grad).expect("checked above");
     let mut dz = vec![0.0f32; rows * inner];
     let task = rows_per_task(inner);
     dz.par_chunks_mut(task * inner)
