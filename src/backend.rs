@@ -29,7 +29,8 @@ pub use crate::exchange::executor::{
 pub use crate::exchange::fused::{backward as fused_backward, forward as fused_forward, Saved as FusedSaved};
 pub use crate::exchange::MoeBackend;
 pub use crate::exchange::{
-    buffer_of, exchange_reference, ArenaCounters, ArenaStats, BlockLayout, ExchangeGrads, ExchangeRun,
+    buffer_of, exchange_reference, ArenaCounters, ArenaStats, BlockLayout, ComposedExperts, ExchangeGrads,
+    ExchangeRun, ExpertBackward, ExpertBackwardOut, ExpertForward, ExpertGroups, ExpertPath, GemmPrecision,
     NoStreams, PartitionArena, SlotMemory, StepHold, SyncStreams, WorkerStreams,
 };
 pub use crate::experts::{ActivationKernels, ExpertTensors};

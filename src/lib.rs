@@ -70,19 +70,11 @@
 /// The default implementations of a per-backend kernel trait (`$kernels`, whose methods all
 /// have defaults) for the backends the crate supports that do not override them: NdArray,
 /// the CubeCL backends, `Fusion<B>` and `Autodiff<B>` over any backend that has them. Flex,
-/// which overrides, implements each trait by hand.
+/// which overrides, implements each trait by hand; `$kernels, except cubecl` leaves the CubeCL
+/// backends out too, for a trait they implement by hand.
 macro_rules! default_kernel_impls {
     ($kernels:path) => {
-        #[cfg(feature = "ndarray")]
-        impl<E, I, Q> $kernels for burn::backend::NdArray<E, I, Q>
-        where
-            E: burn::backend::ndarray::FloatNdArrayElement,
-            I: burn::backend::ndarray::IntNdArrayElement,
-            Q: burn::backend::ndarray::QuantElement,
-            burn::backend::ndarray::NdArrayTensor:
-                From<burn::backend::ndarray::SharedArray<E>> + From<burn::backend::ndarray::SharedArray<I>>,
-        {
-        }
+        default_kernel_impls!($kernels, except cubecl);
 
         #[cfg(feature = "cubecl")]
         impl<R, F, I, BT> $kernels for burn_cubecl::CubeBackend<R, F, I, BT>
@@ -93,6 +85,18 @@ macro_rules! default_kernel_impls {
             F: burn_cubecl::FloatElement,
             I: burn_cubecl::IntElement,
             BT: burn_cubecl::BoolElement,
+        {
+        }
+    };
+    ($kernels:path, except cubecl) => {
+        #[cfg(feature = "ndarray")]
+        impl<E, I, Q> $kernels for burn::backend::NdArray<E, I, Q>
+        where
+            E: burn::backend::ndarray::FloatNdArrayElement,
+            I: burn::backend::ndarray::IntNdArrayElement,
+            Q: burn::backend::ndarray::QuantElement,
+            burn::backend::ndarray::NdArrayTensor:
+                From<burn::backend::ndarray::SharedArray<E>> + From<burn::backend::ndarray::SharedArray<I>>,
         {
         }
 
@@ -134,7 +138,7 @@ pub mod tuning;
 pub use comm::{Communicator, LocalGroup, RankContext};
 pub use dispatch::RoutingStats;
 pub use error::{MoeError, Result};
-pub use exchange::MoeBackend;
+pub use exchange::{GemmPrecision, MoeBackend};
 pub use experts::{seeded_uniform, Activation, ExpertShard, Experts, ShardCheck, SharedExpert};
 pub use layer::{
     ExchangePath, MoeContext, MoeLayer, MoeLayerConfig, MoeOutput, MoeStats, ParamKind, Partitions,

@@ -16,6 +16,10 @@ use proptest::strategy::Strategy as PropStrategy;
 
 type B = Autodiff<NdArray>;
 
+/// The device library hook of the experts' compute, through its plain-primitive twin.
+#[path = "layer/expert_path.rs"]
+mod expert_path;
+
 fn config_error(config: MoeLayerConfig) -> String {
     match config.validate() {
         Err(MoeError::Config { field, reason }) => format!("{field}: {reason}"),
@@ -260,7 +264,7 @@ proptest! {
         let device = Default::default();
         for n_ranks in [1usize, 2].into_iter().filter(|r| config.n_experts % r == 0) {
             let reference = check_case::<B>(&case, &CheckOptions { path: ExchangePath::Reference, n_ranks, ..CheckOptions::default() }, &device).unwrap();
-            let fused = check_case::<B>(&case, &CheckOptions { path: ExchangePath::Fused, n_ranks, partitions: Partitions::Fixed(n), strategy, memory_budget: None, executor: Some(StepExecutor::StreamThreads), shadowing: mpipemoe::Shadowing::Off  }, &device).unwrap();
+            let fused = check_case::<B>(&case, &CheckOptions { path: ExchangePath::Fused, n_ranks, partitions: Partitions::Fixed(n), strategy, memory_budget: None, executor: Some(StepExecutor::StreamThreads), shadowing: mpipemoe::Shadowing::Off, ..CheckOptions::default() }, &device).unwrap();
             for (name, got) in &fused.tensors {
                 let (want, scale, reference) = (expected(&case, name), scales.get(name), &reference.tensors[name]);
                 let err = conditioned_error(reference, &want, &want, scale);

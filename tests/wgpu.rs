@@ -672,3 +672,107 @@ fn flat(t: Tensor<Inner, 3>) -> Tensor<Inner, 2> {
     let [e, r, c] = t.dims();
     t.reshape([e * r, c])
 }
+
+/// The CubeCL activation kernels (one pass each: exact GELU and SwiGLU, forward and
+/// derivative) against the composed forms (NdArray's defaults, in f64-checked f32) on a
+/// contiguous tensor, a row slice at an offset and a transposed view (which the kernels hand
+/// to the composed form): every value within 1e-5 of the composed one, relative to its size.
+/// Values span [-10, 10], the tails of the erf and the sigmoid included. A wrong half of
+/// `[gate | up]`, a wrong constant or a derivative term dropped fails it.
+#[test]
+fn cubecl_activation_kernels_match_the_composed_form() {
+    use burn::backend::NdArray;
+    use mpipemoe::backend::ActivationKernels;
+
+    let _guard = shared();
+    let device = WgpuDevice::default();
+    let (rows, h) = (40, 350);
+    let z_values: Vec<f32> = (0..rows * 2 * h)
+        .map(|i| ((i * 7919) % 2003) as f32 / 100.0 - 10.0)
+        .collect();
+    let g_values: Vec<f32> = (0..rows * h)
+        .map(|i| ((i * 104729) % 1009) as f32 / 500.0 - 1.0)
+        .collect();
+    let gpu = |v: &[f32], shape: [usize; 2]| {
+        Tensor::<Inner, 2>::from_data(TensorData::new(v.to_vec(), shape), &device)
+    };
+    let host = |t: Tensor<Inner, 2>| t.into_data().to_vec::<f32>().unwrap();
+    let wrap = |p| Tensor::<Inner, 2>::from_primitive(TensorPrimitive::Float(p));
+    let nd = |v: Vec<f32>, shape: [usize; 2]| {
+        Tensor::<NdArray, 2>::from_data(TensorData::new(v, shape), &Default::default())
+            .into_primitive()
+            .tensor()
+    };
+    let nd_host = |p| {
+        Tensor::<NdArray, 2>::from_primitive(TensorPrimitive::Float(p))
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap()
+    };
+    let close = |name: &str, got: &[f32], want: &[f32]| {
+        assert_eq!(got.len(), want.len(), "{name}: length");
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                "{name}[{i}]: {g} against {w}"
+            );
+        }
+    };
+    let z_full = gpu(&z_values, [rows, 2 * h]);
+    let g_full = gpu(&g_values, [rows, h]);
+    let views: [(&str, Tensor<Inner, 2>, Tensor<Inner, 2>); 3] = [
+        ("contiguous", z_full.clone(), g_full.clone()),
+        (
+            "row slice",
+            z_full.clone().narrow(0, 13, 11),
+            g_full.clone().narrow(0, 13, 11),
+        ),
+        (
+            "transposed",
+            gpu(&host(z_full.clone().transpose()), [2 * h, rows]).transpose(),
+            gpu(&host(g_full.clone().transpose()), [h, rows]).transpose(),
+        ),
+    ];
+    for (name, z, g) in views {
+        let (zs, gs) = (host(z.clone()), host(g.clone()));
+        let [r, _] = z.dims();
+        let p = |t: Tensor<Inner, 2>| t.into_primitive().tensor();
+        close(
+            &format!("{name} swiglu"),
+            &host(wrap(Inner::swiglu(p(z.clone())))),
+            &nd_host(<NdArray as ActivationKernels>::swiglu(nd(zs.clone(), [r, 2 * h]))),
+        );
+        close(
+            &format!("{name} swiglu backward"),
+            &host(wrap(Inner::swiglu_backward(p(z.clone()), p(g.clone())))),
+            &nd_host(<NdArray as ActivationKernels>::swiglu_backward(
+                nd(zs.clone(), [r, 2 * h]),
+                nd(gs.clone(), [r, h]),
+            )),
+        );
+        // GELU on the gate half's shape: z's first `h` columns as a tensor of their own.
+        let zg = gpu(
+            &zs.chunks(2 * h)
+                .flat_map(|row| row[..h].to_vec())
+                .collect::<Vec<_>>(),
+            [r, h],
+        );
+        let zgs = host(zg.clone());
+        close(
+            &format!("{name} gelu"),
+            &host(wrap(Inner::gelu_exact(p(zg.clone())))),
+            &nd_host(<NdArray as ActivationKernels>::gelu_exact(nd(
+                zgs.clone(),
+                [r, h],
+            ))),
+        );
+        close(
+            &format!("{name} gelu backward"),
+            &host(wrap(Inner::gelu_backward_exact(p(zg), p(g.clone())))),
+            &nd_host(<NdArray as ActivationKernels>::gelu_backward_exact(
+                nd(zgs, [r, h]),
+                nd(gs, [r, h]),
+            )),
+        );
+    }
+}

@@ -13,7 +13,7 @@ use crate::layer::{ExchangePath, MoeLayer, ParamKind, Partitions};
 use crate::memory::{MemoryReuse, Strategy};
 use crate::pipeline::chunk_range;
 use crate::tuning::Shadowing;
-use crate::{Communicator, LocalGroup, MoeBackend};
+use crate::{Communicator, GemmPrecision, LocalGroup, MoeBackend};
 
 /// One configuration to check a case with.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -35,6 +35,8 @@ pub struct CheckOptions {
     /// Hot experts replicated on every rank (changes where rows are computed, never the
     /// result).
     pub shadowing: Shadowing,
+    /// The experts' GEMM precision where the communicator offers a device library.
+    pub gemm_precision: GemmPrecision,
 }
 
 impl Default for CheckOptions {
@@ -47,6 +49,7 @@ impl Default for CheckOptions {
             memory_budget: None,
             executor: None,
             shadowing: Shadowing::Off,
+            gemm_precision: GemmPrecision::F32,
         }
     }
 }
@@ -163,7 +166,8 @@ where
         })
         .with_memory_budget(options.memory_budget)
         .with_executor(options.executor)
-        .with_shadowing(options.shadowing);
+        .with_shadowing(options.shadowing)
+        .with_gemm_precision(options.gemm_precision);
     config.validate_for_ranks(options.n_ranks)?;
     let x_all = values(case.tensor("x"));
     let probe_all = values(case.tensor("probe"));

@@ -74,14 +74,24 @@ impl RowPaths {
 
     /// Stores `entry`, replacing an earlier entry of the same type: entries are found by
     /// their type, which names the kind of path and the backend.
-    pub(super) fn insert<T: Any + Send + Sync>(mut self, entry: T) -> Self {
+    pub(crate) fn insert<T: Any + Send + Sync>(mut self, entry: T) -> Self {
         self.paths.retain(|p| !p.is::<T>());
         self.paths.push(Arc::new(entry));
         self
     }
 
-    pub(super) fn find<T: Any + Clone>(&self) -> Option<T> {
+    pub(crate) fn find<T: Any + Clone>(&self) -> Option<T> {
         self.paths.iter().find_map(|p| p.downcast_ref::<T>().cloned())
+    }
+
+    /// `self` with every entry of `other` added, each replacing an entry of the same kind and
+    /// backend: how a wrapper adds paths to those its inner communicator offers.
+    pub fn merged(mut self, other: &RowPaths) -> Self {
+        for entry in &other.paths {
+            self.paths.retain(|p| (**p).type_id() != (**entry).type_id());
+            self.paths.push(entry.clone());
+        }
+        self
     }
 
     /// Adds the path for backend `B` (replacing an earlier one for the same backend).
@@ -180,12 +190,31 @@ impl<B: Backend> OffloadPath<B> for HostOffload {
 pub struct WithRowPaths {
     inner: Arc<dyn Communicator>,
     paths: RowPaths,
+    /// What [`adding`](Self::adding) added to the inner communicator's own paths, so that a
+    /// sub-group adds it to the sub-group's own.
+    added: Option<RowPaths>,
 }
 
 impl WithRowPaths {
-    /// `inner` with `paths`.
+    /// `inner` with `paths` in place of any it offers.
     pub fn new(inner: Arc<dyn Communicator>, paths: RowPaths) -> Self {
-        Self { inner, paths }
+        Self {
+            inner,
+            paths,
+            added: None,
+        }
+    }
+
+    /// `inner` with `paths` added to those it offers (each replacing the inner entry of the
+    /// same kind and backend): e.g. the CUDA expert GEMMs added to a group of thread ranks,
+    /// or to NCCL's rows.
+    pub fn adding(inner: Arc<dyn Communicator>, paths: RowPaths) -> Self {
+        let merged = inner.row_paths().cloned().unwrap_or_default().merged(&paths);
+        Self {
+            inner,
+            paths: merged,
+            added: Some(paths),
+        }
     }
 }
 
@@ -210,9 +239,15 @@ impl Communicator for WithRowPaths {
         Some(&self.paths)
     }
 
-    /// The inner communicator's sub-group with the same paths: the paths this wrapper carries
-    /// are the host twins, which serve any communicator they are called with.
+    /// The inner communicator's sub-group with the same paths: the paths [`new`](Self::new)
+    /// carries are the host twins, which serve any communicator they are called with; what
+    /// [`adding`](Self::adding) added is added to the sub-group's own paths (NCCL's sub-group
+    /// has paths of its own communicator).
     fn split(&self, color: usize) -> Result<Arc<dyn Communicator>> {
-        Ok(Arc::new(Self::new(self.inner.split(color)?, self.paths.clone())))
+        let sub = self.inner.split(color)?;
+        Ok(Arc::new(match &self.added {
+            Some(added) => Self::adding(sub, added.clone()),
+            None => Self::new(sub, self.paths.clone()),
+        }))
     }
 }

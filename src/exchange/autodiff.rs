@@ -195,6 +195,20 @@ impl<B: MoeBackend, C: CheckpointStrategy> MoeBackend for Autodiff<B, C> {
         }
     }
 
+    fn dense_library(comm: &dyn Communicator) -> bool {
+        B::dense_library(comm)
+    }
+
+    /// One backward node whose two products go through the inner backend's library too.
+    fn dense_matmul(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        comm: &Arc<dyn Communicator>,
+        precision: super::GemmPrecision,
+    ) -> Result<FloatTensor<Self>> {
+        super::dense::autodiff::<B, C>(lhs, rhs, comm, precision)
+    }
+
     fn all_to_all(
         x: FloatTensor<Self>,
         send_per_rank: &[usize],

@@ -49,6 +49,11 @@ pub struct ExchangeRun {
     /// Not a constructor argument: set the field.
     #[new(default)]
     pub shadows: Vec<usize>,
+    /// The precision of the experts' products where the communicator offers a device
+    /// library's [`ExpertPath`](super::ExpertPath) for the backend (cuBLAS on CUDA); ignored
+    /// by the primitive ops. Not a constructor argument: set the field.
+    #[new(default)]
+    pub precision: super::GemmPrecision,
 }
 
 impl ExchangeRun {
@@ -208,6 +213,33 @@ pub trait MoeBackend: ActivationKernels + OptimizerKernels {
     /// - w: `[n_experts, rows, cols]` → `[rows, cols]`
     fn expert_matrix(w: &FloatTensor<Self>, e: usize) -> FloatTensor<Self> {
         rows::expert_matrix::<Self>(w, e)
+    }
+
+    /// `lhs · rhs` for the layer's dense products outside the exchange (the router's logits,
+    /// the shared expert) at the config's GEMM precision: through the communicator's device
+    /// library for this backend where it offers one ([`ExpertPath::matmul`](super::ExpertPath::matmul)),
+    /// the backend's matmul otherwise; differentiable where the backend tracks gradients, the
+    /// backward's products going the same way (`exchange/dense.rs`).
+    ///
+    /// # Shapes
+    /// - lhs: `[m, k]`, rhs: `[k, n]` → `[m, n]`
+    ///
+    /// # Errors
+    /// [`MoeError::Backend`](crate::MoeError::Backend) if the device library fails.
+    fn dense_matmul(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        comm: &Arc<dyn Communicator>,
+        precision: super::GemmPrecision,
+    ) -> Result<FloatTensor<Self>> {
+        super::dense::through_path::<Self>(lhs, rhs, comm, precision)
+    }
+
+    /// Whether [`dense_matmul`](Self::dense_matmul) goes through a device library here: the
+    /// communicator offers one for this backend, or, for a wrapper (`Autodiff<B>`,
+    /// `Fusion<B>`), for the backend it wraps.
+    fn dense_library(comm: &dyn Communicator) -> bool {
+        comm.row_paths().and_then(|p| p.experts::<Self>()).is_some()
     }
 
     /// The uneven all-to-all of rows, differentiable where the backend tracks gradients (its

@@ -5,7 +5,10 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Shape, TensorMetadata};
 
-use super::blocks::{block, layout_of, Blocks, Mem};
+use std::sync::Arc;
+
+use super::blocks::{block, layout_of, BlockLayout, Blocks, Mem};
+use super::expert_path::{ExpertBackward, ExpertForward, ExpertGroups, ExpertPath, GemmPrecision};
 use super::rows::{dims2, float_dtype};
 use super::schedule::{Role, Slot};
 use super::shadows::ExpertSlots;
@@ -14,6 +17,49 @@ use crate::comm::Communicator;
 use crate::dispatch::PartitionPlan;
 use crate::error::Result;
 use crate::experts::{activation_backward, activation_forward, Activation, ExpertTensors};
+
+/// A device library's expert compute for a run, with what it needs besides the partition: the
+/// precision, and the experts grouped as the path reads them (built once per pass).
+pub(crate) struct Library<B: MoeBackend> {
+    path: Arc<dyn ExpertPath<B>>,
+    precision: GemmPrecision,
+    groups: ExpertGroups<B>,
+}
+
+impl<B: MoeBackend> Library<B> {
+    /// The communicator's expert path for `B`, if it offers one.
+    pub(crate) fn find(
+        comm: &dyn Communicator,
+        precision: GemmPrecision,
+        experts: &ExpertSlots<B>,
+    ) -> Option<Self> {
+        let path = comm.row_paths()?.experts::<B>()?;
+        Some(Self {
+            path,
+            precision,
+            groups: experts.groups(),
+        })
+    }
+}
+
+/// A slot's buffer for blocks laid out by `layout`: the arena's where `mem` is one, a fresh
+/// tensor otherwise.
+fn slot_buffer<B: MoeBackend>(
+    mem: Mem<'_, B>,
+    slot: Slot,
+    layout: &BlockLayout,
+    width: usize,
+    like: &FloatTensor<B>,
+) -> Result<FloatTensor<B>> {
+    match mem {
+        Some(m) => m.buffer(slot, layout.total(), width),
+        None => Ok(B::float_empty(
+            Shape::new([layout.total(), width]),
+            &B::float_device(like),
+            float_dtype::<B>(like),
+        )),
+    }
+}
 
 /// `x_e · w_in[e] + b_in[e]`: the first GEMM of expert `e`, i.e. `T_M` before activation.
 pub(crate) fn first_gemm<B: MoeBackend>(
@@ -45,7 +91,11 @@ pub(crate) fn compute<B: MoeBackend>(
     experts: &ExpertSlots<B>,
     act: Activation,
     mem: Mem<'_, B>,
+    library: Option<&Library<B>>,
 ) -> Result<(FloatTensor<B>, PerExpert<B>)> {
+    if let Some(library) = library {
+        return compute_on(library, x, part, i, experts, act, mem);
+    }
     let [_, d_model] = dims2::<B>(&x);
     let d_hidden = experts.d_inner();
     let rows_per_expert = &part.rows_per_expert;
@@ -71,6 +121,46 @@ pub(crate) fn compute<B: MoeBackend>(
     Ok((out_blocks.finish(), hidden))
 }
 
+/// [`compute`] through a device library: the same slots, one call for the partition.
+fn compute_on<B: MoeBackend>(
+    library: &Library<B>,
+    x: FloatTensor<B>,
+    part: &PartitionPlan,
+    i: usize,
+    experts: &ExpertSlots<B>,
+    act: Activation,
+    mem: Mem<'_, B>,
+) -> Result<(FloatTensor<B>, PerExpert<B>)> {
+    let [_, d_model] = dims2::<B>(&x);
+    let d_inner = experts.d_inner();
+    let rows_per_expert = &part.rows_per_expert;
+    let layout = layout_of(mem, rows_per_expert, d_model);
+    let hidden_layout = layout_of(mem, rows_per_expert, d_inner);
+    let hidden_slot = Slot {
+        role: Role::Hidden,
+        index: i % 2,
+    };
+    let hidden = slot_buffer(mem, hidden_slot, &hidden_layout, d_inner, &x)?;
+    let out = slot_buffer(mem, Slot::of(Role::Output, i), &layout, d_model, &x)?;
+    let (out, hidden) = library.path.forward(ExpertForward {
+        x,
+        rows_per_expert,
+        layout: &layout,
+        hidden_layout: &hidden_layout,
+        experts: &library.groups,
+        activation: act,
+        precision: library.precision,
+        hidden,
+        out,
+    })?;
+    let per_expert = rows_per_expert
+        .iter()
+        .enumerate()
+        .map(|(e, &rows)| (rows > 0).then(|| block::<B>(mem, &hidden, &hidden_layout, e, rows)))
+        .collect();
+    Ok((out, per_expert))
+}
+
 /// A partition's tensors, back for its backward step.
 pub(crate) struct Restored<B: Backend> {
     /// Gradient of the expert outputs, expert-major. `[rows, d_model]`
@@ -84,6 +174,7 @@ pub(crate) struct Restored<B: Backend> {
 /// C'_i: the FFN backward of every local expert on partition `i`. Returns the gradient of
 /// the partition's expert-major inputs (in the arena's `dT_DI` slot where `mem` is one) and
 /// adds the weight gradients to `acc`.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn compute_backward<B: MoeBackend>(
     restored: Restored<B>,
     part: &PartitionPlan,
@@ -92,7 +183,11 @@ pub(crate) fn compute_backward<B: MoeBackend>(
     act: Activation,
     mem: Mem<'_, B>,
     acc: &mut ExpertGradAcc<B>,
+    library: Option<&Library<B>>,
 ) -> Result<FloatTensor<B>> {
+    if let Some(library) = library {
+        return compute_backward_on(library, restored, part, i, act, mem, acc);
+    }
     let Restored { grad, x, hidden } = restored;
     let [_, d_model] = dims2::<B>(&x);
     let rows_per_expert = &part.rows_per_expert;
@@ -129,6 +224,42 @@ pub(crate) fn compute_backward<B: MoeBackend>(
     Ok(grads_x.finish())
 }
 
+/// [`compute_backward`] through a device library, adding into the stacked running sums.
+fn compute_backward_on<B: MoeBackend>(
+    library: &Library<B>,
+    restored: Restored<B>,
+    part: &PartitionPlan,
+    i: usize,
+    act: Activation,
+    mem: Mem<'_, B>,
+    acc: &mut ExpertGradAcc<B>,
+) -> Result<FloatTensor<B>> {
+    let Restored { grad, x, hidden } = restored;
+    let [_, d_model] = dims2::<B>(&x);
+    let rows_per_expert = &part.rows_per_expert;
+    let layout = layout_of(mem, rows_per_expert, d_model);
+    let grad_x = slot_buffer(mem, Slot::of(Role::GradInput, i), &layout, d_model, &x)?;
+    if rows_per_expert.iter().all(|&r| r == 0) {
+        // Nothing to add: the running sums stay as they are (or unmade, then zeros).
+        return Ok(grad_x);
+    }
+    let out = library.path.backward(ExpertBackward {
+        grad,
+        x,
+        hidden,
+        rows_per_expert,
+        layout: &layout,
+        experts: &library.groups,
+        activation: act,
+        precision: library.precision,
+        grad_x,
+        fresh: acc.stacked.is_none(),
+        grads: acc.take_stacked(),
+    })?;
+    acc.stacked = Some(out.grads);
+    Ok(out.grad_x)
+}
+
 /// Which expert parameter a gradient belongs to (an index into `ExpertGradAcc::sums`).
 #[derive(Clone, Copy)]
 enum Param {
@@ -144,9 +275,15 @@ enum Param {
 /// straight into the stacked tensor through slice views measured ~40x slower on Flex.) The
 /// slots of shadow copies are summed onto their owners' slots first
 /// ([`fold_shadows`](Self::fold_shadows)); what is stacked has the own experts' shape.
+///
+/// A device library ([`Library`]) keeps its sums stacked instead (`stacked`, every slot, added
+/// to in place by its GEMMs): without shadows they are the gradients as they stand.
 pub(crate) struct ExpertGradAcc<B: MoeBackend> {
     sums: [Vec<Option<FloatTensor<B>>>; 4],
+    /// Every slot's running sums, stacked, where a device library adds them.
+    stacked: Option<ExpertTensors<B>>,
     like: ExpertTensors<B>,
+    n_slots: usize,
 }
 
 impl<B: MoeBackend> ExpertGradAcc<B> {
@@ -155,7 +292,71 @@ impl<B: MoeBackend> ExpertGradAcc<B> {
         let empty = || (0..n).map(|_| None).collect::<Vec<_>>();
         Self {
             sums: [empty(), empty(), empty(), empty()],
+            stacked: None,
             like: experts.own().clone(),
+            n_slots: n,
+        }
+    }
+
+    /// The stacked running sums of every slot; before the first partition, uninitialised
+    /// tensors that the path writes whole (the job's `fresh`): zero-filling them would cost a
+    /// pass over every expert's weights per step.
+    fn take_stacked(&mut self) -> ExpertTensors<B> {
+        if let Some(stacked) = self.stacked.take() {
+            return stacked;
+        }
+        let n_slots = self.n_slots;
+        let zeros = |like: &FloatTensor<B>| {
+            let mut dims = like.shape().to_vec();
+            dims[0] = n_slots;
+            B::float_empty(Shape::from(dims), &B::float_device(like), float_dtype::<B>(like))
+        };
+        ExpertTensors {
+            w_in: zeros(&self.like.w_in),
+            b_in: self.like.b_in.as_ref().map(zeros),
+            w_out: zeros(&self.like.w_out),
+            b_out: self.like.b_out.as_ref().map(zeros),
+        }
+    }
+
+    /// Moves the stacked sums into the per-slot ones (views of them), for the fold of the
+    /// shadows' copies and the stacking that follows it.
+    fn unstack(&mut self) {
+        let Some(stacked) = self.stacked.take() else {
+            return;
+        };
+        let tensors = [
+            Some(stacked.w_in),
+            stacked.b_in,
+            Some(stacked.w_out),
+            stacked.b_out,
+        ];
+        for (param, tensor) in tensors.into_iter().enumerate() {
+            let Some(tensor) = tensor else { continue };
+            let dims = tensor.shape().to_vec();
+            for e in 0..self.n_slots {
+                let slot = if dims.len() == 3 {
+                    super::rows::expert_matrix::<B>(&tensor, e)
+                } else {
+                    super::rows::expert_row::<B>(&tensor, e)
+                };
+                let sum = &mut self.sums[param][e];
+                *sum = Some(match sum.take() {
+                    Some(acc) => B::float_add(acc, slot),
+                    None => slot,
+                });
+            }
+        }
+    }
+
+    /// The stacked sums as the gradients, where they are all there is (no shadow slots, no
+    /// per-slot sums).
+    fn stacked_as_is(&mut self) -> Option<ExpertTensors<B>> {
+        let alone = self.sums.iter().flatten().all(Option::is_none);
+        let n_own = self.like.w_in.shape().to_vec()[0];
+        match (alone, self.n_slots == n_own) {
+            (true, true) => self.stacked.take(),
+            _ => None,
         }
     }
 
@@ -172,6 +373,7 @@ impl<B: MoeBackend> ExpertGradAcc<B> {
         if shadows.is_empty() {
             return Ok(());
         }
+        self.unstack();
         let likes = [
             Some(self.like.w_in.clone()),
             self.like.b_in.clone(),
@@ -251,7 +453,19 @@ impl<B: MoeBackend> ExpertGradAcc<B> {
         shadows: &[usize],
         comm: &dyn Communicator,
     ) -> Result<(ExpertTensors<B>, Vec<FloatTensor<B>>)> {
-        let sums: Vec<FloatTensor<B>> = self.sums.iter().flatten().flatten().cloned().collect();
+        let mut sums: Vec<FloatTensor<B>> = self.sums.iter().flatten().flatten().cloned().collect();
+        if let Some(s) = &self.stacked {
+            sums.extend(
+                [
+                    Some(s.w_in.clone()),
+                    s.b_in.clone(),
+                    Some(s.w_out.clone()),
+                    s.b_out.clone(),
+                ]
+                .into_iter()
+                .flatten(),
+            );
+        }
         self.fold_shadows(shadows, comm)?;
         let stacked = self.stack_all();
         // A copy on this thread's stream; with the sums still held, the add cannot run in
@@ -273,7 +487,11 @@ impl<B: MoeBackend> ExpertGradAcc<B> {
     }
 
     /// Every running sum stacked into the own experts' shapes (after the fold).
-    fn stack_all(self) -> ExpertTensors<B> {
+    fn stack_all(mut self) -> ExpertTensors<B> {
+        if let Some(stacked) = self.stacked_as_is() {
+            return stacked;
+        }
+        self.unstack();
         let [w_in, b_in, w_out, b_out] = self.sums;
         let like = self.like;
         ExpertTensors {

@@ -21,7 +21,7 @@ use burn::tensor::TensorMetadata;
 use super::assemble::RowAssembler;
 use super::blocks::{layout_of, Mem};
 use super::executor::StepExecutor;
-use super::ffn::{compute, compute_backward, ExpertGradAcc, Restored};
+use super::ffn::{compute, compute_backward, ExpertGradAcc, Library, Restored};
 use super::rows::{all_to_all_rows, dims2, gather_rows, narrow_rows};
 use super::schedule::{Op, Role, Schedule, Slot, Step, Stream};
 use super::shadows::ExpertSlots;
@@ -250,6 +250,7 @@ pub fn forward<B: MoeBackend>(
     let output = Mutex::new(RowAssembler::<B>::new(&input, plan, threaded));
     let memory = B::slot_memory(run, &input);
     let mem: Mem<'_, B> = memory.as_deref();
+    let library = Library::find(comm, run.precision, &experts);
     let step_fn = |_: usize, step: &Step| -> Result<()> {
         match step.op {
             Op::Dispatch(i) => {
@@ -264,8 +265,15 @@ pub fn forward<B: MoeBackend>(
             }
             Op::Compute(i) => {
                 let x = slots.rows(step, Role::Dispatched, i)?;
-                let (out, hidden) =
-                    compute::<B>(x.clone(), &plan.partitions[i], i, &experts, run.activation, mem)?;
+                let (out, hidden) = compute::<B>(
+                    x.clone(),
+                    &plan.partitions[i],
+                    i,
+                    &experts,
+                    run.activation,
+                    mem,
+                    library.as_ref(),
+                )?;
                 if strategy.dispatched() == Restore::Keep {
                     lock(&saved)[i].dispatched = Stash::Device(x);
                 }
@@ -360,6 +368,7 @@ pub fn backward<B: MoeBackend>(
     let input_grad = Mutex::new(RowAssembler::<B>::new(&grad_out, plan, threaded));
     let memory = B::slot_memory(run, &grad_out);
     let mem: Mem<'_, B> = memory.as_deref();
+    let library = Library::find(comm, run.precision, &experts);
     let take_dispatched = |i: usize| std::mem::replace(&mut lock(&stashes[i]).dispatched, Stash::Dropped);
     let take_hidden = |i: usize| -> Result<Vec<Option<FloatTensor<B>>>> {
         std::mem::take(&mut lock(&stashes[i]).hidden)
@@ -421,6 +430,7 @@ pub fn backward<B: MoeBackend>(
                     run.activation,
                     mem,
                     &mut lock(&acc),
+                    library.as_ref(),
                 )?;
                 slots.put(step, Slot::of(Role::GradInput, i), Value::Rows(grad_x))
             }

@@ -93,6 +93,27 @@ impl<B: FusionBackend + MoeBackend> MoeBackend for Fusion<B> {
         B::worker_streams(device)
     }
 
+    fn dense_library(comm: &dyn Communicator) -> bool {
+        B::dense_library(comm)
+    }
+
+    /// On the inner backend where the communicator offers a library for it (paths are found by
+    /// backend type); fusion's own matmul, which stays fusable, otherwise.
+    fn dense_matmul(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        comm: &Arc<dyn Communicator>,
+        precision: super::GemmPrecision,
+    ) -> Result<FloatTensor<Self>> {
+        use burn::tensor::ops::FloatTensorOps;
+        if !B::dense_library(comm.as_ref()) {
+            return Ok(Self::float_matmul(lhs, rhs));
+        }
+        let device = lhs.client.device().clone();
+        let out = B::dense_matmul(resolve::<B>(lhs), resolve::<B>(rhs), comm, precision)?;
+        Ok(register::<B>(out, &device))
+    }
+
     /// The reference twin's all-to-all, on the inner backend's rows (the device path where the
     /// communicator has one).
     fn all_to_all(

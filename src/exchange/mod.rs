@@ -15,7 +15,10 @@ mod blocks;
 mod cubecl;
 #[cfg(feature = "cubecl")]
 mod cubecl_arena;
+mod dense;
+pub(crate) use dense::dense;
 pub(crate) mod executor;
+mod expert_path;
 mod ffn;
 #[cfg(feature = "flex")]
 mod flex_gemm;
@@ -35,5 +38,9 @@ pub(crate) use crate::pipeline::schedule;
 pub use arena::{buffer_of, ArenaCounters, ArenaStats, PartitionArena, SlotMemory};
 pub use backend::{ExchangeGrads, ExchangeRun, MoeBackend};
 pub use blocks::BlockLayout;
+pub use expert_path::{
+    ComposedExperts, ExpertBackward, ExpertBackwardOut, ExpertForward, ExpertGroups, ExpertPath,
+    GemmPrecision,
+};
 pub use reference::exchange_reference;
 pub use streams::{NoStreams, StepHold, SyncStreams, WorkerStreams};

@@ -96,6 +96,16 @@ impl<B: MoeBackend> ExpertSlots<B> {
         })
     }
 
+    /// The stacked groups the slots live in, as a device library reads them: the own experts,
+    /// then the copies.
+    pub(crate) fn groups(&self) -> super::ExpertGroups<B> {
+        super::ExpertGroups {
+            groups: std::iter::once(self.own.clone())
+                .chain(self.copies.clone())
+                .collect(),
+        }
+    }
+
     /// Slots: own experts plus copies.
     pub(crate) fn n_slots(&self) -> usize {
         self.n_own + self.copies.as_ref().map_or(0, |c| c.w_in.shape().to_vec()[0])

@@ -43,12 +43,44 @@ pub trait ActivationKernels: Backend {
     }
 }
 
-// On NdArray, the CubeCL backends, fusion (where the layer computes an activation outside the
-// exchange, on the reference path, fusion can fuse the composed erf GELU with its neighbours;
-// the exchange itself runs the inner backend's kernels) and autodiff (the exchange runs its
-// expert FFNs on the inner backend, so the wrapper never calls them on tracked tensors): the
-// defaults.
-default_kernel_impls!(ActivationKernels);
+// On NdArray, fusion (where the layer computes an activation outside the exchange, on the
+// reference path, fusion can fuse the composed erf GELU with its neighbours; the exchange itself
+// runs the inner backend's kernels) and autodiff (the exchange runs its expert FFNs on the inner
+// backend, so the wrapper never calls them on tracked tensors): the defaults. The CubeCL
+// backends have kernels of their own (below).
+default_kernel_impls!(ActivationKernels, except cubecl);
+
+/// One kernel each way (`cubecl_activation.rs`), the composed form for what the kernels do not
+/// read (strided views, other dtypes).
+#[cfg(feature = "cubecl")]
+impl<R, F, I, BT> ActivationKernels for burn_cubecl::CubeBackend<R, F, I, BT>
+where
+    R: burn_cubecl::CubeRuntime,
+    R::Server: burn_cubecl::cubecl::server::ComputeServer,
+    R::Device: burn::tensor::backend::DeviceOps,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+    fn gelu_exact(z: FloatTensor<Self>) -> FloatTensor<Self> {
+        super::cubecl_activation::gelu(&z)
+            .unwrap_or_else(|| <Self as burn::tensor::ops::ActivationOps<Self>>::gelu(z))
+    }
+
+    fn gelu_backward_exact(z: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        super::cubecl_activation::gelu_backward(&z, &grad)
+            .unwrap_or_else(|| super::activation::gelu_backward_composed::<Self>(z, grad))
+    }
+
+    fn swiglu(z: FloatTensor<Self>) -> FloatTensor<Self> {
+        super::cubecl_activation::swiglu(&z).unwrap_or_else(|| super::activation::swiglu_composed::<Self>(z))
+    }
+
+    fn swiglu_backward(z: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        super::cubecl_activation::swiglu_backward(&z, &grad)
+            .unwrap_or_else(|| super::activation::swiglu_backward_composed::<Self>(z, grad))
+    }
+}
 
 #[cfg(feature = "flex")]
 impl ActivationKernels for burn::backend::Flex {

@@ -1,6 +1,8 @@
 //! The experts: feed-forward networks, one per expert, stored as stacked weight tensors.
 
 mod activation;
+#[cfg(feature = "cubecl")]
+mod cubecl_activation;
 #[cfg(feature = "flex")]
 pub(crate) mod flex_gelu;
 #[cfg(feature = "flex")]

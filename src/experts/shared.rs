@@ -58,16 +58,33 @@ impl<B: Backend> SharedExpert<B> {
     /// # Shapes
     /// - x: `[n_tokens, d_model]` → `[n_tokens, d_model]`
     pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        let plain = |a: Tensor<B, 2>, b: Tensor<B, 2>| Ok(a.matmul(b));
+        self.forward_with(x, &plain).expect("burn's matmul does not fail")
+    }
+
+    /// [`forward`](Self::forward) with its three products computed by `matmul` (the layer
+    /// passes its dense product at the config's GEMM precision).
+    ///
+    /// # Shapes
+    /// - x: `[n_tokens, d_model]` → `[n_tokens, d_model]`
+    ///
+    /// # Errors
+    /// What `matmul` returns.
+    pub fn forward_with(
+        &self,
+        x: Tensor<B, 2>,
+        matmul: &dyn Fn(Tensor<B, 2>, Tensor<B, 2>) -> crate::Result<Tensor<B, 2>>,
+    ) -> crate::Result<Tensor<B, 2>> {
         let [n_tokens, _] = x.dims();
         let h = self.d_shared();
-        let inner = x.clone().matmul(self.w_in.val());
+        let inner = matmul(x.clone(), self.w_in.val())?;
         let gate_half = inner.clone().slice([0..n_tokens, 0..h]);
         let up_half = inner.slice([0..n_tokens, h..2 * h]);
         let hidden = silu(gate_half) * up_half;
-        let out = hidden.matmul(self.w_out.val());
-        match &self.gate {
-            Some(gate) => out * sigmoid(x.matmul(gate.val().transpose())),
+        let out = matmul(hidden, self.w_out.val())?;
+        Ok(match &self.gate {
+            Some(gate) => out * sigmoid(matmul(x, gate.val().transpose())?),
             None => out,
-        }
+        })
     }
 }

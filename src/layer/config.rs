@@ -10,6 +10,7 @@ use super::{MoeContext, MoeLayer};
 use crate::comm::{Communicator, SingleRank};
 use crate::error::{MoeError, Result};
 use crate::exchange::executor::StepExecutor;
+use crate::exchange::GemmPrecision;
 use crate::experts::Activation;
 use crate::memory::MemoryReuse;
 use crate::router::{RoutingRule, Scoring};
@@ -174,6 +175,14 @@ pub struct MoeLayerConfig {
     /// to do on one rank. See [`Shadowing`].
     #[config(default = "Shadowing::Off")]
     pub shadowing: Shadowing,
+    /// The precision of the experts' GEMMs (and of the shared expert's) where the communicator
+    /// offers a device library's expert path for the backend (cuBLAS through `mpipemoe-cuda`):
+    /// IEEE f32 (the default, PyTorch's default too), TF32 or bf16 on the tensor cores, f32
+    /// accumulation in all three. The router's logits follow it, except under bf16, where they
+    /// stay f32 (routing is a discrete choice). Every other path multiplies as its backend
+    /// does and ignores it.
+    #[config(default = "GemmPrecision::F32")]
+    pub gemm_precision: GemmPrecision,
 }
 
 impl MoeLayerConfig {

@@ -10,7 +10,7 @@ use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData, TensorPrimitive};
 use super::{ExchangePath, MoeContext, MoeLayerConfig, MoeOutput, MoeStats};
 use crate::dispatch::{DispatchPlan, ExchangePlan};
 use crate::error::{MoeError, Result};
-use crate::exchange::{exchange_reference, MoeBackend};
+use crate::exchange::{exchange_reference, GemmPrecision, MoeBackend};
 use crate::experts::{Experts, ExpertsSpec, SharedExpert};
 use crate::memory::Strategy;
 use crate::router::{load_balancing_loss, z_loss, Router};
@@ -193,8 +193,33 @@ impl<B: MoeBackend> MoeLayer<B> {
         let x = self.flatten(input)?;
         let [n_tokens, d_model] = x.dims();
 
-        // 2. Route: top-k experts and their weights per token.
-        let routing = self.router.route(x.clone(), &config.routing_rule());
+        // 2. Route: top-k experts and their weights per token. The layer's dense products (here
+        //    and in the shared expert) go through the device library at the GEMM precision
+        //    where the communicator offers one. The finite check (step 1's) comes back to the
+        //    host with the router's choice values: one transfer, one host wait.
+        let comm = &self.ctx.comm;
+        let dense =
+            |a: Tensor<B, 2>, b: Tensor<B, 2>| crate::exchange::dense(a, b, comm, config.gemm_precision);
+        // The router's logits stay f32 where the experts multiply in bf16: the choice of
+        // experts is discrete, and bf16 logits turn near-ties into different experts (the
+        // Qwen2-MoE case on the H100: one token's top-4 changed, a 9e-2 error in the router's
+        // gradient). Megatron-Core's `moe_router_dtype` keeps routing in f32 for the same reason.
+        let router_precision = match config.gemm_precision {
+            GemmPrecision::Bf16 => GemmPrecision::F32,
+            other => other,
+        };
+        let route_dense =
+            |a: Tensor<B, 2>, b: Tensor<B, 2>| crate::exchange::dense(a, b, comm, router_precision);
+        let non_finite =
+            (config.check_finite && n_tokens > 0).then(|| x.clone().is_finite().bool_not().any().float());
+        let (routing, flags) =
+            self.router
+                .route_reading(x.clone(), &config.routing_rule(), &route_dense, non_finite)?;
+        if flags.first().is_some_and(|&bad| bad != 0.0) {
+            return Err(MoeError::Input(format!(
+                "input {shape:?} contains NaN or infinite values"
+            )));
+        }
 
         // 3. Plan: count with the other ranks, apply capacity; choose n and the strategy.
         let plan = self.plan(&routing.indices, &x)?;
@@ -218,7 +243,7 @@ impl<B: MoeBackend> MoeLayer<B> {
 
         // 7. Shared expert.
         if let (Some(shared), true) = (&self.shared, n_tokens > 0) {
-            y = y + shared.forward(x);
+            y = y + shared.forward_with(x, &dense)?;
         }
 
         // 8. Auxiliary losses (this rank's shares of the global-batch losses).
@@ -274,16 +299,8 @@ impl<B: MoeBackend> MoeLayer<B> {
             )));
         }
         let n_tokens = dims[..D - 1].iter().product();
-        let x = input.reshape([n_tokens, d_model]);
-        if self.ctx.config.check_finite && n_tokens > 0 {
-            let bad = x.clone().is_finite().bool_not().any().into_scalar();
-            if burn::tensor::ElementConversion::elem::<bool>(bad) {
-                return Err(MoeError::Input(format!(
-                    "input {dims:?} contains NaN or infinite values"
-                )));
-            }
-        }
-        Ok(x)
+        // The finite check is read with the routing (step 2).
+        Ok(input.reshape([n_tokens, d_model]))
     }
 
     /// Step 5 with this rank's experts and the copies of the shadowed ones: the fused op

@@ -83,6 +83,42 @@ impl<B: Backend> Router<B> {
     /// # Shapes
     /// - x: `[n_tokens, d_model]`
     pub fn route(&self, x: Tensor<B, 2>, rule: &RoutingRule) -> Routing<B> {
+        let plain = |x: Tensor<B, 2>, w: Tensor<B, 2>| Ok(x.matmul(w));
+        self.route_with(x, rule, &plain)
+            .expect("burn's matmul does not fail")
+    }
+
+    /// [`route`](Self::route) with the logits' product `x · weightᵀ` computed by `matmul` (the
+    /// layer passes its dense product at the config's GEMM precision).
+    ///
+    /// # Shapes
+    /// - x: `[n_tokens, d_model]`
+    ///
+    /// # Errors
+    /// What `matmul` returns.
+    pub fn route_with(
+        &self,
+        x: Tensor<B, 2>,
+        rule: &RoutingRule,
+        matmul: &dyn Fn(Tensor<B, 2>, Tensor<B, 2>) -> crate::Result<Tensor<B, 2>>,
+    ) -> crate::Result<Routing<B>> {
+        self.route_reading(x, rule, matmul, None)
+            .map(|(routing, _)| routing)
+    }
+
+    /// [`route_with`](Self::route_with), reading `also` (a few values the caller needs on the
+    /// host, such as the layer's finite check) in the same transfer as the choice values: one
+    /// host wait instead of two. Returns `also`'s values (empty without it).
+    ///
+    /// # Errors
+    /// What `matmul` returns.
+    pub(crate) fn route_reading(
+        &self,
+        x: Tensor<B, 2>,
+        rule: &RoutingRule,
+        matmul: &dyn Fn(Tensor<B, 2>, Tensor<B, 2>) -> crate::Result<Tensor<B, 2>>,
+        also: Option<Tensor<B, 1>>,
+    ) -> crate::Result<(Routing<B>, Vec<f32>)> {
         let [n_tokens, _] = x.dims();
         let n_experts = self.n_experts();
         let device = x.device();
@@ -91,7 +127,7 @@ impl<B: Backend> Router<B> {
         let mut logits = if n_tokens == 0 {
             Tensor::zeros([0, n_experts], &device)
         } else {
-            x.matmul(self.weight.val().transpose())
+            matmul(x, self.weight.val().transpose())?
         };
         if let Some(bias) = &self.bias {
             logits = logits + bias.val().unsqueeze::<2>();
@@ -100,16 +136,11 @@ impl<B: Backend> Router<B> {
             Scoring::Softmax => softmax(logits.clone(), 1),
             Scoring::Sigmoid => sigmoid(logits.clone()),
         };
+        let (choice, also) = self.choice_scores(&logits, &scores, also);
         let indices = if n_tokens == 0 {
             Vec::new()
         } else {
-            group_limited_top_k(
-                &self.choice_scores(&logits, &scores),
-                n_experts,
-                rule.top_k,
-                rule.n_group,
-                rule.topk_group,
-            )
+            group_limited_top_k(&choice, n_experts, rule.top_k, rule.n_group, rule.topk_group)
         };
         let weights = if n_tokens == 0 {
             Tensor::zeros([0, rule.top_k], &device)
@@ -136,42 +167,52 @@ impl<B: Backend> Router<B> {
             Scoring::Softmax => scores,
             Scoring::Sigmoid => scores.clone() / scores.sum_dim(1),
         };
-        Routing {
-            logits,
-            probs,
-            weights,
-            indices,
-        }
+        Ok((
+            Routing {
+                logits,
+                probs,
+                weights,
+                indices,
+            },
+            also,
+        ))
     }
 
     /// What experts are chosen by, on the host: the scores plus the score bias where there is
     /// one. A router without one chooses by its logits, which order the experts as the
     /// softmax or the sigmoid does without their rounding: a sigmoid rounds every logit above
     /// about 17 to 1.0 in f32, which would turn a clear choice into a tie (Llama 4 chooses
-    /// by the logits).
-    fn choice_scores(&self, logits: &Tensor<B, 2>, scores: &Tensor<B, 2>) -> Vec<f32> {
-        let host = |t: &Tensor<B, 2>| -> Vec<f32> {
-            t.to_data()
-                .convert::<f32>()
-                .into_vec()
-                .expect("router values convert to f32")
+    /// by the logits). The bias is added on the device (in f32, as the host did), so that the
+    /// choice is one transfer, with `also`'s values after it (returned second).
+    fn choice_scores(
+        &self,
+        logits: &Tensor<B, 2>,
+        scores: &Tensor<B, 2>,
+        also: Option<Tensor<B, 1>>,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let values = match &self.score_bias {
+            None => logits.clone(),
+            Some(bias) => scores.clone() + bias.val().unsqueeze::<2>(),
         };
-        match &self.score_bias {
-            None => host(logits),
-            Some(bias) => {
-                let bias: Vec<f32> = bias
-                    .val()
-                    .to_data()
-                    .convert::<f32>()
-                    .into_vec()
-                    .expect("score bias converts to f32");
-                let mut values = host(scores);
-                for row in values.chunks_exact_mut(bias.len()) {
-                    row.iter_mut().zip(&bias).for_each(|(v, b)| *v += b);
-                }
-                values
+        let [n_tokens, n_experts] = values.dims();
+        let flat = values.reshape([n_tokens * n_experts]);
+        let (flat, extra) = match also {
+            Some(also) => {
+                let extra = also.dims()[0];
+                (Tensor::cat(vec![flat, also], 0), extra)
             }
+            None => (flat, 0),
+        };
+        if flat.dims()[0] == 0 {
+            return (Vec::new(), Vec::new());
         }
+        let mut host: Vec<f32> = flat
+            .into_data()
+            .convert::<f32>()
+            .into_vec()
+            .expect("router values convert to f32");
+        let also = host.split_off(host.len() - extra);
+        (host, also)
     }
 }
 

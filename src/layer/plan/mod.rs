@@ -25,6 +25,7 @@ use burn::tensor::Tensor;
 use super::{ExchangePath, MoeLayer};
 use crate::dispatch::{DispatchPlan, ExchangePlan, RoutingCounts, SplitScheme};
 use crate::error::Result;
+use crate::exchange::executor::StepExecutor;
 use crate::exchange::{ExchangeRun, MoeBackend};
 use crate::memory::{LayerShape, MemoryDecision, Strategy};
 
@@ -97,7 +98,7 @@ impl<B: MoeBackend> MoeLayer<B> {
     }
 
     /// The run settings the fused exchange carries: communicator, activation, strategy, host
-    /// store, executor and partition arena.
+    /// store, executor, partition arena and the experts' GEMM precision.
     pub(crate) fn exchange_run(&self, strategy: Strategy) -> ExchangeRun {
         let mut run = ExchangeRun::new(
             self.ctx.comm.clone(),
@@ -105,8 +106,15 @@ impl<B: MoeBackend> MoeLayer<B> {
             strategy,
             self.ctx.host.clone(),
         );
-        run.executor = self.ctx.config.executor;
+        // With nothing to exchange (one rank), the schedule's streams have nothing to overlap:
+        // in issue order it runs without worker threads and without a fence per step.
+        run.executor = self.ctx.config.executor.or(self
+            .ctx
+            .comm
+            .is_identity()
+            .then_some(StepExecutor::InOrder));
         run.arena = Some(self.ctx.arena.clone());
+        run.precision = self.ctx.config.gemm_precision;
         run
     }
 
@@ -137,17 +145,28 @@ mod tests {
     use crate::layer::MoeLayerConfig;
     use crate::memory::Strategy;
 
+    /// The config's executor reaches the run; left to the backend, one rank (nothing to
+    /// exchange, so nothing to overlap) runs in issue order, and two ranks leave it to the
+    /// backend (`None`).
     #[test]
     fn the_configs_executor_reaches_the_exchange_run() {
-        for executor in [
-            None,
-            Some(StepExecutor::StreamThreads),
-            Some(StepExecutor::InOrder),
-        ] {
+        for executor in [Some(StepExecutor::StreamThreads), Some(StepExecutor::InOrder)] {
             let layer = MoeLayerConfig::new(8, 4, 2, 1)
                 .with_executor(executor)
                 .init::<NdArray>(&Default::default());
             assert_eq!(layer.exchange_run(Strategy::None).executor, executor);
         }
+        let one = MoeLayerConfig::new(8, 4, 2, 1).init::<NdArray>(&Default::default());
+        assert_eq!(
+            one.exchange_run(Strategy::None).executor,
+            Some(StepExecutor::InOrder)
+        );
+        let two = crate::LocalGroup::run(2, |ctx| {
+            let layer = MoeLayerConfig::new(8, 4, 2, 1)
+                .init_rank::<NdArray>(&Default::default(), ctx.comm.clone())?;
+            Ok(layer.exchange_run(Strategy::None).executor)
+        })
+        .unwrap();
+        assert_eq!(two, vec![None, None]);
     }
 }

@@ -1,0 +1,259 @@
+//! The experts' activations on the CubeCL backends (CUDA, ROCm, WGPU) as one kernel each way:
+//! the exact GELU and SwiGLU, forward and derivative. Composed from burn's ops, the GELU is five
+//! kernels forward and eleven for its derivative, SwiGLU's derivative a dozen more with its
+//! slices and concatenation, each a pass over the partition; here each is one pass that reads
+//! its inputs once and writes its output once.
+//!
+//! The formulas are the composed defaults' (`activation.rs`), in the same order of operations;
+//! the tests hold the kernels to the composed forms on WGPU (`tests/wgpu.rs`), and every case
+//! runs through them in the fused exchange there.
+
+use std::f64::consts::{FRAC_1_SQRT_2, PI};
+
+use burn::tensor::DType;
+use burn_cubecl::cubecl;
+use burn_cubecl::cubecl::calculate_cube_count_elemwise;
+use burn_cubecl::cubecl::prelude::*;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::CubeRuntime;
+
+#[cube(launch_unchecked)]
+fn gelu_kernel<F: Float>(z: &Tensor<F>, out: &mut Tensor<F>, #[define(F)] _dtype: StorageType) {
+    if ABSOLUTE_POS >= out.len() {
+        terminate!();
+    }
+    let x = z[ABSOLUTE_POS];
+    let cdf = (F::erf(x * F::new(FRAC_1_SQRT_2 as f32)) + F::new(1.0)) * F::new(0.5);
+    out[ABSOLUTE_POS] = x * cdf;
+}
+
+#[cube(launch_unchecked)]
+fn gelu_backward_kernel<F: Float>(
+    z: &Tensor<F>,
+    grad: &Tensor<F>,
+    out: &mut Tensor<F>,
+    #[define(F)] _dtype: StorageType,
+) {
+    if ABSOLUTE_POS >= out.len() {
+        terminate!();
+    }
+    let x = z[ABSOLUTE_POS];
+    let cdf = (F::erf(x * F::new(FRAC_1_SQRT_2 as f32)) + F::new(1.0)) * F::new(0.5);
+    let pdf = F::exp(x * x * F::new(-0.5)) * F::new((1.0 / (2.0 * PI).sqrt()) as f32);
+    out[ABSOLUTE_POS] = grad[ABSOLUTE_POS] * (cdf + x * pdf);
+}
+
+#[cube(launch_unchecked)]
+fn swiglu_kernel<F: Float>(
+    z: &Tensor<F>,
+    out: &mut Tensor<F>,
+    hidden: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    if ABSOLUTE_POS >= out.len() {
+        terminate!();
+    }
+    let r = ABSOLUTE_POS / hidden;
+    let c = ABSOLUTE_POS % hidden;
+    let g = z[r * 2 * hidden + c];
+    let u = z[r * 2 * hidden + hidden + c];
+    let s = F::new(1.0) / (F::new(1.0) + F::exp(-g));
+    out[ABSOLUTE_POS] = g * s * u;
+}
+
+#[cube(launch_unchecked)]
+fn swiglu_backward_kernel<F: Float>(
+    z: &Tensor<F>,
+    grad: &Tensor<F>,
+    out: &mut Tensor<F>,
+    hidden: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    if ABSOLUTE_POS >= grad.len() {
+        terminate!();
+    }
+    let r = ABSOLUTE_POS / hidden;
+    let c = ABSOLUTE_POS % hidden;
+    let g = z[r * 2 * hidden + c];
+    let u = z[r * 2 * hidden + hidden + c];
+    let dy = grad[ABSOLUTE_POS];
+    let s = F::new(1.0) / (F::new(1.0) + F::exp(-g));
+    // d/d up = grad · silu(gate); d/d gate = grad · up · σ(g) · (1 + g · (1 − σ(g))).
+    out[r * 2 * hidden + hidden + c] = dy * (g * s);
+    let slope = g * (F::new(1.0) - s) + F::new(1.0);
+    out[r * 2 * hidden + c] = (dy * u) * (s * slope);
+}
+
+/// A contiguous tensor of `shape` and `like`'s dtype on its device, for a kernel to write whole.
+fn output<R: CubeRuntime>(like: &CubeTensor<R>, shape: [usize; 2]) -> CubeTensor<R> {
+    let bytes = shape[0] * shape[1] * like.dtype.size();
+    let handle = like.client.empty(bytes.max(1));
+    CubeTensor::new_contiguous(
+        like.client.clone(),
+        like.device.clone(),
+        shape.into(),
+        handle,
+        like.dtype,
+    )
+}
+
+/// Whether the kernels read `t` as it is: a contiguous float tensor of the kernels' dtypes.
+fn readable<R: CubeRuntime>(t: &CubeTensor<R>) -> bool {
+    matches!(t.dtype, DType::F32 | DType::F16 | DType::BF16) && t.is_contiguous()
+}
+
+/// The launch shape of `units` elements.
+fn grid<R: CubeRuntime>(t: &CubeTensor<R>, units: usize) -> (CubeCount, CubeDim) {
+    let dim = CubeDim::new(&t.client, units);
+    (calculate_cube_count_elemwise(&t.client, units, dim), dim)
+}
+
+/// The exact GELU in one kernel; `None` for a tensor the kernel does not read (the caller
+/// composes it then) or with no element.
+pub(crate) fn gelu<R: CubeRuntime>(z: &CubeTensor<R>) -> Option<CubeTensor<R>> {
+    let dims = z.meta.shape().to_vec();
+    let units: usize = dims.iter().product();
+    if !readable(z) || units == 0 {
+        return None;
+    }
+    let out = output(z, [units, 1]);
+    let (count, dim) = grid(z, units);
+    // SAFETY: both tensors are contiguous with `units` elements; the kernel bounds its index.
+    unsafe {
+        gelu_kernel::launch_unchecked(
+            &z.client,
+            count,
+            dim,
+            z.clone().into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            z.dtype.into(),
+        )
+    };
+    Some(reshaped(out, dims))
+}
+
+/// `grad · gelu'(z)` in one kernel; `None` where the kernel does not read the tensors.
+pub(crate) fn gelu_backward<R: CubeRuntime>(
+    z: &CubeTensor<R>,
+    grad: &CubeTensor<R>,
+) -> Option<CubeTensor<R>> {
+    let dims = z.meta.shape().to_vec();
+    let units: usize = dims.iter().product();
+    if !readable(z)
+        || !readable(grad)
+        || grad.dtype != z.dtype
+        || grad.meta.shape().to_vec() != dims
+        || units == 0
+    {
+        return None;
+    }
+    let out = output(z, [units, 1]);
+    let (count, dim) = grid(z, units);
+    // SAFETY: the three tensors are contiguous with `units` elements; the kernel bounds its index.
+    unsafe {
+        gelu_backward_kernel::launch_unchecked(
+            &z.client,
+            count,
+            dim,
+            z.clone().into_tensor_arg(),
+            grad.clone().into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            z.dtype.into(),
+        )
+    };
+    Some(reshaped(out, dims))
+}
+
+/// SwiGLU of `z = [gate | up]` in one kernel; `None` where the kernel does not read `z`.
+///
+/// # Shapes
+/// - z: `[n_rows, 2 · d_hidden]` → `[n_rows, d_hidden]`
+pub(crate) fn swiglu<R: CubeRuntime>(z: &CubeTensor<R>) -> Option<CubeTensor<R>> {
+    let dims = z.meta.shape().to_vec();
+    let [rows, inner] = <[usize; 2]>::try_from(dims).ok()?;
+    let hidden = inner / 2;
+    if !readable(z) || rows * hidden == 0 || inner % 2 != 0 {
+        return None;
+    }
+    let out = output(z, [rows, hidden]);
+    let (count, dim) = grid(z, rows * hidden);
+    // SAFETY: `z` holds `rows · 2 · hidden` contiguous elements and `out` `rows · hidden`; the
+    // kernel bounds its index by `out`'s length.
+    unsafe {
+        swiglu_kernel::launch_unchecked(
+            &z.client,
+            count,
+            dim,
+            z.clone().into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            hidden,
+            z.dtype.into(),
+        )
+    };
+    Some(out)
+}
+
+/// `[d gate | d up]` of SwiGLU in one kernel; `None` where the kernel does not read the tensors.
+///
+/// # Shapes
+/// - z: `[n_rows, 2 · d_hidden]`, grad: `[n_rows, d_hidden]` → `[n_rows, 2 · d_hidden]`
+pub(crate) fn swiglu_backward<R: CubeRuntime>(
+    z: &CubeTensor<R>,
+    grad: &CubeTensor<R>,
+) -> Option<CubeTensor<R>> {
+    let dims = z.meta.shape().to_vec();
+    let [rows, inner] = <[usize; 2]>::try_from(dims).ok()?;
+    let hidden = inner / 2;
+    let fits = grad.meta.shape().to_vec() == [rows, hidden] && grad.dtype == z.dtype;
+    if !readable(z) || !readable(grad) || !fits || rows * hidden == 0 || inner % 2 != 0 {
+        return None;
+    }
+    let out = output(z, [rows, inner]);
+    let (count, dim) = grid(z, rows * hidden);
+    // SAFETY: `z` and `out` hold `rows · 2 · hidden` contiguous elements, `grad` `rows · hidden`;
+    // the kernel bounds its index by `grad`'s length and writes both halves of each row.
+    unsafe {
+        swiglu_backward_kernel::launch_unchecked(
+            &z.client,
+            count,
+            dim,
+            z.clone().into_tensor_arg(),
+            grad.clone().into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            hidden,
+            z.dtype.into(),
+        )
+    };
+    Some(out)
+}
+
+/// `t` (contiguous) with the shape `dims`.
+fn reshaped<R: CubeRuntime>(t: CubeTensor<R>, dims: Vec<usize>) -> CubeTensor<R> {
+    CubeTensor::new_contiguous(t.client, t.device, dims.into(), t.handle, t.dtype)
+}
+
+#[cfg(all(test, feature = "wgpu"))]
+mod tests {
+    use burn::backend::Wgpu;
+    use burn::tensor::{Distribution, Tensor};
+
+    /// The kernels take contiguous tensors and leave strided views to the composed form: a
+    /// kernel that silently fell back everywhere would pass every comparison with the composed
+    /// form (`tests/wgpu.rs`), so this holds which one runs.
+    #[test]
+    fn the_kernels_run_on_contiguous_tensors_and_hand_views_back() {
+        let device = Default::default();
+        let z = Tensor::<Wgpu, 2>::random([6, 8], Distribution::Default, &device);
+        let g = Tensor::<Wgpu, 2>::random([6, 4], Distribution::Default, &device);
+        let p = |t: Tensor<Wgpu, 2>| t.into_primitive().tensor();
+        assert!(super::gelu(&p(z.clone())).is_some());
+        assert!(super::gelu_backward(&p(z.clone()), &p(z.clone())).is_some());
+        assert!(super::swiglu(&p(z.clone())).is_some());
+        assert!(super::swiglu_backward(&p(z.clone()), &p(g.clone())).is_some());
+        let view = p(z.clone().transpose());
+        assert!(super::gelu(&view).is_none());
+        assert!(super::swiglu(&view).is_none());
+        let strided_grad = Tensor::<Wgpu, 2>::random([4, 6], Distribution::Default, &device).transpose();
+        assert!(super::swiglu_backward(&p(z), &p(strided_grad)).is_none());
+    }
+}

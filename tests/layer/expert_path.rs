@@ -1,0 +1,183 @@
+//! The device library hook of the experts' compute (`ExpertPath`): the plain-primitive twin
+//! (`ComposedExperts`) behind a communicator's paths, so the plumbing a cuBLAS path relies on
+//! (block layouts, `T_M` kept or recomputed, the weight gradients added into stacked running
+//! sums over partitions, shadow slots folded onto their owners) is held to every reference case
+//! where no GPU library runs, outputs and every gradient.
+//!
+//! `cargo test -p mpipemoe --features testkit --test layer expert_path`
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use burn::backend::{Autodiff, NdArray};
+use burn::tensor::ops::FloatTensor;
+use mpipemoe::backend::{ComposedExperts, ExpertBackward, ExpertBackwardOut, ExpertForward, ExpertPath};
+use mpipemoe::comm::{HostRows, RowExchange, RowPaths, WithRowPaths};
+use mpipemoe::harness::{check_case, check_case_through, Case, CheckOptions};
+use mpipemoe::memory::Strategy;
+use mpipemoe::{
+    Communicator, ExchangePath, GemmPrecision, LocalGroup, MoeError, Partitions, Result, Shadowing,
+};
+
+type B = Autodiff<NdArray>;
+
+/// The twin, counting the partitions it computed forward and backward.
+#[derive(Debug, Default)]
+struct Counted {
+    forward: AtomicUsize,
+    backward: AtomicUsize,
+}
+
+impl ExpertPath<NdArray> for Counted {
+    fn forward(
+        &self,
+        job: ExpertForward<'_, NdArray>,
+    ) -> Result<(FloatTensor<NdArray>, FloatTensor<NdArray>)> {
+        self.forward.fetch_add(1, Ordering::Relaxed);
+        ComposedExperts.forward(job)
+    }
+
+    fn backward(&self, job: ExpertBackward<'_, NdArray>) -> Result<ExpertBackwardOut<NdArray>> {
+        self.backward.fetch_add(1, Ordering::Relaxed);
+        ComposedExperts.backward(job)
+    }
+}
+
+fn cases() -> Vec<Case> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/cases");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 3, "{files:?}");
+    files.iter().map(|f| Case::load(f).unwrap()).collect()
+}
+
+/// Every case through the hook at ranks 1 to 3, n 1 to 3 and every way `T_M` comes back (kept,
+/// offloaded, recomputed, with `T_DI` re-communicated), with and without a shadowed expert:
+/// within 1e-4 of the case, the hook taken for every partition of both passes, and every tensor
+/// bit for bit the layer's own primitive path (the twin multiplies as the backend does, and its
+/// running sums add the partitions in the same order). A layout that puts an expert's rows in
+/// another's block, a gradient added to the wrong slot, a partition's sum dropped or a shadow's
+/// gradient left on its copy fails it.
+#[test]
+fn every_case_through_the_expert_hook_equals_the_primitive_path() {
+    let device = Default::default();
+    for case in cases() {
+        for (n_ranks, n, strategy, shadowing) in [
+            (1, 1, Strategy::None, Shadowing::Off),
+            (1, 3, Strategy::S3, Shadowing::Off),
+            (2, 2, Strategy::S1, Shadowing::Off),
+            (2, 3, Strategy::S4, Shadowing::Fixed(1)),
+            (3, 2, Strategy::S2, Shadowing::Fixed(2)),
+        ] {
+            if !case.config.n_experts.is_multiple_of(n_ranks) {
+                continue;
+            }
+            let options = CheckOptions {
+                path: ExchangePath::Fused,
+                n_ranks,
+                partitions: Partitions::Fixed(n),
+                strategy,
+                shadowing,
+                ..CheckOptions::default()
+            };
+            let counted = Arc::new(Counted::default());
+            let paths = RowPaths::new().with_experts::<NdArray>(counted.clone());
+            let wrap = |comm: Arc<dyn Communicator>| -> Arc<dyn Communicator> {
+                Arc::new(WithRowPaths::adding(comm, paths.clone()))
+            };
+            let what = format!("{} ranks {n_ranks} n {n} {strategy:?} {shadowing:?}", case.name);
+            let through = check_case_through::<B>(&case, &options, &device, &wrap).unwrap();
+            let plain = check_case::<B>(&case, &options, &device).unwrap();
+            assert!(through.passed(1e-4), "{what}: {:?}", through.worst());
+            // At least one partition per rank computes rows, forward and backward.
+            assert!(
+                counted.forward.load(Ordering::Relaxed) >= n_ranks,
+                "{what}: forward hook not taken"
+            );
+            assert!(
+                counted.backward.load(Ordering::Relaxed) >= n_ranks,
+                "{what}: backward hook not taken"
+            );
+            for (name, values) in &plain.tensors {
+                let same = values
+                    .iter()
+                    .zip(&through.tensors[name])
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{what}: {name} differs from the primitive path");
+            }
+        }
+    }
+}
+
+/// A path that fails makes the layer's forward return its error, on every rank, not panic.
+#[test]
+fn a_failing_path_is_the_layers_error() {
+    #[derive(Debug)]
+    struct Failing;
+    impl ExpertPath<NdArray> for Failing {
+        fn forward(
+            &self,
+            _: ExpertForward<'_, NdArray>,
+        ) -> Result<(FloatTensor<NdArray>, FloatTensor<NdArray>)> {
+            Err(MoeError::Backend("the library is out of order".into()))
+        }
+        fn backward(&self, _: ExpertBackward<'_, NdArray>) -> Result<ExpertBackwardOut<NdArray>> {
+            Err(MoeError::Backend("the library is out of order".into()))
+        }
+    }
+    let case = cases().remove(0);
+    let paths = RowPaths::new().with_experts::<NdArray>(Arc::new(Failing));
+    let wrap = |comm: Arc<dyn Communicator>| -> Arc<dyn Communicator> {
+        Arc::new(WithRowPaths::adding(comm, paths.clone()))
+    };
+    let err =
+        check_case_through::<B>(&case, &CheckOptions::default(), &Default::default(), &wrap).unwrap_err();
+    assert!(err.to_string().contains("out of order"), "{err}");
+}
+
+/// `WithRowPaths::adding` keeps what the inner communicator offers (a row path here) beside the
+/// added expert path, replaces an inner entry of the same kind and backend, and a sub-group
+/// gets the added path on top of its own.
+#[test]
+fn added_paths_keep_the_inner_ones_and_reach_sub_groups() {
+    let results = LocalGroup::run(2, |ctx| {
+        let inner: Arc<dyn Communicator> = Arc::new(WithRowPaths::new(
+            ctx.comm.clone(),
+            RowPaths::new().with::<NdArray>(Arc::new(HostRows) as Arc<dyn RowExchange<NdArray>>),
+        ));
+        let added: Arc<dyn Communicator> = Arc::new(WithRowPaths::adding(
+            inner,
+            RowPaths::new().with_experts::<NdArray>(Arc::new(ComposedExperts)),
+        ));
+        let paths = added.row_paths().expect("paths");
+        let both = paths.get::<NdArray>().is_some() && paths.experts::<NdArray>().is_some();
+        let other_backend = paths.experts::<burn::backend::Flex>().is_none();
+        let sub = added.split(ctx.rank)?;
+        let sub_paths = sub.row_paths().expect("sub-group paths");
+        Ok((
+            both,
+            other_backend,
+            sub_paths.experts::<NdArray>().is_some(),
+            sub_paths.get::<NdArray>().is_some(),
+        ))
+    })
+    .unwrap();
+    for r in results {
+        assert_eq!(r, (true, true, true, true));
+    }
+}
+
+/// The precision's spellings round-trip and the default is IEEE f32.
+#[test]
+fn gemm_precision_names() {
+    for p in GemmPrecision::ALL {
+        assert_eq!(GemmPrecision::parse(p.name()), Some(p));
+        assert_eq!(GemmPrecision::parse(&p.name().to_uppercase()), Some(p));
+    }
+    assert_eq!(GemmPrecision::parse("fp8"), None);
+    assert_eq!(GemmPrecision::default(), GemmPrecision::F32);
+}
