@@ -1,93 +1,332 @@
-//! Forward + backward of the MoE layer on one GPU, for the GPT3-S, BERT-L and GPT3-XL expert
-//! shapes with 8 local experts, at B ∈ {4k, 8k, 16k, 32k} tokens: FastMoE-style (n = 1, no
-//! reuse), PipeMoE (the best fixed n of 2, 4, 8) and MPipeMoE (adaptive n, automatic strategy
-//! under a memory budget), over `HostLoopback`. `HostLoopback` sends every partition device → host
-//! → device in place of a network, so every figure it produces is an emulated network, and the
-//! table says so.
+//! The layer's compute on one GPU, forward + backward, with every ceiling and twin beside it,
+//! for the GPT3-S, BERT-L and GPT3-XL expert shapes, 8 experts on one rank, top-1 and top-2:
+//!
+//! - `dense`: cuBLAS's own rate on one FFN's six GEMMs over the same rows (the routed rows, as
+//!   one matrix), at each GEMM precision: the ceiling of the experts' products;
+//! - `experts`: the cuBLAS expert path alone (`CublasExperts`'s forward and backward of one
+//!   partition holding every row, 8 experts with the same rows each), at each precision: the
+//!   experts' products, activations and hand-overs, against `dense` (the GEMM efficiency);
+//!   `experts` with `cublas looped` is the same with one `cublasGemmEx` per expert instead of
+//!   the grouped call;
+//! - `layer`: the whole layer (router, plan, permutation, experts, combine, backward) on one
+//!   rank with the exchange skipped (`SingleRank`), in issue order, with the cuBLAS path at each
+//!   precision (device hand-over; TF32 also with host waits, and under burn's fusion), and
+//!   without it (cubecl's GEMMs, which multiply f32 in TF32: the twin the GPU check compares the
+//!   path with); `forward` is the layer's forward alone (cuBLAS, TF32).
+//!
+//! Routing is balanced as in `scripts/bench/torch_gpu_peer.py` (one-hot router rows, tokens that
+//! send every expert the same rows), so both sides run the same GEMM shapes. Every figure is the
+//! median of `--repeats` timed steps after two warm-up steps, a device sync after each.
+//! `--pipeline` adds the whole layer with the emulated exchange (`HostLoopback`: every
+//! all-to-all a device → host → device copy) at n = 1 (FastMoE-style) and the best fixed n of 2,
+//! 4, 8 (PipeMoE), cuBLAS at TF32, with `max(compute, exchange)` beside it.
 //!
 //! ```text
-//! gpu_bench [--quick] [--json FILE]     # prints the table; FILE gets the rows as JSON
+//! gpu_bench [--quick] [--repeats N] [--pipeline] [--json FILE]
 //! ```
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use burn::backend::Autodiff;
-use burn::tensor::{Distribution, Tensor};
-use mpipemoe::backend::StepExecutor;
-use mpipemoe::comm::{HostLoopback, SingleRank};
-use mpipemoe::memory::Strategy;
-use mpipemoe::memory::{ImplementationModel, LayerShape, MODEL_HEADROOM};
-use mpipemoe::tuning::Profile;
-use mpipemoe::{Communicator, MemoryReuse, MoeLayer, MoeLayerConfig, Partitions};
-use mpipemoe_cuda::{cuda_available, CudaMoe};
+use burn::module::Param;
+use burn::tensor::{Distribution, Tensor, TensorData, TensorPrimitive};
+use burn_cubecl::cubecl::client::ComputeClient;
+use burn_cubecl::cubecl::cuda::CudaRuntime;
+use burn_cubecl::cubecl::Runtime;
+use mpipemoe::backend::{
+    BlockLayout, ExpertBackward, ExpertForward, ExpertGroups, ExpertPath, ExpertTensors, StepExecutor,
+};
+use mpipemoe::comm::{HostLoopback, SingleRank, WithRowPaths};
+use mpipemoe::{Activation, Communicator, GemmPrecision, MoeLayer, MoeLayerConfig, Partitions};
+use mpipemoe_cuda::{cuda_available, CublasExperts, CublasOptions, CudaMoe, Handover};
 use serde::Serialize;
 
-type B = Autodiff<CudaMoe<f32>>;
+type Inner = CudaMoe<f32>;
+type B = Autodiff<Inner>;
 
-#[derive(Serialize)]
+const EXPERTS: usize = 8;
+
+#[derive(Serialize, Clone)]
 struct Row {
     shape: String,
+    d_model: usize,
+    d_hidden: usize,
     tokens: usize,
-    system: String,
-    executor: String,
-    n: usize,
-    strategy: String,
+    top_k: usize,
+    /// `dense`, `experts`, `layer` or `pipeline`.
+    what: String,
+    /// `cublas` (device hand-over), `cublas host-waits`, `cubecl`, or the pipeline's system.
+    path: String,
+    /// The GEMM precision (`cubecl`: TF32, what cubek does with f32).
+    precision: String,
     median_ms: f64,
-    expert_tflops: f64,
-    dense_tflops: f64,
-    gemm_efficiency: f64,
-    compute_only_ms: f64,
-    comm_only_ms: f64,
-    overlap_ratio: f64,
-    modelled_peak_mib: f64,
-    /// What the layer's partition arena held after the timed steps (in-order runs; the
-    /// threaded executor does not use it).
-    arena_mib: f64,
-    network: &'static str,
+    /// The fastest and slowest timed step.
+    min_ms: f64,
+    max_ms: f64,
+    /// `12 · tokens · top_k · d_model · d_hidden` over the median.
+    tflops: f64,
+    /// Partitions (pipeline rows).
+    n: usize,
 }
 
-fn sync<Bk: burn::tensor::backend::Backend>(t: Tensor<Bk, 2>) {
-    let _ = t.slice([0..1, 0..1]).into_data();
+struct Args {
+    quick: bool,
+    repeats: usize,
+    pipeline: bool,
+    json: Option<String>,
 }
 
-fn median_time(mut f: impl FnMut(), warm_up: usize, repeats: usize) -> f64 {
-    for _ in 0..warm_up {
-        f();
+fn arguments() -> Result<Args, String> {
+    let mut args = Args {
+        quick: false,
+        repeats: 10,
+        pipeline: false,
+        json: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--quick" => args.quick = true,
+            "--pipeline" => args.pipeline = true,
+            "--repeats" => {
+                let v = it.next().ok_or("--repeats needs a count")?;
+                args.repeats = v
+                    .parse()
+                    .ok()
+                    .filter(|&r: &usize| (1..=1000).contains(&r))
+                    .ok_or(format!("--repeats {v:?}: expected 1 to 1000"))?;
+            }
+            "--json" => args.json = Some(it.next().ok_or("--json needs a file")?),
+            other => return Err(format!("unexpected argument {other:?}")),
+        }
     }
-    let mut times: Vec<Duration> = (0..repeats)
+    Ok(args)
+}
+
+/// Times of `f` (which syncs the device itself) after two warm-up calls: (median, min, max) ms.
+fn timed(repeats: usize, mut f: impl FnMut()) -> (f64, f64, f64) {
+    f();
+    f();
+    let mut times: Vec<f64> = (0..repeats)
         .map(|_| {
             let start = Instant::now();
             f();
-            start.elapsed()
+            start.elapsed().as_secs_f64() * 1e3
         })
         .collect();
-    times.sort();
-    times[times.len() / 2].as_secs_f64()
+    times.sort_by(f64::total_cmp);
+    (times[times.len() / 2], times[0], times[times.len() - 1])
 }
 
-fn layer_time(
+/// Waits for the device by reading one element.
+fn sync<Bk: burn::tensor::backend::Backend, const D: usize>(t: Tensor<Bk, D>) {
+    let _ = t.flatten::<1>(0, D - 1).narrow(0, 0, 1).into_data();
+}
+
+fn client(device: &burn::tensor::Device<Inner>) -> ComputeClient<CudaRuntime> {
+    CudaRuntime::client(device)
+}
+
+fn primitive<const D: usize>(t: Tensor<Inner, D>) -> burn::tensor::ops::FloatTensor<Inner> {
+    t.into_primitive().tensor()
+}
+
+/// One FFN's six GEMMs over `rows` rows through the path's dense product at `precision`.
+fn dense_ms(
+    path: &CublasExperts,
+    rows: usize,
+    m: usize,
+    h: usize,
+    precision: GemmPrecision,
+    repeats: usize,
+) -> (f64, f64, f64) {
+    let device = Default::default();
+    let x = primitive(Tensor::<Inner, 2>::random(
+        [rows, m],
+        Distribution::Default,
+        &device,
+    ));
+    let w1 = primitive(Tensor::<Inner, 2>::random([m, h], Distribution::Default, &device));
+    let w2 = primitive(Tensor::<Inner, 2>::random([h, m], Distribution::Default, &device));
+    let t = |a: &burn::tensor::ops::FloatTensor<Inner>| {
+        use burn::tensor::ops::FloatTensorOps;
+        Inner::float_transpose(a.clone())
+    };
+    timed(repeats, || {
+        let mm = |a, b| path.matmul(a, b, precision).expect("dense product");
+        let z = mm(x.clone(), w1.clone());
+        let y = mm(z.clone(), w2.clone());
+        let dz = mm(y.clone(), t(&w2));
+        let dw2 = mm(t(&z), y);
+        let dx = mm(dz.clone(), t(&w1));
+        let dw1 = mm(t(&x), dz);
+        for out in [dx, dw1, dw2] {
+            sync(Tensor::<Inner, 2>::from_primitive(TensorPrimitive::Float(out)));
+        }
+    })
+}
+
+/// The path's forward and backward of one partition: `EXPERTS` experts with `rows / EXPERTS`
+/// rows each (GELU, no biases); with `host_only`, the time the calls take on the host alone
+/// (the device is synchronised outside the timed span), which says whether the path's time is
+/// the host's.
+fn experts_ms(
+    path: &CublasExperts,
+    rows: usize,
+    m: usize,
+    h: usize,
+    precision: GemmPrecision,
+    repeats: usize,
+    host_only: bool,
+) -> (f64, f64, f64) {
+    let device = Default::default();
+    let per = vec![rows / EXPERTS; EXPERTS];
+    let layout = BlockLayout::new(&per, 1);
+    let total = layout.total();
+    let rand = |shape: Vec<usize>| {
+        primitive(Tensor::<Inner, 3>::random(
+            [shape[0], shape[1], shape[2]],
+            Distribution::Default,
+            &device,
+        ))
+    };
+    let groups = ExpertGroups {
+        groups: vec![ExpertTensors {
+            w_in: rand(vec![EXPERTS, m, h]),
+            b_in: None,
+            w_out: rand(vec![EXPERTS, h, m]),
+            b_out: None,
+        }],
+    };
+    let x = primitive(Tensor::<Inner, 2>::random(
+        [total, m],
+        Distribution::Default,
+        &device,
+    ));
+    let grad = primitive(Tensor::<Inner, 2>::random(
+        [total, m],
+        Distribution::Default,
+        &device,
+    ));
+    let empty = |r: usize, c: usize| primitive(Tensor::<Inner, 2>::empty([r, c], &device));
+    let mut host = Vec::new();
+    let t = timed(repeats, || {
+        let start = Instant::now();
+        let (_, hidden) = path
+            .forward(ExpertForward {
+                x: x.clone(),
+                rows_per_expert: &per,
+                layout: &layout,
+                hidden_layout: &layout,
+                experts: &groups,
+                activation: Activation::Gelu,
+                precision,
+                hidden: empty(total, h),
+                out: empty(total, m),
+            })
+            .expect("experts forward");
+        let hidden = per
+            .iter()
+            .enumerate()
+            .map(|(e, &r)| {
+                let t = Tensor::<Inner, 2>::from_primitive(TensorPrimitive::Float(hidden.clone()));
+                Some(primitive(t.slice([layout.start(e)..layout.start(e) + r, 0..h])))
+            })
+            .collect();
+        // Fresh sums, as the layer's first partition hands them over: written, not added.
+        let zeros = |s: [usize; 3]| primitive(Tensor::<Inner, 3>::empty(s, &device));
+        let out = path
+            .backward(ExpertBackward {
+                grad: grad.clone(),
+                x: x.clone(),
+                hidden,
+                rows_per_expert: &per,
+                layout: &layout,
+                experts: &groups,
+                activation: Activation::Gelu,
+                precision,
+                grad_x: empty(total, m),
+                fresh: true,
+                grads: ExpertTensors {
+                    w_in: zeros([EXPERTS, m, h]),
+                    b_in: None,
+                    w_out: zeros([EXPERTS, h, m]),
+                    b_out: None,
+                },
+            })
+            .expect("experts backward");
+        host.push(start.elapsed().as_secs_f64() * 1e3);
+        sync(Tensor::<Inner, 2>::from_primitive(TensorPrimitive::Float(
+            out.grad_x,
+        )));
+    });
+    if !host_only {
+        return t;
+    }
+    // The last `repeats` calls are the timed ones (two warm-ups came first).
+    let mut host = host.split_off(host.len() - repeats);
+    host.sort_by(f64::total_cmp);
+    (host[host.len() / 2], host[0], host[host.len() - 1])
+}
+
+/// Tokens that send every expert the same rows through a one-hot router (the scheme of
+/// `torch_gpu_peer.py`'s `balanced_tokens`): columns `0..EXPERTS` of each token are zero but
+/// for its chosen experts, ranked.
+fn balanced_tokens<Bk: burn::tensor::backend::Backend>(
+    tokens: usize,
+    m: usize,
+    top_k: usize,
+) -> Tensor<Bk, 2> {
+    let mut values: Vec<f32> = (0..tokens * m)
+        .map(|i| ((i.wrapping_mul(2_654_435_761) % 10_007) as f32 / 10_007.0) * 2.0 - 1.0)
+        .collect();
+    for t in 0..tokens {
+        for c in 0..EXPERTS {
+            values[t * m + c] = 0.0;
+        }
+        for j in 0..top_k {
+            values[t * m + (t * top_k + j) % EXPERTS] = (4 + top_k - j) as f32;
+        }
+    }
+    Tensor::from_data(TensorData::new(values, [tokens, m]), &Default::default())
+}
+
+/// The whole layer on `comm` on backend `Bk`, forward + backward (forward alone where
+/// `forward_only`).
+fn layer_ms<Bk>(
     config: &MoeLayerConfig,
     comm: Arc<dyn Communicator>,
     tokens: usize,
-    profile: &Profile,
-) -> (f64, MoeLayer<B>, usize, Strategy) {
+    repeats: usize,
+    forward_only: bool,
+) -> ((f64, f64, f64), usize)
+where
+    Bk: burn::tensor::backend::AutodiffBackend + mpipemoe::MoeBackend,
+{
     let device = Default::default();
-    let layer = config.init_rank::<B>(&device, comm).expect("valid config");
-    layer.context().set_profile(profile.clone());
-    let x = Tensor::<B, 2>::random([tokens, config.d_model], Distribution::Default, &device).require_grad();
-    let mut last = (1, Strategy::None);
-    let t = median_time(
-        || {
-            let out = layer.forward(x.clone());
-            last = (out.stats.n_partitions, out.stats.strategy);
-            let grads = out.output.sum().backward();
-            sync(layer.router.weight.grad(&grads).expect("router gradient"));
-        },
-        2,
-        5,
-    );
-    (t, layer, last.0, last.1)
+    let mut layer: MoeLayer<Bk> = config.init_rank::<Bk>(&device, comm).expect("valid config");
+    let mut router = vec![0f32; EXPERTS * config.d_model];
+    for e in 0..EXPERTS {
+        router[e * config.d_model + e] = 1.0;
+    }
+    layer.router.weight = Param::from_tensor(Tensor::from_data(
+        TensorData::new(router, [EXPERTS, config.d_model]),
+        &device,
+    ));
+    let x = balanced_tokens::<Bk>(tokens, config.d_model, config.top_k).require_grad();
+    let mut n = 1;
+    let t = timed(repeats, || {
+        let out = layer.forward(x.clone());
+        n = out.stats.n_partitions;
+        if forward_only {
+            sync(out.output);
+            return;
+        }
+        let grads = out.output.sum().backward();
+        sync(layer.router.weight.grad(&grads).expect("router gradient"));
+    });
+    (t, n)
 }
 
 fn main() {
@@ -95,225 +334,193 @@ fn main() {
         eprintln!("error: {e}");
         std::process::exit(2);
     }
-    let quick = std::env::args().any(|a| a == "--quick");
-    let args: Vec<String> = std::env::args().collect();
-    let json = args
-        .iter()
-        .position(|a| a == "--json")
-        .and_then(|i| args.get(i + 1).cloned());
+    // A failed measurement ends the run at once with its message: unwinding through the CUDA
+    // objects of a failed run gains nothing (the first H100 run's panic ended in a segfault).
+    std::panic::set_hook(Box::new(|info| {
+        eprintln!("error: {info}");
+        std::process::exit(1);
+    }));
+    let args = match arguments() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+    };
+    let paths = [
+        (Handover::Device, true),
+        (Handover::Host, true),
+        (Handover::Device, false),
+    ]
+    .map(|(handover, grouped)| {
+        CublasExperts::with_options(0, CublasOptions { handover, grouped }).unwrap_or_else(|e| {
+            eprintln!("error: {e}");
+            std::process::exit(1)
+        })
+    });
+    let [device_path, host_path, looped_path] = &paths;
     let device = Default::default();
+    eprintln!("cuBLAS expert path: {device_path:?}");
     let shapes = [
         ("GPT3-S", 768usize, 3072usize),
         ("BERT-L", 1024, 4096),
         ("GPT3-XL", 2048, 8192),
     ];
-    let token_counts: &[usize] = if quick {
-        &[4096]
-    } else {
-        &[4096, 8192, 16384, 32768]
-    };
-    let profile = Profile::h100_node(1);
-    let mut rows = Vec::new();
+    let token_counts: &[usize] = if args.quick { &[4096] } else { &[4096, 16384] };
     let started = Instant::now();
+    let mut rows: Vec<Row> = Vec::new();
+    let with = |path: &CublasExperts| -> Arc<dyn Communicator> {
+        Arc::new(WithRowPaths::adding(Arc::new(SingleRank), path.paths()))
+    };
     for (name, m, h) in shapes {
         for &tokens in token_counts {
-            let experts = 8;
-            let flops = 12.0 * (tokens * m * h) as f64;
-            // Dense reference: one FFN's six GEMMs over the same rows.
-            let x = Tensor::<CudaMoe<f32>, 2>::random([tokens, m], Distribution::Default, &device);
-            let w1 = Tensor::<CudaMoe<f32>, 2>::random([m, h], Distribution::Default, &device);
-            let w2 = Tensor::<CudaMoe<f32>, 2>::random([h, m], Distribution::Default, &device);
-            eprintln!(
-                "[{:7.1} s] {name} {tokens} tokens: dense reference",
-                started.elapsed().as_secs_f64()
-            );
-            let dense = median_time(
-                || {
-                    let a = x.clone().matmul(w1.clone());
-                    let y = a.clone().matmul(w2.clone());
-                    let da = y.clone().matmul(w2.clone().transpose());
-                    let dw2 = a.transpose().matmul(y);
-                    let dx = da.clone().matmul(w1.clone().transpose());
-                    let dw1 = x.clone().transpose().matmul(da);
-                    let _ = (dx.sum() + dw1.sum() + dw2.sum()).into_data();
-                },
-                2,
-                5,
-            );
-            let base = MoeLayerConfig::new(m, h, experts, 1).with_check_finite(false);
-            let (compute_only, ..) = layer_time(&base, Arc::new(SingleRank), tokens, &profile);
-            // The exchange alone: four all-to-alls of all rows (two forward, two backward),
-            // each a device → host → device round trip.
-            let rows_tensor = Tensor::<CudaMoe<f32>, 2>::random([tokens, m], Distribution::Default, &device);
-            let comm_only = median_time(
-                || {
-                    for _ in 0..4 {
-                        let data = rows_tensor.clone().into_data();
-                        let back = Tensor::<CudaMoe<f32>, 2>::from_data(data, &device);
-                        let _ = back.slice([0..1, 0..1]).into_data();
-                    }
-                },
-                1,
-                5,
-            );
-            // MPipeMoE's budget: halfway between FastMoE's modelled peak and the lowest any
-            // strategy reaches at n = 8, both for this layer (8 experts on the one rank, their
-            // weights and gradients included) and with the model's headroom, so FastMoE's plan
-            // would not fit and some strategy's does. With 8 local experts the peak is the
-            // stacking of their weight gradients (`mpipemoe plan --d-model 768 --d-hidden 3072
-            // --experts 8 --gpus 1 --tokens 4096`: 252 MiB without reuse, 240 with S1 or S3), so
-            // the budget binds only a little. Half of a one-expert layer's FastMoE peak, as first
-            // written, is under the eight experts' weights alone: the first run without
-            // autotuning (H200) stopped there with the layer's memory-plan error.
-            let shape = LayerShape {
-                n_experts: experts,
-                ..LayerShape::paper(tokens, m, h, 1, 1)
-            };
-            let peak = |strategy, n| {
-                ImplementationModel::new(
-                    &LayerShape {
-                        n_partitions: n,
-                        ..shape
-                    },
-                    strategy,
-                )
-                .peak_device()
-                    * 4.0
-            };
-            let lowest = Strategy::ALL
-                .into_iter()
-                .map(|s| peak(s, 8))
-                .fold(f64::INFINITY, f64::min);
-            let budget = MODEL_HEADROOM * 0.5 * (peak(Strategy::None, 1) + lowest);
-            let mut candidates = vec![("FastMoE".to_string(), base.clone())];
-            for n in [2, 4, 8] {
-                candidates.push((
-                    format!("PipeMoE n={n}"),
-                    base.clone().with_partitions(Partitions::Fixed(n)),
-                ));
-            }
-            candidates.push((
-                "MPipeMoE".to_string(),
-                base.clone()
-                    .with_partitions(Partitions::Adaptive)
-                    .with_memory_reuse(MemoryReuse::Auto)
-                    .with_memory_budget(Some(budget as usize)),
-            ));
-            let mut measured = Vec::new();
-            // Each system with a worker per stream (CUDA's default: S, C and R of different
-            // partitions on CUDA streams of their own) and in issue order on one stream.
-            for executor in [StepExecutor::StreamThreads, StepExecutor::InOrder] {
-                for (system, config) in &candidates {
-                    let config = config.clone().with_executor(Some(executor));
-                    let (t, layer, n, strategy) =
-                        layer_time(&config, Arc::new(HostLoopback), tokens, &profile);
-                    let arena = layer.context().partition_arena().stats().reserved_bytes;
-                    // The table comes at the end; this line shows progress (and where kernel
-                    // compilation and autotuning spend the first minutes) in a captured log.
+            for top_k in [1, 2] {
+                let routed = tokens * top_k;
+                let flops = 12.0 * (routed * m * h) as f64;
+                let mut push = |what: &str,
+                                path: &str,
+                                precision: &str,
+                                (median, min, max): (f64, f64, f64),
+                                n: usize| {
                     eprintln!(
-                        "[{:7.1} s] {name} {tokens} tokens {system} {executor:?}: {:.2} ms (n={n}, {strategy})",
-                        started.elapsed().as_secs_f64(),
-                        t * 1e3
+                        "[{:7.1} s] {name} {tokens} top-{top_k} {what} {path} {precision}: {median:.3} ms",
+                        started.elapsed().as_secs_f64()
                     );
-                    measured.push((system.clone(), executor, t, n, strategy, arena));
+                    rows.push(Row {
+                        shape: name.into(),
+                        d_model: m,
+                        d_hidden: h,
+                        tokens,
+                        top_k,
+                        what: what.into(),
+                        path: path.into(),
+                        precision: precision.into(),
+                        median_ms: median,
+                        min_ms: min,
+                        max_ms: max,
+                        tflops: flops / (median * 1e-3) / 1e12,
+                        n,
+                    });
+                };
+                for precision in GemmPrecision::ALL {
+                    push(
+                        "dense",
+                        "cublas",
+                        precision.name(),
+                        dense_ms(device_path, routed, m, h, precision, args.repeats),
+                        1,
+                    );
+                    push(
+                        "experts",
+                        "cublas",
+                        precision.name(),
+                        experts_ms(device_path, routed, m, h, precision, args.repeats, false),
+                        1,
+                    );
                 }
-            }
-            // PipeMoE: only the best fixed n is reported, per executor.
-            let best_pipe: Vec<_> = [StepExecutor::StreamThreads, StepExecutor::InOrder]
-                .into_iter()
-                .filter_map(|e| {
-                    measured
-                        .iter()
-                        .filter(|m| m.0.starts_with("PipeMoE") && m.1 == e)
-                        .min_by(|a, b| a.2.total_cmp(&b.2))
-                        .cloned()
-                })
-                .collect();
-            for (system, executor, t, n, strategy, arena) in measured
-                .into_iter()
-                .filter(|m| !m.0.starts_with("PipeMoE"))
-                .chain(best_pipe)
-            {
-                let shape = LayerShape::paper(tokens, m, h, 1, n);
-                rows.push(Row {
-                    shape: name.to_string(),
+                let host = experts_ms(device_path, routed, m, h, GemmPrecision::Tf32, args.repeats, true);
+                push("experts", "cublas host only", "tf32", host, 1);
+                for precision in [GemmPrecision::Tf32, GemmPrecision::Bf16] {
+                    let t = experts_ms(looped_path, routed, m, h, precision, args.repeats, false);
+                    push("experts", "cublas looped", precision.name(), t, 1);
+                }
+                let base = MoeLayerConfig::new(m, h, EXPERTS, top_k)
+                    .with_check_finite(false)
+                    .with_executor(Some(StepExecutor::InOrder));
+                for precision in GemmPrecision::ALL {
+                    let config = base.clone().with_gemm_precision(precision);
+                    let (t, n) = layer_ms::<B>(&config, with(device_path), tokens, args.repeats, false);
+                    push("layer", "cublas", precision.name(), t, n);
+                }
+                let tf32 = base.clone().with_gemm_precision(GemmPrecision::Tf32);
+                let (t, n) = layer_ms::<B>(&tf32, with(device_path), tokens, args.repeats, true);
+                push("forward", "cublas", "tf32", t, n);
+                let (t, n) = layer_ms::<B>(&tf32, with(host_path), tokens, args.repeats, false);
+                push("layer", "cublas host-waits", "tf32", t, n);
+                let (t, n) = layer_ms::<Autodiff<mpipemoe_cuda::CudaMoeFusion<f32>>>(
+                    &tf32,
+                    with(device_path),
                     tokens,
-                    system: if system.starts_with("PipeMoE") {
-                        "PipeMoE (best n)".to_string()
-                    } else {
-                        system
-                    },
-                    executor: match executor {
-                        StepExecutor::StreamThreads => "threads".into(),
-                        StepExecutor::InOrder => "in-order".into(),
-                    },
-                    n,
-                    strategy: strategy.to_string(),
-                    median_ms: t * 1e3,
-                    expert_tflops: flops / t / 1e12,
-                    dense_tflops: flops / dense / 1e12,
-                    gemm_efficiency: dense / compute_only,
-                    compute_only_ms: compute_only * 1e3,
-                    comm_only_ms: comm_only * 1e3,
-                    overlap_ratio: t / compute_only.max(comm_only),
-                    modelled_peak_mib: ImplementationModel::new(&shape, strategy).peak_device() * 4.0
-                        / (1024.0 * 1024.0),
-                    arena_mib: arena as f64 / (1024.0 * 1024.0),
-                    network: "emulated (HostLoopback: device -> host -> device)",
-                });
+                    args.repeats,
+                    false,
+                );
+                push("layer", "cublas fusion", "tf32", t, n);
+                let (t, n) = layer_ms::<B>(&base, Arc::new(SingleRank), tokens, args.repeats, false);
+                push("layer", "cubecl", "tf32", t, n);
+                if args.pipeline {
+                    let loopback = || -> Arc<dyn Communicator> {
+                        Arc::new(WithRowPaths::adding(Arc::new(HostLoopback), device_path.paths()))
+                    };
+                    // The exchange alone: four all-to-alls of all routed rows (two forward, two
+                    // backward), each a device -> host -> device round trip.
+                    let rows_tensor = Tensor::<Inner, 2>::random([routed, m], Distribution::Default, &device);
+                    let exchange = timed(args.repeats, || {
+                        for _ in 0..4 {
+                            let data = rows_tensor.clone().into_data();
+                            sync(Tensor::<Inner, 2>::from_data(data, &device));
+                        }
+                    });
+                    push("exchange", "host loopback", "-", exchange, 1);
+                    for n in [1, 2, 4, 8] {
+                        let config = tf32.clone().with_partitions(Partitions::Fixed(n));
+                        let (t, n) = layer_ms::<B>(&config, loopback(), tokens, args.repeats, false);
+                        push("pipeline", "cublas", "tf32", t, n);
+                    }
+                }
             }
         }
     }
-    if let Some(path) = json {
-        if let Err(e) = std::fs::write(
-            &path,
-            serde_json::to_string_pretty(&rows).expect("rows serialize"),
-        ) {
+    if let Err(e) = device_path
+        .check(&client(&device))
+        .and(host_path.check(&client(&device)))
+    {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+    if let Some(path) = &args.json {
+        let text = serde_json::to_string_pretty(&rows).expect("rows serialize");
+        let tmp = format!("{path}.tmp");
+        if let Err(e) = std::fs::write(&tmp, text).and_then(|_| std::fs::rename(&tmp, path)) {
             eprintln!("error: cannot write {path}: {e}");
         }
     }
     println!(
-        "{:<8} {:>6} {:<17} {:<8} {:>2} {:<5} {:>9} {:>8} {:>8} {:>8} {:>9} {:>9} {:>8} {:>9} {:>9}",
-        "shape",
-        "tokens",
-        "system",
-        "executor",
-        "n",
-        "strat",
-        "ms",
-        "TFLOP/s",
-        "dense",
-        "GEMM eff",
-        "compute",
-        "comm",
-        "overlap",
-        "peak MiB",
-        "arena MiB"
+        "{:<8} {:>6} {:>2} {:<9} {:<18} {:<5} {:>9} {:>9} {:>9} {:>8} {:>3}",
+        "shape", "tokens", "k", "what", "path", "prec", "ms", "min", "max", "TFLOP/s", "n"
     );
     for r in &rows {
         println!(
-            "{:<8} {:>6} {:<17} {:<8} {:>2} {:<5} {:>9.2} {:>8.1} {:>8.1} {:>8.2} {:>9.2} {:>9.2} {:>8.2} {:>9.0} {:>9.1}",
+            "{:<8} {:>6} {:>2} {:<9} {:<18} {:<5} {:>9.3} {:>9.3} {:>9.3} {:>8.1} {:>3}",
             r.shape,
             r.tokens,
-            r.system,
-            r.executor,
-            r.n,
-            r.strategy,
+            r.top_k,
+            r.what,
+            r.path,
+            r.precision,
             r.median_ms,
-            r.expert_tflops,
-            r.dense_tflops,
-            r.gemm_efficiency,
-            r.compute_only_ms,
-            r.comm_only_ms,
-            r.overlap_ratio,
-            r.modelled_peak_mib,
-            r.arena_mib
+            r.min_ms,
+            r.max_ms,
+            r.tflops,
+            r.n
         );
     }
-    println!("\nnetwork: emulated by HostLoopback (each all-to-all is a device -> host -> device copy of its rows).");
-    println!("overlap = t(config) / max(t(compute only, no exchange), t(exchange only)); targets: overlap <= 1.10,");
-    println!("GEMM efficiency >= 0.8, adaptive n within 5% of the best fixed n. executor threads: a worker");
-    println!("per schedule stream, each on a CUDA stream of its own (cubecl), so S, C and R of different partitions");
-    println!("can overlap; in-order: every step on one stream, the comparator for the overlap, with its partitions in");
-    println!("the partition arena (arena MiB: what it held after the timed steps; peak MiB is the replay model's).");
+    println!("\nGEMM efficiency (dense ms / experts ms, same rows and precision):");
+    for r in rows.iter().filter(|r| r.what == "experts") {
+        if let Some(d) = rows.iter().find(|d| {
+            d.what == "dense"
+                && d.shape == r.shape
+                && d.tokens == r.tokens
+                && d.top_k == r.top_k
+                && d.precision == r.precision
+        }) {
+            println!(
+                "{:<8} {:>6} top-{} {:<5} {:.2}",
+                r.shape,
+                r.tokens,
+                r.top_k,
+                r.precision,
+                d.median_ms / r.median_ms
+            );
+        }
+    }
 }

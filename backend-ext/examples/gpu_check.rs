@@ -20,8 +20,14 @@
 //! TF32's tolerance and say so on every line; on a backend with true f32 products they are held
 //! to the cases' 1e-4.
 //!
+//! Before all of that, the cuBLAS expert path (`CublasExperts` behind the communicator, the
+//! layer's dense products too) at every GEMM precision: IEEE f32 is held to the cases' own 1e-4
+//! (no product of the layer goes through cubecl's TF32 there), TF32 to TF32's tolerance, bf16 to
+//! bf16's; with the device hand-over and the host one, at two ranks with a shadowed expert, and
+//! in the arena. `--plan cublas` runs those alone.
+//!
 //! ```text
-//! gpu_check [CASE_DIR]      # default: tests/data/cases (the repository's copy of the cases)
+//! gpu_check [--plan all|cublas] [CASE_DIR]   # default: all, tests/data/cases
 //! ```
 
 use std::path::PathBuf;
@@ -33,11 +39,29 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use mpipemoe::backend::StepExecutor;
+use mpipemoe::comm::WithRowPaths;
 use mpipemoe::harness::{check_case, check_case_through, relative_error, Case, CheckOptions};
 use mpipemoe::memory::Strategy;
-use mpipemoe::{Communicator, ExchangePath, MoeBackend, Partitions, Shadowing};
-use mpipemoe_cuda::check_plan::{check_runs, CheckRun};
-use mpipemoe_cuda::{cuda_available, nccl_available, CudaMoe, Nccl};
+use mpipemoe::{Communicator, ExchangePath, GemmPrecision, MoeBackend, Partitions, Shadowing};
+use mpipemoe_cuda::check_plan::{plan_runs, CheckRun, Plan};
+use mpipemoe_cuda::{cuda_available, nccl_available, CublasExperts, CublasOptions, CudaMoe, Handover, Nccl};
+
+/// The `--plan` and the case folder from the command line.
+fn arguments() -> Result<(Plan, Option<String>), String> {
+    let mut args = std::env::args().skip(1);
+    let (mut plan, mut dir) = (Plan::All, None);
+    while let Some(arg) = args.next() {
+        if arg == "--plan" {
+            let value = args.next().ok_or("--plan needs a value: all or cublas")?;
+            plan = Plan::parse(&value).ok_or(format!("--plan {value:?}: expected all or cublas"))?;
+        } else if dir.is_none() {
+            dir = Some(arg);
+        } else {
+            return Err(format!("unexpected argument {arg:?}"));
+        }
+    }
+    Ok((plan, dir))
+}
 
 fn case_files(dir: Option<String>) -> Vec<PathBuf> {
     let dir = dir.map_or_else(|| PathBuf::from("tests/data/cases"), PathBuf::from);
@@ -69,6 +93,14 @@ fn nccl_group() -> Result<Arc<dyn Communicator>, String> {
     nccl_available().map_err(|e| e.to_string())?;
     let nccl = Nccl::from_env(Duration::from_secs(60)).map_err(|e| e.to_string())?;
     Ok(Arc::new(nccl.with_emulated_network(true)))
+}
+
+/// The compute client of the f32 CUDA backend on `device`.
+fn f32_client(
+    device: &burn::tensor::Device<CudaMoe<f32>>,
+) -> burn_cubecl::cubecl::client::ComputeClient<burn_cubecl::cubecl::cuda::CudaRuntime> {
+    use burn_cubecl::cubecl::Runtime;
+    burn_cubecl::cubecl::cuda::CudaRuntime::client(device)
 }
 
 /// An f32 product whose error is over this did not keep float32's 24-bit mantissa.
@@ -157,7 +189,62 @@ fn options(run: CheckRun, f32_tolerance: f64) -> (&'static str, CheckOptions, f6
             f32_tolerance,
         ),
         CheckRun::NcclRows { n, strategy } => ("f32 nccl-rows", fused(n, strategy), f32_tolerance),
+        CheckRun::Cublas {
+            n,
+            strategy,
+            precision,
+            host_handover,
+            ranks,
+            shadowed,
+            in_order,
+            fusion,
+        } => {
+            let label = match (precision, host_handover, ranks, in_order) {
+                (GemmPrecision::F32, ..) if fusion => "cublas f32 under fusion",
+                (GemmPrecision::F32, true, ..) => "cublas f32 host hand-over",
+                (GemmPrecision::F32, _, 2, _) if shadowed => "cublas f32 2 ranks shadowed",
+                (GemmPrecision::F32, _, 2, _) => "cublas f32 2 ranks",
+                (GemmPrecision::F32, _, _, true) => "cublas f32 in-order arena",
+                (GemmPrecision::F32, ..) => "cublas f32",
+                (GemmPrecision::Tf32, ..) => "cublas tf32",
+                (GemmPrecision::Bf16, ..) => "cublas bf16",
+            };
+            let tolerance = match precision {
+                GemmPrecision::F32 => 1e-4,
+                GemmPrecision::Tf32 => TF32_TOLERANCE,
+                GemmPrecision::Bf16 => 3e-2,
+            };
+            (
+                label,
+                CheckOptions {
+                    n_ranks: ranks,
+                    shadowing: if shadowed {
+                        Shadowing::Fixed(1)
+                    } else {
+                        Shadowing::Off
+                    },
+                    executor: in_order.then_some(StepExecutor::InOrder),
+                    gemm_precision: precision,
+                    ..fused(n, strategy)
+                },
+                tolerance,
+            )
+        }
     }
+}
+
+/// The cuBLAS path with each hand-over, made once: `Err` says why there is none.
+fn cublas_paths() -> [Result<CublasExperts, String>; 2] {
+    [Handover::Device, Handover::Host].map(|handover| {
+        CublasExperts::with_options(
+            0,
+            CublasOptions {
+                handover,
+                ..CublasOptions::default()
+            },
+        )
+        .map_err(|e| e.to_string())
+    })
 }
 
 fn main() -> ExitCode {
@@ -165,7 +252,14 @@ fn main() -> ExitCode {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }
-    let files = case_files(std::env::args().nth(1));
+    let (plan, dir) = match arguments() {
+        Ok(parsed) => parsed,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let files = case_files(dir);
     if files.is_empty() {
         eprintln!("error: no case files found");
         return ExitCode::from(2);
@@ -187,6 +281,10 @@ fn main() -> ExitCode {
     if let Err(why) = &nccl {
         println!("NCCL checks skipped: {why}");
     }
+    let cublas = cublas_paths();
+    if let Ok(path) = &cublas[0] {
+        println!("cuBLAS expert path: {path:?} (grouped GEMMs: {})", path.grouped());
+    }
     let mut failed = 0;
     let mut total = 0;
     for file in &files {
@@ -198,13 +296,37 @@ fn main() -> ExitCode {
                 continue;
             }
         };
-        for run in check_runs(nccl.is_ok()) {
+        for run in plan_runs(plan, nccl.is_ok()) {
             total += 1;
             let (dtype, options, tolerance) = options(run, f32_tolerance);
             let start = std::time::Instant::now();
             // A panic inside burn or cubecl (a kernel that does not compile, say) fails this
             // check, not the whole run.
             let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match run {
+                CheckRun::Cublas {
+                    host_handover,
+                    fusion,
+                    ..
+                } => {
+                    let path = cublas[usize::from(host_handover)]
+                        .as_ref()
+                        .map_err(|why| mpipemoe::MoeError::Backend(format!("no cuBLAS path: {why}")))?;
+                    let paths = path.paths();
+                    let wrap = |comm: Arc<dyn Communicator>| -> Arc<dyn Communicator> {
+                        Arc::new(WithRowPaths::adding(comm, paths.clone()))
+                    };
+                    let report = match fusion {
+                        true => check_case_through::<Autodiff<mpipemoe_cuda::CudaMoeFusion<f32>>>(
+                            &case, &options, &device, &wrap,
+                        )?,
+                        false => {
+                            check_case_through::<Autodiff<CudaMoe<f32>>>(&case, &options, &device, &wrap)?
+                        }
+                    };
+                    // A spinning hand-over kernel that gave up would leave results unordered.
+                    path.check(&f32_client(&device))?;
+                    Ok(report)
+                }
                 CheckRun::NcclRows { .. } => {
                     let comm = nccl.as_ref().expect("NCCL runs only with a group").clone();
                     check_case_through::<Autodiff<CudaMoe<f32>>>(&case, &options, &device, &|_| comm.clone())
@@ -234,10 +356,19 @@ fn main() -> ExitCode {
                 }
                 Ok(Ok(r)) => {
                     failed += 1;
+                    // Every tensor over the tolerance, so that one run shows which products
+                    // are off (a forward one, a gradient, the input's gradient alone).
+                    let over: Vec<String> = r
+                        .errors
+                        .iter()
+                        .filter(|e| e.rel_err > tolerance)
+                        .map(|e| format!("{}={:.2e}", e.name, e.rel_err))
+                        .collect();
                     println!(
-                        "{label} FAIL max_rel_err={:.3e} (worst: {})",
+                        "{label} FAIL max_rel_err={:.3e} (worst: {}; over: {})",
                         r.max_rel_err(),
-                        r.worst().name
+                        r.worst().name,
+                        over.join(" ")
                     );
                 }
                 Ok(Err(e)) => {

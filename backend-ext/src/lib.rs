@@ -21,6 +21,10 @@
 //!   cross streams").
 //! - [`nccl_available`]: whether NCCL can be loaded, so a caller runs its single-GPU work and
 //!   reports NCCL as unavailable instead of cudarc panicking.
+//! - [`CublasExperts`]: the experts' GEMMs on cuBLAS (grouped, at the layer's
+//!   `gemm_precision`: IEEE f32, TF32 or bf16) with their activations in fused kernels, on a
+//!   stream of its own ordered against cubecl's without host waits; [`with_cublas`] adds it to
+//!   a communicator's paths.
 //! - [`group`]: the waits on NCCL (a group's end, a non-blocking initialisation, split or
 //!   finalize), bounded by the timeout, aborting the communicator on every error path.
 //! - [`check_plan`]: what `examples/gpu_check.rs` checks, single-GPU checks first.
@@ -41,6 +45,8 @@ pub mod bootstrap;
 pub mod check_plan;
 #[cfg(feature = "cuda")]
 mod driver;
+#[cfg(feature = "cuda")]
+mod gemm;
 pub mod group;
 #[cfg(feature = "cuda")]
 mod nccl;
@@ -54,9 +60,16 @@ mod rows;
 #[cfg(feature = "cuda")]
 pub use driver::{cuda_available, nccl_available, CudaError};
 #[cfg(feature = "cuda")]
+pub use gemm::{with_cublas, CublasExperts, CublasOptions, Handover};
+#[cfg(feature = "cuda")]
 pub use nccl::Nccl;
 
 /// burn's CUDA backend without fusion (the extension trait is implemented for it directly),
 /// with float element `F`.
 #[cfg(feature = "cuda")]
 pub type CudaMoe<F = f32> = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, F, i32, u8>;
+
+/// burn's default CUDA backend: fusion around [`CudaMoe`]. The layer's exchange and the cuBLAS
+/// path run on the inner backend (their inputs resolved, their outputs registered back).
+#[cfg(feature = "cuda")]
+pub type CudaMoeFusion<F = f32> = burn_fusion::Fusion<CudaMoe<F>>;

@@ -34,3 +34,42 @@ fn without_nccl_every_other_check_still_runs() {
         }));
     }
 }
+
+/// The cuBLAS checks come first in the whole plan and are the short plan alone: every precision,
+/// both hand-overs, two ranks with a shadowed expert and the arena, each held to its tolerance.
+#[test]
+fn the_cublas_checks_come_first_and_cover_each_path() {
+    use mpipemoe::GemmPrecision;
+    use mpipemoe_cuda::check_plan::{cublas_runs, plan_runs, Plan};
+    let cublas = cublas_runs();
+    assert_eq!(plan_runs(Plan::Cublas, true), cublas);
+    let all = plan_runs(Plan::All, true);
+    assert_eq!(all[..cublas.len()], cublas[..]);
+    assert_eq!(all[cublas.len()..], check_runs(true)[..]);
+    let has = |f: &dyn Fn(&CheckRun) -> bool| cublas.iter().any(f);
+    for precision in GemmPrecision::ALL {
+        assert!(has(
+            &|r| matches!(r, CheckRun::Cublas { precision: p, strategy: mpipemoe::memory::Strategy::S4, .. } if *p == precision)
+        ));
+    }
+    assert!(has(&|r| matches!(
+        r,
+        CheckRun::Cublas {
+            host_handover: true,
+            ..
+        }
+    )));
+    assert!(has(&|r| matches!(
+        r,
+        CheckRun::Cublas {
+            ranks: 2,
+            shadowed: true,
+            ..
+        }
+    )));
+    assert!(has(&|r| matches!(r, CheckRun::Cublas { in_order: true, .. })));
+    assert!(has(&|r| matches!(r, CheckRun::Cublas { fusion: true, .. })));
+    assert_eq!(Plan::parse("cublas"), Some(Plan::Cublas));
+    assert_eq!(Plan::parse("all"), Some(Plan::All));
+    assert_eq!(Plan::parse("fast"), None);
+}

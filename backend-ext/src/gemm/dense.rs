@@ -1,0 +1,91 @@
+//! The layer's dense products on cuBLAS (`ExpertPath::matmul`: the router's logits, the shared
+//! expert, and their gradients): one `cublasGemmEx` at the precision, into a new tensor.
+
+use burn::tensor::DType;
+use burn_cubecl::cubecl::cuda::CudaRuntime;
+use burn_cubecl::tensor::CubeTensor;
+use mpipemoe::{GemmPrecision, MoeError, Result};
+
+use super::blas::{Product, Role};
+use super::operands::{ready, Addresses, Halves};
+use super::CublasExperts;
+
+/// A matrix operand as cuBLAS reads it: contiguous (`transposed` false, `ld` its width), or the
+/// transposed view of a contiguous matrix (`transposed` true, `ld` its height), which the
+/// backward of a dense product passes; anything else is made contiguous first.
+fn operand(
+    t: CubeTensor<CudaRuntime>,
+    ordinal: usize,
+    what: &str,
+) -> Result<(CubeTensor<CudaRuntime>, usize, bool)> {
+    let shape = t.meta.shape().to_vec();
+    let strides = t.meta.strides().to_vec();
+    let transposed_view = shape.len() == 2 && !t.is_contiguous() && strides == [1, shape[0]];
+    if t.dtype == DType::F32 && t.device.index == ordinal && transposed_view {
+        return Ok((t, shape[0], true));
+    }
+    let t = ready(t, ordinal, what)?;
+    Ok((t, shape[1], false))
+}
+
+pub(crate) fn matmul(
+    path: &CublasExperts,
+    lhs: CubeTensor<CudaRuntime>,
+    rhs: CubeTensor<CudaRuntime>,
+    precision: GemmPrecision,
+) -> Result<CubeTensor<CudaRuntime>> {
+    let (ls, rs) = (lhs.meta.shape().to_vec(), rhs.meta.shape().to_vec());
+    if ls.len() != 2 || rs.len() != 2 || ls[1] != rs[0] || ls[1] == 0 {
+        return Err(MoeError::Backend(format!(
+            "CUDA dense product: {ls:?} times {rs:?}"
+        )));
+    }
+    let (m, k, n) = (ls[0], ls[1], rs[1]);
+    let (client, device) = (lhs.client.clone(), lhs.device.clone());
+    let out = CubeTensor::new_contiguous(
+        client.clone(),
+        device,
+        [m, n].into(),
+        client.empty((m * n * 4).max(4)),
+        DType::F32,
+    );
+    if m * n == 0 {
+        return Ok(out);
+    }
+    let ord = path.inner.ordinal;
+    let lane = path.lane()?;
+    let mut at = Addresses::new(&client);
+    let (lhs, lda, trans_a) = operand(lhs, ord, "a dense product's left operand")?;
+    let (rhs, ldb, trans_b) = operand(rhs, ord, "a dense product's right operand")?;
+    let half = precision == GemmPrecision::Bf16;
+    // A transposed view covers the same elements as its storage: the copy converts the storage.
+    let list = [(at.of(&lhs)?, m * k), (at.of(&rhs)?, k * n)];
+    let (halves, ops) = Halves::plan(&mut at, half, &list)?;
+    let role = Role {
+        trans_a,
+        trans_b,
+        accumulate: false,
+        bf16: half,
+        products: vec![Product {
+            a: ops[0],
+            lda,
+            b: ops[1],
+            ldb,
+            c: at.of(&out)?,
+            ldc: n,
+            m,
+            n,
+            k,
+        }],
+    };
+    path.inner.section(
+        &client,
+        |inner, lane| {
+            halves.convert(&inner.kernels, &lane.stream)?;
+            role.run_looped(lane.handle(), precision)
+        },
+        &lane,
+    )?;
+    drop(at);
+    Ok(out)
+}

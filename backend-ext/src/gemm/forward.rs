@@ -1,0 +1,123 @@
+//! `C_i` on cuBLAS: `T_M = X·W_in` (one grouped GEMM over the experts), the input bias and the
+//! activation in one kernel (`T_M` keeps the biased pre-activation, `A` goes to scratch),
+//! `T_DO = A·W_out` (one grouped GEMM), the output bias.
+
+use burn_cubecl::cubecl::cuda::CudaRuntime;
+use burn_cubecl::tensor::CubeTensor;
+use mpipemoe::backend::ExpertForward;
+use mpipemoe::{GemmPrecision, Result};
+
+use super::blas::{Product, Role};
+use super::kernels::Job;
+use super::operands::{ready, row_at, Addresses, Dims, ExpertOperands, Halves};
+use super::CublasExperts;
+use crate::CudaMoe;
+
+pub(crate) fn forward(
+    path: &CublasExperts,
+    job: ExpertForward<'_, CudaMoe<f32>>,
+) -> Result<(CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>)> {
+    let rows = job.rows_per_expert;
+    if rows.iter().all(|&r| r == 0) {
+        return Ok((job.out, job.hidden));
+    }
+    let ord = path.inner.ordinal;
+    let client = job.x.client.clone();
+    let dims = Dims::of(job.experts, job.activation);
+    let Dims {
+        d_model: dm,
+        d_inner: di,
+        d_hidden: dh,
+    } = dims;
+    let (layout, hidden_layout) = (job.layout, job.hidden_layout);
+    let half = job.precision == GemmPrecision::Bf16;
+    let bytes = if half { 2 } else { 4 };
+    let lane = path.lane()?;
+    // 1. Every address before the hand-over (see `Addresses`).
+    let mut at = Addresses::new(&client);
+    let x = ready(job.x, ord, "T_DI")?;
+    let hidden = ready(job.hidden, ord, "T_M")?;
+    let out = ready(job.out, ord, "T_DO")?;
+    let (x_at, hidden_at, out_at) = (at.of(&x)?, at.of(&hidden)?, at.of(&out)?);
+    let experts = ExpertOperands::new(job.experts, &mut at, ord, dims, half)?;
+    let (x_half, x_op) = Halves::plan(&mut at, half, &[(x_at, layout.total() * dm)])?;
+    let act_at = at.scratch(hidden_layout.total() * dh * bytes)?;
+    let used: Vec<usize> = (0..rows.len()).filter(|&e| rows[e] > 0).collect();
+    let z_of = |e: usize| row_at(hidden_at, hidden_layout.start(e), di, 4);
+    let a_of = |e: usize| row_at(act_at, hidden_layout.start(e), dh, bytes);
+    let first = Role {
+        trans_a: false,
+        trans_b: false,
+        accumulate: false,
+        bf16: half,
+        products: used
+            .iter()
+            .map(|&e| Product {
+                a: row_at(x_op[0], layout.start(e), dm, bytes),
+                lda: dm,
+                b: experts.matrices[e][0],
+                ldb: di,
+                c: z_of(e),
+                ldc: di,
+                m: rows[e],
+                n: di,
+                k: dm,
+            })
+            .collect(),
+    };
+    let act_jobs: Vec<Job> = used
+        .iter()
+        .map(|&e| Job::new([z_of(e), a_of(e), 0, 0], experts.slots[e][1], rows[e]))
+        .collect();
+    let second = Role {
+        trans_a: false,
+        trans_b: false,
+        accumulate: false,
+        bf16: half,
+        products: used
+            .iter()
+            .map(|&e| Product {
+                a: a_of(e),
+                lda: dh,
+                b: experts.matrices[e][1],
+                ldb: dm,
+                c: row_at(out_at, layout.start(e), dm, 4),
+                ldc: dm,
+                m: rows[e],
+                n: dm,
+                k: dh,
+            })
+            .collect(),
+    };
+    let bias_jobs: Vec<Job> = used
+        .iter()
+        .filter(|&&e| experts.slots[e][3] != 0)
+        .map(|&e| {
+            Job::new(
+                [row_at(out_at, layout.start(e), dm, 4), 0, 0, 0],
+                experts.slots[e][3],
+                rows[e],
+            )
+        })
+        .collect();
+    // 2. The section.
+    let (act, precision) = (job.activation, job.precision);
+    path.inner.section(
+        &client,
+        |inner, lane| {
+            experts.halves.convert(&inner.kernels, &lane.stream)?;
+            x_half.convert(&inner.kernels, &lane.stream)?;
+            inner.run(lane, &first, precision)?;
+            inner
+                .kernels
+                .act_forward(&lane.stream, act, dh, half, &act_jobs)?;
+            inner.run(lane, &second, precision)?;
+            inner.kernels.add_bias(&lane.stream, dm, &bias_jobs)
+        },
+        &lane,
+    )?;
+    // The section is queued: what it reads may go back to cubecl's pool (later cubecl work
+    // waits for the section, handover.rs).
+    drop(at);
+    Ok((out, hidden))
+}

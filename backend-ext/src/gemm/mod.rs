@@ -1,0 +1,263 @@
+//! The experts' compute steps on cuBLAS: [`CublasExperts`], the [`ExpertPath`] of the CUDA
+//! backend in f32, which the fused exchange takes for `C_i` and `C'_i` where the communicator
+//! offers it ([`CublasExperts::paths`], [`with_cublas`]).
+//!
+//! One partition step is one section on a lane's own stream (`lane.rs`), ordered against the
+//! calling thread's cubecl stream without host waits (`handover.rs`):
+//!
+//! - forward: `T_M = X·W_in` (one grouped GEMM over the experts), the input bias and the
+//!   activation in one kernel (`T_M` keeps the biased pre-activation, `A` goes to scratch),
+//!   `T_DO = A·W_out` (one grouped GEMM), the output bias;
+//! - backward: `T_M` recomputed where the strategy dropped it, `dA = dT_DO·W_outᵀ`, one kernel for
+//!   `A` and `dT_M`, then `dW_out += Aᵀ·dT_DO`, `dW_in += Xᵀ·dT_M` straight into the stacked running
+//!   sums (beta = 1), the bias gradients as products with a ones vector, `dT_DI = dT_M·W_inᵀ`.
+//!
+//! Precision is the job's ([`GemmPrecision`]): cuBLAS's IEEE f32, TF32 or bf16 compute types.
+//! The cubecl path (`cubek`'s GEMMs, burn's element-wise ops) stays as the twin the GPU check
+//! compares it with.
+
+mod backward;
+mod blas;
+mod dense;
+mod forward;
+mod handover;
+mod kernels;
+mod lane;
+mod operands;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use burn_cubecl::cubecl;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::client::ComputeClient;
+use cubecl::cuda::CudaRuntime;
+use cubecl::stream_id::StreamId;
+use cudarc::driver::CudaContext;
+use mpipemoe::backend::{ExpertBackward, ExpertBackwardOut, ExpertForward, ExpertPath};
+use mpipemoe::comm::{RowPaths, WithRowPaths};
+use mpipemoe::{Communicator, GemmPrecision, MoeError, Result};
+
+use crate::CudaMoe;
+use blas::Role;
+pub use handover::Handover;
+use kernels::Kernels;
+use lane::Lane;
+
+/// Products per expert above which one `cublasGemmEx` each beats the grouped call (see
+/// `Inner::run`).
+const GROUPED_BELOW_FLOPS: f64 = 5e9;
+
+/// How the path runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CublasOptions {
+    /// How a lane's stream is ordered against cubecl's (see [`Handover`]).
+    pub handover: Handover,
+    /// One `cublasGemmGroupedBatchedEx` per role where cuBLAS has it (12.5 and later), accepts
+    /// the precision in it and the experts' products are small enough for it to win (under
+    /// about 5 GFLOP each, measured); `false`, or where it does not, one `cublasGemmEx` per
+    /// expert.
+    pub grouped: bool,
+}
+
+impl Default for CublasOptions {
+    fn default() -> Self {
+        Self {
+            handover: Handover::Device,
+            grouped: true,
+        }
+    }
+}
+
+/// The CUDA expert path of one GPU (see the module docs). Cloning shares it.
+#[derive(Clone)]
+pub struct CublasExperts {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    ordinal: usize,
+    context: Arc<CudaContext>,
+    kernels: Kernels,
+    options: CublasOptions,
+    grouped: bool,
+    lanes: Mutex<HashMap<u64, Arc<Mutex<Lane>>>>,
+}
+
+impl std::fmt::Debug for CublasExperts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CublasExperts")
+            .field("gpu", &self.inner.ordinal)
+            .field("options", &self.inner.options)
+            .field("grouped", &self.inner.grouped)
+            .finish_non_exhaustive()
+    }
+}
+
+pub(crate) fn err(what: &str, e: impl std::fmt::Debug) -> MoeError {
+    MoeError::Backend(format!("CUDA expert path: {what}: {e:?}"))
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl CublasExperts {
+    /// The path of GPU `ordinal` with the default options.
+    ///
+    /// # Errors
+    /// [`MoeError::Backend`] if the GPU, cuBLAS or NVRTC (which compiles the path's four
+    /// element-wise kernels, once per process) cannot be used.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        Self::with_options(ordinal, CublasOptions::default())
+    }
+
+    /// The path of GPU `ordinal` with `options`.
+    ///
+    /// # Errors
+    /// As [`new`](Self::new).
+    pub fn with_options(ordinal: usize, options: CublasOptions) -> Result<Self> {
+        crate::cuda_available().map_err(|e| err("driver", e))?;
+        // SAFETY: only loads the library to see whether it is there.
+        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+            return Err(MoeError::Backend(
+                "CUDA expert path: no cuBLAS library found (libcublas.so); put its folder on LD_LIBRARY_PATH"
+                    .into(),
+            ));
+        }
+        let context = CudaContext::new(ordinal).map_err(|e| err("context", e))?;
+        let kernels = Kernels::load(&context)?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                ordinal,
+                context,
+                kernels,
+                options,
+                grouped: options.grouped && blas::has_grouped(),
+                lanes: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+
+    /// Whether the GEMMs go through cuBLAS's grouped call (asked for, and in the library).
+    pub fn grouped(&self) -> bool {
+        self.inner.grouped
+    }
+
+    /// The path as a communicator offers it, for the CUDA backend in f32.
+    pub fn paths(&self) -> RowPaths {
+        RowPaths::new().with_experts::<CudaMoe<f32>>(Arc::new(self.clone()))
+    }
+
+    /// Whether any lane's spinning kernel gave up waiting for its stream (a host read per lane:
+    /// for checks and benchmarks, not the training loop).
+    ///
+    /// # Errors
+    /// [`MoeError::Backend`] naming the section, or if the flags cannot be read.
+    pub fn check(&self, client: &ComputeClient<CudaRuntime>) -> Result<()> {
+        let lanes: Vec<_> = lock(&self.inner.lanes).values().cloned().collect();
+        for lane in lanes {
+            if let Some(seq) = lock(&lane).gave_up(client)? {
+                return Err(MoeError::Backend(format!(
+                    "CUDA expert path: the cubecl stream stopped waiting for section {seq} of a lane \
+                     after {} turns: its results are not to be trusted",
+                    handover::SPIN_BOUND
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The calling thread's lane (its cubecl stream's).
+    fn lane(&self) -> Result<Arc<Mutex<Lane>>> {
+        let key = StreamId::current().value;
+        let mut lanes = lock(&self.inner.lanes);
+        if let Some(lane) = lanes.get(&key) {
+            return Ok(lane.clone());
+        }
+        let lane = Arc::new(Mutex::new(Lane::new(
+            &self.inner.context,
+            self.inner.options.handover,
+        )?));
+        lanes.insert(key, lane.clone());
+        Ok(lane)
+    }
+}
+
+/// `communicator` with the CUDA expert path of GPU `ordinal` added to the paths it offers:
+/// the layers built with it run their experts' GEMMs on cuBLAS at their config's
+/// `gemm_precision` (a group of thread ranks, a single rank, or NCCL's ranks, whose row paths
+/// stay).
+///
+/// # Errors
+/// As [`CublasExperts::new`].
+pub fn with_cublas(communicator: Arc<dyn Communicator>, ordinal: usize) -> Result<Arc<dyn Communicator>> {
+    let path = CublasExperts::new(ordinal)?;
+    Ok(Arc::new(WithRowPaths::adding(communicator, path.paths())))
+}
+
+impl Inner {
+    /// Runs `role`'s products on the lane: grouped where it may and where the products are
+    /// small, looped otherwise.
+    ///
+    /// cuBLAS's grouped call won where each expert's product was under about 5 GFLOP (GPT3-S
+    /// and BERT-L at 512 rows an expert: 1.34 against 1.76 ms, 1.80 against 2.09 ms at TF32 on
+    /// the H100) and lost above it (BERT-L at 1024 rows: 3.35 against 2.60 ms; GPT3-XL at 512
+    /// rows: 6.20 against 4.84 ms), where one `cublasGemmEx` per expert gets cuBLAS's best
+    /// kernel for its shape (BENCHMARKS §14).
+    fn run(&self, lane: &mut Lane, role: &Role, precision: GemmPrecision) -> Result<()> {
+        if role.products.is_empty() {
+            return Ok(());
+        }
+        let flops: f64 = role.products.iter().map(|p| 2.0 * (p.m * p.n * p.k) as f64).sum();
+        let small = flops / (role.products.len() as f64) < GROUPED_BELOW_FLOPS;
+        if self.grouped && small && !lane.grouped_refused(precision) {
+            let table = lane.table(3 * role.products.len())?;
+            let stream = lane.stream.clone();
+            if role.run_grouped(lane.handle(), &stream, &self.kernels, table, precision)? {
+                return Ok(());
+            }
+            lane.refuse_grouped(precision);
+        }
+        role.run_looped(lane.handle(), precision)
+    }
+
+    /// Runs `work` as one section of the calling thread's lane: hands over in, runs, and hands
+    /// back out whether `work` succeeded or not (so the cubecl stream is never left waiting).
+    fn section(
+        &self,
+        client: &ComputeClient<CudaRuntime>,
+        work: impl FnOnce(&Self, &mut Lane) -> Result<()>,
+        lane: &Arc<Mutex<Lane>>,
+    ) -> Result<()> {
+        let mut lane = lock(lane);
+        self.context.bind_to_thread().map_err(|e| err("context", e))?;
+        let section = lane.enter(client, &self.kernels)?;
+        let result = work(self, &mut lane);
+        let left = lane.leave(client, &self.kernels, section);
+        result.and(left)
+    }
+}
+
+impl ExpertPath<CudaMoe<f32>> for CublasExperts {
+    /// One `cublasGemmEx` at `precision` into a new tensor (`dense.rs`).
+    fn matmul(
+        &self,
+        lhs: CubeTensor<CudaRuntime>,
+        rhs: CubeTensor<CudaRuntime>,
+        precision: GemmPrecision,
+    ) -> Result<CubeTensor<CudaRuntime>> {
+        dense::matmul(self, lhs, rhs, precision)
+    }
+
+    fn forward(
+        &self,
+        job: ExpertForward<'_, CudaMoe<f32>>,
+    ) -> Result<(CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>)> {
+        forward::forward(self, job)
+    }
+
+    fn backward(&self, job: ExpertBackward<'_, CudaMoe<f32>>) -> Result<ExpertBackwardOut<CudaMoe<f32>>> {
+        backward::backward(self, job)
+    }
+}
