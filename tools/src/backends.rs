@@ -35,7 +35,7 @@ pub type WgpuFusion =
 
 /// burn's `Cuda` with burn's default features: the CubeCL CUDA backend inside fusion.
 #[cfg(feature = "cuda")]
-pub type CudaFusion = burn_fusion::Fusion<mpipemoe_cuda::CudaMoe>;
+pub type CudaFusion = mpipemoe_cuda::CudaMoeFusion;
 
 impl BackendArg {
     /// Reads `MPIPEMOE_BACKEND` (for the benches, whose arguments belong to criterion); Flex
@@ -137,4 +137,76 @@ pub fn run_on_gpu<J: BackendJob>(backend: BackendArg, gpu: usize, job: J) -> Res
         #[allow(unreachable_patterns)]
         _ => Err(format!("--backend {}: not in this build", backend.name())),
     }
+}
+
+/// `--gemm-precision`: the experts' GEMM precision where the backend has a device library
+/// (`cuda`, `cuda-fusion`: cuBLAS); every other backend multiplies as it always does.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum PrecisionArg {
+    /// IEEE f32 (PyTorch's default): the reference cases hold to 1e-4.
+    #[default]
+    F32,
+    /// TF32 tensor cores, f32 accumulation.
+    Tf32,
+    /// bf16 tensor cores on bf16 copies of the operands, f32 accumulation.
+    Bf16,
+}
+
+impl PrecisionArg {
+    /// The layer config's precision.
+    pub fn precision(self) -> mpipemoe::GemmPrecision {
+        match self {
+            PrecisionArg::F32 => mpipemoe::GemmPrecision::F32,
+            PrecisionArg::Tf32 => mpipemoe::GemmPrecision::Tf32,
+            PrecisionArg::Bf16 => mpipemoe::GemmPrecision::Bf16,
+        }
+    }
+}
+
+/// `--gemm`: which library runs the experts' GEMMs on the CUDA backends.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum GemmArg {
+    /// cuBLAS (`mpipemoe_cuda::CublasExperts`), at `--gemm-precision`, with the layer's
+    /// router and shared expert: the fast path.
+    #[default]
+    Cublas,
+    /// cubecl's kernels (burn's matmul, f32 in TF32 on CUDA): the twin the GPU check holds
+    /// cuBLAS to.
+    Cubecl,
+}
+
+/// A communicator with the device library's paths for the chosen backend added (rank by rank).
+pub type AddPaths = std::sync::Arc<
+    dyn Fn(std::sync::Arc<dyn mpipemoe::Communicator>) -> std::sync::Arc<dyn mpipemoe::Communicator>
+        + Send
+        + Sync,
+>;
+
+/// The paths `--gemm` asks for on `backend` and GPU `gpu`: cuBLAS's expert path on the CUDA
+/// backends (made once, shared by every rank thread on that GPU), nothing elsewhere.
+///
+/// # Errors
+/// Where cuBLAS is asked for and cannot be used (no library, no NVRTC): a usage error naming
+/// `--gemm`.
+pub fn device_paths(backend: BackendArg, gemm: GemmArg, gpu: usize) -> Result<AddPaths, String> {
+    let unchanged: AddPaths = std::sync::Arc::new(|comm| comm);
+    if !backend.is_cuda() || gemm == GemmArg::Cubecl {
+        return Ok(unchanged);
+    }
+    cublas_paths(gpu)
+}
+
+#[cfg(feature = "cuda")]
+fn cublas_paths(gpu: usize) -> Result<AddPaths, String> {
+    let paths = mpipemoe_cuda::CublasExperts::new(gpu)
+        .map_err(|e| format!("--gemm cublas: {e} (--gemm cubecl runs without cuBLAS)"))?
+        .paths();
+    Ok(std::sync::Arc::new(move |comm| {
+        std::sync::Arc::new(mpipemoe::comm::WithRowPaths::adding(comm, paths.clone()))
+    }))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cublas_paths(_gpu: usize) -> Result<AddPaths, String> {
+    Err("this build has no CUDA backend: rebuild with `--features cuda`".into())
 }

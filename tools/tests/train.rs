@@ -94,6 +94,7 @@ where
         partitions,
         memory_reuse,
         executor: None,
+        gemm_precision: mpipemoe::GemmPrecision::F32,
         router,
         memory_budget: None,
         eval_every: 0,

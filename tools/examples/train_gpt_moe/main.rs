@@ -44,7 +44,7 @@ use burn::tensor::backend::AutodiffBackend;
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use mpipemoe::{MemoryReuse, MoeBackend, Partitions, RankContext};
-use mpipemoe_tools::backends::{run_on_gpu, BackendArg, BackendJob};
+use mpipemoe_tools::backends::{device_paths, run_on_gpu, BackendArg, BackendJob, GemmArg, PrecisionArg};
 use mpipemoe_tools::flags::{count, shadowing, ExecutorArg};
 use mpipemoe_tools::heap::Heap;
 use mpipemoe_tools::ranks::{check_comm, run_ranks, CommArg};
@@ -154,6 +154,13 @@ struct Args {
     /// How the exchange runs its schedule: `threads`, `in-order`, or the backend's default.
     #[arg(long, value_enum, default_value_t = ExecutorArg::Default)]
     executor: ExecutorArg,
+    /// The MoE layers' GEMM precision on the CUDA backends (with `--gemm cublas`): `f32`,
+    /// `tf32` or `bf16`, f32 accumulation in all three.
+    #[arg(long, value_enum, default_value_t = PrecisionArg::F32)]
+    gemm_precision: PrecisionArg,
+    /// Which library runs the MoE layers' GEMMs on the CUDA backends: `cublas` or `cubecl`.
+    #[arg(long, value_enum, default_value_t = GemmArg::Cublas)]
+    gemm: GemmArg,
     /// Hot experts replicated on every rank of an expert-parallel group: `off`, `auto` (the
     /// cost model's choice each step) or a count k (the k most loaded experts each step).
     #[arg(long, default_value = "off", value_parser = shadowing)]
@@ -301,6 +308,7 @@ fn run(args: &Args) -> Result<(), String> {
         partitions,
         memory_reuse,
         executor: args.executor.executor(),
+        gemm_precision: args.gemm_precision.precision(),
         router,
         memory_budget: args
             .memory_budget_mib
@@ -384,7 +392,27 @@ fn run(args: &Args) -> Result<(), String> {
             log.strategy
         ));
     };
+    // The device library (cuBLAS on CUDA) for each GPU a rank of this process runs on, made
+    // once per GPU and shared by its rank threads.
+    let libraries: std::sync::Mutex<std::collections::HashMap<usize, mpipemoe_tools::backends::AddPaths>> =
+        Default::default();
     let ranks = run_ranks(args.comm, args.ranks, args.threads_per_rank, |ctx, gpu| {
+        let paths = {
+            let mut libraries = libraries.lock().unwrap_or_else(|e| e.into_inner());
+            match libraries.get(&gpu) {
+                Some(p) => p.clone(),
+                None => {
+                    let p =
+                        device_paths(args.backend, args.gemm, gpu).map_err(mpipemoe::MoeError::Backend)?;
+                    libraries.insert(gpu, p.clone());
+                    p
+                }
+            }
+        };
+        let ctx = mpipemoe::RankContext {
+            comm: paths(ctx.comm.clone()),
+            ..ctx
+        };
         let quiet = |_: &StepLog| {};
         let log: &(dyn Fn(&StepLog) + Sync) = if ctx.rank == 0 { &on_step } else { &quiet };
         let job = TrainJob {

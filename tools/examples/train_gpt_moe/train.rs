@@ -72,6 +72,8 @@ pub struct TrainOptions {
     pub memory_reuse: MemoryReuse,
     /// How every MoE layer's exchange runs its schedule (`None`: the backend's default).
     pub executor: Option<StepExecutor>,
+    /// The MoE layers' GEMM precision where the communicator offers a device library.
+    pub gemm_precision: mpipemoe::GemmPrecision,
     /// The MoE layers' router.
     pub router: RouterChoice,
     /// Device bytes per rank the exchange may use (for `MemoryReuse::Auto`).
@@ -181,7 +183,8 @@ where
         .with_memory_reuse(o.memory_reuse)
         .with_memory_budget(o.memory_budget)
         .with_executor(o.executor)
-        .with_shadowing(o.shadowing);
+        .with_shadowing(o.shadowing)
+        .with_gemm_precision(o.gemm_precision);
     let groups = match o.expert_parallel {
         Some(ep) => ParallelGroups::new(ctx.comm.clone(), ep)?,
         None => ParallelGroups::expert_parallel(ctx.comm.clone()),

@@ -5,11 +5,13 @@ use std::process::ExitCode;
 
 use burn::tensor::backend::AutodiffBackend;
 use clap::{Args, ValueEnum};
-use mpipemoe::harness::{check_case, Case, CheckOptions, CheckReport};
+use mpipemoe::harness::{check_case_through, Case, CheckOptions, CheckReport};
 use mpipemoe::MoeBackend;
 use mpipemoe::MAX_PARTITIONS;
 use mpipemoe::{ExchangePath, Partitions};
-use mpipemoe_tools::backends::{run_on, BackendArg, BackendJob};
+use mpipemoe_tools::backends::{
+    device_paths, run_on, AddPaths, BackendArg, BackendJob, GemmArg, PrecisionArg,
+};
 use mpipemoe_tools::flags::{count, shadowing, ExecutorArg};
 
 /// Tolerance on the relative error of y, dx and every gradient.
@@ -45,6 +47,14 @@ pub struct CheckArgs {
     /// step) or a count k (the k most loaded experts each step). Changes no result.
     #[arg(long, default_value = "off", value_parser = shadowing)]
     shadowing: mpipemoe::Shadowing,
+    /// The experts' GEMM precision on the CUDA backends (with `--gemm cublas`): `f32` holds
+    /// the cases to 1e-4; `tf32` and `bf16` are checked at the same 1e-4 here, so expect them
+    /// to fail it by their rounding.
+    #[arg(long, value_enum, default_value_t = PrecisionArg::F32)]
+    gemm_precision: PrecisionArg,
+    /// Which library runs the experts' GEMMs on the CUDA backends: `cublas` or `cubecl`.
+    #[arg(long, value_enum, default_value_t = GemmArg::Cublas)]
+    gemm: GemmArg,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug)]
@@ -67,6 +77,7 @@ pub(crate) enum StrategyArg {
 struct CheckJob<'a> {
     case: &'a Case,
     options: &'a CheckOptions,
+    paths: &'a AddPaths,
 }
 
 impl BackendJob for CheckJob<'_> {
@@ -77,7 +88,7 @@ impl BackendJob for CheckJob<'_> {
         B: AutodiffBackend + MoeBackend,
         B::InnerBackend: MoeBackend,
     {
-        check_case::<B>(self.case, self.options, device)
+        check_case_through::<B>(self.case, self.options, device, &|comm| (self.paths)(comm))
     }
 }
 
@@ -93,6 +104,14 @@ pub fn run(args: CheckArgs) -> ExitCode {
         memory_budget: None,
         executor: args.executor.executor(),
         shadowing: args.shadowing,
+        gemm_precision: args.gemm_precision.precision(),
+    };
+    let paths = match device_paths(args.backend, args.gemm, 0) {
+        Ok(paths) => paths,
+        Err(message) => {
+            eprintln!("error: {message}");
+            return ExitCode::from(2);
+        }
     };
     let mut failed = false;
     for file in &args.files {
@@ -128,6 +147,7 @@ pub fn run(args: CheckArgs) -> ExitCode {
         let job = CheckJob {
             case: &case,
             options: &options,
+            paths: &paths,
         };
         let result = match run_on(args.backend, job) {
             Ok(result) => result.map(|report| (report, case.expected_by_oracle)),

@@ -136,12 +136,13 @@ impl BackendJob for FinetuneJob<'_> {
                 );
             }
         };
+        let paths = args.run.paths()?;
         let reports = LocalGroup::run(args.run.ranks, |ctx| {
             let device = Default::default();
             let quiet = |_: &FinetuneStep| {};
             let log: &dyn Fn(&FinetuneStep) = if ctx.rank == 0 { &on_step } else { &quiet };
             let (_, report) = finetune_rank::<B>(
-                ctx.comm,
+                paths(ctx.comm),
                 &args.dir,
                 self.tokens,
                 &self.options,

@@ -12,7 +12,9 @@ use mpipemoe::format::TensorMap;
 use mpipemoe::memory::Strategy;
 use mpipemoe::{LocalGroup, MemoryReuse, MoeBackend, MoeError, MoeLayerConfig, Partitions, MAX_PARTITIONS};
 use mpipemoe_models::{MoeCausalLm, TextTokenizer};
-use mpipemoe_tools::backends::{run_on, BackendArg, BackendJob};
+use mpipemoe_tools::backends::{
+    device_paths, run_on, AddPaths, BackendArg, BackendJob, GemmArg, PrecisionArg,
+};
 use mpipemoe_tools::flags::{count, may_write};
 
 use crate::check::StrategyArg;
@@ -33,14 +35,28 @@ pub struct RunFlags {
     /// Memory-reuse strategy of every MoE layer.
     #[arg(long, value_enum, default_value_t = StrategyArg::None)]
     pub(crate) strategy: StrategyArg,
+    /// The MoE layers' GEMM precision on the CUDA backends (with `--gemm cublas`): `f32`,
+    /// `tf32` or `bf16`, f32 accumulation in all three.
+    #[arg(long, value_enum, default_value_t = PrecisionArg::F32)]
+    pub(crate) gemm_precision: PrecisionArg,
+    /// Which library runs the MoE layers' GEMMs on the CUDA backends: `cublas` or `cubecl`.
+    #[arg(long, value_enum, default_value_t = GemmArg::Cublas)]
+    pub(crate) gemm: GemmArg,
 }
 
 impl RunFlags {
-    /// Every MoE layer's configuration with these flags' partitions and strategy.
+    /// Every MoE layer's configuration with these flags' partitions, strategy and precision.
     pub(crate) fn moe(&self, config: MoeLayerConfig) -> MoeLayerConfig {
         config
             .with_partitions(Partitions::Fixed(self.partitions))
             .with_memory_reuse(MemoryReuse::from(self.strategy.strategy()))
+            .with_gemm_precision(self.gemm_precision.precision())
+    }
+
+    /// The communicator wrapper that adds the device library these flags ask for (cuBLAS on
+    /// the CUDA backends, one for every rank thread on GPU 0).
+    pub(crate) fn paths(&self) -> mpipemoe::Result<AddPaths> {
+        device_paths(self.backend, self.gemm, 0).map_err(MoeError::Backend)
     }
 }
 
@@ -121,9 +137,10 @@ impl BackendJob for LmJob<'_> {
     {
         // Inference only: the backend without autodiff. Rank 0's answer (every rank computes
         // the same tokens).
+        let paths = self.run.paths()?;
         let answers = LocalGroup::run(self.run.ranks, |ctx| {
             let device = Default::default();
-            let model = MoeCausalLm::<B::InnerBackend>::from_hf(self.dir, &device, ctx.comm)?;
+            let model = MoeCausalLm::<B::InnerBackend>::from_hf(self.dir, &device, paths(ctx.comm))?;
             if ctx.rank == 0 && !model.ignored_tensors().is_empty() {
                 eprintln!(
                     "note: {} tensor(s) not loaded, as transformers skips them too (e.g. {})",
