@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the GPU binaries here (no GPU needed) and stage them in .gpu/ for the device machine.
-#   scripts/gpu/build.sh          # AUTOTUNE=1 for burn's matmul autotuning
+#   scripts/gpu/build.sh          # AUTOTUNE=1 for burn's matmul autotuning; TOOLS=0 for the
+#                                 # check and the benchmark alone (no toy, no CLI: a shorter build)
 # Then, with the device tool: run with carry [".gpu"] and the command
 #   . .gpu/device-env.sh && .gpu/run.sh 2>&1 | tee $OUT/log.txt
 set -euo pipefail
@@ -19,13 +20,16 @@ fi
 cargo build --release -p mpipemoe-cuda --features "$cuda_features" --example gpu_check --example gpu_bench
 # The toy GPT-MoE with `--backend cuda|cuda-fusion` and `--comm nccl` (tools' `cuda` feature), and
 # the `mpipemoe` CLI, whose `logits` / `generate` run the whole models of tests/data/models there.
-cargo build --release -p mpipemoe-tools --features "$tools_features" --example train_gpt_moe --bin mpipemoe
+binaries=(target/release/examples/gpu_check target/release/examples/gpu_bench)
+if [ "${TOOLS:-1}" = 1 ]; then
+  cargo build --release -p mpipemoe-tools --features "$tools_features" --example train_gpt_moe --bin mpipemoe
+  binaries+=(target/release/examples/train_gpt_moe target/release/mpipemoe)
+fi
 rm -rf .gpu
 mkdir -p .gpu/cases .gpu/bin
 # Four stripped binaries are over 100 MB, over what a run can carry; gzip brings them to about
 # a third, and run.sh unpacks them into a temporary folder on the GPU machine.
-for path in target/release/examples/gpu_check target/release/examples/gpu_bench \
-  target/release/examples/train_gpt_moe target/release/mpipemoe; do
+for path in "${binaries[@]}"; do
   name=$(basename "$path")
   cp "$path" ".gpu/bin/$name"
   strip ".gpu/bin/$name"

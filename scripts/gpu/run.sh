@@ -10,10 +10,13 @@
 # one table at the end of each.
 # Each phase runs under its own time limit (seconds, from the environment), so a lease that ends
 # early still returns every earlier phase's log: CHECK_S (default 300), TRAIN_S per training run
-# (120), TRAIN_STEPS (200), BENCH_S (240), PEER_S (120), MODELS_S (240), FINETUNE_S (240); BENCH_ARGS (e.g. --quick) goes to the
-# benchmark. A phase cut by its limit reports exit 124. PHASES picks the phases (default
-# "check models train bench peer"); TRAIN_RUNS replaces the training runs ("BACKEND COMM RANKS", joined
-# by ";"). Every process compiles its kernels with NVRTC and autotunes its matmuls afresh: the
+# (120), TRAIN_STEPS (200), BENCH_S (240), PEER_S (120, each of the two peer runs), MODELS_S (240),
+# FINETUNE_S (240); CHECK_ARGS (e.g. --plan cublas) goes to the check, BENCH_ARGS (e.g. --quick)
+# to the benchmark, PEER_ARGS (e.g. --quick --repeats 10) to the PyTorch peer, which runs once
+# before the benchmark and once after it (its figures are the two runs' mean, so both sides are
+# measured alternately). A phase cut by its limit reports exit 124. PHASES picks the phases
+# (default "check models train bench peer"); TRAIN_RUNS replaces the training runs ("BACKEND COMM
+# RANKS", joined by ";"). Every process compiles its kernels with NVRTC and autotunes its matmuls afresh: the
 # first H200 run spent 96 s on the first case and the toy printed no step within 50 s.
 set -uo pipefail
 CHECK_S=${CHECK_S:-300}
@@ -24,6 +27,8 @@ PEER_S=${PEER_S:-120}
 MODELS_S=${MODELS_S:-240}
 FINETUNE_S=${FINETUNE_S:-240}
 BENCH_ARGS=${BENCH_ARGS:-}
+CHECK_ARGS=${CHECK_ARGS:-}
+PEER_ARGS=${PEER_ARGS:-}
 PHASES=" ${PHASES:-check models train bench peer} "
 check=0
 dir="$(cd "$(dirname "$0")" && pwd)"
@@ -48,7 +53,7 @@ TOML
 if [[ $PHASES == *" check "* ]]; then
   echo "== correctness"
   cubecl_logs check
-  timeout "$CHECK_S" "$bin/gpu_check" "$dir/cases" | tee "$out/gpu_check.txt"
+  timeout "$CHECK_S" "$bin/gpu_check" $CHECK_ARGS "$dir/cases" | tee "$out/gpu_check.txt"
   check=${PIPESTATUS[0]}
 fi
 if [[ $PHASES == *" models "* ]]; then
@@ -125,14 +130,24 @@ sys.exit(0 if ok else 1)
 PY
 done
 if [[ $PHASES == *" bench "* ]]; then
+if [[ $PHASES == *" peer "* ]]; then
+  echo "== PyTorch peer, before ours"
+  rm -f cubecl.toml
+  timeout "$PEER_S" python3 "$dir/torch_gpu_peer.py" $PEER_ARGS --json "$out/torch_before.json" \
+    >"$out/torch_before.txt" 2>&1 || true
+  tail -3 "$out/torch_before.txt"
+fi
 echo "== benchmark"
 cubecl_logs bench
 timeout "$BENCH_S" "$bin/gpu_bench" $BENCH_ARGS --json "$out/gpu_bench.json" | tee "$out/gpu_bench.txt"
 fi
 if [[ $PHASES == *" peer "* ]]; then
-echo "== PyTorch eager peer"
-timeout "$PEER_S" python3 "$dir/torch_gpu_peer.py" --ours "$out/gpu_bench.json" --json "$out/torch_gpu_peer.json" \
-  | tee "$out/torch_gpu_peer.txt" || true
+echo "== PyTorch peer, after ours (figures: the mean of both runs)"
+rm -f cubecl.toml
+before=()
+[ -f "$out/torch_before.json" ] && before=(--before "$out/torch_before.json")
+timeout "$PEER_S" python3 "$dir/torch_gpu_peer.py" $PEER_ARGS "${before[@]}" --ours "$out/gpu_bench.json" \
+  --json "$out/torch_gpu_peer.json" | tee "$out/torch_gpu_peer.txt" || true
 fi
 rm -f cubecl.toml
 for log in "$out"/cubecl-*.log; do
