@@ -186,13 +186,15 @@ pub type AddPaths = std::sync::Arc<
 /// backends (made once, shared by every rank thread on that GPU), nothing elsewhere.
 ///
 /// # Errors
-/// Where cuBLAS is asked for and cannot be used (no library, no NVRTC): a usage error naming
-/// `--gemm`.
+/// Where the backend is not available ([`BackendArg::available`], naming `--backend`), or
+/// cuBLAS is asked for and cannot be used (no library, no NVRTC): a usage error naming `--gemm`.
 pub fn device_paths(backend: BackendArg, gemm: GemmArg, gpu: usize) -> Result<AddPaths, String> {
     let unchanged: AddPaths = std::sync::Arc::new(|comm| comm);
     if !backend.is_cuda() || gemm == GemmArg::Cubecl {
         return Ok(unchanged);
     }
+    // A build or machine without CUDA says so by the backend's flag first.
+    backend.available()?;
     cublas_paths(gpu)
 }
 
