@@ -30,11 +30,11 @@
 //! - [`check_plan`]: what `examples/gpu_check.rs` checks, single-GPU checks first.
 //! - `examples/gpu_check.rs` and `examples/gpu_bench.rs`, run by `scripts/gpu/`.
 //!
-//! Not yet run on a GPU: none has been lent to this project so far. Everything here compiles
-//! in CI (`cargo clippy -p mpipemoe-cuda --features cuda`); the posting logic and the TCP
-//! rendezvous are tested on the CPU. S1–S3 offload to pinned host memory on a copy stream of
-//! the rank's own. Not written yet: a partition arena of its own (cubecl's memory pool reuses
-//! the freed partitions).
+//! Everything here compiles in CI (`cargo clippy -p mpipemoe-cuda --features cuda`); the
+//! posting logic, the TCP rendezvous and the GPU check's plan are tested on the CPU, and lent
+//! H100 and H200 cards have run every reference case through the one-GPU paths (the cuBLAS
+//! path, cubecl's, NCCL's rows in a one-rank group, the pinned offload). S1–S3 offload to
+//! pinned host memory on a copy stream of the rank's own. Nothing with two or more GPUs has run.
 
 #![warn(missing_docs)]
 

@@ -53,8 +53,9 @@ pub trait OffloadPath<B: Backend>: Send + Sync + fmt::Debug {
     fn offload(&self, x: FloatTensor<B>, host: &HostStore) -> Result<Arc<dyn Offloaded<B>>>;
 }
 
-/// The [`RowExchange`] and [`OffloadPath`] paths a communicator offers, at most one of each per
-/// backend type.
+/// The device paths a communicator offers, at most one of each kind per backend type: the
+/// rows' all-to-all ([`RowExchange`]), the offload ([`OffloadPath`]), the tensor all-reduce and
+/// broadcast (`with_reduce`), and a device library's expert compute (`with_experts`).
 #[derive(Clone, Default)]
 pub struct RowPaths {
     paths: Vec<Arc<dyn Any + Send + Sync>>,
