@@ -25,7 +25,7 @@ use burn::tensor::{Slice, TensorMetadata};
 use serde::{Deserialize, Serialize};
 
 use super::blocks::BlockLayout;
-use super::rows::{dims2, expert_matrix, expert_row, narrow_rows};
+use super::rows::{dims2, narrow_rows};
 use super::MoeBackend;
 use crate::error::Result;
 use crate::experts::{activation_backward, activation_forward, Activation, ExpertTensors};
@@ -109,25 +109,25 @@ impl<B: MoeBackend> ExpertGroups<B> {
     /// Slot `e`'s first matrix. `[d_model, d_inner]`
     pub fn w_in(&self, e: usize) -> FloatTensor<B> {
         let (g, i) = self.locate(e);
-        expert_matrix::<B>(&g.w_in, i)
+        g.w_in_of(i)
     }
 
     /// Slot `e`'s second matrix. `[d_hidden, d_model]`
     pub fn w_out(&self, e: usize) -> FloatTensor<B> {
         let (g, i) = self.locate(e);
-        expert_matrix::<B>(&g.w_out, i)
+        g.w_out_of(i)
     }
 
     /// Slot `e`'s first bias. `[1, d_inner]`
     pub fn b_in(&self, e: usize) -> Option<FloatTensor<B>> {
         let (g, i) = self.locate(e);
-        g.b_in.as_ref().map(|b| expert_row::<B>(b, i))
+        g.b_in_of(i)
     }
 
     /// Slot `e`'s second bias. `[1, d_model]`
     pub fn b_out(&self, e: usize) -> Option<FloatTensor<B>> {
         let (g, i) = self.locate(e);
-        g.b_out.as_ref().map(|b| expert_row::<B>(b, i))
+        g.b_out_of(i)
     }
 }
 
@@ -318,13 +318,7 @@ impl<B: MoeBackend> ExpertPath<B> for ComposedExperts {
         } = job;
         if fresh {
             // The twin adds into zeros, which the device paths spare themselves.
-            let zeros = |t: FloatTensor<B>| B::float_zeros(t.shape(), &B::float_device(&t), t.dtype().into());
-            grads = ExpertTensors {
-                w_in: zeros(grads.w_in),
-                b_in: grads.b_in.map(zeros),
-                w_out: zeros(grads.w_out),
-                b_out: grads.b_out.map(zeros),
-            };
+            grads = grads.map(|t| B::float_zeros(t.shape(), &B::float_device(&t), t.dtype().into()));
         }
         for (e, (&rows, z)) in rows_per_expert.iter().zip(hidden).enumerate() {
             if rows == 0 {

@@ -306,17 +306,15 @@ impl<B: MoeBackend> ExpertGradAcc<B> {
             return stacked;
         }
         let n_slots = self.n_slots;
-        let zeros = |like: &FloatTensor<B>| {
+        self.like.clone().map(|like| {
             let mut dims = like.shape().to_vec();
             dims[0] = n_slots;
-            B::float_empty(Shape::from(dims), &B::float_device(like), float_dtype::<B>(like))
-        };
-        ExpertTensors {
-            w_in: zeros(&self.like.w_in),
-            b_in: self.like.b_in.as_ref().map(zeros),
-            w_out: zeros(&self.like.w_out),
-            b_out: self.like.b_out.as_ref().map(zeros),
-        }
+            B::float_empty(
+                Shape::from(dims),
+                &B::float_device(&like),
+                float_dtype::<B>(&like),
+            )
+        })
     }
 
     /// Moves the stacked sums into the per-slot ones (views of them), for the fold of the
@@ -325,13 +323,7 @@ impl<B: MoeBackend> ExpertGradAcc<B> {
         let Some(stacked) = self.stacked.take() else {
             return;
         };
-        let tensors = [
-            Some(stacked.w_in),
-            stacked.b_in,
-            Some(stacked.w_out),
-            stacked.b_out,
-        ];
-        for (param, tensor) in tensors.into_iter().enumerate() {
+        for (param, tensor) in stacked.into_parts().into_iter().enumerate() {
             let Some(tensor) = tensor else { continue };
             let dims = tensor.shape().to_vec();
             for e in 0..self.n_slots {
@@ -374,12 +366,7 @@ impl<B: MoeBackend> ExpertGradAcc<B> {
             return Ok(());
         }
         self.unstack();
-        let likes = [
-            Some(self.like.w_in.clone()),
-            self.like.b_in.clone(),
-            Some(self.like.w_out.clone()),
-            self.like.b_out.clone(),
-        ];
+        let likes = self.like.clone().into_parts();
         for (param, like) in likes.iter().enumerate() {
             let Some(like) = like else { continue };
             let mut one = like.shape().to_vec();
@@ -455,16 +442,7 @@ impl<B: MoeBackend> ExpertGradAcc<B> {
     ) -> Result<(ExpertTensors<B>, Vec<FloatTensor<B>>)> {
         let mut sums: Vec<FloatTensor<B>> = self.sums.iter().flatten().flatten().cloned().collect();
         if let Some(s) = &self.stacked {
-            sums.extend(
-                [
-                    Some(s.w_in.clone()),
-                    s.b_in.clone(),
-                    Some(s.w_out.clone()),
-                    s.b_out.clone(),
-                ]
-                .into_iter()
-                .flatten(),
-            );
+            sums.extend(s.clone().into_parts().into_iter().flatten());
         }
         self.fold_shadows(shadows, comm)?;
         let stacked = self.stack_all();

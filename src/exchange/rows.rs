@@ -145,3 +145,26 @@ pub(crate) fn all_to_all_rows<B: Backend>(
     // Otherwise host bytes, posted by the same logic a device transport uses.
     RowExchange::<B>::all_to_all(&HostRows, comm, x, send_per_rank, recv_per_rank)
 }
+
+impl<B: MoeBackend> crate::experts::ExpertTensors<B> {
+    /// Expert `i`'s first matrix (the backend's [`MoeBackend::expert_matrix`]).
+    /// `[d_model, d_inner]`
+    pub(crate) fn w_in_of(&self, i: usize) -> FloatTensor<B> {
+        B::expert_matrix(&self.w_in, i)
+    }
+
+    /// Expert `i`'s second matrix. `[d_hidden, d_model]`
+    pub(crate) fn w_out_of(&self, i: usize) -> FloatTensor<B> {
+        B::expert_matrix(&self.w_out, i)
+    }
+
+    /// Expert `i`'s first bias, where the experts have one. `[1, d_inner]`
+    pub(crate) fn b_in_of(&self, i: usize) -> Option<FloatTensor<B>> {
+        self.b_in.as_ref().map(|b| expert_row::<B>(b, i))
+    }
+
+    /// Expert `i`'s second bias, where the experts have one. `[1, d_model]`
+    pub(crate) fn b_out_of(&self, i: usize) -> Option<FloatTensor<B>> {
+        self.b_out.as_ref().map(|b| expert_row::<B>(b, i))
+    }
+}

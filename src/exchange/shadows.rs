@@ -16,7 +16,7 @@ use std::sync::Arc;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Slice, TensorMetadata};
 
-use super::rows::{expert_row, index};
+use super::rows::index;
 use super::MoeBackend;
 use crate::comm::Communicator;
 use crate::error::{MoeError, Result};
@@ -127,25 +127,25 @@ impl<B: MoeBackend> ExpertSlots<B> {
     /// Slot `e`'s first matrix. `[d_model, d_inner]`
     pub(crate) fn w_in(&self, e: usize) -> FloatTensor<B> {
         let (t, i) = self.at(e);
-        B::expert_matrix(&t.w_in, i)
+        t.w_in_of(i)
     }
 
     /// Slot `e`'s second matrix. `[d_hidden, d_model]`
     pub(crate) fn w_out(&self, e: usize) -> FloatTensor<B> {
         let (t, i) = self.at(e);
-        B::expert_matrix(&t.w_out, i)
+        t.w_out_of(i)
     }
 
     /// Slot `e`'s first bias, where the experts have one. `[1, d_inner]`
     pub(crate) fn b_in(&self, e: usize) -> Option<FloatTensor<B>> {
         let (t, i) = self.at(e);
-        t.b_in.as_ref().map(|b| expert_row::<B>(b, i))
+        t.b_in_of(i)
     }
 
     /// Slot `e`'s second bias, where the experts have one. `[1, d_model]`
     pub(crate) fn b_out(&self, e: usize) -> Option<FloatTensor<B>> {
         let (t, i) = self.at(e);
-        t.b_out.as_ref().map(|b| expert_row::<B>(b, i))
+        t.b_out_of(i)
     }
 
     /// `d_inner`, the width of the first GEMM's output.

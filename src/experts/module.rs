@@ -64,6 +64,12 @@ impl<B: Backend> ExpertTensors<B> {
             b_out: self.b_out.map(&mut f),
         }
     }
+
+    /// `[w_in, b_in, w_out, b_out]`, the absent biases `None`: the order of the exchange's
+    /// per-parameter tables.
+    pub(crate) fn into_parts(self) -> [Option<FloatTensor<B>>; 4] {
+        [Some(self.w_in), self.b_in, Some(self.w_out), self.b_out]
+    }
 }
 
 /// Shape and placement of a rank's experts, for [`Experts::init`].

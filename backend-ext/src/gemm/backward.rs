@@ -12,43 +12,6 @@ use super::operands::{dense_starts, ready, row_at, Addresses, Dims, ExpertOperan
 use super::CublasExperts;
 use crate::CudaMoe;
 
-/// A role of `products` with the section's operand type.
-fn role(trans_a: bool, trans_b: bool, accumulate: bool, bf16: bool, products: Vec<Product>) -> Role {
-    Role {
-        trans_a,
-        trans_b,
-        accumulate,
-        bf16,
-        products,
-    }
-}
-
-/// `C[m, n] = op(A) · op(B)` with each operand's address and row stride.
-#[allow(clippy::too_many_arguments)]
-fn product(
-    a: u64,
-    lda: usize,
-    b: u64,
-    ldb: usize,
-    c: u64,
-    ldc: usize,
-    m: usize,
-    n: usize,
-    k: usize,
-) -> Product {
-    Product {
-        a,
-        lda,
-        b,
-        ldb,
-        c,
-        ldc,
-        m,
-        n,
-        k,
-    }
-}
-
 pub(crate) fn backward(
     path: &CublasExperts,
     job: ExpertBackward<'_, CudaMoe<f32>>,
@@ -122,14 +85,14 @@ pub(crate) fn backward(
     let slot = |q: usize, e: usize, size: usize| sums[q] + (e * size * 4) as u64;
     let w = |e: usize| experts.matrices[e];
     // T_M = X·W_in (+ b_in), where it was dropped.
-    let redo = role(
+    let redo = Role::new(
         false,
         false,
         false,
         half,
         recompute
             .iter()
-            .map(|&e| product(x_of(e), dm, w(e)[0], di, z_of(e), di, rows[e], di, dm))
+            .map(|&e| Product::new(x_of(e), dm, w(e)[0], di, z_of(e), di, rows[e], di, dm))
             .collect(),
     );
     let redo_bias: Vec<Job> = recompute
@@ -138,13 +101,13 @@ pub(crate) fn backward(
         .map(|&e| Job::new([z_of(e), 0, 0, 0], experts.slots[e][1], rows[e]))
         .collect();
     // dA = dT_DO · W_outᵀ
-    let grad_a = role(
+    let grad_a = Role::new(
         false,
         true,
         false,
         half,
         used.iter()
-            .map(|&e| product(g_of(e), dm, w(e)[1], dm, ga_of(e), dh, rows[e], dh, dm))
+            .map(|&e| Product::new(g_of(e), dm, w(e)[1], dm, ga_of(e), dh, rows[e], dh, dm))
             .collect(),
     );
     let act_jobs: Vec<Job> = used
@@ -153,23 +116,23 @@ pub(crate) fn backward(
         .collect();
     // dW_out += Aᵀ · dT_DO; dW_in += Xᵀ · dT_M (written, not added, into fresh sums).
     let add = !job.fresh;
-    let w_out = role(
+    let w_out = Role::new(
         true,
         false,
         add,
         half,
         used.iter()
-            .map(|&e| product(a_of(e), dh, g_of(e), dm, slot(2, e, dh * dm), dm, dh, dm, rows[e]))
+            .map(|&e| Product::new(a_of(e), dh, g_of(e), dm, slot(2, e, dh * dm), dm, dh, dm, rows[e]))
             .collect(),
     );
-    let w_in = role(
+    let w_in = Role::new(
         true,
         false,
         add,
         half,
         used.iter()
             .map(|&e| {
-                product(
+                Product::new(
                     x_of(e),
                     dm,
                     gz_of(e),
@@ -195,14 +158,14 @@ pub(crate) fn backward(
             .collect(),
     };
     // dT_DI = dT_M · W_inᵀ
-    let grad_x_role = role(
+    let grad_x_role = Role::new(
         false,
         true,
         false,
         half,
         used.iter()
             .map(|&e| {
-                product(
+                Product::new(
                     gz_of(e),
                     di,
                     w(e)[0],
@@ -237,14 +200,14 @@ pub(crate) fn backward(
             if sums[1] != 0 || sums[3] != 0 {
                 let ones = lane.ones(max_rows, half)?;
                 let bias = |q: usize, width: usize, rows_at: &dyn Fn(usize) -> u64| {
-                    role(
+                    Role::new(
                         false,
                         false,
                         add,
                         half,
                         used.iter()
                             .map(|&e| {
-                                product(
+                                Product::new(
                                     ones,
                                     rows[e],
                                     rows_at(e),

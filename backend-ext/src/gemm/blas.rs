@@ -42,6 +42,34 @@ pub(crate) struct Role {
     pub(crate) products: Vec<Product>,
 }
 
+impl Product {
+    /// `C[m, n] = op(A) · op(B)` with each operand's address and row stride.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        a: u64,
+        lda: usize,
+        b: u64,
+        ldb: usize,
+        c: u64,
+        ldc: usize,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Self {
+        Self {
+            a,
+            lda,
+            b,
+            ldb,
+            c,
+            ldc,
+            m,
+            n,
+            k,
+        }
+    }
+}
+
 fn op(transposed: bool) -> cublasOperation_t {
     match transposed {
         true => cublasOperation_t::CUBLAS_OP_T,
@@ -61,6 +89,23 @@ pub(crate) fn compute_type(precision: GemmPrecision) -> cublasComputeType_t {
 }
 
 impl Role {
+    /// A role of `products`.
+    pub(crate) fn new(
+        trans_a: bool,
+        trans_b: bool,
+        accumulate: bool,
+        bf16: bool,
+        products: Vec<Product>,
+    ) -> Self {
+        Self {
+            trans_a,
+            trans_b,
+            accumulate,
+            bf16,
+            products,
+        }
+    }
+
     /// The operands' data type.
     fn operands(&self) -> cudaDataType_t {
         match self.bf16 {

@@ -61,23 +61,14 @@ pub(crate) fn matmul(
     // A transposed view covers the same elements as its storage: the copy converts the storage.
     let list = [(at.of(&lhs)?, m * k), (at.of(&rhs)?, k * n)];
     let (halves, ops) = Halves::plan(&mut at, half, &list)?;
-    let role = Role {
+    let c = at.of(&out)?;
+    let role = Role::new(
         trans_a,
         trans_b,
-        accumulate: false,
-        bf16: half,
-        products: vec![Product {
-            a: ops[0],
-            lda,
-            b: ops[1],
-            ldb,
-            c: at.of(&out)?,
-            ldc: n,
-            m,
-            n,
-            k,
-        }],
-    };
+        false,
+        half,
+        vec![Product::new(ops[0], lda, ops[1], ldb, c, n, m, n, k)],
+    );
     path.inner.section(
         &client,
         |inner, lane| {

@@ -45,50 +45,31 @@ pub(crate) fn forward(
     let used: Vec<usize> = (0..rows.len()).filter(|&e| rows[e] > 0).collect();
     let z_of = |e: usize| row_at(hidden_at, hidden_layout.start(e), di, 4);
     let a_of = |e: usize| row_at(act_at, hidden_layout.start(e), dh, bytes);
-    let first = Role {
-        trans_a: false,
-        trans_b: false,
-        accumulate: false,
-        bf16: half,
-        products: used
-            .iter()
-            .map(|&e| Product {
-                a: row_at(x_op[0], layout.start(e), dm, bytes),
-                lda: dm,
-                b: experts.matrices[e][0],
-                ldb: di,
-                c: z_of(e),
-                ldc: di,
-                m: rows[e],
-                n: di,
-                k: dm,
-            })
+    let x_of = |e: usize| row_at(x_op[0], layout.start(e), dm, bytes);
+    let w = |e: usize| experts.matrices[e];
+    let first = Role::new(
+        false,
+        false,
+        false,
+        half,
+        used.iter()
+            .map(|&e| Product::new(x_of(e), dm, w(e)[0], di, z_of(e), di, rows[e], di, dm))
             .collect(),
-    };
+    );
     let act_jobs: Vec<Job> = used
         .iter()
         .map(|&e| Job::new([z_of(e), a_of(e), 0, 0], experts.slots[e][1], rows[e]))
         .collect();
-    let second = Role {
-        trans_a: false,
-        trans_b: false,
-        accumulate: false,
-        bf16: half,
-        products: used
-            .iter()
-            .map(|&e| Product {
-                a: a_of(e),
-                lda: dh,
-                b: experts.matrices[e][1],
-                ldb: dm,
-                c: row_at(out_at, layout.start(e), dm, 4),
-                ldc: dm,
-                m: rows[e],
-                n: dm,
-                k: dh,
-            })
+    let out_of = |e: usize| row_at(out_at, layout.start(e), dm, 4);
+    let second = Role::new(
+        false,
+        false,
+        false,
+        half,
+        used.iter()
+            .map(|&e| Product::new(a_of(e), dh, w(e)[1], dm, out_of(e), dm, rows[e], dm, dh))
             .collect(),
-    };
+    );
     let bias_jobs: Vec<Job> = used
         .iter()
         .filter(|&&e| experts.slots[e][3] != 0)

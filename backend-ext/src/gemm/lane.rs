@@ -97,10 +97,6 @@ pub(crate) struct Lane {
     refused: [bool; 3],
 }
 
-// SAFETY: the lane is used by one thread at a time (behind a mutex); its raw CUDA handles are
-// process-wide objects of the context, valid on any thread that binds it.
-unsafe impl Send for Lane {}
-
 impl Lane {
     /// A lane on a new stream of `context`, for the calling thread's cubecl stream.
     pub(crate) fn new(context: &Arc<CudaContext>, handover: Handover) -> Result<Self> {
