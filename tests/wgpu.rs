@@ -776,3 +776,71 @@ fn cubecl_activation_kernels_match_the_composed_form() {
         );
     }
 }
+
+/// The device-library hook of the experts' compute (`ExpertPath`) on a CubeCL backend, with
+/// its plain-primitive twin behind it: the partitions in the arena (padded blocks, in issue
+/// order) and on worker streams (the threaded executor: the hook's buffers written on the
+/// compute stream and read on the comm stream), one and two ranks, the skewed case included
+/// (empty blocks), within 1e-4 of the cases, and the hook taken.
+#[test]
+fn the_expert_hook_on_wgpu_in_order_and_threaded() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use burn::tensor::ops::FloatTensor;
+    use mpipemoe::backend::{ComposedExperts, ExpertBackward, ExpertBackwardOut, ExpertForward, ExpertPath};
+    use mpipemoe::comm::{RowPaths, WithRowPaths};
+    use mpipemoe::harness::check_case_through;
+    use mpipemoe::Communicator;
+
+    #[derive(Debug, Default)]
+    struct Counted(AtomicUsize);
+    impl ExpertPath<Inner> for Counted {
+        fn forward(
+            &self,
+            job: ExpertForward<'_, Inner>,
+        ) -> mpipemoe::Result<(FloatTensor<Inner>, FloatTensor<Inner>)> {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            ComposedExperts.forward(job)
+        }
+        fn backward(&self, job: ExpertBackward<'_, Inner>) -> mpipemoe::Result<ExpertBackwardOut<Inner>> {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            ComposedExperts.backward(job)
+        }
+    }
+
+    let _device = shared();
+    let device = WgpuDevice::default();
+    let mut cases: Vec<Case> = case_files()
+        .iter()
+        .take(1)
+        .map(|f| Case::load(f).expect("case"))
+        .collect();
+    cases.push(Case::all_to_one_expert(4, 10).expect("case"));
+    for case in &cases {
+        for n_ranks in [1, 2] {
+            for executor in [StepExecutor::InOrder, StepExecutor::StreamThreads] {
+                let options = CheckOptions {
+                    path: ExchangePath::Fused,
+                    n_ranks,
+                    partitions: Partitions::Fixed(3),
+                    strategy: Strategy::S4,
+                    executor: Some(executor),
+                    ..CheckOptions::default()
+                };
+                let counted = Arc::new(Counted::default());
+                let paths = RowPaths::new().with_experts::<Inner>(counted.clone());
+                let wrap = |comm: Arc<dyn Communicator>| -> Arc<dyn Communicator> {
+                    Arc::new(WithRowPaths::adding(comm, paths.clone()))
+                };
+                let what = format!("{} ranks {n_ranks} {executor:?}", case.name);
+                let report = check_case_through::<B>(case, &options, &device, &wrap)
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                assert!(report.passed(1e-4), "{what}: {:?}", report.worst());
+                assert!(
+                    counted.0.load(Ordering::Relaxed) >= 2 * n_ranks,
+                    "{what}: the hook was not taken"
+                );
+            }
+        }
+    }
+}
