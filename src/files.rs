@@ -125,15 +125,74 @@ pub fn file_in(dir: &Path, name: &str, source: &Path) -> Result<PathBuf> {
     Ok(path)
 }
 
-/// `path` with `.`, `..` and symbolic links resolved, as far as it exists.
+/// `path` made absolute, with `.`, `..` and symbolic links resolved: its longest existing
+/// prefix through the file system (so links count), the rest of it lexically (a `..` after a
+/// folder that does not exist yet cancels that folder, as it will once the folder is made).
 fn resolved(path: &Path) -> PathBuf {
     if let Ok(real) = path.canonicalize() {
         return real;
     }
-    match (path.parent(), path.file_name()) {
-        (Some(parent), Some(name)) if !parent.as_os_str().is_empty() => resolved(parent).join(name),
-        _ => path.to_path_buf(),
+    let absolute = match path.is_absolute() {
+        true => path.to_path_buf(),
+        false => std::env::current_dir().unwrap_or_default().join(path),
+    };
+    // The longest prefix that exists, canonicalised; then the remaining components.
+    let parts: Vec<Component<'_>> = absolute.components().collect();
+    let mut base = PathBuf::new();
+    let mut rest = 0;
+    for i in (0..=parts.len()).rev() {
+        let prefix: PathBuf = parts[..i].iter().collect();
+        if let Ok(real) = prefix.canonicalize() {
+            base = real;
+            rest = i;
+            break;
+        }
     }
+    for part in &parts[rest..] {
+        match part {
+            Component::ParentDir => {
+                base.pop();
+            }
+            Component::Normal(name) => base.push(name),
+            Component::CurDir | Component::RootDir | Component::Prefix(_) => {}
+        }
+    }
+    base
+}
+
+/// Refuses an output that would write over or around the input folder `input`: `out` may be
+/// neither `input` itself, nor a folder that contains it (replacing that folder as a whole
+/// would delete the input with it), nor anything inside it (a file of the checkpoint
+/// replaced, or a stranger's file among its shards). Paths are compared after `.`, `..` and
+/// symbolic links are resolved, so another spelling of the same folder is the same folder.
+/// An in-place update, where the caller means to replace `input`, checks
+/// [`same_folder`] itself before calling this for every other output.
+///
+/// # Errors
+/// [`MoeError::File`] naming `out` (the `flag` that gave it) and `input`.
+pub fn check_apart(input: &Path, out: &Path, flag: &str) -> Result<()> {
+    let (input_real, out_real) = (resolved(input), resolved(out));
+    let relation = if out_real == input_real {
+        "is the input folder itself"
+    } else if input_real.starts_with(&out_real) {
+        "contains the input folder (replacing it would delete the input)"
+    } else if out_real.starts_with(&input_real) {
+        "lies inside the input folder"
+    } else {
+        return Ok(());
+    };
+    Err(MoeError::file(
+        out,
+        format!(
+            "{flag} {relation} {}; write the output somewhere apart from the input",
+            input.display()
+        ),
+    ))
+}
+
+/// Whether `a` and `b` name the same folder once `.`, `..` and symbolic links are resolved.
+pub fn same_folder(a: &Path, b: &Path) -> bool {
+    resolved(a) == resolved(b)
 }
 
 /// A name beside `target` for a temporary file or folder, unique to this process.
@@ -288,6 +347,31 @@ mod tests {
             std::os::unix::fs::symlink(dir.join("real"), dir.join("in.safetensors")).unwrap();
             assert!(file_in(&dir, "in.safetensors", &src).is_ok());
         }
+    }
+
+    /// An output is held apart from its input however it is spelled: `.` and `..`, a folder
+    /// that does not exist yet followed by `..`, a symbolic link to the input.
+    #[test]
+    fn outputs_are_held_apart_from_the_input_however_spelled() {
+        let dir = scratch("apart");
+        let input = dir.join("model");
+        std::fs::create_dir_all(&input).unwrap();
+        let err = |out: &Path| check_apart(&input, out, "--out").unwrap_err().to_string();
+        assert!(err(&input.join(".")).contains("is the input folder itself"));
+        assert!(err(&dir.join("new/../model")).contains("is the input folder itself"));
+        assert!(err(&dir).contains("contains the input"));
+        assert!(err(&input.join("a/b")).contains("lies inside"));
+        assert!(err(&input.join("new/../../model/x")).contains("lies inside"));
+        #[cfg(unix)]
+        {
+            std::os::unix::fs::symlink(&input, dir.join("link")).unwrap();
+            assert!(err(&dir.join("link")).contains("is the input folder itself"));
+            assert!(same_folder(&dir.join("link"), &input));
+        }
+        // Beside it, or a sibling whose name merely starts the same, is apart.
+        assert!(check_apart(&input, &dir.join("model-tuned"), "--out").is_ok());
+        assert!(check_apart(&input, &dir.join("out/x"), "--out").is_ok());
+        assert!(!same_folder(&dir.join("model-tuned"), &input));
     }
 
     #[test]

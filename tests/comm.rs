@@ -621,3 +621,99 @@ fn each_rank_computes_on_a_pool_of_its_own() {
     let err = LocalGroup::run_with(zero, 2, |_| Ok(())).unwrap_err();
     assert!(err.to_string().contains("threads_per_rank"), "{err}");
 }
+
+/// Rank 0 "writes a checkpoint" for longer than the transfer timeout while the other ranks
+/// wait for it: an arrival barrier (its own, longer bound) lets them, where a plain barrier
+/// (the transfer timeout) fails the run that succeeded.
+#[test]
+fn an_arrival_barrier_outlasts_the_transfer_timeout() {
+    let options = GroupOptions {
+        timeout: Duration::from_millis(200),
+        arrival_timeout: Duration::from_secs(20),
+        ..GroupOptions::default()
+    };
+    let save = Duration::from_millis(1200);
+    let run = |arrival: bool| {
+        LocalGroup::run_with(options, 3, |ctx| {
+            if ctx.rank == 0 {
+                std::thread::sleep(save);
+            }
+            match arrival {
+                true => ctx.comm.arrival_barrier(),
+                false => ctx.comm.barrier(),
+            }?;
+            // The group is whole afterwards: a transfer still works under the short bound.
+            let mut x = [ctx.rank as f64];
+            ctx.comm.all_reduce_sum(&mut x)?;
+            Ok(x[0])
+        })
+    };
+    assert_eq!(run(true).unwrap(), vec![3.0; 3]);
+    let err = run(false).unwrap_err().to_string();
+    assert!(err.contains("timed out") && err.contains("[0]"), "{err}");
+}
+
+/// The arrival bound still ends a wait for a rank that never comes (named), and a rank
+/// that fails while the others wait in an arrival barrier is reported at once, not at the
+/// bound.
+#[test]
+fn an_arrival_barrier_is_bounded_and_hears_of_failures_at_once() {
+    let options = GroupOptions {
+        timeout: Duration::from_millis(100),
+        arrival_timeout: Duration::from_millis(800),
+        ..GroupOptions::default()
+    };
+    let start = Instant::now();
+    let results = LocalGroup::run_each(options, 2, |ctx| {
+        if ctx.rank == 1 {
+            // Stuck far longer than the arrival bound.
+            std::thread::sleep(Duration::from_millis(2500));
+            return Ok(());
+        }
+        ctx.comm.arrival_barrier()
+    });
+    let err = results[0].as_ref().unwrap_err().to_string();
+    assert!(
+        err.contains("timed out after 800") && err.contains("[1]"),
+        "{err}"
+    );
+    assert!(start.elapsed() < Duration::from_secs(10));
+
+    let options = GroupOptions {
+        arrival_timeout: Duration::from_secs(60),
+        ..options
+    };
+    let start = Instant::now();
+    let results = LocalGroup::run_each(options, 2, |ctx| {
+        if ctx.rank == 1 {
+            std::thread::sleep(Duration::from_millis(200));
+            return Err(MoeError::Input("rank 1 could not write its shard".into()));
+        }
+        ctx.comm.arrival_barrier()
+    });
+    let err = results[0].as_ref().unwrap_err();
+    assert!(err.is_peer_failure(), "{err}");
+    assert!(err.to_string().contains("could not write its shard"), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(10), "{:?}", start.elapsed());
+}
+
+/// The shadowing cost model prices a shadow's broadcast by whether the backend has a device
+/// path: a path registered for the inner backend (NCCL's for `CudaMoe`) must be seen through
+/// `Autodiff<..>`, which hands the broadcast to its inner backend, or training would price
+/// NCCL as the host broadcast.
+#[test]
+fn a_device_reduce_is_seen_through_autodiff() {
+    use mpipemoe::comm::HostReduce;
+    use mpipemoe::MoeBackend;
+    let bare: Arc<dyn Communicator> = LocalGroup::communicators(GroupOptions::default(), 1)
+        .pop()
+        .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+        .unwrap();
+    let plain = WithRowPaths::new(bare.clone(), RowPaths::new());
+    assert!(!<NdArray as MoeBackend>::has_device_reduce(&plain));
+    assert!(!<Autodiff<NdArray> as MoeBackend>::has_device_reduce(&plain));
+    let reduce: Arc<dyn mpipemoe::comm::TensorReduce<NdArray>> = Arc::new(HostReduce);
+    let with = WithRowPaths::new(bare, RowPaths::new().with_reduce::<NdArray>(reduce));
+    assert!(<NdArray as MoeBackend>::has_device_reduce(&with));
+    assert!(<Autodiff<NdArray> as MoeBackend>::has_device_reduce(&with));
+}

@@ -700,7 +700,16 @@ fn many_layers_are_written_in_one_pass_as_one_by_one() {
     assert_eq!(report.shards_rewritten.len(), 2, "{report:?}");
     let twice = dir.join("twice");
     hf::write_layer(&source, 3, &maps[0].1, &twice).unwrap();
-    hf::write_layer(&twice, 12, &maps[1].1, &twice).unwrap();
+    // The second pass updates `twice` in place, which is asked for by name.
+    let in_place = hf::ExportOptions {
+        in_place: true,
+        ..Default::default()
+    };
+    let err = hf::write_layer(&twice, 12, &maps[1].1, &twice)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("source checkpoint itself"), "{err}");
+    hf::write_layer_with(&twice, 12, &maps[1].1, &twice, &in_place).unwrap();
     for entry in std::fs::read_dir(&source).unwrap() {
         let name = entry.unwrap().file_name();
         assert!(

@@ -306,7 +306,10 @@ fn exports_are_all_or_nothing_and_never_mix_checkpoints() {
     assert!(err.contains("not empty") && err.contains("overwrite"), "{err}");
     assert_eq!(std::fs::read(out.join("model.safetensors")).unwrap(), b"stale");
     // A failure with overwrite also leaves the old folder in place.
-    let overwrite = ExportOptions { overwrite: true };
+    let overwrite = ExportOptions {
+        overwrite: true,
+        ..ExportOptions::default()
+    };
     assert!(hf::write_layer_with(&source, 1, &broken, &out, &overwrite).is_err());
     assert_eq!(std::fs::read(out.join("model.safetensors")).unwrap(), b"stale");
     hf::write_layer_with(&source, 1, &tensors, &out, &overwrite).unwrap();
@@ -318,10 +321,36 @@ fn exports_are_all_or_nothing_and_never_mix_checkpoints() {
             std::fs::read(out.join(&name)).unwrap()
         );
     }
-    // In place: the folder is rewritten whole, byte-identical for an unchanged layer.
+    // In place only when asked for by name: `overwrite` is not enough, and neither may
+    // replace a folder that contains the source (which would delete it) or write inside it.
     let inplace = dir.join("inplace");
     copy_dir(&source, &inplace);
-    hf::write_layer(&inplace, 1, &tensors, &inplace).unwrap();
+    let before: Vec<Vec<u8>> = sorted_files(&inplace);
+    for (target, options, needle) in [
+        (
+            inplace.clone(),
+            ExportOptions::default(),
+            "source checkpoint itself",
+        ),
+        (inplace.join("."), overwrite, "source checkpoint itself"),
+        (dir.clone(), overwrite, "contains the input"),
+        (inplace.join("sub"), overwrite, "lies inside the input"),
+    ] {
+        let err = error_of(hf::write_layer_with(&inplace, 1, &tensors, &target, &options));
+        assert!(err.contains(needle), "{}: {err}", target.display());
+        assert!(
+            sorted_files(&inplace) == before,
+            "{}: the source changed",
+            target.display()
+        );
+    }
+    assert!(source.exists() && !inplace.join("sub").exists());
+    // In place: the folder is rewritten whole, byte-identical for an unchanged layer.
+    let in_place = ExportOptions {
+        in_place: true,
+        ..ExportOptions::default()
+    };
+    hf::write_layer_with(&inplace, 1, &tensors, &inplace, &in_place).unwrap();
     for entry in std::fs::read_dir(&source).unwrap() {
         let name = entry.unwrap().file_name();
         assert_eq!(
@@ -592,7 +621,12 @@ fn non_finite_weights_are_never_quantised_into_a_checkpoint() {
         assert!(err.contains(" at ["), "{folder}: no index in: {err}");
         assert!(!out.exists(), "{folder}: the output folder was created");
         let before = snapshot(&ckpt);
-        error_of(hf::write_layer(&ckpt, 1, &tensors, &ckpt));
+        let in_place = hf::ExportOptions {
+            in_place: true,
+            ..Default::default()
+        };
+        let err = error_of(hf::write_layer_with(&ckpt, 1, &tensors, &ckpt, &in_place));
+        assert!(err.contains(tensor), "{folder}: in place: {err}");
         assert!(snapshot(&ckpt) == before, "{folder}: changed in place");
     }
     std::fs::remove_dir_all(&dir).ok();
@@ -611,5 +645,45 @@ fn mxfp4_declared_over_float_experts_is_refused() {
     for needle in ["quantization_config", "mxfp4", "experts.gate_up_proj", "_blocks"] {
         assert!(err.contains(needle), "`{needle}` not in: {err}");
     }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The bytes of every file of `dir`, in name order.
+fn sorted_files(dir: &std::path::Path) -> Vec<Vec<u8>> {
+    let mut names: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    names.sort();
+    names
+        .iter()
+        .filter(|p| p.is_file())
+        .map(|p| std::fs::read(p).unwrap())
+        .collect()
+}
+
+/// A NaN weight exported into an f32 or bf16 checkpoint (a run that diverged) is refused
+/// before anything is written, naming the tensor: it would load into transformers without a
+/// word and give NaN logits.
+#[test]
+fn non_finite_weights_are_never_written_into_a_float_checkpoint() {
+    let dir = scratch_dir("hostile-nonfinite-float");
+    let ckpt = data().join("mixtral-tiny");
+    let (_, mut tensors) = hf::read_layer(&ckpt, 1, 0..8).unwrap();
+    let router = tensors.get_mut("router.weight").unwrap();
+    let mut values = router.to_vec::<f32>().unwrap();
+    values[5] = f32::NAN;
+    *router = burn::tensor::TensorData::new(values, router.shape.clone());
+    let out = dir.join("out");
+    let err = error_of(hf::write_layer(&ckpt, 1, &tensors, &out));
+    for needle in [
+        "block_sparse_moe.gate.weight",
+        "NaN",
+        "at [5]",
+        "nothing was written",
+    ] {
+        assert!(err.contains(needle), "`{needle}` not in: {err}");
+    }
+    assert!(!out.exists());
     std::fs::remove_dir_all(&dir).ok();
 }

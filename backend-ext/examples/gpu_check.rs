@@ -382,6 +382,18 @@ fn main() -> ExitCode {
             }
         }
     }
+    if nccl.is_ok() {
+        for (label, outcome) in local_group_checks() {
+            total += 1;
+            match outcome {
+                Ok(note) => println!("{label} ok {note}"),
+                Err(why) => {
+                    failed += 1;
+                    println!("{label} FAIL {why}");
+                }
+            }
+        }
+    }
     let skipped = match &nccl {
         Ok(_) => String::new(),
         Err(why) => format!(" (NCCL checks skipped: {why})"),
@@ -392,4 +404,50 @@ fn main() -> ExitCode {
     } else {
         ExitCode::FAILURE
     }
+}
+
+/// The one-process NCCL group (`Nccl::run_local`), created non-blocking on every GPU given
+/// (issue 57): on one GPU a collective runs and a rank's own error comes back as itself; with
+/// two GPUs, a rank that fails before its first collective must end its peer's wait at once,
+/// long before the 60 s timeout (it hung for ever with `ncclCommInitAll`'s blocking
+/// communicators).
+fn local_group_checks() -> Vec<(String, Result<String, String>)> {
+    use mpipemoe::MoeError;
+    let timeout = Duration::from_secs(60);
+    let mut out = Vec::new();
+    let sum = Nccl::run_local(1, timeout, |ctx| {
+        let mut x = [2.0];
+        ctx.comm.all_reduce_sum(&mut x)?;
+        ctx.comm.arrival_barrier()?;
+        Ok(x[0])
+    });
+    out.push((
+        "nccl-local 1 GPU: init, all-reduce, arrival barrier".to_string(),
+        match sum {
+            Ok(v) if v == vec![2.0] => Ok(String::new()),
+            other => Err(format!("{other:?}")),
+        },
+    ));
+    let start = std::time::Instant::now();
+    let failing = Nccl::run_local(2, timeout, |ctx| {
+        if ctx.rank == 1 {
+            return Err(MoeError::Input("rank 1 fails before its first collective".into()));
+        }
+        ctx.comm.barrier()
+    });
+    let seconds = start.elapsed().as_secs_f64();
+    let label = "nccl-local 2 GPUs: a rank fails before its first collective".to_string();
+    out.push((
+        label,
+        match failing {
+            Err(MoeError::Backend(why)) if why.contains("on a machine with 1") => {
+                Ok(format!("(skipped: {why})"))
+            }
+            Err(e) if e.to_string().contains("fails before its first collective") && seconds < 30.0 => {
+                Ok(format!("in {seconds:.2} s: {e}"))
+            }
+            other => Err(format!("after {seconds:.2} s: {other:?}")),
+        },
+    ));
+    out
 }

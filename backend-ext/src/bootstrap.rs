@@ -3,6 +3,12 @@
 //! ([`rendezvous_addr_from_env`]: `MPIPEMOE_RENDEZVOUS_PORT`, or `MASTER_PORT + 1`), because
 //! torchrun's agent already listens on `MASTER_PORT`.
 //!
+//! Rank 0 listens on every interface of its machine (IPv6 and IPv4, as torchrun's TCPStore
+//! does), not on `MASTER_ADDR` alone: where its own hostname resolves to a loopback address
+//! (Debian's and Ubuntu's `127.0.1.1` in `/etc/hosts`), a listener bound to `MASTER_ADDR`
+//! would be out of reach of every other node. Every other rank tries each address
+//! `MASTER_ADDR` resolves to, in turn, until one answers.
+//!
 //! Rank 0 listens; every other rank connects (retrying until rank 0 is up), introduces itself
 //! with a fixed greeting, its rank and the world size, and receives the id. Rank 0 answers
 //! each rank once and stops when all `world - 1` have their id or the timeout passes. A
@@ -14,7 +20,7 @@
 
 use std::collections::BTreeSet;
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use mpipemoe::{MoeError, Result};
@@ -34,13 +40,56 @@ fn init_err(rank: usize, reason: impl Into<String>) -> MoeError {
     MoeError::comm("init", rank, reason)
 }
 
-/// Rank 0's side: answers every other rank of `world` with `id` on `listener`, waiting at most
-/// `timeout` for all of them.
-pub fn serve_id(listener: &TcpListener, world: usize, id: &[u8; ID_BYTES], timeout: Duration) -> Result<()> {
+/// Rank 0's listeners on `port` of every interface: `[::]` (which also takes IPv4 where the
+/// system maps it, Linux's default) and `0.0.0.0` (where it does not, or where IPv6 is off).
+/// Port 0 picks a free port, the same for both.
+///
+/// # Errors
+/// Neither could be bound; the error names the port and both reasons.
+pub fn listen_everywhere(port: u16) -> Result<Vec<TcpListener>> {
+    let mut listeners = Vec::new();
+    let v6 = TcpListener::bind((std::net::Ipv6Addr::UNSPECIFIED, port));
+    let port = match &v6 {
+        Ok(l) => l.local_addr().map(|a| a.port()).unwrap_or(port),
+        Err(_) => port,
+    };
+    let v4 = TcpListener::bind((std::net::Ipv4Addr::UNSPECIFIED, port));
+    let reasons = match (v6, v4) {
+        (Ok(a), Ok(b)) => {
+            listeners.extend([a, b]);
+            return Ok(listeners);
+        }
+        // A dual-stack `[::]` already holds the IPv4 port: "in use" is expected then.
+        (Ok(a), Err(_)) => {
+            listeners.push(a);
+            return Ok(listeners);
+        }
+        (Err(_), Ok(b)) => {
+            listeners.push(b);
+            return Ok(listeners);
+        }
+        (Err(a), Err(b)) => format!("[::]:{port}: {a}; 0.0.0.0:{port}: {b}"),
+    };
+    Err(init_err(
+        0,
+        format!("cannot listen for the NCCL-id rendezvous on port {port} ({reasons}); the port is {RENDEZVOUS_PORT_VAR}, or MASTER_PORT + {RENDEZVOUS_PORT_OFFSET}"),
+    ))
+}
+
+/// Rank 0's side: answers every other rank of `world` with `id` on any of `listeners`,
+/// waiting at most `timeout` for all of them.
+pub fn serve_id(
+    listeners: &[TcpListener],
+    world: usize,
+    id: &[u8; ID_BYTES],
+    timeout: Duration,
+) -> Result<()> {
     let start = Instant::now();
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| init_err(0, format!("rendezvous listener: {e}")))?;
+    for listener in listeners {
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| init_err(0, format!("rendezvous listener: {e}")))?;
+    }
     let mut served = BTreeSet::new();
     while served.len() + 1 < world {
         let left = timeout.saturating_sub(start.elapsed());
@@ -51,15 +100,22 @@ pub fn serve_id(listener: &TcpListener, world: usize, id: &[u8; ID_BYTES], timeo
                 format!("ranks {missing:?} did not join the rendezvous within {timeout:?}"),
             ));
         }
-        match listener.accept() {
-            Ok((stream, _)) => {
-                // A bad greeting closes that connection only; the rendezvous goes on.
-                if let Ok(rank) = answer(stream, world, id, left.min(Duration::from_secs(5)), &served) {
-                    served.insert(rank);
+        let mut idle = true;
+        for listener in listeners {
+            match listener.accept() {
+                Ok((stream, _)) => {
+                    idle = false;
+                    // A bad greeting closes that connection only; the rendezvous goes on.
+                    if let Ok(rank) = answer(stream, world, id, left.min(Duration::from_secs(5)), &served) {
+                        served.insert(rank);
+                    }
                 }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(init_err(0, format!("rendezvous accept: {e}"))),
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(POLL),
-            Err(e) => return Err(init_err(0, format!("rendezvous accept: {e}"))),
+        }
+        if idle {
+            std::thread::sleep(POLL);
         }
     }
     Ok(())
@@ -124,14 +180,44 @@ pub fn fetch_id(addr: &str, rank: usize, world: usize, timeout: Duration) -> Res
     }
 }
 
+/// One attempt at every address `addr` resolves to, in turn (a name may resolve to an
+/// address where nothing listens first, IPv6 before IPv4, say), until one hands out the id.
 fn try_fetch(addr: &str, rank: usize, world: usize, timeout: Duration) -> std::io::Result<[u8; ID_BYTES]> {
-    let target = addr.to_socket_addrs()?.next().ok_or_else(|| {
-        std::io::Error::new(
+    let targets: Vec<SocketAddr> = addr.to_socket_addrs()?.collect();
+    try_fetch_from(&targets, rank, world, timeout).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => std::io::Error::new(
             std::io::ErrorKind::NotFound,
             format!("{addr} resolves to nothing"),
-        )
-    })?;
-    let mut stream = TcpStream::connect_timeout(&target, timeout.min(Duration::from_secs(2)))?;
+        ),
+        _ => e,
+    })
+}
+
+/// One attempt at each of `targets` in turn (a joining rank's fetch of the NCCL id over
+/// addresses already resolved): the id from the first that answers, else the last error.
+pub fn try_fetch_from(
+    targets: &[SocketAddr],
+    rank: usize,
+    world: usize,
+    timeout: Duration,
+) -> std::io::Result<[u8; ID_BYTES]> {
+    let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "no address");
+    for target in targets {
+        match fetch_at(target, rank, world, timeout) {
+            Ok(id) => return Ok(id),
+            Err(e) => last = std::io::Error::new(e.kind(), format!("{target}: {e}")),
+        }
+    }
+    Err(last)
+}
+
+fn fetch_at(
+    target: &SocketAddr,
+    rank: usize,
+    world: usize,
+    timeout: Duration,
+) -> std::io::Result<[u8; ID_BYTES]> {
+    let mut stream = TcpStream::connect_timeout(target, timeout.min(Duration::from_secs(2)))?;
     stream.set_read_timeout(Some(timeout))?;
     stream.set_write_timeout(Some(timeout))?;
     let mut hello = [0u8; HELLO_BYTES];
@@ -240,16 +326,16 @@ pub fn rendezvous_from_env(
     let addr = rendezvous_addr_from_env()?;
     let id = if rank == 0 {
         let id = make_id()?;
-        let listener = TcpListener::bind(&addr).map_err(|e| {
-            init_err(
-                rank,
-                format!("listen on {addr} for the NCCL-id rendezvous: {e} (the port is {RENDEZVOUS_PORT_VAR}, or MASTER_PORT + {RENDEZVOUS_PORT_OFFSET})"),
-            )
-        })?;
+        // Every interface, not `MASTER_ADDR`'s: see the module's documentation.
+        let port = addr
+            .rsplit_once(':')
+            .and_then(|(_, p)| p.parse::<u16>().ok())
+            .ok_or_else(|| init_err(rank, format!("no port in the rendezvous address {addr}")))?;
+        let listeners = listen_everywhere(port)?;
         // Every rank has the id before rank 0 joins NCCL: the others wait inside NCCL's
         // initialisation for it, and a rank that never came is an error here rather than a
         // hang inside NCCL.
-        serve_id(&listener, world, &id, timeout)?;
+        serve_id(&listeners, world, &id, timeout)?;
         id
     } else {
         fetch_id(&addr, rank, world, timeout)?
@@ -271,7 +357,14 @@ mod tests {
         let addr = listener.local_addr().unwrap().to_string();
         let world = 4;
         let got = std::thread::scope(|s| {
-            let server = s.spawn(|| serve_id(&listener, world, &id(), Duration::from_secs(20)));
+            let server = s.spawn(|| {
+                serve_id(
+                    std::slice::from_ref(&listener),
+                    world,
+                    &id(),
+                    Duration::from_secs(20),
+                )
+            });
             let clients: Vec<_> = (1..world)
                 .map(|rank| {
                     let addr = addr.clone();
@@ -292,7 +385,14 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let err = std::thread::scope(|s| {
-            let server = s.spawn(|| serve_id(&listener, 3, &id(), Duration::from_millis(1500)));
+            let server = s.spawn(|| {
+                serve_id(
+                    std::slice::from_ref(&listener),
+                    3,
+                    &id(),
+                    Duration::from_millis(1500),
+                )
+            });
             // Garbage, a rank of another world, and rank 1 properly: rank 2 never comes.
             let mut junk = TcpStream::connect(addr).unwrap();
             junk.write_all(&[0xff; 40]).unwrap();
@@ -307,6 +407,61 @@ mod tests {
         });
         let text = err.to_string();
         assert!(text.contains("[2]") && text.contains("did not join"), "{text}");
+    }
+
+    /// Rank 0 listens on every interface, so a rank that reaches this machine by any of its
+    /// addresses gets the id: loopback in both families and, where the machine has one, an
+    /// address of another interface (the case where `MASTER_ADDR` resolves to loopback on
+    /// rank 0's own node but to its network address everywhere else).
+    #[test]
+    fn rank_zero_answers_on_every_interface() {
+        let listeners = listen_everywhere(0).unwrap();
+        let port = listeners[0].local_addr().unwrap().port();
+        let mut targets: Vec<SocketAddr> = vec![([127, 0, 0, 1], port).into()];
+        if std::net::TcpListener::bind("[::1]:0").is_ok() {
+            targets.push((std::net::Ipv6Addr::LOCALHOST, port).into());
+        }
+        // This machine's address on its default route, if it has one (no packet is sent).
+        let probe = std::net::UdpSocket::bind("0.0.0.0:0").and_then(|u| {
+            u.connect("192.0.2.1:9")?;
+            u.local_addr()
+        });
+        if let Some(own) = probe
+            .ok()
+            .map(|a| a.ip())
+            .filter(|ip| !ip.is_loopback() && !ip.is_unspecified())
+        {
+            targets.push((own, port).into());
+        }
+        let world = targets.len() + 1;
+        std::thread::scope(|s| {
+            let server = s.spawn(|| serve_id(&listeners, world, &id(), Duration::from_secs(20)));
+            for (i, target) in targets.iter().enumerate() {
+                let got = try_fetch_from(std::slice::from_ref(target), i + 1, world, Duration::from_secs(5))
+                    .unwrap_or_else(|e| panic!("{target}: {e}"));
+                assert_eq!(got, id(), "{target}");
+            }
+            server.join().unwrap().unwrap();
+        });
+    }
+
+    /// A client tries every address a name resolves to: a first address where nothing
+    /// listens (as `localhost` → `::1` where rank 0 listens on IPv4 only) does not end it.
+    #[test]
+    fn a_client_tries_every_address() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let live = listener.local_addr().unwrap();
+        let dead: SocketAddr = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        std::thread::scope(|s| {
+            let server =
+                s.spawn(|| serve_id(std::slice::from_ref(&listener), 2, &id(), Duration::from_secs(20)));
+            let got = try_fetch_from(&[dead, live], 1, 2, Duration::from_secs(5)).unwrap();
+            assert_eq!(got, id());
+            server.join().unwrap().unwrap();
+        });
+        // Only dead addresses: the error names the last one tried.
+        let err = try_fetch_from(&[dead], 1, 2, Duration::from_millis(300)).unwrap_err();
+        assert!(err.to_string().contains(&dead.to_string()), "{err}");
     }
 
     #[test]

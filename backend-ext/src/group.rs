@@ -42,6 +42,13 @@ pub trait NcclOps {
     fn stream_state(&mut self) -> Poll;
     /// `ncclCommAbort`, at most once (the implementation records it).
     fn abort(&mut self);
+    /// A failure of a rank of this process's group that this rank waits for in vain: the
+    /// one-process group ([`Nccl::run_local`](crate::Nccl::run_local)) records a rank
+    /// thread's error or panic, so that its peers stop waiting at once instead of at the
+    /// timeout. `None` (the default) where nothing is watched (a rank per process).
+    fn peer_failure(&mut self) -> Option<String> {
+        None
+    }
 }
 
 /// What one wait is for: the operation and rank its errors name, and how long it may take.
@@ -84,6 +91,9 @@ impl Wait<'_> {
                 Poll::Pending => {}
                 Poll::Failed(e) => return Err(self.fail(ops, format!("{what}: NCCL: {e}"))),
             }
+            if let Some(reason) = ops.peer_failure() {
+                return Err(self.fail(ops, format!("{what}: {reason}")));
+            }
             if start.elapsed() > self.timeout {
                 return Err(self.timed_out(ops, what));
             }
@@ -112,6 +122,9 @@ impl Wait<'_> {
             // A peer's failure shows up here while the stream still waits for it.
             if let Poll::Failed(e) = ops.async_state() {
                 return Err(self.fail(ops, format!("the NCCL group: NCCL: {e}")));
+            }
+            if let Some(reason) = ops.peer_failure() {
+                return Err(self.fail(ops, format!("the NCCL transfer: {reason}")));
             }
             if start.elapsed() > self.timeout {
                 return Err(self.timed_out(ops, "the NCCL transfer"));
@@ -143,6 +156,9 @@ mod tests {
         stream: Vec<Poll>,
         aborts: usize,
         calls: Vec<&'static str>,
+        /// What `peer_failure` says from its n-th call on: `(n, reason)`.
+        peer_fails_at: Option<(usize, String)>,
+        peer_calls: usize,
     }
 
     fn next(script: &mut Vec<Poll>) -> Poll {
@@ -168,6 +184,13 @@ mod tests {
         }
         fn abort(&mut self) {
             self.aborts += 1;
+        }
+        fn peer_failure(&mut self) -> Option<String> {
+            self.peer_calls += 1;
+            match &self.peer_fails_at {
+                Some((n, reason)) if self.peer_calls >= *n => Some(reason.clone()),
+                _ => None,
+            }
         }
     }
 
@@ -246,6 +269,41 @@ mod tests {
         assert_eq!(
             &ops.calls[..first_stream],
             ["group_end", "async", "async", "async"]
+        );
+    }
+
+    #[test]
+    fn a_failed_peer_of_this_process_ends_the_wait_long_before_the_timeout() {
+        // The transfer waits for a peer (stream pending, NCCL in progress for ever); on the
+        // third poll the one-process group reports that rank 1's thread failed.
+        let long = Wait {
+            timeout: Duration::from_secs(60),
+            ..WAIT
+        };
+        let mut ops = Scripted {
+            stream: vec![Poll::Pending],
+            peer_fails_at: Some((3, "rank 1 failed: out of memory".into())),
+            ..Default::default()
+        };
+        let start = Instant::now();
+        let err = long.end_group(&mut ops).unwrap_err().to_string();
+        assert!(start.elapsed() < Duration::from_secs(5));
+        assert_eq!(ops.aborts, 1);
+        assert!(err.contains("rank 1 failed: out of memory"), "{err}");
+        // The same for an initialisation or split in progress.
+        let mut ops = Scripted {
+            async_state: vec![Poll::Pending],
+            peer_fails_at: Some((2, "rank 0 failed: bad checkpoint".into())),
+            ..Default::default()
+        };
+        let err = long
+            .until_ready(&mut ops, "ncclCommSplit")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(ops.aborts, 1);
+        assert!(
+            err.contains("bad checkpoint") && err.contains("ncclCommSplit"),
+            "{err}"
         );
     }
 

@@ -9,7 +9,7 @@
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr};
@@ -40,6 +40,39 @@ pub(crate) struct NcclShared {
     /// How long one transfer may take before the group is declared failed, in milliseconds
     /// (atomic: the row paths share this struct, and the timeout may be set afterwards).
     timeout_ms: AtomicU64,
+    /// How long [`Communicator::arrival_barrier`] waits, in milliseconds.
+    arrival_ms: AtomicU64,
+    /// The one-process group's record of a failed rank thread ([`Nccl::run_local`]); unset
+    /// for a rank per process.
+    watch: OnceLock<Arc<GroupWatch>>,
+}
+
+/// The first failure of a rank thread of a one-process group, which the peers' waits read
+/// ([`NcclOps::peer_failure`]) so that they stop at once: a rank that errs before its first
+/// collective (out of memory while building its model, a bad checkpoint) never posts its
+/// half, and its peers would otherwise wait out the whole timeout.
+#[derive(Debug, Default)]
+pub(crate) struct GroupWatch {
+    failed: Mutex<Option<(usize, String)>>,
+}
+
+impl GroupWatch {
+    /// Records rank `rank`'s failure, unless one came first.
+    fn fail(&self, rank: usize, reason: String) {
+        let mut failed = self.failed.lock().unwrap_or_else(|e| e.into_inner());
+        failed.get_or_insert((rank, reason));
+    }
+
+    /// The failure of a rank other than `me`, as a wait's reason to stop.
+    fn failure_for(&self, me: usize) -> Option<String> {
+        let failed = self.failed.lock().unwrap_or_else(|e| e.into_inner());
+        match &*failed {
+            Some((rank, reason)) if *rank != me => {
+                Some(format!("rank {rank} of this process failed: {reason}"))
+            }
+            _ => None,
+        }
+    }
 }
 
 /// An NCCL communicator handle: closed with `ncclCommFinalize` + `ncclCommDestroy` when its
@@ -291,6 +324,8 @@ impl Nccl {
             stream,
             context,
             timeout_ms: AtomicU64::new(DEFAULT_TIMEOUT.as_millis() as u64),
+            arrival_ms: AtomicU64::new(DEFAULT_ARRIVAL_TIMEOUT.as_millis() as u64),
+            watch: OnceLock::new(),
         });
         Ok(Self {
             paths: crate::rows::row_paths(&shared)?,
@@ -299,10 +334,24 @@ impl Nccl {
         })
     }
 
-    /// One rank per GPU for GPUs `0..n_gpus` of this machine, in one process
-    /// (`ncclCommInitAll`): what one 8-GPU node needs without a launcher. Hand each rank to a
-    /// thread of its own, as [`mpipemoe::LocalGroup::run`] does for the CPU.
-    pub fn local_group(n_gpus: usize) -> Result<Vec<Self>> {
+    /// One rank per GPU for GPUs `0..n_gpus` of this machine, in one process: what one
+    /// 8-GPU node needs without a launcher. Hand each rank to a thread of its own, as
+    /// [`mpipemoe::LocalGroup::run`] does for the CPU.
+    ///
+    /// Every communicator is created non-blocking, as [`Nccl::from_env`]'s are: one unique
+    /// id, then `ncclCommInitRankConfig` with `blocking = 0` for each GPU inside one NCCL
+    /// group (NCCL requires the group when one thread initialises several ranks), each
+    /// polled until ready for at most `timeout`. Not `ncclCommInitAll`: it creates
+    /// *blocking* communicators (it passes `NCCL_CONFIG_INITIALIZER`, NCCL `src/init.cc`),
+    /// whose `ncclGroupEnd` then blocks in the connection setup of the first transfer, and a
+    /// rank thread that failed before its first collective would leave its peers there
+    /// forever, before any timer of ours could start.
+    ///
+    /// # Errors
+    /// [`MoeError::Backend`] without CUDA or NCCL, or for a count of GPUs the machine lacks;
+    /// [`MoeError::Comm`] naming the rank whose initialisation failed or did not finish
+    /// (every communicator made so far is aborted).
+    pub fn local_group(n_gpus: usize, timeout: Duration) -> Result<Vec<Self>> {
         crate::cuda_available().map_err(|e| MoeError::Backend(e.to_string()))?;
         crate::nccl_available().map_err(|e| MoeError::Backend(e.to_string()))?;
         let devices = CudaContext::device_count().map_err(|e| cuda_err("init", 0, e))? as usize;
@@ -311,19 +360,68 @@ impl Nccl {
                 "a local NCCL group of {n_gpus} GPUs on a machine with {devices}"
             )));
         }
-        let mut comms = vec![std::ptr::null_mut(); n_gpus];
-        let ordinals: Vec<i32> = (0..n_gpus as i32).collect();
-        // SAFETY: `comms` has room for one handle per listed device.
-        unsafe { nccl::comm_init_all(comms.as_mut_ptr(), n_gpus as i32, ordinals.as_ptr()) }
-            .map_err(|e| nccl_err("init", 0, e))?;
-        comms
+        let id = nccl::get_uniqueid().map_err(|e| nccl_err("init", 0, e))?;
+        let contexts = (0..n_gpus)
+            .map(|gpu| CudaContext::new(gpu).map_err(|e| cuda_err("init", gpu, e)))
+            .collect::<Result<Vec<_>>>()?;
+        let world = n_gpus as i32;
+        let mut handles: Vec<nccl_sys::ncclComm_t> = vec![std::ptr::null_mut(); n_gpus];
+        let mut first_error = None;
+        nccl::group_start().map_err(|e| nccl_err("init", 0, e))?;
+        for (rank, context) in contexts.iter().enumerate() {
+            // `ncclCommInitRankConfig` takes the device from the thread's current context.
+            if let Err(e) = context.bind_to_thread() {
+                first_error.get_or_insert(cuda_err("init", rank, e));
+                continue;
+            }
+            let mut config = non_blocking_config();
+            // SAFETY: the slot is this rank's (NCCL writes the handle at the call, before
+            // the non-blocking work: `ncclCommInitRankDev`'s `*newcomm = comm`, NCCL
+            // `src/init.cc`); the config outlives the call.
+            let made = unsafe {
+                nccl_sys::ncclCommInitRankConfig(&mut handles[rank], world, id, rank as i32, &mut config)
+                    .result()
+            };
+            if let Err(e) = made {
+                first_error.get_or_insert(nccl_err("init", rank, e));
+            }
+        }
+        // The group must be closed whatever happened inside it. Non-blocking, it returns at
+        // once (`ncclInProgress`); the work is polled below.
+        let closed = nccl::group_end();
+        // From here every handle made is owned: an early return aborts them all.
+        let mut raws: Vec<Option<RawComm>> = handles
             .into_iter()
+            .map(|h| (!h.is_null()).then(|| RawComm::new(h)))
+            .collect();
+        if let Some(err) = first_error {
+            return Err(err);
+        }
+        if let Err(e) = closed {
+            return Err(nccl_err("init", 0, e));
+        }
+        for (rank, raw) in raws.iter_mut().enumerate() {
+            let Some(raw) = raw else {
+                return Err(nccl_err(
+                    "init",
+                    rank,
+                    "ncclCommInitRankConfig returned no communicator",
+                ));
+            };
+            let wait = Wait {
+                op: "init",
+                rank,
+                timeout,
+            };
+            wait.until_ready(&mut CommOps(raw), "ncclCommInitRankConfig")?;
+        }
+        raws.into_iter()
+            .zip(contexts)
             .enumerate()
-            .map(|(rank, comm)| {
-                let comm = RawComm::new(comm);
-                let context = CudaContext::new(rank).map_err(|e| cuda_err("init", rank, e))?;
+            .map(|(rank, (raw, context))| {
+                let raw = raw.expect("checked above");
                 let stream = context.new_stream().map_err(|e| cuda_err("init", rank, e))?;
-                Self::from_parts(rank, n_gpus, comm, stream, context)
+                Self::from_parts(rank, n_gpus, raw, stream, context)
             })
             .collect()
     }
@@ -339,12 +437,16 @@ impl Nccl {
         T: Send,
         F: Fn(RankContext) -> Result<T> + Sync,
     {
-        let ranks = Self::local_group(n_gpus)?;
+        let ranks = Self::local_group(n_gpus, timeout)?;
+        let watch = Arc::new(GroupWatch::default());
+        for nccl in &ranks {
+            let _ = nccl.shared.watch.set(watch.clone());
+        }
         let results: Vec<Result<T>> = std::thread::scope(|scope| {
             let handles: Vec<_> = ranks
                 .into_iter()
                 .map(|nccl| {
-                    let f = &f;
+                    let (f, watch) = (&f, &watch);
                     scope.spawn(move || {
                         let rank = nccl.shared.rank;
                         let ctx = RankContext {
@@ -352,8 +454,16 @@ impl Nccl {
                             n_ranks: n_gpus,
                             comm: Arc::new(nccl.with_timeout(timeout)),
                         };
-                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(ctx)))
-                            .unwrap_or_else(|payload| Err(MoeError::from_panic(payload, rank)))
+                        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(ctx)))
+                            .unwrap_or_else(|payload| Err(MoeError::from_panic(payload, rank)));
+                        // A rank's own failure (not its report of a peer's) stops the
+                        // peers' waits now rather than at their timeout.
+                        if let Err(e) = &result {
+                            if !e.is_peer_failure() {
+                                watch.fail(rank, e.to_string());
+                            }
+                        }
+                        result
                     })
                 })
                 .collect();
@@ -391,6 +501,16 @@ impl Nccl {
         self
     }
 
+    /// How long [`arrival_barrier`](Communicator::arrival_barrier) waits for its peers
+    /// (default 30 minutes, PyTorch's default process-group timeout): where ranks come apart
+    /// by design, one writing a checkpoint or loading a slower one, far longer than a
+    /// transfer may take.
+    pub fn with_arrival_timeout(self, timeout: Duration) -> Self {
+        let ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+        self.shared.arrival_ms.store(ms, Ordering::Relaxed);
+        self
+    }
+
     /// With one rank, sends every all-to-all through NCCL's path anyway (a local device copy)
     /// instead of skipping it: how a single GPU exercises the device row path.
     pub fn with_emulated_network(mut self, on: bool) -> Self {
@@ -406,8 +526,8 @@ impl NcclShared {
     fn with_transport<R>(
         &self,
         op: &str,
-        send: u64,
-        recv: u64,
+        (send, recv): (u64, u64),
+        timeout: Duration,
         post: impl FnOnce(&mut NcclTransport<'_>) -> Result<R>,
     ) -> Result<R> {
         let mut comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
@@ -422,15 +542,26 @@ impl NcclShared {
             .bind_to_thread()
             .map_err(|e| cuda_err(op, self.rank, e))?;
         let mut transport = NcclTransport {
+            watch: self.watch.get().cloned(),
             comm: &mut comm,
             stream: self.stream.cu_stream(),
             send,
             recv,
             rank: self.rank,
             op,
-            timeout: Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed)),
+            timeout,
         };
         post(&mut transport)
+    }
+
+    /// How long one transfer may wait for its peers.
+    fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed))
+    }
+
+    /// How long an arrival barrier may wait for its peers.
+    fn arrival_timeout(&self) -> Duration {
+        Duration::from_millis(self.arrival_ms.load(Ordering::Relaxed))
     }
 
     /// Runs one all-to-all-v between device buffers at `send` and `recv` on this rank's NCCL
@@ -442,7 +573,18 @@ impl NcclShared {
         recv: u64,
         layout: &PeerLayout,
     ) -> Result<()> {
-        self.with_transport(op, send, recv, |t| post_all_to_all_v(t, self.rank, layout))
+        self.all_to_all_within(op, (send, recv), layout, self.timeout())
+    }
+
+    /// [`all_to_all_device`](Self::all_to_all_device) bounded by `timeout`.
+    fn all_to_all_within(
+        &self,
+        op: &str,
+        buffers: (u64, u64),
+        layout: &PeerLayout,
+        timeout: Duration,
+    ) -> Result<()> {
+        self.with_transport(op, buffers, timeout, |t| post_all_to_all_v(t, self.rank, layout))
     }
 
     /// Runs one collective over `count` elements of `dtype` from the device buffer at `send`
@@ -462,7 +604,7 @@ impl NcclShared {
             Some(Err(_)) => return Err(MoeError::comm(op, self.rank, "root rank out of range")),
             None => None,
         };
-        self.with_transport(op, send, recv, |t| {
+        self.with_transport(op, (send, recv), self.timeout(), |t| {
             t.begin()?;
             let (handle, stream) = (t.comm.handle, t.stream as _);
             let (send, recv) = (send as *const std::ffi::c_void, recv as *mut std::ffi::c_void);
@@ -491,8 +633,14 @@ impl NcclShared {
     }
 
     /// One round of host bytes: `send[peer]` goes to `peer`, `recv_len[peer]` bytes arrive
-    /// from it, through one device buffer each way.
-    fn round(&self, op: &str, send: &[Vec<u8>], recv_len: &[usize]) -> Result<Vec<Vec<u8>>> {
+    /// from it, through one device buffer each way, waiting at most `timeout`.
+    fn round(
+        &self,
+        op: &str,
+        send: &[Vec<u8>],
+        recv_len: &[usize],
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>> {
         let send_len: Vec<usize> = send.iter().map(Vec::len).collect();
         let layout = PeerLayout::new(&send_len, recv_len, 1)?;
         let s = &self.stream;
@@ -506,7 +654,7 @@ impl NcclShared {
             let (send_ptr, _send_sync) = device_send.device_ptr(s);
             let (recv_ptr, _recv_sync) = device_recv.device_ptr(s);
             // The copies above are on the same stream, so they complete before the group runs.
-            self.all_to_all_device(op, send_ptr, recv_ptr, &layout)?;
+            self.all_to_all_within(op, (send_ptr, recv_ptr), &layout, timeout)?;
         }
         let flat = s.clone_dtoh(&device_recv).map_err(err)?;
         Ok(layout.recv.iter().map(|r| flat[r.clone()].to_vec()).collect())
@@ -516,6 +664,8 @@ impl NcclShared {
 /// The device side of [`PeerTransport`]: raw `ncclSend` / `ncclRecv` at byte offsets of two
 /// device buffers, a device copy for the own rows, on one stream.
 struct NcclTransport<'a> {
+    /// The one-process group's failure record, if this rank is in one.
+    watch: Option<Arc<GroupWatch>>,
     comm: &'a mut RawComm,
     stream: cudarc::driver::sys::CUstream,
     send: u64,
@@ -620,6 +770,10 @@ impl NcclOps for NcclTransport<'_> {
     fn abort(&mut self) {
         self.comm.abort();
     }
+
+    fn peer_failure(&mut self) -> Option<String> {
+        self.watch.as_ref()?.failure_for(self.rank)
+    }
 }
 
 impl Communicator for Nccl {
@@ -659,14 +813,21 @@ impl Communicator for Nccl {
             .context
             .bind_to_thread()
             .map_err(|e| cuda_err(op, shared.rank, e))?;
-        let mut new = std::ptr::null_mut();
+        // Where NCCL writes the child's handle. Not a local: with a non-blocking parent,
+        // NCCL's split job writes `*newcomm` when it *finishes*, on its own thread
+        // (`ncclCommInitRankFunc`'s `exit:` label, `__atomic_store_n(job->newcomm, comm)`,
+        // success or failure alike; `ncclCommInitChildComm` only sets it to NULL at the
+        // call, "NULL until comm split fully complete", NCCL `src/init.cc`). A heap slot
+        // stays valid if this function returns before the job is done.
+        let mut slot: Box<nccl_sys::ncclComm_t> = Box::new(std::ptr::null_mut());
         let mut config = non_blocking_config();
-        let timeout = Duration::from_millis(shared.timeout_ms.load(Ordering::Relaxed));
-        // SAFETY: the parent handle is live (not aborted, held under its lock); `new` is
-        // written by NCCL; the config (non-blocking, so the split is polled against the
-        // timeout rather than blocking until every rank calls it) outlives the call.
+        let timeout = shared.timeout();
+        // SAFETY: the parent handle is live (not aborted, held under its lock); the slot is
+        // written by NCCL and outlives its job (see above); the config (non-blocking, so the
+        // split is polled against the timeout rather than blocking until every rank calls
+        // it) outlives the call.
         let split = unsafe {
-            nccl_sys::ncclCommSplit(comm.handle, color, shared.rank as i32, &mut new, &mut config).result()
+            nccl_sys::ncclCommSplit(comm.handle, color, shared.rank as i32, &mut *slot, &mut config).result()
         };
         if let Err(e) = split {
             // The parent may be left mid-collective: abort it, as every error path does.
@@ -679,8 +840,24 @@ impl Communicator for Nccl {
             rank: shared.rank,
             timeout,
         };
-        wait.until_ready(&mut CommOps(&mut comm), "ncclCommSplit (the parent)")?;
+        if let Err(e) = wait.until_ready(&mut CommOps(&mut comm), "ncclCommSplit (the parent)") {
+            // The wait aborted the parent, and `ncclCommAbort` joins the parent's pending
+            // group job (`ncclGroupJobAbort`: abort flag set, then `ncclAsyncJobComplete`
+            // joins its thread; NCCL `src/group.cc`), whose split job has then written the
+            // half-made child into the slot: abort it too (the drop of `RawComm`), or it
+            // leaks with its connections and buffers.
+            let half_made = std::mem::replace(&mut *slot, std::ptr::null_mut());
+            if !half_made.is_null() {
+                drop(RawComm::new(half_made));
+            } else {
+                // Nothing written yet: should the job still run, its late write must land
+                // in memory that is still this slot's.
+                Box::leak(slot);
+            }
+            return Err(e);
+        }
         drop(comm);
+        let new = *slot;
         if new.is_null() {
             return Err(nccl_err(
                 op,
@@ -702,12 +879,37 @@ impl Communicator for Nccl {
             .new_stream()
             .map_err(|e| cuda_err(op, shared.rank, e))?;
         let sub = Self::from_parts(rank as usize, world as usize, raw, stream, shared.context.clone())?
-            .with_timeout(Duration::from_millis(shared.timeout_ms.load(Ordering::Relaxed)))
+            .with_timeout(shared.timeout())
+            .with_arrival_timeout(shared.arrival_timeout())
             .with_emulated_network(self.emulate_network);
+        // A sub-group's waits watch the same rank threads.
+        if let Some(watch) = shared.watch.get() {
+            let _ = sub.shared.watch.set(watch.clone());
+        }
         Ok(Arc::new(sub))
     }
 
     fn exchange(&self, op: &'static str, outgoing: Vec<Payload>) -> Result<Vec<Payload>> {
+        self.exchange_within(op, outgoing, self.shared.timeout())
+    }
+
+    /// A barrier bounded by [`Nccl::with_arrival_timeout`]: two rounds of host bytes (sizes,
+    /// then the empty payloads), each waiting up to the arrival bound.
+    fn arrival_barrier(&self) -> Result<()> {
+        let outgoing = vec![Payload::Counts(Vec::new()); self.shared.world];
+        self.exchange_within("arrival_barrier", outgoing, self.shared.arrival_timeout())
+            .map(|_| ())
+    }
+}
+
+impl Nccl {
+    /// [`Communicator::exchange`], each NCCL round waiting at most `timeout`.
+    fn exchange_within(
+        &self,
+        op: &'static str,
+        outgoing: Vec<Payload>,
+        timeout: Duration,
+    ) -> Result<Vec<Payload>> {
         let (rank, world) = (self.shared.rank, self.shared.world);
         if outgoing.len() != world {
             return Err(MoeError::comm(
@@ -725,7 +927,7 @@ impl Communicator for Nccl {
             .iter()
             .map(|b| (b.len() as u64).to_le_bytes().to_vec())
             .collect();
-        let got = self.shared.round(op, &sizes, &vec![8; world])?;
+        let got = self.shared.round(op, &sizes, &vec![8; world], timeout)?;
         let recv_len = got
             .iter()
             .enumerate()
@@ -739,8 +941,30 @@ impl Communicator for Nccl {
                     })
             })
             .collect::<Result<Vec<_>>>()?;
-        self.shared
-            .round(op, &send, &recv_len)?
+        // In rounds of at most `ROUND_BYTES` per peer: the payloads pass through device
+        // buffers that cudarc allocates outside cubecl's pool, and a gather of a layer's
+        // experts for a save would otherwise put every expert on rank 0's GPU at once. Each
+        // pair's chunk count follows from its length, which both ends know, so the ranks need
+        // not agree on a round count: a rank with less to move takes fewer rounds, and chunk
+        // `k` of a pair is in round `k` on both ends (zero-length transfers are not posted).
+        let rounds = send
+            .iter()
+            .map(Vec::len)
+            .chain(recv_len.iter().copied())
+            .map(|n| n.div_ceil(ROUND_BYTES))
+            .max()
+            .unwrap_or(0);
+        let mut received: Vec<Vec<u8>> = recv_len.iter().map(|&n| Vec::with_capacity(n)).collect();
+        for k in 0..rounds {
+            let part = |n: usize| (k * ROUND_BYTES).min(n)..((k + 1) * ROUND_BYTES).min(n);
+            let send_k: Vec<Vec<u8>> = send.iter().map(|b| b[part(b.len())].to_vec()).collect();
+            let recv_k: Vec<usize> = recv_len.iter().map(|&n| part(n).len()).collect();
+            let got = self.shared.round(op, &send_k, &recv_k, timeout)?;
+            for (into, chunk) in received.iter_mut().zip(got) {
+                into.extend_from_slice(&chunk);
+            }
+        }
+        received
             .into_iter()
             .enumerate()
             .map(|(src, b)| {
@@ -753,3 +977,10 @@ impl Communicator for Nccl {
 
 /// How long a transfer waits for its peers by default, as the CPU group does.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The most bytes a host payload moves to or from one peer in one NCCL round (the device
+/// buffers of a round are at most this times the group's size each way).
+const ROUND_BYTES: usize = 64 << 20;
+
+/// How long an arrival barrier waits by default, as the CPU group does.
+const DEFAULT_ARRIVAL_TIMEOUT: Duration = Duration::from_secs(30 * 60);

@@ -43,12 +43,12 @@ pub struct Attention<B: Backend> {
     /// and is dropped after it, so a head can attend to nothing. `[n_heads]`
     pub sinks: Option<Param<Tensor<B, 1>>>,
     #[module(skip)]
-    shape: Heads,
+    pub(crate) shape: Heads,
 }
 
 /// The head layout and rules, fixed at construction.
 #[derive(Debug, Clone, Copy)]
-struct Heads {
+pub(crate) struct Heads {
     n_heads: usize,
     n_kv_heads: usize,
     head_dim: usize,
@@ -58,17 +58,28 @@ struct Heads {
     eps: f64,
 }
 
+impl Heads {
+    /// The layout and rules of `config`'s attention.
+    pub(crate) fn of(config: &DecoderConfig) -> Self {
+        Heads {
+            n_heads: config.n_heads,
+            n_kv_heads: config.n_kv_heads,
+            head_dim: config.head_dim,
+            qk_norm: config.qk_norm,
+            clip: config.clip_qkv,
+            rope_pairs: config.rope_pairs,
+            eps: config.rms_eps,
+        }
+    }
+}
+
 impl<B: Backend> Attention<B> {
     /// Randomly initialised for `config` (burn's `Linear` initialisation, norms at one).
     pub fn new(config: &DecoderConfig, device: &B::Device) -> Self {
         let (m, hd) = (config.d_model, config.head_dim);
         let (q_width, kv_width) = (config.n_heads * hd, config.n_kv_heads * hd);
         let linear = |i, o, bias| LinearConfig::new(i, o).with_bias(bias).init(device);
-        let (q_norm, k_norm) = match config.qk_norm {
-            QkNorm::None => (None, None),
-            QkNorm::PerHead => (Some(hd), Some(hd)),
-            QkNorm::Whole => (Some(q_width), Some(kv_width)),
-        };
+        let (q_norm, k_norm) = Self::norm_widths(config);
         Self {
             q: linear(m, q_width, config.qkv_bias),
             k: linear(m, kv_width, config.qkv_bias),
@@ -79,15 +90,17 @@ impl<B: Backend> Attention<B> {
             sinks: config
                 .attention_sinks
                 .then(|| Param::from_tensor(Tensor::zeros([config.n_heads], device))),
-            shape: Heads {
-                n_heads: config.n_heads,
-                n_kv_heads: config.n_kv_heads,
-                head_dim: hd,
-                qk_norm: config.qk_norm,
-                clip: config.clip_qkv,
-                rope_pairs: config.rope_pairs,
-                eps: config.rms_eps,
-            },
+            shape: Heads::of(config),
+        }
+    }
+
+    /// The widths of the query and key norms `config` asks for, if any.
+    pub(crate) fn norm_widths(config: &DecoderConfig) -> (Option<usize>, Option<usize>) {
+        let hd = config.head_dim;
+        match config.qk_norm {
+            QkNorm::None => (None, None),
+            QkNorm::PerHead => (Some(hd), Some(hd)),
+            QkNorm::Whole => (Some(config.n_heads * hd), Some(config.n_kv_heads * hd)),
         }
     }
 

@@ -6,6 +6,10 @@ use crate::attention::QkNorm;
 use crate::latent::LatentConfig;
 use crate::rotary::RopeScaling;
 
+/// The most elements one weight may have (2^40: 4 TiB of f32, beyond any published model's
+/// largest matrix), so that products of sizes from a config never overflow.
+const MAX_WEIGHT_ELEMENTS: usize = 1 << 40;
+
 /// A decoder layer's feed-forward block.
 #[derive(Debug, Clone)]
 pub enum FfnKind {
@@ -97,6 +101,10 @@ pub struct DecoderConfig {
     pub tie_embeddings: bool,
     /// Ids that end generation.
     pub eos_token_ids: Vec<usize>,
+    /// The most positions the model was built for (`max_position_embeddings`): a forward
+    /// past them is refused, as are a prompt and new tokens that would run past them. `None`
+    /// where the config does not say (no bound).
+    pub max_positions: Option<usize>,
     /// Multi-head latent attention in place of grouped-query attention (DeepSeek-V3); the
     /// rotary embedding then covers `qk_rope_head_dim` (`head_dim` is set to it).
     pub latent: Option<LatentConfig>,
@@ -132,6 +140,35 @@ impl DecoderConfig {
         ];
         if let Some((field, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(MoeError::config(field, "must be positive"));
+        }
+        // Each weight's element count from these sizes must fit, far below overflow, before
+        // the loader compares it with the stored shapes (the sizes come from strangers).
+        let mut products = vec![
+            ("head_dim", self.n_heads, self.head_dim),
+            ("head_dim", self.n_kv_heads, self.head_dim),
+            ("vocab_size", self.vocab_size, self.d_model),
+        ];
+        if let Some(c) = &self.latent {
+            let qk = c.qk_nope_head_dim.saturating_add(c.qk_rope_head_dim);
+            let v = c.qk_nope_head_dim.saturating_add(c.v_head_dim);
+            products.push(("qk_nope_head_dim", self.n_heads, qk));
+            products.push(("v_head_dim", self.n_heads, v));
+            products.push((
+                "kv_lora_rank",
+                c.kv_lora_rank.saturating_add(c.qk_rope_head_dim),
+                self.d_model,
+            ));
+        }
+        for (field, a, b) in products {
+            if a.checked_mul(b).is_none_or(|n| n > MAX_WEIGHT_ELEMENTS) {
+                return Err(MoeError::config(
+                    field,
+                    format!("{a} x {b} elements in one weight, over the {MAX_WEIGHT_ELEMENTS} this loader accepts"),
+                ));
+            }
+        }
+        if self.max_positions == Some(0) {
+            return Err(MoeError::config("max_position_embeddings", "must be positive"));
         }
         if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return Err(MoeError::config(

@@ -136,6 +136,10 @@ pub fn decoder_config(ckpt: &HfCheckpoint) -> Result<DecoderConfig> {
         layers,
         tie_embeddings: keys.bool_or("tie_word_embeddings", false)?,
         eos_token_ids: keys.ids("eos_token_id")?,
+        max_positions: match keys.get("max_position_embeddings") {
+            None => None,
+            Some(_) => Some(keys.usize("max_position_embeddings")?),
+        },
         latent,
         hf_root: ckpt.root().to_string(),
         mlp_name: if llama4 { "feed_forward" } else { "mlp" }.to_string(),
@@ -268,11 +272,11 @@ impl Keys<'_> {
                 original_max_position_embeddings: needed("original_max_position_embeddings")?,
             },
             "yarn" => {
+                // transformers' `_validate_yarn_parameters` requires `factor`; deriving one
+                // from the positions would give 0 for a config without them and fail far
+                // from here, naming neither the file nor the key.
                 let original = needed("original_max_position_embeddings")?;
-                let factor = match number("factor")? {
-                    Some(f) => f,
-                    None => self.usize("max_position_embeddings")? as f64 / original,
-                };
+                let factor = needed("factor")?;
                 let mscale = |scale: f64, m: f64| {
                     if scale <= 1.0 {
                         1.0

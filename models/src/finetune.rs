@@ -130,6 +130,20 @@ where
             return Err(MoeError::config(field, "must be at least 1"));
         }
     }
+    // PyTorch's AdamW refuses these too (`Invalid learning rate`, ...): NaN trains a model
+    // of NaNs, and a negative rate trains uphill, both without a word.
+    for (field, value) in [
+        ("lr", o.lr),
+        ("weight_decay", f64::from(o.weight_decay)),
+        ("epsilon", f64::from(o.epsilon)),
+    ] {
+        if !(value.is_finite() && value >= 0.0) {
+            return Err(MoeError::config(
+                field,
+                format!("is {value}: a finite number >= 0"),
+            ));
+        }
+    }
     if !o.batch.is_multiple_of(n_ranks) {
         return Err(MoeError::config(
             "batch",
@@ -152,6 +166,12 @@ where
     };
     let model = MoeCausalLm::<B>::from_hf(dir, device, groups.expert().clone())?;
     let vocab = model.config().vocab_size;
+    // Each window is seq_len + 1 tokens: refused here if the model has fewer positions,
+    // rather than in the first step.
+    model.check_ids(&[0], o.seq_len)?;
+    // Ranks load their checkpoints at different speeds (another disk, another node): they
+    // meet here under the arrival bound, not the first step's transfer timeout.
+    world.arrival_barrier()?;
     if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
         return Err(MoeError::Input(format!(
             "the data holds token id {bad}, outside the model's vocabulary of {vocab}"
@@ -198,7 +218,15 @@ where
             .flat_map(|&s| tokens[s..s + o.seq_len + 1].iter().map(|&t| i64::from(t)))
             .collect();
         let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [rows, o.seq_len + 1]), device);
-        let (ce, out) = model.loss(ids)?;
+        let (ce, out) = model.loss(ids).map_err(|e| match e {
+            // The ids were checked up front, so after an update only the weights can have
+            // put a NaN in the activations the layers check: the run diverged.
+            MoeError::Input(reason) if step > 0 => MoeError::Input(format!(
+                "step {step}: {reason}: the weights are no longer finite after {step} update(s) \
+                 (training diverged: a learning rate too high?); nothing was saved"
+            )),
+            e => e,
+        })?;
         let routed = out.routed_per_expert;
         let aux = out.aux_loss + out.z_loss;
         let mut logged = vec![
@@ -213,6 +241,15 @@ where
             model.balance_score_biases(&routed, gamma)?;
         }
         world.all_reduce_sum(&mut logged)?;
+        // Every rank sees the same reduced loss, so all stop together; nothing is saved
+        // from a model that diverged.
+        if !logged[0].is_finite() {
+            return Err(MoeError::Input(format!(
+                "the loss is {} at step {step}: training diverged (a learning rate too high?); \
+                 nothing was saved",
+                logged[0]
+            )));
+        }
         losses.push(logged[0]);
         let seconds = step_start.elapsed().as_secs_f64();
         step_seconds.push(seconds);
@@ -235,8 +272,10 @@ where
             model.save_hf(dir, path, export)?;
         }
         // No rank returns before the folder is written, so a caller that reads it after
-        // this call (any rank) finds it complete.
-        world.barrier()?;
+        // this call (any rank) finds it complete. An arrival wait: the other ranks wait here
+        // for as long as rank 0 takes to write the whole model, which may be far longer
+        // than a transfer's timeout.
+        world.arrival_barrier()?;
     }
     Ok((model, report))
 }

@@ -1,7 +1,9 @@
 //! Greedy generation with the key/value cache.
 
 use burn::tensor::{Int, Tensor, TensorData};
-use mpipemoe::{MoeBackend, MoeError, Result};
+use std::sync::Arc;
+
+use mpipemoe::{Communicator, MoeBackend, MoeError, Result};
 
 use crate::cache::KvCache;
 use crate::model::MoeCausalLm;
@@ -12,9 +14,21 @@ impl<B: MoeBackend> MoeCausalLm<B> {
     /// tie, as `torch.argmax`), up to `max_new_tokens` or an end-of-sequence id of the config
     /// (included, as transformers' `generate` returns it). Returns the new ids.
     ///
+    /// With expert parallelism it is a collective: every rank of the MoE layers' group calls
+    /// it, each with a prompt and `max_new_tokens` of its own (a rank's batch, as in
+    /// training), and every step is an exchange all ranks take part in. So the ranks agree
+    /// before each step whether any of them still generates (one small all-reduce); a rank
+    /// that has finished (its end-of-sequence id, or its own `max_new_tokens`) keeps stepping
+    /// with its last token on a copy of its cache, so that its peers' exchanges complete,
+    /// and discards what comes out. Each rank's ids are its own prompt's continuation. (With
+    /// a capacity factor the ranks' tokens compete for the experts' capacity as a batch's
+    /// rows do, so the same prompt on two ranks may continue differently; that is the
+    /// layer's semantics, and the steps still agree.)
+    ///
     /// # Errors
-    /// [`MoeError::Input`] if the prompt is empty or holds an id outside the vocabulary; as
-    /// [`try_forward`](Self::try_forward).
+    /// [`MoeError::Input`] if the prompt is empty, holds an id outside the vocabulary, or the
+    /// prompt and `max_new_tokens` run past the model's positions ([`Self::check_ids`]); as
+    /// [`try_forward`](Self::try_forward); [`MoeError::Comm`] if a peer fails.
     pub fn generate(
         &self,
         prompt: &[usize],
@@ -24,16 +38,13 @@ impl<B: MoeBackend> MoeCausalLm<B> {
         if prompt.is_empty() {
             return Err(MoeError::Input("the prompt is empty".into()));
         }
-        let vocab = self.config.vocab_size;
-        if let Some(bad) = prompt.iter().find(|&&id| id >= vocab) {
-            return Err(MoeError::Input(format!(
-                "prompt id {bad} is outside the vocabulary of {vocab}"
-            )));
-        }
+        self.check_ids(prompt, max_new_tokens)?;
+        let group = self.exchange_group();
         let mut cache = KvCache::new(self.layers.len());
         let mut new = Vec::with_capacity(max_new_tokens);
         let mut input: Vec<usize> = prompt.to_vec();
-        while new.len() < max_new_tokens {
+        let mut done = max_new_tokens == 0;
+        while any_running(group.as_deref(), done)? {
             let ids = Tensor::<B, 2, Int>::from_data(
                 TensorData::new(
                     input.iter().map(|&i| i as i64).collect::<Vec<_>>(),
@@ -41,8 +52,15 @@ impl<B: MoeBackend> MoeCausalLm<B> {
                 ),
                 device,
             );
+            if done {
+                // Only for the peers' exchanges: the cache is not extended and the output is
+                // not read.
+                let mut scratch = cache.clone();
+                self.try_forward(ids, Some(&mut scratch))?;
+                continue;
+            }
             let logits = self.try_forward(ids, Some(&mut cache))?.logits;
-            let [_, t, _] = logits.dims();
+            let [_, t, vocab] = logits.dims();
             let last: Vec<f32> = logits
                 .slice([0..1, t - 1..t, 0..vocab])
                 .into_data()
@@ -51,13 +69,30 @@ impl<B: MoeBackend> MoeCausalLm<B> {
                 .map_err(|e| MoeError::Input(format!("logits: {e:?}")))?;
             let next = argmax(&last);
             new.push(next);
-            if self.config.eos_token_ids.contains(&next) {
-                break;
-            }
+            done = self.config.eos_token_ids.contains(&next) || new.len() == max_new_tokens;
             input = vec![next];
         }
         Ok(new)
     }
+
+    /// The group the MoE layers exchange rows over, where it has more than one rank: the
+    /// ranks whose steps must agree.
+    fn exchange_group(&self) -> Option<Arc<dyn Communicator>> {
+        self.moe_layers()
+            .map(|(_, m)| m.context().comm().clone())
+            .find(|c| c.n_ranks() > 1)
+    }
+}
+
+/// Whether any rank of `group` still generates, this rank being `done` or not: one all-reduce
+/// that every rank calls before each step, so that all take the same steps.
+fn any_running(group: Option<&dyn Communicator>, done: bool) -> Result<bool> {
+    let Some(group) = group else {
+        return Ok(!done);
+    };
+    let mut running = [if done { 0.0 } else { 1.0 }];
+    group.all_reduce_sum(&mut running)?;
+    Ok(running[0] > 0.0)
 }
 
 /// The index of the largest value, the first on a tie (NaN never wins).

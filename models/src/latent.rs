@@ -55,8 +55,9 @@ pub struct LatentAttention<B: Backend> {
     pub kv_b: Linear<B>,
     /// `o_proj`: `[n_heads · v, d_model]`
     pub o: Linear<B>,
+    /// The head count and the latent sizes.
     #[module(skip)]
-    rules: (usize, LatentConfig),
+    pub(crate) rules: (usize, LatentConfig),
 }
 
 impl<B: Backend> LatentAttention<B> {

@@ -13,7 +13,7 @@ use burn::tensor::{Tensor, TensorData};
 use mpipemoe::hf::HfCheckpoint;
 use mpipemoe::{Communicator, MoeError, Result};
 
-use crate::attention::Attention;
+use crate::attention::{Attention, Heads};
 use crate::config::{DecoderConfig, FfnKind};
 use crate::family::decoder_config;
 use crate::latent::{LatentAttention, LatentConfig};
@@ -189,32 +189,40 @@ fn ignored_by_transformers(config: &DecoderConfig, root: &str, name: &str) -> bo
     layer.is_some_and(|l| l >= config.layers.len())
 }
 
+/// Grouped-query attention read from the checkpoint: every weight read (its stored shape
+/// checked first) and nothing allocated from `config.json`'s sizes alone, so a config that
+/// claims a huge `head_dim` or head count is refused by the first tensor's header.
 fn read_attention<B: Backend>(
     r: &mut Reader<'_, B>,
     config: &DecoderConfig,
     p: &str,
 ) -> Result<Attention<B>> {
-    let mut attn = Attention::new(config, r.device);
-    let (m, hd) = (config.d_model, config.head_dim);
+    let (m, hd, eps) = (config.d_model, config.head_dim, config.rms_eps);
     let (q_width, kv_width) = (config.n_heads * hd, config.n_kv_heads * hd);
-    attn.q = r.linear(&format!("{p}.q_proj"), m, q_width, config.qkv_bias)?;
-    attn.k = r.linear(&format!("{p}.k_proj"), m, kv_width, config.qkv_bias)?;
-    attn.v = r.linear(&format!("{p}.v_proj"), m, kv_width, config.qkv_bias)?;
-    attn.o = r.linear(&format!("{p}.o_proj"), q_width, m, config.o_bias)?;
-    if let Some(n) = attn.q_norm.as_ref().map(|n| n.weight.dims()[0]) {
-        attn.q_norm = Some(r.norm(&format!("{p}.q_norm.weight"), n, config.rms_eps)?);
-    }
-    if let Some(n) = attn.k_norm.as_ref().map(|n| n.weight.dims()[0]) {
-        attn.k_norm = Some(r.norm(&format!("{p}.k_norm.weight"), n, config.rms_eps)?);
-    }
-    if attn.sinks.is_some() {
-        attn.sinks = Some(Param::from_tensor(
-            r.tensor(&format!("{p}.sinks"), [config.n_heads])?,
-        ));
-    }
-    Ok(attn)
+    let (q_norm, k_norm) = Attention::<B>::norm_widths(config);
+    Ok(Attention {
+        q: r.linear(&format!("{p}.q_proj"), m, q_width, config.qkv_bias)?,
+        k: r.linear(&format!("{p}.k_proj"), m, kv_width, config.qkv_bias)?,
+        v: r.linear(&format!("{p}.v_proj"), m, kv_width, config.qkv_bias)?,
+        o: r.linear(&format!("{p}.o_proj"), q_width, m, config.o_bias)?,
+        q_norm: q_norm
+            .map(|n| r.norm(&format!("{p}.q_norm.weight"), n, eps))
+            .transpose()?,
+        k_norm: k_norm
+            .map(|n| r.norm(&format!("{p}.k_norm.weight"), n, eps))
+            .transpose()?,
+        sinks: match config.attention_sinks {
+            true => Some(Param::from_tensor(
+                r.tensor(&format!("{p}.sinks"), [config.n_heads])?,
+            )),
+            false => None,
+        },
+        shape: Heads::of(config),
+    })
 }
 
+/// Latent attention read from the checkpoint, as [`read_attention`]: nothing allocated from
+/// the config's sizes before a stored shape agrees with them.
 fn read_latent<B: Backend>(
     r: &mut Reader<'_, B>,
     config: &DecoderConfig,
@@ -223,28 +231,39 @@ fn read_latent<B: Backend>(
 ) -> Result<LatentAttention<B>> {
     let (m, h, eps, bias) = (config.d_model, config.n_heads, config.rms_eps, config.o_bias);
     let qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
-    let mut attn = LatentAttention::new(m, h, c, bias, eps, r.device);
-    match c.q_lora_rank {
-        None => attn.q = Some(r.linear(&format!("{p}.q_proj"), m, h * qk, false)?),
-        Some(rank) => {
-            attn.q_a = Some(r.linear(&format!("{p}.q_a_proj"), m, rank, bias)?);
-            attn.q_a_norm = Some(r.norm(&format!("{p}.q_a_layernorm.weight"), rank, eps)?);
-            attn.q_b = Some(r.linear(&format!("{p}.q_b_proj"), rank, h * qk, false)?);
-        }
-    }
-    attn.kv_a = r.linear(
-        &format!("{p}.kv_a_proj_with_mqa"),
-        m,
-        c.kv_lora_rank + c.qk_rope_head_dim,
-        bias,
-    )?;
-    attn.kv_a_norm = r.norm(&format!("{p}.kv_a_layernorm.weight"), c.kv_lora_rank, eps)?;
-    attn.kv_b = r.linear(
-        &format!("{p}.kv_b_proj"),
-        c.kv_lora_rank,
-        h * (c.qk_nope_head_dim + c.v_head_dim),
-        false,
-    )?;
-    attn.o = r.linear(&format!("{p}.o_proj"), h * c.v_head_dim, m, bias)?;
-    Ok(attn)
+    let (q, q_a, q_a_norm, q_b) = match c.q_lora_rank {
+        None => (
+            Some(r.linear(&format!("{p}.q_proj"), m, h * qk, false)?),
+            None,
+            None,
+            None,
+        ),
+        Some(rank) => (
+            None,
+            Some(r.linear(&format!("{p}.q_a_proj"), m, rank, bias)?),
+            Some(r.norm(&format!("{p}.q_a_layernorm.weight"), rank, eps)?),
+            Some(r.linear(&format!("{p}.q_b_proj"), rank, h * qk, false)?),
+        ),
+    };
+    Ok(LatentAttention {
+        q,
+        q_a,
+        q_a_norm,
+        q_b,
+        kv_a: r.linear(
+            &format!("{p}.kv_a_proj_with_mqa"),
+            m,
+            c.kv_lora_rank + c.qk_rope_head_dim,
+            bias,
+        )?,
+        kv_a_norm: r.norm(&format!("{p}.kv_a_layernorm.weight"), c.kv_lora_rank, eps)?,
+        kv_b: r.linear(
+            &format!("{p}.kv_b_proj"),
+            c.kv_lora_rank,
+            h * (c.qk_nope_head_dim + c.v_head_dim),
+            false,
+        )?,
+        o: r.linear(&format!("{p}.o_proj"), h * c.v_head_dim, m, bias)?,
+        rules: (h, c),
+    })
 }

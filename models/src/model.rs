@@ -7,7 +7,7 @@ use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
-use mpipemoe::{Communicator, MoeBackend, MoeLayer, MoeLayerConfig, Result};
+use mpipemoe::{Communicator, MoeBackend, MoeError, MoeLayer, MoeLayerConfig, Result};
 
 use crate::attention::Attention;
 use crate::cache::KvCache;
@@ -258,6 +258,44 @@ fn balance_loss<B: Backend>(layers: &[crate::layer::BalanceTerms<B>], device: &B
     (weighted * fraction).sum() * (n_experts as f64 / scale)
 }
 
+impl<B: Backend> MoeCausalLm<B> {
+    /// Checks token ids from outside (a prompt, `logits --ids`) before they reach the model:
+    /// every id inside the vocabulary (the embedding would index out of its table), and the
+    /// `ids.len()` tokens plus `new_tokens` more within the model's positions
+    /// ([`DecoderConfig::max_positions`]), so that an over-long request is refused up front
+    /// rather than after minutes of work or on a `[seq, seq]` allocation. `try_forward` reads
+    /// no ids back from the device, so callers with ids from strangers check them here.
+    ///
+    /// # Errors
+    /// [`MoeError::Input`](mpipemoe::MoeError::Input) naming the first id outside the
+    /// vocabulary, or the positions asked for and the model's `max_position_embeddings`; an
+    /// empty `ids`.
+    pub fn check_ids(&self, ids: &[usize], new_tokens: usize) -> Result<()> {
+        if ids.is_empty() {
+            return Err(MoeError::Input("no token ids were given".into()));
+        }
+        let vocab = self.config.vocab_size;
+        if let Some((at, bad)) = ids.iter().enumerate().find(|(_, &id)| id >= vocab) {
+            return Err(MoeError::Input(format!(
+                "token id {bad} (at {at}) is outside the vocabulary of {vocab}"
+            )));
+        }
+        self.check_positions(0, ids.len().saturating_add(new_tokens))
+    }
+
+    /// Refuses `t` tokens from position `start` on where they run past the model's positions.
+    fn check_positions(&self, start: usize, t: usize) -> Result<()> {
+        match self.config.max_positions {
+            Some(max) if start.saturating_add(t) > max => Err(MoeError::Input(format!(
+                "{} positions asked for ({start} before, {t} now), over the model's \
+                 max_position_embeddings of {max} (config.json)",
+                start.saturating_add(t)
+            ))),
+            _ => Ok(()),
+        }
+    }
+}
+
 impl<B: MoeBackend> MoeCausalLm<B> {
     /// Runs the model on `ids`, continuing `cache` if one is given (positions start at its
     /// `next_position`, and the cache is extended by these tokens).
@@ -276,7 +314,9 @@ impl<B: MoeBackend> MoeCausalLm<B> {
     ///
     /// # Errors
     /// As [`MoeLayer::try_forward`] (a peer rank that fails); [`MoeError::Input`](mpipemoe::MoeError::Input)
-    /// if a cache of another depth is given.
+    /// if a cache of another depth is given, or if the cache's positions and `seq` run past
+    /// the model's ([`DecoderConfig::max_positions`]). Every id must be inside the
+    /// vocabulary: ids from outside are checked with [`check_ids`](Self::check_ids) first.
     pub fn try_forward(
         &self,
         ids: Tensor<B, 2, Int>,
@@ -294,6 +334,7 @@ impl<B: MoeBackend> MoeCausalLm<B> {
             }
         }
         let start = cache.as_ref().map_or(0, |c| c.next_position);
+        self.check_positions(start, t)?;
         let positions: Vec<usize> = (start..start + t).collect();
         let rotary = Rotary::scaled(
             self.config.head_dim,

@@ -17,6 +17,8 @@ use mpipemoe::{LocalGroup, MemoryReuse, ParamKind, Partitions};
 use mpipemoe_models::MoeCausalLm;
 use safetensors::SafeTensors;
 
+#[path = "families/agreement.rs"]
+mod agreement;
 #[path = "families/finetune.rs"]
 mod finetune;
 

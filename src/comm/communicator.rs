@@ -274,10 +274,22 @@ pub trait Communicator: Send + Sync + fmt::Debug {
         ))
     }
 
-    /// Returns once every rank has called it.
+    /// Returns once every rank has called it, waiting at most a transfer's timeout.
     fn barrier(&self) -> Result<()> {
         let outgoing = vec![Payload::Counts(Vec::new()); self.n_ranks()];
         self.exchange("barrier", outgoing).map(|_| ())
+    }
+
+    /// A barrier for the points where ranks come apart by design and may wait for each other
+    /// for minutes: one rank writing a checkpoint while the others wait, ranks loading
+    /// theirs at different speeds before the first collective. It waits up to the group's
+    /// *arrival* bound ([`GroupOptions::arrival_timeout`](super::GroupOptions), the NCCL
+    /// group's `with_arrival_timeout`), far longer than a transfer's, which stays short so
+    /// that a peer that died mid-step is found quickly. A peer that fails is still reported
+    /// at once. The default, for a communicator without a bound of its own, is
+    /// [`barrier`](Communicator::barrier).
+    fn arrival_barrier(&self) -> Result<()> {
+        self.barrier()
     }
 }
 

@@ -236,6 +236,11 @@ impl Communicator for WithRowPaths {
         self.inner.exchange(op, outgoing)
     }
 
+    /// The inner communicator's, with its own arrival bound.
+    fn arrival_barrier(&self) -> Result<()> {
+        self.inner.arrival_barrier()
+    }
+
     fn row_paths(&self) -> Option<&RowPaths> {
         Some(&self.paths)
     }

@@ -22,6 +22,11 @@ use crate::error::{MoeError, Result};
 pub struct GroupOptions {
     /// How long a rank waits in one collective for its peers before giving up.
     pub timeout: Duration,
+    /// How long a rank waits in [`arrival_barrier`](Communicator::arrival_barrier) for its
+    /// peers: the points where ranks come apart by design (one rank writing a checkpoint
+    /// while the others wait, ranks loading theirs at different speeds), far longer than a
+    /// transfer (default 30 minutes, PyTorch's default process-group timeout).
+    pub arrival_timeout: Duration,
     /// Each rank runs its closure in a rayon thread pool of its own with this many threads,
     /// as each GPU has its own SMs: work a rank hands to rayon (this crate's CPU kernels)
     /// then runs on that rank's threads only, so a rank with little work cannot lend its
@@ -38,6 +43,7 @@ impl Default for GroupOptions {
     fn default() -> Self {
         Self {
             timeout: Duration::from_secs(120),
+            arrival_timeout: Duration::from_secs(30 * 60),
             threads_per_rank: None,
         }
     }
@@ -174,7 +180,11 @@ impl LocalGroup {
     /// `options.threads_per_rank` is theirs to apply (see [`in_rank_pool`]).
     pub fn communicators(options: GroupOptions, n_ranks: usize) -> Vec<LocalComm> {
         assert!(n_ranks > 0, "a group needs at least one rank");
-        let hub = Arc::new(Hub::new((0..n_ranks).collect(), options.timeout));
+        let hub = Arc::new(Hub::new(
+            (0..n_ranks).collect(),
+            options.timeout,
+            options.arrival_timeout,
+        ));
         (0..n_ranks)
             .map(|rank| LocalComm {
                 rank,
@@ -200,6 +210,8 @@ struct Hub {
     /// failures are reported with those ranks, which are the threads' identities.
     members: Vec<usize>,
     timeout: Duration,
+    /// The bound of [`Communicator::arrival_barrier`].
+    arrival_timeout: Duration,
     state: Mutex<HubState>,
     wake: Condvar,
 }
@@ -232,12 +244,13 @@ impl Hub {
         crate::sync::lock(&self.state)
     }
 
-    fn new(members: Vec<usize>, timeout: Duration) -> Self {
+    fn new(members: Vec<usize>, timeout: Duration, arrival_timeout: Duration) -> Self {
         let n_ranks = members.len();
         Hub {
             n_ranks,
             members,
             timeout,
+            arrival_timeout,
             state: Mutex::new(HubState {
                 rounds: BTreeMap::new(),
                 failed: None,
@@ -290,7 +303,7 @@ impl Hub {
             .children
             .entry(key)
             .or_insert_with(|| {
-                let hub = Hub::new(threads, self.timeout);
+                let hub = Hub::new(threads, self.timeout, self.arrival_timeout);
                 {
                     let mut child_state = hub.lock();
                     child_state.exited = exited;
@@ -313,19 +326,14 @@ impl Communicator for LocalComm {
     }
 
     fn exchange(&self, op: &'static str, outgoing: Vec<Payload>) -> Result<Vec<Payload>> {
-        let n = self.hub.n_ranks;
-        if outgoing.len() != n {
-            return Err(MoeError::comm(
-                op,
-                self.rank,
-                format!("{} payloads for a group of {n} ranks", outgoing.len()),
-            ));
-        }
-        let seq = self.seq.fetch_add(1, Ordering::SeqCst);
-        let deadline = Instant::now() + self.hub.timeout;
-        let state = self.deposit(op, seq, outgoing)?;
-        let state = self.wait_for_peers(op, seq, deadline, state)?;
-        Ok(self.take(seq, state))
+        self.exchange_within(op, outgoing, self.hub.timeout)
+    }
+
+    /// A barrier bounded by the group's [`GroupOptions::arrival_timeout`].
+    fn arrival_barrier(&self) -> Result<()> {
+        let outgoing = vec![Payload::Counts(Vec::new()); self.hub.n_ranks];
+        self.exchange_within("arrival_barrier", outgoing, self.hub.arrival_timeout)
+            .map(|_| ())
     }
 
     /// A sub-group in the same process: the colors are gathered (one collective, whose number
@@ -347,6 +355,28 @@ impl Communicator for LocalComm {
 }
 
 impl LocalComm {
+    /// One collective that waits at most `timeout` for the peers.
+    fn exchange_within(
+        &self,
+        op: &'static str,
+        outgoing: Vec<Payload>,
+        timeout: Duration,
+    ) -> Result<Vec<Payload>> {
+        let n = self.hub.n_ranks;
+        if outgoing.len() != n {
+            return Err(MoeError::comm(
+                op,
+                self.rank,
+                format!("{} payloads for a group of {n} ranks", outgoing.len()),
+            ));
+        }
+        let seq = self.seq.fetch_add(1, Ordering::SeqCst);
+        let deadline = Instant::now() + timeout;
+        let state = self.deposit(op, seq, outgoing)?;
+        let state = self.wait_for_peers(op, seq, (deadline, timeout), state)?;
+        Ok(self.take(seq, state))
+    }
+
     /// The failure a peer reported, as this rank's error in `op`.
     fn peer_error(&self, op: &str, state: &HubState) -> Option<MoeError> {
         state.failed.as_ref().map(|(peer, reason)| MoeError::PeerFailed {
@@ -397,7 +427,7 @@ impl LocalComm {
         &'a self,
         op: &'static str,
         seq: u64,
-        deadline: Instant,
+        (deadline, timeout): (Instant, Duration),
         mut state: MutexGuard<'a, HubState>,
     ) -> Result<MutexGuard<'a, HubState>> {
         let n = self.hub.n_ranks;
@@ -420,8 +450,7 @@ impl LocalComm {
             let now = Instant::now();
             if now >= deadline {
                 let reason = format!(
-                    "timed out after {:.1?} waiting for rank(s) {missing:?} in collective #{seq}",
-                    self.hub.timeout
+                    "timed out after {timeout:.1?} waiting for rank(s) {missing:?} in collective #{seq}"
                 );
                 drop(state);
                 self.hub.fail(self.hub.members[self.rank], reason.clone());
@@ -487,7 +516,7 @@ mod tests {
     /// in sub-group {0, 2}) fails too. Sub-group {1, 3} must hear of rank 3, the first.
     #[test]
     fn the_first_failure_is_the_one_passed_on() {
-        let root = Hub::new(vec![0, 1, 2, 3], Duration::from_secs(1));
+        let root = Hub::new(vec![0, 1, 2, 3], Duration::from_secs(1), Duration::from_secs(1));
         let even = root.child((0, 0), &[0, 2]);
         let odd = root.child((0, 1), &[1, 3]);
         // Rank 3's failure, recorded at the root and passed on to {0, 2} only so far.

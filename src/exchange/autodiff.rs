@@ -235,6 +235,11 @@ impl<B: MoeBackend, C: CheckpointStrategy> MoeBackend for Autodiff<B, C> {
         )
     }
 
+    /// The inner backend's: the broadcast and the backward's all-reduce run there.
+    fn has_device_reduce(comm: &dyn Communicator) -> bool {
+        B::has_device_reduce(comm)
+    }
+
     fn broadcast(
         x: FloatTensor<Self>,
         root: usize,

@@ -269,6 +269,18 @@ pub trait MoeBackend: ActivationKernels + OptimizerKernels {
         crate::comm::all_reduce_tensor::<Self>(comm, x)
     }
 
+    /// Whether [`broadcast`](MoeBackend::broadcast) and
+    /// [`all_reduce_sum`](MoeBackend::all_reduce_sum) run on the communicator's device path
+    /// for this backend (NCCL's ring on CUDA) rather than through the host: what the
+    /// shadowing cost model prices a shadow's broadcast by. Wrappers that hand those calls to
+    /// their inner backend (`Autodiff<B>`, `Fusion<B>`) answer for it, as the paths are
+    /// registered per backend type and a wrapper is another type.
+    fn has_device_reduce(comm: &dyn Communicator) -> bool {
+        comm.row_paths()
+            .and_then(crate::comm::RowPaths::reduce::<Self>)
+            .is_some()
+    }
+
     /// Rank `root`'s `x` on every rank of `comm`, differentiable where the backend tracks
     /// gradients: the backward sums the gradient over the ranks
     /// ([`all_reduce_sum`](MoeBackend::all_reduce_sum)) and hands it to the root's `x` alone

@@ -135,6 +135,11 @@ impl<B: FusionBackend + MoeBackend> MoeBackend for Fusion<B> {
         Ok(register::<B>(sum, &device))
     }
 
+    /// The inner backend's, for the same reason as the all-reduce.
+    fn has_device_reduce(comm: &dyn Communicator) -> bool {
+        B::has_device_reduce(comm)
+    }
+
     /// On the inner backend, for the same reason as the all-reduce.
     fn broadcast(
         x: FloatTensor<Self>,

@@ -14,7 +14,7 @@ use super::layout::{to_hf, HfEntry};
 use super::model::HfCheckpoint;
 use super::quantization::{refuse_nonfinite, Quantization};
 use crate::error::{MoeError, Result};
-use crate::files::{file_in, map_regular, StagedDir};
+use crate::files::{check_apart, file_in, map_regular, same_folder, StagedDir};
 use crate::layer::{MoeLayer, MoeLayerConfig, TensorMap};
 
 /// What [`write_layer`] wrote.
@@ -58,7 +58,16 @@ pub struct ExportOptions {
     /// folder is replaced as a whole: files in it that the new checkpoint does not have (an
     /// old `model.safetensors` beside new shards, say) are gone afterwards, so transformers
     /// never loads a stale file. Off by default: such a folder is an error and is left alone.
+    /// It never allows the source checkpoint itself, a folder that contains it or a folder
+    /// inside it: that takes [`in_place`](Self::in_place) or is refused.
     pub overwrite: bool,
+    /// Write over the source checkpoint itself (`out_dir` is `checkpoint`): an in-place
+    /// update, asked for by name. The new folder is still built beside the old one and takes
+    /// its place only when complete, so a failure leaves the checkpoint as it was; unchanged
+    /// files are hard links, not copies, where the file system allows. Off by default: an
+    /// `out_dir` that is the source is an error, so that a mistyped `--out` never replaces
+    /// the checkpoint a run read.
+    pub in_place: bool,
 }
 
 /// Writes MoE layer `layer` back into the checkpoint in `checkpoint`, from its canonical
@@ -69,10 +78,10 @@ pub struct ExportOptions {
 /// original bytes back.
 ///
 /// All or nothing: the new checkpoint is built in a folder beside `out_dir` and put in its
-/// place only when complete; a failure leaves `out_dir` as it was. `out_dir` may be
-/// `checkpoint` itself (the folder is then replaced as a whole; unchanged files are hard
-/// links, not copies, where the file system allows). An existing non-empty `out_dir` that
-/// is not `checkpoint` is an error (see [`write_layer_with`] to replace it).
+/// place only when complete; a failure leaves `out_dir` as it was. `out_dir` is `checkpoint`
+/// itself only with [`ExportOptions::in_place`] (see [`write_layer_with`]); a folder that
+/// contains the checkpoint or lies inside it is always refused. An existing non-empty
+/// `out_dir` is an error (see [`ExportOptions::overwrite`] to replace it).
 ///
 /// # Errors
 /// [`MoeError::Input`] naming the canonical tensor that is missing or mis-shaped;
@@ -148,6 +157,21 @@ pub fn write_model_with(
     }
     let mut requantized = requantize_fp8(ckpt, &mut values)?;
     requantized.extend(ckpt.requantize_mxfp4(&mut values)?);
+    // A diverged training run or a NaN learning rate leaves NaN weights: written, they would
+    // load into transformers without a word and give NaN logits. The quantised weights were
+    // refused above (naming their format); every other tensor is refused here by name,
+    // before anything is written, whatever float dtype it is stored in.
+    let mut names: Vec<&String> = values.keys().collect();
+    names.sort();
+    for name in names {
+        if let Some(at) = values[name].iter().position(|v| !v.is_finite()) {
+            return Err(MoeError::Input(format!(
+                "tensor `{name}` holds {} at [{at}]: refusing to write a checkpoint that would \
+                 load as NaN; nothing was written",
+                values[name][at]
+            )));
+        }
+    }
     let mut by_shard: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for name in values.keys() {
         by_shard
@@ -156,7 +180,7 @@ pub fn write_model_with(
             .push(name.clone());
     }
     check_out_dir(dir, out_dir, options)?;
-    let in_place = same_dir(dir, out_dir);
+    let in_place = options.in_place && same_folder(dir, out_dir);
     if let Some(parent) = out_dir.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent).map_err(|e| MoeError::file(parent, format!("cannot create: {e}")))?;
     }
@@ -258,19 +282,30 @@ fn copy_other_files(
     Ok(files_copied)
 }
 
-/// Whether `dir` exists and holds anything.
-/// Whether the writers would accept `out_dir` for a checkpoint read from `checkpoint`: new,
-/// empty, the source folder itself, or any folder with `options.overwrite`. Long work that ends
-/// in a write (fine-tuning) calls it first, so a refused folder costs nothing.
+/// Whether the writers would accept `out_dir` for a checkpoint read from `checkpoint`: a new
+/// or empty folder apart from the checkpoint, any folder apart from it with
+/// `options.overwrite`, or the checkpoint itself with `options.in_place`. Never a folder that
+/// contains the checkpoint or lies inside it ([`check_apart`]). Long work that ends in a write
+/// (fine-tuning) calls it first, so a refused folder costs nothing.
 ///
 /// # Errors
-/// [`MoeError::File`] naming `out_dir` if it holds files and may not be replaced, or cannot be
-/// read.
+/// [`MoeError::File`] naming `out_dir` if it is the checkpoint without `in_place`, contains it
+/// or lies in it, holds files and may not be replaced, or cannot be read.
 pub fn check_out_dir(checkpoint: &Path, out_dir: &Path, options: &ExportOptions) -> Result<()> {
-    if !same_dir(checkpoint, out_dir) && !options.overwrite && holds_files(out_dir)? {
+    if same_folder(checkpoint, out_dir) {
+        if options.in_place {
+            return Ok(());
+        }
         return Err(MoeError::file(
             out_dir,
-            "is not empty and is not the source checkpoint; refusing to mix checkpoints (give an empty or new folder, or --overwrite to replace it as a whole)",
+            "is the source checkpoint itself: writing there would replace the checkpoint that was read; give another folder, or ask for an in-place update (--in-place)",
+        ));
+    }
+    check_apart(checkpoint, out_dir, "the output")?;
+    if !options.overwrite && holds_files(out_dir)? {
+        return Err(MoeError::file(
+            out_dir,
+            "is not empty; refusing to mix checkpoints (give an empty or new folder, or --overwrite to replace it as a whole)",
         ));
     }
     Ok(())
@@ -281,13 +316,6 @@ fn holds_files(dir: &Path) -> Result<bool> {
         Ok(mut entries) => Ok(entries.next().is_some()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
         Err(e) => Err(MoeError::file(dir, format!("cannot list: {e}"))),
-    }
-}
-
-fn same_dir(a: &Path, b: &Path) -> bool {
-    match (a.canonicalize(), b.canonicalize()) {
-        (Ok(a), Ok(b)) => a == b,
-        _ => false,
     }
 }
 

@@ -111,25 +111,16 @@ impl HfCheckpoint {
         self.ckpt.stats()
     }
 
-    /// MoE layer `layer` as canonical f32 tensors, with the experts in `experts` only (global
-    /// indices; `0..n_experts` for all).
+    /// Refuses MoE layer `layer` where `config.json`'s expert count and width disagree with
+    /// the router's stored shape (read from its shard's header, nothing else): the router
+    /// bounds every size the config gives before anything is allocated or enumerated from
+    /// them, so a config that claims 10^9 experts is refused here.
     ///
     /// # Errors
-    /// As [`read_layer`](super::read_layer).
-    pub fn read_layer(&self, layer: usize, experts: Range<usize>) -> Result<(HfLayer, TensorMap)> {
-        let mut info = self.layer(layer)?;
-        let names = info.names();
+    /// [`MoeError::File`] naming `config.json`, the layer and the router's stored shape.
+    pub(crate) fn check_router(&self, layer: usize, info: &HfLayer) -> Result<()> {
         let (e_all, m) = (info.config.n_experts, info.config.d_model);
-        if experts.start > experts.end || experts.end > e_all {
-            return Err(MoeError::config(
-                "experts",
-                format!("{experts:?} is not a range of the layer's {e_all} experts"),
-            ));
-        }
-        // The router's stored shape bounds every size config.json gives before anything is
-        // allocated from them: a config that claims 10^9 experts is refused here, by the
-        // header.
-        let router = names.router();
+        let router = info.names().router();
         let (_, router_shape) = self.ckpt.header_shapes(std::slice::from_ref(&router))?[&router].clone();
         if router_shape != [e_all, m] {
             return Err(MoeError::file(
@@ -139,6 +130,26 @@ impl HfCheckpoint {
                 ),
             ));
         }
+        Ok(())
+    }
+
+    /// MoE layer `layer` as canonical f32 tensors, with the experts in `experts` only (global
+    /// indices; `0..n_experts` for all).
+    ///
+    /// # Errors
+    /// As [`read_layer`](super::read_layer).
+    pub fn read_layer(&self, layer: usize, experts: Range<usize>) -> Result<(HfLayer, TensorMap)> {
+        let mut info = self.layer(layer)?;
+        let names = info.names();
+        let e_all = info.config.n_experts;
+        if experts.start > experts.end || experts.end > e_all {
+            return Err(MoeError::config(
+                "experts",
+                format!("{experts:?} is not a range of the layer's {e_all} experts"),
+            ));
+        }
+        self.check_router(layer, &info)?;
+        let router = names.router();
         let entries = hf_entries(&info.config, &names, experts.clone());
         let stored = self.ckpt.read(&entries, &self.options)?;
         // The dtype is what the tensors are stored in, not what config.json says; a layer

@@ -53,7 +53,21 @@ impl Quantization {
             return Ok(None);
         };
         match q.get("quant_method").and_then(Value::as_str).unwrap_or("") {
-            "fp8" => Ok(Some(Self::Fp8(Fp8Blocks::from_quantization_config(q)?))),
+            "fp8" => {
+                // DeepSeek-V3's config names the float8 format (`"fmt": "e4m3"`); the
+                // weights are read as float8_e4m3fn, so a config that says otherwise
+                // describes another checkpoint than its tensors, and is refused by name.
+                match q.get("fmt").filter(|f| !f.is_null()) {
+                    None => {}
+                    Some(Value::String(f)) if f == "e4m3" => {}
+                    Some(other) => {
+                        return Err(format!(
+                            "`quantization_config.fmt` is {other}: only \"e4m3\" (float8_e4m3fn weights) is read"
+                        ))
+                    }
+                }
+                Ok(Some(Self::Fp8(Fp8Blocks::from_quantization_config(q)?)))
+            }
             "mxfp4" => Ok(Some(Self::Mxfp4)),
             method => Err(format!(
                 "`quantization_config.quant_method` is {method:?}: \"fp8\" (block-scaled float8_e4m3fn) and \"mxfp4\" (GPT-OSS's packed experts) are supported"
@@ -94,6 +108,20 @@ mod tests {
         assert_eq!(
             Quantization::from_config(&cfg(r#"{"quant_method": "mxfp4", "modules_to_not_convert": []}"#)),
             Ok(Some(Quantization::Mxfp4))
+        );
+        assert_eq!(
+            Quantization::from_config(&cfg(
+                r#"{"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}"#
+            )),
+            Ok(Some(Quantization::Fp8(Fp8Blocks { rows: 128, cols: 128 })))
+        );
+        let e5m2 = Quantization::from_config(&cfg(
+            r#"{"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}"#,
+        ))
+        .unwrap_err();
+        assert!(
+            e5m2.contains("quantization_config.fmt") && e5m2.contains("e5m2"),
+            "{e5m2}"
         );
         for bad in [
             r#"{"quant_method": "fp8", "weight_block_size": [128]}"#,

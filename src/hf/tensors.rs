@@ -66,6 +66,9 @@ impl HfCheckpoint {
     /// As [`layer`](Self::layer).
     pub fn layer_tensor_names(&self, layer: usize) -> Result<BTreeSet<String>> {
         let info = self.layer(layer)?;
+        // Every expert's names are enumerated below: the count must first agree with what
+        // is stored.
+        self.check_router(layer, &info)?;
         let names = info.names();
         let stored = &self.ckpt.weight_map;
         let mut out = BTreeSet::new();

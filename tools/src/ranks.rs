@@ -113,6 +113,9 @@ where
     use std::time::Duration;
     // How long a transfer waits for a peer before the rank gives up (NCCL itself waits forever).
     const TIMEOUT: Duration = Duration::from_secs(120);
+    // How long ranks wait for each other where they come apart by design: processes started
+    // apart (the rendezvous and NCCL's initialisation), a checkpoint written by one rank.
+    const ARRIVAL: Duration = Duration::from_secs(30 * 60);
     let world = nccl_world(n_ranks).map_err(mpipemoe::MoeError::Backend)?;
     match world {
         None => Ok(RankResults {
@@ -123,7 +126,9 @@ where
             })?,
         }),
         Some((rank, world)) => {
-            let nccl = mpipemoe_cuda::Nccl::from_env(TIMEOUT)?.with_timeout(TIMEOUT);
+            let nccl = mpipemoe_cuda::Nccl::from_env(ARRIVAL)?
+                .with_timeout(TIMEOUT)
+                .with_arrival_timeout(ARRIVAL);
             let gpu = nccl.gpu();
             let ctx = RankContext {
                 rank,

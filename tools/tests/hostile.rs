@@ -387,3 +387,235 @@ fn check_errors_go_to_standard_error_naming_the_file() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Every file of `dir` (not recursive) with its bytes: what "the input was never touched"
+/// compares.
+fn snapshot(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_file())
+        .map(|p| {
+            (
+                p.file_name().unwrap().to_string_lossy().into_owned(),
+                std::fs::read(&p).unwrap(),
+            )
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+/// A copy of the tiny Mixtral (with its tokenizer) in `dir/name`, with `edit` applied to its
+/// `config.json`.
+fn model_copy(dir: &Path, name: &str, edit: impl FnOnce(&mut serde_json::Value)) -> PathBuf {
+    let model = dir.join(name);
+    copy_dir(&data().join("models/mixtral-tiny"), &model);
+    let path = model.join("config.json");
+    let mut config: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    edit(&mut config);
+    std::fs::write(&path, serde_json::to_vec(&config).unwrap()).unwrap();
+    model
+}
+
+/// `finetune --out` never replaces, deletes or writes into the model it reads: not the
+/// folder itself (exit 0 and a replaced checkpoint before), not a folder containing it with
+/// `--overwrite` (which deleted the input with it before), not a folder inside it, however
+/// spelled. Writing over the model takes `--in-place`, which replaces it only once the new
+/// folder is complete.
+#[test]
+fn finetune_never_writes_over_or_around_its_input() {
+    let dir = scratch_dir("cli-hostile-finetune-out");
+    let parent = dir.join("parent");
+    std::fs::create_dir_all(&parent).unwrap();
+    let model = model_copy(&parent, "model", |_| {});
+    let text = dir.join("text.txt");
+    std::fs::write(&text, "the layer routes every token to its experts. ".repeat(40)).unwrap();
+    let before = snapshot(&model);
+    let finetune = |out: &[&str], extra: &[&str]| {
+        let mut args = vec![
+            "finetune",
+            s(&model),
+            "--data",
+            s(&text),
+            "--steps",
+            "1",
+            "--batch",
+            "2",
+            "--seq-len",
+            "8",
+        ];
+        args.extend_from_slice(out);
+        args.extend_from_slice(extra);
+        args.iter().map(|a| a.to_string()).collect::<Vec<_>>()
+    };
+    let dotted = format!("{}/../model/.", model.display());
+    let inside = model.join("trained");
+    for (out, extra, needle) in [
+        (s(&model), &[][..], "source checkpoint itself"),
+        (&dotted[..], &["--overwrite"][..], "source checkpoint itself"),
+        (s(&parent), &["--overwrite"][..], "contains the input"),
+        (s(&dir), &["--overwrite"][..], "contains the input"),
+        (s(&inside), &[][..], "lies inside the input"),
+    ] {
+        let args = finetune(&["--out", out], extra);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        refused(&args, 1, &[needle]);
+        assert_eq!(snapshot(&model), before, "{out}: the input changed");
+        assert!(!inside.exists());
+    }
+    // --in-place: the model is replaced whole, and nothing is left beside it.
+    let args = finetune(&[], &["--in-place", "--lr", "1e-2"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let run = bounded(&args, Duration::from_secs(120));
+    assert_eq!(run.code, Some(0), "{}", run.stderr);
+    let after = snapshot(&model);
+    assert_eq!(after.len(), before.len());
+    assert_ne!(after, before, "trained weights were written over the model");
+    let beside: Vec<String> = std::fs::read_dir(&parent)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(beside, ["model"], "{beside:?}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A learning rate PyTorch's AdamW refuses is a usage error; a run that diverges ends with an
+/// error and writes nothing (before, `--lr NaN` wrote an all-NaN checkpoint with exit 0).
+#[test]
+fn finetune_refuses_a_bad_learning_rate_and_saves_nothing_from_a_diverged_run() {
+    let dir = scratch_dir("cli-hostile-finetune-lr");
+    let model = data().join("models/mixtral-tiny");
+    let text = dir.join("text.txt");
+    std::fs::write(&text, "the layer routes every token to its experts. ".repeat(40)).unwrap();
+    let out = dir.join("out");
+    let base = [
+        "finetune",
+        s(&model),
+        "--data",
+        s(&text),
+        "--out",
+        s(&out),
+        "--batch",
+        "2",
+        "--seq-len",
+        "8",
+    ];
+    for lr in ["--lr=NaN", "--lr=-1", "--lr=inf"] {
+        let mut args = base.to_vec();
+        args.extend(["--steps", "1", lr]);
+        refused(&args, 2, &["--lr"]);
+    }
+    let mut args = base.to_vec();
+    args.extend(["--steps", "4", "--lr", "1e30"]);
+    refused(&args, 1, &["diverged", "nothing was saved"]);
+    assert!(!out.exists());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `logits` and `generate` bound what they are asked for by the model: ids inside the
+/// vocabulary (a panic inside burn before), positions within `max_position_embeddings`
+/// (a multi-gigabyte `[T, T]` allocation or a run until killed before), each refused at once
+/// by name; `logits --out` never lands inside the model folder.
+#[test]
+fn logits_and_generate_refuse_ids_and_lengths_the_model_cannot_take() {
+    let dir = scratch_dir("cli-hostile-lm");
+    let model = data().join("models/mixtral-tiny");
+    let out = dir.join("logits.safetensors");
+    let before = snapshot(&model);
+    refused(
+        &["logits", s(&model), "--ids", "1,96", "--out", s(&out)],
+        1,
+        &["96", "vocabulary"],
+    );
+    let long = vec!["1"; 129].join(",");
+    refused(
+        &["logits", s(&model), "--ids", &long, "--out", s(&out)],
+        1,
+        &["max_position_embeddings", "128"],
+    );
+    assert!(!out.exists());
+    let start = Instant::now();
+    refused(
+        &[
+            "generate",
+            s(&model),
+            "--ids",
+            "1,5,9",
+            "--max-new-tokens",
+            "1048576",
+        ],
+        1,
+        &["max_position_embeddings"],
+    );
+    refused(
+        &["generate", s(&model), "--ids", "1,5,9", "--max-new-tokens", "126"],
+        1,
+        &["129 positions"],
+    );
+    assert!(start.elapsed() < Duration::from_secs(60));
+    let inside = model.join("logits.safetensors");
+    refused(
+        &["logits", s(&model), "--ids", "1,5", "--out", s(&inside)],
+        2,
+        &["lies inside the input"],
+    );
+    assert_eq!(snapshot(&model), before);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Sizes in `config.json` are held to the stored tensors before anything is allocated from
+/// them: a huge `head_dim`, a huge expert count, absurd products; and a YaRN config without
+/// `factor` is refused naming the key (it derived a factor of 0 before and failed far away).
+#[test]
+fn model_configs_with_absurd_sizes_are_refused_by_name_before_allocating() {
+    let dir = scratch_dir("cli-hostile-configs");
+    type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+    let cases: Vec<(&str, Edit, Vec<&str>)> = vec![
+        (
+            "head-dim",
+            Box::new(|c| c["head_dim"] = serde_json::json!(1u64 << 31)),
+            vec!["q_proj", "shape"],
+        ),
+        (
+            "experts",
+            Box::new(|c| c["num_local_experts"] = serde_json::json!(1u64 << 31)),
+            vec!["config.json", "experts", "router"],
+        ),
+        (
+            "heads",
+            Box::new(|c| {
+                c["num_attention_heads"] = serde_json::json!(1u64 << 32);
+                c["num_key_value_heads"] = serde_json::json!(1u64 << 32);
+                c["head_dim"] = serde_json::json!(1u64 << 32);
+            }),
+            vec!["head_dim", "over"],
+        ),
+        (
+            "yarn",
+            Box::new(|c| {
+                c["rope_parameters"] = serde_json::json!({
+                    "rope_type": "yarn", "rope_theta": 10000.0,
+                    "original_max_position_embeddings": 32
+                });
+                c["max_position_embeddings"] = serde_json::json!(0);
+            }),
+            vec!["config.json", "factor"],
+        ),
+    ];
+    for (name, edit, needles) in cases {
+        let model = model_copy(&dir, name, |c| edit(c));
+        let start = Instant::now();
+        refused(
+            &["generate", s(&model), "--ids", "1,5,9", "--max-new-tokens", "2"],
+            1,
+            &needles,
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "{name}: {:?}",
+            start.elapsed()
+        );
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -99,7 +99,10 @@ fn tune(ranks: usize, expert_parallel: Option<usize>, out: &Path) -> (Vec<f64>, 
     let exp = expected("mixtral-tiny");
     let ids: Vec<i64> = exp.ints["ids"].iter().map(|&i| i as i64).collect();
     let shape = [exp.floats["logits"].0[0], exp.floats["logits"].0[1]];
-    let export = ExportOptions { overwrite: true };
+    let export = ExportOptions {
+        overwrite: true,
+        ..ExportOptions::default()
+    };
     let results = LocalGroup::run(ranks, |ctx| {
         let device = Default::default();
         let (model, report) = finetune_rank::<B>(
@@ -237,7 +240,10 @@ fn every_family_fine_tunes_at_two_ranks_and_saves_a_folder_that_loads_back() {
         let exp = expected(family);
         let ids: Vec<i64> = exp.ints["ids"].iter().map(|&i| i as i64).collect();
         let shape = [exp.floats["logits"].0[0], exp.floats["logits"].0[1]];
-        let export = ExportOptions { overwrite: true };
+        let export = ExportOptions {
+            overwrite: true,
+            ..ExportOptions::default()
+        };
         let trained = LocalGroup::run(2, |ctx| {
             let device = Default::default();
             let (model, _) = finetune_rank::<B>(

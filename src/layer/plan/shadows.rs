@@ -40,7 +40,9 @@ impl<B: MoeBackend> MoeLayer<B> {
                 let costs = ShadowCosts::from_profile(&profile, m, h, gemms, elem_bytes);
                 // A device broadcast (NCCL's ring) moves about an expert's bytes per rank and
                 // shadow; the host path's owner sends one copy to each other rank.
-                let device_path = self.ctx.comm.row_paths().and_then(|p| p.reduce::<B>()).is_some();
+                // Asked of the backend, not looked up by type here: under `Autodiff<..>` or
+                // `Fusion<..>` the broadcast runs on the inner backend's path.
+                let device_path = B::has_device_reduce(self.ctx.comm.as_ref());
                 let costs = if device_path {
                     costs
                 } else {

@@ -1,6 +1,6 @@
 //! `mpipemoe convert`: a Hugging Face MoE layer to a canonical float32 layer file and back.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{ArgGroup, Args};
@@ -26,17 +26,24 @@ pub struct ConvertArgs {
     /// The canonical layer file to write back (--to-hf).
     #[arg(long, value_name = "FILE")]
     input: Option<PathBuf>,
-    /// The canonical file to write (--from-hf), or the checkpoint folder to write (--to-hf;
-    /// the checkpoint's own folder rewrites it in place). Written whole: into a temporary file
-    /// or folder beside it, renamed into place when complete, so a failure leaves it as it was.
-    #[arg(long)]
-    out: PathBuf,
+    /// The canonical file to write (--from-hf), or the checkpoint folder to write (--to-hf).
+    /// Never inside the source folder, nor the source folder itself or a folder containing
+    /// it (for --to-hf, the source itself takes --in-place). Written whole: into a temporary
+    /// file or folder beside it, renamed into place when complete, so a failure leaves it as
+    /// it was.
+    #[arg(long, required_unless_present = "in_place")]
+    out: Option<PathBuf>,
     /// Replace an existing --out. Without it an existing file (--from-hf) or a non-empty
-    /// folder other than the source checkpoint (--to-hf) is refused. With it, a folder is
-    /// replaced as a whole: files in it that the new checkpoint lacks (an old
-    /// model.safetensors beside new shards, say) are removed, so no stale weights remain.
+    /// folder (--to-hf) is refused. With it, a folder is replaced as a whole: files in it that
+    /// the new checkpoint lacks (an old model.safetensors beside new shards, say) are
+    /// removed, so no stale weights remain.
     #[arg(long)]
     overwrite: bool,
+    /// --to-hf only: write the layer into the checkpoint folder itself. The new folder is
+    /// built beside it and takes its place only when complete (unchanged shards
+    /// hard-linked), so a failure leaves the checkpoint as it was.
+    #[arg(long, conflicts_with_all = ["out", "from_hf"])]
+    in_place: bool,
     /// Accept NaN or infinite weights in the checkpoint (--from-hf); by default they are an
     /// error naming the tensor.
     #[arg(long)]
@@ -58,15 +65,22 @@ pub fn run(args: ConvertArgs) -> ExitCode {
     }
 }
 
-fn from_hf(dir: &PathBuf, args: &ConvertArgs) -> Result<(), MoeError> {
+fn from_hf(dir: &Path, args: &ConvertArgs) -> Result<(), MoeError> {
     let layer = args
         .layer
         .ok_or_else(|| MoeError::config("layer", "--from-hf needs --layer (see `mpipemoe inspect DIR`)"))?;
-    may_write(&args.out, args.overwrite).map_err(MoeError::Input)?;
+    let out = args
+        .out
+        .as_deref()
+        .ok_or_else(|| MoeError::config("out", "--from-hf needs --out FILE"))?;
+    // A file written into the checkpoint's folder would replace one of its files or sit among
+    // its shards.
+    mpipemoe::files::check_apart(dir, out, "--out")?;
+    may_write(out, args.overwrite).map_err(MoeError::Input)?;
     let options = hf::ImportOptions {
         allow_nonfinite: args.allow_nonfinite,
     };
-    let info = hf::convert_to_file_with(dir, layer, &args.out, &options)?;
+    let info = hf::convert_to_file_with(dir, layer, out, &options)?;
     let c = &info.config;
     println!(
         "{}: layer {} ({}, E={}, k={}, M={}, H={}, shared={:?}, stored {}) -> {}",
@@ -79,12 +93,12 @@ fn from_hf(dir: &PathBuf, args: &ConvertArgs) -> Result<(), MoeError> {
         c.d_hidden,
         c.shared_expert,
         info.dtype.as_deref().unwrap_or("?"),
-        args.out.display()
+        out.display()
     );
     Ok(())
 }
 
-fn to_hf(dir: &PathBuf, args: &ConvertArgs) -> Result<(), MoeError> {
+fn to_hf(dir: &Path, args: &ConvertArgs) -> Result<(), MoeError> {
     let input = args
         .input
         .as_ref()
@@ -103,16 +117,18 @@ fn to_hf(dir: &PathBuf, args: &ConvertArgs) -> Result<(), MoeError> {
         .ok_or_else(|| MoeError::config("layer", "give --layer: the file's meta has no `hf_layer`"))?;
     let options = hf::ExportOptions {
         overwrite: args.overwrite,
+        in_place: args.in_place,
     };
+    let out = args.out.as_deref().unwrap_or(dir);
     // The layer's tensors come from --input: an error about them names that file.
-    let report = hf::write_layer_with(dir, layer, &tensors, &args.out, &options).map_err(|e| match e {
+    let report = hf::write_layer_with(dir, layer, &tensors, out, &options).map_err(|e| match e {
         MoeError::Input(reason) => MoeError::file(input, reason),
         other => other,
     })?;
     println!(
         "{} -> layer {layer} of {}: {} tensors in {} (rewritten), {} other files copied",
         input.display(),
-        args.out.display(),
+        out.display(),
         report.tensors,
         report.shards_rewritten.join(", "),
         report.files_copied

@@ -31,20 +31,27 @@ pub struct FinetuneArgs {
     /// Optimizer steps.
     #[arg(long, default_value_t = 100, value_parser = count(1, 1 << 30))]
     steps: usize,
-    /// Where to write the trained model (a Hugging Face folder in DIR's layout).
-    #[arg(long)]
-    out: PathBuf,
-    /// Replace `--out` if it exists and is not empty.
+    /// Where to write the trained model (a Hugging Face folder in DIR's layout): a new or empty
+    /// folder apart from DIR (never DIR itself, a folder containing it or one inside it).
+    #[arg(long, required_unless_present = "in_place")]
+    out: Option<PathBuf>,
+    /// Replace `--out` if it exists and is not empty (as a whole: files the new model lacks
+    /// are gone). It never lets `--out` be DIR: that takes --in-place.
     #[arg(long)]
     overwrite: bool,
+    /// Write the trained model over DIR itself. The new folder is built beside DIR and takes
+    /// its place only once complete (unchanged files hard-linked), so a failed or interrupted
+    /// run leaves DIR as it was.
+    #[arg(long, conflicts_with = "out")]
+    in_place: bool,
     /// Sequences per step over all ranks (a multiple of --ranks).
     #[arg(long, default_value_t = 4, value_parser = count(1, 1 << 16))]
     batch: usize,
     /// Tokens a sequence predicts.
     #[arg(long, default_value_t = 64, value_parser = count(1, 1 << 20))]
     seq_len: usize,
-    /// AdamW's learning rate.
-    #[arg(long, default_value_t = 1e-4)]
+    /// AdamW's learning rate (finite, >= 0, as PyTorch's AdamW requires).
+    #[arg(long, default_value_t = 1e-4, value_parser = non_negative)]
     lr: f64,
     /// AdamW's decoupled weight decay.
     #[arg(long, default_value_t = 0.0)]
@@ -73,6 +80,13 @@ pub struct FinetuneArgs {
     json: bool,
     #[command(flatten)]
     run: RunFlags,
+}
+
+impl FinetuneArgs {
+    /// Where the trained model goes: `--out`, or DIR itself with `--in-place`.
+    fn out_dir(&self) -> &Path {
+        self.out.as_deref().unwrap_or(&self.dir)
+    }
 }
 
 /// What `--json` prints.
@@ -113,7 +127,9 @@ impl BackendJob for FinetuneJob<'_> {
         let args = self.args;
         let export = ExportOptions {
             overwrite: args.overwrite,
+            in_place: args.in_place,
         };
+        let out = args.out_dir();
         // indicatif draws nothing when stderr is not a terminal (a log file, a batch job), so
         // there a plain line goes out at the first steps and about twenty times over the run.
         let plain = !std::io::stderr().is_terminal();
@@ -157,7 +173,7 @@ impl BackendJob for FinetuneJob<'_> {
                         None => c,
                     }
                 },
-                Some((&args.out, &export)),
+                Some((out, &export)),
                 &device,
                 log,
             )?;
@@ -266,7 +282,7 @@ pub fn run(args: FinetuneArgs) -> ExitCode {
         args.steps,
         report.seconds,
         tail.len(),
-        args.out.display()
+        args.out_dir().display()
     );
     if args.json {
         let summary = Summary {
@@ -281,7 +297,7 @@ pub fn run(args: FinetuneArgs) -> ExitCode {
             median_step_s: median_after_warm_up(&report.step_seconds),
             step_seconds: report.step_seconds.clone(),
             losses: report.losses.clone(),
-            out: args.out.display().to_string(),
+            out: args.out_dir().display().to_string(),
         };
         match serde_json::to_string(&summary) {
             Ok(line) => println!("{line}"),

@@ -140,7 +140,7 @@ impl BackendJob for LmJob<'_> {
         let paths = self.run.paths()?;
         let answers = LocalGroup::run(self.run.ranks, |ctx| {
             let device = Default::default();
-            let model = MoeCausalLm::<B::InnerBackend>::from_hf(self.dir, &device, paths(ctx.comm))?;
+            let model = MoeCausalLm::<B::InnerBackend>::from_hf(self.dir, &device, paths(ctx.comm.clone()))?;
             if ctx.rank == 0 && !model.ignored_tensors().is_empty() {
                 eprintln!(
                     "note: {} tensor(s) not loaded, as transformers skips them too (e.g. {})",
@@ -149,8 +149,11 @@ impl BackendJob for LmJob<'_> {
                 );
             }
             let model = model.map_moe_configs(|c| self.run.moe(c))?;
+            // The ranks meet after loading under the arrival bound: one may load far slower.
+            ctx.comm.arrival_barrier()?;
             match &self.task {
                 Task::Logits(ids) => {
+                    model.check_ids(ids, 0)?;
                     let t = ids.len();
                     let tensor = Tensor::<B::InnerBackend, 2, Int>::from_data(
                         TensorData::new(ids.iter().map(|&i| i as i64).collect::<Vec<_>>(), [1, t]),
@@ -224,6 +227,11 @@ fn answer(dir: &Path, run: &RunFlags, task: Task) -> Result<Answer, ExitCode> {
 pub fn logits(args: LogitsArgs) -> ExitCode {
     if let Err(message) = check_ids(&args.ids).and_then(|()| may_write(&args.out, args.overwrite)) {
         eprintln!("error: {message}");
+        return ExitCode::from(2);
+    }
+    // The logits file never lands among the model's own files.
+    if let Err(e) = mpipemoe::files::check_apart(&args.dir, &args.out, "--out") {
+        eprintln!("error: {e}");
         return ExitCode::from(2);
     }
     match answer(&args.dir, &args.run, Task::Logits(args.ids.clone())) {
