@@ -160,10 +160,10 @@ fn resolved(path: &Path) -> PathBuf {
     base
 }
 
-/// Refuses an output that would write over or around the input folder `input`: `out` may be
-/// neither `input` itself, nor a folder that contains it (replacing that folder as a whole
-/// would delete the input with it), nor anything inside it (a file of the checkpoint
-/// replaced, or a stranger's file among its shards). Paths are compared after `.`, `..` and
+/// Refuses an output that would write over or around an input (a checkpoint folder, a data
+/// file): `out` may be neither `input` itself, nor a folder that contains it (replacing that
+/// folder as a whole would delete the input with it), nor anything inside it (a file of the
+/// checkpoint replaced, or a stranger's file among its shards). Paths are compared after `.`, `..` and
 /// symbolic links are resolved, so another spelling of the same folder is the same folder.
 /// An in-place update, where the caller means to replace `input`, checks
 /// [`same_folder`] itself before calling this for every other output.
@@ -173,11 +173,11 @@ fn resolved(path: &Path) -> PathBuf {
 pub fn check_apart(input: &Path, out: &Path, flag: &str) -> Result<()> {
     let (input_real, out_real) = (resolved(input), resolved(out));
     let relation = if out_real == input_real {
-        "is the input folder itself"
+        "is the input itself"
     } else if input_real.starts_with(&out_real) {
-        "contains the input folder (replacing it would delete the input)"
+        "contains the input (replacing it would delete the input)"
     } else if out_real.starts_with(&input_real) {
-        "lies inside the input folder"
+        "lies inside the input"
     } else {
         return Ok(());
     };
@@ -357,15 +357,15 @@ mod tests {
         let input = dir.join("model");
         std::fs::create_dir_all(&input).unwrap();
         let err = |out: &Path| check_apart(&input, out, "--out").unwrap_err().to_string();
-        assert!(err(&input.join(".")).contains("is the input folder itself"));
-        assert!(err(&dir.join("new/../model")).contains("is the input folder itself"));
+        assert!(err(&input.join(".")).contains("is the input itself"));
+        assert!(err(&dir.join("new/../model")).contains("is the input itself"));
         assert!(err(&dir).contains("contains the input"));
         assert!(err(&input.join("a/b")).contains("lies inside"));
         assert!(err(&input.join("new/../../model/x")).contains("lies inside"));
         #[cfg(unix)]
         {
             std::os::unix::fs::symlink(&input, dir.join("link")).unwrap();
-            assert!(err(&dir.join("link")).contains("is the input folder itself"));
+            assert!(err(&dir.join("link")).contains("is the input itself"));
             assert!(same_folder(&dir.join("link"), &input));
         }
         // Beside it, or a sibling whose name merely starts the same, is apart.

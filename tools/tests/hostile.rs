@@ -429,7 +429,9 @@ fn finetune_never_writes_over_or_around_its_input() {
     let parent = dir.join("parent");
     std::fs::create_dir_all(&parent).unwrap();
     let model = model_copy(&parent, "model", |_| {});
-    let text = dir.join("text.txt");
+    // The text apart from both, so that only the model decides each refusal here.
+    let text_dir = scratch_dir("cli-hostile-finetune-out-text");
+    let text = text_dir.join("text.txt");
     std::fs::write(&text, "the layer routes every token to its experts. ".repeat(40)).unwrap();
     let before = snapshot(&model);
     let finetune = |out: &[&str], extra: &[&str]| {
@@ -478,6 +480,7 @@ fn finetune_never_writes_over_or_around_its_input() {
         .collect();
     assert_eq!(beside, ["model"], "{beside:?}");
     std::fs::remove_dir_all(&dir).ok();
+    std::fs::remove_dir_all(&text_dir).ok();
 }
 
 /// A learning rate PyTorch's AdamW refuses is a usage error; a run that diverges ends with an
@@ -506,6 +509,34 @@ fn finetune_refuses_a_bad_learning_rate_and_saves_nothing_from_a_diverged_run() 
         args.extend(["--steps", "1", lr]);
         refused(&args, 2, &["--lr"]);
     }
+    // More positions than the model has, refused before loading it for training.
+    let args = [
+        "finetune",
+        s(&model),
+        "--data",
+        s(&text),
+        "--out",
+        s(&out),
+        "--steps",
+        "1",
+        "--seq-len",
+        "200",
+    ];
+    refused(&args, 1, &["max_position_embeddings", "128"]);
+    // An --out that holds the training text would delete it.
+    let args = [
+        "finetune",
+        s(&model),
+        "--data",
+        s(&text),
+        "--out",
+        s(&dir),
+        "--overwrite",
+        "--steps",
+        "1",
+    ];
+    refused(&args, 2, &["--out", "contains the input"]);
+    assert!(text.exists());
     let mut args = base.to_vec();
     args.extend(["--steps", "4", "--lr", "1e30"]);
     refused(&args, 1, &["diverged", "nothing was saved"]);

@@ -223,6 +223,12 @@ pub fn run(args: FinetuneArgs) -> ExitCode {
         eprintln!("error: {message}");
         return ExitCode::from(2);
     }
+    // The training text is an input too: an --out that is it, or a folder holding it, would
+    // replace or delete it.
+    if let Err(e) = mpipemoe::files::check_apart(&args.data, args.out_dir(), "--out") {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
     let tokens = match tokens(&args) {
         Ok(tokens) => tokens,
         Err(e) => {
