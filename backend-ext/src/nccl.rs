@@ -342,7 +342,8 @@ impl Nccl {
     /// id, then `ncclCommInitRankConfig` with `blocking = 0` for each GPU inside one NCCL
     /// group (NCCL requires the group when one thread initialises several ranks), each
     /// polled until ready for at most `timeout`. Not `ncclCommInitAll`: it creates
-    /// *blocking* communicators (it passes `NCCL_CONFIG_INITIALIZER`, NCCL `src/init.cc`),
+    /// *blocking* communicators (it passes `NCCL_CONFIG_INITIALIZER`, NCCL 2.30.7
+    /// `src/init.cc:2585`),
     /// whose `ncclGroupEnd` then blocks in the connection setup of the first transfer, and a
     /// rank thread that failed before its first collective would leave its peers there
     /// forever, before any timer of ours could start.
@@ -376,8 +377,8 @@ impl Nccl {
             }
             let mut config = non_blocking_config();
             // SAFETY: the slot is this rank's (NCCL writes the handle at the call, before
-            // the non-blocking work: `ncclCommInitRankDev`'s `*newcomm = comm`, NCCL
-            // `src/init.cc`); the config outlives the call.
+            // the non-blocking work: `ncclCommInitRankDev`'s `*newcomm = comm`, NCCL 2.30.7
+            // `src/init.cc:2515`); the config outlives the call.
             let made = unsafe {
                 nccl_sys::ncclCommInitRankConfig(&mut handles[rank], world, id, rank as i32, &mut config)
                     .result()
@@ -815,10 +816,10 @@ impl Communicator for Nccl {
             .map_err(|e| cuda_err(op, shared.rank, e))?;
         // Where NCCL writes the child's handle. Not a local: with a non-blocking parent,
         // NCCL's split job writes `*newcomm` when it *finishes*, on its own thread
-        // (`ncclCommInitRankFunc`'s `exit:` label, `__atomic_store_n(job->newcomm, comm)`,
-        // success or failure alike; `ncclCommInitChildComm` only sets it to NULL at the
-        // call, "NULL until comm split fully complete", NCCL `src/init.cc`). A heap slot
-        // stays valid if this function returns before the job is done.
+        // (`ncclCommInitRankFunc`'s `exit:` label, success or failure alike: NCCL 2.30.7
+        // `src/init.cc:1958-1961`; `ncclCommInitChildComm` only sets it to NULL at the call,
+        // "NULL until comm split fully complete", `init.cc:3098-3099`). A heap slot stays
+        // valid if this function returns before the job is done.
         let mut slot: Box<nccl_sys::ncclComm_t> = Box::new(std::ptr::null_mut());
         let mut config = non_blocking_config();
         let timeout = shared.timeout();
@@ -842,10 +843,11 @@ impl Communicator for Nccl {
         };
         if let Err(e) = wait.until_ready(&mut CommOps(&mut comm), "ncclCommSplit (the parent)") {
             // The wait aborted the parent, and `ncclCommAbort` joins the parent's pending
-            // group job (`ncclGroupJobAbort`: abort flag set, then `ncclAsyncJobComplete`
-            // joins its thread; NCCL `src/group.cc`), whose split job has then written the
-            // half-made child into the slot: abort it too (the drop of `RawComm`), or it
-            // leaks with its connections and buffers.
+            // group job (`ncclCommEnsureReady` with the abort flag set calls
+            // `ncclGroupJobAbort`, NCCL 2.30.7 `src/init.cc:422-426`, `3035-3040`, which sets
+            // the job's abort flag and joins its thread, `src/group.cc:902-906`), whose split
+            // job has then written the half-made child into the slot: abort it too (the drop
+            // of `RawComm`), or it leaks with its connections and buffers.
             let half_made = std::mem::replace(&mut *slot, std::ptr::null_mut());
             if !half_made.is_null() {
                 drop(RawComm::new(half_made));
