@@ -233,6 +233,19 @@ fn ranks_arriving_seconds_apart_meet() {
     expect_id(&outputs);
 }
 
+/// `ranks` of a world of three, started together on loopback with a 2 s bound; the others
+/// never start.
+fn ranks_of_three(ranks: &[usize], port: u16) -> Vec<Output> {
+    let children: Vec<_> = ranks
+        .iter()
+        .map(|&rank| spawn_at(rank, 3, "127.0.0.1", port, 0, 2_000))
+        .collect();
+    children
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect()
+}
+
 /// A rank that never comes (it died before the rendezvous) is named by rank 0 within the
 /// bound; and when rank 0 is the one that died, every other rank fails within the bound
 /// naming rank 0's address, instead of waiting for ever.
@@ -241,13 +254,7 @@ fn a_rank_that_died_is_named_within_the_bound() {
     let port = free_port();
     let start = std::time::Instant::now();
     // World of 3; rank 2 never starts.
-    let outputs: Vec<Output> = [0, 1]
-        .into_iter()
-        .map(|rank| spawn_at(rank, 3, "127.0.0.1", port, 0, 2_000))
-        .collect::<Vec<_>>()
-        .into_iter()
-        .map(|c| c.wait_with_output().unwrap())
-        .collect();
+    let outputs = ranks_of_three(&[0, 1], port);
     let zero = String::from_utf8_lossy(&outputs[0].stdout);
     assert!(
         !outputs[0].status.success() && zero.contains("[2]") && zero.contains("did not join"),
@@ -261,13 +268,7 @@ fn a_rank_that_died_is_named_within_the_bound() {
     );
     // Rank 0 never starts: ranks 1 and 2 fail naming its address.
     let port = free_port();
-    let outputs: Vec<Output> = [1, 2]
-        .into_iter()
-        .map(|rank| spawn_at(rank, 3, "127.0.0.1", port, 0, 2_000))
-        .collect::<Vec<_>>()
-        .into_iter()
-        .map(|c| c.wait_with_output().unwrap())
-        .collect();
+    let outputs = ranks_of_three(&[1, 2], port);
     for out in &outputs {
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(
