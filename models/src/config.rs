@@ -3,6 +3,7 @@
 use mpipemoe::{MoeError, MoeLayerConfig, Result};
 
 use crate::attention::QkNorm;
+use crate::generation::GenerationDefaults;
 use crate::latent::LatentConfig;
 use crate::rotary::RopeScaling;
 
@@ -99,8 +100,12 @@ pub struct DecoderConfig {
     pub layers: Vec<LayerSpec>,
     /// The output projection is the embedding's transpose.
     pub tie_embeddings: bool,
-    /// Ids that end generation.
+    /// Ids that end generation: `generation_config.json`'s where the folder has them (as
+    /// transformers' `generate` stops), else `config.json`'s.
     pub eos_token_ids: Vec<usize>,
+    /// `generation_config.json`'s sampling defaults (and stop ids), as transformers'
+    /// `generate` uses them; greedy where the folder has none.
+    pub generation: GenerationDefaults,
     /// The most positions the model was built for (`max_position_embeddings`): a forward
     /// past them is refused, as are a prompt and new tokens that would run past them. `None`
     /// where the config does not say (no bound).

@@ -31,6 +31,7 @@ use serde_json::Value;
 
 use crate::attention::QkNorm;
 use crate::config::{AttnRules, DecoderConfig, FfnKind, LayerSpec};
+use crate::generation::GenerationDefaults;
 use crate::latent::LatentConfig;
 use crate::rotary::RopeScaling;
 
@@ -100,6 +101,9 @@ pub fn decoder_config(ckpt: &HfCheckpoint) -> Result<DecoderConfig> {
             attn: keys.attn_rules(&model_type, layer)?,
         });
     }
+    // transformers' `generate` stops at `generation_config.json`'s ids where the folder has
+    // that file, and takes its sampling defaults from it.
+    let generation = GenerationDefaults::read(ckpt.dir())?;
     let attention_bias = keys.bool_or("attention_bias", false)?;
     let (rope_theta, rope_scaling) = keys.rope()?;
     let attention_sinks = model_type == "gpt_oss";
@@ -135,7 +139,11 @@ pub fn decoder_config(ckpt: &HfCheckpoint) -> Result<DecoderConfig> {
         attention_sinks,
         layers,
         tie_embeddings: keys.bool_or("tie_word_embeddings", false)?,
-        eos_token_ids: keys.ids("eos_token_id")?,
+        eos_token_ids: match &generation.eos_token_ids {
+            Some(ids) => ids.clone(),
+            None => keys.ids("eos_token_id")?,
+        },
+        generation,
         max_positions: match keys.get("max_position_embeddings") {
             None => None,
             Some(_) => Some(keys.usize("max_position_embeddings")?),

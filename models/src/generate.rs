@@ -6,7 +6,9 @@ use std::sync::Arc;
 use mpipemoe::{Communicator, MoeBackend, MoeError, Result};
 
 use crate::cache::KvCache;
+use crate::generation::GenerateOptions;
 use crate::model::MoeCausalLm;
+use crate::sampling::SplitMix64;
 
 impl<B: MoeBackend> MoeCausalLm<B> {
     /// The greedy continuation of `prompt`: the prompt in one forward (prefill), then one token
@@ -35,6 +37,31 @@ impl<B: MoeBackend> MoeCausalLm<B> {
         max_new_tokens: usize,
         device: &B::Device,
     ) -> Result<Vec<usize>> {
+        self.generate_with(prompt, &GenerateOptions::greedy(max_new_tokens), device)
+    }
+
+    /// [`generate`](Self::generate) with options: greedy, or each token drawn from the last
+    /// logits filtered as transformers' `generate(do_sample=True)` filters them (temperature,
+    /// top-k, top-p: [`Sampling`](crate::Sampling)), from a generator seeded by `options.sampling.seed` (the
+    /// same seed, the same ids). Stops at the config's stop ids
+    /// ([`DecoderConfig::eos_token_ids`](crate::DecoderConfig::eos_token_ids):
+    /// `generation_config.json`'s where the folder has them). With expert parallelism every
+    /// rank draws from its own logits with the same seed.
+    ///
+    /// # Errors
+    /// As [`generate`](Self::generate); [`MoeError::Config`] naming a sampling setting that
+    /// is out of range ([`Sampling::validate`](crate::Sampling::validate)).
+    pub fn generate_with(
+        &self,
+        prompt: &[usize],
+        options: &GenerateOptions,
+        device: &B::Device,
+    ) -> Result<Vec<usize>> {
+        let max_new_tokens = options.max_new_tokens;
+        if let Some(sampling) = &options.sampling {
+            sampling.validate()?;
+        }
+        let mut rng = SplitMix64::new(options.sampling.map_or(0, |s| s.seed));
         if prompt.is_empty() {
             return Err(MoeError::Input("the prompt is empty".into()));
         }
@@ -61,13 +88,16 @@ impl<B: MoeBackend> MoeCausalLm<B> {
             }
             let logits = self.try_forward(ids, Some(&mut cache))?.logits;
             let [_, t, vocab] = logits.dims();
-            let last: Vec<f32> = logits
+            let mut last: Vec<f32> = logits
                 .slice([0..1, t - 1..t, 0..vocab])
                 .into_data()
                 .convert::<f32>()
                 .into_vec()
                 .map_err(|e| MoeError::Input(format!("logits: {e:?}")))?;
-            let next = argmax(&last);
+            let next = match &options.sampling {
+                None => argmax(&last),
+                Some(sampling) => sampling.sample(&mut last, &mut rng),
+            };
             new.push(next);
             done = self.config.eos_token_ids.contains(&next) || new.len() == max_new_tokens;
             input = vec![next];

@@ -21,6 +21,8 @@ use safetensors::SafeTensors;
 mod agreement;
 #[path = "families/finetune.rs"]
 mod finetune;
+#[path = "families/sampling.rs"]
+mod sampling;
 
 /// One backend for every test here (each backend a test binary instantiates costs compile time).
 type B = Autodiff<NdArray>;

@@ -38,6 +38,36 @@ pub fn non_negative(text: &str) -> Result<f64, String> {
     }
 }
 
+/// A `clap` value parser for a finite number > 0 (a temperature).
+///
+/// ```
+/// let parse = mpipemoe_tools::flags::positive;
+/// assert_eq!(parse("0.7"), Ok(0.7));
+/// assert!(parse("0").unwrap_err().contains("> 0"));
+/// assert!(parse("NaN").is_err());
+/// ```
+pub fn positive(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err("must be a finite number > 0".into()),
+    }
+}
+
+/// A `clap` value parser for a probability mass in `(0, 1]` (top-p).
+///
+/// ```
+/// let parse = mpipemoe_tools::flags::mass;
+/// assert_eq!(parse("0.9"), Ok(0.9));
+/// assert!(parse("0").unwrap_err().contains("(0, 1]"));
+/// assert!(parse("1.5").is_err());
+/// ```
+pub fn mass(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(v) if v > 0.0 && v <= 1.0 => Ok(v),
+        _ => Err("must be a number in (0, 1]".into()),
+    }
+}
+
 /// `--shadowing`: `off`, `auto` (the cost model's choice each step) or a count `k` (the `k`
 /// most loaded experts each step, 1..=65536).
 ///

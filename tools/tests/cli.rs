@@ -339,6 +339,87 @@ fn generate_and_logits_on_a_tiny_model() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("500"));
 }
 
+/// `generate` samples as transformers' `generate(do_sample=True)` filters: `--temperature`,
+/// `--top-k`, `--top-p` with `--seed` (the same seed, the same ids; top-k 1 is greedy), and
+/// without flags follows the folder's `generation_config.json` (`do_sample` and its settings),
+/// which `--greedy` overrides.
+#[test]
+fn generate_samples_with_a_seed_and_follows_the_generation_config() {
+    let models = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/models");
+    let src = models.join("mixtral-tiny");
+    let ids_of = |args: &[&str]| -> String {
+        let out = mpipemoe(args);
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .next()
+            .unwrap()
+            .to_string()
+    };
+    let dir = src.to_str().unwrap();
+    let base = ["generate", dir, "--ids", "1,5,9", "--max-new-tokens", "16"];
+    let with = |extra: &[&'static str]| {
+        let mut args = base.to_vec();
+        args.extend_from_slice(extra);
+        ids_of(&args)
+    };
+    let greedy = with(&[]);
+    let hot = with(&["--temperature", "1.5", "--top-p", "0.95", "--seed", "7"]);
+    assert_eq!(
+        hot,
+        with(&["--temperature", "1.5", "--top-p", "0.95", "--seed", "7"])
+    );
+    assert_ne!(
+        hot,
+        with(&["--temperature", "1.5", "--top-p", "0.95", "--seed", "8"])
+    );
+    assert_ne!(hot, greedy);
+    assert_eq!(with(&["--top-k", "1", "--seed", "3"]), greedy);
+    // A folder whose generation_config.json samples by default.
+    let copy = std::env::temp_dir().join(format!("mpipemoe-cli-genconfig-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&copy);
+    std::fs::create_dir_all(&copy).unwrap();
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), copy.join(entry.file_name())).unwrap();
+    }
+    std::fs::write(
+        copy.join("generation_config.json"),
+        r#"{"do_sample": true, "temperature": 1.5, "top_p": 0.95, "eos_token_id": 2}"#,
+    )
+    .unwrap();
+    let c = copy.to_str().unwrap();
+    let sampled = ids_of(&[
+        "generate",
+        c,
+        "--ids",
+        "1,5,9",
+        "--max-new-tokens",
+        "16",
+        "--seed",
+        "7",
+    ]);
+    assert_eq!(sampled, hot, "the folder's defaults are the flags' settings");
+    let forced = ids_of(&[
+        "generate",
+        c,
+        "--ids",
+        "1,5,9",
+        "--max-new-tokens",
+        "16",
+        "--greedy",
+    ]);
+    assert_eq!(forced, greedy);
+    let _ = std::fs::remove_dir_all(&copy);
+    let out = mpipemoe(&["generate", dir, "--ids", "1", "--top-p", "1.5"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--top-p"));
+}
+
 /// `finetune` at two ranks on a text file with the folder's tokenizer writes a folder that
 /// `generate --prompt` runs from; an occupied `--out`, a folder without a tokenizer and a
 /// prompt without one are errors naming what is wrong.

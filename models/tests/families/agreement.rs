@@ -83,6 +83,12 @@ fn ranks_whose_routing_drops_differently_still_agree_on_every_step() {
     let dir = edited_copy("mixtral-tiny", "agreement-eos", |config, _| {
         config["eos_token_id"] = eos.into();
     });
+    // generation_config.json's stop ids win where the folder has them, as in transformers.
+    std::fs::write(
+        dir.join("generation_config.json"),
+        serde_json::json!({ "eos_token_id": eos }).to_string(),
+    )
+    .unwrap();
     let start = Instant::now();
     let second = run(&dir);
     let _ = std::fs::remove_dir_all(&dir);

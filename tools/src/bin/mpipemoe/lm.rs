@@ -11,11 +11,11 @@ use clap::Args;
 use mpipemoe::format::TensorMap;
 use mpipemoe::memory::Strategy;
 use mpipemoe::{LocalGroup, MemoryReuse, MoeBackend, MoeError, MoeLayerConfig, Partitions, MAX_PARTITIONS};
-use mpipemoe_models::{MoeCausalLm, TextTokenizer};
+use mpipemoe_models::{GenerateOptions, GenerationDefaults, MoeCausalLm, Sampling, TextTokenizer};
 use mpipemoe_tools::backends::{
     device_paths, run_on, AddPaths, BackendArg, BackendJob, GemmArg, PrecisionArg,
 };
-use mpipemoe_tools::flags::{count, may_write};
+use mpipemoe_tools::flags::{count, mass, may_write, positive};
 
 use crate::check::StrategyArg;
 
@@ -93,11 +93,66 @@ pub struct GenerateArgs {
     /// the tokenizer's template says, as transformers' `tokenizer(text)` does).
     #[arg(long)]
     prompt: Option<String>,
-    /// Most new tokens (fewer if an end-of-sequence id comes).
+    /// Most new tokens (fewer if a stop id comes: `generation_config.json`'s `eos_token_id`
+    /// where the folder has one, else `config.json`'s).
     #[arg(long, default_value_t = 32, value_parser = count(0, 1 << 20))]
     max_new_tokens: usize,
+    /// Sample at this temperature (turns sampling on). Without any sampling flag the
+    /// folder's `generation_config.json` decides, as in transformers: sampling with its
+    /// settings where it says `do_sample`, greedy otherwise.
+    #[arg(long, value_parser = positive, conflicts_with = "greedy")]
+    temperature: Option<f64>,
+    /// Sample from the K most likely tokens (turns sampling on).
+    #[arg(long, value_parser = count(1, 1 << 24), conflicts_with = "greedy")]
+    top_k: Option<usize>,
+    /// Sample from the most likely tokens whose probabilities sum past P (turns sampling on).
+    #[arg(long, value_parser = mass, conflicts_with = "greedy")]
+    top_p: Option<f64>,
+    /// Seeds the draws when sampling: the same seed gives the same ids.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Greedy decoding, whatever `generation_config.json` says.
+    #[arg(long)]
+    greedy: bool,
     #[command(flatten)]
     run: RunFlags,
+}
+
+/// How `generate` picks tokens, from its flags: forced greedy, flags that turn sampling on
+/// (over the folder's defaults), or the folder's defaults alone.
+#[derive(Clone, Copy)]
+struct Pick {
+    greedy: bool,
+    temperature: Option<f64>,
+    top_k: Option<usize>,
+    top_p: Option<f64>,
+    seed: u64,
+}
+
+impl Pick {
+    /// The sampling for a model whose folder gives `defaults`.
+    fn sampling(self, defaults: &GenerationDefaults) -> Option<Sampling> {
+        if self.greedy {
+            return None;
+        }
+        let flagged = self.temperature.is_some() || self.top_k.is_some() || self.top_p.is_some();
+        let base = defaults.sampling(self.seed);
+        if !flagged {
+            return base;
+        }
+        let base = base.unwrap_or(Sampling {
+            temperature: 1.0,
+            top_k: None,
+            top_p: None,
+            seed: self.seed,
+        });
+        Some(Sampling {
+            temperature: self.temperature.unwrap_or(base.temperature),
+            top_k: self.top_k.or(base.top_k),
+            top_p: self.top_p.or(base.top_p),
+            seed: self.seed,
+        })
+    }
 }
 
 /// A prompt: token ids, or text for the folder's tokenizer.
@@ -111,7 +166,7 @@ enum Prompt {
 #[derive(Clone)]
 enum Task {
     Logits(Vec<usize>),
-    Generate(Prompt, usize),
+    Generate(Prompt, usize, Pick),
 }
 
 /// The model's answer: logits `[T, vocab]`, or the new ids (and their text where the folder
@@ -168,7 +223,7 @@ impl BackendJob for LmJob<'_> {
                         .map_err(|e| MoeError::Input(format!("logits: {e:?}")))?;
                     Ok(Answer::Logits(values, [t, vocab]))
                 }
-                Task::Generate(prompt, n) => {
+                Task::Generate(prompt, n, pick) => {
                     let vocab = model.config().vocab_size;
                     let tokenizer = TextTokenizer::from_dir(self.dir, vocab)?;
                     let prompt = match (prompt, &tokenizer) {
@@ -182,7 +237,22 @@ impl BackendJob for LmJob<'_> {
                         }
                     };
                     let start = std::time::Instant::now();
-                    let ids = model.generate(&prompt, *n, &device)?;
+                    let options = GenerateOptions {
+                        max_new_tokens: *n,
+                        sampling: pick.sampling(&model.config().generation),
+                    };
+                    if ctx.rank == 0 {
+                        if let Some(s) = &options.sampling {
+                            eprintln!(
+                                "sampling: temperature {}, top-k {}, top-p {}, seed {}",
+                                s.temperature,
+                                s.top_k.map_or("off".into(), |k| k.to_string()),
+                                s.top_p.map_or("off".into(), |p| p.to_string()),
+                                s.seed
+                            );
+                        }
+                    }
+                    let ids = model.generate_with(&prompt, &options, &device)?;
                     let seconds = start.elapsed().as_secs_f64();
                     if ctx.rank == 0 {
                         // On standard error, so that standard output stays ids and text.
@@ -272,7 +342,18 @@ pub fn generate(args: GenerateArgs) -> ExitCode {
             Prompt::Ids(args.ids.clone())
         }
     };
-    match answer(&args.dir, &args.run, Task::Generate(prompt, args.max_new_tokens)) {
+    let pick = Pick {
+        greedy: args.greedy,
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+    };
+    match answer(
+        &args.dir,
+        &args.run,
+        Task::Generate(prompt, args.max_new_tokens, pick),
+    ) {
         Ok(Answer::Ids(ids, text)) => {
             // The ids alone on the first line, for scripts; the text after it.
             let line: Vec<String> = ids.iter().map(usize::to_string).collect();
