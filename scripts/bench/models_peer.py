@@ -209,7 +209,7 @@ def main():
         g = json.loads(theirs["out"].strip().splitlines()[-1])
         rows["torch_generate"].append({"tokens_per_s": len(g["ids"]) / g["seconds"], "peak_mib": theirs["peak_mib"]})
         ours = wrapped([BINARY] + heap + ["generate", MODEL, "--ids", ",".join(map(str, g["prompt"])),
-                                          "--max-new-tokens", "64"], env)
+                                          "--max-new-tokens", "64", "--greedy"], env)
         ids = [int(i) for i in ours["out"].splitlines()[0].split(",") if i]
         line = [l for l in ours["err"].splitlines() if l.startswith("generated ")][-1]
         seconds = float(line.split(" in ")[1].split(" s ")[0])
