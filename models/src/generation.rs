@@ -35,7 +35,8 @@ impl GenerationDefaults {
     ///
     /// # Errors
     /// [`MoeError::File`] naming the file and the key if it is not a JSON object, too
-    /// large (the JSON cap of [`mpipemoe::files::read_text`]), or a key has the wrong type.
+    /// large (the JSON cap of [`mpipemoe::files::read_text`]), a key has the wrong type, or
+    /// it samples with a setting [`Sampling::validate`] refuses (a temperature of 0, say).
     pub fn read(dir: &Path) -> Result<Self> {
         let path = dir.join(GENERATION_CONFIG);
         if !path.exists() {
@@ -75,13 +76,20 @@ impl GenerationDefaults {
             None => None,
             Some(v) => Some(v.as_u64().ok_or_else(|| bad("top_k", "a count"))? as usize),
         };
-        Ok(Self {
+        let defaults = Self {
             eos_token_ids,
             do_sample,
             temperature: number("temperature")?,
             top_k,
             top_p: number("top_p")?,
-        })
+        };
+        // Settings the sampler would refuse are refused here, naming this file.
+        if let Some(sampling) = defaults.sampling(0) {
+            sampling
+                .validate()
+                .map_err(|e| MoeError::file(&path, e.to_string()))?;
+        }
+        Ok(defaults)
     }
 
     /// The sampling these defaults ask for, with `seed`: `None` (greedy) unless `do_sample`;

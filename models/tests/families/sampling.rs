@@ -157,6 +157,12 @@ fn generation_config_gives_the_stop_ids_and_sampling_defaults() {
     let model = MoeCausalLm::<NdArray>::from_hf(&dir, &device, Arc::new(SingleRank)).unwrap();
     assert_eq!(model.config().eos_token_ids, vec![2]);
     assert_eq!(model.config().generation.sampling(0), None);
+    write(serde_json::json!({"do_sample": true, "temperature": 0.0}));
+    let err = GenerationDefaults::read(&dir).unwrap_err().to_string();
+    assert!(
+        err.contains("generation_config.json") && err.contains("temperature"),
+        "{err}"
+    );
     write(serde_json::json!({"do_sample": "yes"}));
     let err = GenerationDefaults::read(&dir).unwrap_err().to_string();
     assert!(
