@@ -130,6 +130,7 @@ pub mod memory;
 pub mod optim;
 pub mod parallel;
 mod pipeline;
+pub mod rng;
 mod router;
 pub mod sim;
 mod sync;

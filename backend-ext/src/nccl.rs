@@ -956,16 +956,23 @@ impl Nccl {
             .map(|n| n.div_ceil(ROUND_BYTES))
             .max()
             .unwrap_or(0);
-        let mut received: Vec<Vec<u8>> = recv_len.iter().map(|&n| Vec::with_capacity(n)).collect();
-        for k in 0..rounds {
-            let part = |n: usize| (k * ROUND_BYTES).min(n)..((k + 1) * ROUND_BYTES).min(n);
-            let send_k: Vec<Vec<u8>> = send.iter().map(|b| b[part(b.len())].to_vec()).collect();
-            let recv_k: Vec<usize> = recv_len.iter().map(|&n| part(n).len()).collect();
-            let got = self.shared.round(op, &send_k, &recv_k, timeout)?;
-            for (into, chunk) in received.iter_mut().zip(got) {
-                into.extend_from_slice(&chunk);
+        // Most payloads (counts, losses) take one round: sent as they are, no chunk copies.
+        let received = match rounds {
+            0 | 1 => self.shared.round(op, &send, &recv_len, timeout)?,
+            _ => {
+                let mut received: Vec<Vec<u8>> = recv_len.iter().map(|&n| Vec::with_capacity(n)).collect();
+                for k in 0..rounds {
+                    let part = |n: usize| (k * ROUND_BYTES).min(n)..((k + 1) * ROUND_BYTES).min(n);
+                    let send_k: Vec<Vec<u8>> = send.iter().map(|b| b[part(b.len())].to_vec()).collect();
+                    let recv_k: Vec<usize> = recv_len.iter().map(|&n| part(n).len()).collect();
+                    let got = self.shared.round(op, &send_k, &recv_k, timeout)?;
+                    for (into, chunk) in received.iter_mut().zip(got) {
+                        into.extend_from_slice(&chunk);
+                    }
+                }
+                received
             }
-        }
+        };
         received
             .into_iter()
             .enumerate()

@@ -285,13 +285,10 @@ where
 pub fn window_starts(seed: u64, step: usize, batch: usize, span: usize) -> Vec<usize> {
     (0..batch)
         .map(|row| {
-            let mut z = seed
+            let z = seed
                 .wrapping_add((step as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15))
                 .wrapping_add((row as u64 + 1).wrapping_mul(0xbf58_476d_1ce4_e5b9));
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^= z >> 31;
-            (z % span as u64) as usize
+            (mpipemoe::rng::mix64(z) % span as u64) as usize
         })
         .collect()
 }

@@ -1,14 +1,14 @@
-//! Greedy generation with the key/value cache.
+//! Generation with the key/value cache: greedy or sampled, every step agreed across ranks.
 
-use burn::tensor::{Int, Tensor, TensorData};
 use std::sync::Arc;
 
+use burn::tensor::{Int, Tensor, TensorData};
+use mpipemoe::rng::SplitMix64;
 use mpipemoe::{Communicator, MoeBackend, MoeError, Result};
 
 use crate::cache::KvCache;
 use crate::generation::GenerateOptions;
 use crate::model::MoeCausalLm;
-use crate::sampling::SplitMix64;
 
 impl<B: MoeBackend> MoeCausalLm<B> {
     /// The greedy continuation of `prompt`: the prompt in one forward (prefill), then one token

@@ -3,9 +3,10 @@
 //! (`GenerationMixin._get_logits_processor`), then one draw from the softmax of what is left.
 //!
 //! The filtered distribution is transformers' own (held to its processors on stored logits by
-//! the tests); the draw comes from this crate's generator (SplitMix64), seeded by the caller,
+//! the tests); the draw comes from the workspace's generator ([`SplitMix64`]), seeded by the caller,
 //! so the same seed gives the same ids here, though not the ids `torch.multinomial` draws.
 
+use mpipemoe::rng::SplitMix64;
 use mpipemoe::{MoeError, Result};
 
 /// How to pick the next token: greedy (`None` on [`GenerateOptions`](crate::GenerateOptions))
@@ -140,34 +141,6 @@ fn softmax(logits: &[f32]) -> Vec<f32> {
     let exps: Vec<f32> = logits.iter().map(|&v| (v - max).exp()).collect();
     let sum: f32 = exps.iter().sum();
     exps.iter().map(|&e| e / sum).collect()
-}
-
-/// A small seeded generator (SplitMix64, Steele et al. 2014): what the draws of
-/// [`Sampling::sample`] come from, the same on every platform.
-#[derive(Debug, Clone)]
-pub struct SplitMix64 {
-    state: u64,
-}
-
-impl SplitMix64 {
-    /// A generator started from `seed`.
-    pub fn new(seed: u64) -> Self {
-        Self { state: seed }
-    }
-
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.state = self.state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// A uniform number in `[0, 1)` from the top 53 bits.
-    pub fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-    }
 }
 
 #[cfg(test)]

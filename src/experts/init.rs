@@ -9,10 +9,13 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
-/// SplitMix64: small, fast, and good enough for weight initialisation.
+use crate::rng::SplitMix64;
+
+/// A SplitMix64 stream ([`crate::rng::SplitMix64`]) keyed by seed, tensor and expert: small,
+/// fast, and good enough for weight initialisation.
 #[derive(Debug, Clone)]
 pub(crate) struct HostInit {
-    state: u64,
+    stream: SplitMix64,
 }
 
 impl HostInit {
@@ -23,24 +26,16 @@ impl HostInit {
             state = (state ^ b as u64).wrapping_mul(0x100_0000_01B3);
         }
         state ^= (expert as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
-        let mut init = Self { state };
-        init.next_u64();
-        init
-    }
-
-    fn next_u64(&mut self) -> u64 {
-        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        let mut stream = SplitMix64::new(state);
+        stream.next_u64();
+        Self { stream }
     }
 
     /// `count` values uniform in `[-bound, bound)`.
     pub(crate) fn uniform(&mut self, count: usize, bound: f64) -> Vec<f32> {
         (0..count)
             .map(|_| {
-                let unit = (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+                let unit = self.stream.next_f64();
                 ((2.0 * unit - 1.0) * bound) as f32
             })
             .collect()
