@@ -5,11 +5,12 @@ use burn::module::{Module, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Bool, Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData};
 
 use crate::cache::LayerCache;
 use crate::config::{AttnRules, DecoderConfig};
 use crate::norm::{NamedParts, RmsNorm};
+use crate::places::Places;
 use crate::rotary::Rotary;
 
 /// Where RMSNorm is applied to the queries and keys (before the rotary embedding).
@@ -126,19 +127,20 @@ impl<B: Backend> Attention<B> {
         parts
     }
 
-    /// Attends the tokens `x` at `positions` to themselves and to `cached` (earlier
-    /// positions), causally and within `window`. Returns the output and the cache extended by
-    /// these tokens' keys and values (trimmed to the window).
+    /// Attends the tokens `x` at `places` to themselves and to `cached` (earlier columns),
+    /// causally, within `window` and past each row's pad columns. Returns the output and the
+    /// cache extended by these tokens' keys and values (trimmed to the window).
     ///
     /// # Shapes
-    /// - x: `[batch, seq, d_model]`; positions: `seq` entries
-    /// - cos, sin: `[seq, head_dim]` (the rotary tables of `positions`)
+    /// - x: `[batch, seq, d_model]`; places: `seq` columns
+    /// - cos, sin: `[rows, seq, head_dim]` (the rotary tables of `places`' positions: `rows`
+    ///   is the batch where rows are padded, else 1)
     /// - output: `[batch, seq, d_model]`
     pub fn forward(
         &self,
         x: Tensor<B, 3>,
-        positions: &[usize],
-        (cos, sin): (&Tensor<B, 2>, &Tensor<B, 2>),
+        places: &Places,
+        (cos, sin): (&Tensor<B, 3>, &Tensor<B, 3>),
         rules: &AttnRules,
         cached: Option<&LayerCache<B>>,
     ) -> (Tensor<B, 3>, LayerCache<B>) {
@@ -191,11 +193,12 @@ impl<B: Backend> Attention<B> {
             (q, k) = (l2_norm(q, eps), l2_norm(k, eps));
         }
         if let Some((attn_scale, floor_scale)) = rules.temperature {
-            q = q * temperature::<B>(positions, attn_scale, floor_scale, &device);
+            // By column, as transformers counts it (from the cache's length).
+            q = q * temperature::<B>(&places.columns(), attn_scale, floor_scale, &device);
         }
 
-        let cache = LayerCache::extend(cached, k, v, positions);
-        let s = cache.positions.len();
+        let cache = LayerCache::extend(cached, k, v, &places.columns());
+        let s = cache.columns.len();
         let n_rep = n_heads / n_kv_heads;
         // Grouped-query attention: each key/value head serves `n_rep` query heads in a row
         // (transformers' `repeat_kv`).
@@ -208,22 +211,17 @@ impl<B: Backend> Attention<B> {
         let values = repeat(cache.values.clone());
         let scale = (head_dim as f64).powf(-0.5);
         let sinks = self.sinks.as_ref().map(|p| p.val());
-        let out = attend(
-            q,
-            keys,
-            values,
-            (positions, &cache.positions),
-            rules,
-            scale,
-            sinks,
-        );
+        let out = attend(q, keys, values, (places, &cache.columns), rules, scale, sinks);
         let out = out.swap_dims(1, 2).reshape([b, t, n_heads * head_dim]);
-        (self.o.forward(out), cache.trim(rules.window, rules.chunk))
+        (
+            self.o.forward(out),
+            cache.trim(rules.window, rules.chunk, places.pads()),
+        )
     }
 }
 
 /// `softmax(q · kᵀ · scale, masked) · v`, the step every attention here ends with: keys hidden
-/// by [`causal_mask`] get `-inf`, and a sink logit per head (GPT-OSS), if given, joins each
+/// by [`Places::mask`] get `-inf`, and a sink logit per head (GPT-OSS), if given, joins each
 /// row's softmax as one more column and is dropped after it.
 ///
 /// # Shapes
@@ -234,7 +232,7 @@ pub(crate) fn attend<B: Backend>(
     q: Tensor<B, 4>,
     keys: Tensor<B, 4>,
     values: Tensor<B, 4>,
-    (queries, cached): (&[usize], &[usize]),
+    (places, cached): (&Places, &[usize]),
     rules: &AttnRules,
     scale: f64,
     sinks: Option<Tensor<B, 1>>,
@@ -242,8 +240,11 @@ pub(crate) fn attend<B: Backend>(
     let [b, h, t, _] = q.dims();
     let s = cached.len();
     let scores = q.matmul(keys.swap_dims(2, 3)) * scale;
-    let hidden = causal_mask(queries, cached, rules, &scores.device());
-    let scores = scores.mask_fill(hidden.unsqueeze::<4>().expand([b, h, t, s]), f32::NEG_INFINITY);
+    let hidden = places.mask(cached, rules, &scores.device());
+    let scores = scores.mask_fill(
+        hidden.unsqueeze_dim::<4>(1).expand([b, h, t, s]),
+        f32::NEG_INFINITY,
+    );
     let probs = match sinks {
         None => softmax(scores, 3),
         Some(sinks) => {
@@ -259,33 +260,6 @@ fn norm<B: Backend, const D: usize>(norm: &Option<RmsNorm<B>>, x: Tensor<B, D>) 
         Some(n) => n.forward(x),
         None => x,
     }
-}
-
-/// `true` where query `i` (at `queries[i]`) may not see key `j` (at `keys[j]`): a later
-/// position, one outside the window (transformers' causal mask with `sliding_window_overlay`:
-/// visible iff `key > query - window`), or one in another chunk (`chunked_overlay`: visible iff
-/// `key / chunk == query / chunk`).
-///
-/// # Shapes
-/// - output: `[queries, keys]`
-pub(crate) fn causal_mask<B: Backend>(
-    queries: &[usize],
-    keys: &[usize],
-    rules: &AttnRules,
-    device: &B::Device,
-) -> Tensor<B, 2, Bool> {
-    let hidden: Vec<bool> = queries
-        .iter()
-        .flat_map(|&q| {
-            keys.iter().map(move |&k| {
-                let future = k > q;
-                let outside = rules.window.is_some_and(|w| k + w <= q);
-                let other_chunk = rules.chunk.is_some_and(|c| k / c != q / c);
-                future || outside || other_chunk
-            })
-        })
-        .collect();
-    Tensor::from_data(TensorData::new(hidden, [queries.len(), keys.len()]), device)
 }
 
 /// `x / sqrt(mean(x²) + eps)` over the last dimension, no weight (Llama 4's `L2Norm`).

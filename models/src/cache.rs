@@ -3,8 +3,8 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
-/// One layer's cached keys and values (after the rotary embedding), with the position of each
-/// entry.
+/// One layer's cached keys and values (after the rotary embedding), with the column of each
+/// entry (its position in an unpadded row; see [`Places`](crate::Places)).
 ///
 /// A sliding-window layer keeps only the entries a later query can see (the last
 /// `window - 1`), as transformers' sliding-window cache does; a full layer keeps everything.
@@ -14,70 +14,91 @@ pub struct LayerCache<B: Backend> {
     pub keys: Tensor<B, 4>,
     /// `[batch, n_kv_heads, cached, head_dim]`
     pub values: Tensor<B, 4>,
-    /// The position of each cached entry, in order.
-    pub positions: Vec<usize>,
+    /// The column of each cached entry, in order.
+    pub columns: Vec<usize>,
 }
 
-/// Every layer's cache, and the next position: what [`MoeCausalLm::forward`](crate::MoeCausalLm::forward)
-/// reads and extends when generating one token at a time.
+/// Every layer's cache, the next column, and the rows' left padding: what
+/// [`MoeCausalLm::forward`](crate::MoeCausalLm::forward) reads and extends when generating one
+/// token at a time.
 #[derive(Debug, Clone)]
 pub struct KvCache<B: Backend> {
     /// One entry per decoder layer; `None` before the first forward.
     pub layers: Vec<Option<LayerCache<B>>>,
-    /// The position the next token gets (the tokens seen so far).
+    /// The column the next token gets (the tokens seen so far, pads included).
     pub next_position: usize,
+    /// Each row's leading pad columns (a left-padded batch); empty for rows without padding.
+    pub pads: Vec<usize>,
 }
 
 impl<B: Backend> KvCache<B> {
     /// An empty cache for `n_layers` layers.
     pub fn new(n_layers: usize) -> Self {
+        Self::left_padded(n_layers, &[])
+    }
+
+    /// An empty cache for `n_layers` layers and a batch whose row `r` starts with `pads[r]`
+    /// pad columns (prompts of different lengths, left-padded to one length as transformers
+    /// pads for generation): the forwards through it hide those columns from every query and
+    /// count each row's positions from its first real token. The batch of every forward
+    /// through it must have `pads.len()` rows.
+    pub fn left_padded(n_layers: usize, pads: &[usize]) -> Self {
         Self {
             layers: vec![None; n_layers],
             next_position: 0,
+            pads: pads.to_vec(),
         }
     }
 }
 
 impl<B: Backend> LayerCache<B> {
-    /// Appends `keys`/`values` at `positions` to what is cached (if anything), returning the
-    /// keys, values and positions attention reads.
+    /// Appends `keys`/`values` at `columns` to what is cached (if anything), returning the
+    /// keys, values and columns attention reads.
     pub(crate) fn extend(
         cached: Option<&LayerCache<B>>,
         keys: Tensor<B, 4>,
         values: Tensor<B, 4>,
-        positions: &[usize],
+        columns: &[usize],
     ) -> Self {
         match cached {
             None => Self {
                 keys,
                 values,
-                positions: positions.to_vec(),
+                columns: columns.to_vec(),
             },
             Some(c) => Self {
                 keys: Tensor::cat(vec![c.keys.clone(), keys], 2),
                 values: Tensor::cat(vec![c.values.clone(), values], 2),
-                positions: c.positions.iter().chain(positions).copied().collect(),
+                columns: c.columns.iter().chain(columns).copied().collect(),
             },
         }
     }
 
     /// Drops the entries no later query can see: through a window of `window`, a query at
-    /// position `p` sees `p - window + 1 ..= p`, so after the last position `q` only the last
+    /// column `p` sees `p - window + 1 ..= p`, so after the last column `q` only the last
     /// `window - 1` are kept; in chunks of `chunk` (Llama 4), a query sees only its own
-    /// chunk's keys, so only the entries in the chunk of `q + 1`, the next query's, are kept.
-    /// At least the last entry stays (hidden from the next query by the mask where its chunk
-    /// has ended), so that no cache is ever empty: a zero-length tensor is a kernel launch
-    /// of no elements on the GPU backends.
-    pub(crate) fn trim(self, window: Option<usize>, chunk: Option<usize>) -> Self {
-        let n = self.positions.len();
-        let Some(&last) = self.positions.last() else {
+    /// chunk's keys, so only the entries in the chunk of `q + 1`, the next query's, are kept
+    /// (a row's chunks counted from its first real token: with rows padded by `pads`, what
+    /// the row whose next chunk starts earliest still sees). At least the last entry stays
+    /// (hidden from the next query by the mask where its chunk has ended), so that no cache is
+    /// ever empty: a zero-length tensor is a kernel launch of no elements on the GPU backends.
+    pub(crate) fn trim(self, window: Option<usize>, chunk: Option<usize>, pads: &[usize]) -> Self {
+        let n = self.columns.len();
+        let Some(&last) = self.columns.last() else {
             return self;
         };
-        // The first position any later query can see, by each rule.
+        // The first column any later query of any row can see, by each rule.
         let by_window = window.map_or(0, |w| (last + 2).saturating_sub(w));
-        let by_chunk = chunk.map_or(0, |c| (last + 1) / c * c);
+        let chunk_start = |c: usize, pad: usize| match last + 1 < pad {
+            true => 0,
+            false => (last + 1 - pad) / c * c + pad,
+        };
+        let by_chunk = chunk.map_or(0, |c| match pads.is_empty() {
+            true => chunk_start(c, 0),
+            false => pads.iter().map(|&p| chunk_start(c, p)).min().unwrap_or(0),
+        });
         let first_seen = by_window.max(by_chunk).min(last);
-        let drop = self.positions.iter().take_while(|&&p| p < first_seen).count();
+        let drop = self.columns.iter().take_while(|&&p| p < first_seen).count();
         if drop == 0 {
             return self;
         }
@@ -86,7 +107,7 @@ impl<B: Backend> LayerCache<B> {
         Self {
             keys: self.keys.slice([0..b, 0..h, drop..n, 0..d]),
             values: self.values.slice([0..b, 0..h, drop..n, 0..dv]),
-            positions: self.positions[drop..].to_vec(),
+            columns: self.columns[drop..].to_vec(),
         }
     }
 }
@@ -98,13 +119,13 @@ mod tests {
 
     use super::LayerCache;
 
-    fn cache(positions: std::ops::Range<usize>) -> LayerCache<NdArray> {
-        let n = positions.len();
+    fn cache(columns: std::ops::Range<usize>) -> LayerCache<NdArray> {
+        let n = columns.len();
         let device = Default::default();
         LayerCache {
             keys: Tensor::zeros([1, 2, n, 3], &device),
             values: Tensor::zeros([1, 2, n, 3], &device),
-            positions: positions.collect(),
+            columns: columns.collect(),
         }
     }
 
@@ -113,10 +134,10 @@ mod tests {
     /// entry, masked, stays); both rules the later start; neither, everything.
     #[test]
     fn trimming_keeps_what_the_next_query_can_see() {
-        let kept = |positions, window, chunk| {
-            let c = cache(positions).trim(window, chunk);
-            assert_eq!(c.keys.dims()[2], c.positions.len());
-            c.positions
+        let kept = |columns, window, chunk| {
+            let c = cache(columns).trim(window, chunk, &[]);
+            assert_eq!(c.keys.dims()[2], c.columns.len());
+            c.columns
         };
         assert_eq!(kept(0..10, Some(4), None), vec![7, 8, 9]);
         assert_eq!(kept(0..10, None, Some(4)), vec![8, 9]);
@@ -125,5 +146,16 @@ mod tests {
         assert_eq!(kept(0..10, Some(8), Some(4)), vec![8, 9]);
         assert_eq!(kept(5..7, None, Some(4)), vec![5, 6]);
         assert_eq!(kept(0..10, None, None), (0..10).collect::<Vec<_>>());
+    }
+
+    /// With padded rows, chunks start at each row's own offset, and the cache keeps what the
+    /// row whose next chunk started first still sees: after column 9 with chunks of 4, an
+    /// unpadded row's next chunk starts at column 8, a row padded by 3 at column 7.
+    #[test]
+    fn trimming_padded_rows_keeps_every_rows_chunk() {
+        let kept = |pads: &[usize]| cache(0..10).trim(None, Some(4), pads).columns;
+        assert_eq!(kept(&[0, 0]), vec![8, 9]);
+        assert_eq!(kept(&[0, 3]), vec![7, 8, 9]);
+        assert_eq!(kept(&[3, 1]), vec![7, 8, 9]);
     }
 }

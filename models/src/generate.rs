@@ -57,29 +57,70 @@ impl<B: MoeBackend> MoeCausalLm<B> {
         options: &GenerateOptions,
         device: &B::Device,
     ) -> Result<Vec<usize>> {
+        let mut rows = self.generate_batch(&[prompt], options, device)?;
+        Ok(rows.pop().expect("one row per prompt"))
+    }
+
+    /// [`generate_with`](Self::generate_with) for several prompts at once, as transformers'
+    /// batched `generate` runs them: the prompts left-padded to the longest (the pad columns
+    /// hidden by the mask, each row's positions counted from its first real token:
+    /// [`KvCache::left_padded`]), one forward a step for all rows, each row stopping at its
+    /// own stop id or at `max_new_tokens` and fed the pad id while the others go on. Returns
+    /// each prompt's new ids, in the prompts' order, each row's greedy ids those of
+    /// transformers' batched `generate`: the ids the prompt gets alone (where its logits do
+    /// not tie within rounding), except on Llama 4, whose NoPE layers' attention temperature
+    /// counts columns, pads included, in transformers as here. Sampled rows draw in
+    /// row order from one generator seeded by `options.sampling.seed`. The pad id is the
+    /// first stop id (0 without one); which id it is changes no real token's logits.
+    ///
+    /// # Errors
+    /// As [`generate_with`](Self::generate_with), naming the prompt; [`MoeError::Input`] if
+    /// `prompts` is empty.
+    pub fn generate_batch(
+        &self,
+        prompts: &[&[usize]],
+        options: &GenerateOptions,
+        device: &B::Device,
+    ) -> Result<Vec<Vec<usize>>> {
         let max_new_tokens = options.max_new_tokens;
         if let Some(sampling) = &options.sampling {
             sampling.validate()?;
         }
         let mut rng = SplitMix64::new(options.sampling.map_or(0, |s| s.seed));
-        if prompt.is_empty() {
-            return Err(MoeError::Input("the prompt is empty".into()));
+        if prompts.is_empty() {
+            return Err(MoeError::Input("no prompts were given".into()));
         }
-        self.check_ids(prompt, max_new_tokens)?;
+        for (i, prompt) in prompts.iter().enumerate() {
+            let named = |e: MoeError| match (e, prompts.len()) {
+                (e, 1) => e,
+                (MoeError::Input(m), _) => MoeError::Input(format!("prompt {i}: {m}")),
+                (e, _) => e,
+            };
+            if prompt.is_empty() {
+                return Err(named(MoeError::Input("the prompt is empty".into())));
+            }
+            self.check_ids(prompt, max_new_tokens).map_err(named)?;
+        }
+        let width = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
+        let pads: Vec<usize> = prompts.iter().map(|p| width - p.len()).collect();
+        let pad_id = self.config.eos_token_ids.first().copied().unwrap_or(0);
         let group = self.exchange_group();
-        let mut cache = KvCache::new(self.layers.len());
-        let mut new = Vec::with_capacity(max_new_tokens);
-        let mut input: Vec<usize> = prompt.to_vec();
-        let mut done = max_new_tokens == 0;
-        while any_running(group.as_deref(), done)? {
+        let mut cache = KvCache::left_padded(self.layers.len(), &pads);
+        let mut new: Vec<Vec<usize>> = vec![Vec::with_capacity(max_new_tokens); prompts.len()];
+        let mut finished = vec![max_new_tokens == 0; prompts.len()];
+        let mut input: Vec<usize> = prompts
+            .iter()
+            .zip(&pads)
+            .flat_map(|(p, &pad)| std::iter::repeat_n(pad_id, pad).chain(p.iter().copied()))
+            .collect();
+        while any_running(group.as_deref(), finished.iter().all(|&f| f))? {
+            let b = prompts.len();
+            let t = input.len() / b;
             let ids = Tensor::<B, 2, Int>::from_data(
-                TensorData::new(
-                    input.iter().map(|&i| i as i64).collect::<Vec<_>>(),
-                    [1, input.len()],
-                ),
+                TensorData::new(input.iter().map(|&i| i as i64).collect::<Vec<_>>(), [b, t]),
                 device,
             );
-            if done {
+            if finished.iter().all(|&f| f) {
                 // Only for the peers' exchanges: the cache is not extended and the output is
                 // not read.
                 let mut scratch = cache.clone();
@@ -87,20 +128,27 @@ impl<B: MoeBackend> MoeCausalLm<B> {
                 continue;
             }
             let logits = self.try_forward(ids, Some(&mut cache))?.logits;
-            let [_, t, vocab] = logits.dims();
+            let vocab = logits.dims()[2];
             let mut last: Vec<f32> = logits
-                .slice([0..1, t - 1..t, 0..vocab])
+                .slice([0..b, t - 1..t, 0..vocab])
                 .into_data()
                 .convert::<f32>()
                 .into_vec()
                 .map_err(|e| MoeError::Input(format!("logits: {e:?}")))?;
-            let next = match &options.sampling {
-                None => argmax(&last),
-                Some(sampling) => sampling.sample(&mut last, &mut rng),
-            };
-            new.push(next);
-            done = self.config.eos_token_ids.contains(&next) || new.len() == max_new_tokens;
-            input = vec![next];
+            input = Vec::with_capacity(b);
+            for (r, row) in last.chunks_mut(vocab).enumerate() {
+                if finished[r] {
+                    input.push(pad_id);
+                    continue;
+                }
+                let next = match &options.sampling {
+                    None => argmax(row),
+                    Some(sampling) => sampling.sample(row, &mut rng),
+                };
+                new[r].push(next);
+                finished[r] = self.config.eos_token_ids.contains(&next) || new[r].len() == max_new_tokens;
+                input.push(next);
+            }
         }
         Ok(new)
     }

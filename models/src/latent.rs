@@ -11,6 +11,7 @@ use crate::attention::attend;
 use crate::cache::LayerCache;
 use crate::config::AttnRules;
 use crate::norm::{NamedParts, RmsNorm};
+use crate::places::Places;
 use crate::rotary::Rotary;
 
 /// The sizes and rules of latent attention (DeepSeek-V3's `q_lora_rank`, `kv_lora_rank`,
@@ -119,17 +120,18 @@ impl<B: Backend> LatentAttention<B> {
         parts
     }
 
-    /// Attends the tokens `x` at `positions` to themselves and to `cached`, causally. The cache
-    /// holds every head's expanded keys and values.
+    /// Attends the tokens `x` at `places` to themselves and to `cached`, causally and past
+    /// each row's pad columns. The cache holds every head's expanded keys and values.
     ///
     /// # Shapes
-    /// - x: `[batch, seq, d_model]`; cos, sin: `[seq, qk_rope_head_dim]`
+    /// - x: `[batch, seq, d_model]`; cos, sin: `[rows, seq, qk_rope_head_dim]` (`rows` the
+    ///   batch where rows are padded, else 1)
     /// - output: `[batch, seq, d_model]`
     pub fn forward(
         &self,
         x: Tensor<B, 3>,
-        positions: &[usize],
-        (cos, sin): (&Tensor<B, 2>, &Tensor<B, 2>),
+        places: &Places,
+        (cos, sin): (&Tensor<B, 3>, &Tensor<B, 3>),
         cached: Option<&LayerCache<B>>,
     ) -> (Tensor<B, 3>, LayerCache<B>) {
         let (h, c) = self.rules;
@@ -171,12 +173,12 @@ impl<B: Backend> LatentAttention<B> {
         let keys = Tensor::cat(vec![k_nope, k_rot.repeat_dim(1, h)], 3);
         let query = Tensor::cat(vec![q_pass, q_rot], 3);
 
-        let cache = LayerCache::extend(cached, keys, values, positions);
+        let cache = LayerCache::extend(cached, keys, values, &places.columns());
         let out = attend(
             query,
             cache.keys.clone(),
             cache.values.clone(),
-            (positions, &cache.positions),
+            (places, &cache.columns),
             &AttnRules::default(),
             c.softmax_scale,
             None,
@@ -191,9 +193,9 @@ impl<B: Backend> LatentAttention<B> {
 /// `apply_rotary_pos_emb_interleave`, bit for bit the de-interleaved "rotate half").
 ///
 /// # Shapes
-/// - x: `[batch, heads, seq, rope]`; cos, sin: `[seq, rope]` (`cat(freqs, freqs)`: the first
-///   half is used)
-fn interleaved<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 2>, sin: &Tensor<B, 2>) -> Tensor<B, 4> {
+/// - x: `[batch, heads, seq, rope]`; cos, sin: `[rows, seq, rope]`, `rows` 1 or `batch`
+///   (`cat(freqs, freqs)`: the first half is used)
+fn interleaved<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 3>, sin: &Tensor<B, 3>) -> Tensor<B, 4> {
     let [b, h, t, d] = x.dims();
     let half = d / 2;
     let pairs = x.reshape([b, h, t, half, 2]);
@@ -204,8 +206,9 @@ fn interleaved<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 2>, sin: &Tensor<B, 
     let odd = pairs
         .slice([0..b, 0..h, 0..t, 0..half, 1..2])
         .reshape([b, h, t, half]);
-    let cos = cos.clone().slice([0..t, 0..half]).unsqueeze::<4>();
-    let sin = sin.clone().slice([0..t, 0..half]).unsqueeze::<4>();
+    let rows = cos.dims()[0];
+    let cos = cos.clone().slice([0..rows, 0..t, 0..half]).unsqueeze_dim::<4>(1);
+    let sin = sin.clone().slice([0..rows, 0..t, 0..half]).unsqueeze_dim::<4>(1);
     Tensor::cat(
         vec![
             even.clone() * cos.clone() - odd.clone() * sin.clone(),

@@ -12,6 +12,7 @@ use crate::config::AttnRules;
 use crate::latent::LatentAttention;
 use crate::mlp::Mlp;
 use crate::norm::{NamedParts, RmsNorm};
+use crate::places::Places;
 
 /// `h = x + attn(norm1(x)); y = h + ffn(norm2(h))`, the ffn dense or MoE.
 #[derive(Module, Debug)]
@@ -81,7 +82,7 @@ impl<B: Backend> DecoderLayer<B> {
 }
 
 impl<B: MoeBackend> DecoderLayer<B> {
-    /// Runs the layer on `x` at `positions`.
+    /// Runs the layer on `x` at `places`.
     ///
     /// # Shapes
     /// - x: `[batch, seq, d_model]`; output the same
@@ -91,14 +92,14 @@ impl<B: MoeBackend> DecoderLayer<B> {
     pub(crate) fn forward(
         &self,
         x: Tensor<B, 3>,
-        positions: &[usize],
-        rope: (&Tensor<B, 2>, &Tensor<B, 2>),
+        places: &Places,
+        rope: (&Tensor<B, 3>, &Tensor<B, 3>),
         cached: Option<&LayerCache<B>>,
     ) -> Result<LayerOutput<B>> {
         let normed = self.attn_norm.forward(x.clone());
         let (attended, cache) = match (&self.attn, &self.mla) {
-            (Some(attn), _) => attn.forward(normed, positions, rope, &self.rules, cached),
-            (None, Some(mla)) => mla.forward(normed, positions, rope, cached),
+            (Some(attn), _) => attn.forward(normed, places, rope, &self.rules, cached),
+            (None, Some(mla)) => mla.forward(normed, places, rope, cached),
             (None, None) => unreachable!("a decoder layer is built with an attention block"),
         };
         let h = x + attended;

@@ -22,6 +22,10 @@
 //! let ids = Tensor::<NdArray, 2, Int>::from_ints([[1, 5, 9]], &device);
 //! let logits = model.forward(ids, None).logits; // [1, 3, vocab]
 //! let new_ids = model.generate(&[1, 5, 9], 32, &device)?;
+//! // Prompts of different lengths in one batch, left-padded as transformers pads them.
+//! let prompts: [&[usize]; 2] = [&[1, 5, 9], &[7, 2]];
+//! let options = mpipemoe_models::GenerateOptions::greedy(32);
+//! let rows = model.generate_batch(&prompts, &options, &device)?; // each prompt's new ids
 //! # Ok::<(), mpipemoe::MoeError>(())
 //! ```
 
@@ -38,6 +42,7 @@ mod load;
 mod mlp;
 mod model;
 mod norm;
+mod places;
 mod rotary;
 mod sampling;
 mod save;
@@ -54,6 +59,7 @@ pub use mlp::Mlp;
 pub use model::{HfParts, LmOutput, MoeCausalLm};
 pub use mpipemoe::rng::SplitMix64;
 pub use norm::{NamedParts, RmsNorm};
+pub use places::Places;
 pub use rotary::{RopeScaling, Rotary};
 pub use sampling::Sampling;
 pub use tokenizer::{TextTokenizer, MAX_TOKENIZER_BYTES};

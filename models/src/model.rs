@@ -16,6 +16,7 @@ use crate::latent::LatentAttention;
 use crate::layer::DecoderLayer;
 use crate::mlp::Mlp;
 use crate::norm::{NamedParts, RmsNorm};
+use crate::places::Places;
 use crate::rotary::Rotary;
 
 /// A decoder-only MoE language model (`*ForCausalLM`).
@@ -297,8 +298,13 @@ impl<B: Backend> MoeCausalLm<B> {
 }
 
 impl<B: MoeBackend> MoeCausalLm<B> {
-    /// Runs the model on `ids`, continuing `cache` if one is given (positions start at its
-    /// `next_position`, and the cache is extended by these tokens).
+    /// Runs the model on `ids`, continuing `cache` if one is given (columns start at its
+    /// `next_position`, and the cache is extended by these tokens). A cache made with
+    /// [`KvCache::left_padded`] runs a left-padded batch: its rows' pad columns are hidden
+    /// from every query and each row's positions count from its first real token, so each
+    /// row's logits are those of its tokens alone (with a capacity factor, the pad tokens
+    /// still take the MoE layers' capacity as transformers' layers let them: the families
+    /// without one are unaffected).
     ///
     /// # Shapes
     /// - ids: `[batch, seq]`
@@ -314,8 +320,9 @@ impl<B: MoeBackend> MoeCausalLm<B> {
     ///
     /// # Errors
     /// As [`MoeLayer::try_forward`] (a peer rank that fails); [`MoeError::Input`](mpipemoe::MoeError::Input)
-    /// if a cache of another depth is given, or if the cache's positions and `seq` run past
-    /// the model's ([`DecoderConfig::max_positions`]). Every id must be inside the
+    /// if a cache of another depth is given, a padded cache for another number of rows or
+    /// with a row of padding only, or if the cache's columns and `seq` run past the model's
+    /// positions ([`DecoderConfig::max_positions`]). Every id must be inside the
     /// vocabulary: ids from outside are checked with [`check_ids`](Self::check_ids) first.
     pub fn try_forward(
         &self,
@@ -323,7 +330,7 @@ impl<B: MoeBackend> MoeCausalLm<B> {
         mut cache: Option<&mut KvCache<B>>,
     ) -> Result<LmOutput<B>> {
         let device = ids.device();
-        let [_, t] = ids.dims();
+        let [batch, t] = ids.dims();
         if let Some(c) = &cache {
             if c.layers.len() != self.layers.len() {
                 return Err(mpipemoe::MoeError::Input(format!(
@@ -334,20 +341,22 @@ impl<B: MoeBackend> MoeCausalLm<B> {
             }
         }
         let start = cache.as_ref().map_or(0, |c| c.next_position);
+        let pads = cache.as_ref().map_or(&[][..], |c| &c.pads[..]);
+        check_pads(pads, batch, start + t)?;
         self.check_positions(start, t)?;
-        let positions: Vec<usize> = (start..start + t).collect();
+        let places = Places::new(start..start + t, pads);
         let rotary = Rotary::scaled(
             self.config.head_dim,
             self.config.rope_theta,
             self.config.rope_scaling,
         );
-        let (cos, sin) = rotary.tables::<B>(&positions, &device);
+        let (cos, sin) = rotary.tables::<B>(&places.positions(), &device);
         let mut hidden = self.embed.forward(ids);
         let mut z = Tensor::zeros([1], &device);
         let mut balance = Vec::new();
         for (i, layer) in self.layers.iter().enumerate() {
             let cached = cache.as_ref().and_then(|c| c.layers[i].as_ref());
-            let out = layer.forward(hidden, &positions, (&cos, &sin), cached)?;
+            let out = layer.forward(hidden, &places, (&cos, &sin), cached)?;
             hidden = out.hidden;
             balance.extend(out.balance);
             if let Some(zl) = out.z_loss {
@@ -403,6 +412,27 @@ impl<B: MoeBackend> MoeCausalLm<B> {
         let targets = ids.slice([0..b, 1..t]).reshape([b * (t - 1), 1]);
         let loss = log_softmax(predicted, 1).gather(1, targets).mean().neg();
         Ok((loss, out))
+    }
+}
+
+/// Refuses left padding that does not fit a batch of `batch` rows whose cache will hold
+/// `columns` columns: one count per row, and every row with a real token.
+fn check_pads(pads: &[usize], batch: usize, columns: usize) -> Result<()> {
+    if pads.is_empty() {
+        return Ok(());
+    }
+    if pads.len() != batch {
+        return Err(MoeError::Input(format!(
+            "a cache padded for {} rows, given a batch of {batch}",
+            pads.len()
+        )));
+    }
+    match pads.iter().position(|&p| p >= columns) {
+        Some(r) => Err(MoeError::Input(format!(
+            "row {r} is padding only ({} pad columns of {columns})",
+            pads[r]
+        ))),
+        None => Ok(()),
     }
 }
 

@@ -125,17 +125,27 @@ impl Rotary {
         }
     }
 
-    /// `cos` and `sin` for `positions`, each `[n_positions, head_dim]` (the half-width table
-    /// repeated twice, as `cat(freqs, freqs)`).
+    /// `cos` and `sin` for the positions of each row, each `[rows, n_positions, head_dim]` (the
+    /// half-width table repeated twice, as `cat(freqs, freqs)`). Every row holds as many
+    /// positions; one row serves every row of a batch.
+    ///
+    /// # Panics
+    /// If the rows differ in length (a contract of the callers, which build them from one
+    /// [`Places`](crate::Places)).
     pub fn tables<B: Backend>(
         &self,
-        positions: &[usize],
+        rows: &[Vec<usize>],
         device: &B::Device,
-    ) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    ) -> (Tensor<B, 3>, Tensor<B, 3>) {
         let half = self.inv_freq.len();
-        let mut cos = Vec::with_capacity(positions.len() * 2 * half);
-        let mut sin = Vec::with_capacity(positions.len() * 2 * half);
-        for &p in positions {
+        let t = rows.first().map_or(0, Vec::len);
+        assert!(
+            rows.iter().all(|r| r.len() == t),
+            "rotary rows of different lengths"
+        );
+        let mut cos = Vec::with_capacity(rows.len() * t * 2 * half);
+        let mut sin = Vec::with_capacity(rows.len() * t * 2 * half);
+        for &p in rows.iter().flatten() {
             for _ in 0..2 {
                 for &f in &self.inv_freq {
                     let angle = f * p as f32;
@@ -144,7 +154,7 @@ impl Rotary {
                 }
             }
         }
-        let shape = [positions.len(), 2 * half];
+        let shape = [rows.len(), t, 2 * half];
         (
             Tensor::from_data(TensorData::new(cos, shape), device),
             Tensor::from_data(TensorData::new(sin, shape), device),
@@ -156,8 +166,9 @@ impl Rotary {
     ///
     /// # Shapes
     /// - x: `[batch, heads, seq, head_dim]`
-    /// - cos, sin: `[seq, head_dim]` (`cat(freqs, freqs)`: the first half is used)
-    pub fn apply_pairs<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 2>, sin: &Tensor<B, 2>) -> Tensor<B, 4> {
+    /// - cos, sin: `[rows, seq, head_dim]`, `rows` 1 or `batch` (`cat(freqs, freqs)`: the
+    ///   first half is used)
+    pub fn apply_pairs<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 3>, sin: &Tensor<B, 3>) -> Tensor<B, 4> {
         Self::pairs_with(x, cos, sin, 2)
     }
 
@@ -167,11 +178,11 @@ impl Rotary {
     ///
     /// # Shapes
     /// - x: `[batch, seq, heads, head_dim]`
-    /// - cos, sin: `[seq, head_dim]`
+    /// - cos, sin: `[rows, seq, head_dim]`, `rows` 1 or `batch`
     pub fn apply_pairs_seq_major<B: Backend>(
         x: Tensor<B, 4>,
-        cos: &Tensor<B, 2>,
-        sin: &Tensor<B, 2>,
+        cos: &Tensor<B, 3>,
+        sin: &Tensor<B, 3>,
     ) -> Tensor<B, 4> {
         Self::pairs_with(x, cos, sin, 1)
     }
@@ -179,8 +190,8 @@ impl Rotary {
     /// The pairs' rotation of `x` whose sequence axis is `seq_axis` (1 or 2).
     fn pairs_with<B: Backend>(
         x: Tensor<B, 4>,
-        cos: &Tensor<B, 2>,
-        sin: &Tensor<B, 2>,
+        cos: &Tensor<B, 3>,
+        sin: &Tensor<B, 3>,
         seq_axis: usize,
     ) -> Tensor<B, 4> {
         let [b, n1, n2, d] = x.dims();
@@ -189,11 +200,12 @@ impl Rotary {
         let pairs = x.reshape([b, n1, n2, half, 2]);
         let re = pairs.clone().slice([0..b, 0..n1, 0..n2, 0..half, 0..1]);
         let im = pairs.slice([0..b, 0..n1, 0..n2, 0..half, 1..2]);
-        let table = |m: &Tensor<B, 2>| {
-            let m = m.clone().slice([0..t, 0..half]);
+        let table = |m: &Tensor<B, 3>| {
+            let rows = m.dims()[0];
+            let m = m.clone().slice([0..rows, 0..t, 0..half]);
             match seq_axis {
-                1 => m.reshape([1, t, 1, half, 1]),
-                _ => m.reshape([1, 1, t, half, 1]),
+                1 => m.reshape([rows, t, 1, half, 1]),
+                _ => m.reshape([rows, 1, t, half, 1]),
             }
         };
         let (cos, sin) = (table(cos), table(sin));
@@ -206,11 +218,19 @@ impl Rotary {
     ///
     /// # Shapes
     /// - x: `[batch, heads, seq, head_dim]`
-    /// - cos, sin: `[seq, head_dim]`
-    pub fn apply<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 2>, sin: &Tensor<B, 2>) -> Tensor<B, 4> {
+    /// - cos, sin: `[rows, seq, head_dim]`, `rows` 1 or `batch`
+    pub fn apply<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 3>, sin: &Tensor<B, 3>) -> Tensor<B, 4> {
         let [b, h, t, d] = x.dims();
-        // Each (batch, head) row of `t · d` values takes the tables as they are.
-        let table = |m: &Tensor<B, 2>| m.clone().reshape([1, t * d]);
+        // Each (batch, head) row of `t · d` values takes its batch row's tables as they are
+        // (one table for all where the rows share their positions).
+        let table = |m: &Tensor<B, 3>| match m.dims()[0] {
+            1 => m.clone().reshape([1, t * d]),
+            rows => m
+                .clone()
+                .reshape([rows, 1, t * d])
+                .repeat_dim(1, h)
+                .reshape([rows * h, t * d]),
+        };
         Self::half_with(x, [b * h, t * d], table(cos), table(sin))
     }
 
@@ -220,25 +240,27 @@ impl Rotary {
     ///
     /// # Shapes
     /// - x: `[batch, seq, heads, head_dim]`
-    /// - cos, sin: `[seq, head_dim]`
+    /// - cos, sin: `[rows, seq, head_dim]`, `rows` 1 or `batch`
     pub fn apply_seq_major<B: Backend>(
         x: Tensor<B, 4>,
-        cos: &Tensor<B, 2>,
-        sin: &Tensor<B, 2>,
+        cos: &Tensor<B, 3>,
+        sin: &Tensor<B, 3>,
     ) -> Tensor<B, 4> {
         let [b, t, h, d] = x.dims();
-        // Each batch row of `t · h · d` values takes the tables repeated over the heads.
-        let table = |m: &Tensor<B, 2>| {
+        // Each batch row of `t · h · d` values takes its tables (one for all where the rows
+        // share their positions) repeated over the heads.
+        let table = |m: &Tensor<B, 3>| {
+            let rows = m.dims()[0];
             m.clone()
-                .reshape([t, 1, d])
-                .repeat_dim(1, h)
-                .reshape([1, t * h * d])
+                .reshape([rows, t, 1, d])
+                .repeat_dim(2, h)
+                .reshape([rows, t * h * d])
         };
         Self::half_with(x, [b, t * h * d], table(cos), table(sin))
     }
 
     /// `x · cos + rotate_half(x) · sin`, with `x` seen as `rows` (each row a run of whole
-    /// heads) and the tables as one such row, shared by every row.
+    /// heads) and the tables as one such row, shared by every row, or one for each.
     ///
     /// Both choices keep a CPU backend on its fast paths: a table shared row by row is a
     /// broadcast Flex vectorises (a table broadcast over a middle axis it walks element by
@@ -361,9 +383,11 @@ mod tests {
         }
     }
 
-    /// The product form of `rotate_half` and the shared-row tables, on both layouts, against
-    /// transformers' formula written with slices (`x · cos + cat(−x₂, x₁) · sin`), on the
-    /// backend whose fast paths they were written for.
+    /// The product form of `rotate_half` and the tables (shared by every batch row, or one
+    /// per row as a left-padded batch has them), on both layouts and in pairs, against
+    /// transformers' formulas written with slices (`x · cos + cat(−x₂, x₁) · sin`; each pair
+    /// `(x0, x1)` rotated by its frequency), on the backend whose fast paths they were written
+    /// for.
     #[test]
     fn both_layouts_equal_the_sliced_formula() {
         use burn::backend::Flex;
@@ -376,22 +400,73 @@ mod tests {
         };
         let x =
             Tensor::<Flex, 4>::from_data(TensorData::new(values(b * h * t * d, 1), [b, h, t, d]), &device);
-        let cos = Tensor::<Flex, 2>::from_data(TensorData::new(values(t * d, 2), [t, d]), &device);
-        let sin = Tensor::<Flex, 2>::from_data(TensorData::new(values(t * d, 3), [t, d]), &device);
-        let half = d / 2;
-        let rotated = Tensor::cat(
-            vec![
-                x.clone().slice([0..b, 0..h, 0..t, half..d]).neg(),
-                x.clone().slice([0..b, 0..h, 0..t, 0..half]),
-            ],
-            3,
-        );
-        let want = x.clone() * cos.clone().unsqueeze::<4>() + rotated * sin.clone().unsqueeze::<4>();
-        let want: Vec<f32> = want.into_data().to_vec().unwrap();
-        let heads_major: Vec<f32> = Rotary::apply(x.clone(), &cos, &sin).into_data().to_vec().unwrap();
-        let seq_major = Rotary::apply_seq_major(x.swap_dims(1, 2), &cos, &sin).swap_dims(1, 2);
-        let seq_major: Vec<f32> = seq_major.into_data().to_vec().unwrap();
-        assert_eq!(heads_major, want, "[batch, heads, seq, head_dim]");
-        assert_eq!(seq_major, want, "[batch, seq, heads, head_dim]");
+        for rows in [1, b] {
+            let table = |seed| {
+                Tensor::<Flex, 3>::from_data(
+                    TensorData::new(values(rows * t * d, seed), [rows, t, d]),
+                    &device,
+                )
+            };
+            let (cos, sin) = (table(2), table(3));
+            // [rows, 1, seq, d]: broadcast over the heads.
+            let (c4, s4) = (
+                cos.clone().unsqueeze_dim::<4>(1),
+                sin.clone().unsqueeze_dim::<4>(1),
+            );
+            let half = d / 2;
+            let rotated = Tensor::cat(
+                vec![
+                    x.clone().slice([0..b, 0..h, 0..t, half..d]).neg(),
+                    x.clone().slice([0..b, 0..h, 0..t, 0..half]),
+                ],
+                3,
+            );
+            let want = x.clone() * c4.clone() + rotated * s4.clone();
+            let want: Vec<f32> = want.into_data().to_vec().unwrap();
+            let heads_major: Vec<f32> = Rotary::apply(x.clone(), &cos, &sin).into_data().to_vec().unwrap();
+            let seq_major = Rotary::apply_seq_major(x.clone().swap_dims(1, 2), &cos, &sin).swap_dims(1, 2);
+            let seq_major: Vec<f32> = seq_major.into_data().to_vec().unwrap();
+            assert_eq!(
+                heads_major, want,
+                "[batch, heads, seq, head_dim], {rows} table rows"
+            );
+            assert_eq!(
+                seq_major, want,
+                "[batch, seq, heads, head_dim], {rows} table rows"
+            );
+
+            // Pairs: (x[2i], x[2i+1]) rotated by frequency i (the tables' first half).
+            let pairs = x.clone().reshape([b, h, t, half, 2]);
+            let re = pairs
+                .clone()
+                .slice([0..b, 0..h, 0..t, 0..half, 0..1])
+                .reshape([b, h, t, half]);
+            let im = pairs
+                .slice([0..b, 0..h, 0..t, 0..half, 1..2])
+                .reshape([b, h, t, half]);
+            let (ch, sh) = (
+                c4.slice([0..rows, 0..1, 0..t, 0..half]),
+                s4.slice([0..rows, 0..1, 0..t, 0..half]),
+            );
+            let out_re = re.clone() * ch.clone() - im.clone() * sh.clone();
+            let out_im = re * sh + im * ch;
+            let want = Tensor::stack::<5>(vec![out_re, out_im], 4).reshape([b, h, t, d]);
+            let want: Vec<f32> = want.into_data().to_vec().unwrap();
+            let heads_major: Vec<f32> = Rotary::apply_pairs(x.clone(), &cos, &sin)
+                .into_data()
+                .to_vec()
+                .unwrap();
+            let seq_major =
+                Rotary::apply_pairs_seq_major(x.clone().swap_dims(1, 2), &cos, &sin).swap_dims(1, 2);
+            let seq_major: Vec<f32> = seq_major.into_data().to_vec().unwrap();
+            assert_eq!(
+                heads_major, want,
+                "pairs, [batch, heads, seq, head_dim], {rows} table rows"
+            );
+            assert_eq!(
+                seq_major, want,
+                "pairs, [batch, seq, heads, head_dim], {rows} table rows"
+            );
+        }
     }
 }

@@ -19,6 +19,8 @@ use safetensors::SafeTensors;
 
 #[path = "families/agreement.rs"]
 mod agreement;
+#[path = "families/batched.rs"]
+mod batched;
 #[path = "families/finetune.rs"]
 mod finetune;
 #[path = "families/sampling.rs"]

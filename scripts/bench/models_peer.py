@@ -14,7 +14,10 @@ separate processes measured alike (peak resident memory from the kernel's rusage
   `output_router_logits` is false, transformers' default, so it adds no auxiliary loss; ours
   has no coefficient set); the median step time after two warm-up steps;
 - `mpipemoe generate` and transformers' `generate(do_sample=False)`: a 64-token prompt, 64 new
-  tokens (no end-of-sequence stop on the torch side; ours stops at one, which is reported).
+  tokens (no end-of-sequence stop on the torch side; ours stops at one, which is reported);
+- batched generation: 8 prompts of 64, 57, ..., 15 tokens, left-padded (transformers with an
+  attention mask, ours with `generate --ids-file`), 64 new tokens each; new tokens/s over the
+  whole call, prefill included, and each row's ids checked against transformers'.
 
 Both sides run with the same heap setting, named in the output: `--heap keep` (default) keeps
 freed memory in the process (the `mpipemoe` binary's `mallopt`; the PyTorch process gets the
@@ -23,7 +26,7 @@ PyTorch runs with `torch.set_num_threads(THREADS)`, ours with burn's thread pool
 (RAYON_NUM_THREADS).
 
     python3 scripts/bench/models_peer.py [--rounds 3] [--steps 8] [--threads 2] [--heap keep|system]
-        [--json docs/benchmarks/models_peer.json] [--baseline OTHER_MPIPEMOE] [--finetune-only]
+        [--json docs/benchmarks/models_peer.json] [--baseline OTHER_MPIPEMOE] [--finetune-only | --batch-only]
 
 Needs PyTorch, transformers and tokenizers; nothing in the build or the tests needs Python.
 """
@@ -133,6 +136,52 @@ def torch_generate(threads, prompt_len, new_tokens):
     return {"seconds": seconds, "ids": new, "prompt": prompt}
 
 
+BATCH_LENGTHS = [64, 57, 50, 43, 36, 29, 22, 15]
+
+
+def batch_prompts():
+    """The batched prompts: windows of the corpus's tokens, 100 tokens apart."""
+    from tokenizers import Tokenizer
+
+    tokens = Tokenizer.from_file(os.path.join(MODEL, "tokenizer.json")).encode(
+        open(CORPUS).read(), add_special_tokens=False).ids
+    return [tokens[100 * i:100 * i + n] for i, n in enumerate(BATCH_LENGTHS)]
+
+
+def torch_generate_batch(threads, new_tokens):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    prompts = batch_prompts()
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    with torch.no_grad():
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        seconds = time.perf_counter() - start
+    return {"seconds": seconds, "rows": out[:, width:].tolist(), "prompts": prompts}
+
+
+def ours_generate_batch(env, heap, theirs, binary=BINARY):
+    """`mpipemoe generate --ids-file` on transformers' prompts, checked row by row."""
+    path = os.path.join(BENCH, "batch-prompts.txt")
+    with open(path, "w") as f:
+        f.write("".join(",".join(map(str, p)) + "\n" for p in theirs["prompts"]))
+    ours = wrapped([binary] + heap + ["generate", MODEL, "--ids-file", path, "--max-new-tokens", "64", "--greedy"],
+                   env)
+    rows = [json.loads(line)["ids"] for line in ours["out"].splitlines() if line.startswith("{")]
+    line = [l for l in ours["err"].splitlines() if l.startswith("generated ")][-1]
+    seconds = float(line.split(" in ")[1].split(" s ")[0])
+    new = sum(len(r) for r in rows)
+    equal = [next((i for i, (a, b) in enumerate(zip(r, t)) if a != b), min(len(r), len(t)))
+             for r, t in zip(rows, theirs["rows"])]
+    return {"tokens_per_s": new / seconds, "peak_mib": ours["peak_mib"], "new_tokens": new, "equal_prefix": equal}
+
+
 def wrapped(cmd, env):
     """Runs cmd in a fresh Python wrapper that reports the child's own peak resident memory."""
     wrapper = ("import json,os,resource,subprocess,sys,time;"
@@ -162,8 +211,10 @@ def main():
     parser.add_argument("--heap", choices=["keep", "system"], default="keep")
     parser.add_argument("--json")
     parser.add_argument("--baseline", help="a second `mpipemoe` binary (e.g. an earlier commit's build), "
-                        "fine-tuned in each round beside the two sides under the same conditions")
+                        "fine-tuned (or, with --batch-only, run on the batch) in each round beside the two sides "
+                        "under the same conditions")
     parser.add_argument("--finetune-only", action="store_true", help="skip generation")
+    parser.add_argument("--batch-only", action="store_true", help="batched generation alone")
     parser.add_argument("--side", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side == "torch-finetune":
@@ -171,6 +222,9 @@ def main():
         return
     if args.side == "torch-generate":
         print(json.dumps(torch_generate(args.threads, 64, 64)))
+        return
+    if args.side == "torch-generate-batch":
+        print(json.dumps(torch_generate_batch(args.threads, 64)))
         return
     if not os.access(BINARY, os.X_OK):
         sys.exit(f"{BINARY} is missing: cargo build --release --bin mpipemoe")
@@ -182,7 +236,10 @@ def main():
     heap = ["--heap", args.heap]
     out_dir = os.path.join(BENCH, "qwen3-moe-163m-tuned")
     rows = {"ours_finetune": [], "torch_finetune": [], "ours_generate": [], "torch_generate": [],
-            "baseline_finetune": []}
+            "baseline_finetune": [], "ours_batch": [], "torch_batch": [], "baseline_batch": []}
+    if args.batch_only:
+        batch_rounds(args, env, torch_env, heap, rows)
+        return
     binaries = [("ours_finetune", BINARY)] + ([("baseline_finetune", args.baseline)] if args.baseline else [])
     for round_ in range(args.rounds):
         # The two builds of ours alternate which goes first from round to round.
@@ -216,6 +273,7 @@ def main():
         same = next((i for i, (a, b) in enumerate(zip(ids, g["ids"])) if a != b), min(len(ids), len(g["ids"])))
         rows["ours_generate"].append({"tokens_per_s": len(ids) / seconds, "peak_mib": ours["peak_mib"],
                                       "new_tokens": len(ids), "equal_prefix": same})
+        batch_round(args, env, torch_env, heap, rows)
         print(f"round {round_ + 1}: finetune step ours {rows['ours_finetune'][-1]['median_step_s']:.3f} s, "
               f"torch {rows['torch_finetune'][-1]['median_step_s']:.3f} s; generate ours "
               f"{rows['ours_generate'][-1]['tokens_per_s']:.2f} tok/s, torch {rows['torch_generate'][-1]['tokens_per_s']:.2f}",
@@ -251,9 +309,52 @@ def main():
           f"{med('torch_generate', 'peak_mib'):14.0f} {med('ours_generate', 'peak_mib') / med('torch_generate', 'peak_mib'):12.2f}")
     g = rows["ours_generate"][0]
     print(f"greedy ids equal to transformers' for the first {g['equal_prefix']} of {g['new_tokens']} new tokens")
+    print_batch(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"heap": args.heap, "threads": args.threads, "batch": BATCH, "seq": SEQ, "rows": rows}, f, indent=1)
+
+
+def batch_round(args, env, torch_env, heap, rows):
+    """One round of batched generation, transformers first (its prompts and ids are the check)."""
+    theirs = wrapped([sys.executable, __file__, "--side", "torch-generate-batch", "--threads", str(args.threads)],
+                     torch_env)
+    t = json.loads(theirs["out"].strip().splitlines()[-1])
+    rows["torch_batch"].append({"tokens_per_s": sum(len(r) for r in t["rows"]) / t["seconds"],
+                                "peak_mib": theirs["peak_mib"]})
+    builds = [("ours_batch", BINARY)] + ([("baseline_batch", args.baseline)] if args.baseline else [])
+    # The two builds of ours alternate which goes first from round to round.
+    for side, binary in (builds if len(rows["ours_batch"]) % 2 == 0 else builds[::-1]):
+        rows[side].append(ours_generate_batch(env, heap, t, binary))
+
+
+def print_batch(rows):
+    def med(side, key):
+        return statistics.median(r[key] for r in rows[side])
+
+    ob, tb = med("ours_batch", "tokens_per_s"), med("torch_batch", "tokens_per_s")
+    print(f"{'batch of 8, new tokens/s':28} {ob:12.2f} {tb:14.2f} {ob / tb:12.2f}")
+    print(f"{'batch of 8, peak RSS (MiB)':28} {med('ours_batch', 'peak_mib'):12.0f} "
+          f"{med('torch_batch', 'peak_mib'):14.0f} {med('ours_batch', 'peak_mib') / med('torch_batch', 'peak_mib'):12.2f}")
+    if rows["baseline_batch"]:
+        bb = med("baseline_batch", "tokens_per_s")
+        print(f"{'baseline batch new tokens/s':28} {bb:12.2f}   (ours / baseline {ob / bb:.2f})")
+    b = rows["ours_batch"][0]
+    print(f"batched greedy ids equal to transformers' for the first {b['equal_prefix']} new tokens of each row "
+          f"({b['new_tokens']} in all)")
+
+
+def batch_rounds(args, env, torch_env, heap, rows):
+    for round_ in range(args.rounds):
+        batch_round(args, env, torch_env, heap, rows)
+        print(f"round {round_ + 1}: batch of 8 ours {rows['ours_batch'][-1]['tokens_per_s']:.2f} tok/s, "
+              f"torch {rows['torch_batch'][-1]['tokens_per_s']:.2f}", file=sys.stderr)
+    print(f"heap: {args.heap} on both sides; {args.threads} threads each; {args.rounds} rounds, medians")
+    print(f"{'':28} {'ours':>12} {'transformers':>14} {'ours/theirs':>12}")
+    print_batch(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"heap": args.heap, "threads": args.threads, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@
 //! `Vec<f32>` keeps the vector's own allocation), and `gemm` — the crate Flex calls, with the
 //! same arguments and the same parallelism threshold — writes into it, so the numbers are
 //! Flex's own.
+//!
+//! A product of few rows (an expert's share of a decode step: one to a few tokens) splits its
+//! columns over the threads instead, see [`few_rows`].
 
 use burn::backend::flex::{Flex, FlexTensor};
 use burn::tensor::ops::FloatTensorOps;
@@ -20,6 +23,21 @@ use burn::tensor::{DType, Shape, TensorData};
 /// Flex's threshold (burn-flex 0.21 `ops/matmul.rs` `PARALLEL_THRESHOLD`): products of at
 /// least this many multiply-adds run on every core.
 const PARALLEL_THRESHOLD: usize = 192 * 192 * 192;
+
+/// Products of at most this many rows run as [`few_rows`] does.
+const FEW_ROWS: usize = 16;
+
+/// A product of 2 to [`FEW_ROWS`] rows splits its columns over the pool's threads when its
+/// `rhs` holds at least this many values (256 KiB).
+const SPLIT_VALUES: usize = 1 << 16;
+
+/// A product of one row splits only from this many values of `rhs` (8 MiB): `gemm`'s
+/// vector-matrix kernel reads an expert-sized `rhs` faster on one thread than the hand-off
+/// to two costs (see [`few_rows`]).
+const SPLIT_VALUES_ONE_ROW: usize = 1 << 21;
+
+/// The fewest columns one thread of a split takes.
+const MIN_SPLIT_COLUMNS: usize = 64;
 
 /// `lhs · rhs` for two `f32` matrices of any strides (transposed views included); other
 /// dtypes and ranks go to Flex's matmul.
@@ -39,7 +57,9 @@ pub(crate) fn matmul(lhs: FlexTensor, rhs: FlexTensor) -> FlexTensor {
     let (m, k, n) = (l[0], l[1], r[1]);
     assert_eq!(k, r[0], "expert matmul: inner dimensions {k} and {} differ", r[0]);
     let mut out = vec![0f32; m * n];
-    if m * n > 0 {
+    if m * n > 0 && m <= FEW_ROWS {
+        few_rows(&lhs, &rhs, [m, k, n], &mut out);
+    } else if m * n > 0 {
         let (ls, rs) = (lhs.layout().strides(), rhs.layout().strides());
         let lhs_data = &lhs.storage::<f32>()[lhs.layout().start_offset()..];
         let rhs_data = &rhs.storage::<f32>()[rhs.layout().start_offset()..];
@@ -76,4 +96,180 @@ pub(crate) fn matmul(lhs: FlexTensor, rhs: FlexTensor) -> FlexTensor {
         }
     }
     FlexTensor::from_data(TensorData::new(out, Shape::new([m, n])))
+}
+
+/// `out = lhs · rhs` for `m ≤ FEW_ROWS` rows, its columns split over the pool's threads
+/// where `rhs` is large: one single-threaded `gemm` call a run of columns, each writing its own
+/// columns of `out`.
+///
+/// A decode step's products have a few rows (an expert's share of one token a row), so their
+/// multiply-adds stay under Flex's parallel threshold and ran on one core while the pool
+/// waited, though reading `rhs` (an expert's weight, MBs) is their cost. `gemm`'s own
+/// `Parallelism::Rayon` for them was uneven, and its vector-matrix kernel (one row) never
+/// splits. Measured on this project's 2-vCPU VM (release, 2 threads, median of 200 over 24
+/// distinct weights, µs, whole call against the split): 2×512×1536 924 → 569, 3×768×512
+/// 491 → 274, 8×512×1536 1,881 → 1,105, 1×512×8192 1,838 → 1,176; but 1×512×1536 372 → 440
+/// and 1×768×512 177 → 240, so one row splits only from [`SPLIT_VALUES_ONE_ROW`] on.
+///
+/// The values are the whole call's bit for bit: every output's sum over `k` is the same
+/// microkernel's over the same blocks (tested).
+fn few_rows(lhs: &FlexTensor, rhs: &FlexTensor, [m, k, n]: [usize; 3], out: &mut [f32]) {
+    use rayon::prelude::*;
+
+    let (ls, rs) = (lhs.layout().strides().to_vec(), rhs.layout().strides().to_vec());
+    let lhs_data = &lhs.storage::<f32>()[lhs.layout().start_offset()..];
+    let rhs_data = &rhs.storage::<f32>()[rhs.layout().start_offset()..];
+    let threshold = if m == 1 {
+        SPLIT_VALUES_ONE_ROW
+    } else {
+        SPLIT_VALUES
+    };
+    let threads = match k.saturating_mul(n) >= threshold {
+        true => rayon::current_num_threads().min(n / MIN_SPLIT_COLUMNS).max(1),
+        false => 1,
+    };
+    // Runs of columns in multiples of 16 (whole SIMD blocks), the last one shorter.
+    let run = n.div_ceil(threads).next_multiple_of(16).min(n);
+    let (lhs_ptr, rhs_ptr) = (Shared(lhs_data.as_ptr()), Shared(rhs_data.as_ptr()));
+    let out_ptr = Shared(out.as_mut_ptr() as *const f32);
+    let columns = |j0: usize| {
+        let width = run.min(n - j0);
+        let (lhs_ptr, rhs_ptr, out_ptr) = (&lhs_ptr, &rhs_ptr, &out_ptr);
+        // SAFETY: `rhs`' columns `j0..j0 + width` and `out`'s lie inside their buffers (the
+        // layouts' strides are non-negative, checked by the caller); each run writes only its
+        // own columns of `out`, so runs on other threads never touch the same values; and
+        // `read_dst` is false, so `out` is only written.
+        unsafe {
+            gemm::gemm(
+                m,
+                width,
+                k,
+                out_ptr.as_mut().add(j0),
+                1,
+                n as isize,
+                false,
+                lhs_ptr.0,
+                ls[1],
+                ls[0],
+                rhs_ptr.0.offset(j0 as isize * rs[1]),
+                rs[1],
+                rs[0],
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+    };
+    match threads {
+        1 => columns(0),
+        _ => (0..n)
+            .step_by(run)
+            .collect::<Vec<_>>()
+            .into_par_iter()
+            .for_each(columns),
+    }
+}
+
+/// A pointer handed to the pool's threads, each of which uses its own disjoint part of what
+/// it points to (see [`few_rows`]).
+struct Shared<T>(*const T);
+
+impl Shared<f32> {
+    fn as_mut(&self) -> *mut f32 {
+        self.0 as *mut f32
+    }
+}
+
+// SAFETY: the threads of `few_rows` read the operands, which nobody writes meanwhile, and
+// write disjoint runs of the output's columns.
+unsafe impl<T> Send for Shared<T> {}
+unsafe impl<T> Sync for Shared<T> {}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::flex::{Flex, FlexTensor};
+    use burn::tensor::ops::FloatTensorOps;
+    use burn::tensor::TensorData;
+
+    use super::{few_rows, matmul};
+
+    fn tensor(rows: usize, cols: usize, seed: usize) -> FlexTensor {
+        let values: Vec<f32> = (0..rows * cols)
+            .map(|i| (((i + seed) * 7919) % 1013) as f32 / 97.0 - 5.0)
+            .collect();
+        FlexTensor::from_data(TensorData::new(values, [rows, cols]))
+    }
+
+    /// The values of a fresh (contiguous, offset 0) product.
+    fn values(t: FlexTensor) -> Vec<f32> {
+        t.storage::<f32>().to_vec()
+    }
+
+    /// The whole `gemm` call the plain path makes, for comparison.
+    fn whole(lhs: &FlexTensor, rhs: &FlexTensor, [m, k, n]: [usize; 3]) -> Vec<f32> {
+        let mut out = vec![0f32; m * n];
+        let (ls, rs) = (lhs.layout().strides(), rhs.layout().strides());
+        // SAFETY: as in `matmul`.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                out.as_mut_ptr(),
+                1,
+                n as isize,
+                false,
+                lhs.storage::<f32>()[lhs.layout().start_offset()..].as_ptr(),
+                ls[1],
+                ls[0],
+                rhs.storage::<f32>()[rhs.layout().start_offset()..].as_ptr(),
+                rs[1],
+                rs[0],
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+        out
+    }
+
+    /// Few-row products split over a pool of three threads (uneven runs, a last run short of
+    /// a SIMD block) give the whole call's values bit for bit, for row-major and transposed
+    /// weights, one row (split from its larger threshold on) to sixteen; and `matmul` takes
+    /// that road.
+    #[test]
+    fn split_columns_give_the_whole_products_values_bit_for_bit() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        pool.install(|| {
+            for (m, k, n) in [
+                (1, 300, 7003),
+                (2, 96, 1000),
+                (3, 512, 771),
+                (16, 128, 530),
+                (5, 40, 100),
+            ] {
+                let lhs = tensor(m, k, 1);
+                for transposed in [false, true] {
+                    let rhs = match transposed {
+                        false => tensor(k, n, 2),
+                        true => Flex::float_transpose(tensor(n, k, 2)),
+                    };
+                    let want = whole(&lhs, &rhs, [m, k, n]);
+                    let mut got = vec![0f32; m * n];
+                    few_rows(&lhs, &rhs, [m, k, n], &mut got);
+                    assert!(got == want, "{m}×{k}×{n}, transposed weight {transposed}");
+                    assert!(
+                        values(matmul(lhs.clone(), rhs)) == want,
+                        "{m}×{k}×{n} through matmul"
+                    );
+                }
+            }
+        });
+    }
 }

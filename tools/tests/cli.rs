@@ -339,6 +339,89 @@ fn generate_and_logits_on_a_tiny_model() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("500"));
 }
 
+/// `generate --ids-file` runs a batch of prompts of different lengths, left-padded: one JSON
+/// line a prompt with transformers' batched greedy ids (`make_batched.py`), at one rank and
+/// over two; `--prompts-file` encodes each line as `--prompt` does, and a bad file is refused
+/// naming its line.
+#[test]
+fn generate_a_batch_of_prompts_from_a_file() {
+    let models = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/models");
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(models.join("batched.expected.json")).unwrap())
+            .unwrap();
+    let family = &reference["mixtral-tiny"];
+    let lines: Vec<String> = family["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            let ids: Vec<String> = p.as_array().unwrap().iter().map(|v| v.to_string()).collect();
+            ids.join(",")
+        })
+        .collect();
+    let dir = models.join("mixtral-tiny");
+    let dir = dir.to_str().unwrap();
+    let tmp = std::env::temp_dir().join(format!("mpipemoe-cli-batch-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let file = |name: &str, text: &str| {
+        let path = tmp.join(name);
+        std::fs::write(&path, text).unwrap();
+        path.to_str().unwrap().to_string()
+    };
+    let ids_file = file("ids.txt", &(lines.join("\n") + "\n"));
+    for extra in [
+        &[][..],
+        &["--ranks", "2", "--partitions", "3", "--strategy", "s4"][..],
+    ] {
+        let mut args = vec!["generate", dir, "--ids-file", &ids_file, "--max-new-tokens", "12"];
+        args.extend_from_slice(extra);
+        let out = mpipemoe(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let got: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["ids"].clone())
+            .collect();
+        assert_eq!(got, family["new_ids"].as_array().unwrap().clone(), "{extra:?}");
+    }
+    // Text lines: the first line's continuation is that of `--prompt` with the same text.
+    let texts = file("prompts.txt", "the layer\r\nexperts in parallel\n");
+    let out = mpipemoe(&["generate", dir, "--prompts-file", &texts, "--max-new-tokens", "6"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    let first: serde_json::Value = serde_json::from_str(stdout.lines().next().unwrap()).unwrap();
+    assert_eq!(stdout.lines().count(), 2, "{stdout}");
+    let alone = mpipemoe(&["generate", dir, "--prompt", "the layer", "--max-new-tokens", "6"]);
+    let alone_ids = String::from_utf8_lossy(&alone.stdout)
+        .lines()
+        .next()
+        .unwrap()
+        .to_string();
+    let batch_ids: Vec<String> = first["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_string())
+        .collect();
+    assert_eq!(batch_ids.join(","), alone_ids);
+    for (text, wanted) in [
+        ("1,2\n\n3\n", "line 2: an empty prompt"),
+        ("1,2\n3,x\n", "line 2: not comma-separated token ids"),
+        ("", "holds no prompt"),
+    ] {
+        let bad = file("bad.txt", text);
+        let out = mpipemoe(&["generate", dir, "--ids-file", &bad]);
+        assert_eq!(out.status.code(), Some(2), "{text:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(wanted), "{text:?}: {stderr}");
+    }
+    // An id outside the vocabulary names its prompt.
+    let bad = file("bad.txt", "1,2\n3,500\n");
+    let out = mpipemoe(&["generate", dir, "--ids-file", &bad]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("prompt 1: token id 500"));
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
 /// `generate` samples as transformers' `generate(do_sample=True)` filters: `--temperature`,
 /// `--top-k`, `--top-p` with `--seed` (the same seed, the same ids; top-k 1 is greedy), and
 /// without flags follows the folder's `generation_config.json` (`do_sample` and its settings),

@@ -85,14 +85,23 @@ pub struct GenerateArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        required_unless_present = "prompt",
-        conflicts_with = "prompt"
+        required_unless_present_any = ["prompt", "prompts_file", "ids_file"],
+        conflicts_with_all = ["prompt", "prompts_file", "ids_file"]
     )]
     ids: Vec<usize>,
     /// The prompt as text, encoded with the folder's `tokenizer.json` (special tokens added as
     /// the tokenizer's template says, as transformers' `tokenizer(text)` does).
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["prompts_file", "ids_file"])]
     prompt: Option<String>,
+    /// Several prompts in one batch: a text file with one prompt per line, each encoded as
+    /// `--prompt` is. The prompts are left-padded to the longest, as transformers pads them
+    /// for batched generation, and each gets its own continuation. Prints one JSON object per
+    /// prompt and line, in the file's order: `{"ids": [...], "text": "..."}`.
+    #[arg(long, conflicts_with = "ids_file")]
+    prompts_file: Option<PathBuf>,
+    /// As `--prompts-file`, each line a prompt's token ids, comma-separated.
+    #[arg(long)]
+    ids_file: Option<PathBuf>,
     /// Most new tokens (fewer if a stop id comes: `generation_config.json`'s `eos_token_id`
     /// where the folder has one, else `config.json`'s).
     #[arg(long, default_value_t = 32, value_parser = count(0, 1 << 20))]
@@ -166,14 +175,61 @@ enum Prompt {
 #[derive(Clone)]
 enum Task {
     Logits(Vec<usize>),
-    Generate(Prompt, usize, Pick),
+    /// The prompts (one batch), the most new tokens, how to pick them.
+    Generate(Vec<Prompt>, usize, Pick),
 }
 
-/// The model's answer: logits `[T, vocab]`, or the new ids (and their text where the folder
-/// has a tokenizer).
+/// The model's answer: logits `[T, vocab]`, or each prompt's new ids (and their text where
+/// the folder has a tokenizer).
 enum Answer {
     Logits(Vec<f32>, [usize; 2]),
-    Ids(Vec<usize>, Option<String>),
+    Ids(Vec<(Vec<usize>, Option<String>)>),
+}
+
+/// The most prompts one `--prompts-file` or `--ids-file` may hold.
+const MAX_PROMPTS: usize = 1024;
+
+/// The most bytes of such a file.
+const MAX_PROMPTS_BYTES: u64 = 16 << 20;
+
+/// The most tokens a padded batch of prompts may hold (prompts × the longest): its prefill's
+/// activations and logits are allocated from it.
+const MAX_BATCH_TOKENS: usize = 1 << 20;
+
+/// The prompts of a `--prompts-file` (text) or `--ids-file` (`ids` true): one a line, none
+/// empty, at most [`MAX_PROMPTS`] in at most [`MAX_PROMPTS_BYTES`].
+fn read_prompts(path: &Path, ids: bool) -> Result<Vec<Prompt>, String> {
+    let flag = if ids { "--ids-file" } else { "--prompts-file" };
+    let bytes = mpipemoe::files::read_bounded(path, MAX_PROMPTS_BYTES).map_err(|e| format!("{flag}: {e}"))?;
+    let text =
+        String::from_utf8(bytes).map_err(|_| format!("{flag}: {} is not UTF-8 text", path.display()))?;
+    let mut prompts = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = line.strip_suffix('\r').unwrap_or(line);
+        let at = || format!("{flag}: {} line {}", path.display(), i + 1);
+        if line.trim().is_empty() {
+            return Err(format!("{}: an empty prompt", at()));
+        }
+        if prompts.len() == MAX_PROMPTS {
+            return Err(format!(
+                "{flag}: {} holds over {MAX_PROMPTS} prompts",
+                path.display()
+            ));
+        }
+        prompts.push(match ids {
+            false => Prompt::Text(line.to_string()),
+            true => Prompt::Ids(
+                line.split(',')
+                    .map(|id| id.trim().parse::<usize>())
+                    .collect::<Result<_, _>>()
+                    .map_err(|e| format!("{}: not comma-separated token ids ({e})", at()))?,
+            ),
+        });
+    }
+    if prompts.is_empty() {
+        return Err(format!("{flag}: {} holds no prompt", path.display()));
+    }
+    Ok(prompts)
 }
 
 struct LmJob<'a> {
@@ -223,19 +279,29 @@ impl BackendJob for LmJob<'_> {
                         .map_err(|e| MoeError::Input(format!("logits: {e:?}")))?;
                     Ok(Answer::Logits(values, [t, vocab]))
                 }
-                Task::Generate(prompt, n, pick) => {
+                Task::Generate(prompts, n, pick) => {
                     let vocab = model.config().vocab_size;
                     let tokenizer = TextTokenizer::from_dir(self.dir, vocab)?;
-                    let prompt = match (prompt, &tokenizer) {
-                        (Prompt::Ids(ids), _) => ids.clone(),
-                        (Prompt::Text(text), Some(tokenizer)) => tokenizer.encode(text, true)?,
-                        (Prompt::Text(_), None) => {
-                            return Err(MoeError::file(
+                    let prompts = prompts
+                        .iter()
+                        .map(|prompt| match (prompt, &tokenizer) {
+                            (Prompt::Ids(ids), _) => Ok(ids.clone()),
+                            (Prompt::Text(text), Some(tokenizer)) => tokenizer.encode(text, true),
+                            (Prompt::Text(_), None) => Err(MoeError::file(
                                 self.dir.join(TextTokenizer::FILE),
-                                "--prompt needs the folder's tokenizer, and there is none (give --ids)",
-                            ))
-                        }
-                    };
+                                "a text prompt needs the folder's tokenizer, and there is none \
+                                 (give token ids)",
+                            )),
+                        })
+                        .collect::<mpipemoe::Result<Vec<_>>>()?;
+                    let width = prompts.iter().map(Vec::len).max().unwrap_or(0);
+                    if prompts.len().saturating_mul(width) > MAX_BATCH_TOKENS {
+                        return Err(MoeError::Input(format!(
+                            "{} prompts padded to {width} tokens are over the {MAX_BATCH_TOKENS} \
+                             tokens one batch may hold",
+                            prompts.len()
+                        )));
+                    }
                     let start = std::time::Instant::now();
                     let options = GenerateOptions {
                         max_new_tokens: *n,
@@ -252,19 +318,28 @@ impl BackendJob for LmJob<'_> {
                             );
                         }
                     }
-                    let ids = model.generate_with(&prompt, &options, &device)?;
+                    let batch: Vec<&[usize]> = prompts.iter().map(Vec::as_slice).collect();
+                    let rows = model.generate_batch(&batch, &options, &device)?;
                     let seconds = start.elapsed().as_secs_f64();
                     if ctx.rank == 0 {
                         // On standard error, so that standard output stays ids and text.
+                        let new: usize = rows.iter().map(Vec::len).sum();
+                        let read: usize = prompts.iter().map(Vec::len).sum();
                         eprintln!(
-                            "generated {} tokens after a prompt of {} in {seconds:.3} s ({:.2} tokens/s, prefill included)",
-                            ids.len(),
-                            prompt.len(),
-                            ids.len() as f64 / seconds
+                            "generated {new} tokens after {} prompt(s) of {read} tokens in {seconds:.3} s \
+                             ({:.2} tokens/s, prefill included)",
+                            prompts.len(),
+                            new as f64 / seconds
                         );
                     }
-                    let text = tokenizer.map(|t| t.decode(&ids)).transpose()?;
-                    Ok(Answer::Ids(ids, text))
+                    let answers = rows
+                        .into_iter()
+                        .map(|ids| {
+                            let text = tokenizer.as_ref().map(|t| t.decode(&ids)).transpose()?;
+                            Ok((ids, text))
+                        })
+                        .collect::<mpipemoe::Result<Vec<_>>>()?;
+                    Ok(Answer::Ids(answers))
                 }
             }
         })?;
@@ -332,14 +407,18 @@ pub fn logits(args: LogitsArgs) -> ExitCode {
 }
 
 pub fn generate(args: GenerateArgs) -> ExitCode {
-    let prompt = match args.prompt {
-        Some(text) => Prompt::Text(text),
-        None => {
-            if let Err(message) = check_ids(&args.ids) {
-                eprintln!("error: {message}");
-                return ExitCode::from(2);
-            }
-            Prompt::Ids(args.ids.clone())
+    let batched = args.prompts_file.is_some() || args.ids_file.is_some();
+    let prompts = match (args.prompt, &args.prompts_file, &args.ids_file) {
+        (Some(text), ..) => Ok(vec![Prompt::Text(text)]),
+        (None, Some(file), _) => read_prompts(file, false),
+        (None, None, Some(file)) => read_prompts(file, true),
+        (None, None, None) => check_ids(&args.ids).map(|()| vec![Prompt::Ids(args.ids.clone())]),
+    };
+    let prompts = match prompts {
+        Ok(prompts) => prompts,
+        Err(message) => {
+            eprintln!("error: {message}");
+            return ExitCode::from(2);
         }
     };
     let pick = Pick {
@@ -352,9 +431,21 @@ pub fn generate(args: GenerateArgs) -> ExitCode {
     match answer(
         &args.dir,
         &args.run,
-        Task::Generate(prompt, args.max_new_tokens, pick),
+        Task::Generate(prompts, args.max_new_tokens, pick),
     ) {
-        Ok(Answer::Ids(ids, text)) => {
+        Ok(Answer::Ids(rows)) if batched => {
+            // One JSON object a prompt and line: text may hold line breaks.
+            for (ids, text) in rows {
+                let mut line = serde_json::json!({ "ids": ids });
+                if let Some(text) = text {
+                    line["text"] = serde_json::Value::String(text);
+                }
+                println!("{line}");
+            }
+            ExitCode::SUCCESS
+        }
+        Ok(Answer::Ids(mut rows)) => {
+            let (ids, text) = rows.pop().expect("one prompt, one answer");
             // The ids alone on the first line, for scripts; the text after it.
             let line: Vec<String> = ids.iter().map(usize::to_string).collect();
             println!("{}", line.join(","));
