@@ -15,6 +15,11 @@ separate processes measured alike (peak resident memory from the kernel's rusage
   has no coefficient set); the median step time after two warm-up steps;
 - `mpipemoe generate` and transformers' `generate(do_sample=False)`: a 64-token prompt, 64 new
   tokens (no end-of-sequence stop on the torch side; ours stops at one, which is reported);
+- llama.cpp, where the `llama_cpp` module (llama-cpp-python) imports and `--llama-src` names
+  llama.cpp's source tree (see `llama_convert.py`): the same model converted once by
+  llama.cpp's own `convert_hf_to_gguf.py` to f32 (target/bench/llama/), run with an f32 KV
+  cache and flash attention off, the same prompt, greedy (the argmax of each step's logits);
+  its ids must equal transformers' before its time counts;
 - batched generation: 8 prompts of 64, 57, ..., 15 tokens, left-padded (transformers with an
   attention mask, ours with `generate --ids-file`), 64 new tokens each; new tokens/s over the
   whole call, prefill included, and each row's ids checked against transformers'.
@@ -26,7 +31,8 @@ PyTorch runs with `torch.set_num_threads(THREADS)`, ours with burn's thread pool
 (RAYON_NUM_THREADS).
 
     python3 scripts/bench/models_peer.py [--rounds 3] [--steps 8] [--threads 2] [--heap keep|system]
-        [--json docs/benchmarks/models_peer.json] [--baseline OTHER_MPIPEMOE] [--finetune-only | --batch-only]
+        [--json docs/benchmarks/models_peer.json] [--baseline OTHER_MPIPEMOE]
+        [--finetune-only | --generate-only | --batch-only] [--llama-src LLAMA_CPP_DIR]
 
 Needs PyTorch, transformers and tokenizers; nothing in the build or the tests needs Python.
 """
@@ -182,6 +188,53 @@ def ours_generate_batch(env, heap, theirs, binary=BINARY):
     return {"tokens_per_s": new / seconds, "peak_mib": ours["peak_mib"], "new_tokens": new, "equal_prefix": equal}
 
 
+GGUF = os.path.join(BENCH, "llama", "qwen3-moe-163m-f32.gguf")
+
+
+def make_gguf(src):
+    """The model in f32 GGUF, by llama.cpp's converter (once; kept in target/bench/llama)."""
+    if os.path.isfile(GGUF):
+        return
+    os.makedirs(os.path.dirname(GGUF), exist_ok=True)
+    partial = GGUF + ".partial"
+    done = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "llama_convert.py"), src, MODEL,
+                           partial], capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"llama.cpp's conversion failed:\n{done.stderr[-3000:]}")
+    os.replace(partial, GGUF)
+
+
+def llama_generate(threads, prompt_len, new_tokens):
+    """llama.cpp through llama-cpp-python: prefill, then the argmax of each step's logits."""
+    import ctypes
+
+    import llama_cpp
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    tokens = Tokenizer.from_file(os.path.join(MODEL, "tokenizer.json")).encode(
+        open(CORPUS).read(), add_special_tokens=False).ids
+    prompt = tokens[:prompt_len]
+    # An f32 KV cache (GGML_TYPE_F32 = 0) and no flash attention: the arithmetic of the other sides.
+    llm = llama_cpp.Llama(model_path=GGUF, n_ctx=256, n_batch=256, n_threads=threads, n_threads_batch=threads,
+                          flash_attn=False, type_k=0, type_v=0, verbose=False)
+    n_vocab = llm.n_vocab()
+
+    def last_logits():
+        pointer = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+        return np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,))
+
+    start = time.perf_counter()
+    llm.eval(prompt)
+    new = []
+    for _ in range(new_tokens):
+        new.append(int(np.argmax(last_logits())))
+        if len(new) < new_tokens:
+            llm.eval([new[-1]])
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "ids": new, "prompt": prompt}
+
+
 def wrapped(cmd, env):
     """Runs cmd in a fresh Python wrapper that reports the child's own peak resident memory."""
     wrapper = ("import json,os,resource,subprocess,sys,time;"
@@ -211,10 +264,13 @@ def main():
     parser.add_argument("--heap", choices=["keep", "system"], default="keep")
     parser.add_argument("--json")
     parser.add_argument("--baseline", help="a second `mpipemoe` binary (e.g. an earlier commit's build), "
-                        "fine-tuned (or, with --batch-only, run on the batch) in each round beside the two sides "
+                        "fine-tuned and run on the batch in each round beside the other sides "
                         "under the same conditions")
     parser.add_argument("--finetune-only", action="store_true", help="skip generation")
     parser.add_argument("--batch-only", action="store_true", help="batched generation alone")
+    parser.add_argument("--generate-only", action="store_true", help="single-prompt generation alone")
+    parser.add_argument("--llama-src", help="llama.cpp's source tree (the llama-cpp-python sdist's "
+                        "vendor/llama.cpp): adds llama.cpp as a generation comparator")
     parser.add_argument("--side", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side == "torch-finetune":
@@ -222,6 +278,9 @@ def main():
         return
     if args.side == "torch-generate":
         print(json.dumps(torch_generate(args.threads, 64, 64)))
+        return
+    if args.side == "llama-generate":
+        print(json.dumps(llama_generate(args.threads, 64, 64)))
         return
     if args.side == "torch-generate-batch":
         print(json.dumps(torch_generate_batch(args.threads, 64)))
@@ -235,12 +294,23 @@ def main():
         torch_env["GLIBC_TUNABLES"] = KEEP_TUNABLES
     heap = ["--heap", args.heap]
     out_dir = os.path.join(BENCH, "qwen3-moe-163m-tuned")
-    rows = {"ours_finetune": [], "torch_finetune": [], "ours_generate": [], "torch_generate": [],
+    llama = False
+    if args.llama_src:
+        import importlib.util
+        if importlib.util.find_spec("llama_cpp") is None:
+            print("llama_cpp does not import: llama.cpp is left out", file=sys.stderr)
+        else:
+            make_gguf(args.llama_src)
+            llama = True
+    rows = {"ours_finetune": [], "torch_finetune": [], "ours_generate": [], "torch_generate": [], "llama_generate": [],
             "baseline_finetune": [], "ours_batch": [], "torch_batch": [], "baseline_batch": []}
     if args.batch_only:
         batch_rounds(args, env, torch_env, heap, rows)
         return
     binaries = [("ours_finetune", BINARY)] + ([("baseline_finetune", args.baseline)] if args.baseline else [])
+    if args.generate_only:
+        generate_rounds(args, env, torch_env, heap, rows, llama)
+        return
     for round_ in range(args.rounds):
         # The two builds of ours alternate which goes first from round to round.
         for side, binary in (binaries if round_ % 2 == 0 else binaries[::-1]):
@@ -261,18 +331,7 @@ def main():
             print(f"round {round_ + 1}: finetune step ours {rows['ours_finetune'][-1]['median_step_s']:.3f} s, "
                   f"torch {rows['torch_finetune'][-1]['median_step_s']:.3f} s", file=sys.stderr)
             continue
-        theirs = wrapped([sys.executable, __file__, "--side", "torch-generate", "--threads", str(args.threads)],
-                         torch_env)
-        g = json.loads(theirs["out"].strip().splitlines()[-1])
-        rows["torch_generate"].append({"tokens_per_s": len(g["ids"]) / g["seconds"], "peak_mib": theirs["peak_mib"]})
-        ours = wrapped([BINARY] + heap + ["generate", MODEL, "--ids", ",".join(map(str, g["prompt"])),
-                                          "--max-new-tokens", "64", "--greedy"], env)
-        ids = [int(i) for i in ours["out"].splitlines()[0].split(",") if i]
-        line = [l for l in ours["err"].splitlines() if l.startswith("generated ")][-1]
-        seconds = float(line.split(" in ")[1].split(" s ")[0])
-        same = next((i for i, (a, b) in enumerate(zip(ids, g["ids"])) if a != b), min(len(ids), len(g["ids"])))
-        rows["ours_generate"].append({"tokens_per_s": len(ids) / seconds, "peak_mib": ours["peak_mib"],
-                                      "new_tokens": len(ids), "equal_prefix": same})
+        generate_round(args, env, torch_env, heap, rows, llama)
         batch_round(args, env, torch_env, heap, rows)
         print(f"round {round_ + 1}: finetune step ours {rows['ours_finetune'][-1]['median_step_s']:.3f} s, "
               f"torch {rows['torch_finetune'][-1]['median_step_s']:.3f} s; generate ours "
@@ -303,16 +362,66 @@ def main():
                 json.dump({"heap": args.heap, "threads": args.threads, "batch": BATCH, "seq": SEQ, "rows": rows}, f,
                           indent=1)
         return
-    og, tg = med("ours_generate", "tokens_per_s"), med("torch_generate", "tokens_per_s")
-    print(f"{'generate new tokens/s':28} {og:12.2f} {tg:14.2f} {og / tg:12.2f}")
-    print(f"{'generate peak RSS (MiB)':28} {med('ours_generate', 'peak_mib'):12.0f} "
-          f"{med('torch_generate', 'peak_mib'):14.0f} {med('ours_generate', 'peak_mib') / med('torch_generate', 'peak_mib'):12.2f}")
-    g = rows["ours_generate"][0]
-    print(f"greedy ids equal to transformers' for the first {g['equal_prefix']} of {g['new_tokens']} new tokens")
+    print_generate(rows)
     print_batch(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"heap": args.heap, "threads": args.threads, "batch": BATCH, "seq": SEQ, "rows": rows}, f, indent=1)
+
+
+def generate_round(args, env, torch_env, heap, rows, llama):
+    """One round of single-prompt generation: transformers, llama.cpp (its ids checked equal to
+    transformers' first), ours."""
+    theirs = wrapped([sys.executable, __file__, "--side", "torch-generate", "--threads", str(args.threads)],
+                     torch_env)
+    g = json.loads(theirs["out"].strip().splitlines()[-1])
+    rows["torch_generate"].append({"tokens_per_s": len(g["ids"]) / g["seconds"], "peak_mib": theirs["peak_mib"]})
+    if llama:
+        run = wrapped([sys.executable, __file__, "--side", "llama-generate", "--threads", str(args.threads)],
+                      torch_env)
+        l = json.loads(run["out"].strip().splitlines()[-1])
+        if l["ids"] != g["ids"]:
+            first = next(i for i, (a, b) in enumerate(zip(l["ids"], g["ids"])) if a != b)
+            sys.exit(f"llama.cpp's greedy ids differ from transformers' at new token {first}: not compared")
+        rows["llama_generate"].append({"tokens_per_s": len(l["ids"]) / l["seconds"], "peak_mib": run["peak_mib"]})
+    ours = wrapped([BINARY] + heap + ["generate", MODEL, "--ids", ",".join(map(str, g["prompt"])),
+                                      "--max-new-tokens", "64", "--greedy"], env)
+    ids = [int(i) for i in ours["out"].splitlines()[0].split(",") if i]
+    line = [l for l in ours["err"].splitlines() if l.startswith("generated ")][-1]
+    seconds = float(line.split(" in ")[1].split(" s ")[0])
+    same = next((i for i, (a, b) in enumerate(zip(ids, g["ids"])) if a != b), min(len(ids), len(g["ids"])))
+    rows["ours_generate"].append({"tokens_per_s": len(ids) / seconds, "peak_mib": ours["peak_mib"],
+                                  "new_tokens": len(ids), "equal_prefix": same})
+
+
+def print_generate(rows):
+    def med(side, key):
+        return statistics.median(r[key] for r in rows[side])
+
+    og, tg = med("ours_generate", "tokens_per_s"), med("torch_generate", "tokens_per_s")
+    print(f"{'generate new tokens/s':28} {og:12.2f} {tg:14.2f} {og / tg:12.2f}")
+    print(f"{'generate peak RSS (MiB)':28} {med('ours_generate', 'peak_mib'):12.0f} "
+          f"{med('torch_generate', 'peak_mib'):14.0f} {med('ours_generate', 'peak_mib') / med('torch_generate', 'peak_mib'):12.2f}")
+    if rows["llama_generate"]:
+        lg = med("llama_generate", "tokens_per_s")
+        print(f"{'llama.cpp f32, new tokens/s':28} {lg:12.2f}   (ours / llama.cpp {og / lg:.2f}; peak RSS "
+              f"{med('llama_generate', 'peak_mib'):.0f} MiB; its ids equal transformers')")
+    g = rows["ours_generate"][0]
+    print(f"greedy ids equal to transformers' for the first {g['equal_prefix']} of {g['new_tokens']} new tokens")
+
+
+def generate_rounds(args, env, torch_env, heap, rows, llama):
+    for round_ in range(args.rounds):
+        generate_round(args, env, torch_env, heap, rows, llama)
+        extra = f", llama.cpp {rows['llama_generate'][-1]['tokens_per_s']:.2f}" if llama else ""
+        print(f"round {round_ + 1}: generate ours {rows['ours_generate'][-1]['tokens_per_s']:.2f} tok/s, "
+              f"torch {rows['torch_generate'][-1]['tokens_per_s']:.2f}{extra}", file=sys.stderr)
+    print(f"heap: {args.heap} on both sides; {args.threads} threads each; {args.rounds} rounds, medians")
+    print(f"{'':28} {'ours':>12} {'transformers':>14} {'ours/theirs':>12}")
+    print_generate(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"heap": args.heap, "threads": args.threads, "rows": rows}, f, indent=1)
 
 
 def batch_round(args, env, torch_env, heap, rows):
