@@ -57,43 +57,16 @@ pub(crate) fn matmul(lhs: FlexTensor, rhs: FlexTensor) -> FlexTensor {
     let (m, k, n) = (l[0], l[1], r[1]);
     assert_eq!(k, r[0], "expert matmul: inner dimensions {k} and {} differ", r[0]);
     let mut out = vec![0f32; m * n];
+    let operands = Operands::of(&lhs, &rhs, [m, k, n]);
     if m * n > 0 && m <= FEW_ROWS {
-        few_rows(&lhs, &rhs, [m, k, n], &mut out);
+        few_rows(&operands, &mut out);
     } else if m * n > 0 {
-        let (ls, rs) = (lhs.layout().strides(), rhs.layout().strides());
-        let lhs_data = &lhs.storage::<f32>()[lhs.layout().start_offset()..];
-        let rhs_data = &rhs.storage::<f32>()[rhs.layout().start_offset()..];
         let parallelism = match m.saturating_mul(n).saturating_mul(k) >= PARALLEL_THRESHOLD {
             true => gemm::Parallelism::Rayon(0),
             false => gemm::Parallelism::None,
         };
-        // SAFETY: the operands' views lie inside their storages (Flex's layouts say where,
-        // and the slices above start at their offsets), `out` holds `m · n` values written
-        // with column stride 1 and row stride `n`, and `read_dst` is false, so `out` is only
-        // written.
-        unsafe {
-            gemm::gemm(
-                m,
-                n,
-                k,
-                out.as_mut_ptr(),
-                1,
-                n as isize,
-                false,
-                lhs_data.as_ptr(),
-                ls[1],
-                ls[0],
-                rhs_data.as_ptr(),
-                rs[1],
-                rs[0],
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                parallelism,
-            );
-        }
+        // SAFETY: `out` holds `m · n` values and is not touched elsewhere meanwhile.
+        unsafe { operands.columns(out.as_mut_ptr(), 0..n, parallelism) };
     }
     FlexTensor::from_data(TensorData::new(out, Shape::new([m, n])))
 }
@@ -111,14 +84,12 @@ pub(crate) fn matmul(lhs: FlexTensor, rhs: FlexTensor) -> FlexTensor {
 /// 491 → 274, 8×512×1536 1,881 → 1,105, 1×512×8192 1,838 → 1,176; but 1×512×1536 372 → 440
 /// and 1×768×512 177 → 240, so one row splits only from [`SPLIT_VALUES_ONE_ROW`] on.
 ///
-/// The values are the whole call's bit for bit: every output's sum over `k` is the same
-/// microkernel's over the same blocks (tested).
-fn few_rows(lhs: &FlexTensor, rhs: &FlexTensor, [m, k, n]: [usize; 3], out: &mut [f32]) {
+/// The values are the whole call's bit for bit wherever it was compared (one to sixteen rows,
+/// row-major and transposed weights, runs of uneven width: the unit test below).
+fn few_rows(operands: &Operands, out: &mut [f32]) {
     use rayon::prelude::*;
 
-    let (ls, rs) = (lhs.layout().strides().to_vec(), rhs.layout().strides().to_vec());
-    let lhs_data = &lhs.storage::<f32>()[lhs.layout().start_offset()..];
-    let rhs_data = &rhs.storage::<f32>()[rhs.layout().start_offset()..];
+    let [m, k, n] = operands.mkn;
     let threshold = if m == 1 {
         SPLIT_VALUES_ONE_ROW
     } else {
@@ -130,38 +101,11 @@ fn few_rows(lhs: &FlexTensor, rhs: &FlexTensor, [m, k, n]: [usize; 3], out: &mut
     };
     // Runs of columns in multiples of 16 (whole SIMD blocks), the last one shorter.
     let run = n.div_ceil(threads).next_multiple_of(16).min(n);
-    let (lhs_ptr, rhs_ptr) = (Shared(lhs_data.as_ptr()), Shared(rhs_data.as_ptr()));
     let out_ptr = Shared(out.as_mut_ptr() as *const f32);
     let columns = |j0: usize| {
-        let width = run.min(n - j0);
-        let (lhs_ptr, rhs_ptr, out_ptr) = (&lhs_ptr, &rhs_ptr, &out_ptr);
-        // SAFETY: `rhs`' columns `j0..j0 + width` and `out`'s lie inside their buffers (the
-        // layouts' strides are non-negative, checked by the caller); each run writes only its
-        // own columns of `out`, so runs on other threads never touch the same values; and
-        // `read_dst` is false, so `out` is only written.
-        unsafe {
-            gemm::gemm(
-                m,
-                width,
-                k,
-                out_ptr.as_mut().add(j0),
-                1,
-                n as isize,
-                false,
-                lhs_ptr.0,
-                ls[1],
-                ls[0],
-                rhs_ptr.0.offset(j0 as isize * rs[1]),
-                rs[1],
-                rs[0],
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            );
-        }
+        // SAFETY: each run writes only its own columns of `out`, so runs on other threads
+        // never touch the same values, and nothing else touches `out` meanwhile.
+        unsafe { operands.columns(out_ptr.as_mut(), j0..(j0 + run).min(n), gemm::Parallelism::None) }
     };
     match threads {
         1 => columns(0),
@@ -170,6 +114,65 @@ fn few_rows(lhs: &FlexTensor, rhs: &FlexTensor, [m, k, n]: [usize; 3], out: &mut
             .collect::<Vec<_>>()
             .into_par_iter()
             .for_each(columns),
+    }
+}
+
+/// The two `f32` operands of one product, as `gemm` reads them: where their views start, their
+/// strides, and `[m, k, n]`.
+struct Operands {
+    lhs: Shared<f32>,
+    rhs: Shared<f32>,
+    lhs_strides: [isize; 2],
+    rhs_strides: [isize; 2],
+    mkn: [usize; 3],
+}
+
+impl Operands {
+    /// The views of `lhs` `[m, k]` and `rhs` `[k, n]`, whose strides the caller has checked to
+    /// be non-negative. The tensors must outlive the value.
+    fn of(lhs: &FlexTensor, rhs: &FlexTensor, mkn: [usize; 3]) -> Self {
+        let start = |t: &FlexTensor| Shared(t.storage::<f32>()[t.layout().start_offset()..].as_ptr());
+        let strides = |t: &FlexTensor| [t.layout().strides()[0], t.layout().strides()[1]];
+        Self {
+            lhs: start(lhs),
+            rhs: start(rhs),
+            lhs_strides: strides(lhs),
+            rhs_strides: strides(rhs),
+            mkn,
+        }
+    }
+
+    /// `out[.., cols] = lhs · rhs[.., cols]`: one `gemm` call over a run of the output's
+    /// columns (all of them for the whole product), `out` row-major `[m, n]`.
+    ///
+    /// # Safety
+    /// `out` points at `m · n` values that no one else reads or writes in `cols` meanwhile;
+    /// the tensors `self` was made of are alive; `cols` lies within `0..n`. The operands'
+    /// views lie inside their storages (Flex's layouts say where; the starts are their
+    /// offsets), and `read_dst` is false, so `out` is only written.
+    unsafe fn columns(&self, out: *mut f32, cols: std::ops::Range<usize>, parallelism: gemm::Parallelism) {
+        let ([m, k, n], [l0, l1], [r0, r1]) = (self.mkn, self.lhs_strides, self.rhs_strides);
+        gemm::gemm(
+            m,
+            cols.len(),
+            k,
+            out.add(cols.start),
+            1,
+            n as isize,
+            false,
+            self.lhs.0,
+            l1,
+            l0,
+            self.rhs.0.offset(cols.start as isize * r1),
+            r1,
+            r0,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
     }
 }
 
@@ -194,7 +197,7 @@ mod tests {
     use burn::tensor::ops::FloatTensorOps;
     use burn::tensor::TensorData;
 
-    use super::{few_rows, matmul};
+    use super::{few_rows, matmul, Operands};
 
     fn tensor(rows: usize, cols: usize, seed: usize) -> FlexTensor {
         let values: Vec<f32> = (0..rows * cols)
@@ -211,31 +214,8 @@ mod tests {
     /// The whole `gemm` call the plain path makes, for comparison.
     fn whole(lhs: &FlexTensor, rhs: &FlexTensor, [m, k, n]: [usize; 3]) -> Vec<f32> {
         let mut out = vec![0f32; m * n];
-        let (ls, rs) = (lhs.layout().strides(), rhs.layout().strides());
-        // SAFETY: as in `matmul`.
-        unsafe {
-            gemm::gemm(
-                m,
-                n,
-                k,
-                out.as_mut_ptr(),
-                1,
-                n as isize,
-                false,
-                lhs.storage::<f32>()[lhs.layout().start_offset()..].as_ptr(),
-                ls[1],
-                ls[0],
-                rhs.storage::<f32>()[rhs.layout().start_offset()..].as_ptr(),
-                rs[1],
-                rs[0],
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            );
-        }
+        // SAFETY: `out` holds `m · n` values; the tensors are alive.
+        unsafe { Operands::of(lhs, rhs, [m, k, n]).columns(out.as_mut_ptr(), 0..n, gemm::Parallelism::None) };
         out
     }
 
@@ -262,7 +242,7 @@ mod tests {
                     };
                     let want = whole(&lhs, &rhs, [m, k, n]);
                     let mut got = vec![0f32; m * n];
-                    few_rows(&lhs, &rhs, [m, k, n], &mut got);
+                    few_rows(&Operands::of(&lhs, &rhs, [m, k, n]), &mut got);
                     assert!(got == want, "{m}×{k}×{n}, transposed weight {transposed}");
                     assert!(
                         values(matmul(lhs.clone(), rhs)) == want,

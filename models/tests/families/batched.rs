@@ -150,3 +150,29 @@ fn padding_that_does_not_fit_the_batch_is_refused() {
         .to_string();
     assert!(err.contains("prompt 1: the prompt is empty"), "{err}");
 }
+
+/// Sampled rows draw in row order from one generator: the same seed gives the same rows,
+/// another seed other rows.
+#[test]
+fn sampled_batches_repeat_with_their_seed() {
+    let device = Default::default();
+    let model =
+        MoeCausalLm::<NdArray>::from_hf(data().join("mixtral-tiny"), &device, Arc::new(SingleRank)).unwrap();
+    let (prompts, _) = reference("mixtral-tiny");
+    let sampled = |seed| GenerateOptions {
+        max_new_tokens: 12,
+        sampling: Some(mpipemoe_models::Sampling {
+            temperature: 1.0,
+            top_k: None,
+            top_p: None,
+            seed,
+        }),
+    };
+    let run = |seed| {
+        model
+            .generate_batch(&refs(&prompts), &sampled(seed), &device)
+            .unwrap()
+    };
+    assert_eq!(run(7), run(7));
+    assert_ne!(run(7), run(8));
+}
