@@ -237,22 +237,36 @@ pub(crate) fn attend<B: Backend>(
     scale: f64,
     sinks: Option<Tensor<B, 1>>,
 ) -> Tensor<B, 4> {
-    let [b, h, t, _] = q.dims();
-    let s = cached.len();
     let scores = q.matmul(keys.swap_dims(2, 3)) * scale;
+    probabilities(scores, (places, cached), rules, sinks).matmul(values)
+}
+
+/// The attention weights of scaled `scores`: keys hidden by [`Places::mask`] at `-inf`, the
+/// softmax over the keys, with a sink logit per head (GPT-OSS), if given, as one more column
+/// dropped after it.
+///
+/// # Shapes
+/// - scores: `[batch, heads, seq, cached]`; sinks: `[heads]`
+/// - output: `[batch, heads, seq, cached]`
+pub(crate) fn probabilities<B: Backend>(
+    scores: Tensor<B, 4>,
+    (places, cached): (&Places, &[usize]),
+    rules: &AttnRules,
+    sinks: Option<Tensor<B, 1>>,
+) -> Tensor<B, 4> {
+    let [b, h, t, s] = scores.dims();
     let hidden = places.mask(cached, rules, &scores.device());
     let scores = scores.mask_fill(
         hidden.unsqueeze_dim::<4>(1).expand([b, h, t, s]),
         f32::NEG_INFINITY,
     );
-    let probs = match sinks {
+    match sinks {
         None => softmax(scores, 3),
         Some(sinks) => {
             let column = sinks.reshape([1, h, 1, 1]).expand([b, h, t, 1]);
             softmax(Tensor::cat(vec![scores, column], 3), 3).slice([0..b, 0..h, 0..t, 0..s])
         }
-    };
-    probs.matmul(values)
+    }
 }
 
 fn norm<B: Backend, const D: usize>(norm: &Option<RmsNorm<B>>, x: Tensor<B, D>) -> Tensor<B, D> {

@@ -7,7 +7,7 @@ use burn::nn::{Linear, LinearConfig};
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
-use crate::attention::attend;
+use crate::attention::{attend, probabilities};
 use crate::cache::LayerCache;
 use crate::config::AttnRules;
 use crate::norm::{NamedParts, RmsNorm};
@@ -121,7 +121,12 @@ impl<B: Backend> LatentAttention<B> {
     }
 
     /// Attends the tokens `x` at `places` to themselves and to `cached`, causally and past
-    /// each row's pad columns. The cache holds every head's expanded keys and values.
+    /// each row's pad columns. The cache holds the compressed form (DeepSeek's inference
+    /// cache): each token's normalised `kv_lora_rank` latent (as `values`) and its rotary key
+    /// (as `keys`), both shared by every head, `kv_lora_rank + qk_rope_head_dim` values a token
+    /// where the expanded keys and values would take `n_heads · (qk_nope + qk_rope + v)`. A
+    /// forward with nothing cached expands the keys and values as transformers does; one after
+    /// a cache attends on the latents, `kv_b` absorbed into the queries.
     ///
     /// # Shapes
     /// - x: `[batch, seq, d_model]`; cos, sin: `[rows, seq, qk_rope_head_dim]` (`rows` the
@@ -162,30 +167,99 @@ impl<B: Backend> LatentAttention<B> {
             true => (interleaved(q_rot, cos, sin), interleaved(k_rot, cos, sin)),
             false => (Rotary::apply(q_rot, cos, sin), Rotary::apply(k_rot, cos, sin)),
         };
-        // Every head's keys: its own non-rotary part, the shared rotary part.
-        let kv = self
-            .kv_b
-            .forward(kv)
-            .reshape([b, t, h, nope + v_dim])
-            .swap_dims(1, 2);
-        let k_nope = kv.clone().slice([0..b, 0..h, 0..t, 0..nope]);
-        let values = kv.slice([0..b, 0..h, 0..t, nope..nope + v_dim]);
-        let keys = Tensor::cat(vec![k_nope, k_rot.repeat_dim(1, h)], 3);
-        let query = Tensor::cat(vec![q_pass, q_rot], 3);
-
-        let cache = LayerCache::extend(cached, keys, values, &places.columns());
-        let out = attend(
-            query,
-            cache.keys.clone(),
-            cache.values.clone(),
-            (places, &cache.columns),
-            &AttnRules::default(),
-            c.softmax_scale,
-            None,
-        );
+        // The cache holds the compressed form: the normalised latent and the rotary key, both
+        // shared by every head.
+        let latent = kv.clone().reshape([b, 1, t, lora]);
+        let cache = LayerCache::extend(cached, k_rot.clone(), latent, &places.columns());
+        let out = match cached {
+            // Nothing earlier: every head's keys and values expanded from these tokens' latent,
+            // as transformers computes them (the training path and a prefill).
+            None => {
+                let kv = self
+                    .kv_b
+                    .forward(kv)
+                    .reshape([b, t, h, nope + v_dim])
+                    .swap_dims(1, 2);
+                let k_nope = kv.clone().slice([0..b, 0..h, 0..t, 0..nope]);
+                let values = kv.slice([0..b, 0..h, 0..t, nope..nope + v_dim]);
+                let keys = Tensor::cat(vec![k_nope, k_rot.repeat_dim(1, h)], 3);
+                let query = Tensor::cat(vec![q_pass, q_rot], 3);
+                attend(
+                    query,
+                    keys,
+                    values,
+                    (places, &cache.columns),
+                    &AttnRules::default(),
+                    c.softmax_scale,
+                    None,
+                )
+            }
+            Some(_) => self.absorbed(q_pass, q_rot, &cache, places),
+        };
         let out = out.swap_dims(1, 2).reshape([b, t, h * v_dim]);
         (self.o.forward(out), cache)
     }
+
+    /// Attention on the compressed cache, as DeepSeek's own inference runs it: `kv_b`'s key map
+    /// absorbed into the queries and its value map applied after the weighted sum, so that
+    /// every cached token is its `kv_lora_rank` latent and one rotary key, not every head's
+    /// keys and values. The same function as the expanded form (`kv_b` has no bias): per head
+    /// `q_nope · (L · W_k)ᵀ = (q_nope · W_kᵀ) · Lᵀ` and `P · (L · W_v) = (P · L) · W_v`.
+    ///
+    /// # Shapes
+    /// - q_pass: `[batch, heads, seq, qk_nope_head_dim]`; q_rot: `[batch, heads, seq,
+    ///   qk_rope_head_dim]`
+    /// - cache: keys (the rotary keys) `[batch, 1, cached, qk_rope_head_dim]`, values (the
+    ///   latents) `[batch, 1, cached, kv_lora_rank]`
+    /// - output: `[batch, heads, seq, v_head_dim]`
+    fn absorbed(
+        &self,
+        q_pass: Tensor<B, 4>,
+        q_rot: Tensor<B, 4>,
+        cache: &LayerCache<B>,
+        places: &Places,
+    ) -> Tensor<B, 4> {
+        let (h, c) = self.rules;
+        let (nope, v_dim, lora) = (c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank);
+        let [b, _, t, _] = q_pass.dims();
+        let s = cache.columns.len();
+        // `kv_b`'s weight `[lora, heads · (nope + v)]` as each head's maps from the latent.
+        let w = self
+            .kv_b
+            .weight
+            .val()
+            .reshape([lora, h, nope + v_dim])
+            .swap_dims(0, 1);
+        let w_key = w.clone().slice([0..h, 0..lora, 0..nope]).swap_dims(1, 2);
+        let w_value = w.slice([0..h, 0..lora, nope..nope + v_dim]);
+        let q_latent = per_head(q_pass, w_key);
+        // The keys are shared by the heads: the heads' queries are rows of one product.
+        let rows = |x: Tensor<B, 4>| {
+            let d = x.dims()[3];
+            x.reshape([b, 1, h * t, d])
+        };
+        let scores = rows(q_latent).matmul(cache.values.clone().swap_dims(2, 3))
+            + rows(q_rot).matmul(cache.keys.clone().swap_dims(2, 3));
+        let scores = scores.reshape([b, h, t, s]) * c.softmax_scale;
+        let probs = probabilities(scores, (places, &cache.columns), &AttnRules::default(), None);
+        let context = rows(probs).matmul(cache.values.clone()).reshape([b, h, t, lora]);
+        per_head(context, w_value)
+    }
+}
+
+/// Each head's rows times that head's matrix.
+///
+/// # Shapes
+/// - x: `[batch, heads, seq, in]`; w: `[heads, in, out]`
+/// - output: `[batch, heads, seq, out]`
+fn per_head<B: Backend>(x: Tensor<B, 4>, w: Tensor<B, 3>) -> Tensor<B, 4> {
+    let [b, h, t, i] = x.dims();
+    let o = w.dims()[2];
+    x.swap_dims(0, 1)
+        .reshape([h, b * t, i])
+        .matmul(w)
+        .reshape([h, b, t, o])
+        .swap_dims(0, 1)
 }
 
 /// DeepSeek's interleaved rotary embedding: pairs `(x0, x1), (x2, x3), ...` each rotated by

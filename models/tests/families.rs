@@ -21,6 +21,8 @@ use safetensors::SafeTensors;
 mod agreement;
 #[path = "families/batched.rs"]
 mod batched;
+#[path = "families/cache.rs"]
+mod cache;
 #[path = "families/finetune.rs"]
 mod finetune;
 #[path = "families/sampling.rs"]
