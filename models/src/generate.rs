@@ -124,19 +124,17 @@ impl<B: MoeBackend> MoeCausalLm<B> {
                 // Only for the peers' exchanges: the cache is not extended and the output is
                 // not read.
                 let mut scratch = cache.clone();
-                self.try_forward(ids, Some(&mut scratch))?;
+                self.try_forward_last(ids, Some(&mut scratch))?;
                 continue;
             }
-            let logits = self.try_forward(ids, Some(&mut cache))?.logits;
-            let vocab = logits.dims()[2];
+            let logits = self.try_forward_last(ids, Some(&mut cache))?.logits;
             let mut last: Vec<f32> = logits
-                .slice([0..b, t - 1..t, 0..vocab])
                 .into_data()
                 .convert::<f32>()
                 .into_vec()
                 .map_err(|e| MoeError::Input(format!("logits: {e:?}")))?;
             input = Vec::with_capacity(b);
-            for (r, row) in last.chunks_mut(vocab).enumerate() {
+            for (r, row) in last.chunks_mut(self.config.vocab_size).enumerate() {
                 if finished[r] {
                     input.push(pad_id);
                     continue;

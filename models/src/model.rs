@@ -324,10 +324,29 @@ impl<B: MoeBackend> MoeCausalLm<B> {
     /// with a row of padding only, or if the cache's columns and `seq` run past the model's
     /// positions ([`DecoderConfig::max_positions`]). Every id must be inside the
     /// vocabulary: ids from outside are checked with [`check_ids`](Self::check_ids) first.
-    pub fn try_forward(
+    pub fn try_forward(&self, ids: Tensor<B, 2, Int>, cache: Option<&mut KvCache<B>>) -> Result<LmOutput<B>> {
+        self.forward_logits(ids, cache, Logits::All)
+    }
+
+    /// [`try_forward`](Self::try_forward) with the logits of each row's last token only
+    /// (`[batch, 1, vocab]`), as transformers' `generate` asks for them (`logits_to_keep=1`):
+    /// a prefill's other positions skip the final norm and the output projection.
+    ///
+    /// # Errors
+    /// As [`try_forward`](Self::try_forward).
+    pub fn try_forward_last(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        cache: Option<&mut KvCache<B>>,
+    ) -> Result<LmOutput<B>> {
+        self.forward_logits(ids, cache, Logits::Last)
+    }
+
+    fn forward_logits(
         &self,
         ids: Tensor<B, 2, Int>,
         mut cache: Option<&mut KvCache<B>>,
+        keep: Logits,
     ) -> Result<LmOutput<B>> {
         let device = ids.device();
         let [batch, t] = ids.dims();
@@ -369,6 +388,13 @@ impl<B: MoeBackend> MoeCausalLm<B> {
         if let Some(c) = cache {
             c.next_position = start + t;
         }
+        let hidden = match keep {
+            Logits::All => hidden,
+            Logits::Last => {
+                let [b, _, d] = hidden.dims();
+                hidden.slice([0..b, t - 1..t, 0..d])
+            }
+        };
         let hidden = self.norm.forward(hidden);
         let logits = match &self.lm_head {
             Some(head) => head.forward(hidden),
@@ -413,6 +439,13 @@ impl<B: MoeBackend> MoeCausalLm<B> {
         let loss = log_softmax(predicted, 1).gather(1, targets).mean().neg();
         Ok((loss, out))
     }
+}
+
+/// Which positions' logits a forward computes.
+#[derive(Debug, Clone, Copy)]
+enum Logits {
+    All,
+    Last,
 }
 
 /// Refuses left padding that does not fit a batch of `batch` rows whose cache will hold

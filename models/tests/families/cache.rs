@@ -62,3 +62,23 @@ fn deepseeks_cache_holds_the_latent_per_token() {
         assert!(per_token < expanded, "{per_token} against {expanded}");
     }
 }
+
+/// `try_forward_last`, the logits `generate` asks for, equals the last position of
+/// `try_forward`'s, row by row, on every family.
+#[test]
+fn the_last_positions_logits_alone_equal_the_full_forwards_last() {
+    let device = Default::default();
+    for family in FAMILIES {
+        let model = MoeCausalLm::<B>::from_hf(data().join(family), &device, Arc::new(SingleRank)).unwrap();
+        let ids: Vec<usize> = (0..10).map(|i| 3 + (i * 7) % 50).collect();
+        let full = model.try_forward(ids_tensor(&ids, [2, 5]), None).unwrap().logits;
+        let last = model
+            .try_forward_last(ids_tensor(&ids, [2, 5]), None)
+            .unwrap()
+            .logits;
+        let vocab = full.dims()[2];
+        assert_eq!(last.dims(), [2, 1, vocab], "{family}");
+        let err = rel_err(&values(last), &values(full.slice([0..2, 4..5, 0..vocab])));
+        assert!(err < 1e-6, "{family}: relative error {err:.1e}");
+    }
+}
