@@ -198,19 +198,9 @@ impl<B: Backend> Attention<B> {
         }
 
         let cache = LayerCache::extend(cached, k, v, &places.columns());
-        let s = cache.columns.len();
-        let n_rep = n_heads / n_kv_heads;
-        // Grouped-query attention: each key/value head serves `n_rep` query heads in a row
-        // (transformers' `repeat_kv`).
-        let repeat = |x: Tensor<B, 4>| {
-            x.unsqueeze_dim::<5>(2)
-                .repeat_dim(2, n_rep)
-                .reshape([b, n_heads, s, head_dim])
-        };
-        let keys = repeat(cache.keys.clone());
-        let values = repeat(cache.values.clone());
         let scale = (head_dim as f64).powf(-0.5);
         let sinks = self.sinks.as_ref().map(|p| p.val());
+        let (keys, values) = (cache.keys.clone(), cache.values.clone());
         let out = attend(q, keys, values, (places, &cache.columns), rules, scale, sinks);
         let out = out.swap_dims(1, 2).reshape([b, t, n_heads * head_dim]);
         (
@@ -224,9 +214,15 @@ impl<B: Backend> Attention<B> {
 /// by [`Places::mask`] get `-inf`, and a sink logit per head (GPT-OSS), if given, joins each
 /// row's softmax as one more column and is dropped after it.
 ///
+/// Grouped-query attention without copies of the cache: with fewer key/value heads than
+/// query heads, each key/value head serves the `heads / kv_heads` query heads next to it
+/// (transformers' `repeat_kv`), so those query heads' rows are stacked as the rows of one
+/// product with their key/value head, rather than the keys and values repeated per query head
+/// (a copy of the whole cache every step).
+///
 /// # Shapes
-/// - q: `[batch, heads, seq, d]`; keys: `[batch, heads, cached, d]`; values: `[batch, heads,
-///   cached, d_v]`; sinks: `[heads]`
+/// - q: `[batch, heads, seq, d]`; keys: `[batch, kv_heads, cached, d]`; values: `[batch,
+///   kv_heads, cached, d_v]`, `kv_heads` dividing `heads`; sinks: `[heads]`
 /// - output: `[batch, heads, seq, d_v]`
 pub(crate) fn attend<B: Backend>(
     q: Tensor<B, 4>,
@@ -237,8 +233,19 @@ pub(crate) fn attend<B: Backend>(
     scale: f64,
     sinks: Option<Tensor<B, 1>>,
 ) -> Tensor<B, 4> {
-    let scores = q.matmul(keys.swap_dims(2, 3)) * scale;
-    probabilities(scores, (places, cached), rules, sinks).matmul(values)
+    let [b, h, t, d] = q.dims();
+    let [_, h_kv, s, _] = keys.dims();
+    let d_v = values.dims()[3];
+    let group = h / h_kv;
+    let scores = q
+        .reshape([b, h_kv, group * t, d])
+        .matmul(keys.swap_dims(2, 3))
+        .reshape([b, h, t, s])
+        * scale;
+    probabilities(scores, (places, cached), rules, sinks)
+        .reshape([b, h_kv, group * t, s])
+        .matmul(values)
+        .reshape([b, h, t, d_v])
 }
 
 /// The attention weights of scaled `scores`: keys hidden by [`Places::mask`] at `-inf`, the
