@@ -16,6 +16,10 @@ pub struct LayerCache<B: Backend> {
     pub values: Tensor<B, 4>,
     /// The column of each cached entry, in order.
     pub columns: Vec<usize>,
+    /// DeepSeek-V3's `kv_b` laid out per head for attention on the latents (its key map
+    /// `[heads, nope, kv_lora_rank]` and value map `[heads, kv_lora_rank, v]`), made once a
+    /// generation at its first cached step rather than re-laid from the weight at every step.
+    pub(crate) absorbed: Option<(Tensor<B, 3>, Tensor<B, 3>)>,
 }
 
 /// Every layer's cache, the next column, and the rows' left padding: what
@@ -65,11 +69,13 @@ impl<B: Backend> LayerCache<B> {
                 keys,
                 values,
                 columns: columns.to_vec(),
+                absorbed: None,
             },
             Some(c) => Self {
                 keys: Tensor::cat(vec![c.keys.clone(), keys], 2),
                 values: Tensor::cat(vec![c.values.clone(), values], 2),
                 columns: c.columns.iter().chain(columns).copied().collect(),
+                absorbed: c.absorbed.clone(),
             },
         }
     }
@@ -108,6 +114,7 @@ impl<B: Backend> LayerCache<B> {
             keys: self.keys.slice([0..b, 0..h, drop..n, 0..d]),
             values: self.values.slice([0..b, 0..h, drop..n, 0..dv]),
             columns: self.columns[drop..].to_vec(),
+            absorbed: self.absorbed,
         }
     }
 }
@@ -126,6 +133,7 @@ mod tests {
             keys: Tensor::zeros([1, 2, n, 3], &device),
             values: Tensor::zeros([1, 2, n, 3], &device),
             columns: columns.collect(),
+            absorbed: None,
         }
     }
 

@@ -113,14 +113,18 @@ impl<B: MoeBackend> MoeCausalLm<B> {
             .zip(&pads)
             .flat_map(|(p, &pad)| std::iter::repeat_n(pad_id, pad).chain(p.iter().copied()))
             .collect();
-        while any_running(group.as_deref(), finished.iter().all(|&f| f))? {
-            let b = prompts.len();
+        let b = prompts.len();
+        loop {
+            let all_done = finished.iter().all(|&f| f);
+            if !any_running(group.as_deref(), all_done)? {
+                break;
+            }
             let t = input.len() / b;
             let ids = Tensor::<B, 2, Int>::from_data(
                 TensorData::new(input.iter().map(|&i| i as i64).collect::<Vec<_>>(), [b, t]),
                 device,
             );
-            if finished.iter().all(|&f| f) {
+            if all_done {
                 // Only for the peers' exchanges: the cache is not extended and the output is
                 // not read.
                 let mut scratch = cache.clone();

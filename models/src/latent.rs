@@ -170,7 +170,7 @@ impl<B: Backend> LatentAttention<B> {
         // The cache holds the compressed form: the normalised latent and the rotary key, both
         // shared by every head.
         let latent = kv.clone().reshape([b, 1, t, lora]);
-        let cache = LayerCache::extend(cached, k_rot.clone(), latent, &places.columns());
+        let mut cache = LayerCache::extend(cached, k_rot.clone(), latent, &places.columns());
         let out = match cached {
             // Nothing earlier: every head's keys and values expanded from these tokens' latent,
             // as transformers computes them (the training path and a prefill).
@@ -194,7 +194,11 @@ impl<B: Backend> LatentAttention<B> {
                     None,
                 )
             }
-            Some(_) => self.absorbed(q_pass, q_rot, &cache, places),
+            Some(_) => {
+                let maps = cache.absorbed.clone().unwrap_or_else(|| self.absorbed_maps());
+                cache.absorbed = Some(maps.clone());
+                self.absorbed(q_pass, q_rot, maps, &cache, places)
+            }
         };
         let out = out.swap_dims(1, 2).reshape([b, t, h * v_dim]);
         (self.o.forward(out), cache)
@@ -216,22 +220,14 @@ impl<B: Backend> LatentAttention<B> {
         &self,
         q_pass: Tensor<B, 4>,
         q_rot: Tensor<B, 4>,
+        (w_key, w_value): (Tensor<B, 3>, Tensor<B, 3>),
         cache: &LayerCache<B>,
         places: &Places,
     ) -> Tensor<B, 4> {
         let (h, c) = self.rules;
-        let (nope, v_dim, lora) = (c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank);
+        let lora = c.kv_lora_rank;
         let [b, _, t, _] = q_pass.dims();
         let s = cache.columns.len();
-        // `kv_b`'s weight `[lora, heads · (nope + v)]` as each head's maps from the latent.
-        let w = self
-            .kv_b
-            .weight
-            .val()
-            .reshape([lora, h, nope + v_dim])
-            .swap_dims(0, 1);
-        let w_key = w.clone().slice([0..h, 0..lora, 0..nope]).swap_dims(1, 2);
-        let w_value = w.slice([0..h, 0..lora, nope..nope + v_dim]);
         let q_latent = per_head(q_pass, w_key);
         // The keys are shared by the heads: the heads' queries are rows of one product.
         let rows = |x: Tensor<B, 4>| {
@@ -244,6 +240,28 @@ impl<B: Backend> LatentAttention<B> {
         let probs = probabilities(scores, (places, &cache.columns), &AttnRules::default(), None);
         let context = rows(probs).matmul(cache.values.clone()).reshape([b, h, t, lora]);
         per_head(context, w_value)
+    }
+}
+
+impl<B: Backend> LatentAttention<B> {
+    /// `kv_b`'s weight `[lora, heads · (nope + v)]` as each head's maps from the latent, the
+    /// key map transposed: `[heads, nope, lora]` and `[heads, lora, v]`, each in a buffer of
+    /// its own. A generation makes them once, at its first cached step, and its cache carries
+    /// them ([`LayerCache`]): re-laid at every step they were a copy of the whole weight per
+    /// layer and token (67 MB a layer for DeepSeek-V3), where the step itself reads it once.
+    /// Taken from the weight's values, so a cached step's products hold `kv_b` constant:
+    /// generation does not train, and a loss takes no cache.
+    fn absorbed_maps(&self) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        let (h, c) = self.rules;
+        let (nope, v_dim, lora) = (c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank);
+        let w = self.kv_b.weight.val();
+        let device = w.device();
+        let w = w.reshape([lora, h, nope + v_dim]).swap_dims(0, 1);
+        let own = |t: Tensor<B, 3>| Tensor::from_data(t.into_data(), &device);
+        (
+            own(w.clone().slice([0..h, 0..lora, 0..nope]).swap_dims(1, 2)),
+            own(w.slice([0..h, 0..lora, nope..nope + v_dim])),
+        )
     }
 }
 

@@ -41,16 +41,6 @@ impl Places {
         self.columns.clone().collect()
     }
 
-    /// The number of tokens per row.
-    pub fn len(&self) -> usize {
-        self.columns.len()
-    }
-
-    /// Whether there are no tokens.
-    pub fn is_empty(&self) -> bool {
-        self.columns.is_empty()
-    }
-
     /// Each row's leading pad columns; empty when no row is padded.
     pub fn pads(&self) -> &[usize] {
         &self.pads

@@ -338,9 +338,7 @@ def main():
               f"{rows['ours_generate'][-1]['tokens_per_s']:.2f} tok/s, torch {rows['torch_generate'][-1]['tokens_per_s']:.2f}",
               file=sys.stderr)
 
-    def med(side, key):
-        return statistics.median(r[key] for r in rows[side])
-
+    med = side_median(rows)
     tokens = BATCH * SEQ
     of, tf = med("ours_finetune", "median_step_s"), med("torch_finetune", "median_step_s")
     first = (rows["ours_finetune"][0]["losses"][0], rows["torch_finetune"][0]["losses"][0])
@@ -394,10 +392,13 @@ def generate_round(args, env, torch_env, heap, rows, llama):
                                   "new_tokens": len(ids), "equal_prefix": same})
 
 
-def print_generate(rows):
-    def med(side, key):
-        return statistics.median(r[key] for r in rows[side])
+def side_median(rows):
+    """`med(side, key)`: the median over rounds of one side's figure."""
+    return lambda side, key: statistics.median(r[key] for r in rows[side])
 
+
+def print_generate(rows):
+    med = side_median(rows)
     og, tg = med("ours_generate", "tokens_per_s"), med("torch_generate", "tokens_per_s")
     print(f"{'generate new tokens/s':28} {og:12.2f} {tg:14.2f} {og / tg:12.2f}")
     print(f"{'generate peak RSS (MiB)':28} {med('ours_generate', 'peak_mib'):12.0f} "
@@ -438,9 +439,7 @@ def batch_round(args, env, torch_env, heap, rows):
 
 
 def print_batch(rows):
-    def med(side, key):
-        return statistics.median(r[key] for r in rows[side])
-
+    med = side_median(rows)
     ob, tb = med("ours_batch", "tokens_per_s"), med("torch_batch", "tokens_per_s")
     print(f"{'batch of 8, new tokens/s':28} {ob:12.2f} {tb:14.2f} {ob / tb:12.2f}")
     print(f"{'batch of 8, peak RSS (MiB)':28} {med('ours_batch', 'peak_mib'):12.0f} "
