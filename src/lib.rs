@@ -140,10 +140,13 @@ pub use comm::{Communicator, LocalGroup, RankContext};
 pub use dispatch::RoutingStats;
 pub use error::{MoeError, Result};
 pub use exchange::{GemmPrecision, MoeBackend};
-pub use experts::{seeded_uniform, Activation, ExpertShard, Experts, ShardCheck, SharedExpert};
+pub use experts::{
+    seeded_uniform, Activation, ExpertAdapters, ExpertLora, ExpertShard, Experts, LoraScaling, ShardCheck,
+    SharedExpert,
+};
 pub use layer::{
-    ExchangePath, MoeContext, MoeLayer, MoeLayerConfig, MoeOutput, MoeStats, ParamKind, Partitions,
-    MAX_PARTITIONS,
+    ExchangePath, ExpertLoraSpec, MoeContext, MoeLayer, MoeLayerConfig, MoeOutput, MoeStats, ParamKind,
+    Partitions, MAX_PARTITIONS,
 };
 pub use memory::MemoryReuse;
 pub use router::{Router, Routing, RoutingRule, Scoring};

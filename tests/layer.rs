@@ -20,6 +20,10 @@ type B = Autodiff<NdArray>;
 #[path = "layer/expert_path.rs"]
 mod expert_path;
 
+/// Low-rank adapters on the experts against a merged float64 oracle.
+#[path = "layer/lora.rs"]
+mod lora;
+
 fn config_error(config: MoeLayerConfig) -> String {
     match config.validate() {
         Err(MoeError::Config { field, reason }) => format!("{field}: {reason}"),

@@ -9,6 +9,7 @@ use burn::tensor::{Tensor, TensorData};
 
 use crate::cache::LayerCache;
 use crate::config::{AttnRules, DecoderConfig};
+use crate::lora::{merged, project, LoraLinear};
 use crate::norm::{NamedParts, RmsNorm};
 use crate::places::Places;
 use crate::rotary::Rotary;
@@ -43,6 +44,9 @@ pub struct Attention<B: Backend> {
     /// GPT-OSS's attention sinks: one learned logit per head that joins every query's softmax
     /// and is dropped after it, so a head can attend to nothing. `[n_heads]`
     pub sinks: Option<Param<Tensor<B, 1>>>,
+    /// LoRA adapters on `q`, `k`, `v` and `o`, in [`Attention::PROJECTIONS`]' order (empty
+    /// without adapters).
+    pub lora: Vec<Option<LoraLinear<B>>>,
     #[module(skip)]
     pub(crate) shape: Heads,
 }
@@ -91,8 +95,44 @@ impl<B: Backend> Attention<B> {
             sinks: config
                 .attention_sinks
                 .then(|| Param::from_tensor(Tensor::zeros([config.n_heads], device))),
+            lora: Vec::new(),
             shape: Heads::of(config),
         }
+    }
+
+    /// The projections' Hugging Face names, the order of [`Attention::lora`].
+    pub const PROJECTIONS: [&'static str; 4] = ["q_proj", "k_proj", "v_proj", "o_proj"];
+
+    /// The projection named `name` (one of [`Attention::PROJECTIONS`]).
+    pub fn projection(&self, name: &str) -> Option<&Linear<B>> {
+        match name {
+            "q_proj" => Some(&self.q),
+            "k_proj" => Some(&self.k),
+            "v_proj" => Some(&self.v),
+            "o_proj" => Some(&self.o),
+            _ => None,
+        }
+    }
+
+    /// The `[d_in, d_out]` of the projection `name`, if the block has it.
+    pub fn projection_dims(&self, name: &str) -> Option<[usize; 2]> {
+        self.projection(name).map(|l| l.weight.dims())
+    }
+
+    /// The adapter on projection `i` of [`Attention::PROJECTIONS`], if any.
+    fn adapter(&self, i: usize) -> Option<&LoraLinear<B>> {
+        self.lora.get(i).and_then(Option::as_ref)
+    }
+
+    /// The block with its adapters folded into the projections' weights and dropped.
+    pub(crate) fn merge_lora(mut self) -> Self {
+        let mut lora = std::mem::take(&mut self.lora);
+        let mut take = |i: usize| lora.get_mut(i).and_then(Option::take);
+        self.q = merged(self.q, take(0));
+        self.k = merged(self.k, take(1));
+        self.v = merged(self.v, take(2));
+        self.o = merged(self.o, take(3));
+        self
     }
 
     /// The widths of the query and key norms `config` asks for, if any.
@@ -155,9 +195,9 @@ impl<B: Backend> Attention<B> {
         } = self.shape;
         let [b, t, _] = x.dims();
         let device = x.device();
-        let mut q = self.q.forward(x.clone());
-        let mut k = self.k.forward(x.clone());
-        let mut v = self.v.forward(x);
+        let mut q = project(&self.q, self.adapter(0), x.clone());
+        let mut k = project(&self.k, self.adapter(1), x.clone());
+        let mut v = project(&self.v, self.adapter(2), x);
         if qk_norm == QkNorm::Whole {
             q = norm(&self.q_norm, q);
             k = norm(&self.k_norm, k);
@@ -204,7 +244,7 @@ impl<B: Backend> Attention<B> {
         let out = attend(q, keys, values, (places, &cache.columns), rules, scale, sinks);
         let out = out.swap_dims(1, 2).reshape([b, t, n_heads * head_dim]);
         (
-            self.o.forward(out),
+            project(&self.o, self.adapter(3), out),
             cache.trim(rules.window, rules.chunk, places.pads()),
         )
     }

@@ -23,7 +23,9 @@ use mpipemoe::optim::AdamWConfig;
 use mpipemoe::parallel::ParallelGroups;
 use mpipemoe::{Communicator, MoeBackend, MoeError, MoeLayerConfig, Result};
 
+use crate::lora::LoraSpec;
 use crate::model::MoeCausalLm;
+use crate::peft::PeftAdapter;
 
 /// How to fine-tune. Every rank must pass the same options.
 #[derive(Debug, Clone)]
@@ -51,6 +53,15 @@ pub struct FinetuneOptions {
     /// whole batch (DeepSeek-V3 pre-trained with 0.001). `0` (the default) leaves the biases
     /// as loaded, as transformers' training does (it holds them as a buffer).
     pub bias_update_speed: f64,
+    /// LoRA fine-tuning with fresh adapters ([`MoeCausalLm::with_lora`]): every base weight
+    /// frozen, the adapters alone trained; `out` then receives the adapters as a PEFT folder
+    /// (or the merged model, with `merge`).
+    pub lora: Option<LoraSpec>,
+    /// LoRA fine-tuning that continues from a PEFT adapter (over `lora`).
+    pub adapter: Option<PeftAdapter>,
+    /// With adapters: write the merged model to `out` in the folder's own layout, not the
+    /// adapter.
+    pub merge: bool,
 }
 
 impl Default for FinetuneOptions {
@@ -65,7 +76,17 @@ impl Default for FinetuneOptions {
             seed: 0,
             expert_parallel: None,
             bias_update_speed: 0.0,
+            lora: None,
+            adapter: None,
+            merge: false,
         }
+    }
+}
+
+impl FinetuneOptions {
+    /// The adapters' spec this run trains with, if it trains adapters.
+    fn lora_spec(&self) -> Option<&LoraSpec> {
+        self.adapter.as_ref().map(|a| &a.spec).or(self.lora.as_ref())
     }
 }
 
@@ -177,7 +198,32 @@ where
             "the data holds token id {bad}, outside the model's vocabulary of {vocab}"
         )));
     }
-    let mut model = model.map_moe_configs(moe)?;
+    let model = model.map_moe_configs(moe)?;
+    // With adapters the base is frozen: it takes no gradient and the optimizer no state for
+    // it; the adapters of each rank's experts are that rank's, synchronised as experts.
+    if o.merge && o.lora_spec().is_none() {
+        return Err(MoeError::config(
+            "merge",
+            "needs adapters (lora or adapter) to merge",
+        ));
+    }
+    if let Some(adapter) = &o.adapter {
+        if adapter.dropout > 0.0 {
+            return Err(MoeError::config(
+                "lora_dropout",
+                format!(
+                    "is {} in the adapter's config; training with adapter dropout is not supported \
+                     (inference ignores it, as PEFT's eval mode does)",
+                    adapter.dropout
+                ),
+            ));
+        }
+    }
+    let mut model = match (&o.adapter, &o.lora) {
+        (Some(adapter), _) => model.with_adapter(adapter)?,
+        (None, Some(spec)) => model.with_lora(spec, o.seed)?,
+        (None, None) => model,
+    };
     // The replicas' routing statistics summed, so that the losses and the loads are the
     // world's batch's, as each layer built with `init_groups` would have them.
     model.set_replicas(groups.expert_data());
@@ -269,7 +315,15 @@ where
     if let Some((path, export)) = out {
         // One data-parallel replica writes; its ranks gather their experts for its rank 0.
         if groups.expert_data().rank() == 0 {
-            model.save_hf(dir, path, export)?;
+            match o.lora_spec() {
+                Some(_) if o.merge => {
+                    model.clone().merge_lora().save_hf(dir, path, export)?;
+                }
+                Some(spec) => model.save_adapter(spec, dir, path)?,
+                None => {
+                    model.save_hf(dir, path, export)?;
+                }
+            }
         }
         // No rank returns before the folder is written, so a caller that reads it after
         // this call (any rank) finds it complete. An arrival wait: the other ranks wait here

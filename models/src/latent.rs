@@ -10,6 +10,7 @@ use burn::tensor::Tensor;
 use crate::attention::{attend, probabilities};
 use crate::cache::LayerCache;
 use crate::config::AttnRules;
+use crate::lora::{merged, project, LoraLinear};
 use crate::norm::{NamedParts, RmsNorm};
 use crate::places::Places;
 use crate::rotary::Rotary;
@@ -56,6 +57,9 @@ pub struct LatentAttention<B: Backend> {
     pub kv_b: Linear<B>,
     /// `o_proj`: `[n_heads · v, d_model]`
     pub o: Linear<B>,
+    /// LoRA adapters on the projections, in [`LatentAttention::PROJECTIONS`]' order (empty
+    /// without adapters).
+    pub lora: Vec<Option<LoraLinear<B>>>,
     /// The head count and the latent sizes.
     #[module(skip)]
     pub(crate) rules: (usize, LatentConfig),
@@ -96,8 +100,57 @@ impl<B: Backend> LatentAttention<B> {
                 false,
             ),
             o: linear(n_heads * c.v_head_dim, d_model, bias),
+            lora: Vec::new(),
             rules: (n_heads, c),
         }
+    }
+
+    /// The projections' Hugging Face names, the order of [`LatentAttention::lora`].
+    pub const PROJECTIONS: [&'static str; 6] = [
+        "q_proj",
+        "q_a_proj",
+        "q_b_proj",
+        "kv_a_proj_with_mqa",
+        "kv_b_proj",
+        "o_proj",
+    ];
+
+    /// The projection named `name` (one of [`LatentAttention::PROJECTIONS`]), if the block
+    /// has it.
+    pub fn projection(&self, name: &str) -> Option<&Linear<B>> {
+        match name {
+            "q_proj" => self.q.as_ref(),
+            "q_a_proj" => self.q_a.as_ref(),
+            "q_b_proj" => self.q_b.as_ref(),
+            "kv_a_proj_with_mqa" => Some(&self.kv_a),
+            "kv_b_proj" => Some(&self.kv_b),
+            "o_proj" => Some(&self.o),
+            _ => None,
+        }
+    }
+
+    /// The `[d_in, d_out]` of the projection `name`, if the block has it.
+    pub fn projection_dims(&self, name: &str) -> Option<[usize; 2]> {
+        self.projection(name).map(|l| l.weight.dims())
+    }
+
+    /// The adapter on projection `i` of [`LatentAttention::PROJECTIONS`], if any.
+    fn adapter(&self, i: usize) -> Option<&LoraLinear<B>> {
+        self.lora.get(i).and_then(Option::as_ref)
+    }
+
+    /// The block with its adapters folded into the projections' weights and dropped.
+    pub(crate) fn merge_lora(mut self) -> Self {
+        let mut lora = std::mem::take(&mut self.lora);
+        let mut take = |i: usize| lora.get_mut(i).and_then(Option::take);
+        let (q, q_a, q_b) = (take(0), take(1), take(2));
+        self.q = self.q.map(|l| merged(l, q));
+        self.q_a = self.q_a.map(|l| merged(l, q_a));
+        self.q_b = self.q_b.map(|l| merged(l, q_b));
+        self.kv_a = merged(self.kv_a, take(3));
+        self.kv_b = merged(self.kv_b, take(4));
+        self.o = merged(self.o, take(5));
+        self
     }
 
     /// The Hugging Face names of its parameters under `prefix` (`...self_attn`).
@@ -148,15 +201,19 @@ impl<B: Backend> LatentAttention<B> {
         );
         let [b, t, _] = x.dims();
         let q = match (&self.q, &self.q_a, &self.q_a_norm, &self.q_b) {
-            (Some(q), ..) => q.forward(x.clone()),
-            (None, Some(a), Some(n), Some(qb)) => qb.forward(n.forward(a.forward(x.clone()))),
+            (Some(q), ..) => project(q, self.adapter(0), x.clone()),
+            (None, Some(a), Some(n), Some(qb)) => project(
+                qb,
+                self.adapter(2),
+                n.forward(project(a, self.adapter(1), x.clone())),
+            ),
             _ => unreachable!("built with q_proj or the q_a / q_b pair"),
         };
         // [batch, heads, seq, nope + rope]
         let q = q.reshape([b, t, h, nope + rope]).swap_dims(1, 2);
         let q_pass = q.clone().slice([0..b, 0..h, 0..t, 0..nope]);
         let q_rot = q.slice([0..b, 0..h, 0..t, nope..nope + rope]);
-        let compressed = self.kv_a.forward(x);
+        let compressed = project(&self.kv_a, self.adapter(3), x);
         let kv = self
             .kv_a_norm
             .forward(compressed.clone().slice([0..b, 0..t, 0..lora]));
@@ -175,9 +232,7 @@ impl<B: Backend> LatentAttention<B> {
             // Nothing earlier: every head's keys and values expanded from these tokens' latent,
             // as transformers computes them (the training path and a prefill).
             None => {
-                let kv = self
-                    .kv_b
-                    .forward(kv)
+                let kv = project(&self.kv_b, self.adapter(4), kv)
                     .reshape([b, t, h, nope + v_dim])
                     .swap_dims(1, 2);
                 let k_nope = kv.clone().slice([0..b, 0..h, 0..t, 0..nope]);
@@ -201,7 +256,7 @@ impl<B: Backend> LatentAttention<B> {
             }
         };
         let out = out.swap_dims(1, 2).reshape([b, t, h * v_dim]);
-        (self.o.forward(out), cache)
+        (project(&self.o, self.adapter(5), out), cache)
     }
 
     /// Attention on the compressed cache, as DeepSeek's own inference runs it: `kv_b`'s key map
@@ -254,7 +309,11 @@ impl<B: Backend> LatentAttention<B> {
     fn absorbed_maps(&self) -> (Tensor<B, 3>, Tensor<B, 3>) {
         let (h, c) = self.rules;
         let (nope, v_dim, lora) = (c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank);
-        let w = self.kv_b.weight.val();
+        // An adapter on `kv_b` is part of the maps: the weight the expanded path runs.
+        let w = match self.adapter(4) {
+            Some(lora) => self.kv_b.weight.val() + lora.delta(),
+            None => self.kv_b.weight.val(),
+        };
         let device = w.device();
         let w = w.reshape([lora, h, nope + v_dim]).swap_dims(0, 1);
         let own = |t: Tensor<B, 3>| Tensor::from_data(t.into_data(), &device);

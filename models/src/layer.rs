@@ -10,9 +10,13 @@ use crate::attention::Attention;
 use crate::cache::LayerCache;
 use crate::config::AttnRules;
 use crate::latent::LatentAttention;
+use crate::lora::LoraLinear;
 use crate::mlp::Mlp;
 use crate::norm::{NamedParts, RmsNorm};
 use crate::places::Places;
+
+/// The attention block's projection names, in the order of its adapters.
+pub(crate) type Projections = &'static [&'static str];
 
 /// `h = x + attn(norm1(x)); y = h + ffn(norm2(h))`, the ffn dense or MoE.
 #[derive(Module, Debug)]
@@ -61,6 +65,23 @@ pub(crate) struct LayerOutput<B: Backend> {
 }
 
 impl<B: Backend> DecoderLayer<B> {
+    /// The attention adapters, read-only (see [`attention_lora_mut`](Self::attention_lora_mut)).
+    pub(crate) fn attention_lora(&self) -> Option<(Projections, &[Option<LoraLinear<B>>])> {
+        match (&self.attn, &self.mla) {
+            (Some(a), _) => Some((&Attention::<B>::PROJECTIONS, &a.lora)),
+            (None, Some(m)) => Some((&LatentAttention::<B>::PROJECTIONS, &m.lora)),
+            (None, None) => None,
+        }
+    }
+
+    /// Whether the layer has any adapter.
+    pub(crate) fn has_lora(&self) -> bool {
+        let attn = self
+            .attention_lora()
+            .is_some_and(|(_, l)| l.iter().any(Option::is_some));
+        attn || self.moe.as_ref().is_some_and(|m| m.adapters.is_some())
+    }
+
     /// The Hugging Face names of its parameters under `prefix` (`model.layers.{i}`), the MoE
     /// layer's left out.
     pub fn hf_parts(&self, prefix: &str) -> NamedParts<'_, B> {
@@ -82,6 +103,57 @@ impl<B: Backend> DecoderLayer<B> {
 }
 
 impl<B: MoeBackend> DecoderLayer<B> {
+    /// Puts a fresh adapter on the attention projection `name` if the layer has it; whether
+    /// it did.
+    pub(crate) fn add_attention_adapter(
+        &mut self,
+        name: &str,
+        rank: usize,
+        scale: f64,
+        seed: u64,
+        key: &str,
+    ) -> bool {
+        let Some([d_in, d_out]) = self.projection_dims(name) else {
+            return false;
+        };
+        let device = self.attn_norm.weight.device();
+        let Some((names, lora)) = self.attention_lora_mut() else {
+            return false;
+        };
+        let Some(i) = names.iter().position(|n| *n == name) else {
+            return false;
+        };
+        lora.resize_with(names.len(), || None);
+        lora[i] = Some(LoraLinear::init(d_in, d_out, rank, scale, seed, key, &device));
+        true
+    }
+
+    /// The attention adapters: the block's projection names, and the adapters in their order.
+    pub(crate) fn attention_lora_mut(&mut self) -> Option<(Projections, &mut Vec<Option<LoraLinear<B>>>)> {
+        match (&mut self.attn, &mut self.mla) {
+            (Some(a), _) => Some((&Attention::<B>::PROJECTIONS, &mut a.lora)),
+            (None, Some(m)) => Some((&LatentAttention::<B>::PROJECTIONS, &mut m.lora)),
+            (None, None) => None,
+        }
+    }
+
+    /// The `[d_in, d_out]` of the attention projection `name`, if the layer has it.
+    pub(crate) fn projection_dims(&self, name: &str) -> Option<[usize; 2]> {
+        match (&self.attn, &self.mla) {
+            (Some(a), _) => a.projection_dims(name),
+            (None, Some(m)) => m.projection_dims(name),
+            (None, None) => None,
+        }
+    }
+
+    /// The layer with every adapter merged into its weights.
+    pub(crate) fn merge_lora(mut self) -> Self {
+        self.attn = self.attn.map(Attention::merge_lora);
+        self.mla = self.mla.map(LatentAttention::merge_lora);
+        self.moe = self.moe.map(MoeLayer::merge_adapters);
+        self
+    }
+
     /// Runs the layer on `x` at `places`.
     ///
     /// # Shapes

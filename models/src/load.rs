@@ -217,6 +217,7 @@ fn read_attention<B: Backend>(
             )),
             false => None,
         },
+        lora: Vec::new(),
         shape: Heads::of(config),
     })
 }
@@ -257,6 +258,7 @@ fn read_latent<B: Backend>(
             bias,
         )?,
         kv_a_norm: r.norm(&format!("{p}.kv_a_layernorm.weight"), c.kv_lora_rank, eps)?,
+        lora: Vec::new(),
         kv_b: r.linear(
             &format!("{p}.kv_b_proj"),
             c.kv_lora_rank,

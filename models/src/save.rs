@@ -22,7 +22,8 @@ impl<B: Backend> MoeCausalLm<B> {
     ///
     /// # Errors
     /// [`MoeError::File`] naming the tensor if the folder's layout differs from the model's
-    /// (another model's folder), or naming `out_dir` as [`write_model_with`] does.
+    /// (another model's folder), or naming `out_dir` as [`write_model_with`] does;
+    /// [`MoeError::Input`] if the model has adapters (merge or save them first).
     pub fn save_hf(
         &self,
         checkpoint: impl AsRef<Path>,
@@ -30,6 +31,13 @@ impl<B: Backend> MoeCausalLm<B> {
         options: &ExportOptions,
     ) -> Result<Option<ExportReport>> {
         let checkpoint = checkpoint.as_ref();
+        if self.has_lora() {
+            return Err(MoeError::Input(
+                "the model has LoRA adapters, which its folder's layout has no place for: merge them \
+                 first (merge_lora) or save them as a PEFT folder (save_adapter)"
+                    .into(),
+            ));
+        }
         // Every rank takes part in every gather, in the same order; rank 0 gets them all.
         let mut gathered = Vec::new();
         for (i, layer) in self.moe_layers() {

@@ -3,7 +3,7 @@
 //! to 1e-4 (relative to the largest reference value), and the greedy ids of `generate`.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use burn::backend::{Autodiff, NdArray};
@@ -25,6 +25,8 @@ mod batched;
 mod cache;
 #[path = "families/finetune.rs"]
 mod finetune;
+#[path = "families/lora.rs"]
+mod lora;
 #[path = "families/sampling.rs"]
 mod sampling;
 

@@ -20,6 +20,9 @@ separate processes measured alike (peak resident memory from the kernel's rusage
   llama.cpp's own `convert_hf_to_gguf.py` to f32 (target/bench/llama/), run with an f32 KV
   cache and flash attention off, the same prompt, greedy (the argmax of each step's logits);
   its ids must equal transformers' before its time counts;
+- with `--lora R`, LoRA fine-tuning alone: `mpipemoe finetune --lora-rank R` against PEFT's
+  `LoraConfig` of the same rank, alpha 2R and targets (q/k/v/o and both of the experts' stacked
+  weights, `target_parameters`), and our own full fine-tuning, with the same batches;
 - batched generation: 8 prompts of 64, 57, ..., 15 tokens, left-padded (transformers with an
   attention mask, ours with `generate --ids-file`), 64 new tokens each; new tokens/s over the
   whole call, prefill included, and each row's ids checked against transformers'.
@@ -32,7 +35,7 @@ PyTorch runs with `torch.set_num_threads(THREADS)`, ours with burn's thread pool
 
     python3 scripts/bench/models_peer.py [--rounds 3] [--steps 8] [--threads 2] [--heap keep|system]
         [--json docs/benchmarks/models_peer.json] [--baseline OTHER_MPIPEMOE]
-        [--finetune-only | --generate-only | --batch-only] [--llama-src LLAMA_CPP_DIR]
+        [--finetune-only | --generate-only | --batch-only | --lora R] [--llama-src LLAMA_CPP_DIR]
 
 Needs PyTorch, transformers and tokenizers; nothing in the build or the tests needs Python.
 """
@@ -121,6 +124,77 @@ def torch_finetune(steps, threads):
         times.append(time.perf_counter() - start)
         losses.append(float(out.loss))
     return {"step_seconds": times, "losses": losses, "data_tokens": len(tokens)}
+
+
+def peft_finetune(steps, threads, rank):
+    """torch_finetune with PEFT's LoRA of rank `rank` (alpha 2·rank) on q/k/v/o and both of the
+    experts' stacked weights (`target_parameters`), the base frozen: what `mpipemoe finetune
+    --lora-rank` sets up."""
+    import peft
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    tokens = Tokenizer.from_file(os.path.join(MODEL, "tokenizer.json")).encode(
+        open(CORPUS).read(), add_special_tokens=False).ids
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                             target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    model = peft.get_peft_model(model, config)
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
+    times, losses = [], []
+    for step in range(steps):
+        start = time.perf_counter()
+        starts = window_starts(SEED, step, BATCH, len(tokens) - SEQ)
+        ids = torch.tensor([tokens[s:s + SEQ + 1] for s in starts])
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+        losses.append(float(out.loss))
+    return {"step_seconds": times, "losses": losses, "data_tokens": len(tokens)}
+
+
+def lora_rounds(args, env, torch_env, heap):
+    """LoRA fine-tuning (rank args.lora, attention and experts): ours, PEFT's, and our own full
+    fine-tuning, alternating in each round."""
+    out_dir = os.path.join(BENCH, "qwen3-moe-163m-lora")
+    rows = {"ours_lora": [], "peft_lora": [], "ours_full": []}
+    common = ["finetune", MODEL, "--data", CORPUS, "--steps", str(args.steps), "--batch", str(BATCH), "--seq-len",
+              str(SEQ), "--lr", str(LR), "--seed", str(SEED), "--overwrite", "--json"]
+    lora = ["--lora-rank", str(args.lora), "--lora-alpha", str(2 * args.lora), "--lora-targets",
+            "q_proj,k_proj,v_proj,o_proj,experts"]
+    for round_ in range(args.rounds):
+        for side, extra, out in [("ours_lora", lora, out_dir), ("ours_full", [], out_dir + "-full")]:
+            ours = wrapped([BINARY] + heap + common + extra + ["--out", out], env)
+            summary = json.loads(ours["out"].strip().splitlines()[-1])
+            rows[side].append({"median_step_s": median_after_warm_up(summary["step_seconds"]),
+                               "peak_mib": ours["peak_mib"], "losses": summary["losses"]})
+        theirs = wrapped([sys.executable, __file__, "--side", "peft-finetune", "--steps", str(args.steps),
+                          "--threads", str(args.threads), "--lora", str(args.lora)], torch_env)
+        t = json.loads(theirs["out"].strip().splitlines()[-1])
+        rows["peft_lora"].append({"median_step_s": median_after_warm_up(t["step_seconds"]),
+                                  "peak_mib": theirs["peak_mib"], "losses": t["losses"]})
+        print(f"round {round_ + 1}: step ours LoRA {rows['ours_lora'][-1]['median_step_s']:.3f} s, PEFT "
+              f"{rows['peft_lora'][-1]['median_step_s']:.3f} s, ours full {rows['ours_full'][-1]['median_step_s']:.3f} s",
+              file=sys.stderr)
+    med = side_median(rows)
+    tokens = BATCH * SEQ
+    print(f"heap: {args.heap} on both sides; {args.threads} threads each; {args.rounds} rounds, medians; "
+          f"LoRA rank {args.lora}, alpha {2 * args.lora}, q/k/v/o and experts")
+    print(f"{'':24} {'tokens/s':>10} {'peak RSS MiB':>13}")
+    for side in ["ours_lora", "peft_lora", "ours_full"]:
+        print(f"{side:24} {tokens / med(side, 'median_step_s'):10.1f} {med(side, 'peak_mib'):13.0f}")
+    print(f"ours LoRA / PEFT tokens/s: {med('peft_lora', 'median_step_s') / med('ours_lora', 'median_step_s'):.2f}; "
+          f"ours LoRA / ours full peak RSS: {med('ours_lora', 'peak_mib') / med('ours_full', 'peak_mib'):.2f}")
+    print(f"first step's loss: ours LoRA {rows['ours_lora'][0]['losses'][0]:.5f}, PEFT {rows['peft_lora'][0]['losses'][0]:.5f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"heap": args.heap, "threads": args.threads, "batch": BATCH, "seq": SEQ, "lora": args.lora,
+                       "rows": rows}, f, indent=1)
 
 
 def torch_generate(threads, prompt_len, new_tokens):
@@ -271,8 +345,12 @@ def main():
     parser.add_argument("--generate-only", action="store_true", help="single-prompt generation alone")
     parser.add_argument("--llama-src", help="llama.cpp's source tree (the llama-cpp-python sdist's "
                         "vendor/llama.cpp): adds llama.cpp as a generation comparator")
+    parser.add_argument("--lora", type=int, help="LoRA fine-tuning alone at this rank: ours, PEFT's, ours in full")
     parser.add_argument("--side", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.side == "peft-finetune":
+        print(json.dumps(peft_finetune(args.steps, args.threads, args.lora)))
+        return
     if args.side == "torch-finetune":
         print(json.dumps(torch_finetune(args.steps, args.threads)))
         return
@@ -306,6 +384,9 @@ def main():
             "baseline_finetune": [], "ours_batch": [], "torch_batch": [], "baseline_batch": []}
     if args.batch_only:
         batch_rounds(args, env, torch_env, heap, rows)
+        return
+    if args.lora:
+        lora_rounds(args, env, torch_env, heap)
         return
     binaries = [("ours_finetune", BINARY)] + ([("baseline_finetune", args.baseline)] if args.baseline else [])
     if args.generate_only:

@@ -64,10 +64,16 @@ pub fn read_safetensors(path: &Path) -> Result<(TensorMap, Option<String>)> {
             Dtype::F64 => {
                 TensorData::from_bytes_vec(view.data().to_vec(), shape, DType::F64).convert::<f32>()
             }
+            Dtype::BF16 => {
+                TensorData::from_bytes_vec(view.data().to_vec(), shape, DType::BF16).convert::<f32>()
+            }
+            Dtype::F16 => {
+                TensorData::from_bytes_vec(view.data().to_vec(), shape, DType::F16).convert::<f32>()
+            }
             other => {
                 return Err(MoeError::file(
                     path,
-                    format!("tensor `{name}` has dtype {other:?}; F32 and F64 are supported"),
+                    format!("tensor `{name}` has dtype {other:?}; F32, F64, BF16 and F16 are supported"),
                 ))
             }
         };

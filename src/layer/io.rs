@@ -182,39 +182,10 @@ impl<B: Backend> MoeLayer<B> {
             local.push(("experts.b_in", b_in.val().into_data().convert::<f32>()));
             local.push(("experts.b_out", b_out.val().into_data().convert::<f32>()));
         }
-        let mut payload = Vec::new();
-        for (_, data) in &local {
-            payload.extend_from_slice(data.as_bytes());
-        }
-        let mut outgoing = vec![Payload::Bytes(Vec::new()); comm.n_ranks()];
-        outgoing[0] = Payload::Bytes(payload);
-        let incoming = comm.exchange("gather_tensor_map", outgoing)?;
-        if comm.rank() != 0 {
+        let Some(gathered) = gather_experts(comm.as_ref(), "gather_tensor_map", local)? else {
             return Ok(None);
-        }
-        // Every rank holds the same number of experts, so blocks line up tensor by tensor.
-        let blocks: Vec<Vec<u8>> = incoming
-            .into_iter()
-            .map(|p| match p {
-                Payload::Bytes(b) => Ok(b),
-                _ => Err(MoeError::comm("gather_tensor_map", 0, "expected a bytes payload")),
-            })
-            .collect::<Result<_>>()?;
-        let mut cursor = 0;
-        for (name, data) in &local {
-            let len = data.as_bytes().len();
-            let mut bytes = Vec::with_capacity(len * blocks.len());
-            for block in &blocks {
-                bytes.extend_from_slice(&block[cursor..cursor + len]);
-            }
-            cursor += len;
-            let mut shape = data.shape.to_vec();
-            shape[0] *= blocks.len();
-            own.insert(
-                name.to_string(),
-                TensorData::from_bytes_vec(bytes, shape, DType::F32),
-            );
-        }
+        };
+        own.extend(gathered);
         Ok(Some(own))
     }
 
@@ -228,4 +199,52 @@ impl<B: Backend> MoeLayer<B> {
         }
         Ok(())
     }
+}
+
+/// Each rank's expert tensors `local` (stacked along the first dimension, the same names and
+/// shapes on every rank), stacked over the ranks in rank order on rank 0; `None` on the other
+/// ranks. A collective: every rank calls it with tensors of the same shapes.
+pub(crate) fn gather_experts(
+    comm: &dyn Communicator,
+    op: &'static str,
+    local: Vec<(&str, TensorData)>,
+) -> Result<Option<TensorMap>> {
+    let mut payload = Vec::new();
+    for (_, data) in &local {
+        payload.extend_from_slice(data.as_bytes());
+    }
+    let mut outgoing = vec![Payload::Bytes(Vec::new()); comm.n_ranks()];
+    outgoing[0] = Payload::Bytes(payload);
+    let incoming = comm.exchange(op, outgoing)?;
+    if comm.rank() != 0 {
+        return Ok(None);
+    }
+    let blocks: Vec<Vec<u8>> = incoming
+        .into_iter()
+        .map(|p| match p {
+            Payload::Bytes(b) => Ok(b),
+            _ => Err(MoeError::comm(op, 0, "expected a bytes payload")),
+        })
+        .collect::<Result<_>>()?;
+    // Every rank holds the same number of experts, so blocks line up tensor by tensor.
+    let mut out = TensorMap::new();
+    let mut cursor = 0;
+    for (name, data) in &local {
+        let len = data.as_bytes().len();
+        let mut bytes = Vec::with_capacity(len * blocks.len());
+        for block in &blocks {
+            let part = block
+                .get(cursor..cursor + len)
+                .ok_or_else(|| MoeError::comm(op, 0, format!("a rank sent too few bytes for `{name}`")))?;
+            bytes.extend_from_slice(part);
+        }
+        cursor += len;
+        let mut shape = data.shape.to_vec();
+        shape[0] *= blocks.len();
+        out.insert(
+            name.to_string(),
+            TensorData::from_bytes_vec(bytes, shape, DType::F32),
+        );
+    }
+    Ok(Some(out))
 }

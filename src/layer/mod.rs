@@ -1,5 +1,6 @@
 //! The MoE layer: config, module, output, and loading from canonical safetensors files.
 
+mod adapters;
 mod balance;
 mod config;
 mod context;
@@ -12,6 +13,7 @@ mod output;
 mod plan;
 mod shadows;
 
+pub use adapters::ExpertLoraSpec;
 pub use config::{ExchangePath, MoeLayerConfig, Partitions, MAX_PARTITIONS};
 pub use context::MoeContext;
 #[cfg(feature = "testkit")]

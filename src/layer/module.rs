@@ -11,7 +11,7 @@ use super::{ExchangePath, MoeContext, MoeLayerConfig, MoeOutput, MoeStats};
 use crate::dispatch::{DispatchPlan, ExchangePlan};
 use crate::error::{MoeError, Result};
 use crate::exchange::{exchange_reference, GemmPrecision, MoeBackend};
-use crate::experts::{Experts, ExpertsSpec, SharedExpert};
+use crate::experts::{ExpertAdapters, Experts, ExpertsSpec, SharedExpert};
 use crate::memory::Strategy;
 use crate::router::{load_balancing_loss, z_loss, Router};
 
@@ -42,6 +42,8 @@ pub struct MoeLayer<B: Backend> {
     pub experts: Experts<B>,
     /// The shared expert, if configured (replicated on every rank).
     pub shared: Option<SharedExpert<B>>,
+    /// Low-rank adapters on this rank's experts, if any ([`MoeLayer::with_adapters`]).
+    pub adapters: Option<ExpertAdapters<B>>,
     #[module(skip)]
     pub(super) ctx: MoeContext,
 }
@@ -74,6 +76,7 @@ impl<B: Backend> MoeLayer<B> {
             shared: config.shared_expert.map(|h| {
                 SharedExpert::init(config.d_model, h, config.shared_expert_gate, config.seed, device)
             }),
+            adapters: None,
             ctx,
         }
     }
@@ -88,6 +91,7 @@ impl<B: Backend> MoeLayer<B> {
             router,
             experts,
             shared,
+            adapters: None,
             ctx,
         }
     }
@@ -323,7 +327,7 @@ impl<B: MoeBackend> MoeLayer<B> {
                 run.shadows = shadows.to_vec();
                 let out = B::exchange(
                     t_i.into_primitive().tensor(),
-                    self.experts.weights().tensors(),
+                    self.expert_weights().tensors(),
                     Arc::new(plan),
                     &run,
                 )?;

@@ -17,7 +17,7 @@ use crate::experts::ExpertWeights;
 
 impl<B: MoeBackend> MoeLayer<B> {
     /// The experts the reference exchange runs this step:
-    /// [`Experts::weights`](crate::Experts::weights) with a copy of every expert in `shadows`
+    /// [`MoeLayer::expert_weights`] with a copy of every expert in `shadows`
     /// (increasing index) appended.
     ///
     /// Each owner broadcasts its shadowed experts' parameters (one row per expert) to every
@@ -31,7 +31,7 @@ impl<B: MoeBackend> MoeLayer<B> {
     /// # Errors
     /// [`MoeError::Comm`](crate::MoeError::Comm) if a peer fails in a broadcast.
     pub(super) fn weights_with_shadows(&self, shadows: &[usize]) -> Result<ExpertWeights<B>> {
-        let own = self.experts.weights();
+        let own = self.expert_weights();
         if shadows.is_empty() {
             return Ok(own);
         }

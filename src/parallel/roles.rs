@@ -6,7 +6,8 @@
 //! replica on every rank, whose gradient must be summed over the ranks before the optimizer
 //! step, while an expert's gradient is already complete on the rank that holds it. The layer's
 //! expert container is recognised by where burn's module visitor finds it: the `experts`
-//! field of a `MoeLayer`, whatever model holds the layer.
+//! field of a `MoeLayer` and its experts' low-rank `adapters` (each rank holds its own
+//! experts'), whatever model holds the layer.
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::backend::Backend;
@@ -82,9 +83,9 @@ struct Roles {
 
 impl Roles {
     fn is_expert(&self) -> bool {
-        self.path
-            .iter()
-            .any(|(name, container)| name == "experts" && container == "Struct:MoeLayer")
+        self.path.iter().any(|(name, container)| {
+            (name == "experts" || name == "adapters") && container == "Struct:MoeLayer"
+        })
     }
 }
 

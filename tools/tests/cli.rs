@@ -595,3 +595,139 @@ fn finetune_then_generate_from_text_on_a_tiny_model() {
         assert!(!out_dir.exists(), "{gamma}: nothing written");
     }
 }
+
+/// LoRA on the command line: `finetune --lora-rank` at one and at two ranks (the experts'
+/// adapters sharded) trains the same adapter folder; `logits --adapter` runs it, and the
+/// `--merge`d folder gives the same logits without it; `--adapter` continues training; a bad
+/// adapter and flag mistakes are refused by name.
+#[test]
+fn lora_finetune_logits_and_merge_on_a_tiny_model() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let dir = root.join("tests/data/models/mixtral-tiny");
+    let dir = dir.to_str().unwrap();
+    let data = root.join("docs/architecture.md");
+    let data = data.to_str().unwrap();
+    let tmp = std::env::temp_dir().join(format!("mpipemoe-cli-lora-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).unwrap();
+    let path = |name: &str| tmp.join(name).to_str().unwrap().to_string();
+    let tune = |ranks: &str, out: &str, extra: &[&str]| {
+        let mut args = vec![
+            "finetune",
+            dir,
+            "--data",
+            data,
+            "--steps",
+            "2",
+            "--batch",
+            "2",
+            "--seq-len",
+            "12",
+            "--lr",
+            "1e-2",
+            "--ranks",
+            ranks,
+            "--out",
+            out,
+        ];
+        args.extend_from_slice(extra);
+        mpipemoe(&args)
+    };
+    let lora = [
+        "--lora-rank",
+        "4",
+        "--lora-alpha",
+        "8",
+        "--lora-targets",
+        "q_proj,v_proj,experts",
+    ];
+    for (ranks, name) in [("1", "one"), ("2", "two")] {
+        let run = tune(ranks, &path(name), &lora);
+        assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    }
+    let read = |name: &str| {
+        mpipemoe::format::read_safetensors(&tmp.join(name).join("adapter_model.safetensors"))
+            .unwrap()
+            .0
+    };
+    let (one, two) = (read("one"), read("two"));
+    assert_eq!(one.keys().collect::<Vec<_>>(), two.keys().collect::<Vec<_>>());
+    assert!(one
+        .keys()
+        .any(|k| k.ends_with("mlp.experts.base_layer.lora_A.weight")));
+    assert!(one.keys().any(|k| k.ends_with("self_attn.v_proj.lora_B.weight")));
+    for (key, a) in &one {
+        let (a, b) = (a.to_vec::<f32>().unwrap(), two[key].to_vec::<f32>().unwrap());
+        let scale = a.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+        let diff = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(
+            diff / scale < 1e-4,
+            "{key}: the two-rank adapter differs by {}",
+            diff / scale
+        );
+    }
+    // The lora_B factors trained away from zero: the adapter does something.
+    assert!(one.iter().filter(|(k, _)| k.contains("lora_B")).all(|(_, t)| t
+        .to_vec::<f32>()
+        .unwrap()
+        .iter()
+        .any(|v| *v != 0.0)));
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tmp.join("one/adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(
+        (config["r"].as_u64(), config["lora_alpha"].as_f64()),
+        (Some(4), Some(8.0))
+    );
+
+    let logits = |model: &str, out: &str, adapter: Option<&str>| {
+        let mut args = vec!["logits", model, "--ids", "1,5,9,13", "--out", out];
+        if let Some(a) = adapter {
+            args.extend(["--adapter", a]);
+        }
+        let run = mpipemoe(&args);
+        assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+        mpipemoe::format::read_safetensors(std::path::Path::new(out))
+            .unwrap()
+            .0["logits"]
+            .to_vec::<f32>()
+            .unwrap()
+    };
+    let base = logits(dir, &path("base.safetensors"), None);
+    let adapted = logits(dir, &path("adapted.safetensors"), Some(&path("one")));
+    assert_ne!(base, adapted, "the adapter changes the logits");
+    let merged = tune("1", &path("merged"), &[&lora[..], &["--merge"]].concat());
+    assert!(
+        merged.status.success(),
+        "{}",
+        String::from_utf8_lossy(&merged.stderr)
+    );
+    assert!(tmp.join("merged/config.json").is_file() && !tmp.join("merged/adapter_config.json").exists());
+    let from_merged = logits(&path("merged"), &path("merged.safetensors"), None);
+    let scale = adapted.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let diff = adapted
+        .iter()
+        .zip(&from_merged)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(diff / scale < 1e-4, "merged logits differ by {}", diff / scale);
+
+    // Continuing from the adapter trains it further.
+    let more = tune("2", &path("more"), &["--adapter", &path("one")]);
+    assert!(more.status.success(), "{}", String::from_utf8_lossy(&more.stderr));
+    assert_ne!(read("more"), one);
+
+    // Refusals, each naming what is wrong.
+    let bad = |args: &[&str], code: i32, names: &str| {
+        let run = tune("1", &path("refused"), args);
+        let stderr = String::from_utf8_lossy(&run.stderr).to_string();
+        assert_eq!(run.status.code(), Some(code), "{args:?}: {stderr}");
+        assert!(stderr.contains(names), "{args:?}: {stderr}");
+        assert!(!tmp.join("refused").exists(), "{args:?}: nothing written");
+    };
+    bad(&["--lora-rank", "2", "--lora-targets", "q_a_proj"], 1, "q_a_proj");
+    bad(&["--lora-rank", "2", "--lora-targets", "mlp"], 1, "mlp");
+    bad(&["--merge"], 2, "--merge");
+    bad(&["--lora-alpha", "4"], 2, "--lora-rank");
+    let other = root.join("tests/data/models/lora/qwen3-moe-tiny");
+    bad(&["--adapter", other.to_str().unwrap()], 1, "adapter");
+    std::fs::remove_dir_all(&tmp).unwrap();
+}

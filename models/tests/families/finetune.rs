@@ -88,6 +88,7 @@ fn options(expert_parallel: Option<usize>) -> FinetuneOptions {
         seed: 5,
         expert_parallel,
         bias_update_speed: 0.0,
+        ..FinetuneOptions::default()
     }
 }
 

@@ -9,9 +9,11 @@ use burn::tensor::backend::AutodiffBackend;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use mpipemoe::hf::{ExportOptions, HfCheckpoint};
-use mpipemoe::{LocalGroup, MoeBackend, MoeError};
+use mpipemoe::{LocalGroup, LoraScaling, MoeBackend, MoeError};
 use mpipemoe_models::family::decoder_config;
-use mpipemoe_models::{finetune_rank, FinetuneOptions, FinetuneReport, FinetuneStep, TextTokenizer};
+use mpipemoe_models::{
+    finetune_rank, FinetuneOptions, FinetuneReport, FinetuneStep, LoraSpec, PeftAdapter, TextTokenizer,
+};
 use mpipemoe_tools::backends::{run_on, BackendJob};
 use mpipemoe_tools::flags::{count, non_negative};
 use serde::Serialize;
@@ -75,6 +77,37 @@ pub struct FinetuneArgs {
     /// pre-trained with 0.001). Default 0: the biases stay as loaded, as in transformers.
     #[arg(long, default_value_t = 0.0, value_name = "GAMMA", value_parser = non_negative)]
     bias_update_speed: f64,
+    /// LoRA fine-tuning: adapters of rank R on `--lora-targets`, every base weight frozen (no
+    /// gradient, no optimizer state); `--out` receives the adapters as a PEFT folder
+    /// (`adapter_config.json`, `adapter_model.safetensors`) that `PeftModel.from_pretrained`
+    /// loads, or the merged model with `--merge`.
+    #[arg(long, value_parser = count(1, 1 << 16), conflicts_with = "adapter")]
+    lora_rank: Option<usize>,
+    /// PEFT's `lora_alpha`: the adapters' products are scaled by alpha / R (alpha / sqrt(R)
+    /// with `--rslora`).
+    #[arg(long, default_value_t = 8.0, requires = "lora_rank")]
+    lora_alpha: f64,
+    /// rsLoRA's scaling, alpha / sqrt(R).
+    #[arg(long, requires = "lora_rank")]
+    rslora: bool,
+    /// What gets adapters, comma-separated: attention projections by name (`q_proj`,
+    /// `k_proj`, `v_proj`, `o_proj`; DeepSeek-V3's `q_a_proj`, `q_b_proj`,
+    /// `kv_a_proj_with_mqa`, `kv_b_proj`), `attention` for all a layer has, `experts` (one
+    /// adapter per expert on both stacked weights) or `gate_up_proj` / `down_proj` alone.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "attention,experts",
+        requires = "lora_rank"
+    )]
+    lora_targets: Vec<String>,
+    /// Continue training a LoRA adapter folder written by PEFT (or by `--lora-rank`).
+    #[arg(long)]
+    adapter: Option<PathBuf>,
+    /// With adapters: write the merged model to `--out` in DIR's layout and dtype instead of
+    /// the adapter folder.
+    #[arg(long)]
+    merge: bool,
     /// Print a JSON summary on stdout at the end.
     #[arg(long)]
     json: bool,
@@ -229,6 +262,22 @@ pub fn run(args: FinetuneArgs) -> ExitCode {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }
+    let adapters = args.lora_rank.is_some() || args.adapter.is_some();
+    if args.merge && !adapters {
+        eprintln!("error: --merge needs adapters: --lora-rank or --adapter");
+        return ExitCode::from(2);
+    }
+    if args.in_place && adapters && !args.merge {
+        eprintln!("error: --in-place with adapters writes the merged model over DIR: add --merge, or give --out for the adapter folder");
+        return ExitCode::from(2);
+    }
+    let adapter = match args.adapter.as_deref().map(PeftAdapter::read).transpose() {
+        Ok(adapter) => adapter,
+        Err(e) => {
+            eprintln!("error: --adapter: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let tokens = match tokens(&args) {
         Ok(tokens) => tokens,
         Err(e) => {
@@ -255,6 +304,18 @@ pub fn run(args: FinetuneArgs) -> ExitCode {
         seed: args.seed,
         expert_parallel: args.expert_parallel,
         bias_update_speed: args.bias_update_speed,
+        lora: args.lora_rank.map(|rank| LoraSpec {
+            rank,
+            alpha: args.lora_alpha,
+            scaling: if args.rslora {
+                LoraScaling::RsLora
+            } else {
+                LoraScaling::Standard
+            },
+            targets: args.lora_targets.clone(),
+        }),
+        adapter,
+        merge: args.merge,
     };
     let bar = ProgressBar::new(args.steps as u64);
     if let Ok(style) = ProgressStyle::with_template("{elapsed_precise} [{bar:25}] {pos}/{len} {msg}") {

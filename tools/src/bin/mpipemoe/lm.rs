@@ -11,7 +11,9 @@ use clap::Args;
 use mpipemoe::format::TensorMap;
 use mpipemoe::memory::Strategy;
 use mpipemoe::{LocalGroup, MemoryReuse, MoeBackend, MoeError, MoeLayerConfig, Partitions, MAX_PARTITIONS};
-use mpipemoe_models::{GenerateOptions, GenerationDefaults, MoeCausalLm, Sampling, TextTokenizer};
+use mpipemoe_models::{
+    GenerateOptions, GenerationDefaults, MoeCausalLm, PeftAdapter, Sampling, TextTokenizer,
+};
 use mpipemoe_tools::backends::{
     device_paths, run_on, AddPaths, BackendArg, BackendJob, GemmArg, PrecisionArg,
 };
@@ -73,6 +75,11 @@ pub struct LogitsArgs {
     /// Replace `--out` if it exists.
     #[arg(long)]
     overwrite: bool,
+    /// A LoRA adapter folder written by PEFT (`adapter_config.json`,
+    /// `adapter_model.safetensors`) to run the model with. DIR is the base, whatever the
+    /// adapter's `base_model_name_or_path` says, as in PEFT.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
     #[command(flatten)]
     run: RunFlags,
 }
@@ -123,6 +130,12 @@ pub struct GenerateArgs {
     /// Greedy decoding, whatever `generation_config.json` says.
     #[arg(long)]
     greedy: bool,
+    /// A LoRA adapter folder written by PEFT (`adapter_config.json`,
+    /// `adapter_model.safetensors`) to run the model with, merged into its weights for
+    /// generation (PEFT's `merge_and_unload`: the same function up to float rounding). DIR is the base, whatever the
+    /// adapter's `base_model_name_or_path` says, as in PEFT.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
     #[command(flatten)]
     run: RunFlags,
 }
@@ -235,6 +248,7 @@ fn read_prompts(path: &Path, ids: bool) -> Result<Vec<Prompt>, String> {
 struct LmJob<'a> {
     dir: &'a Path,
     run: &'a RunFlags,
+    adapter: Option<&'a PeftAdapter>,
     task: Task,
 }
 
@@ -260,6 +274,13 @@ impl BackendJob for LmJob<'_> {
                 );
             }
             let model = model.map_moe_configs(|c| self.run.moe(c))?;
+            let model = match (self.adapter, &self.task) {
+                (None, _) => model,
+                (Some(adapter), Task::Logits(_)) => model.with_adapter(adapter)?,
+                // Generation merges: each step then runs the weights alone, not the experts'
+                // adapted weights rebuilt per token.
+                (Some(adapter), Task::Generate(..)) => model.with_adapter(adapter)?.merge_lora(),
+            };
             // The ranks meet after loading under the arrival bound: one may load far slower.
             ctx.comm.arrival_barrier()?;
             match &self.task {
@@ -354,8 +375,20 @@ fn check_ids(ids: &[usize]) -> Result<(), String> {
     Ok(())
 }
 
-fn answer(dir: &Path, run: &RunFlags, task: Task) -> Result<Answer, ExitCode> {
-    let job = LmJob { dir, run, task };
+fn answer(dir: &Path, run: &RunFlags, adapter: Option<&Path>, task: Task) -> Result<Answer, ExitCode> {
+    let adapter = match adapter.map(PeftAdapter::read).transpose() {
+        Ok(adapter) => adapter,
+        Err(e) => {
+            eprintln!("error: --adapter: {e}");
+            return Err(ExitCode::FAILURE);
+        }
+    };
+    let job = LmJob {
+        dir,
+        run,
+        adapter: adapter.as_ref(),
+        task,
+    };
     match run_on(run.backend, job) {
         Err(message) => {
             eprintln!("error: {message}");
@@ -379,7 +412,12 @@ pub fn logits(args: LogitsArgs) -> ExitCode {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }
-    match answer(&args.dir, &args.run, Task::Logits(args.ids.clone())) {
+    match answer(
+        &args.dir,
+        &args.run,
+        args.adapter.as_deref(),
+        Task::Logits(args.ids.clone()),
+    ) {
         Ok(Answer::Logits(values, shape)) => {
             let mut tensors = TensorMap::new();
             tensors.insert("logits".to_string(), TensorData::new(values, shape));
@@ -431,6 +469,7 @@ pub fn generate(args: GenerateArgs) -> ExitCode {
     match answer(
         &args.dir,
         &args.run,
+        args.adapter.as_deref(),
         Task::Generate(prompts, args.max_new_tokens, pick),
     ) {
         Ok(Answer::Ids(rows)) if batched => {

@@ -1,0 +1,304 @@
+//! Low-rank adapters on the experts: every path, rank count, partition count, strategy and
+//! shadowing gives the same outputs and adapter gradients, and those equal an independent
+//! float64 oracle: the layer with the merged weights `w + scale · a · b` computed on the host,
+//! whose weight gradient `dW` gives the adapters' `scale · dW · bᵀ` and `scale · aᵀ · dW`.
+
+use burn::module::Param;
+use burn::tensor::{Tensor, TensorData};
+use mpipemoe::{
+    Activation, ExchangePath, ExpertLoraSpec, LocalGroup, LoraScaling, MemoryReuse, MoeError, MoeLayer,
+    MoeLayerConfig, Partitions, Shadowing,
+};
+
+use super::B;
+
+const TOKENS: usize = 12;
+const D_MODEL: usize = 6;
+
+fn config() -> MoeLayerConfig {
+    MoeLayerConfig::new(D_MODEL, 8, 4, 2)
+        .with_activation(Activation::SwiGlu)
+        .with_bias(true)
+        .with_seed(7)
+}
+
+fn spec() -> ExpertLoraSpec {
+    // alpha / r = 1.5: a test with the scale left out, or rsLoRA's in its place, fails.
+    ExpertLoraSpec {
+        rank: 2,
+        alpha: 3.0,
+        scaling: LoraScaling::Standard,
+        w_in: true,
+        w_out: true,
+    }
+}
+
+/// Deterministic values that differ per expert and position.
+fn values(n: usize, salt: f32) -> Vec<f32> {
+    (0..n).map(|i| ((i as f32 * 0.37 + salt).sin()) * 0.5).collect()
+}
+
+/// The layer with adapters whose `b` factors are not zero (fresh ones are), the same for
+/// every rank's experts whatever the rank count: expert `e`'s values depend on `e` only.
+fn adapted(layer: MoeLayer<B>) -> MoeLayer<B> {
+    let mut layer = layer.freeze_all_but_adapters().with_adapters(&spec(), 3).unwrap();
+    let first = layer.experts.first_expert();
+    let adapters = layer.adapters.as_mut().unwrap();
+    for (salt, lora) in [(1.0, adapters.w_in.as_mut()), (2.0, adapters.w_out.as_mut())] {
+        let lora = lora.unwrap();
+        let [n, r, cols] = lora.b.dims();
+        let device = lora.b.device();
+        let all = values((first + n) * r * cols, salt);
+        let mine = all[first * r * cols..].to_vec();
+        lora.b = Param::from_tensor(Tensor::from_data(TensorData::new(mine, [n, r, cols]), &device));
+    }
+    layer
+}
+
+struct Run {
+    output: Vec<f32>,
+    /// The adapters' gradients, all experts, in the order w_in.a, w_in.b, w_out.a, w_out.b.
+    grads: [Vec<f32>; 4],
+    base_has_grad: bool,
+}
+
+fn flat<Bk: burn::tensor::backend::Backend, const D: usize>(t: Tensor<Bk, D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().to_vec().unwrap()
+}
+
+fn input() -> Vec<f32> {
+    values(TOKENS * D_MODEL, 0.3)
+}
+
+/// Forward and backward of `loss = Σ output · g` on `n_ranks`, each rank its slice of the
+/// tokens, the outputs and the adapters' gradients gathered in rank order.
+fn run(config: MoeLayerConfig, n_ranks: usize) -> Run {
+    let per_rank = TOKENS / n_ranks;
+    let parts = LocalGroup::run(n_ranks, |ctx| {
+        let device = Default::default();
+        let layer = adapted(config.init_rank::<B>(&device, ctx.comm.clone())?);
+        let rows = per_rank * ctx.rank..per_rank * (ctx.rank + 1);
+        let x = input()[rows.start * D_MODEL..rows.end * D_MODEL].to_vec();
+        let x = Tensor::<B, 2>::from_data(TensorData::new(x, [per_rank, D_MODEL]), &device);
+        let out = layer.try_forward(x)?.output;
+        let g = values(TOKENS * D_MODEL, 0.9)[rows.start * D_MODEL..rows.end * D_MODEL].to_vec();
+        let g = Tensor::<B, 2>::from_data(TensorData::new(g, [per_rank, D_MODEL]), &device);
+        let grads = (out.clone() * g).sum().backward();
+        let adapters = layer.adapters.as_ref().unwrap();
+        let (w_in, w_out) = (adapters.w_in.as_ref().unwrap(), adapters.w_out.as_ref().unwrap());
+        let grad = |p: &Param<Tensor<B, 3>>| flat(p.grad(&grads).expect("an adapter has a gradient"));
+        let base_has_grad =
+            layer.experts.w_in.grad(&grads).is_some() || layer.experts.w_out.grad(&grads).is_some();
+        Ok((
+            flat(out),
+            [grad(&w_in.a), grad(&w_in.b), grad(&w_out.a), grad(&w_out.b)],
+            base_has_grad,
+        ))
+    })
+    .unwrap();
+    let mut run = Run {
+        output: Vec::new(),
+        grads: Default::default(),
+        base_has_grad: false,
+    };
+    for (out, grads, base) in parts {
+        run.output.extend(out);
+        for (all, g) in run.grads.iter_mut().zip(grads) {
+            all.extend(g);
+        }
+        run.base_has_grad |= base;
+    }
+    run
+}
+
+/// `[n, rows, r] · [n, r, cols]`, per expert, in float64.
+fn bmm(a: &[f64], b: &[f64], n: usize, rows: usize, r: usize, cols: usize) -> Vec<f64> {
+    let mut out = vec![0.0; n * rows * cols];
+    for e in 0..n {
+        for i in 0..rows {
+            for j in 0..cols {
+                out[(e * rows + i) * cols + j] = (0..r)
+                    .map(|k| a[(e * rows + i) * r + k] * b[(e * r + k) * cols + j])
+                    .sum();
+            }
+        }
+    }
+    out
+}
+
+fn transpose(x: &[f64], n: usize, rows: usize, cols: usize) -> Vec<f64> {
+    let mut out = vec![0.0; x.len()];
+    for e in 0..n {
+        for i in 0..rows {
+            for j in 0..cols {
+                out[(e * cols + j) * rows + i] = x[(e * rows + i) * cols + j];
+            }
+        }
+    }
+    out
+}
+
+fn f64s<Bk: burn::tensor::backend::Backend, const D: usize>(t: Tensor<Bk, D>) -> Vec<f64> {
+    t.into_data().convert::<f64>().to_vec().unwrap()
+}
+
+fn relative(got: &[f32], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().map(|v| v.abs()).fold(0.0, f64::max).max(1e-12);
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| (*g as f64 - w).abs())
+        .fold(0.0, f64::max)
+        / scale
+}
+
+/// The oracle: the plain layer (one rank, reference path) with `w + scale · a · b` built in
+/// float64 on the host; its output, and the adapters' gradients from its weights' gradients.
+fn oracle() -> (Vec<f64>, [Vec<f64>; 4]) {
+    let device = Default::default();
+    let layer = adapted(config().with_path(ExchangePath::Reference).init::<B>(&device));
+    let adapters = layer.adapters.clone().unwrap();
+    let scale = 3.0 / 2.0;
+    let mut plain = layer.clone();
+    plain.adapters = None;
+    let mut factors = Vec::new();
+    for (param, lora) in [
+        (&mut plain.experts.w_in, adapters.w_in.unwrap()),
+        (&mut plain.experts.w_out, adapters.w_out.unwrap()),
+    ] {
+        let [n, rows, cols] = param.dims();
+        let r = lora.rank();
+        let (a, b) = (f64s(lora.a.val()), f64s(lora.b.val()));
+        let delta = bmm(&a, &b, n, rows, r, cols);
+        let w: Vec<f64> = f64s(param.val())
+            .iter()
+            .zip(&delta)
+            .map(|(w, d)| w + scale * d)
+            .collect();
+        let merged = Tensor::<B, 3>::from_data(TensorData::new(w, [n, rows, cols]), &device);
+        *param = Param::from_tensor(merged.require_grad());
+        factors.push((a, b, n, rows, r, cols));
+    }
+    let x = Tensor::<B, 2>::from_data(TensorData::new(input(), [TOKENS, D_MODEL]), &device);
+    let out = plain.forward(x).output;
+    let g = Tensor::<B, 2>::from_data(
+        TensorData::new(values(TOKENS * D_MODEL, 0.9), [TOKENS, D_MODEL]),
+        &device,
+    );
+    let grads = (out.clone() * g).sum().backward();
+    let mut want: [Vec<f64>; 4] = Default::default();
+    for (k, (param, (a, b, n, rows, r, cols))) in [&plain.experts.w_in, &plain.experts.w_out]
+        .into_iter()
+        .zip(factors)
+        .enumerate()
+    {
+        let dw = f64s(param.grad(&grads).unwrap());
+        // dA = scale · dW · bᵀ, dB = scale · aᵀ · dW.
+        let da = bmm(&dw, &transpose(&b, n, r, cols), n, rows, cols, r);
+        let db = bmm(&transpose(&a, n, rows, r), &dw, n, r, rows, cols);
+        want[2 * k] = da.iter().map(|v| v * scale).collect();
+        want[2 * k + 1] = db.iter().map(|v| v * scale).collect();
+    }
+    (f64s(out), want)
+}
+
+#[test]
+fn adapters_match_the_merged_oracle_on_every_path_rank_count_and_strategy() {
+    let (want_out, want_grads) = oracle();
+    let mut settings = vec![(
+        ExchangePath::Reference,
+        1,
+        Partitions::Fixed(1),
+        MemoryReuse::Off,
+        Shadowing::Off,
+    )];
+    for n_ranks in [1, 2] {
+        for reuse in [
+            MemoryReuse::Off,
+            MemoryReuse::S1,
+            MemoryReuse::S2,
+            MemoryReuse::S3,
+            MemoryReuse::S4,
+        ] {
+            settings.push((
+                ExchangePath::Fused,
+                n_ranks,
+                Partitions::Fixed(3),
+                reuse,
+                Shadowing::Off,
+            ));
+        }
+    }
+    settings.push((
+        ExchangePath::Fused,
+        2,
+        Partitions::Fixed(2),
+        MemoryReuse::S3,
+        Shadowing::Fixed(1),
+    ));
+    settings.push((
+        ExchangePath::Reference,
+        2,
+        Partitions::Fixed(1),
+        MemoryReuse::Off,
+        Shadowing::Fixed(1),
+    ));
+    for (path, n_ranks, partitions, reuse, shadowing) in settings {
+        let config = config()
+            .with_path(path)
+            .with_partitions(partitions)
+            .with_memory_reuse(reuse)
+            .with_shadowing(shadowing);
+        let got = run(config, n_ranks);
+        let what = format!("{path:?} ranks {n_ranks} {partitions:?} {reuse:?} {shadowing:?}");
+        assert!(relative(&got.output, &want_out) < 1e-5, "{what}: output");
+        for (k, (g, w)) in got.grads.iter().zip(&want_grads).enumerate() {
+            assert!(
+                relative(g, w) < 1e-4,
+                "{what}: adapter gradient {k}: {}",
+                relative(g, w)
+            );
+        }
+        assert!(
+            !got.base_has_grad,
+            "{what}: a frozen base weight received a gradient"
+        );
+    }
+}
+
+#[test]
+fn merging_keeps_the_function_and_drops_the_adapters() {
+    let device = Default::default();
+    let layer = adapted(config().init::<B>(&device));
+    let x = Tensor::<B, 2>::from_data(TensorData::new(input(), [TOKENS, D_MODEL]), &device);
+    let before = flat(layer.forward(x.clone()).output);
+    let merged = layer.merge_adapters();
+    assert!(merged.adapters.is_none());
+    let after: Vec<f64> = flat(merged.forward(x).output).iter().map(|v| *v as f64).collect();
+    assert!(relative(&before, &after) < 1e-6);
+}
+
+#[test]
+fn bad_adapter_specs_name_their_field() {
+    let device = Default::default();
+    let field = |spec: ExpertLoraSpec| match config().init::<B>(&device).with_adapters(&spec, 0) {
+        Err(MoeError::Config { field, .. }) => field,
+        other => panic!("{spec:?} was accepted: {:?}", other.map(|_| ())),
+    };
+    assert_eq!(field(ExpertLoraSpec { rank: 0, ..spec() }), "rank");
+    assert_eq!(
+        field(ExpertLoraSpec {
+            alpha: f64::NAN,
+            ..spec()
+        }),
+        "alpha"
+    );
+    assert_eq!(
+        field(ExpertLoraSpec {
+            w_in: false,
+            w_out: false,
+            ..spec()
+        }),
+        "targets"
+    );
+}
