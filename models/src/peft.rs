@@ -506,7 +506,11 @@ impl<B: MoeBackend> MoeCausalLm<B> {
         let text = serde_json::to_string_pretty(&config)
             .map_err(|e| MoeError::file(out_dir, format!("cannot encode the config: {e}")))?;
         mpipemoe::files::write_whole(&staged.path().join(ADAPTER_CONFIG), text.as_bytes(), false)?;
-        write_safetensors_plain(&staged.path().join(ADAPTER_WEIGHTS), &c.tensors)?;
+        write_safetensors(
+            &staged.path().join(ADAPTER_WEIGHTS),
+            &c.tensors,
+            "{\"format\":\"pt\"}",
+        )?;
         staged.commit()
     }
 }
@@ -521,11 +525,6 @@ struct Collected {
     parameters: Vec<String>,
     /// Every adapter's rank.
     ranks: Vec<usize>,
-}
-
-/// The safetensors file with no `meta` entry beyond PEFT's own `format`.
-fn write_safetensors_plain(path: &Path, tensors: &TensorMap) -> Result<()> {
-    write_safetensors(path, tensors, "{\"format\":\"pt\"}")
 }
 
 /// Whether a pair `lora_A [da]`, `lora_B [db]` is the adapter on `w_in` (`true`) or `w_out`

@@ -101,7 +101,10 @@ def window_starts(seed, step, batch, span):
     return out
 
 
-def torch_finetune(steps, threads):
+def torch_finetune(steps, threads, lora=None):
+    """transformers' model trained with torch eager; with `lora` a rank, PEFT's LoRA of that
+    rank (alpha 2·rank) on q/k/v/o and both of the experts' stacked weights
+    (`target_parameters`), the base frozen: what `mpipemoe finetune --lora-rank` sets up."""
     import torch
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
@@ -110,38 +113,11 @@ def torch_finetune(steps, threads):
     tokens = Tokenizer.from_file(os.path.join(MODEL, "tokenizer.json")).encode(
         open(CORPUS).read(), add_special_tokens=False).ids
     model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    times, losses = [], []
-    for step in range(steps):
-        start = time.perf_counter()
-        starts = window_starts(SEED, step, BATCH, len(tokens) - SEQ)
-        ids = torch.tensor([tokens[s:s + SEQ + 1] for s in starts])
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
-        losses.append(float(out.loss))
-    return {"step_seconds": times, "losses": losses, "data_tokens": len(tokens)}
-
-
-def peft_finetune(steps, threads, rank):
-    """torch_finetune with PEFT's LoRA of rank `rank` (alpha 2·rank) on q/k/v/o and both of the
-    experts' stacked weights (`target_parameters`), the base frozen: what `mpipemoe finetune
-    --lora-rank` sets up."""
-    import peft
-    import torch
-    from tokenizers import Tokenizer
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(threads)
-    tokens = Tokenizer.from_file(os.path.join(MODEL, "tokenizer.json")).encode(
-        open(CORPUS).read(), add_special_tokens=False).ids
-    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
-    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                             target_parameters=["experts.gate_up_proj", "experts.down_proj"])
-    model = peft.get_peft_model(model, config)
+    if lora:
+        import peft
+        config = peft.LoraConfig(r=lora, lora_alpha=2 * lora, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                 target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+        model = peft.get_peft_model(model, config)
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
     times, losses = [], []
@@ -349,7 +325,7 @@ def main():
     parser.add_argument("--side", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side == "peft-finetune":
-        print(json.dumps(peft_finetune(args.steps, args.threads, args.lora)))
+        print(json.dumps(torch_finetune(args.steps, args.threads, args.lora)))
         return
     if args.side == "torch-finetune":
         print(json.dumps(torch_finetune(args.steps, args.threads)))
