@@ -33,7 +33,9 @@ pub use crate::exchange::{
     ExchangeRun, ExpertBackward, ExpertBackwardOut, ExpertForward, ExpertGroups, ExpertPath, GemmPrecision,
     NoStreams, PartitionArena, SlotMemory, StepHold, SyncStreams, WorkerStreams,
 };
-pub use crate::experts::{ActivationKernels, ExpertTensors};
+pub use crate::experts::{
+    ActivationKernels, ExpertGrads, ExpertPart, ExpertTensors, LowRankTensors, EXPERT_PARTS,
+};
 pub use crate::memory::host_store::{HostBlock, HostStore};
 pub use crate::memory::Restore;
 pub use crate::pipeline::schedule::{Op, Role, Schedule, Slot, Span, Step, Stream};

@@ -387,8 +387,13 @@ fn arena_ops_match_plain_tensor_ops() {
         Some(b.clone().into_primitive().tensor()),
     )
     .expect("GEMM into the arena");
+    // An adapter's term `u · v` added in place to the block the GEMM wrote.
+    let u = Tensor::<W, 2>::random([5, 2], Distribution::Default, &device);
+    let v = Tensor::<W, 2>::random([2, width], Distribution::Default, &device);
+    let term = u.matmul(v);
+    mem.add_into(&out, term.clone().into_primitive().tensor());
     let got = Tensor::<W, 2>::from_primitive(TensorPrimitive::Float(out));
-    let want = x_e.matmul(w) + b;
+    let want = x_e.matmul(w) + b + term;
     got.into_data()
         .assert_approx_eq::<f32>(&want.into_data(), burn::tensor::Tolerance::rel_abs(1e-5, 1e-6));
     let placed = Tensor::<W, 2>::from_primitive(TensorPrimitive::Float(buffer));
@@ -842,5 +847,70 @@ fn the_expert_hook_on_wgpu_in_order_and_threaded() {
                 );
             }
         }
+    }
+}
+
+/// Low-rank adapters on the experts through the fused op's CubeCL path (the arena's blocks,
+/// the adapter's term added in place with `SlotMemory::add_into`), against the reference
+/// twin on the same device (which runs `w + scale · a · b` and which the CPU tests hold to a
+/// float64 oracle): outputs and every adapter gradient, base weights frozen, at n = 3 with S4
+/// (the recomputed `T_M` includes the adapter's term). One configuration: every strategy's
+/// difference is the CPU tests' business, and each one here costs llvmpipe's kernel builds.
+#[test]
+fn expert_adapters_on_wgpu_match_the_reference_twin() {
+    let _device = shared();
+    let device = WgpuDevice::default();
+    let spec = mpipemoe::ExpertLoraSpec {
+        rank: 3,
+        alpha: 6.0,
+        scaling: mpipemoe::LoraScaling::Standard,
+        w_in: true,
+        w_out: true,
+    };
+    let base = MoeLayerConfig::new(16, 24, 4, 2)
+        .with_activation(Activation::SwiGlu)
+        .with_bias(true)
+        .with_seed(5);
+    let x = Tensor::<B, 2>::random([40, 16], Distribution::Default, &device);
+    let g = Tensor::<B, 2>::random([40, 16], Distribution::Default, &device);
+    let run = |config: MoeLayerConfig| {
+        let mut layer = config
+            .init::<B>(&device)
+            .freeze_all_but_adapters()
+            .with_adapters(&spec, 9)
+            .unwrap();
+        // Fresh adapters have `b = 0`; these do not, the same on every run.
+        let adapters = layer.adapters.as_mut().unwrap();
+        for (key, lora) in [
+            ("b_in", adapters.w_in.as_mut()),
+            ("b_out", adapters.w_out.as_mut()),
+        ] {
+            let lora = lora.unwrap();
+            let dims = lora.b.dims();
+            let values = seeded_uniform(1, key, dims.iter().product(), 0.5);
+            lora.b =
+                burn::module::Param::from_tensor(Tensor::from_data(TensorData::new(values, dims), &device));
+        }
+        let out = layer.forward(x.clone()).output;
+        let grads = (out.clone() * g.clone()).sum().backward();
+        let adapters = layer.adapters.as_ref().unwrap();
+        let mut all = vec![out.into_data()];
+        for lora in [adapters.w_in.as_ref().unwrap(), adapters.w_out.as_ref().unwrap()] {
+            all.push(lora.a.grad(&grads).expect("a's gradient").into_data());
+            all.push(lora.b.grad(&grads).expect("b's gradient").into_data());
+        }
+        assert!(
+            layer.experts.w_in.grad(&grads).is_none(),
+            "a frozen weight took a gradient"
+        );
+        all
+    };
+    let want = run(base.clone().with_path(ExchangePath::Reference));
+    let got = run(base
+        .with_path(ExchangePath::Fused)
+        .with_partitions(Partitions::Fixed(3))
+        .with_memory_reuse(MemoryReuse::S4));
+    for (got, want) in got.into_iter().zip(&want) {
+        got.assert_approx_eq::<f32>(want, burn::tensor::Tolerance::rel_abs(1e-4, 1e-5));
     }
 }

@@ -192,12 +192,12 @@ fn experts_ms(
         ))
     };
     let groups = ExpertGroups {
-        groups: vec![ExpertTensors {
-            w_in: rand(vec![EXPERTS, m, h]),
-            b_in: None,
-            w_out: rand(vec![EXPERTS, h, m]),
-            b_out: None,
-        }],
+        groups: vec![ExpertTensors::plain(
+            rand(vec![EXPERTS, m, h]),
+            None,
+            rand(vec![EXPERTS, h, m]),
+            None,
+        )],
     };
     let x = primitive(Tensor::<Inner, 2>::random(
         [total, m],
@@ -248,12 +248,7 @@ fn experts_ms(
                 precision,
                 grad_x: empty(total, m),
                 fresh: true,
-                grads: ExpertTensors {
-                    w_in: zeros([EXPERTS, m, h]),
-                    b_in: None,
-                    w_out: zeros([EXPERTS, h, m]),
-                    b_out: None,
-                },
+                grads: ExpertTensors::plain(zeros([EXPERTS, m, h]), None, zeros([EXPERTS, h, m]), None),
             })
             .expect("experts backward");
         host.push(start.elapsed().as_secs_f64() * 1e3);

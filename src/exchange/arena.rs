@@ -189,6 +189,12 @@ pub trait SlotMemory<B: Backend>: Send + Sync {
         bias: Option<FloatTensor<B>>,
     ) -> Result<()>;
 
+    /// `out += addend`, in place: a low-rank adapter's term added to the block a GEMM wrote.
+    ///
+    /// # Shapes
+    /// - out `[m, n]`, addend `[m, n]`
+    fn add_into(&self, out: &FloatTensor<B>, addend: FloatTensor<B>);
+
     /// `dst[dst_rows[k]] = src[src_rows[k]]` for every `k`.
     ///
     /// # Shapes

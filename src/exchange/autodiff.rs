@@ -18,10 +18,11 @@ use super::{ExchangeGrads, ExchangeRun, MoeBackend};
 use crate::comm::Communicator;
 use crate::dispatch::ExchangePlan;
 use crate::error::Result;
-use crate::experts::ExpertTensors;
+use crate::experts::{ExpertTensors, EXPERT_PARTS};
 
-/// The exchange's backward node. Parents: `T_I`, `w_in`, `b_in`, `w_out`, `b_out` (absent
-/// biases are stood in for by untracked placeholders, so they receive nothing).
+/// The exchange's backward node. Parents: `T_I`, then every [`ExpertPart`] in table order
+/// (absent biases and adapters are stood in for by untracked placeholders, so they receive
+/// nothing).
 #[derive(Debug)]
 struct ExchangeBackward;
 
@@ -32,24 +33,25 @@ struct ExchangeState<S> {
     run: ExchangeRun,
 }
 
-impl<B: MoeBackend> Backward<B, 5> for ExchangeBackward {
+/// Parents of [`ExchangeBackward`]: `T_I` and the expert parts.
+const PARENTS: usize = 1 + EXPERT_PARTS;
+
+impl<B: MoeBackend> Backward<B, PARENTS> for ExchangeBackward {
     type State = ExchangeState<B::Saved>;
 
-    fn backward(self, ops: Ops<Self::State, 5>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+    fn backward(
+        self,
+        ops: Ops<Self::State, PARENTS>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
         let grad_out = grads.consume::<B>(&ops.node);
         let ExchangeState { saved, plan, run } = ops.state;
         // Burn's backward has no error channel: a failed collective is raised as a panic
         // carrying the MoeError, which LocalGroup::run turns back into an error.
         let g = B::exchange_backward(grad_out, saved, &plan, &run).unwrap_or_else(|e| e.raise());
-        let [input, w_in, b_in, w_out, b_out] = ops.parents;
-        let pairs = [
-            (input, Some(g.input)),
-            (w_in, Some(g.experts.w_in)),
-            (b_in, g.experts.b_in),
-            (w_out, Some(g.experts.w_out)),
-            (b_out, g.experts.b_out),
-        ];
-        for (parent, grad) in pairs {
+        let grads_in_order = std::iter::once(Some(g.input)).chain(g.experts.parts);
+        for (parent, grad) in ops.parents.into_iter().zip(grads_in_order) {
             if let (Some(parent), Some(grad)) = (parent, grad) {
                 grads.register::<B>(parent.id, grad);
             }
@@ -168,15 +170,21 @@ impl<B: MoeBackend, C: CheckpointStrategy> MoeBackend for Autodiff<B, C> {
                 input.primitive.dtype().into(),
             ))
         };
-        let node =
-            |t: &Option<FloatTensor<Self>>| t.as_ref().map_or_else(|| placeholder().node, |t| t.node.clone());
-        let nodes = [
-            input.node.clone(),
-            experts.w_in.node.clone(),
-            node(&experts.b_in),
-            experts.w_out.node.clone(),
-            node(&experts.b_out),
-        ];
+        let parts = experts.clone().into_parts();
+        // A part whose node is untracked (a base weight frozen under adapters) gets no
+        // gradient: the inner backward is told not to compute it.
+        let mut run = run.clone();
+        for (frozen, part) in run.frozen.iter_mut().zip(&parts) {
+            *frozen |= part.as_ref().is_some_and(|t| t.node.requirement.is_none());
+        }
+        let run = &run;
+        let mut nodes = vec![input.node.clone()];
+        nodes.extend(
+            parts
+                .iter()
+                .map(|t| t.as_ref().map_or_else(|| placeholder().node, |t| t.node.clone())),
+        );
+        let nodes: [_; PARENTS] = nodes.try_into().expect("T_I and every expert part");
         let inner = inner_experts(&experts);
         match ExchangeBackward.prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(prep) => {

@@ -15,7 +15,7 @@ use super::streams::{SyncStreams, WorkerStreams};
 use crate::comm::Communicator;
 use crate::dispatch::ExchangePlan;
 use crate::error::Result;
-use crate::experts::{Activation, ActivationKernels, ExpertTensors};
+use crate::experts::{Activation, ActivationKernels, ExpertGrads, ExpertTensors};
 use crate::memory::{HostStore, Strategy};
 use crate::optim::OptimizerKernels;
 
@@ -54,6 +54,13 @@ pub struct ExchangeRun {
     /// by the primitive ops. Not a constructor argument: set the field.
     #[new(default)]
     pub precision: super::GemmPrecision,
+    /// The expert parts ([`ExpertPart`](crate::experts::ExpertPart) order) whose gradients
+    /// nobody reads, such as base weights frozen under low-rank adapters: backward computes
+    /// nothing for them and returns `None`. `Autodiff<B>` sets it from which parameters its
+    /// graph tracks; every rank must pass the same (the shadows' folds run per part). Not a
+    /// constructor argument: set the field.
+    #[new(default)]
+    pub frozen: [bool; crate::experts::EXPERT_PARTS],
 }
 
 impl ExchangeRun {
@@ -68,8 +75,8 @@ impl ExchangeRun {
 pub struct ExchangeGrads<B: Backend> {
     /// `[n_rows, d_model]`, the gradient of `T_I`.
     pub input: FloatTensor<B>,
-    /// Gradients of the expert tensors, shaped like them.
-    pub experts: ExpertTensors<B>,
+    /// Gradients of the expert tensors, shaped like them (`None` for absent and frozen parts).
+    pub experts: ExpertGrads<B>,
 }
 
 /// A backend that can run the fused exchange op (step 4 of the forward recipe): dispatch all-to-all,

@@ -124,7 +124,9 @@ impl<'a, B: MoeBackend> Blocks<'a, B> {
         })
     }
 
-    /// Expert `e`'s block (`rows` rows) = `lhs · rhs (+ bias)`; returns the block.
+    /// Expert `e`'s block (`rows` rows) = `lhs · rhs (+ u · v) (+ bias)`, where `low_rank` is
+    /// `(u, v)`: a low-rank adapter's term, `u [rows, rank]` and `v [rank, cols]`; returns the
+    /// block.
     ///
     /// Blocks are written in expert order, and experts without rows are skipped.
     pub(crate) fn gemm(
@@ -133,20 +135,24 @@ impl<'a, B: MoeBackend> Blocks<'a, B> {
         rows: usize,
         lhs: FloatTensor<B>,
         rhs: FloatTensor<B>,
+        low_rank: Option<(FloatTensor<B>, FloatTensor<B>)>,
         bias: Option<FloatTensor<B>>,
     ) -> Result<FloatTensor<B>> {
+        let extra = low_rank.map(|(u, v)| B::expert_matmul(u, v));
         match (self.mem, &self.buffer) {
             (Some(m), Some(buffer)) => {
                 let out = m.rows(buffer, self.layout.start(e), rows);
                 m.gemm_into(&out, lhs, rhs, bias)?;
+                if let Some(extra) = extra {
+                    m.add_into(&out, extra);
+                }
                 Ok(out)
             }
             _ => {
-                let z = B::expert_matmul(lhs, rhs);
-                let z = match bias {
-                    Some(b) => B::float_add(z, b),
-                    None => z,
-                };
+                let mut z = B::expert_matmul(lhs, rhs);
+                for term in extra.into_iter().chain(bias) {
+                    z = B::float_add(z, term);
+                }
                 self.parts.push(z.clone());
                 Ok(z)
             }

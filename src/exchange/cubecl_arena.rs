@@ -159,6 +159,10 @@ where
         Ok(())
     }
 
+    fn add_into(&self, out: &CubeTensor<R>, addend: CubeTensor<R>) {
+        add_in_place(out, addend);
+    }
+
     fn copy_rows(&self, dst: &CubeTensor<R>, dst_rows: &[usize], src: CubeTensor<R>, src_rows: &[usize]) {
         assert_eq!(
             dst_rows.len(),
@@ -234,6 +238,54 @@ fn add_row_in_place<R: CubeRuntime>(out: &CubeTensor<R>, row: CubeTensor<R>) {
             dtype.into(),
         )
     }
+}
+
+/// `out += addend` for two `[rows, width]` tensors of any row strides.
+fn add_in_place<R: CubeRuntime>(out: &CubeTensor<R>, addend: CubeTensor<R>) {
+    let [rows, width] = [out.meta.shape()[0], out.meta.shape()[1]];
+    assert_eq!(
+        addend.meta.shape()[..],
+        [rows, width],
+        "add_into: the addend's shape differs from the block's"
+    );
+    let units = rows * width;
+    if units == 0 {
+        return;
+    }
+    let client = out.client.clone();
+    let cube_dim = CubeDim::new(&client, units);
+    let cube_count = calculate_cube_count_elemwise(&client, units, cube_dim);
+    let dtype = out.dtype;
+    // Safety: the kernel bounds its units by `rows * width`, the shape both tensors have.
+    unsafe {
+        add_kernel::launch_unchecked(
+            &client,
+            cube_count,
+            cube_dim,
+            out.clone().into_tensor_arg(),
+            addend.into_tensor_arg(),
+            rows,
+            width,
+            dtype.into(),
+        )
+    }
+}
+
+#[cube(launch_unchecked)]
+fn add_kernel<T: Numeric>(
+    output: &mut Tensor<T>,
+    addend: &Tensor<T>,
+    rows: usize,
+    width: usize,
+    #[define(T)] _dtype: StorageType,
+) {
+    if ABSOLUTE_POS >= rows * width {
+        terminate!();
+    }
+    let r = ABSOLUTE_POS / width;
+    let c = ABSOLUTE_POS % width;
+    let at = r * output.stride(0) + c * output.stride(1);
+    output[at] = output[at] + addend[r * addend.stride(0) + c * addend.stride(1)];
 }
 
 #[cube(launch_unchecked)]

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use super::blocks::{block, layout_of, BlockLayout, Blocks, Mem};
 use super::expert_path::{ExpertBackward, ExpertForward, ExpertGroups, ExpertPath, GemmPrecision};
+use super::rows::LowRank;
 use super::rows::{dims2, float_dtype};
 use super::schedule::{Role, Slot};
 use super::shadows::ExpertSlots;
@@ -16,7 +17,10 @@ use super::MoeBackend;
 use crate::comm::Communicator;
 use crate::dispatch::PartitionPlan;
 use crate::error::Result;
-use crate::experts::{activation_backward, activation_forward, Activation, ExpertTensors};
+use crate::experts::{
+    activation_backward, activation_forward, Activation, ExpertGrads, ExpertPart as Part, ExpertTensors,
+    EXPERT_PARTS,
+};
 
 /// A device library's expert compute for a run, with what it needs besides the partition: the
 /// precision, and the experts grouped as the path reads them (built once per pass).
@@ -27,12 +31,16 @@ pub(crate) struct Library<B: MoeBackend> {
 }
 
 impl<B: MoeBackend> Library<B> {
-    /// The communicator's expert path for `B`, if it offers one.
+    /// The communicator's expert path for `B`, if it offers one. Experts with low-rank
+    /// adapters run on the primitives: a path's job has no adapter terms.
     pub(crate) fn find(
         comm: &dyn Communicator,
         precision: GemmPrecision,
         experts: &ExpertSlots<B>,
     ) -> Option<Self> {
+        if experts.own().has_adapters() {
+            return None;
+        }
         let path = comm.row_paths()?.experts::<B>()?;
         Some(Self {
             path,
@@ -61,17 +69,29 @@ fn slot_buffer<B: MoeBackend>(
     }
 }
 
-/// `x_e · w_in[e] + b_in[e]`: the first GEMM of expert `e`, i.e. `T_M` before activation.
+/// `x_e · w_in[e] (+ scale · (x_e · a[e]) · b[e]) + b_in[e]`: the first GEMM of expert `e`
+/// with its adapter's term, i.e. `T_M` before activation.
 pub(crate) fn first_gemm<B: MoeBackend>(
     x: FloatTensor<B>,
     experts: &ExpertSlots<B>,
     e: usize,
 ) -> FloatTensor<B> {
-    let z = B::expert_matmul(x, experts.w_in(e));
-    match experts.b_in(e) {
-        Some(b) => B::float_add(z, b),
-        None => z,
+    let extra = experts
+        .lora_in(e)
+        .map(|l| B::expert_matmul(l.project(x.clone()), l.b));
+    let mut z = B::expert_matmul(x, experts.w_in(e));
+    for term in extra.into_iter().chain(experts.b_in(e)) {
+        z = B::float_add(z, term);
     }
+    z
+}
+
+/// The adapter's term of a block's GEMM on `x`: `(scale · x · a, b)`, for [`Blocks::gemm`].
+fn low_rank_term<B: MoeBackend>(
+    lora: Option<LowRank<B>>,
+    x: &FloatTensor<B>,
+) -> Option<(FloatTensor<B>, FloatTensor<B>)> {
+    lora.map(|l| (l.project(x.clone()), l.b))
 }
 
 /// One optional block per local expert (`None` for an expert without rows).
@@ -113,9 +133,11 @@ pub(crate) fn compute<B: MoeBackend>(
             continue;
         }
         let x_e = block::<B>(mem, &x, &layout, e, rows);
-        let z = hidden_blocks.gemm(e, rows, x_e, experts.w_in(e), experts.b_in(e))?;
+        let extra = low_rank_term(experts.lora_in(e), &x_e);
+        let z = hidden_blocks.gemm(e, rows, x_e, experts.w_in(e), extra, experts.b_in(e))?;
         let a = activation_forward::<B>(act, z.clone());
-        out_blocks.gemm(e, rows, a, experts.w_out(e), experts.b_out(e))?;
+        let extra = low_rank_term(experts.lora_out(e), &a);
+        out_blocks.gemm(e, rows, a, experts.w_out(e), extra, experts.b_out(e))?;
         hidden.push(Some(z));
     }
     Ok((out_blocks.finish(), hidden))
@@ -201,27 +223,56 @@ pub(crate) fn compute_backward<B: MoeBackend>(
         let g_e = block::<B>(mem, &grad, &layout, e, rows);
         let z = z.unwrap_or_else(|| first_gemm::<B>(x_e.clone(), experts, e));
         let a = activation_forward::<B>(act, z.clone());
-        acc.add(
-            Param::WOut,
-            e,
-            B::expert_matmul(B::float_transpose(a), g_e.clone()),
-        );
+        let t = B::float_transpose;
+        // The second GEMM: `out = a · w_out + s · (a · a_out) · b_out + b_out_bias`.
+        acc.add_with(Part::WOut, e, || B::expert_matmul(t(a.clone()), g_e.clone()));
         if experts.own().b_out.is_some() {
-            acc.add(Param::BOut, e, B::float_sum_dim(g_e.clone(), 0));
+            acc.add_with(Part::BOut, e, || B::float_sum_dim(g_e.clone(), 0));
         }
-        let grad_a = B::expert_matmul(g_e, B::float_transpose(experts.w_out(e)));
+        let mut grad_a = B::expert_matmul(g_e.clone(), t(experts.w_out(e)));
+        if let Some(l) = experts.lora_out(e) {
+            let v = lora_backward(&l, &a, &g_e, acc, e, [Part::LoraOutA, Part::LoraOutB]);
+            grad_a = B::float_add(grad_a, B::expert_matmul(v, t(l.a)));
+        }
         let grad_z = activation_backward::<B>(act, z, grad_a);
-        acc.add(
-            Param::WIn,
-            e,
-            B::expert_matmul(B::float_transpose(x_e), grad_z.clone()),
-        );
+        // The first: `z = x · w_in + s · (x · a_in) · b_in + b_in_bias`.
+        acc.add_with(Part::WIn, e, || B::expert_matmul(t(x_e.clone()), grad_z.clone()));
         if experts.own().b_in.is_some() {
-            acc.add(Param::BIn, e, B::float_sum_dim(grad_z.clone(), 0));
+            acc.add_with(Part::BIn, e, || B::float_sum_dim(grad_z.clone(), 0));
         }
-        grads_x.gemm(e, rows, grad_z, B::float_transpose(experts.w_in(e)), None)?;
+        let extra = experts.lora_in(e).map(|l| {
+            let v = lora_backward(&l, &x_e, &grad_z, acc, e, [Part::LoraInA, Part::LoraInB]);
+            (v, t(l.a))
+        });
+        grads_x.gemm(e, rows, grad_z, t(experts.w_in(e)), extra, None)?;
     }
     Ok(grads_x.finish())
+}
+
+/// The backward of one expert's adapter term `s · (x · a) · b` given the gradient `g` of its
+/// GEMM's output: adds `d a = x^T · v` and `d b = (s · x · a)^T · g` to `acc` (for the parts
+/// `[a, b]`), and returns `v = s · g · b^T`, whose product with `a^T` is the term's share of
+/// the gradient of `x`. Nothing here is as large as a weight: every product has the rank as a
+/// dimension.
+///
+/// # Shapes
+/// - x `[rows, rows_w]`, g `[rows, cols_w]` → v `[rows, rank]`
+fn lora_backward<B: MoeBackend>(
+    l: &LowRank<B>,
+    x: &FloatTensor<B>,
+    g: &FloatTensor<B>,
+    acc: &mut ExpertGradAcc<B>,
+    e: usize,
+    [part_a, part_b]: [Part; 2],
+) -> FloatTensor<B> {
+    let t = B::float_transpose;
+    let v = B::float_mul_scalar(
+        B::expert_matmul(g.clone(), t(l.b.clone())),
+        (l.scale as f32).into(),
+    );
+    acc.add_with(part_a, e, || B::expert_matmul(t(x.clone()), v.clone()));
+    acc.add_with(part_b, e, || B::expert_matmul(t(l.project(x.clone())), g.clone()));
+    v
 }
 
 /// [`compute_backward`] through a device library, adding into the stacked running sums.
@@ -260,41 +311,34 @@ fn compute_backward_on<B: MoeBackend>(
     Ok(out.grad_x)
 }
 
-/// Which expert parameter a gradient belongs to (an index into `ExpertGradAcc::sums`).
-#[derive(Clone, Copy)]
-enum Param {
-    WIn = 0,
-    BIn = 1,
-    WOut = 2,
-    BOut = 3,
-}
-
-/// Expert weight gradients summed over partitions, one running sum per expert slot (the adds
-/// happen in place where the backend owns the sum uniquely), stacked once at the end: a
-/// reshape when the rank holds one expert, a single concatenation otherwise. (Accumulating
-/// straight into the stacked tensor through slice views measured ~40x slower on Flex.) The
-/// slots of shadow copies are summed onto their owners' slots first
-/// ([`fold_shadows`](Self::fold_shadows)); what is stacked has the own experts' shape.
+/// Expert weight gradients summed over partitions, one running sum per expert slot and
+/// [`Part`] (the adds happen in place where the backend owns the sum uniquely), stacked once at
+/// the end: a reshape when the rank holds one expert, a single concatenation otherwise.
+/// (Accumulating straight into the stacked tensor through slice views measured ~40x slower on
+/// Flex.) The slots of shadow copies are summed onto their owners' slots first
+/// ([`fold_shadows`](Self::fold_shadows)); what is stacked has the own experts' shape. Parts
+/// the run marks frozen are never computed nor summed.
 ///
 /// A device library ([`Library`]) keeps its sums stacked instead (`stacked`, every slot, added
 /// to in place by its GEMMs): without shadows they are the gradients as they stand.
 pub(crate) struct ExpertGradAcc<B: MoeBackend> {
-    sums: [Vec<Option<FloatTensor<B>>>; 4],
+    sums: [Vec<Option<FloatTensor<B>>>; EXPERT_PARTS],
     /// Every slot's running sums, stacked, where a device library adds them.
     stacked: Option<ExpertTensors<B>>,
     like: ExpertTensors<B>,
     n_slots: usize,
+    frozen: [bool; EXPERT_PARTS],
 }
 
 impl<B: MoeBackend> ExpertGradAcc<B> {
-    pub(crate) fn new(experts: &ExpertSlots<B>) -> Self {
+    pub(crate) fn new(experts: &ExpertSlots<B>, frozen: [bool; EXPERT_PARTS]) -> Self {
         let n = experts.n_slots();
-        let empty = || (0..n).map(|_| None).collect::<Vec<_>>();
         Self {
-            sums: [empty(), empty(), empty(), empty()],
+            sums: std::array::from_fn(|_| (0..n).map(|_| None).collect()),
             stacked: None,
             like: experts.own().clone(),
             n_slots: n,
+            frozen,
         }
     }
 
@@ -323,7 +367,7 @@ impl<B: MoeBackend> ExpertGradAcc<B> {
         let Some(stacked) = self.stacked.take() else {
             return;
         };
-        for (param, tensor) in stacked.into_parts().into_iter().enumerate() {
+        for (part, tensor) in stacked.into_parts().into_iter().enumerate() {
             let Some(tensor) = tensor else { continue };
             let dims = tensor.shape().to_vec();
             for e in 0..self.n_slots {
@@ -332,7 +376,7 @@ impl<B: MoeBackend> ExpertGradAcc<B> {
                 } else {
                     super::rows::expert_row::<B>(&tensor, e)
                 };
-                let sum = &mut self.sums[param][e];
+                let sum = &mut self.sums[part][e];
                 *sum = Some(match sum.take() {
                     Some(acc) => B::float_add(acc, slot),
                     None => slot,
@@ -343,11 +387,11 @@ impl<B: MoeBackend> ExpertGradAcc<B> {
 
     /// The stacked sums as the gradients, where they are all there is (no shadow slots, no
     /// per-slot sums).
-    fn stacked_as_is(&mut self) -> Option<ExpertTensors<B>> {
+    fn stacked_as_is(&mut self) -> Option<ExpertGrads<B>> {
         let alone = self.sums.iter().flatten().all(Option::is_none);
         let n_own = self.like.w_in.shape().to_vec()[0];
         match (alone, self.n_slots == n_own) {
-            (true, true) => self.stacked.take(),
+            (true, true) => self.stacked.take().map(ExpertGrads::from),
             _ => None,
         }
     }
@@ -355,8 +399,8 @@ impl<B: MoeBackend> ExpertGradAcc<B> {
     /// Sums the gradients of the copy of each expert in `shadows` (slots past the own
     /// experts, in that order) over the ranks of `comm` onto the owner's slot of that expert,
     /// then drops the copies' slots. Every rank runs the same all-reduces in the same order
-    /// (shadow by shadow, parameter by parameter), with zeros where it computed no rows of a
-    /// shadow, so the collectives match whatever each rank received.
+    /// (shadow by shadow, part by part), with zeros where it computed no rows of a shadow, so
+    /// the collectives match whatever each rank received.
     ///
     /// # Errors
     /// [`MoeError::Comm`](crate::MoeError::Comm) if a peer fails in an all-reduce.
@@ -367,14 +411,17 @@ impl<B: MoeBackend> ExpertGradAcc<B> {
         }
         self.unstack();
         let likes = self.like.clone().into_parts();
-        for (param, like) in likes.iter().enumerate() {
+        for (part, like) in likes.iter().enumerate() {
             let Some(like) = like else { continue };
+            if self.frozen[part] {
+                continue;
+            }
             let mut one = like.shape().to_vec();
             one[0] = 1;
-            // A weight's running sum is `[rows, cols]`, a bias's `[1, cols]`.
+            // A matrix's running sum is `[rows, cols]`, a bias's `[1, cols]`.
             let one: Vec<usize> = if one.len() == 3 { one[1..].to_vec() } else { one };
             for (j, &e) in shadows.iter().enumerate() {
-                let grad = self.sums[param][n_own + j].take().unwrap_or_else(|| {
+                let grad = self.sums[part][n_own + j].take().unwrap_or_else(|| {
                     B::float_zeros(
                         Shape::from(one.clone()),
                         &B::float_device(like),
@@ -383,7 +430,7 @@ impl<B: MoeBackend> ExpertGradAcc<B> {
                 });
                 let sum = B::all_reduce_sum(grad, comm)?;
                 if e / n_own == comm.rank() {
-                    let slot = &mut self.sums[param][e % n_own];
+                    let slot = &mut self.sums[part][e % n_own];
                     *slot = Some(match slot.take() {
                         Some(acc) => B::float_add(acc, sum),
                         None => sum,
@@ -397,9 +444,15 @@ impl<B: MoeBackend> ExpertGradAcc<B> {
         Ok(())
     }
 
-    /// Adds `grad` (expert `e`'s `[rows, cols]` matrix, or `[1, cols]` bias row).
-    fn add(&mut self, param: Param, e: usize, grad: FloatTensor<B>) {
-        let slot = &mut self.sums[param as usize][e];
+    /// Adds `grad()` (expert `e`'s `[rows, cols]` matrix, or `[1, cols]` bias row) to the
+    /// running sum of `part`, where the part is not frozen: `grad` is not called for a frozen
+    /// one, so its product is never computed.
+    fn add_with(&mut self, part: Part, e: usize, grad: impl FnOnce() -> FloatTensor<B>) {
+        if self.frozen[part as usize] {
+            return;
+        }
+        let grad = grad();
+        let slot = &mut self.sums[part as usize][e];
         *slot = Some(match slot.take() {
             Some(acc) => B::float_add(acc, grad),
             None => grad,
@@ -439,44 +492,48 @@ impl<B: MoeBackend> ExpertGradAcc<B> {
         mut self,
         shadows: &[usize],
         comm: &dyn Communicator,
-    ) -> Result<(ExpertTensors<B>, Vec<FloatTensor<B>>)> {
+    ) -> Result<(ExpertGrads<B>, Vec<FloatTensor<B>>)> {
         let mut sums: Vec<FloatTensor<B>> = self.sums.iter().flatten().flatten().cloned().collect();
         if let Some(s) = &self.stacked {
             sums.extend(s.clone().into_parts().into_iter().flatten());
         }
         self.fold_shadows(shadows, comm)?;
-        let stacked = self.stack_all();
         // A copy on this thread's stream; with the sums still held, the add cannot run in
         // place (and a concatenation of several experts is a new tensor already).
-        let copy = |t: FloatTensor<B>| B::float_add_scalar(t, 0f32.into());
-        let grads = ExpertTensors {
-            w_in: copy(stacked.w_in),
-            b_in: stacked.b_in.map(copy),
-            w_out: copy(stacked.w_out),
-            b_out: stacked.b_out.map(copy),
-        };
+        let grads = self.stack_all().map(|t| B::float_add_scalar(t, 0f32.into()));
         Ok((grads, sums))
     }
 
     /// The own experts' gradients, stacked, with the shadow copies' folded in.
-    pub(crate) fn finish(mut self, shadows: &[usize], comm: &dyn Communicator) -> Result<ExpertTensors<B>> {
+    pub(crate) fn finish(mut self, shadows: &[usize], comm: &dyn Communicator) -> Result<ExpertGrads<B>> {
         self.fold_shadows(shadows, comm)?;
         Ok(self.stack_all())
     }
 
-    /// Every running sum stacked into the own experts' shapes (after the fold).
-    fn stack_all(mut self) -> ExpertTensors<B> {
-        if let Some(stacked) = self.stacked_as_is() {
-            return stacked;
+    /// Every running sum stacked into the own experts' shapes (after the fold), frozen parts
+    /// left out.
+    fn stack_all(mut self) -> ExpertGrads<B> {
+        let frozen = self.frozen;
+        let mut grads = match self.stacked_as_is() {
+            Some(stacked) => stacked,
+            None => {
+                self.unstack();
+                let likes = self.like.clone().into_parts();
+                let mut sums = self.sums.into_iter().zip(frozen);
+                ExpertGrads {
+                    parts: likes.map(|like| {
+                        let (sums, frozen) = sums.next().expect("one table per part");
+                        // A frozen part is not stacked: that would be zeros the size of a weight.
+                        like.filter(|_| !frozen).map(|like| Self::stack(sums, &like))
+                    }),
+                }
+            }
+        };
+        for (part, frozen) in grads.parts.iter_mut().zip(frozen) {
+            if frozen {
+                *part = None;
+            }
         }
-        self.unstack();
-        let [w_in, b_in, w_out, b_out] = self.sums;
-        let like = self.like;
-        ExpertTensors {
-            w_in: Self::stack(w_in, &like.w_in),
-            b_in: like.b_in.as_ref().map(|b| Self::stack(b_in, b)),
-            w_out: Self::stack(w_out, &like.w_out),
-            b_out: like.b_out.as_ref().map(|b| Self::stack(b_out, b)),
-        }
+        grads
     }
 }

@@ -363,7 +363,7 @@ pub fn backward<B: MoeBackend>(
     let executor = run.executor_for::<B>(&device);
     let slots = Slots::<B>::new(executor);
     let stashes: Vec<Mutex<SavedPartition<B>>> = partitions.into_iter().map(Mutex::new).collect();
-    let acc = Mutex::new(ExpertGradAcc::<B>::new(&experts));
+    let acc = Mutex::new(ExpertGradAcc::<B>::new(&experts, run.frozen));
     let threaded = executor == StepExecutor::StreamThreads;
     let input_grad = Mutex::new(RowAssembler::<B>::new(&grad_out, plan, threaded));
     let memory = B::slot_memory(run, &grad_out);
@@ -513,6 +513,28 @@ fn check_input<B: Backend>(
             shadows.len(),
             plan.n_local_experts
         )));
+    }
+    let w_out = experts.w_out.shape().to_vec();
+    for (name, lora, rows, cols) in [
+        ("lora_in", &experts.lora_in, w[1], w[2]),
+        ("lora_out", &experts.lora_out, w_out[1], w_out[2]),
+    ] {
+        let Some(lora) = lora else { continue };
+        let (a, b) = (lora.a.shape().to_vec(), lora.b.shape().to_vec());
+        let fits = a.len() == 3
+            && b.len() == 3
+            && a[..2] == [w[0], rows]
+            && b[0] == w[0]
+            && b[1] == a[2]
+            && b[2] == cols
+            && a[2] > 0;
+        if !fits || !lora.scale.is_finite() {
+            return Err(MoeError::Input(format!(
+                "exchange: the adapter {name} is a {a:?}, b {b:?}, scale {}: expected a [{}, {rows}, r], \
+                 b [{}, r, {cols}] with r ≥ 1 and a finite scale",
+                lora.scale, w[0], w[0]
+            )));
+        }
     }
     Ok(())
 }

@@ -167,4 +167,41 @@ impl<B: MoeBackend> crate::experts::ExpertTensors<B> {
     pub(crate) fn b_out_of(&self, i: usize) -> Option<FloatTensor<B>> {
         self.b_out.as_ref().map(|b| expert_row::<B>(b, i))
     }
+
+    /// Expert `i`'s adapter on the first matrix, where the experts have one.
+    pub(crate) fn lora_in_of(&self, i: usize) -> Option<LowRank<B>> {
+        self.lora_in.as_ref().map(|l| LowRank::of(l, i))
+    }
+
+    /// Expert `i`'s adapter on the second matrix, where the experts have one.
+    pub(crate) fn lora_out_of(&self, i: usize) -> Option<LowRank<B>> {
+        self.lora_out.as_ref().map(|l| LowRank::of(l, i))
+    }
+}
+
+/// One expert's low-rank adapter on one of its matrices `w [rows, cols]`: the expert runs
+/// `x · w + scale · (x · a) · b`.
+///
+/// # Shapes
+/// - a: `[rows, rank]`, b: `[rank, cols]`
+#[derive(Debug, Clone)]
+pub(crate) struct LowRank<B: Backend> {
+    pub a: FloatTensor<B>,
+    pub b: FloatTensor<B>,
+    pub scale: f64,
+}
+
+impl<B: MoeBackend> LowRank<B> {
+    fn of(l: &crate::experts::LowRankTensors<B>, i: usize) -> Self {
+        Self {
+            a: B::expert_matrix(&l.a, i),
+            b: B::expert_matrix(&l.b, i),
+            scale: l.scale,
+        }
+    }
+
+    /// `scale · (x · a)`: the adapter's side input, the `[n_rows, rank]` factor of its term.
+    pub(crate) fn project(&self, x: FloatTensor<B>) -> FloatTensor<B> {
+        B::float_mul_scalar(B::expert_matmul(x, self.a.clone()), (self.scale as f32).into())
+    }
 }

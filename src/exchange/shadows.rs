@@ -16,11 +16,11 @@ use std::sync::Arc;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Slice, TensorMetadata};
 
-use super::rows::index;
+use super::rows::{index, LowRank};
 use super::MoeBackend;
 use crate::comm::Communicator;
 use crate::error::{MoeError, Result};
-use crate::experts::ExpertTensors;
+use crate::experts::{ExpertTensors, EXPERT_PARTS};
 
 /// The experts of one exchange, by slot: this rank's own (slots `0..n_own`), then the copies
 /// of the shadowed experts in the order of the run's list.
@@ -67,27 +67,22 @@ impl<B: MoeBackend> ExpertSlots<B> {
             // Every rank passes the same slots of its own experts: the root's are what travels,
             // the others' only give the broadcast its shape and are not read.
             let local: Vec<usize> = group.iter().map(|&e| e % n_own).collect();
-            let send = |t: &FloatTensor<B>| B::broadcast(take_slots::<B>(t, &local), root, comm);
-            groups.push(ExpertTensors {
-                w_in: send(&own.w_in)?,
-                b_in: own.b_in.as_ref().map(send).transpose()?,
-                w_out: send(&own.w_out)?,
-                b_out: own.b_out.as_ref().map(send).transpose()?,
-            });
+            // One broadcast per part in table order (adapters' factors included), the same
+            // on every rank.
+            let send = |t: FloatTensor<B>| B::broadcast(take_slots::<B>(&t, &local), root, comm);
+            groups.push(own.clone().try_map(send)?);
         }
         let copies = if groups.len() == 1 {
             groups.pop().expect("one group")
         } else {
-            let cat = |pick: fn(&ExpertTensors<B>) -> Option<FloatTensor<B>>| {
-                let parts: Option<Vec<_>> = groups.iter().map(pick).collect();
-                parts.map(|p| B::float_cat(p, 0))
-            };
-            ExpertTensors {
-                w_in: cat(|g| Some(g.w_in.clone())).expect("every group has w_in"),
-                b_in: cat(|g| g.b_in.clone()),
-                w_out: cat(|g| Some(g.w_out.clone())).expect("every group has w_out"),
-                b_out: cat(|g| g.b_out.clone()),
+            let mut columns: [Vec<FloatTensor<B>>; EXPERT_PARTS] = Default::default();
+            for group in groups {
+                for (column, part) in columns.iter_mut().zip(group.into_parts()) {
+                    column.extend(part);
+                }
             }
+            let parts = columns.map(|c| (!c.is_empty()).then(|| B::float_cat(c, 0)));
+            ExpertTensors::from_parts(parts, &own)
         };
         Ok(Self {
             own,
@@ -148,6 +143,18 @@ impl<B: MoeBackend> ExpertSlots<B> {
         t.b_out_of(i)
     }
 
+    /// Slot `e`'s adapter on its first matrix, where the experts have adapters.
+    pub(crate) fn lora_in(&self, e: usize) -> Option<LowRank<B>> {
+        let (t, i) = self.at(e);
+        t.lora_in_of(i)
+    }
+
+    /// Slot `e`'s adapter on its second matrix, where the experts have adapters.
+    pub(crate) fn lora_out(&self, e: usize) -> Option<LowRank<B>> {
+        let (t, i) = self.at(e);
+        t.lora_out_of(i)
+    }
+
     /// `d_inner`, the width of the first GEMM's output.
     pub(crate) fn d_inner(&self) -> usize {
         self.own.w_in.shape().to_vec()[2]
@@ -192,12 +199,7 @@ mod tests {
 
     /// Rank `rank`'s three experts, `[3, 2, 4]` and `[3, 4, 2]`, without biases.
     fn own(rank: usize) -> ExpertTensors<B> {
-        ExpertTensors {
-            w_in: stacked(rank, 3, 2, 4),
-            b_in: None,
-            w_out: stacked(rank, 3, 4, 2),
-            b_out: None,
-        }
+        ExpertTensors::plain(stacked(rank, 3, 2, 4), None, stacked(rank, 3, 4, 2), None)
     }
 
     /// Three experts per rank over two ranks, shadows 0 and 2 (rank 0's, not consecutive: a

@@ -6,7 +6,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
 use super::init::HostInit;
-use super::ExpertWeights;
+use super::weights::primitive;
+use super::{ExpertTensors, ExpertWeights, LowRankTensors};
 
 /// How an adapter's product is scaled: PEFT's `lora_alpha / r`, or rsLoRA's
 /// `lora_alpha / sqrt(r)` (`use_rslora=True`).
@@ -106,6 +107,17 @@ impl<B: Backend> ExpertLora<B> {
         self.a.dims()[2]
     }
 
+    /// The factors as the exchange op takes them: its experts run the adapter's term beside the
+    /// weight's product, and its backward gives the factors' gradients (tracked by autodiff
+    /// back to these parameters) without the weight's.
+    pub fn tensors(&self) -> LowRankTensors<B> {
+        LowRankTensors {
+            a: primitive(self.a.val()),
+            b: primitive(self.b.val()),
+            scale: self.scale,
+        }
+    }
+
     /// `scale · a[e] · b[e]` for every expert: what the adapter adds to the weight.
     ///
     /// # Shapes
@@ -118,13 +130,14 @@ impl<B: Backend> ExpertLora<B> {
 /// The adapters of a rank's experts: on the first GEMM's weights (`gate_up_proj`), the
 /// second's (`down_proj`), or both.
 ///
-/// The experts run `w + scale · a · b` as their weights, built as tensors that autodiff tracks
-/// to the factors, so every path of the layer (fused or reference, any rank count, number of
-/// partitions and strategy S1–S4, with shadowed experts) runs the adapters exactly as it runs
-/// the weights: what S3/S4 recompute is computed from the adapted weights. This is how PEFT
-/// applies `target_parameters` too (a parametrization that adds the delta to the stacked
-/// parameter for the forward). With the base weights frozen (`no_grad`), they receive no
-/// gradient and no optimizer state; the adapted weights are one transient tensor per layer.
+/// The fused exchange takes the factors beside the weights ([`attach`](Self::attach)): each
+/// expert runs `x · w + scale · (x · a) · b` in its C step and, in C', computes the factors'
+/// gradients from products that all have the rank as a dimension, and no `dW` for a frozen
+/// weight; what S3/S4 recompute includes the adapter's term. `w + scale · a · b` is never
+/// built there. The reference twin runs the adapted weights instead ([`apply`](Self::apply),
+/// tensors that autodiff tracks to the factors, as PEFT's parametrization of
+/// `target_parameters` does), and the tests hold the two equal. With the base weights frozen
+/// (`no_grad`), they receive no gradient and no optimizer state.
 #[derive(Module, Debug)]
 pub struct ExpertAdapters<B: Backend> {
     /// The adapter on `w_in` (`[n_local_experts, d_model, d_inner]`).
@@ -134,6 +147,14 @@ pub struct ExpertAdapters<B: Backend> {
 }
 
 impl<B: Backend> ExpertAdapters<B> {
+    /// `experts` (this rank's own, as the fused op takes them) with the adapters' factors
+    /// beside them.
+    pub fn attach(&self, mut experts: ExpertTensors<B>) -> ExpertTensors<B> {
+        experts.lora_in = self.w_in.as_ref().map(ExpertLora::tensors);
+        experts.lora_out = self.w_out.as_ref().map(ExpertLora::tensors);
+        experts
+    }
+
     /// `weights` with the adapters' deltas added (their own experts only: call it before any
     /// shadowed expert is appended, as the layer does).
     pub fn apply(&self, mut weights: ExpertWeights<B>) -> ExpertWeights<B> {

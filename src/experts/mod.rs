@@ -17,6 +17,7 @@ mod shard;
 mod shared;
 #[cfg(feature = "flex")]
 mod swiglu_math;
+mod tensors;
 mod weights;
 
 pub use activation::Activation;
@@ -25,8 +26,9 @@ pub use init::seeded_uniform;
 pub(crate) use init::HostInit;
 pub use kernels::ActivationKernels;
 pub use lora::{ExpertAdapters, ExpertLora, LoraScaling};
+pub use module::Experts;
 pub(crate) use module::ExpertsSpec;
-pub use module::{ExpertTensors, Experts};
 pub use shard::{ExpertShard, ShardCheck};
 pub use shared::SharedExpert;
+pub use tensors::{ExpertGrads, ExpertPart, ExpertTensors, LowRankTensors, EXPERT_PARTS};
 pub use weights::ExpertWeights;

@@ -2,12 +2,11 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::ops::FloatTensor;
 use burn::tensor::Tensor;
 
 use super::init::stacked;
 use super::Activation;
-use super::{ExpertShard, ExpertWeights, ShardCheck};
+use super::{ExpertShard, ExpertTensors, ExpertWeights, ShardCheck};
 use crate::error::Result;
 
 /// The experts one rank owns: `n_local_experts` FFNs stacked along the first dimension.
@@ -38,38 +37,6 @@ pub struct Experts<B: Backend> {
     pub activation: Activation,
     /// Which experts these are (saved with the record, checked before every forward).
     pub shard: ShardCheck<B>,
-}
-
-/// The expert weights as backend primitives, the form the exchange op takes.
-#[derive(Debug, Clone)]
-pub struct ExpertTensors<B: Backend> {
-    /// `[n_local_experts, d_model, d_inner]`
-    pub w_in: FloatTensor<B>,
-    /// `[n_local_experts, d_inner]`
-    pub b_in: Option<FloatTensor<B>>,
-    /// `[n_local_experts, d_hidden, d_model]`
-    pub w_out: FloatTensor<B>,
-    /// `[n_local_experts, d_model]`
-    pub b_out: Option<FloatTensor<B>>,
-}
-
-impl<B: Backend> ExpertTensors<B> {
-    /// Every tensor through `f`: how a wrapping backend (autodiff, fusion) hands the experts to
-    /// its inner backend and the gradients back.
-    pub fn map<C: Backend>(self, mut f: impl FnMut(FloatTensor<B>) -> FloatTensor<C>) -> ExpertTensors<C> {
-        ExpertTensors {
-            w_in: f(self.w_in),
-            b_in: self.b_in.map(&mut f),
-            w_out: f(self.w_out),
-            b_out: self.b_out.map(&mut f),
-        }
-    }
-
-    /// `[w_in, b_in, w_out, b_out]`, the absent biases `None`: the order of the exchange's
-    /// per-parameter tables.
-    pub(crate) fn into_parts(self) -> [Option<FloatTensor<B>>; 4] {
-        [Some(self.w_in), self.b_in, Some(self.w_out), self.b_out]
-    }
 }
 
 /// Shape and placement of a rank's experts, for [`Experts::init`].

@@ -32,7 +32,7 @@ pub struct ExpertWeights<B: Backend> {
     pub activation: Activation,
 }
 
-fn primitive<B: Backend, const D: usize>(t: Tensor<B, D>) -> burn::tensor::ops::FloatTensor<B> {
+pub(crate) fn primitive<B: Backend, const D: usize>(t: Tensor<B, D>) -> burn::tensor::ops::FloatTensor<B> {
     match t.into_primitive() {
         TensorPrimitive::Float(p) => p,
         TensorPrimitive::QFloat(_) => panic!("quantized expert weights are not supported"),
@@ -47,12 +47,12 @@ impl<B: Backend> ExpertWeights<B> {
 
     /// The weights as primitives, the form the fused exchange op takes.
     pub fn tensors(&self) -> ExpertTensors<B> {
-        ExpertTensors {
-            w_in: primitive(self.w_in.clone()),
-            b_in: self.b_in.clone().map(primitive),
-            w_out: primitive(self.w_out.clone()),
-            b_out: self.b_out.clone().map(primitive),
-        }
+        ExpertTensors::plain(
+            primitive(self.w_in.clone()),
+            self.b_in.clone().map(primitive),
+            primitive(self.w_out.clone()),
+            self.b_out.clone().map(primitive),
+        )
     }
 
     /// Expert `e` (slot index) applied to `rows` with ordinary tensor ops: the reference twin

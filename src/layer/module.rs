@@ -325,12 +325,12 @@ impl<B: MoeBackend> MoeLayer<B> {
             ExchangePath::Fused => {
                 let mut run = self.exchange_run(strategy);
                 run.shadows = shadows.to_vec();
-                let out = B::exchange(
-                    t_i.into_primitive().tensor(),
-                    self.expert_weights().tensors(),
-                    Arc::new(plan),
-                    &run,
-                )?;
+                let experts = self.experts.weights().tensors();
+                let experts = match &self.adapters {
+                    Some(adapters) => adapters.attach(experts),
+                    None => experts,
+                };
+                let out = B::exchange(t_i.into_primitive().tensor(), experts, Arc::new(plan), &run)?;
                 Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
             }
         }

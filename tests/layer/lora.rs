@@ -41,7 +41,12 @@ fn values(n: usize, salt: f32) -> Vec<f32> {
 /// The layer with adapters whose `b` factors are not zero (fresh ones are), the same for
 /// every rank's experts whatever the rank count: expert `e`'s values depend on `e` only.
 fn adapted(layer: MoeLayer<B>) -> MoeLayer<B> {
-    let mut layer = layer.freeze_all_but_adapters().with_adapters(&spec(), 3).unwrap();
+    adapted_with_base(layer.freeze_all_but_adapters())
+}
+
+/// [`adapted`] with the base weights left as they are (trainable, unless frozen before).
+fn adapted_with_base(layer: MoeLayer<B>) -> MoeLayer<B> {
+    let mut layer = layer.with_adapters(&spec(), 3).unwrap();
     let first = layer.experts.first_expert();
     let adapters = layer.adapters.as_mut().unwrap();
     for (salt, lora) in [(1.0, adapters.w_in.as_mut()), (2.0, adapters.w_out.as_mut())] {
@@ -60,6 +65,8 @@ struct Run {
     /// The adapters' gradients, all experts, in the order w_in.a, w_in.b, w_out.a, w_out.b.
     grads: [Vec<f32>; 4],
     base_has_grad: bool,
+    /// The base weights' gradients (w_in, w_out), all experts, where they were trained.
+    base_grads: [Vec<f32>; 2],
 }
 
 fn flat<Bk: burn::tensor::backend::Backend, const D: usize>(t: Tensor<Bk, D>) -> Vec<f32> {
@@ -73,10 +80,19 @@ fn input() -> Vec<f32> {
 /// Forward and backward of `loss = Σ output · g` on `n_ranks`, each rank its slice of the
 /// tokens, the outputs and the adapters' gradients gathered in rank order.
 fn run(config: MoeLayerConfig, n_ranks: usize) -> Run {
+    run_with(config, n_ranks, false)
+}
+
+/// [`run`], with the base weights trained too where `train_base`.
+fn run_with(config: MoeLayerConfig, n_ranks: usize, train_base: bool) -> Run {
     let per_rank = TOKENS / n_ranks;
     let parts = LocalGroup::run(n_ranks, |ctx| {
         let device = Default::default();
-        let layer = adapted(config.init_rank::<B>(&device, ctx.comm.clone())?);
+        let layer = config.init_rank::<B>(&device, ctx.comm.clone())?;
+        let layer = match train_base {
+            true => adapted_with_base(layer),
+            false => adapted(layer),
+        };
         let rows = per_rank * ctx.rank..per_rank * (ctx.rank + 1);
         let x = input()[rows.start * D_MODEL..rows.end * D_MODEL].to_vec();
         let x = Tensor::<B, 2>::from_data(TensorData::new(x, [per_rank, D_MODEL]), &device);
@@ -87,12 +103,11 @@ fn run(config: MoeLayerConfig, n_ranks: usize) -> Run {
         let adapters = layer.adapters.as_ref().unwrap();
         let (w_in, w_out) = (adapters.w_in.as_ref().unwrap(), adapters.w_out.as_ref().unwrap());
         let grad = |p: &Param<Tensor<B, 3>>| flat(p.grad(&grads).expect("an adapter has a gradient"));
-        let base_has_grad =
-            layer.experts.w_in.grad(&grads).is_some() || layer.experts.w_out.grad(&grads).is_some();
+        let base = [&layer.experts.w_in, &layer.experts.w_out].map(|p| p.grad(&grads).map(flat));
         Ok((
             flat(out),
             [grad(&w_in.a), grad(&w_in.b), grad(&w_out.a), grad(&w_out.b)],
-            base_has_grad,
+            base,
         ))
     })
     .unwrap();
@@ -100,13 +115,17 @@ fn run(config: MoeLayerConfig, n_ranks: usize) -> Run {
         output: Vec::new(),
         grads: Default::default(),
         base_has_grad: false,
+        base_grads: Default::default(),
     };
     for (out, grads, base) in parts {
         run.output.extend(out);
         for (all, g) in run.grads.iter_mut().zip(grads) {
             all.extend(g);
         }
-        run.base_has_grad |= base;
+        for (all, g) in run.base_grads.iter_mut().zip(base) {
+            run.base_has_grad |= g.is_some();
+            all.extend(g.unwrap_or_default());
+        }
     }
     run
 }
@@ -155,6 +174,13 @@ fn relative(got: &[f32], want: &[f64]) -> f64 {
 /// The oracle: the plain layer (one rank, reference path) with `w + scale · a · b` built in
 /// float64 on the host; its output, and the adapters' gradients from its weights' gradients.
 fn oracle() -> (Vec<f64>, [Vec<f64>; 4]) {
+    let (out, adapters, _) = oracle_with_base();
+    (out, adapters)
+}
+
+/// [`oracle`], with the merged weights' gradients `dW` (`w_in`, `w_out`) too: what a base
+/// weight trained beside its adapter receives.
+fn oracle_with_base() -> (Vec<f64>, [Vec<f64>; 4], [Vec<f64>; 2]) {
     let device = Default::default();
     let layer = adapted(config().with_path(ExchangePath::Reference).init::<B>(&device));
     let adapters = layer.adapters.clone().unwrap();
@@ -187,19 +213,21 @@ fn oracle() -> (Vec<f64>, [Vec<f64>; 4]) {
     );
     let grads = (out.clone() * g).sum().backward();
     let mut want: [Vec<f64>; 4] = Default::default();
+    let mut want_base: [Vec<f64>; 2] = Default::default();
     for (k, (param, (a, b, n, rows, r, cols))) in [&plain.experts.w_in, &plain.experts.w_out]
         .into_iter()
         .zip(factors)
         .enumerate()
     {
         let dw = f64s(param.grad(&grads).unwrap());
+        want_base[k] = dw.clone();
         // dA = scale · dW · bᵀ, dB = scale · aᵀ · dW.
         let da = bmm(&dw, &transpose(&b, n, r, cols), n, rows, cols, r);
         let db = bmm(&transpose(&a, n, rows, r), &dw, n, r, rows, cols);
         want[2 * k] = da.iter().map(|v| v * scale).collect();
         want[2 * k + 1] = db.iter().map(|v| v * scale).collect();
     }
-    (f64s(out), want)
+    (f64s(out), want, want_base)
 }
 
 #[test]
@@ -263,6 +291,33 @@ fn adapters_match_the_merged_oracle_on_every_path_rank_count_and_strategy() {
             !got.base_has_grad,
             "{what}: a frozen base weight received a gradient"
         );
+    }
+}
+
+/// Base weights trained beside their adapters: the fused op gives each base weight the merged
+/// weight's `dW` and each adapter its factors' gradients, at one rank with S4 (`T_M`
+/// recomputed) and at two with everything kept; a frozen base gets none (the test above).
+#[test]
+fn base_weights_trained_beside_adapters_get_the_merged_weights_gradient() {
+    let (want_out, want_grads, want_base) = oracle_with_base();
+    for (n_ranks, reuse) in [(1, MemoryReuse::S4), (2, MemoryReuse::Off)] {
+        let config = config()
+            .with_path(ExchangePath::Fused)
+            .with_partitions(Partitions::Fixed(3))
+            .with_memory_reuse(reuse);
+        let got = run_with(config, n_ranks, true);
+        let what = format!("ranks {n_ranks} {reuse:?}");
+        assert!(relative(&got.output, &want_out) < 1e-5, "{what}: output");
+        for (k, (g, w)) in got.grads.iter().zip(&want_grads).enumerate() {
+            assert!(relative(g, w) < 1e-4, "{what}: adapter gradient {k}");
+        }
+        for (k, (g, w)) in got.base_grads.iter().zip(&want_base).enumerate() {
+            assert!(
+                relative(g, w) < 1e-4,
+                "{what}: base gradient {k}: {}",
+                relative(g, w)
+            );
+        }
     }
 }
 

@@ -22,7 +22,7 @@ use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{Tensor, TensorData, TensorMetadata};
 use clap::Parser;
 use mpipemoe::backend::SplitScheme;
-use mpipemoe::backend::{ExchangeRun, HostStore, RoutingCounts};
+use mpipemoe::backend::{ExchangeRun, ExpertPart, HostStore, RoutingCounts};
 use mpipemoe::comm::SingleRank;
 use mpipemoe::memory::Strategy;
 use mpipemoe::{MoeBackend, MoeLayerConfig};
@@ -185,9 +185,10 @@ fn main() {
             let forward = start.elapsed();
             let start = Instant::now();
             let grad = Inner::float_ones(out.shape(), &device, out.dtype().into());
-            let g = Inner::exchange_backward(grad, saved, &plan, &run).unwrap();
+            let mut g = Inner::exchange_backward(grad, saved, &plan, &run).unwrap();
+            let w_in = g.experts.take(ExpertPart::WIn).expect("the weights are trained");
             sync(Tensor::<Inner, 3>::from_primitive(
-                burn::tensor::TensorPrimitive::Float(g.experts.w_in),
+                burn::tensor::TensorPrimitive::Float(w_in),
             ));
             (forward, start.elapsed())
         };

@@ -39,12 +39,14 @@ pub(crate) fn backward(
     let grad = ready(job.grad, ord, "dT_DO")?;
     let x = ready(job.x, ord, "T_DI")?;
     let grad_x = ready(job.grad_x, ord, "dT_DI")?;
-    let grads = ExpertTensors {
-        w_in: ready(job.grads.w_in, ord, "dW_in")?,
-        b_in: job.grads.b_in.map(|b| ready(b, ord, "db_in")).transpose()?,
-        w_out: ready(job.grads.w_out, ord, "dW_out")?,
-        b_out: job.grads.b_out.map(|b| ready(b, ord, "db_out")).transpose()?,
-    };
+    // The exchange never hands a path experts with adapters (`Library::find`), so the
+    // running sums are the weights' and biases' alone.
+    let grads = ExpertTensors::plain(
+        ready(job.grads.w_in, ord, "dW_in")?,
+        job.grads.b_in.map(|b| ready(b, ord, "db_in")).transpose()?,
+        ready(job.grads.w_out, ord, "dW_out")?,
+        job.grads.b_out.map(|b| ready(b, ord, "db_out")).transpose()?,
+    );
     let (g_at, x_at, gx_at) = (at.of(&grad)?, at.of(&x)?, at.of(&grad_x)?);
     let sums = [
         at.of(&grads.w_in)?,
