@@ -154,7 +154,7 @@ where
         matmul(lhs, rhs, Some(out.clone()), MatmulStrategy::default(), self.dtype)
             .map_err(|e| MoeError::Backend(format!("the expert GEMM into the partition arena: {e:?}")))?;
         if let Some(bias) = bias {
-            add_row_in_place(out, bias);
+            add_in_place(out, bias);
         }
         Ok(())
     }
@@ -214,39 +214,15 @@ fn gcd(a: u64, b: u64) -> u64 {
     }
 }
 
-/// `out[r, :] += row[0, :]` for every row of `out`.
-fn add_row_in_place<R: CubeRuntime>(out: &CubeTensor<R>, row: CubeTensor<R>) {
-    let [rows, width] = [out.meta.shape()[0], out.meta.shape()[1]];
-    let units = rows * width;
-    if units == 0 {
-        return;
-    }
-    let client = out.client.clone();
-    let cube_dim = CubeDim::new(&client, units);
-    let cube_count = calculate_cube_count_elemwise(&client, units, cube_dim);
-    let dtype = out.dtype;
-    // Safety: the kernel bounds its units by `rows * width`, and `row` has `width` columns.
-    unsafe {
-        add_row_kernel::launch_unchecked(
-            &client,
-            cube_count,
-            cube_dim,
-            out.clone().into_tensor_arg(),
-            row.into_tensor_arg(),
-            rows,
-            width,
-            dtype.into(),
-        )
-    }
-}
-
-/// `out += addend` for two `[rows, width]` tensors of any row strides.
+/// `out += addend` for a `[rows, width]` block and an addend of the same shape (an adapter's
+/// term) or `[1, width]` (a bias row, added to every row), of any row strides.
 fn add_in_place<R: CubeRuntime>(out: &CubeTensor<R>, addend: CubeTensor<R>) {
     let [rows, width] = [out.meta.shape()[0], out.meta.shape()[1]];
-    assert_eq!(
-        addend.meta.shape()[..],
-        [rows, width],
-        "add_into: the addend's shape differs from the block's"
+    let addend_rows = addend.meta.shape()[0];
+    assert!(
+        addend.meta.shape()[1] == width && (addend_rows == rows || addend_rows == 1),
+        "add_in_place: an addend of {:?} for a block of [{rows}, {width}]",
+        addend.meta.shape()
     );
     let units = rows * width;
     if units == 0 {
@@ -256,7 +232,8 @@ fn add_in_place<R: CubeRuntime>(out: &CubeTensor<R>, addend: CubeTensor<R>) {
     let cube_dim = CubeDim::new(&client, units);
     let cube_count = calculate_cube_count_elemwise(&client, units, cube_dim);
     let dtype = out.dtype;
-    // Safety: the kernel bounds its units by `rows * width`, the shape both tensors have.
+    // Safety: the kernel bounds its units by `rows * width`, and reads the addend's row
+    // `r % addend_rows`, which it has.
     unsafe {
         add_kernel::launch_unchecked(
             &client,
@@ -285,7 +262,9 @@ fn add_kernel<T: Numeric>(
     let r = ABSOLUTE_POS / width;
     let c = ABSOLUTE_POS % width;
     let at = r * output.stride(0) + c * output.stride(1);
-    output[at] = output[at] + addend[r * addend.stride(0) + c * addend.stride(1)];
+    // A one-row addend (a bias) is added to every row.
+    let src = (r % addend.shape(0)) * addend.stride(0) + c * addend.stride(1);
+    output[at] = output[at] + addend[src];
 }
 
 #[cube(launch_unchecked)]
@@ -305,21 +284,4 @@ fn copy_rows_kernel<T: Numeric>(
     let s = src_rows[k] as usize;
     let d = dst_rows[k] as usize;
     output[d * output.stride(0) + c * output.stride(1)] = input[s * input.stride(0) + c * input.stride(1)];
-}
-
-#[cube(launch_unchecked)]
-fn add_row_kernel<T: Numeric>(
-    output: &mut Tensor<T>,
-    row: &Tensor<T>,
-    rows: usize,
-    width: usize,
-    #[define(T)] _dtype: StorageType,
-) {
-    if ABSOLUTE_POS >= rows * width {
-        terminate!();
-    }
-    let r = ABSOLUTE_POS / width;
-    let c = ABSOLUTE_POS % width;
-    let at = r * output.stride(0) + c * output.stride(1);
-    output[at] = output[at] + row[c * row.stride(1)];
 }

@@ -14,11 +14,14 @@
 //! Flex's own.
 //!
 //! A product of few rows (an expert's share of a decode step: one to a few tokens) splits its
-//! columns over the threads instead, see [`few_rows`].
+//! columns over the threads instead, see [`few_rows`]; from two rows against a row-major
+//! weight, each run is the streaming kernel of `flex_gemv.rs` rather than a `gemm` call.
 
 use burn::backend::flex::{Flex, FlexTensor};
 use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{DType, Shape, TensorData};
+
+use super::flex_gemv;
 
 /// Flex's threshold (burn-flex 0.21 `ops/matmul.rs` `PARALLEL_THRESHOLD`): products of at
 /// least this many multiply-adds run on every core.
@@ -102,10 +105,33 @@ fn few_rows(operands: &Operands, out: &mut [f32]) {
     // Runs of columns in multiples of 16 (whole SIMD blocks), the last one shorter.
     let run = n.div_ceil(threads).next_multiple_of(16).min(n);
     let out_ptr = Shared(out.as_mut_ptr() as *const f32);
+    // Two or more rows against a row-major weight (a batched decode step's, a prefill's:
+    // unit column stride) go to the streaming kernel where the CPU has it, with `lhs`'s few
+    // rows copied together first. One row stays with `gemm`'s vector-matrix kernel, which
+    // the streaming one did not beat in the layer (design notes: "Few-row products ...").
+    let streamed =
+        (m >= 2 && operands.rhs_strides[1] == 1 && operands.rhs_strides[0] >= 0 && flex_gemv::available())
+            .then(|| operands.lhs_rows());
     let columns = |j0: usize| {
+        let cols = j0..(j0 + run).min(n);
         // SAFETY: each run writes only its own columns of `out`, so runs on other threads
-        // never touch the same values, and nothing else touches `out` meanwhile.
-        unsafe { operands.columns(out_ptr.as_mut(), j0..(j0 + run).min(n), gemm::Parallelism::None) }
+        // never touch the same values, and nothing else touches `out` meanwhile; `out` is
+        // zero on entry; the kernel is available where `streamed` is made, and `rhs` has `k`
+        // rows of `n` values `rhs_strides[0]` apart (the caller's operands).
+        unsafe {
+            match &streamed {
+                Some(lhs) => flex_gemv::rows_times_matrix(
+                    lhs,
+                    [m, k],
+                    operands.rhs.0,
+                    operands.rhs_strides[0] as usize,
+                    out_ptr.as_mut(),
+                    n,
+                    cols,
+                ),
+                None => operands.columns(out_ptr.as_mut(), cols, gemm::Parallelism::None),
+            }
+        }
     };
     match threads {
         1 => columns(0),
@@ -140,6 +166,19 @@ impl Operands {
             rhs_strides: strides(rhs),
             mkn,
         }
+    }
+
+    /// `lhs`'s `[m, k]` values, row-major and contiguous.
+    fn lhs_rows(&self) -> Vec<f32> {
+        let ([m, k, _], [l0, l1]) = (self.mkn, self.lhs_strides);
+        let mut rows = Vec::with_capacity(m * k);
+        for i in 0..m {
+            for t in 0..k {
+                // SAFETY: the view's elements lie inside its storage (`of`'s contract).
+                rows.push(unsafe { *self.lhs.0.offset(i as isize * l0 + t as isize * l1) });
+            }
+        }
+        rows
     }
 
     /// `out[.., cols] = lhs · rhs[.., cols]`: one `gemm` call over a run of the output's

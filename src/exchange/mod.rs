@@ -23,6 +23,8 @@ mod ffn;
 #[cfg(feature = "flex")]
 mod flex_gemm;
 #[cfg(feature = "flex")]
+mod flex_gemv;
+#[cfg(feature = "flex")]
 mod flex_rows;
 pub(crate) mod fused;
 #[cfg(feature = "fusion")]
