@@ -562,6 +562,55 @@ fn interleaved_column(c: usize, half: usize) -> usize {
     }
 }
 
+/// Where each value of the layer's factors sits in PEFT's tensors: for each index of `a
+/// [e, rows, r]`, then of `b [e, r, cols]`, whether it is in `lora_B` (else `lora_A`) and
+/// its index there. One map serves both directions ([`expert_factors`], [`peft_factors`]).
+struct FactorPlaces {
+    a: Vec<(bool, usize)>,
+    b: Vec<(bool, usize)>,
+}
+
+fn factor_places(
+    layout: ExpertLayout,
+    r: usize,
+    e: usize,
+    rows: usize,
+    cols: usize,
+    w_in: bool,
+) -> FactorPlaces {
+    let mut a = vec![(false, 0); e * rows * r];
+    let mut b = vec![(false, 0); e * r * cols];
+    let column = |c: usize| match layout {
+        ExpertLayout::InOut { interleaved: true } if w_in => interleaved_column(c, cols / 2),
+        _ => c,
+    };
+    for x in 0..e {
+        for k in 0..r {
+            match layout {
+                // a[x][j][k] = A[x·r + k][j]; b[x][k][i] = B[i][k·E + x].
+                ExpertLayout::OutIn | ExpertLayout::InOut { .. } => {
+                    for j in 0..rows {
+                        a[(x * rows + j) * r + k] = (false, (x * r + k) * rows + j);
+                    }
+                    for c in 0..cols {
+                        b[(x * r + k) * cols + c] = (true, column(c) * r * e + k * e + x);
+                    }
+                }
+                // a[x][i][k] = B[i][k·E + x]; b[x][k][j] = A[x·r + k][j].
+                ExpertLayout::InOutUnmarked => {
+                    for i in 0..rows {
+                        a[(x * rows + i) * r + k] = (true, i * r * e + k * e + x);
+                    }
+                    for j in 0..cols {
+                        b[(x * r + k) * cols + j] = (false, (x * r + k) * cols + j);
+                    }
+                }
+            }
+        }
+    }
+    FactorPlaces { a, b }
+}
+
 /// PEFT's `lora_A` and `lora_B` values as the layer's factors `a [e, rows, r]` and
 /// `b [e, r, cols]`.
 #[allow(clippy::too_many_arguments)]
@@ -575,37 +624,12 @@ fn expert_factors(
     cols: usize,
     w_in: bool,
 ) -> (Vec<f32>, Vec<f32>) {
-    let mut a = vec![0.0; e * rows * r];
-    let mut b = vec![0.0; e * r * cols];
-    let column = |c: usize| match layout {
-        ExpertLayout::InOut { interleaved: true } if w_in => interleaved_column(c, cols / 2),
-        _ => c,
-    };
-    for x in 0..e {
-        for k in 0..r {
-            match layout {
-                // a[x][j][k] = A[x·r + k][j]; b[x][k][i] = B[i][k·E + x].
-                ExpertLayout::OutIn | ExpertLayout::InOut { .. } => {
-                    for j in 0..rows {
-                        a[(x * rows + j) * r + k] = lora_a[(x * r + k) * rows + j];
-                    }
-                    for c in 0..cols {
-                        b[(x * r + k) * cols + c] = lora_b[column(c) * r * e + k * e + x];
-                    }
-                }
-                // a[x][i][k] = B[i][k·E + x]; b[x][k][j] = A[x·r + k][j].
-                ExpertLayout::InOutUnmarked => {
-                    for i in 0..rows {
-                        a[(x * rows + i) * r + k] = lora_b[i * r * e + k * e + x];
-                    }
-                    for j in 0..cols {
-                        b[(x * r + k) * cols + j] = lora_a[(x * r + k) * cols + j];
-                    }
-                }
-            }
-        }
-    }
-    (a, b)
+    let places = factor_places(layout, r, e, rows, cols, w_in);
+    let read = |&(in_b, i): &(bool, usize)| if in_b { lora_b[i] } else { lora_a[i] };
+    (
+        places.a.iter().map(read).collect(),
+        places.b.iter().map(read).collect(),
+    )
 }
 
 /// The inverse of [`expert_factors`]: PEFT's `lora_A` and `lora_B` values and shapes.
@@ -627,30 +651,12 @@ fn peft_factors(
     };
     let mut lora_a = vec![0.0; len_a];
     let mut lora_b = vec![0.0; len_b];
-    let column = |c: usize| match layout {
-        ExpertLayout::InOut { interleaved: true } if w_in => interleaved_column(c, cols / 2),
-        _ => c,
-    };
-    for x in 0..e {
-        for k in 0..r {
-            match layout {
-                ExpertLayout::OutIn | ExpertLayout::InOut { .. } => {
-                    for j in 0..rows {
-                        lora_a[(x * r + k) * rows + j] = a[(x * rows + j) * r + k];
-                    }
-                    for c in 0..cols {
-                        lora_b[column(c) * r * e + k * e + x] = b[(x * r + k) * cols + c];
-                    }
-                }
-                ExpertLayout::InOutUnmarked => {
-                    for i in 0..rows {
-                        lora_b[i * r * e + k * e + x] = a[(x * rows + i) * r + k];
-                    }
-                    for j in 0..cols {
-                        lora_a[(x * r + k) * cols + j] = b[(x * r + k) * cols + j];
-                    }
-                }
-            }
+    let places = factor_places(layout, r, e, rows, cols, w_in);
+    for (&(in_b, i), &v) in places.a.iter().zip(a).chain(places.b.iter().zip(b)) {
+        if in_b {
+            lora_b[i] = v;
+        } else {
+            lora_a[i] = v;
         }
     }
     match layout {
