@@ -636,6 +636,77 @@ fn flex_expert_matmul_equals_flex_matmul_on_every_layout() {
     }
 }
 
+/// `MoeBackend::expert_matmul` under `Autodiff` (one node over the inner backend's product,
+/// what the models' projections run) against burn's own matmul and its gradients, on Flex and
+/// NdArray: a decode step's few rows (Flex cuts those by depth, so within rounding rather than
+/// bit for bit), many rows, and a transposed weight (a tied head's `Eᵀ`); a frozen weight gets
+/// no gradient while its input does.
+#[test]
+fn expert_matmul_under_autodiff_matches_burns_matmul_and_its_gradients() {
+    fn check<I: mpipemoe::MoeBackend>(name: &str) {
+        use burn::tensor::TensorPrimitive;
+        use mpipemoe::MoeBackend;
+        type A<I> = Autodiff<I>;
+        let device = Default::default();
+        let values = |n: usize, seed: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| (((i + seed) * 7919) % 2003) as f32 / 1000.0 - 1.0)
+                .collect()
+        };
+        for (m, k, n, transposed) in [
+            (1, 512, 1536, false),
+            (3, 200, 700, false),
+            (40, 64, 96, false),
+            (2, 96, 300, true),
+        ] {
+            let x = || Tensor::<A<I>, 2>::from_data(TensorData::new(values(m * k, 1), [m, k]), &device);
+            let w = || match transposed {
+                false => Tensor::<A<I>, 2>::from_data(TensorData::new(values(k * n, 2), [k, n]), &device),
+                true => Tensor::<A<I>, 2>::from_data(TensorData::new(values(n * k, 2), [n, k]), &device),
+            };
+            let g = Tensor::<A<I>, 2>::from_data(TensorData::new(values(m * n, 3), [m, n]), &device);
+            let oriented = |w: Tensor<A<I>, 2>| if transposed { w.transpose() } else { w };
+            let run = |ours: bool, train_w: bool| {
+                let (x, w) = (x().require_grad(), w());
+                let w = if train_w { w.require_grad() } else { w };
+                let y = match ours {
+                    true => Tensor::<A<I>, 2>::from_primitive(TensorPrimitive::Float(A::<I>::expert_matmul(
+                        x.clone().into_primitive().tensor(),
+                        oriented(w.clone()).into_primitive().tensor(),
+                    ))),
+                    false => x.clone().matmul(oriented(w.clone())),
+                };
+                let grads = (y.clone() * g.clone()).sum().backward();
+                let host = |t: Tensor<I, 2>| t.into_data().to_vec::<f32>().unwrap();
+                (
+                    host(y.inner()),
+                    host(x.grad(&grads).expect("the input's gradient")),
+                    w.grad(&grads).map(host),
+                )
+            };
+            let close = |a: &[f32], b: &[f32], what: &str| {
+                assert_eq!(a.len(), b.len(), "{name} {m}×{k}×{n} {what}");
+                let scale = b.iter().fold(0f32, |s, v| s.max(v.abs())).max(1.0);
+                for (i, (p, q)) in a.iter().zip(b).enumerate() {
+                    assert!(
+                        (p - q).abs() <= 1e-5 * scale,
+                        "{name} {m}×{k}×{n} {what}[{i}]: {p} against {q}"
+                    );
+                }
+            };
+            let (ours, theirs) = (run(true, true), run(false, true));
+            close(&ours.0, &theirs.0, "output");
+            close(&ours.1, &theirs.1, "input gradient");
+            close(&ours.2.unwrap(), &theirs.2.unwrap(), "weight gradient");
+            let frozen = run(true, false);
+            assert!(frozen.2.is_none(), "{name}: a frozen weight got a gradient");
+            close(&frozen.1, &theirs.1, "input gradient, weight frozen");
+        }
+    }
+    check::<Flex>("Flex");
+    check::<NdArray>("NdArray");
+}
+
 /// The score bias is a buffer: it gets no gradient, moves only by `balance_score_bias`, and is
 /// saved and loaded with the module's record.
 #[test]

@@ -6,6 +6,7 @@ use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
+use mpipemoe::MoeBackend;
 
 use crate::cache::LayerCache;
 use crate::config::{AttnRules, DecoderConfig};
@@ -166,7 +167,9 @@ impl<B: Backend> Attention<B> {
         }
         parts
     }
+}
 
+impl<B: MoeBackend> Attention<B> {
     /// Attends the tokens `x` at `places` to themselves and to `cached` (earlier columns),
     /// causally, within `window` and past each row's pad columns. Returns the output and the
     /// cache extended by these tokens' keys and values (trimmed to the window).

@@ -6,6 +6,7 @@ use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
+use mpipemoe::MoeBackend;
 
 use crate::attention::{attend, probabilities};
 use crate::cache::LayerCache;
@@ -172,7 +173,9 @@ impl<B: Backend> LatentAttention<B> {
         parts.linears.push((format!("{prefix}.o_proj"), &self.o));
         parts
     }
+}
 
+impl<B: MoeBackend> LatentAttention<B> {
     /// Attends the tokens `x` at `places` to themselves and to `cached`, causally and past
     /// each row's pad columns. The cache holds the compressed form (DeepSeek's inference
     /// cache): each token's normalised `kv_lora_rank` latent (as `values`) and its rotary key

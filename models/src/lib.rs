@@ -38,6 +38,7 @@ mod generate;
 mod generation;
 mod latent;
 mod layer;
+mod linear;
 mod load;
 mod lora;
 mod mlp;

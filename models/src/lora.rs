@@ -8,6 +8,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use mpipemoe::{seeded_uniform, ExpertLoraSpec, LoraScaling, MoeBackend, MoeError, Result};
 
+use crate::linear::{linear as linear_product, matmul};
 use crate::model::MoeCausalLm;
 
 /// An adapter on one projection `y = x · w + bias`: it adds `scale · (x · a) · b`.
@@ -53,25 +54,25 @@ impl<B: Backend> LoraLinear<B> {
     pub fn delta(&self) -> Tensor<B, 2> {
         self.a.val().matmul(self.b.val()).mul_scalar(self.scale)
     }
+}
 
+impl<B: MoeBackend> LoraLinear<B> {
     /// `scale · (x · a) · b`, the adapter's part of the projection of `x` (`[..., d_in]` →
     /// `[..., d_out]`): two thin products, never the full-size delta.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let a = self.a.val().unsqueeze::<D>();
-        let b = self.b.val().unsqueeze::<D>();
-        x.matmul(a).matmul(b).mul_scalar(self.scale)
+        matmul(matmul(x, self.a.val()), self.b.val()).mul_scalar(self.scale)
     }
 }
 
 /// `linear(x)`, plus `lora`'s part where the projection has an adapter.
-pub(crate) fn project<B: Backend, const D: usize>(
+pub(crate) fn project<B: MoeBackend, const D: usize>(
     linear: &Linear<B>,
     lora: Option<&LoraLinear<B>>,
     x: Tensor<B, D>,
 ) -> Tensor<B, D> {
     match lora {
-        Some(lora) => linear.forward(x.clone()) + lora.forward(x),
-        None => linear.forward(x),
+        Some(lora) => linear_product(linear, x.clone()) + lora.forward(x),
+        None => linear_product(linear, x),
     }
 }
 

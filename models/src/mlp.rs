@@ -5,6 +5,9 @@ use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
+use mpipemoe::MoeBackend;
+
+use crate::linear::linear;
 
 /// `down(silu(gate(x)) · up(x))`, no biases (the `mlp` of Qwen2-MoE's and Qwen3-MoE's dense
 /// layers, DeepSeek's first layers, Llama's MLP).
@@ -41,10 +44,12 @@ impl<B: Backend> Mlp<B> {
             (format!("{prefix}.down_proj"), &self.down),
         ]
     }
+}
 
+impl<B: MoeBackend> Mlp<B> {
     /// Applies the block.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.down
-            .forward(silu(self.gate.forward(x.clone())) * self.up.forward(x))
+        let hidden = silu(linear(&self.gate, x.clone())) * linear(&self.up, x);
+        linear(&self.down, hidden)
     }
 }

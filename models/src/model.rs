@@ -14,6 +14,7 @@ use crate::cache::KvCache;
 use crate::config::{DecoderConfig, FfnKind};
 use crate::latent::LatentAttention;
 use crate::layer::DecoderLayer;
+use crate::linear::{linear, matmul};
 use crate::mlp::Mlp;
 use crate::norm::{NamedParts, RmsNorm};
 use crate::places::Places;
@@ -397,10 +398,10 @@ impl<B: MoeBackend> MoeCausalLm<B> {
         };
         let hidden = self.norm.forward(hidden);
         let logits = match &self.lm_head {
-            Some(head) => head.forward(hidden),
-            // Tied to the embedding. (On the CPU backends `Eᵀ` is copied to a contiguous
-            // buffer in each forward; no family here ties by default.)
-            None => hidden.matmul(self.embed.weight.val().transpose().unsqueeze::<3>()),
+            Some(head) => linear(head, hidden),
+            // Tied to the embedding: `Eᵀ` as a transposed view, which Flex's row product reads
+            // in place (burn's matmul copied it whole in each forward).
+            None => matmul(hidden, self.embed.weight.val().transpose()),
         };
         Ok(LmOutput {
             logits,

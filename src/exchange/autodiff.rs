@@ -207,6 +207,11 @@ impl<B: MoeBackend, C: CheckpointStrategy> MoeBackend for Autodiff<B, C> {
         B::dense_library(comm)
     }
 
+    /// The inner backend's product as one node, its backward products the inner's too.
+    fn expert_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        super::dense::rows_autodiff::<B, C>(lhs, rhs)
+    }
+
     /// One backward node whose two products go through the inner backend's library too.
     fn dense_matmul(
         lhs: FloatTensor<Self>,

@@ -200,10 +200,14 @@ pub trait MoeBackend: ActivationKernels + OptimizerKernels {
         super::assemble::slice_assign_rows::<Self>(dst, start, rows)
     }
 
-    /// `lhs · rhs` for the experts' GEMMs (the fused op's forward and backward products). The
-    /// default is the backend's matmul; Flex writes into an output it allocates once, where
-    /// its matmul zero-fills and then copies every output before the GEMM
-    /// (`exchange/flex_gemm.rs`).
+    /// `lhs · rhs` for the experts' GEMMs (the fused op's forward and backward products) and
+    /// for the dense products around the layer that have no device library to go through (a
+    /// model's projections and head, the router's logits and the shared expert on the CPU).
+    /// The default is the backend's matmul; Flex writes into an output it allocates once,
+    /// where its matmul zero-fills and then copies every output before the GEMM, reads
+    /// transposed operands in place, and splits a product of a few rows (a decode step's) by
+    /// columns over the threads (`exchange/flex_gemm.rs`). `Autodiff<B>` records the inner
+    /// backend's product as one node whose backward products are the inner's too.
     ///
     /// # Shapes
     /// - lhs: `[m, k]`, rhs: `[k, n]` → `[m, n]`

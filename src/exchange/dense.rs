@@ -23,7 +23,7 @@ use crate::comm::Communicator;
 use crate::error::Result;
 
 /// `lhs · rhs` as [`MoeBackend::dense_matmul`] does it by default: the communicator's path for
-/// `B`, the backend's matmul where there is none.
+/// `B`, the backend's [`expert_matmul`](MoeBackend::expert_matmul) where there is none.
 ///
 /// # Shapes
 /// - lhs: `[m, k]`, rhs: `[k, n]` → `[m, n]`
@@ -35,7 +35,7 @@ pub(crate) fn through_path<B: MoeBackend>(
 ) -> Result<FloatTensor<B>> {
     match comm.row_paths().and_then(|p| p.experts::<B>()) {
         Some(path) => path.matmul(lhs, rhs, precision),
-        None => Ok(B::float_matmul(lhs, rhs)),
+        None => Ok(B::expert_matmul(lhs, rhs)),
     }
 }
 
@@ -86,10 +86,9 @@ pub(crate) fn autodiff<B: MoeBackend, C: CheckpointStrategy>(
     comm: &Arc<dyn Communicator>,
     precision: GemmPrecision,
 ) -> Result<FloatTensor<Autodiff<B, C>>> {
-    use burn::tensor::ops::FloatTensorOps;
     if !B::dense_library(comm.as_ref()) {
-        // No library: burn's own matmul and its own backward node, exactly as without the op.
-        return Ok(Autodiff::<B, C>::float_matmul(lhs, rhs));
+        // No library: the backend's product and its node (`rows_autodiff`).
+        return Ok(rows_autodiff::<B, C>(lhs, rhs));
     }
     let out = B::dense_matmul(lhs.primitive.clone(), rhs.primitive.clone(), comm, precision)?;
     Ok(
@@ -110,6 +109,48 @@ pub(crate) fn autodiff<B: MoeBackend, C: CheckpointStrategy>(
             OpsKind::UnTracked(prep) => prep.finish(out),
         },
     )
+}
+
+/// The backward node of [`MoeBackend::expert_matmul`] under `Autodiff<B>`: `dlhs = g · rhsᵀ`,
+/// `drhs = lhsᵀ · g`, both through the inner backend's `expert_matmul` on transposed views.
+#[derive(Debug)]
+struct RowsBackward;
+
+impl<B: MoeBackend> Backward<B, 2> for RowsBackward {
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (lhs, rhs) = ops.state;
+        let [lhs_parent, rhs_parent] = ops.parents;
+        if let Some(parent) = lhs_parent {
+            grads.register::<B>(parent.id, B::expert_matmul(grad.clone(), B::float_transpose(rhs)));
+        }
+        if let Some(parent) = rhs_parent {
+            grads.register::<B>(parent.id, B::expert_matmul(B::float_transpose(lhs), grad));
+        }
+    }
+}
+
+/// [`MoeBackend::expert_matmul`] of `Autodiff<B>`: the inner backend's product, recorded as one
+/// node whose backward products go the same way. Flex's then write into outputs allocated once
+/// and read transposed operands in place, where burn's matmul node would differentiate through
+/// Flex's matmul (which copies a transposed operand whole before multiplying, burn-flex 0.21
+/// `ops/matmul.rs`, and zero-fills then re-aligns every output, `exchange/flex_gemm.rs`). What
+/// the product holds for backward is what burn's own node holds: both operands.
+pub(crate) fn rows_autodiff<B: MoeBackend, C: CheckpointStrategy>(
+    lhs: FloatTensor<Autodiff<B, C>>,
+    rhs: FloatTensor<Autodiff<B, C>>,
+) -> FloatTensor<Autodiff<B, C>> {
+    let out = B::expert_matmul(lhs.primitive.clone(), rhs.primitive.clone());
+    match RowsBackward
+        .prepare::<C>([lhs.node.clone(), rhs.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish((lhs.primitive, rhs.primitive), out),
+        OpsKind::UnTracked(prep) => prep.finish(out),
+    }
 }
 
 /// `lhs · rhs` on tensors through [`MoeBackend::dense_matmul`].

@@ -13,9 +13,9 @@
 //! same arguments and the same parallelism threshold — writes into it, so the numbers are
 //! Flex's own.
 //!
-//! A product of few rows (an expert's share of a decode step: one to a few tokens) splits its
-//! columns over the threads instead, see [`few_rows`]; from two rows against a row-major
-//! weight, each run is the streaming kernel of `flex_gemv.rs` rather than a `gemm` call.
+//! A product of few rows (an expert's share of a decode step: one to a few tokens, a model's
+//! projection of one token per prompt) goes over the threads instead, see [`few_rows`]:
+//! against a row-major weight on the streaming kernel of `flex_gemv.rs`, cut by depth.
 
 use burn::backend::flex::{Flex, FlexTensor};
 use burn::tensor::ops::FloatTensorOps;
@@ -30,17 +30,20 @@ const PARALLEL_THRESHOLD: usize = 192 * 192 * 192;
 /// Products of at most this many rows run as [`few_rows`] does.
 const FEW_ROWS: usize = 16;
 
-/// A product of 2 to [`FEW_ROWS`] rows splits its columns over the pool's threads when its
-/// `rhs` holds at least this many values (256 KiB).
+/// A few-row product is split over the pool's threads when its `rhs` holds at least this
+/// many values (256 KiB).
 const SPLIT_VALUES: usize = 1 << 16;
 
-/// A product of one row splits only from this many values of `rhs` (8 MiB): `gemm`'s
-/// vector-matrix kernel reads an expert-sized `rhs` faster on one thread than the hand-off
-/// to two costs (see [`few_rows`]).
+/// A one-row product against a transposed `rhs` (the `gemm` road) splits only from this many
+/// values of `rhs` (8 MiB): `gemm`'s vector-matrix kernel reads an expert-sized `rhs` faster
+/// on one thread than split by columns (see [`few_rows`]).
 const SPLIT_VALUES_ONE_ROW: usize = 1 << 21;
 
-/// The fewest columns one thread of a split takes.
+/// The fewest columns one thread of a column split takes.
 const MIN_SPLIT_COLUMNS: usize = 64;
+
+/// The most depth chunks a streamed product is cut into (see [`depth_chunks`]).
+const MAX_DEPTH_CHUNKS: usize = 8;
 
 /// `lhs · rhs` for two `f32` matrices of any strides (transposed views included); other
 /// dtypes and ranks go to Flex's matmul.
@@ -74,22 +77,111 @@ pub(crate) fn matmul(lhs: FlexTensor, rhs: FlexTensor) -> FlexTensor {
     FlexTensor::from_data(TensorData::new(out, Shape::new([m, n])))
 }
 
-/// `out = lhs · rhs` for `m ≤ FEW_ROWS` rows, its columns split over the pool's threads
-/// where `rhs` is large: one single-threaded `gemm` call a run of columns, each writing its own
-/// columns of `out`.
+/// `out = lhs · rhs` for `m ≤ FEW_ROWS` rows (a decode step's products: an expert's share of
+/// one token a row, a projection of one token per prompt), over the pool's threads where
+/// `rhs` is large.
 ///
-/// A decode step's products have a few rows (an expert's share of one token a row), so their
-/// multiply-adds stay under Flex's parallel threshold and ran on one core while the pool
-/// waited, though reading `rhs` (an expert's weight, MBs) is their cost. `gemm`'s own
-/// `Parallelism::Rayon` for them was uneven, and its vector-matrix kernel (one row) never
-/// splits. Measured on this project's 2-vCPU VM (release, 2 threads, median of 200 over 24
-/// distinct weights, µs, whole call against the split): 2×512×1536 924 → 569, 3×768×512
-/// 491 → 274, 8×512×1536 1,881 → 1,105, 1×512×8192 1,838 → 1,176; but 1×512×1536 372 → 440
-/// and 1×768×512 177 → 240, so one row splits only from [`SPLIT_VALUES_ONE_ROW`] on.
+/// These products are bound by reading `rhs` (an expert's or a projection's weight, MBs),
+/// yet their multiply-adds stay under Flex's parallel threshold, so Flex ran them on one core
+/// while the pool waited. Against a row-major `rhs` (unit column stride: every weight a
+/// model lays out at load) they run on the streaming kernel of `flex_gemv.rs`, cut by depth
+/// into [`depth_chunks`]: each thread reads whole consecutive rows of `rhs`, one contiguous
+/// stretch of memory, into a partial product of its own, and the partials are added in chunk
+/// order. Cut by columns instead, each thread reads part of every row, and two threads read
+/// no faster than about 1.3 times one on this project's VM; cut by depth, they read
+/// 1.5–1.6 times as fast (scratch benchmark of one decode step's 73 products, 105 MB of
+/// weights, 2 threads, against a plain two-thread read of the same bytes at 1.7–1.9 times).
+/// The chunks depend on the shape alone, never on the thread count, so the values are the
+/// same on any pool, one thread included.
 ///
-/// The values are the whole call's bit for bit wherever it was compared (one to sixteen rows,
-/// row-major and transposed weights, runs of uneven width: the unit test below).
+/// Against a transposed `rhs` (a backward's, a tied head's `Eᵀ`), the contiguous stretches
+/// are columns: the product splits by column runs over the threads, one single-threaded
+/// `gemm` call each, giving the whole call's values bit for bit. One row splits there only
+/// from [`SPLIT_VALUES_ONE_ROW`] on (measured, µs, 2 threads, whole call against the split:
+/// 1×512×8192 1,838 → 1,176, but 1×512×1536 372 → 440).
 fn few_rows(operands: &Operands, out: &mut [f32]) {
+    let row_major = operands.rhs_strides[1] == 1 && operands.rhs_strides[0] >= 0;
+    match row_major && flex_gemv::available() {
+        true => streamed_rows(operands, out),
+        false => split_columns(operands, out),
+    }
+}
+
+/// How a streamed product of depth `k` and width `n` is cut by depth: `(chunks, rows per
+/// chunk)`, rows a multiple of the kernel's block of 8. One chunk below [`SPLIT_VALUES`],
+/// else up to [`MAX_DEPTH_CHUNKS`], each of at least 8 rows: a function of the shape only.
+fn depth_chunks(k: usize, n: usize) -> (usize, usize) {
+    if k.saturating_mul(n) < SPLIT_VALUES || k <= 8 {
+        return (1, k);
+    }
+    let rows = k.div_ceil(MAX_DEPTH_CHUNKS).next_multiple_of(8);
+    (k.div_ceil(rows), rows)
+}
+
+/// [`few_rows`] on the streaming kernel: depth chunk `c` is folded into `out` (`c = 0`) or
+/// into partial `c`, each chunk's columns split further into runs where the pool has more
+/// threads than chunks; then `out += partial_1 + partial_2 + …`, added in that order.
+fn streamed_rows(operands: &Operands, out: &mut [f32]) {
+    use rayon::prelude::*;
+
+    let [m, k, n] = operands.mkn;
+    let lhs = operands.lhs_rows();
+    let (chunks, rows) = depth_chunks(k, n);
+    let mut partials = vec![0f32; (chunks - 1) * m * n];
+    let runs = match chunks {
+        1 => 1,
+        _ => rayon::current_num_threads()
+            .div_ceil(chunks)
+            .min(n / MIN_SPLIT_COLUMNS)
+            .max(1),
+    };
+    // Runs of columns in multiples of 16 (whole SIMD blocks), the last one shorter.
+    let run = n.div_ceil(runs).next_multiple_of(16).min(n);
+    let (out_ptr, partials_ptr) = (
+        Shared(out.as_mut_ptr() as *const f32),
+        Shared(partials.as_mut_ptr() as *const f32),
+    );
+    let work = |(c, j0): (usize, usize)| {
+        let ks = c * rows..((c + 1) * rows).min(k);
+        let cols = j0..(j0 + run).min(n);
+        // SAFETY: each (chunk, run) writes only its own columns of its own buffer (`out` for
+        // chunk 0, partial `c` otherwise, each `m · n` values), so no two touch the same
+        // values, and nothing else touches the buffers meanwhile; the kernel is available
+        // (the caller's check); `rhs` has `k` rows of `n` values `rhs_strides[0]` apart.
+        unsafe {
+            let dst = match c {
+                0 => out_ptr.as_mut(),
+                _ => partials_ptr.as_mut().add((c - 1) * m * n),
+            };
+            flex_gemv::rows_times_matrix(
+                &lhs,
+                [m, k],
+                ks,
+                operands.rhs.0,
+                operands.rhs_strides[0] as usize,
+                dst,
+                n,
+                cols,
+            )
+        }
+    };
+    let items: Vec<(usize, usize)> = (0..chunks)
+        .flat_map(|c| (0..n).step_by(run).map(move |j0| (c, j0)))
+        .collect();
+    match items.len() {
+        1 => work(items[0]),
+        _ => items.into_par_iter().for_each(work),
+    }
+    for partial in partials.chunks_exact(m * n) {
+        for (o, p) in out.iter_mut().zip(partial) {
+            *o += p;
+        }
+    }
+}
+
+/// [`few_rows`] on `gemm`: runs of columns over the pool's threads where `rhs` is large, one
+/// single-threaded `gemm` call each, writing its own columns of `out`.
+fn split_columns(operands: &Operands, out: &mut [f32]) {
     use rayon::prelude::*;
 
     let [m, k, n] = operands.mkn;
@@ -102,36 +194,12 @@ fn few_rows(operands: &Operands, out: &mut [f32]) {
         true => rayon::current_num_threads().min(n / MIN_SPLIT_COLUMNS).max(1),
         false => 1,
     };
-    // Runs of columns in multiples of 16 (whole SIMD blocks), the last one shorter.
     let run = n.div_ceil(threads).next_multiple_of(16).min(n);
     let out_ptr = Shared(out.as_mut_ptr() as *const f32);
-    // Two or more rows against a row-major weight (a batched decode step's, a prefill's:
-    // unit column stride) go to the streaming kernel where the CPU has it, with `lhs`'s few
-    // rows copied together first. One row stays with `gemm`'s vector-matrix kernel, which
-    // the streaming one did not beat in the layer (design notes: "Few-row products ...").
-    let streamed =
-        (m >= 2 && operands.rhs_strides[1] == 1 && operands.rhs_strides[0] >= 0 && flex_gemv::available())
-            .then(|| operands.lhs_rows());
     let columns = |j0: usize| {
-        let cols = j0..(j0 + run).min(n);
-        // SAFETY: each run writes only its own columns of `out`, so runs on other threads
-        // never touch the same values, and nothing else touches `out` meanwhile; `out` is
-        // zero on entry; the kernel is available where `streamed` is made, and `rhs` has `k`
-        // rows of `n` values `rhs_strides[0]` apart (the caller's operands).
-        unsafe {
-            match &streamed {
-                Some(lhs) => flex_gemv::rows_times_matrix(
-                    lhs,
-                    [m, k],
-                    operands.rhs.0,
-                    operands.rhs_strides[0] as usize,
-                    out_ptr.as_mut(),
-                    n,
-                    cols,
-                ),
-                None => operands.columns(out_ptr.as_mut(), cols, gemm::Parallelism::None),
-            }
-        }
+        // SAFETY: each run writes only its own columns of `out`, which nothing else touches
+        // meanwhile, and `out` is zero on entry.
+        unsafe { operands.columns(out_ptr.as_mut(), j0..(j0 + run).min(n), gemm::Parallelism::None) }
     };
     match threads {
         1 => columns(0),
@@ -258,37 +326,68 @@ mod tests {
         out
     }
 
-    /// Few-row products split over a pool of three threads (uneven runs, a last run short of
-    /// a SIMD block) give the whole call's values bit for bit, for row-major and transposed
-    /// weights, one row (split from its larger threshold on) to sixteen; and `matmul` takes
-    /// that road.
+    /// `lhs · rhs` in float64 and the sum of its terms' magnitudes (the scale of a float32
+    /// fold's rounding), row-major `[m, n]`.
+    fn float64(lhs: &FlexTensor, rhs: &FlexTensor, [m, k, n]: [usize; 3]) -> Vec<(f64, f64)> {
+        let at = |t: &FlexTensor, i: usize, j: usize| {
+            let (l, st) = (t.layout(), t.layout().strides());
+            t.storage::<f32>()[l.start_offset() + i * st[0] as usize + j * st[1] as usize] as f64
+        };
+        (0..m * n)
+            .map(|ij| {
+                let terms = (0..k).map(|t| at(lhs, ij / n, t) * at(rhs, t, ij % n));
+                terms.fold((0.0, 0.0), |(s, a), x| (s + x, a + x.abs()))
+            })
+            .collect()
+    }
+
+    /// Few-row products on pools of one and three threads (uneven column runs, a last run
+    /// short of a SIMD block, depths cut into chunks and not): against a row-major weight
+    /// (the streaming kernel, cut by depth) the same values on both pools and within float
+    /// rounding of a float64 product; against a transposed one (`gemm`, split by columns) the
+    /// whole call's values bit for bit; and `matmul` takes that road.
     #[test]
-    fn split_columns_give_the_whole_products_values_bit_for_bit() {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
-        pool.install(|| {
-            for (m, k, n) in [
-                (1, 300, 7003),
-                (2, 96, 1000),
-                (3, 512, 771),
-                (16, 128, 530),
-                (5, 40, 100),
-            ] {
-                let lhs = tensor(m, k, 1);
-                for transposed in [false, true] {
-                    let rhs = match transposed {
-                        false => tensor(k, n, 2),
-                        true => Flex::float_transpose(tensor(n, k, 2)),
-                    };
-                    let want = whole(&lhs, &rhs, [m, k, n]);
-                    let mut got = vec![0f32; m * n];
-                    few_rows(&Operands::of(&lhs, &rhs, [m, k, n]), &mut got);
-                    assert!(got == want, "{m}×{k}×{n}, transposed weight {transposed}");
+    fn few_row_products_are_the_same_on_any_pool_and_match_float64() {
+        let pools = [1, 3].map(|t| rayon::ThreadPoolBuilder::new().num_threads(t).build().unwrap());
+        for (m, k, n) in [
+            (1, 300, 7003),
+            (1, 512, 1536),
+            (2, 96, 1000),
+            (3, 512, 771),
+            (16, 128, 530),
+            (5, 40, 100),
+        ] {
+            let lhs = tensor(m, k, 1);
+            for transposed in [false, true] {
+                let rhs = match transposed {
+                    false => tensor(k, n, 2),
+                    true => Flex::float_transpose(tensor(n, k, 2)),
+                };
+                let on = |pool: &rayon::ThreadPool| {
+                    pool.install(|| {
+                        let mut got = vec![0f32; m * n];
+                        few_rows(&Operands::of(&lhs, &rhs, [m, k, n]), &mut got);
+                        got
+                    })
+                };
+                let (one, three) = (on(&pools[0]), on(&pools[1]));
+                assert!(one == three, "{m}×{k}×{n}, transposed {transposed}: pools differ");
+                let exact = float64(&lhs, &rhs, [m, k, n]);
+                for (i, (&got, &(want, scale))) in three.iter().zip(&exact).enumerate() {
                     assert!(
-                        values(matmul(lhs.clone(), rhs)) == want,
-                        "{m}×{k}×{n} through matmul"
+                        (got as f64 - want).abs() <= 1e-6 * scale,
+                        "{m}×{k}×{n}, transposed {transposed}, [{i}]: {got} against {want}"
                     );
                 }
+                if transposed {
+                    assert!(
+                        three == whole(&lhs, &rhs, [m, k, n]),
+                        "{m}×{k}×{n}: not the whole call's"
+                    );
+                }
+                let routed = pools[1].install(|| values(matmul(lhs.clone(), rhs.clone())));
+                assert!(routed == three, "{m}×{k}×{n} through matmul");
             }
-        });
+        }
     }
 }

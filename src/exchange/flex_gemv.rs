@@ -30,19 +30,22 @@ pub(crate) fn available() -> bool {
     }
 }
 
-/// `out[i, j] = Σ_k lhs[i, k] · rhs[k, j]` for every row `i < m` and column `j` in `cols`.
+/// `out[i, j] += Σ_{t ∈ ks} lhs[i, t] · rhs[t, j]` for every row `i < m` and column `j` in
+/// `cols`, folded over `t` in order.
 ///
 /// # Shapes
 /// - lhs: `[m, k]` contiguous; rhs: `k` rows of row stride `ld_rhs` (unit column stride);
-///   out: `[m, n]` row-major, zero in `cols` on entry
+///   out: `[m, n]` row-major; `ks` within `0..k`
 ///
 /// # Safety
 /// [`available`] is true; `rhs` points at a matrix with `k` rows of at least `cols.end`
 /// values `ld_rhs` apart; `out` points at `m · n` values, `cols.end ≤ n`, and no one else
 /// reads or writes `out`'s columns `cols` meanwhile.
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn rows_times_matrix(
     lhs: &[f32],
     [m, k]: [usize; 2],
+    ks: Range<usize>,
     rhs: *const f32,
     ld_rhs: usize,
     out: *mut f32,
@@ -50,10 +53,10 @@ pub(crate) unsafe fn rows_times_matrix(
     cols: Range<usize>,
 ) {
     #[cfg(target_arch = "x86_64")]
-    avx2::rows_times_matrix(lhs, [m, k], rhs, ld_rhs, out, n, cols);
+    avx2::rows_times_matrix(lhs, [m, k], ks, rhs, ld_rhs, out, n, cols);
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (lhs, m, k, rhs, ld_rhs, out, n, cols);
+        let _ = (lhs, m, k, ks, rhs, ld_rhs, out, n, cols);
         unreachable!("`available` is false off x86-64, so nothing calls the kernel there");
     }
 }
@@ -66,10 +69,12 @@ mod avx2 {
     /// Matrix rows read per pass over the output's columns.
     const BLOCK: usize = 8;
 
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn rows_times_matrix(
         lhs: &[f32],
         [m, k]: [usize; 2],
+        ks: Range<usize>,
         rhs: *const f32,
         ld_rhs: usize,
         out: *mut f32,
@@ -77,9 +82,9 @@ mod avx2 {
         cols: Range<usize>,
     ) {
         let vector_end = cols.start + (cols.len() / 8) * 8;
-        let mut k0 = 0;
-        while k0 < k {
-            let rows = BLOCK.min(k - k0);
+        let mut k0 = ks.start;
+        while k0 < ks.end {
+            let rows = BLOCK.min(ks.end - k0);
             let row = |t: usize| rhs.add((k0 + t) * ld_rhs);
             let mut j = cols.start;
             while j < vector_end {
@@ -131,7 +136,8 @@ mod tests {
 
     /// Against a float64 product, for row counts 1 to 16, depths and widths that are not
     /// multiples of the block or the vector (and a row stride wider than the columns); and
-    /// computed in column runs of uneven width, bit for bit the same as in one run.
+    /// computed in column runs of uneven width, each over the depth in two calls, bit for bit
+    /// the same as in one run.
     #[test]
     fn few_rows_times_a_matrix_match_float64_and_split_runs_change_no_bit() {
         if !available() {
@@ -149,7 +155,7 @@ mod tests {
             let mut whole = vec![0f32; m * n];
             // SAFETY: AVX2 and FMA are there; `rhs` has `k` rows of `ld ≥ n` values; `whole`
             // holds `m · n` zeros.
-            unsafe { rows_times_matrix(&lhs, [m, k], rhs.as_ptr(), ld, whole.as_mut_ptr(), n, 0..n) };
+            unsafe { rows_times_matrix(&lhs, [m, k], 0..k, rhs.as_ptr(), ld, whole.as_mut_ptr(), n, 0..n) };
             for i in 0..m {
                 for j in 0..n {
                     let want: f64 = (0..k)
@@ -162,13 +168,25 @@ mod tests {
                     );
                 }
             }
+            // Column runs, each folding the depth in two consecutive ranges: the same folds.
             let mut split = vec![0f32; m * n];
             let cuts = [0, n / 3, n / 3 + 1, n];
             for w in cuts.windows(2) {
-                // SAFETY: as above; the runs are disjoint.
-                unsafe {
-                    rows_times_matrix(&lhs, [m, k], rhs.as_ptr(), ld, split.as_mut_ptr(), n, w[0]..w[1])
-                };
+                for ks in [0..k / 2, k / 2..k] {
+                    // SAFETY: as above; the runs are disjoint.
+                    unsafe {
+                        rows_times_matrix(
+                            &lhs,
+                            [m, k],
+                            ks,
+                            rhs.as_ptr(),
+                            ld,
+                            split.as_mut_ptr(),
+                            n,
+                            w[0]..w[1],
+                        )
+                    };
+                }
             }
             assert!(split == whole, "{m}×{k}×{n}: runs differ from one run");
         }

@@ -329,7 +329,12 @@ fn main() {
             }
             layer(&run)
         }
-        What::Decode(run) => decode(&run),
+        // On a pool's worker, as `mpipemoe generate` runs each rank (`GroupOptions::pool_per_rank`).
+        What::Decode(run) => rayon::ThreadPoolBuilder::new()
+            .num_threads(rayon::current_num_threads())
+            .build()
+            .expect("a rayon pool")
+            .install(|| decode(&run)),
     };
     row["heap_keeps_freed_memory"] = keeps_freed_memory.into();
     println!("{row}");

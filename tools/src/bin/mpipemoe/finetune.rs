@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use burn::tensor::backend::AutodiffBackend;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
+use mpipemoe::comm::GroupOptions;
 use mpipemoe::hf::{ExportOptions, HfCheckpoint};
 use mpipemoe::{LocalGroup, LoraScaling, MoeBackend, MoeError};
 use mpipemoe_models::family::decoder_config;
@@ -186,7 +187,10 @@ impl BackendJob for FinetuneJob<'_> {
             }
         };
         let paths = args.run.paths()?;
-        let reports = LocalGroup::run(args.run.ranks, |ctx| {
+        // Each rank on a pool of its own (`GroupOptions::pool_per_rank`): its parallel regions
+        // then start from one of the pool's workers.
+        let options = GroupOptions::pool_per_rank(args.run.ranks);
+        let reports = LocalGroup::run_with(options, args.run.ranks, |ctx| {
             let device = Default::default();
             let quiet = |_: &FinetuneStep| {};
             let log: &dyn Fn(&FinetuneStep) = if ctx.rank == 0 { &on_step } else { &quiet };

@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 use clap::Args;
+use mpipemoe::comm::GroupOptions;
 use mpipemoe::format::TensorMap;
 use mpipemoe::memory::Strategy;
 use mpipemoe::{LocalGroup, MemoryReuse, MoeBackend, MoeError, MoeLayerConfig, Partitions, MAX_PARTITIONS};
@@ -263,7 +264,10 @@ impl BackendJob for LmJob<'_> {
         // Inference only: the backend without autodiff. Rank 0's answer (every rank computes
         // the same tokens).
         let paths = self.run.paths()?;
-        let answers = LocalGroup::run(self.run.ranks, |ctx| {
+        // Each rank on a pool of its own: a decode step's products split over the threads, and
+        // from a pool's worker those hand-offs are cheap (`GroupOptions::pool_per_rank`).
+        let options = GroupOptions::pool_per_rank(self.run.ranks);
+        let answers = LocalGroup::run_with(options, self.run.ranks, |ctx| {
             let device = Default::default();
             let model = MoeCausalLm::<B::InnerBackend>::from_hf(self.dir, &device, paths(ctx.comm.clone()))?;
             if ctx.rank == 0 && !model.ignored_tensors().is_empty() {
