@@ -18,8 +18,10 @@
 //! `decode` times the layer's forward at one token on Flex without autodiff (a decode step's
 //! MoE work: SwiGLU experts, top-k of them used), against its floor in plain burn tensors: the
 //! router's product and the chosen experts' three products on separate weight tensors (no
-//! copy of any expert's weights). Medians in microseconds, with the bytes of expert weights a
-//! step must read.
+//! copy of any expert's weights), with burn's matmul (`floor_us`) and with the crate's row
+//! product, `MoeBackend::expert_matmul` (`floor_rows_us`: the same reads on the layer's own
+//! kernel, so `layer_us - floor_rows_us` is the layer's machinery). Medians in microseconds,
+//! with the bytes of expert weights a step must read.
 //!
 //! `layer` times one forward + backward of a FastMoE-style `MoeLayer` (one rank, `n = 1` unless
 //! `--partitions` says otherwise, no reuse, dropless, GELU experts; `--executor` picks how the
@@ -32,10 +34,10 @@ use std::time::{Duration, Instant};
 use burn::backend::flex::Flex;
 use burn::backend::Autodiff;
 use burn::tensor::ops::{ActivationOps, FloatTensor};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 use clap::{Args, Parser, Subcommand};
 use mpipemoe::backend::ActivationKernels;
-use mpipemoe::{MoeLayerConfig, Partitions};
+use mpipemoe::{MoeBackend, MoeLayerConfig, Partitions};
 use mpipemoe_tools::flags::{count, ExecutorArg};
 use mpipemoe_tools::heap::Heap;
 use mpipemoe_tools::inputs::{balance_router, balanced_tokens};
@@ -280,33 +282,46 @@ fn decode(run: &DecodeArgs) -> serde_json::Value {
             ]
         })
         .collect();
-    let floor = || {
-        let probs = burn::tensor::activation::softmax(x.clone().matmul(router.clone()), 1);
+    // The same floor with each product on the layer's own row product (`expert_matmul`: on
+    // Flex the streaming kernel, cut by depth over the threads): what the layer adds to the
+    // reads themselves.
+    let rows_product = |a: Tensor<I, 2>, w: &Tensor<I, 2>| {
+        Tensor::<I, 2>::from_primitive(TensorPrimitive::Float(I::expert_matmul(
+            a.into_primitive().tensor(),
+            w.clone().into_primitive().tensor(),
+        )))
+    };
+    let floor_with = |product: &dyn Fn(Tensor<I, 2>, &Tensor<I, 2>) -> Tensor<I, 2>| {
+        let probs = burn::tensor::activation::softmax(product(x.clone(), &router), 1);
         let (weights, _) = probs.topk_with_indices(top_k, 1);
         let mut y = Tensor::<I, 2>::zeros([1, m], &device);
         for (j, [gate, up, down]) in chosen.iter().enumerate() {
-            let a =
-                burn::tensor::activation::silu(x.clone().matmul(gate.clone())) * x.clone().matmul(up.clone());
-            y = y + a.matmul(down.clone()) * weights.clone().slice([0..1, j..j + 1]);
+            let a = burn::tensor::activation::silu(product(x.clone(), gate)) * product(x.clone(), up);
+            y = y + product(a, down) * weights.clone().slice([0..1, j..j + 1]);
         }
         drop(y.into_data());
     };
+    let floor = || floor_with(&|a, w| a.matmul(w.clone()));
+    let floor_rows = || floor_with(&rows_product);
     let step = || drop(layer.forward(x.clone()).output.into_data());
     for _ in 0..10 {
         step();
         floor();
+        floor_rows();
     }
-    // Alternating, so drift hits both alike.
-    let (mut ours, mut plain) = (Vec::new(), Vec::new());
+    // Alternating, so drift hits all three alike.
+    let (mut ours, mut plain, mut rows) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..run.iters {
         ours.push(time(step));
         plain.push(time(floor));
+        rows.push(time(floor_rows));
     }
     let bytes = top_k * 3 * m * h * 4;
     json!({
         "what": "decode", "d_model": m, "d_hidden": h, "experts": experts, "top_k": top_k,
         "iters": run.iters, "threads": rayon::current_num_threads(),
-        "layer_us": median(ours) * 1e6, "floor_us": median(plain) * 1e6, "expert_bytes": bytes,
+        "layer_us": median(ours) * 1e6, "floor_us": median(plain) * 1e6,
+        "floor_rows_us": median(rows) * 1e6, "expert_bytes": bytes,
     })
 }
 
