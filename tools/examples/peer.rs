@@ -291,7 +291,9 @@ fn decode(run: &DecodeArgs) -> serde_json::Value {
             w.clone().into_primitive().tensor(),
         )))
     };
-    let floor_with = |product: &dyn Fn(Tensor<I, 2>, &Tensor<I, 2>) -> Tensor<I, 2>| {
+    // One product of the floor: an input row times a weight.
+    type Product<'a> = dyn Fn(Tensor<I, 2>, &Tensor<I, 2>) -> Tensor<I, 2> + 'a;
+    let floor_with = |product: &Product| {
         let probs = burn::tensor::activation::softmax(product(x.clone(), &router), 1);
         let (weights, _) = probs.topk_with_indices(top_k, 1);
         let mut y = Tensor::<I, 2>::zeros([1, m], &device);
