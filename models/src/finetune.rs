@@ -207,23 +207,19 @@ where
             "needs adapters (lora or adapter) to merge",
         ));
     }
-    if let Some(adapter) = &o.adapter {
-        if adapter.dropout > 0.0 {
-            return Err(MoeError::config(
-                "lora_dropout",
-                format!(
-                    "is {} in the adapter's config; training with adapter dropout is not supported \
-                     (inference ignores it, as PEFT's eval mode does)",
-                    adapter.dropout
-                ),
-            ));
-        }
-    }
     let mut model = match (&o.adapter, &o.lora) {
         (Some(adapter), _) => model.with_adapter(adapter)?,
         (None, Some(spec)) => model.with_lora(spec, o.seed)?,
         (None, None) => model,
     };
+    // Adapter dropout draws from the backend's random stream: seeded from the run's seed and
+    // the rank, so that a run repeats its masks (each rank its own, as its rows are its own).
+    if o.lora_spec().is_some_and(|s| s.dropout > 0.0) {
+        B::seed(
+            device,
+            o.seed ^ (world.rank() as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+        );
+    }
     // The replicas' routing statistics summed, so that the losses and the loads are the
     // world's batch's, as each layer built with `init_groups` would have them.
     model.set_replicas(groups.expert_data());

@@ -112,6 +112,7 @@ impl<B: MoeBackend> DecoderLayer<B> {
         scale: f64,
         seed: u64,
         key: &str,
+        dropout: f64,
     ) -> bool {
         let Some([d_in, d_out]) = self.projection_dims(name) else {
             return false;
@@ -124,7 +125,10 @@ impl<B: MoeBackend> DecoderLayer<B> {
             return false;
         };
         lora.resize_with(names.len(), || None);
-        lora[i] = Some(LoraLinear::init(d_in, d_out, rank, scale, seed, key, &device));
+        lora[i] = Some(LoraLinear {
+            dropout,
+            ..LoraLinear::init(d_in, d_out, rank, scale, seed, key, &device)
+        });
         true
     }
 

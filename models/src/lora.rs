@@ -3,7 +3,7 @@
 //! model up; merging them back into the weights.
 
 use burn::module::{Module, Param};
-use burn::nn::Linear;
+use burn::nn::{DropoutConfig, Linear};
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use mpipemoe::{seeded_uniform, ExpertLoraSpec, LoraScaling, MoeBackend, MoeError, Result};
@@ -25,6 +25,11 @@ pub struct LoraLinear<B: Backend> {
     /// `alpha / r` or `alpha / sqrt(r)`.
     #[module(skip)]
     pub scale: f64,
+    /// PEFT's `lora_dropout`: the probability that an input value of the adapter is zeroed in
+    /// training (the kept ones scaled by `1 / (1 - p)`); 0 for none. Inference (a backend
+    /// without autodiff) never drops, as PEFT's eval mode does not.
+    #[module(skip)]
+    pub dropout: f64,
 }
 
 impl<B: Backend> LoraLinear<B> {
@@ -47,6 +52,7 @@ impl<B: Backend> LoraLinear<B> {
             a: Param::from_tensor(a),
             b: Param::from_tensor(Tensor::zeros([rank, d_out], device)),
             scale,
+            dropout: 0.0,
         }
     }
 
@@ -57,9 +63,13 @@ impl<B: Backend> LoraLinear<B> {
 }
 
 impl<B: MoeBackend> LoraLinear<B> {
-    /// `scale · (x · a) · b`, the adapter's part of the projection of `x` (`[..., d_in]` →
-    /// `[..., d_out]`): two thin products, never the full-size delta.
+    /// `scale · (dropout(x) · a) · b`, the adapter's part of the projection of `x`
+    /// (`[..., d_in]` → `[..., d_out]`): two thin products, never the full-size delta. The
+    /// dropout is PEFT's `lora_dropout` on the adapter's input alone (the base projection
+    /// sees `x` whole), in training only: burn's `Dropout`, which is the identity where the
+    /// backend tracks no gradients, with the backend's random stream.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let x = DropoutConfig::new(self.dropout).init().forward(x);
         matmul(matmul(x, self.a.val()), self.b.val()).mul_scalar(self.scale)
     }
 }
@@ -102,6 +112,10 @@ pub struct LoraSpec {
     /// `experts` (both of the experts' stacked weights), `gate_up_proj` or `down_proj` (one);
     /// `attention` stands for every projection each layer's attention has.
     pub targets: Vec<String>,
+    /// PEFT's `lora_dropout` on the attention adapters' input in training, in `[0, 1)`; PEFT
+    /// refuses it with expert targets (`target_parameters`: the input cannot be factored out
+    /// of a weight's adapter), and so does [`validate`](Self::validate).
+    pub dropout: f64,
 }
 
 /// The target names the models know, for errors.
@@ -142,8 +156,9 @@ impl LoraSpec {
     }
 
     /// # Errors
-    /// [`MoeError::Config`] naming `rank`, `alpha` or `targets` (an empty list, or a name the
-    /// models do not know).
+    /// [`MoeError::Config`] naming `rank`, `alpha`, `targets` (an empty list, or a name the
+    /// models do not know) or `lora_dropout` (outside `[0, 1)`, or above 0 with expert
+    /// targets).
     pub fn validate(&self) -> Result<()> {
         if self.rank == 0 {
             return Err(MoeError::config(
@@ -164,6 +179,23 @@ impl LoraSpec {
             return Err(MoeError::config(
                 "targets",
                 format!("`{bad}` is not one of {}", LORA_TARGETS.join(", ")),
+            ));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(MoeError::config(
+                "lora_dropout",
+                format!("{} is not in [0, 1)", self.dropout),
+            ));
+        }
+        if self.dropout > 0.0 && self.expert_targets() != (false, false) {
+            return Err(MoeError::config(
+                "lora_dropout",
+                format!(
+                    "is {} with the experts among the targets; PEFT refuses dropout on \
+                     `target_parameters` too (an adapter on a weight cannot drop its input): \
+                     target the attention projections alone, or set it to 0",
+                    self.dropout
+                ),
             ));
         }
         Ok(())
@@ -193,7 +225,7 @@ impl<B: MoeBackend> MoeCausalLm<B> {
                 };
                 for name in names {
                     let key = format!("lora.layers.{i}.{name}");
-                    found |= layer.add_attention_adapter(name, spec.rank, scale, seed, &key);
+                    found |= layer.add_attention_adapter(name, spec.rank, scale, seed, &key, spec.dropout);
                 }
             }
             if !found {

@@ -59,10 +59,8 @@ impl ExpertLayout {
 /// A LoRA adapter read from a PEFT folder, before it is put on a model.
 #[derive(Debug, Clone)]
 pub struct PeftAdapter {
-    /// Rank, alpha, scaling and targets as the folder's config gives them.
+    /// Rank, alpha, scaling, targets and dropout as the folder's config gives them.
     pub spec: LoraSpec,
-    /// `lora_dropout` (applied to the adapters' input in training, as PEFT does).
-    pub dropout: f64,
     tensors: TensorMap,
 }
 
@@ -171,14 +169,11 @@ impl PeftAdapter {
                 false => LoraScaling::Standard,
             },
             targets,
+            dropout,
         };
         spec.validate().map_err(|e| bad(&config_path, e.to_string()))?;
         let (tensors, _) = read_safetensors(&file_in(dir, ADAPTER_WEIGHTS, dir)?)?;
-        Ok(Self {
-            spec,
-            dropout,
-            tensors,
-        })
+        Ok(Self { spec, tensors })
     }
 }
 
@@ -316,6 +311,7 @@ impl<B: MoeBackend> MoeCausalLm<B> {
                 a: burn::module::Param::from_tensor(at.detach()),
                 b: burn::module::Param::from_tensor(bt.detach()),
                 scale,
+                dropout: spec.dropout,
             });
         }
         let layout = ExpertLayout::of(&model.config().model_type);
@@ -489,7 +485,7 @@ impl<B: MoeBackend> MoeCausalLm<B> {
             "r": spec.rank,
             "lora_alpha": spec.alpha,
             "use_rslora": spec.scaling == LoraScaling::RsLora,
-            "lora_dropout": 0.0,
+            "lora_dropout": spec.dropout,
             "bias": "none",
             "fan_in_fan_out": false,
             "use_dora": false,

@@ -725,9 +725,39 @@ fn lora_finetune_logits_and_merge_on_a_tiny_model() {
     };
     bad(&["--lora-rank", "2", "--lora-targets", "q_a_proj"], 1, "q_a_proj");
     bad(&["--lora-rank", "2", "--lora-targets", "mlp"], 1, "mlp");
+    // Dropout with expert targets, as PEFT refuses it; outside [0, 1).
+    bad(&["--lora-rank", "2", "--lora-dropout", "0.1"], 1, "lora_dropout");
+    bad(
+        &[
+            "--lora-rank",
+            "2",
+            "--lora-targets",
+            "q_proj",
+            "--lora-dropout",
+            "1",
+        ],
+        1,
+        "lora_dropout",
+    );
     bad(&["--merge"], 2, "--merge");
     bad(&["--lora-alpha", "4"], 2, "--lora-rank");
     let other = root.join("tests/data/models/lora/qwen3-moe-tiny");
     bad(&["--adapter", other.to_str().unwrap()], 1, "adapter");
+
+    // Dropout on attention adapters trains, and the folder says so for PEFT.
+    let dropping = [
+        "--lora-rank",
+        "4",
+        "--lora-targets",
+        "attention",
+        "--lora-dropout",
+        "0.1",
+    ];
+    let run = tune("1", &path("dropping"), &dropping);
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tmp.join("dropping/adapter_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(config["lora_dropout"].as_f64(), Some(0.1));
     std::fs::remove_dir_all(&tmp).unwrap();
 }

@@ -4,7 +4,7 @@
 //! the adapters we save are peft's file, key for key and value for value; merging keeps the
 //! logits; bad adapters are refused by name.
 
-use burn::module::ModuleMapper;
+use burn::module::{AutodiffModule, ModuleMapper};
 use burn::optim::GradientsParams;
 use mpipemoe::parallel::sync_replicated_grads;
 use mpipemoe::MoeError;
@@ -279,6 +279,7 @@ fn fresh_adapters_start_as_no_change_and_alone_take_gradients() {
         targets: ["q_proj", "k_proj", "v_proj", "o_proj", "experts"]
             .map(String::from)
             .to_vec(),
+        dropout: 0.0,
     };
     let model = base.clone().with_lora(&spec, 1).unwrap();
     let ids = ids_tensor(&[5, 9, 17, 3, 8, 21], [1, 6]);
@@ -319,4 +320,88 @@ fn fresh_adapters_start_as_no_change_and_alone_take_gradients() {
         ..spec.clone()
     })
     .contains("mlp"));
+    // Dropout with expert targets, as PEFT refuses it, and outside [0, 1).
+    assert!(bad(LoraSpec {
+        dropout: 0.1,
+        ..spec.clone()
+    })
+    .starts_with("lora_dropout"));
+    assert!(bad(LoraSpec {
+        dropout: 1.0,
+        targets: vec!["q_proj".into()],
+        ..spec.clone()
+    })
+    .starts_with("lora_dropout"));
+}
+
+/// PEFT's `lora_dropout` on an attention adapter: in training each input value of the adapter
+/// is zeroed or scaled by `1 / (1 - p)`, in about `p` of the places, the base projection sees
+/// the input whole, and the same seed draws the same masks; without autodiff (inference)
+/// nothing is dropped. Through a whole model: training losses move with it, inference logits
+/// do not.
+#[test]
+fn adapter_dropout_drops_the_adapters_input_in_training_only() {
+    use burn::tensor::backend::Backend;
+    use mpipemoe_models::LoraLinear;
+    let device = Default::default();
+    // a = I and b = I: the adapter's output is `scale · dropout(x)` itself.
+    let (d, p, scale) = (64, 0.25, 2.0);
+    let eye = || Tensor::<B, 2>::eye(d, &device);
+    let adapter = |dropout| LoraLinear::<B> {
+        a: burn::module::Param::from_tensor(eye()),
+        b: burn::module::Param::from_tensor(eye()),
+        scale,
+        dropout,
+    };
+    let x = Tensor::<B, 2>::ones([64, d], &device);
+    B::seed(&device, 7);
+    let dropped = adapter(p).forward(x.clone()).into_data().to_vec::<f32>().unwrap();
+    let kept = (scale / (1.0 - p)) as f32;
+    let zeros = dropped.iter().filter(|&&v| v == 0.0).count();
+    assert!(
+        dropped.iter().all(|&v| v == 0.0 || (v - kept).abs() < 1e-6),
+        "values other than 0 and scale / (1 - p)"
+    );
+    // 4,096 draws at p = 0.25: 1,024 expected, standard deviation 28.
+    assert!((900..1150).contains(&zeros), "{zeros} of 4096 zeroed at p = {p}");
+    B::seed(&device, 7);
+    let again = adapter(p).forward(x.clone()).into_data().to_vec::<f32>().unwrap();
+    assert_eq!(dropped, again, "the same seed, other masks");
+    let inference = adapter(p)
+        .valid()
+        .forward(x.clone().inner())
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap();
+    assert!(
+        inference.iter().all(|&v| (v - scale as f32).abs() < 1e-6),
+        "dropped in inference"
+    );
+
+    // Through a model with trained-looking adapters (b non-zero): inference logits ignore the
+    // dropout, training losses do not.
+    let base =
+        MoeCausalLm::<B>::from_hf(data().join("qwen3-moe-tiny"), &device, Arc::new(SingleRank)).unwrap();
+    let spec = |dropout| LoraSpec {
+        rank: 4,
+        alpha: 8.0,
+        scaling: mpipemoe::LoraScaling::Standard,
+        targets: vec!["attention".into()],
+        dropout,
+    };
+    let nudged = |dropout| {
+        let mut model = base.clone().with_lora(&spec(dropout), 1).unwrap();
+        for layer in &mut model.layers {
+            for lora in layer.attn.as_mut().unwrap().lora.iter_mut().flatten() {
+                lora.b = Param::from_tensor(lora.b.val().ones_like().mul_scalar(0.05));
+            }
+        }
+        model
+    };
+    let (plain, dropping) = (nudged(0.0), nudged(0.5));
+    let ids = ids_tensor(&[5, 9, 17, 3, 8, 21], [1, 6]);
+    let logits = |m: &MoeCausalLm<B>| values(m.valid().forward(ids.clone().inner(), None).logits);
+    assert_eq!(logits(&plain), logits(&dropping), "inference dropped");
+    let loss = |m: &MoeCausalLm<B>| m.loss(ids.clone()).unwrap().0.into_scalar();
+    assert_ne!(loss(&plain), loss(&dropping), "training did not drop");
 }

@@ -102,6 +102,11 @@ pub struct FinetuneArgs {
         requires = "lora_rank"
     )]
     lora_targets: Vec<String>,
+    /// PEFT's `lora_dropout`: the probability that an attention adapter's input value is
+    /// zeroed in training, in [0, 1). PEFT refuses it with expert targets, and so does this
+    /// (`--lora-targets attention` or names of projections alone).
+    #[arg(long, default_value_t = 0.0, requires = "lora_rank")]
+    lora_dropout: f64,
     /// Continue training a LoRA adapter folder written by PEFT (or by `--lora-rank`).
     #[arg(long)]
     adapter: Option<PathBuf>,
@@ -317,6 +322,7 @@ pub fn run(args: FinetuneArgs) -> ExitCode {
                 LoraScaling::Standard
             },
             targets: args.lora_targets.clone(),
+            dropout: args.lora_dropout,
         }),
         adapter,
         merge: args.merge,
