@@ -73,6 +73,12 @@ impl<B: MoeBackend> MoeCausalLm<B> {
     /// row order from one generator seeded by `options.sampling.seed`. The pad id is the
     /// first stop id (0 without one); which id it is changes no real token's logits.
     ///
+    /// On the CPU a decode step's products split over rayon's threads; call this from a
+    /// worker of a pool (inside `ThreadPool::install`, or ranks run with
+    /// `GroupOptions::pool_per_rank`, as `mpipemoe generate` does), where each split is
+    /// cheap, rather than from a thread outside any pool, where each one wakes a worker and
+    /// waits (BENCHMARKS §13i).
+    ///
     /// # Errors
     /// As [`generate_with`](Self::generate_with), naming the prompt; [`MoeError::Input`] if
     /// `prompts` is empty.

@@ -547,4 +547,28 @@ mod tests {
         assert_eq!(odd.lock().failed.as_ref().map(|f| f.0), Some(3));
         assert_eq!(even.lock().failed.as_ref().map(|f| f.0), Some(3));
     }
+
+    /// `pool_per_rank` shares the current pool's threads out over the ranks, at least one each,
+    /// and each rank's closure then runs on a worker of a pool of that size.
+    #[test]
+    fn pool_per_rank_shares_the_threads_out() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(5).build().unwrap();
+        pool.install(|| {
+            for (ranks, each) in [(1, 5), (2, 2), (5, 1), (8, 1), (0, 5)] {
+                assert_eq!(
+                    GroupOptions::pool_per_rank(ranks).threads_per_rank,
+                    Some(each),
+                    "{ranks} ranks"
+                );
+            }
+            let seen = LocalGroup::run_with(GroupOptions::pool_per_rank(2), 2, |_| {
+                Ok((
+                    rayon::current_thread_index().is_some(),
+                    rayon::current_num_threads(),
+                ))
+            })
+            .unwrap();
+            assert_eq!(seen, vec![(true, 2), (true, 2)]);
+        });
+    }
 }
