@@ -305,11 +305,13 @@ pub(crate) fn probabilities<B: Backend>(
     sinks: Option<Tensor<B, 1>>,
 ) -> Tensor<B, 4> {
     let [b, h, t, s] = scores.dims();
-    let hidden = places.mask(cached, rules, &scores.device());
-    let scores = scores.mask_fill(
-        hidden.unsqueeze_dim::<4>(1).expand([b, h, t, s]),
-        f32::NEG_INFINITY,
-    );
+    let scores = match places.mask(cached, rules, &scores.device()) {
+        Some(hidden) => scores.mask_fill(
+            hidden.unsqueeze_dim::<4>(1).expand([b, h, t, s]),
+            f32::NEG_INFINITY,
+        ),
+        None => scores,
+    };
     match sinks {
         None => softmax(scores, 3),
         Some(sinks) => {

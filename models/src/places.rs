@@ -66,6 +66,9 @@ impl Places {
     /// nothing else), so that no row of scores is hidden whole: its softmax stays finite, and
     /// its output, which no real token reads, stays a number the MoE layers accept.
     ///
+    /// `None` where nothing is hidden (a decode step's one query of an unpadded batch sees every
+    /// cached key, unless a window or a chunk says otherwise): no mask to build and fill.
+    ///
     /// # Shapes
     /// - output: `[rows, queries, keys]`, `rows` one per batch row where rows are padded, else
     ///   one for every row
@@ -74,7 +77,7 @@ impl Places {
         keys: &[usize],
         rules: &AttnRules,
         device: &B::Device,
-    ) -> Tensor<B, 3, Bool> {
+    ) -> Option<Tensor<B, 3, Bool>> {
         let queries = self.columns();
         let pads = match self.pads.is_empty() {
             true => vec![0],
@@ -93,10 +96,12 @@ impl Places {
                 }));
             }
         }
-        Tensor::from_data(
-            TensorData::new(hidden, [pads.len(), queries.len(), keys.len()]),
-            device,
-        )
+        hidden.contains(&true).then(|| {
+            Tensor::from_data(
+                TensorData::new(hidden, [pads.len(), queries.len(), keys.len()]),
+                device,
+            )
+        })
     }
 }
 
@@ -109,9 +114,16 @@ mod tests {
 
     fn mask(places: &Places, keys: std::ops::Range<usize>, rules: AttnRules) -> Vec<Vec<Vec<bool>>> {
         let keys: Vec<usize> = keys.collect();
-        let m = places.mask::<NdArray>(&keys, &rules, &Default::default());
-        let [rows, q, k] = m.dims();
-        let flat = m.into_data().to_vec::<bool>().unwrap();
+        let (rows, q, k) = (places.pads().len().max(1), places.columns().len(), keys.len());
+        let flat = match places.mask::<NdArray>(&keys, &rules, &Default::default()) {
+            Some(m) => {
+                assert_eq!(m.dims(), [rows, q, k]);
+                let flat = m.into_data().to_vec::<bool>().unwrap();
+                assert!(flat.contains(&true), "a mask that hides nothing");
+                flat
+            }
+            None => vec![false; rows * q * k],
+        };
         (0..rows)
             .map(|r| {
                 (0..q)
