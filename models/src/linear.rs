@@ -4,9 +4,9 @@
 //! On Flex that product is the one the experts use (`mpipemoe`'s `exchange/flex_gemm.rs`):
 //! its output allocated once instead of zero-filled and copied, transposed operands read in
 //! place (a backward's `g · wᵀ` and `xᵀ · g`, a tied head's `Eᵀ`), and a product of a few rows
-//! — every projection of a decode step — split by columns over the threads, where burn's
-//! matmul runs it on one (its parallel threshold counts multiply-adds, and a decode step's
-//! products are small in those though each reads a whole weight). Under `Autodiff` it is one
+//! — every projection of a decode step — cut by depth over the threads, where burn's matmul
+//! runs it on one (its parallel threshold counts multiply-adds, and a decode step's products
+//! are small in those though each reads a whole weight). Under `Autodiff` it is one
 //! node whose backward products go the same way. Other backends multiply as burn's `Linear`
 //! does.
 

@@ -39,8 +39,9 @@ pub(crate) fn through_path<B: MoeBackend>(
     }
 }
 
-/// The backward node of a dense product: `dlhs = g · rhsᵀ`, `drhs = lhsᵀ · g`, both through the
-/// inner backend's [`MoeBackend::dense_matmul`].
+/// The backward node of a dense product: `dlhs = g · rhsᵀ`, `drhs = lhsᵀ · g`, each the same
+/// product as the forward's: the inner backend's [`MoeBackend::dense_matmul`] through a
+/// device library, or its [`MoeBackend::expert_matmul`] (on transposed views) without one.
 #[derive(Debug)]
 struct DenseBackward;
 
@@ -48,8 +49,20 @@ struct DenseBackward;
 struct DenseState<B: MoeBackend> {
     lhs: FloatTensor<B>,
     rhs: FloatTensor<B>,
-    comm: Arc<dyn Communicator>,
-    precision: GemmPrecision,
+    /// The communicator whose library multiplies, and at what precision; `None` for the
+    /// backend's own row product.
+    library: Option<(Arc<dyn Communicator>, GemmPrecision)>,
+}
+
+impl<B: MoeBackend> DenseState<B> {
+    /// `a · b` as the forward multiplied. Burn's backward has no error channel: a failed
+    /// device library is raised as a panic carrying the MoeError (as the exchange's node does).
+    fn product(&self, a: FloatTensor<B>, b: FloatTensor<B>) -> FloatTensor<B> {
+        match &self.library {
+            Some((comm, precision)) => B::dense_matmul(a, b, comm, *precision).unwrap_or_else(|e| e.raise()),
+            None => B::expert_matmul(a, b),
+        }
+    }
 }
 
 impl<B: MoeBackend> Backward<B, 2> for DenseBackward {
@@ -57,25 +70,41 @@ impl<B: MoeBackend> Backward<B, 2> for DenseBackward {
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
         let grad = grads.consume::<B>(&ops.node);
-        let DenseState {
-            lhs,
-            rhs,
-            comm,
-            precision,
-        } = ops.state;
+        let state = ops.state;
         let [lhs_parent, rhs_parent] = ops.parents;
-        // Burn's backward has no error channel: a failed device library is raised as a panic
-        // carrying the MoeError (as the exchange's node does).
         if let Some(parent) = lhs_parent {
-            let g = B::dense_matmul(grad.clone(), B::float_transpose(rhs), &comm, precision)
-                .unwrap_or_else(|e| e.raise());
+            let g = state.product(grad.clone(), B::float_transpose(state.rhs.clone()));
             grads.register::<B>(parent.id, g);
         }
         if let Some(parent) = rhs_parent {
-            let g = B::dense_matmul(B::float_transpose(lhs), grad, &comm, precision)
-                .unwrap_or_else(|e| e.raise());
+            let g = state.product(B::float_transpose(state.lhs.clone()), grad);
             grads.register::<B>(parent.id, g);
         }
+    }
+}
+
+/// `out = lhs · rhs`, already multiplied as `library` says, recorded as one [`DenseBackward`]
+/// node holding both operands (what burn's own matmul node holds).
+fn record<B: MoeBackend, C: CheckpointStrategy>(
+    lhs: FloatTensor<Autodiff<B, C>>,
+    rhs: FloatTensor<Autodiff<B, C>>,
+    library: Option<(Arc<dyn Communicator>, GemmPrecision)>,
+    out: FloatTensor<B>,
+) -> FloatTensor<Autodiff<B, C>> {
+    match DenseBackward
+        .prepare::<C>([lhs.node.clone(), rhs.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(
+            DenseState {
+                lhs: lhs.primitive,
+                rhs: rhs.primitive,
+                library,
+            },
+            out,
+        ),
+        OpsKind::UnTracked(prep) => prep.finish(out),
     }
 }
 
@@ -87,70 +116,24 @@ pub(crate) fn autodiff<B: MoeBackend, C: CheckpointStrategy>(
     precision: GemmPrecision,
 ) -> Result<FloatTensor<Autodiff<B, C>>> {
     if !B::dense_library(comm.as_ref()) {
-        // No library: the backend's product and its node (`rows_autodiff`).
+        // No library: the backend's row product and its node (`rows_autodiff`).
         return Ok(rows_autodiff::<B, C>(lhs, rhs));
     }
     let out = B::dense_matmul(lhs.primitive.clone(), rhs.primitive.clone(), comm, precision)?;
-    Ok(
-        match DenseBackward
-            .prepare::<C>([lhs.node.clone(), rhs.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish(
-                DenseState {
-                    lhs: lhs.primitive,
-                    rhs: rhs.primitive,
-                    comm: comm.clone(),
-                    precision,
-                },
-                out,
-            ),
-            OpsKind::UnTracked(prep) => prep.finish(out),
-        },
-    )
-}
-
-/// The backward node of [`MoeBackend::expert_matmul`] under `Autodiff<B>`: `dlhs = g · rhsᵀ`,
-/// `drhs = lhsᵀ · g`, both through the inner backend's `expert_matmul` on transposed views.
-#[derive(Debug)]
-struct RowsBackward;
-
-impl<B: MoeBackend> Backward<B, 2> for RowsBackward {
-    type State = (FloatTensor<B>, FloatTensor<B>);
-
-    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
-        let grad = grads.consume::<B>(&ops.node);
-        let (lhs, rhs) = ops.state;
-        let [lhs_parent, rhs_parent] = ops.parents;
-        if let Some(parent) = lhs_parent {
-            grads.register::<B>(parent.id, B::expert_matmul(grad.clone(), B::float_transpose(rhs)));
-        }
-        if let Some(parent) = rhs_parent {
-            grads.register::<B>(parent.id, B::expert_matmul(B::float_transpose(lhs), grad));
-        }
-    }
+    Ok(record::<B, C>(lhs, rhs, Some((comm.clone(), precision)), out))
 }
 
 /// [`MoeBackend::expert_matmul`] of `Autodiff<B>`: the inner backend's product, recorded as one
 /// node whose backward products go the same way. Flex's then write into outputs allocated once
 /// and read transposed operands in place, where burn's matmul node would differentiate through
 /// Flex's matmul (which copies a transposed operand whole before multiplying, burn-flex 0.21
-/// `ops/matmul.rs`, and zero-fills then re-aligns every output, `exchange/flex_gemm.rs`). What
-/// the product holds for backward is what burn's own node holds: both operands.
+/// `ops/matmul.rs`, and zero-fills then re-aligns every output, `exchange/flex_gemm.rs`).
 pub(crate) fn rows_autodiff<B: MoeBackend, C: CheckpointStrategy>(
     lhs: FloatTensor<Autodiff<B, C>>,
     rhs: FloatTensor<Autodiff<B, C>>,
 ) -> FloatTensor<Autodiff<B, C>> {
     let out = B::expert_matmul(lhs.primitive.clone(), rhs.primitive.clone());
-    match RowsBackward
-        .prepare::<C>([lhs.node.clone(), rhs.node.clone()])
-        .compute_bound()
-        .stateful()
-    {
-        OpsKind::Tracked(prep) => prep.finish((lhs.primitive, rhs.primitive), out),
-        OpsKind::UnTracked(prep) => prep.finish(out),
-    }
+    record::<B, C>(lhs, rhs, None, out)
 }
 
 /// `lhs · rhs` on tensors through [`MoeBackend::dense_matmul`].

@@ -165,12 +165,13 @@ fn streamed_rows(operands: &Operands, out: &mut [f32]) {
             )
         }
     };
-    let items: Vec<(usize, usize)> = (0..chunks)
-        .flat_map(|c| (0..n).step_by(run).map(move |j0| (c, j0)))
-        .collect();
-    match items.len() {
-        1 => work(items[0]),
-        _ => items.into_par_iter().for_each(work),
+    match chunks * n.div_ceil(run) {
+        1 => work((0, 0)),
+        _ => (0..chunks)
+            .flat_map(|c| (0..n).step_by(run).map(move |j0| (c, j0)))
+            .collect::<Vec<_>>()
+            .into_par_iter()
+            .for_each(work),
     }
     for partial in partials.chunks_exact(m * n) {
         for (o, p) in out.iter_mut().zip(partial) {
