@@ -22,7 +22,9 @@
 //! slot of the schedule, reused by every partition, layer and step the [`PartitionArena`] is
 //! handed to.
 
-pub use crate::dispatch::{chunk_len, chunk_range, ExchangePlan, PartitionPlan, RoutingCounts, SplitScheme};
+pub use crate::dispatch::{
+    chunk_len, chunk_range, ExchangePlan, PartitionPlan, RoutingCounts, RowMap, SplitScheme,
+};
 pub use crate::exchange::executor::{
     execute as execute_on_threads, execute_in_order, execute_on, StepExecutor,
 };

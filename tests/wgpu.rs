@@ -914,3 +914,85 @@ fn expert_adapters_on_wgpu_match_the_reference_twin() {
         got.assert_approx_eq::<f32>(want, burn::tensor::Tolerance::rel_abs(1e-4, 1e-5));
     }
 }
+
+/// Steps 4 and 6's row moves on WGPU (`MoeBackend::gather_rows` / `combine_rows`: the combine
+/// a kernel of its own on the CubeCL backends, each op the other's backward under autodiff)
+/// against burn's `select` and `select_assign` onto zeros, which they replace: outputs and
+/// gradients bit for bit, with tokens of three rows, of none, rows in any order, a width that
+/// is no multiple of a vector, a transposed (strided) input, and a width-1 tensor (the combine
+/// weights' slots). A dropped row, a row summed onto the wrong token or a sum in another order
+/// fails it.
+#[test]
+fn row_moves_on_wgpu_match_burns_select_ops() {
+    use burn::tensor::IndexingUpdateOp;
+    use mpipemoe::backend::RowMap;
+
+    let _guard = shared();
+    let device = WgpuDevice::default();
+    let value = |i: usize| ((i * 7919) % 2003) as f32 / 97.0 - 10.0;
+    for (n_targets, width, transposed) in [(37usize, 13usize, false), (37, 13, true), (64, 1, false)] {
+        // Target 5 gets three rows, every third target none.
+        let targets: Vec<usize> = (0..n_targets * 2)
+            .map(|i| (i * 17) % n_targets)
+            .filter(|t| t % 3 != 1)
+            .chain([5, 5])
+            .collect();
+        let n_rows = targets.len();
+        let map = Arc::new(RowMap::new(targets.clone(), n_targets));
+        let idx = Tensor::<B, 1, Int>::from_data(
+            TensorData::new(targets.iter().map(|&t| t as i64).collect::<Vec<_>>(), [n_rows]),
+            &device,
+        );
+        let make = |rows: usize, seed: usize| {
+            let data: Vec<f32> = (0..rows * width).map(|i| value(i + seed)).collect();
+            if transposed {
+                Tensor::<B, 2>::from_data(TensorData::new(data, [width, rows]), &device).transpose()
+            } else {
+                Tensor::<B, 2>::from_data(TensorData::new(data, [rows, width]), &device)
+            }
+        };
+        let bits = |t: Tensor<B, 2>| -> Vec<u32> {
+            t.into_data()
+                .to_vec::<f32>()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        let wrap = |p| Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(p));
+        let what = format!("{n_targets} targets, width {width}, transposed {transposed}");
+
+        // The combine and its backward (a gather of the gradient).
+        let rows = make(n_rows, 3).require_grad();
+        let weight = make(n_targets, 11);
+        let ours = wrap(B::combine_rows(rows.clone().into_primitive().tensor(), &map));
+        let theirs = Tensor::<B, 2>::zeros([n_targets, width], &device).select_assign(
+            0,
+            idx.clone(),
+            rows.clone(),
+            IndexingUpdateOp::Add,
+        );
+        assert_eq!(bits(ours.clone()), bits(theirs.clone()), "combine, {what}");
+        let g_ours = rows.grad(&(ours * weight.clone()).sum().backward()).unwrap();
+        let g_theirs = rows.grad(&(theirs * weight).sum().backward()).unwrap();
+        assert_eq!(
+            g_ours.into_data().to_vec::<f32>().unwrap(),
+            g_theirs.into_data().to_vec::<f32>().unwrap(),
+            "combine's gradient, {what}"
+        );
+
+        // The gather and its backward (a combine of the gradient).
+        let x = make(n_targets, 5).require_grad();
+        let weight = make(n_rows, 13);
+        let ours = wrap(B::gather_rows(x.clone().into_primitive().tensor(), &map));
+        let theirs = x.clone().select(0, idx.clone());
+        assert_eq!(bits(ours.clone()), bits(theirs.clone()), "gather, {what}");
+        let g_ours = x.grad(&(ours * weight.clone()).sum().backward()).unwrap();
+        let g_theirs = x.grad(&(theirs * weight).sum().backward()).unwrap();
+        assert_eq!(
+            g_ours.into_data().to_vec::<f32>().unwrap(),
+            g_theirs.into_data().to_vec::<f32>().unwrap(),
+            "gather's gradient, {what}"
+        );
+    }
+}

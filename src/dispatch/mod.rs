@@ -9,6 +9,7 @@ mod capacity;
 mod counts;
 mod partition;
 mod plan;
+mod row_map;
 mod shadows;
 
 pub use crate::pipeline::{chunk_len, chunk_range};
@@ -16,3 +17,4 @@ pub use capacity::{capacity_for, CapacityDecision};
 pub use counts::RoutingCounts;
 pub use partition::{PartitionPlan, SplitScheme};
 pub use plan::{DispatchPlan, ExchangePlan, RoutingStats};
+pub use row_map::RowMap;

@@ -16,7 +16,7 @@ use super::executor::StepExecutor;
 use super::streams::WorkerStreams;
 use super::{ExchangeGrads, ExchangeRun, MoeBackend};
 use crate::comm::Communicator;
-use crate::dispatch::ExchangePlan;
+use crate::dispatch::{ExchangePlan, RowMap};
 use crate::error::Result;
 use crate::experts::{ExpertTensors, EXPERT_PARTS};
 
@@ -220,6 +220,16 @@ impl<B: MoeBackend, C: CheckpointStrategy> MoeBackend for Autodiff<B, C> {
         precision: super::GemmPrecision,
     ) -> Result<FloatTensor<Self>> {
         super::dense::autodiff::<B, C>(lhs, rhs, comm, precision)
+    }
+
+    /// One node whose backward is the inner backend's combine.
+    fn gather_rows(x: FloatTensor<Self>, map: &Arc<RowMap>) -> FloatTensor<Self> {
+        super::row_moves::gather_autodiff::<B, C>(x, map)
+    }
+
+    /// One node whose backward is the inner backend's gather.
+    fn combine_rows(rows: FloatTensor<Self>, map: &Arc<RowMap>) -> FloatTensor<Self> {
+        super::row_moves::combine_autodiff::<B, C>(rows, map)
     }
 
     fn all_to_all(

@@ -13,7 +13,7 @@ use super::executor::StepExecutor;
 use super::rows;
 use super::streams::{SyncStreams, WorkerStreams};
 use crate::comm::Communicator;
-use crate::dispatch::ExchangePlan;
+use crate::dispatch::{ExchangePlan, RowMap};
 use crate::error::Result;
 use crate::experts::{Activation, ActivationKernels, ExpertGrads, ExpertTensors};
 use crate::memory::{HostStore, Strategy};
@@ -251,6 +251,29 @@ pub trait MoeBackend: ActivationKernels + OptimizerKernels {
     /// `Fusion<B>`), for the backend it wraps.
     fn dense_library(comm: &dyn Communicator) -> bool {
         comm.row_paths().and_then(|p| p.experts::<Self>()).is_some()
+    }
+
+    /// Step 4's gather: row `i` of the result is row `map.targets()[i]` of `x`, differentiable
+    /// where the backend tracks gradients (the backward is
+    /// [`combine_rows`](Self::combine_rows)). The default is burn's `select`.
+    ///
+    /// # Shapes
+    /// - x: `[n_targets, width]` → `[n_rows, width]`
+    fn gather_rows(x: FloatTensor<Self>, map: &Arc<RowMap>) -> FloatTensor<Self> {
+        super::row_moves::select_rows::<Self>(x, map)
+    }
+
+    /// Step 6's combine: row `t` of the result is the sum of the rows of `rows` whose target is
+    /// `t`, added in ascending row order onto zero (zero where it has none); differentiable
+    /// where the backend tracks gradients (the backward is [`gather_rows`](Self::gather_rows)).
+    /// The default is burn's `select_assign` with `Add` onto zeros; the CubeCL backends sum
+    /// each target's rows in a kernel of their own, with the same bits
+    /// (`exchange/row_moves.rs` says why).
+    ///
+    /// # Shapes
+    /// - rows: `[n_rows, width]` → `[n_targets, width]`
+    fn combine_rows(rows: FloatTensor<Self>, map: &Arc<RowMap>) -> FloatTensor<Self> {
+        super::row_moves::add_rows::<Self>(rows, map)
     }
 
     /// The uneven all-to-all of rows, differentiable where the backend tracks gradients (its

@@ -19,6 +19,7 @@ use super::cubecl_arena::CubeSlots;
 use super::executor::StepExecutor;
 use super::streams::{fence, WorkerStreams};
 use super::{ExchangeRun, MoeBackend};
+use crate::dispatch::RowMap;
 use crate::error::Result;
 use crate::pipeline::schedule::Stream;
 use burn_cubecl::cubecl::stream_id::StreamId;
@@ -55,6 +56,15 @@ where
     /// Yes: every op launches a kernel, a zero-element one with an empty grid.
     fn issues_kernels() -> bool {
         true
+    }
+
+    /// One kernel that sums each target's rows (`exchange/cubecl_combine.rs`); burn's
+    /// `select_assign` where the kernel does not read the tensor or there is nothing to sum.
+    fn combine_rows(rows: CubeTensor<R>, map: &Arc<RowMap>) -> CubeTensor<R> {
+        match super::cubecl_combine::combine(&rows, map) {
+            Some(out) => out,
+            None => super::row_moves::add_rows::<Self>(rows, map),
+        }
     }
 
     fn allocated_on_current_stream(tensor: &CubeTensor<R>) -> bool {

@@ -28,7 +28,7 @@ use super::executor::StepExecutor;
 use super::streams::WorkerStreams;
 use super::{ExchangeGrads, ExchangeRun, MoeBackend};
 use crate::comm::Communicator;
-use crate::dispatch::ExchangePlan;
+use crate::dispatch::{ExchangePlan, RowMap};
 use crate::error::Result;
 use crate::experts::ExpertTensors;
 
@@ -112,6 +112,19 @@ impl<B: FusionBackend + MoeBackend> MoeBackend for Fusion<B> {
         let device = lhs.client.device().clone();
         let out = B::dense_matmul(resolve::<B>(lhs), resolve::<B>(rhs), comm, precision)?;
         Ok(register::<B>(out, &device))
+    }
+
+    /// On the inner backend, whose combine kernel fusion cannot express; the gather with it,
+    /// so that each is the other's backward on the same backend.
+    fn gather_rows(x: FloatTensor<Self>, map: &Arc<RowMap>) -> FloatTensor<Self> {
+        let device = x.client.device().clone();
+        register::<B>(B::gather_rows(resolve::<B>(x), map), &device)
+    }
+
+    /// On the inner backend (see `gather_rows`).
+    fn combine_rows(rows: FloatTensor<Self>, map: &Arc<RowMap>) -> FloatTensor<Self> {
+        let device = rows.client.device().clone();
+        register::<B>(B::combine_rows(resolve::<B>(rows), map), &device)
     }
 
     /// The reference twin's all-to-all, on the inner backend's rows (the device path where the

@@ -15,6 +15,8 @@ mod blocks;
 mod cubecl;
 #[cfg(feature = "cubecl")]
 mod cubecl_arena;
+#[cfg(feature = "cubecl")]
+mod cubecl_combine;
 mod dense;
 pub(crate) use dense::dense;
 pub(crate) mod executor;
@@ -30,6 +32,7 @@ pub(crate) mod fused;
 #[cfg(feature = "fusion")]
 mod fusion;
 mod reference;
+mod row_moves;
 pub(crate) mod rows;
 mod shadows;
 pub(crate) mod streams;

@@ -5,10 +5,10 @@ use std::sync::Arc;
 use burn::module::Module;
 use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
-use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{Tensor, TensorPrimitive};
 
 use super::{ExchangePath, MoeContext, MoeLayerConfig, MoeOutput, MoeStats};
-use crate::dispatch::{DispatchPlan, ExchangePlan};
+use crate::dispatch::{DispatchPlan, ExchangePlan, RowMap};
 use crate::error::{MoeError, Result};
 use crate::exchange::{exchange_reference, GemmPrecision, MoeBackend};
 use crate::experts::{ExpertAdapters, Experts, ExpertsSpec, SharedExpert};
@@ -195,7 +195,7 @@ impl<B: MoeBackend> MoeLayer<B> {
         self.experts.check_shard()?;
         let shape = input.dims();
         let x = self.flatten(input)?;
-        let [n_tokens, d_model] = x.dims();
+        let n_tokens = x.dims()[0];
 
         // 2. Route: top-k experts and their weights per token. The layer's dense products (here
         //    and in the shared expert) go through the device library at the GEMM precision
@@ -230,10 +230,11 @@ impl<B: MoeBackend> MoeLayer<B> {
 
         // 4. Permute: T_I = the input rows in plan order (scaled by their combine weights
         //    where the weights go on the experts' input, as in Llama 4).
+        let tokens = token_map(&plan.dispatch);
         let row_weights = row_weights(routing.weights, &plan.dispatch);
         let (t_i, row_weights) = match config.weights_on_input {
-            true => (permute(&x, &plan.dispatch) * row_weights.unsqueeze_dim(1), None),
-            false => (permute(&x, &plan.dispatch), Some(row_weights)),
+            true => (permute(&x, &tokens) * row_weights.unsqueeze_dim(1), None),
+            false => (permute(&x, &tokens), Some(row_weights)),
         };
 
         // 5. Exchange: dispatch, local experts (and copies of the shadowed ones), combine —
@@ -243,7 +244,7 @@ impl<B: MoeBackend> MoeLayer<B> {
         let t_o = self.exchange(t_i, plan.exchange, plan.strategy, &plan.shadows)?;
 
         // 6. Unpermute: y[t] += w[t, j] · T_O[row(t, j)] (unweighted where step 4 weighted).
-        let mut y = unpermute(t_o, row_weights, &plan.dispatch, d_model);
+        let mut y = unpermute(t_o, row_weights, &tokens);
 
         // 7. Shared expert.
         if let (Some(shared), true) = (&self.shared, n_tokens > 0) {
@@ -337,19 +338,23 @@ impl<B: MoeBackend> MoeLayer<B> {
     }
 }
 
-fn index_tensor<B: Backend>(idx: &[usize], device: &B::Device) -> Tensor<B, 1, Int> {
-    let data = TensorData::new(idx.iter().map(|&i| i as i64).collect::<Vec<_>>(), [idx.len()]);
-    Tensor::from_data(data, device)
-}
-
-/// Step 4: the rows of `x` in the plan's order, one per kept (token, expert) assignment.
+/// Step 4: the rows of `x` in the plan's order, one per kept (token, expert) assignment
+/// ([`token_map`]).
 ///
 /// # Shapes
 /// - `x`: `[n_tokens, d_model]`
-/// - returns `T_I`: `[n_rows, d_model]`, `n_rows = plan.row_token.len()`
-pub(super) fn permute<B: Backend>(x: &Tensor<B, 2>, plan: &DispatchPlan) -> Tensor<B, 2> {
-    x.clone()
-        .select(0, index_tensor::<B>(&plan.row_token, &x.device()))
+/// - returns `T_I`: `[n_rows, d_model]`, `n_rows = tokens.n_rows()`
+pub(super) fn permute<B: MoeBackend>(x: &Tensor<B, 2>, tokens: &Arc<RowMap>) -> Tensor<B, 2> {
+    float(B::gather_rows(x.clone().into_primitive().tensor(), tokens))
+}
+
+/// The map of step 4's rows to their tokens (`plan.row_token`), which step 6 sums back by.
+pub(super) fn token_map(plan: &DispatchPlan) -> Arc<RowMap> {
+    Arc::new(RowMap::new(plan.row_token.clone(), plan.n_tokens))
+}
+
+fn float<B: Backend>(x: burn::tensor::ops::FloatTensor<B>) -> Tensor<B, 2> {
+    Tensor::from_primitive(TensorPrimitive::Float(x))
 }
 
 /// Each kept row's combine weight, in plan order.
@@ -357,30 +362,22 @@ pub(super) fn permute<B: Backend>(x: &Tensor<B, 2>, plan: &DispatchPlan) -> Tens
 /// # Shapes
 /// - `weights`: `[n_tokens, top_k]`
 /// - returns `[n_rows]`
-fn row_weights<B: Backend>(weights: Tensor<B, 2>, plan: &DispatchPlan) -> Tensor<B, 1> {
-    let device = weights.device();
-    weights
-        .reshape([plan.n_tokens * plan.top_k])
-        .select(0, index_tensor::<B>(&plan.row_slot, &device))
+fn row_weights<B: MoeBackend>(weights: Tensor<B, 2>, plan: &DispatchPlan) -> Tensor<B, 1> {
+    let slots = Arc::new(RowMap::new(plan.row_slot.clone(), plan.n_tokens * plan.top_k));
+    let weights = weights.reshape([plan.n_tokens * plan.top_k, 1]);
+    float(B::gather_rows(weights.into_primitive().tensor(), &slots)).reshape([plan.n_rows()])
 }
 
-/// Step 6: scatter-adds each row of `T_O`, scaled by its combine weight where step 4 did not
-/// apply it, onto its token. Dropped assignments have no row and add nothing.
-fn unpermute<B: Backend>(
+/// Step 6: sums each row of `T_O`, scaled by its combine weight where step 4 did not apply
+/// it, onto its token. Dropped assignments have no row and add nothing.
+fn unpermute<B: MoeBackend>(
     t_o: Tensor<B, 2>,
     row_weights: Option<Tensor<B, 1>>,
-    plan: &DispatchPlan,
-    d_model: usize,
+    tokens: &Arc<RowMap>,
 ) -> Tensor<B, 2> {
-    let device = t_o.device();
     let contributions = match row_weights {
         Some(w) => t_o * w.unsqueeze_dim(1),
         None => t_o,
     };
-    Tensor::zeros([plan.n_tokens, d_model], &device).select_assign(
-        0,
-        index_tensor::<B>(&plan.row_token, &device),
-        contributions,
-        IndexingUpdateOp::Add,
-    )
+    float(B::combine_rows(contributions.into_primitive().tensor(), tokens))
 }
