@@ -6,8 +6,12 @@
 use mpipemoe::backend::{ExpertBackward, ExpertBackwardOut, ExpertTensors};
 use mpipemoe::{GemmPrecision, Result};
 
+use std::sync::{Arc, Mutex};
+
 use super::blas::{Product, Role};
 use super::kernels::Job;
+use super::lane::Lane;
+use super::on_device_thread;
 use super::operands::{dense_starts, ready, row_at, Addresses, Dims, ExpertOperands, Halves};
 use super::CublasExperts;
 use crate::CudaMoe;
@@ -16,13 +20,23 @@ pub(crate) fn backward(
     path: &CublasExperts,
     job: ExpertBackward<'_, CudaMoe<f32>>,
 ) -> Result<ExpertBackwardOut<CudaMoe<f32>>> {
-    let rows = job.rows_per_expert;
-    if rows.iter().all(|&r| r == 0) && !job.fresh {
+    if job.rows_per_expert.iter().all(|&r| r == 0) && !job.fresh {
         return Ok(ExpertBackwardOut {
             grad_x: job.grad_x,
             grads: job.grads,
         });
     }
+    let lane = path.lane()?;
+    let client = job.x.client.clone();
+    on_device_thread(&client, || backward_on(path, job, lane))
+}
+
+fn backward_on(
+    path: &CublasExperts,
+    job: ExpertBackward<'_, CudaMoe<f32>>,
+    lane: Arc<Mutex<Lane>>,
+) -> Result<ExpertBackwardOut<CudaMoe<f32>>> {
+    let rows = job.rows_per_expert;
     let ord = path.inner.ordinal;
     let client = job.x.client.clone();
     let dims = Dims::of(job.experts, job.activation);
@@ -34,7 +48,6 @@ pub(crate) fn backward(
     let layout = job.layout;
     let half = job.precision == GemmPrecision::Bf16;
     let bytes = if half { 2 } else { 4 };
-    let lane = path.lane()?;
     let mut at = Addresses::new(&client);
     let grad = ready(job.grad, ord, "dT_DO")?;
     let x = ready(job.x, ord, "T_DI")?;

@@ -6,7 +6,11 @@ use burn_cubecl::cubecl::cuda::CudaRuntime;
 use burn_cubecl::tensor::CubeTensor;
 use mpipemoe::{GemmPrecision, MoeError, Result};
 
+use std::sync::{Arc, Mutex};
+
 use super::blas::{Product, Role};
+use super::lane::Lane;
+use super::on_device_thread;
 use super::operands::{ready, Addresses, Halves};
 use super::CublasExperts;
 
@@ -40,7 +44,7 @@ pub(crate) fn matmul(
             "CUDA dense product: {ls:?} times {rs:?}"
         )));
     }
-    let (m, k, n) = (ls[0], ls[1], rs[1]);
+    let (m, n) = (ls[0], rs[1]);
     let (client, device) = (lhs.client.clone(), lhs.device.clone());
     let out = CubeTensor::new_contiguous(
         client.clone(),
@@ -52,8 +56,21 @@ pub(crate) fn matmul(
     if m * n == 0 {
         return Ok(out);
     }
-    let ord = path.inner.ordinal;
     let lane = path.lane()?;
+    on_device_thread(&client, || product_on(path, lhs, rhs, out, precision, lane))
+}
+
+fn product_on(
+    path: &CublasExperts,
+    lhs: CubeTensor<CudaRuntime>,
+    rhs: CubeTensor<CudaRuntime>,
+    out: CubeTensor<CudaRuntime>,
+    precision: GemmPrecision,
+    lane: Arc<Mutex<Lane>>,
+) -> Result<CubeTensor<CudaRuntime>> {
+    let (m, k, n) = (lhs.meta.shape()[0], lhs.meta.shape()[1], rhs.meta.shape()[1]);
+    let client = out.client.clone();
+    let ord = path.inner.ordinal;
     let mut at = Addresses::new(&client);
     let (lhs, lda, trans_a) = operand(lhs, ord, "a dense product's left operand")?;
     let (rhs, ldb, trans_b) = operand(rhs, ord, "a dense product's right operand")?;

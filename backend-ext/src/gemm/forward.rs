@@ -7,8 +7,12 @@ use burn_cubecl::tensor::CubeTensor;
 use mpipemoe::backend::ExpertForward;
 use mpipemoe::{GemmPrecision, Result};
 
+use std::sync::{Arc, Mutex};
+
 use super::blas::{Product, Role};
 use super::kernels::Job;
+use super::lane::Lane;
+use super::on_device_thread;
 use super::operands::{ready, row_at, Addresses, Dims, ExpertOperands, Halves};
 use super::CublasExperts;
 use crate::CudaMoe;
@@ -17,10 +21,20 @@ pub(crate) fn forward(
     path: &CublasExperts,
     job: ExpertForward<'_, CudaMoe<f32>>,
 ) -> Result<(CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>)> {
-    let rows = job.rows_per_expert;
-    if rows.iter().all(|&r| r == 0) {
+    if job.rows_per_expert.iter().all(|&r| r == 0) {
         return Ok((job.out, job.hidden));
     }
+    let lane = path.lane()?;
+    let client = job.x.client.clone();
+    on_device_thread(&client, || forward_on(path, job, lane))
+}
+
+fn forward_on(
+    path: &CublasExperts,
+    job: ExpertForward<'_, CudaMoe<f32>>,
+    lane: Arc<Mutex<Lane>>,
+) -> Result<(CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>)> {
+    let rows = job.rows_per_expert;
     let ord = path.inner.ordinal;
     let client = job.x.client.clone();
     let dims = Dims::of(job.experts, job.activation);
@@ -32,7 +46,6 @@ pub(crate) fn forward(
     let (layout, hidden_layout) = (job.layout, job.hidden_layout);
     let half = job.precision == GemmPrecision::Bf16;
     let bytes = if half { 2 } else { 4 };
-    let lane = path.lane()?;
     // 1. Every address before the hand-over (see `Addresses`).
     let mut at = Addresses::new(&client);
     let x = ready(job.x, ord, "T_DI")?;
