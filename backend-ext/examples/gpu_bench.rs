@@ -23,6 +23,7 @@
 //!
 //! ```text
 //! gpu_bench [--quick] [--repeats N] [--pipeline] [--json FILE]
+//!           [--shape GPT3-S|BERT-L|GPT3-XL] [--top-k 1|2] [--layer-only]
 //! ```
 
 use std::sync::Arc;
@@ -47,6 +48,13 @@ type B = Autodiff<Inner>;
 
 const EXPERTS: usize = 8;
 
+/// The paper's expert shapes: name, `d_model`, `d_hidden`.
+const SHAPES: [(&str, usize, usize); 3] = [
+    ("GPT3-S", 768, 3072),
+    ("BERT-L", 1024, 4096),
+    ("GPT3-XL", 2048, 8192),
+];
+
 #[derive(Serialize, Clone)]
 struct Row {
     shape: String,
@@ -68,6 +76,10 @@ struct Row {
     tflops: f64,
     /// Partitions (pipeline rows).
     n: usize,
+    /// Layer rows: the median time the step's calls take on the calling thread, up to the
+    /// final device sync (the forward's routing read included). Near `median_ms`, the step
+    /// waits on the host; far under it, on the device or on cubecl's server thread.
+    host_ms: Option<f64>,
 }
 
 struct Args {
@@ -75,6 +87,12 @@ struct Args {
     repeats: usize,
     pipeline: bool,
     json: Option<String>,
+    /// Only this shape (`--shape GPT3-S`), for a profiled run of one configuration.
+    shape: Option<String>,
+    /// Only this `top_k`.
+    top_k: Option<usize>,
+    /// Only the layer at TF32 through the cuBLAS path (what a profiled run looks at).
+    layer_only: bool,
 }
 
 fn arguments() -> Result<Args, String> {
@@ -83,6 +101,9 @@ fn arguments() -> Result<Args, String> {
         repeats: 10,
         pipeline: false,
         json: None,
+        shape: None,
+        top_k: None,
+        layer_only: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -98,6 +119,23 @@ fn arguments() -> Result<Args, String> {
                     .ok_or(format!("--repeats {v:?}: expected 1 to 1000"))?;
             }
             "--json" => args.json = Some(it.next().ok_or("--json needs a file")?),
+            "--layer-only" => args.layer_only = true,
+            "--shape" => {
+                let v = it.next().ok_or("--shape needs a name")?;
+                if !SHAPES.iter().any(|(name, _, _)| *name == v) {
+                    return Err(format!("--shape {v:?}: expected GPT3-S, BERT-L or GPT3-XL"));
+                }
+                args.shape = Some(v);
+            }
+            "--top-k" => {
+                let v = it.next().ok_or("--top-k needs 1 or 2")?;
+                args.top_k = Some(
+                    v.parse()
+                        .ok()
+                        .filter(|k| [1, 2].contains(k))
+                        .ok_or(format!("--top-k {v:?}: expected 1 or 2"))?,
+                );
+            }
             other => return Err(format!("unexpected argument {other:?}")),
         }
     }
@@ -295,7 +333,7 @@ fn layer_ms<Bk>(
     tokens: usize,
     repeats: usize,
     forward_only: bool,
-) -> ((f64, f64, f64), usize)
+) -> ((f64, f64, f64), usize, f64)
 where
     Bk: burn::tensor::backend::AutodiffBackend + mpipemoe::MoeBackend,
 {
@@ -311,17 +349,25 @@ where
     ));
     let x = balanced_tokens::<Bk>(tokens, config.d_model, config.top_k).require_grad();
     let mut n = 1;
+    let mut host = Vec::new();
     let t = timed(repeats, || {
+        let start = Instant::now();
         let out = layer.forward(x.clone());
         n = out.stats.n_partitions;
         if forward_only {
+            host.push(start.elapsed().as_secs_f64() * 1e3);
             sync(out.output);
             return;
         }
         let grads = out.output.sum().backward();
-        sync(layer.router.weight.grad(&grads).expect("router gradient"));
+        let grad = layer.router.weight.grad(&grads).expect("router gradient");
+        host.push(start.elapsed().as_secs_f64() * 1e3);
+        sync(grad);
     });
-    (t, n)
+    // The last `repeats` steps are the timed ones (two warm-ups came first).
+    let mut host = host.split_off(host.len() - repeats);
+    host.sort_by(f64::total_cmp);
+    (t, n, host[host.len() / 2])
 }
 
 fn main() {
@@ -356,29 +402,29 @@ fn main() {
     let [device_path, host_path, looped_path] = &paths;
     let device = Default::default();
     eprintln!("cuBLAS expert path: {device_path:?}");
-    let shapes = [
-        ("GPT3-S", 768usize, 3072usize),
-        ("BERT-L", 1024, 4096),
-        ("GPT3-XL", 2048, 8192),
-    ];
     let token_counts: &[usize] = if args.quick { &[4096] } else { &[4096, 16384] };
     let started = Instant::now();
     let mut rows: Vec<Row> = Vec::new();
     let with = |path: &CublasExperts| -> Arc<dyn Communicator> {
         Arc::new(WithRowPaths::adding(Arc::new(SingleRank), path.paths()))
     };
-    for (name, m, h) in shapes {
+    let shapes = SHAPES
+        .iter()
+        .filter(|(name, _, _)| args.shape.as_deref().is_none_or(|s| s == *name));
+    for &(name, m, h) in shapes {
         for &tokens in token_counts {
-            for top_k in [1, 2] {
+            for top_k in [1, 2].into_iter().filter(|k| args.top_k.is_none_or(|o| o == *k)) {
                 let routed = tokens * top_k;
                 let flops = 12.0 * (routed * m * h) as f64;
                 let mut push = |what: &str,
                                 path: &str,
                                 precision: &str,
                                 (median, min, max): (f64, f64, f64),
-                                n: usize| {
+                                n: usize,
+                                host_ms: Option<f64>| {
+                    let host = host_ms.map_or(String::new(), |h| format!(" (host {h:.3} ms)"));
                     eprintln!(
-                        "[{:7.1} s] {name} {tokens} top-{top_k} {what} {path} {precision}: {median:.3} ms",
+                        "[{:7.1} s] {name} {tokens} top-{top_k} {what} {path} {precision}: {median:.3} ms{host}",
                         started.elapsed().as_secs_f64()
                     );
                     rows.push(Row {
@@ -395,8 +441,18 @@ fn main() {
                         max_ms: max,
                         tflops: flops / (median * 1e-3) / 1e12,
                         n,
+                        host_ms,
                     });
                 };
+                let base = MoeLayerConfig::new(m, h, EXPERTS, top_k)
+                    .with_check_finite(false)
+                    .with_executor(Some(StepExecutor::InOrder));
+                let tf32 = base.clone().with_gemm_precision(GemmPrecision::Tf32);
+                if args.layer_only {
+                    let (t, n, host) = layer_ms::<B>(&tf32, with(device_path), tokens, args.repeats, false);
+                    push("layer", "cublas", "tf32", t, n, Some(host));
+                    continue;
+                }
                 for precision in GemmPrecision::ALL {
                     push(
                         "dense",
@@ -404,6 +460,7 @@ fn main() {
                         precision.name(),
                         dense_ms(device_path, routed, m, h, precision, args.repeats),
                         1,
+                        None,
                     );
                     push(
                         "experts",
@@ -411,37 +468,34 @@ fn main() {
                         precision.name(),
                         experts_ms(device_path, routed, m, h, precision, args.repeats, false),
                         1,
+                        None,
                     );
                 }
                 let host = experts_ms(device_path, routed, m, h, GemmPrecision::Tf32, args.repeats, true);
-                push("experts", "cublas host only", "tf32", host, 1);
+                push("experts", "cublas host only", "tf32", host, 1, None);
                 for precision in [GemmPrecision::Tf32, GemmPrecision::Bf16] {
                     let t = experts_ms(looped_path, routed, m, h, precision, args.repeats, false);
-                    push("experts", "cublas looped", precision.name(), t, 1);
+                    push("experts", "cublas looped", precision.name(), t, 1, None);
                 }
-                let base = MoeLayerConfig::new(m, h, EXPERTS, top_k)
-                    .with_check_finite(false)
-                    .with_executor(Some(StepExecutor::InOrder));
                 for precision in GemmPrecision::ALL {
                     let config = base.clone().with_gemm_precision(precision);
-                    let (t, n) = layer_ms::<B>(&config, with(device_path), tokens, args.repeats, false);
-                    push("layer", "cublas", precision.name(), t, n);
+                    let (t, n, host) = layer_ms::<B>(&config, with(device_path), tokens, args.repeats, false);
+                    push("layer", "cublas", precision.name(), t, n, Some(host));
                 }
-                let tf32 = base.clone().with_gemm_precision(GemmPrecision::Tf32);
-                let (t, n) = layer_ms::<B>(&tf32, with(device_path), tokens, args.repeats, true);
-                push("forward", "cublas", "tf32", t, n);
-                let (t, n) = layer_ms::<B>(&tf32, with(host_path), tokens, args.repeats, false);
-                push("layer", "cublas host-waits", "tf32", t, n);
-                let (t, n) = layer_ms::<Autodiff<mpipemoe_cuda::CudaMoeFusion<f32>>>(
+                let (t, n, host) = layer_ms::<B>(&tf32, with(device_path), tokens, args.repeats, true);
+                push("forward", "cublas", "tf32", t, n, Some(host));
+                let (t, n, host) = layer_ms::<B>(&tf32, with(host_path), tokens, args.repeats, false);
+                push("layer", "cublas host-waits", "tf32", t, n, Some(host));
+                let (t, n, host) = layer_ms::<Autodiff<mpipemoe_cuda::CudaMoeFusion<f32>>>(
                     &tf32,
                     with(device_path),
                     tokens,
                     args.repeats,
                     false,
                 );
-                push("layer", "cublas fusion", "tf32", t, n);
-                let (t, n) = layer_ms::<B>(&base, Arc::new(SingleRank), tokens, args.repeats, false);
-                push("layer", "cubecl", "tf32", t, n);
+                push("layer", "cublas fusion", "tf32", t, n, Some(host));
+                let (t, n, host) = layer_ms::<B>(&base, Arc::new(SingleRank), tokens, args.repeats, false);
+                push("layer", "cubecl", "tf32", t, n, Some(host));
                 if args.pipeline {
                     let loopback = || -> Arc<dyn Communicator> {
                         Arc::new(WithRowPaths::adding(Arc::new(HostLoopback), device_path.paths()))
@@ -455,11 +509,11 @@ fn main() {
                             sync(Tensor::<Inner, 2>::from_data(data, &device));
                         }
                     });
-                    push("exchange", "host loopback", "-", exchange, 1);
+                    push("exchange", "host loopback", "-", exchange, 1, None);
                     for n in [1, 2, 4, 8] {
                         let config = tf32.clone().with_partitions(Partitions::Fixed(n));
-                        let (t, n) = layer_ms::<B>(&config, loopback(), tokens, args.repeats, false);
-                        push("pipeline", "cublas", "tf32", t, n);
+                        let (t, n, host) = layer_ms::<B>(&config, loopback(), tokens, args.repeats, false);
+                        push("pipeline", "cublas", "tf32", t, n, Some(host));
                     }
                 }
             }
@@ -480,12 +534,12 @@ fn main() {
         }
     }
     println!(
-        "{:<8} {:>6} {:>2} {:<9} {:<18} {:<5} {:>9} {:>9} {:>9} {:>8} {:>3}",
-        "shape", "tokens", "k", "what", "path", "prec", "ms", "min", "max", "TFLOP/s", "n"
+        "{:<8} {:>6} {:>2} {:<9} {:<18} {:<5} {:>9} {:>9} {:>9} {:>8} {:>3} {:>9}",
+        "shape", "tokens", "k", "what", "path", "prec", "ms", "min", "max", "TFLOP/s", "n", "host ms"
     );
     for r in &rows {
         println!(
-            "{:<8} {:>6} {:>2} {:<9} {:<18} {:<5} {:>9.3} {:>9.3} {:>9.3} {:>8.1} {:>3}",
+            "{:<8} {:>6} {:>2} {:<9} {:<18} {:<5} {:>9.3} {:>9.3} {:>9.3} {:>8.1} {:>3} {:>9}",
             r.shape,
             r.tokens,
             r.top_k,
@@ -496,7 +550,8 @@ fn main() {
             r.min_ms,
             r.max_ms,
             r.tflops,
-            r.n
+            r.n,
+            r.host_ms.map_or("-".to_string(), |h| format!("{h:.3}"))
         );
     }
     println!("\nGEMM efficiency (dense ms / experts ms, same rows and precision):");

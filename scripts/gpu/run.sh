@@ -11,7 +11,8 @@
 # Each phase runs under its own time limit (seconds, from the environment), so a lease that ends
 # early still returns every earlier phase's log: CHECK_S (default 300), TRAIN_S per training run
 # (120), TRAIN_STEPS (200), BENCH_S (240), PEER_S (120, each of the two peer runs), MODELS_S (240),
-# FINETUNE_S (240); CHECK_ARGS (e.g. --plan cublas) goes to the check, BENCH_ARGS (e.g. --quick)
+# FINETUNE_S (240), PROFILE_S (60 per profiled process; phase "profile", off by default:
+# PROFILE_SHAPES, PROFILE_REPEATS); CHECK_ARGS (e.g. --plan cublas) goes to the check, BENCH_ARGS (e.g. --quick)
 # to the benchmark, PEER_ARGS (e.g. --quick --repeats 10) to the PyTorch peer, which runs once
 # before the benchmark and once after it (its figures are the two runs' mean, so both sides are
 # measured alternately). A phase cut by its limit reports exit 124. PHASES picks the phases
@@ -140,6 +141,27 @@ fi
 echo "== benchmark"
 cubecl_logs bench
 timeout "$BENCH_S" "$bin/gpu_bench" $BENCH_ARGS --json "$out/gpu_bench.json" | tee "$out/gpu_bench.txt"
+fi
+if [[ $PHASES == *" profile "* ]]; then
+  # One configuration per process (the layer at TF32 through cuBLAS, 2 warm-up steps and
+  # PROFILE_REPEATS timed ones), first with cubecl's profiling logger at "minimal" (each launch
+  # named as it is submitted: the launch count per step, at the bench's speed), then at "basic"
+  # (each launch waited for and timed with device events: every cubecl kernel's device time,
+  # which, summed and set beside the step's wall time and the cuBLAS experts' time, says how
+  # much of the step the device is idle). cubecl-runtime 0.10 `client.rs` `launch_inner`.
+  echo "== profile (cubecl launches per layer step, and their device times)"
+  for shape in ${PROFILE_SHAPES:-GPT3-S GPT3-XL}; do
+    for level in minimal basic; do
+      cat >cubecl.toml <<TOML
+[profiling.logger]
+level = "$level"
+file = "$out/profile-$shape-$level.log"
+TOML
+      timeout "${PROFILE_S:-60}" "$bin/gpu_bench" --quick --layer-only --shape "$shape" --top-k 1 \
+        --repeats "${PROFILE_REPEATS:-3}" 2>&1 | grep "layer cublas" | sed "s/^/$level: /"
+    done
+  done
+  rm -f cubecl.toml
 fi
 if [[ $PHASES == *" peer "* ]]; then
 echo "== PyTorch peer, after ours (figures: the mean of both runs)"
