@@ -22,20 +22,10 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::Autodiff;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData, TensorMetadata, TensorPrimitive};
 
-use super::rows::zeros_like_rows;
+use super::rows::{dims2, index, zeros_like_rows};
 use super::MoeBackend;
 use crate::dispatch::RowMap;
-
-fn index<B: MoeBackend>(map: &RowMap, device: &B::Device) -> Tensor<B, 1, Int> {
-    let idx: Vec<i64> = map.targets().iter().map(|&t| t as i64).collect();
-    Tensor::from_data(TensorData::new(idx, [map.n_rows()]), device)
-}
-
-fn float<B: MoeBackend>(x: FloatTensor<B>) -> Tensor<B, 2> {
-    Tensor::from_primitive(TensorPrimitive::Float(x))
-}
 
 /// Row `i` of the result is row `map.targets()[i]` of `x`: burn's `select`.
 ///
@@ -44,12 +34,10 @@ fn float<B: MoeBackend>(x: FloatTensor<B>) -> Tensor<B, 2> {
 pub(crate) fn select_rows<B: MoeBackend>(x: FloatTensor<B>, map: &RowMap) -> FloatTensor<B> {
     if map.n_rows() == 0 {
         // No row (every assignment dropped, or no token): nothing to launch a kernel over.
-        let width = x.shape()[1];
-        return zeros_like_rows::<B>(&x, 0, width);
+        return zeros_like_rows::<B>(&x, 0, dims2::<B>(&x)[1]);
     }
-    let x = float::<B>(x);
-    let device = x.device();
-    x.select(0, index::<B>(map, &device)).into_primitive().tensor()
+    let idx = index::<B>(map.targets(), &B::float_device(&x));
+    B::float_select(x, 0, idx)
 }
 
 /// Row `t` of the result is the sum of the rows of `rows` whose target is `t`, in ascending
@@ -58,18 +46,13 @@ pub(crate) fn select_rows<B: MoeBackend>(x: FloatTensor<B>, map: &RowMap) -> Flo
 /// # Shapes
 /// - rows: `[n_rows, width]` → `[n_targets, width]`
 pub(crate) fn add_rows<B: MoeBackend>(rows: FloatTensor<B>, map: &RowMap) -> FloatTensor<B> {
+    let zeros = zeros_like_rows::<B>(&rows, map.n_targets(), dims2::<B>(&rows)[1]);
     if map.n_rows() == 0 {
-        // Nothing to add: the zeros are the sum (and no kernel where they are no element).
-        let width = rows.shape()[1];
-        return zeros_like_rows::<B>(&rows, map.n_targets(), width);
+        // Nothing to add: the zeros are the sum.
+        return zeros;
     }
-    let rows = float::<B>(rows);
-    let device = rows.device();
-    let width = rows.dims()[1];
-    Tensor::<B, 2>::zeros([map.n_targets(), width], &device)
-        .select_assign(0, index::<B>(map, &device), rows, IndexingUpdateOp::Add)
-        .into_primitive()
-        .tensor()
+    let idx = index::<B>(map.targets(), &B::float_device(&rows));
+    B::float_select_add(zeros, 0, idx, rows)
 }
 
 /// Which op a node ran forward; its backward runs the other.
@@ -133,6 +116,7 @@ pub(crate) fn combine_autodiff<B: MoeBackend, C: CheckpointStrategy>(
 mod tests {
     use super::*;
     use burn::backend::NdArray;
+    use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData, TensorPrimitive};
 
     type B = Autodiff<NdArray>;
 

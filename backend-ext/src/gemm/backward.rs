@@ -11,7 +11,6 @@ use std::sync::{Arc, Mutex};
 use super::blas::{Product, Role};
 use super::kernels::Job;
 use super::lane::Lane;
-use super::on_device_thread;
 use super::operands::{dense_starts, ready, row_at, Addresses, Dims, ExpertOperands, Halves};
 use super::CublasExperts;
 use crate::CudaMoe;
@@ -26,9 +25,8 @@ pub(crate) fn backward(
             grads: job.grads,
         });
     }
-    let lane = path.lane()?;
     let client = job.x.client.clone();
-    on_device_thread(&client, || backward_on(path, job, lane))
+    path.on_device_thread(&client, |lane| backward_on(path, job, lane))
 }
 
 fn backward_on(

@@ -10,7 +10,6 @@ use std::sync::{Arc, Mutex};
 
 use super::blas::{Product, Role};
 use super::lane::Lane;
-use super::on_device_thread;
 use super::operands::{ready, Addresses, Halves};
 use super::CublasExperts;
 
@@ -56,8 +55,7 @@ pub(crate) fn matmul(
     if m * n == 0 {
         return Ok(out);
     }
-    let lane = path.lane()?;
-    on_device_thread(&client, || product_on(path, lhs, rhs, out, precision, lane))
+    path.on_device_thread(&client, |lane| product_on(path, lhs, rhs, out, precision, lane))
 }
 
 fn product_on(

@@ -12,7 +12,6 @@ use std::sync::{Arc, Mutex};
 use super::blas::{Product, Role};
 use super::kernels::Job;
 use super::lane::Lane;
-use super::on_device_thread;
 use super::operands::{ready, row_at, Addresses, Dims, ExpertOperands, Halves};
 use super::CublasExperts;
 use crate::CudaMoe;
@@ -24,9 +23,8 @@ pub(crate) fn forward(
     if job.rows_per_expert.iter().all(|&r| r == 0) {
         return Ok((job.out, job.hidden));
     }
-    let lane = path.lane()?;
     let client = job.x.client.clone();
-    on_device_thread(&client, || forward_on(path, job, lane))
+    path.on_device_thread(&client, |lane| forward_on(path, job, lane))
 }
 
 fn forward_on(

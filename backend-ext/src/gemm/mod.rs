@@ -98,30 +98,6 @@ pub(crate) fn err(what: &str, e: impl std::fmt::Debug) -> MoeError {
     MoeError::Backend(format!("CUDA expert path: {what}: {e:?}"))
 }
 
-/// Runs `task` (a section with everything it prepares) on cubecl's device thread, whose every
-/// client call then runs inline instead of as a blocking round trip to that thread.
-///
-/// cubecl-cuda's client hands each call to a device thread through a channel; a call that
-/// returns something (`get_resource`, `flush`) waits for the thread to drain its queue and
-/// answer (cubecl-common 0.10 `device/handle/channel.rs`, `run_scoped`), and a call made on
-/// that thread runs at once (`send`: `is_device_runner_thread`). A section took about ten
-/// such round trips (an address per operand and scratch buffer, the hand-over's flush); the
-/// device sat idle through them wherever the queue ran dry (one H200: the GPU busy 1.9 ms of a
-/// 3.3 ms layer step at GPT3-S, BENCHMARKS §14b). `ComputeClient::exclusive` (cubecl-runtime
-/// `client.rs`) runs a closure there with the caller's stream id, so the section costs one.
-///
-/// The caller finds its lane first: `CublasExperts::lane` may create one, which makes client
-/// calls while holding the lane table's lock, and a task on the device thread that waited for
-/// that lock would never let them answer. Nothing in a task reads device memory.
-fn on_device_thread<T: Send + 'static>(
-    client: &ComputeClient<CudaRuntime>,
-    task: impl FnOnce() -> Result<T> + Send,
-) -> Result<T> {
-    client
-        .exclusive(task)
-        .map_err(|e| err("cubecl's device thread", e))?
-}
-
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -190,6 +166,34 @@ impl CublasExperts {
             }
         }
         Ok(())
+    }
+
+    /// Runs `task` (a section with everything it prepares) with the calling thread's lane on
+    /// cubecl's device thread, whose every client call then runs inline instead of as a
+    /// blocking round trip to that thread.
+    ///
+    /// cubecl-cuda's client hands each call to a device thread through a channel; a call that
+    /// returns something (`get_resource`, `flush`) waits for the thread to drain its queue and
+    /// answer (cubecl-common 0.10 `device/handle/channel.rs`, `run_scoped`), and a call made on
+    /// that thread runs at once (`send`: `is_device_runner_thread`). A section took about ten
+    /// such round trips (an address per operand and scratch buffer, the hand-over's flush); the
+    /// device sat idle through them wherever the queue ran dry (one H200: the GPU busy 1.9 ms of
+    /// a 3.3 ms layer step at GPT3-S, BENCHMARKS §14b). `ComputeClient::exclusive`
+    /// (cubecl-runtime `client.rs`) runs a closure there with the caller's stream id, so the
+    /// section costs one.
+    ///
+    /// The lane is found here, before the hop: creating one makes client calls while holding
+    /// the lane table's lock, and a task on the device thread that waited for that lock would
+    /// never let them answer. Nothing in a task reads device memory.
+    fn on_device_thread<T: Send + 'static>(
+        &self,
+        client: &ComputeClient<CudaRuntime>,
+        task: impl FnOnce(Arc<Mutex<Lane>>) -> Result<T> + Send,
+    ) -> Result<T> {
+        let lane = self.lane()?;
+        client
+            .exclusive(move || task(lane))
+            .map_err(|e| err("cubecl's device thread", e))?
     }
 
     /// The calling thread's lane (its cubecl stream's).
