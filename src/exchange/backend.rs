@@ -7,6 +7,7 @@ use derive_new::new;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
+use burn::tensor::{FloatDType, Shape};
 
 use super::arena::{PartitionArena, SlotMemory};
 use super::executor::StepExecutor;
@@ -61,6 +62,15 @@ pub struct ExchangeRun {
     /// constructor argument: set the field.
     #[new(default)]
     pub frozen: [bool; crate::experts::EXPERT_PARTS],
+    /// Whether a partition's experts may run on the backend's own
+    /// [`ExpertPath`](super::ExpertPath) ([`MoeBackend::expert_path`]; Flex's runs them side by
+    /// side over its pool) where the communicator offers none. That path builds whole
+    /// partition buffers and stacked gradient sums, not the expert-by-expert tensors the
+    /// implementation's memory model replays (`memory/implementation`), so the layer turns it
+    /// off under a `memory_budget`, whose promise rests on that model. Not a constructor
+    /// argument: set the field (off by default).
+    #[new(default)]
+    pub backend_experts: bool,
 }
 
 impl ExchangeRun {
@@ -187,6 +197,26 @@ pub trait MoeBackend: ActivationKernels + OptimizerKernels {
     fn slot_memory(run: &ExchangeRun, like: &FloatTensor<Self>) -> Option<Arc<dyn SlotMemory<Self>>> {
         let _ = (run, like);
         None
+    }
+
+    /// The backend's own [`ExpertPath`](super::ExpertPath), which a partition's experts run
+    /// on where the communicator offers no path for this backend and the run allows it
+    /// ([`ExchangeRun::backend_experts`]: the layer does without a `memory_budget`): the exchange hands each
+    /// partition's `C_i` and `C'_i` to it whole. `None` (the default) runs each expert on the
+    /// primitives, one after another. Flex runs the experts side by side over its pool
+    /// (`exchange/flex_experts.rs`).
+    fn expert_path() -> Option<Arc<dyn super::ExpertPath<Self>>> {
+        None
+    }
+
+    /// A `[shape]` buffer that the exchange writes whole before anything reads it (a
+    /// partition's slot without an arena, the stacked sums of the experts' weight gradients):
+    /// its values on return are unspecified. The default is `float_empty`; Flex's zero-fills a
+    /// byte vector and copies it to re-align it (burn-flex 0.21 `FlexTensor::empty`), two passes
+    /// over 150 MB of stacked gradients per layer and step in a 163 M Qwen3-MoE, so Flex
+    /// allocates an `f32` vector zeroed once.
+    fn write_buffer(shape: Shape, device: &Self::Device, dtype: FloatDType) -> FloatTensor<Self> {
+        Self::float_empty(shape, device, dtype)
     }
 
     /// Writes `rows` into `dst` from row `start` on, returning `dst`: how the exchange
@@ -391,6 +421,22 @@ impl MoeBackend for burn::backend::Flex {
     /// A view of the weight's storage, not a copy.
     fn expert_matrix(w: &FloatTensor<Self>, e: usize) -> FloatTensor<Self> {
         super::flex_rows::expert_matrix(w, e)
+    }
+
+    /// The experts side by side over the pool (`exchange/flex_experts.rs`).
+    fn expert_path() -> Option<Arc<dyn super::ExpertPath<Self>>> {
+        Some(Arc::new(super::flex_experts::FlexExperts))
+    }
+
+    /// An `f32` vector zeroed once (see the trait's docs); other dtypes as Flex allocates them.
+    fn write_buffer(shape: Shape, device: &Self::Device, dtype: FloatDType) -> FloatTensor<Self> {
+        match dtype {
+            FloatDType::F32 => {
+                let values = vec![0f32; shape.num_elements()];
+                burn::backend::flex::FlexTensor::from_data(burn::tensor::TensorData::new(values, shape))
+            }
+            _ => <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_empty(shape, device, dtype),
+        }
     }
 
     /// Into an output zeroed once, not zeroed and copied (`exchange/flex_gemm.rs`).

@@ -31,17 +31,23 @@ pub(crate) struct Library<B: MoeBackend> {
 }
 
 impl<B: MoeBackend> Library<B> {
-    /// The communicator's expert path for `B`, if it offers one. Experts with low-rank
-    /// adapters run on the primitives: a path's job has no adapter terms.
+    /// The communicator's expert path for `B` if it offers one, else the backend's own
+    /// ([`MoeBackend::expert_path`]) where `backend_experts` allows it
+    /// ([`ExchangeRun::backend_experts`](super::ExchangeRun::backend_experts)), if any. Experts with low-rank adapters run on the
+    /// primitives: a path's job has no adapter terms.
     pub(crate) fn find(
         comm: &dyn Communicator,
         precision: GemmPrecision,
         experts: &ExpertSlots<B>,
+        backend_experts: bool,
     ) -> Option<Self> {
         if experts.own().has_adapters() {
             return None;
         }
-        let path = comm.row_paths()?.experts::<B>()?;
+        let path = comm
+            .row_paths()
+            .and_then(|p| p.experts::<B>())
+            .or_else(|| backend_experts.then(B::expert_path).flatten())?;
         Some(Self {
             path,
             precision,
@@ -61,7 +67,7 @@ fn slot_buffer<B: MoeBackend>(
 ) -> Result<FloatTensor<B>> {
     match mem {
         Some(m) => m.buffer(slot, layout.total(), width),
-        None => Ok(B::float_empty(
+        None => Ok(B::write_buffer(
             Shape::new([layout.total(), width]),
             &B::float_device(like),
             float_dtype::<B>(like),
@@ -353,7 +359,7 @@ impl<B: MoeBackend> ExpertGradAcc<B> {
         self.like.clone().map(|like| {
             let mut dims = like.shape().to_vec();
             dims[0] = n_slots;
-            B::float_empty(
+            B::write_buffer(
                 Shape::from(dims),
                 &B::float_device(&like),
                 float_dtype::<B>(&like),

@@ -28,7 +28,7 @@ use super::flex_gemv;
 const PARALLEL_THRESHOLD: usize = 192 * 192 * 192;
 
 /// Products of at most this many rows run as [`few_rows`] does.
-const FEW_ROWS: usize = 16;
+pub(crate) const FEW_ROWS: usize = 16;
 
 /// A few-row product is split over the pool's threads when its `rhs` holds at least this
 /// many values (256 KiB).
@@ -55,26 +55,58 @@ const MAX_DEPTH_CHUNKS: usize = 8;
 /// If the inner dimensions differ (the same contract as `float_matmul`).
 pub(crate) fn matmul(lhs: FlexTensor, rhs: FlexTensor) -> FlexTensor {
     let (l, r) = (lhs.layout().shape().to_vec(), rhs.layout().shape().to_vec());
-    let plain = |t: &FlexTensor| t.dtype() == DType::F32 && t.layout().strides().iter().all(|&s| s >= 0);
     // Other dtypes, ranks and flipped (negative-stride) views: Flex's matmul.
-    if !(plain(&lhs) && plain(&rhs)) || l.len() != 2 || r.len() != 2 {
+    if !(is_plain(&lhs) && is_plain(&rhs)) {
         return Flex::float_matmul(lhs, rhs);
     }
     let (m, k, n) = (l[0], l[1], r[1]);
     assert_eq!(k, r[0], "expert matmul: inner dimensions {k} and {} differ", r[0]);
     let mut out = vec![0f32; m * n];
-    let operands = Operands::of(&lhs, &rhs, [m, k, n]);
-    if m * n > 0 && m <= FEW_ROWS {
-        few_rows(&operands, &mut out);
-    } else if m * n > 0 {
-        let parallelism = match m.saturating_mul(n).saturating_mul(k) >= PARALLEL_THRESHOLD {
+    let parallel = m.saturating_mul(n).saturating_mul(k) >= PARALLEL_THRESHOLD;
+    // SAFETY: `out` holds `m · n` zeros and is not touched elsewhere meanwhile; the operands
+    // are plain `f32` matrices (checked above).
+    unsafe { product_into(&lhs, &rhs, [m, k, n], out.as_mut_ptr(), parallel) };
+    FlexTensor::from_data(TensorData::new(out, Shape::new([m, n])))
+}
+
+/// Whether [`product_into`] takes `t` as an operand: a rank-2 `f32` view without negative
+/// strides.
+pub(crate) fn is_plain(t: &FlexTensor) -> bool {
+    t.dtype() == DType::F32
+        && t.layout().shape().num_dims() == 2
+        && t.layout().strides().iter().all(|&s| s >= 0)
+}
+
+/// `out = lhs · rhs` into `m · n` row-major values: the values [`matmul`] gives, on every
+/// core where `parallel` (a product of at most [`FEW_ROWS`] rows always splits as
+/// [`few_rows`] does, and has the same values on any pool), else `gemm` on the calling thread
+/// alone — for a caller that runs several products side by side on the pool
+/// (`exchange/flex_experts.rs`). `gemm` splits a product over threads by blocks of the
+/// output, never by depth, so either way each value is the same fold.
+///
+/// # Safety
+/// Both operands are [`is_plain`] with `[m, k]` and `[k, n]`; `out` points at `m · n`
+/// values, zero where `m ≤ FEW_ROWS`, that nothing else reads or writes meanwhile.
+pub(crate) unsafe fn product_into(
+    lhs: &FlexTensor,
+    rhs: &FlexTensor,
+    [m, k, n]: [usize; 3],
+    out: *mut f32,
+    parallel: bool,
+) {
+    if m * n == 0 {
+        return;
+    }
+    let operands = Operands::of(lhs, rhs, [m, k, n]);
+    if m <= FEW_ROWS {
+        few_rows(&operands, std::slice::from_raw_parts_mut(out, m * n));
+    } else {
+        let parallelism = match parallel {
             true => gemm::Parallelism::Rayon(0),
             false => gemm::Parallelism::None,
         };
-        // SAFETY: `out` holds `m · n` values and is not touched elsewhere meanwhile.
-        unsafe { operands.columns(out.as_mut_ptr(), 0..n, parallelism) };
+        operands.columns(out, 0..n, parallelism);
     }
-    FlexTensor::from_data(TensorData::new(out, Shape::new([m, n])))
 }
 
 /// `out = lhs · rhs` for `m ≤ FEW_ROWS` rows (a decode step's products: an expert's share of

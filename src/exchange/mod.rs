@@ -23,6 +23,8 @@ pub(crate) mod executor;
 mod expert_path;
 mod ffn;
 #[cfg(feature = "flex")]
+mod flex_experts;
+#[cfg(feature = "flex")]
 mod flex_gemm;
 #[cfg(feature = "flex")]
 mod flex_gemv;

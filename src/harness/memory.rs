@@ -4,6 +4,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 use serde::Serialize;
 
+use crate::comm::GroupOptions;
 use crate::error::Result;
 use crate::experts::HostInit;
 use crate::layer::{MoeLayer, MoeStats, TensorMap};
@@ -89,8 +90,12 @@ pub fn measure_layer_memory_with<B>(
 where
     B: AutodiffBackend + MoeBackend,
 {
-    let ranks = LocalGroup::run(n_ranks, |ctx| {
-        CountingAllocator::tag_thread(Some(ctx.rank));
+    // Each rank on a pool of its own whose every thread carries the rank's tag: work the
+    // layer hands to the pool (Flex's GEMMs, its experts side by side) counts against the
+    // rank, and what the pool's threads keep between calls (gemm's packing buffers) is
+    // allocated in the warm-up, under the tag of the rank that uses it.
+    let ranks = LocalGroup::run_with(GroupOptions::pool_per_rank(n_ranks), n_ranks, |ctx| {
+        rayon::broadcast(|_| CountingAllocator::tag_thread(Some(ctx.rank)));
         let layer = match weights {
             Some(w) => {
                 MoeLayer::<B>::from_tensor_map(config, w, "weights".as_ref(), device, ctx.comm.clone())?
@@ -127,7 +132,7 @@ where
         let peak = alloc.rank_peak(ctx.rank).saturating_sub(base);
         let host = layer.context().meter().report().host_peak_bytes;
         ctx.comm.barrier()?;
-        CountingAllocator::tag_thread(None);
+        rayon::broadcast(|_| CountingAllocator::tag_thread(None));
         let recv_rows = stats.recv_rows;
         Ok(RankMemory {
             peak_device_bytes: peak,

@@ -13,7 +13,7 @@ use burn::backend::{Autodiff, NdArray};
 use burn::tensor::ops::FloatTensor;
 use mpipemoe::backend::{ComposedExperts, ExpertBackward, ExpertBackwardOut, ExpertForward, ExpertPath};
 use mpipemoe::comm::{HostRows, RowExchange, RowPaths, WithRowPaths};
-use mpipemoe::harness::{check_case, check_case_through, Case, CheckOptions};
+use mpipemoe::harness::{check_case, check_case_through, Case, CheckOptions, CheckReport};
 use mpipemoe::memory::Strategy;
 use mpipemoe::{
     Communicator, ExchangePath, GemmPrecision, LocalGroup, MoeError, Partitions, Result, Shadowing,
@@ -40,6 +40,29 @@ impl ExpertPath<NdArray> for Counted {
     fn backward(&self, job: ExpertBackward<'_, NdArray>) -> Result<ExpertBackwardOut<NdArray>> {
         self.backward.fetch_add(1, Ordering::Relaxed);
         ComposedExperts.backward(job)
+    }
+}
+
+/// The fused path at `n_ranks` ranks, `n` partitions, `strategy` and `shadowing`.
+fn options(n_ranks: usize, n: usize, strategy: Strategy, shadowing: Shadowing) -> CheckOptions {
+    CheckOptions {
+        path: ExchangePath::Fused,
+        n_ranks,
+        partitions: Partitions::Fixed(n),
+        strategy,
+        shadowing,
+        ..CheckOptions::default()
+    }
+}
+
+/// Every tensor of `a` bit for bit the same in `b`.
+fn assert_same_bits(a: &CheckReport, b: &CheckReport, what: &str) {
+    for (name, values) in &a.tensors {
+        let same = values
+            .iter()
+            .zip(&b.tensors[name])
+            .all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "{what}: {name} differs");
     }
 }
 
@@ -76,14 +99,7 @@ fn every_case_through_the_expert_hook_equals_the_primitive_path() {
             if !case.config.n_experts.is_multiple_of(n_ranks) {
                 continue;
             }
-            let options = CheckOptions {
-                path: ExchangePath::Fused,
-                n_ranks,
-                partitions: Partitions::Fixed(n),
-                strategy,
-                shadowing,
-                ..CheckOptions::default()
-            };
+            let options = options(n_ranks, n, strategy, shadowing);
             let counted = Arc::new(Counted::default());
             let paths = RowPaths::new().with_experts::<NdArray>(counted.clone());
             let wrap = |comm: Arc<dyn Communicator>| -> Arc<dyn Communicator> {
@@ -102,13 +118,38 @@ fn every_case_through_the_expert_hook_equals_the_primitive_path() {
                 counted.backward.load(Ordering::Relaxed) >= n_ranks,
                 "{what}: backward hook not taken"
             );
-            for (name, values) in &plain.tensors {
-                let same = values
-                    .iter()
-                    .zip(&through.tensors[name])
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "{what}: {name} differs from the primitive path");
+            assert_same_bits(&plain, &through, &format!("{what}, against the primitive path"));
+        }
+    }
+}
+
+/// Flex's own path (its experts side by side over the pool, their weight gradients written
+/// into the stacked sums) against the twin put behind the hook on Flex: every case at ranks 1
+/// and 2, n 1 and 3, `T_M` kept and recomputed, with a shadowed expert, within 1e-4 of the
+/// case and every tensor bit for bit the twin's.
+#[test]
+fn every_case_on_flexs_own_expert_path_equals_the_twin() {
+    type F = Autodiff<burn::backend::Flex>;
+    let device = Default::default();
+    for case in cases() {
+        for (n_ranks, n, strategy, shadowing) in [
+            (1, 1, Strategy::None, Shadowing::Off),
+            (1, 3, Strategy::S4, Shadowing::Off),
+            (2, 3, Strategy::S1, Shadowing::Fixed(1)),
+        ] {
+            if !case.config.n_experts.is_multiple_of(n_ranks) {
+                continue;
             }
+            let options = options(n_ranks, n, strategy, shadowing);
+            let paths = RowPaths::new().with_experts::<burn::backend::Flex>(Arc::new(ComposedExperts));
+            let wrap = |comm: Arc<dyn Communicator>| -> Arc<dyn Communicator> {
+                Arc::new(WithRowPaths::adding(comm, paths.clone()))
+            };
+            let what = format!("{} ranks {n_ranks} n {n} {strategy:?} {shadowing:?}", case.name);
+            let twin = check_case_through::<F>(&case, &options, &device, &wrap).unwrap();
+            let own = check_case::<F>(&case, &options, &device).unwrap();
+            assert!(own.passed(1e-4), "{what}: {:?}", own.worst());
+            assert_same_bits(&twin, &own, &format!("{what}, against the twin"));
         }
     }
 }

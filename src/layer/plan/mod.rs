@@ -115,6 +115,9 @@ impl<B: MoeBackend> MoeLayer<B> {
             .then_some(StepExecutor::InOrder));
         run.arena = Some(self.ctx.arena.clone());
         run.precision = self.ctx.config.gemm_precision;
+        // The backend's own expert path where no memory budget rests on the memory model of
+        // the expert-by-expert one (see the field).
+        run.backend_experts = self.ctx.config.memory_budget.is_none();
         run
     }
 
