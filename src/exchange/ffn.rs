@@ -32,25 +32,28 @@ pub(crate) struct Library<B: MoeBackend> {
 
 impl<B: MoeBackend> Library<B> {
     /// The communicator's expert path for `B` if it offers one, else the backend's own
-    /// ([`MoeBackend::expert_path`]) where `backend_experts` allows it
-    /// ([`ExchangeRun::backend_experts`](super::ExchangeRun::backend_experts)), if any. Experts with low-rank adapters run on the
+    /// ([`MoeBackend::expert_path`]) where the run allows it
+    /// ([`ExchangeRun::backend_experts`](super::ExchangeRun::backend_experts)) and freezes no
+    /// part, if any. Experts with low-rank adapters run on the
     /// primitives: a path's job has no adapter terms.
     pub(crate) fn find(
         comm: &dyn Communicator,
-        precision: GemmPrecision,
         experts: &ExpertSlots<B>,
-        backend_experts: bool,
+        run: &super::ExchangeRun,
     ) -> Option<Self> {
         if experts.own().has_adapters() {
             return None;
         }
+        // The backend's own path computes every part's gradient; with frozen parts (base
+        // weights under adapters elsewhere in the model) the primitives skip them instead.
+        let own = run.backend_experts && !run.frozen.iter().any(|&f| f);
         let path = comm
             .row_paths()
             .and_then(|p| p.experts::<B>())
-            .or_else(|| backend_experts.then(B::expert_path).flatten())?;
+            .or_else(|| own.then(B::expert_path).flatten())?;
         Some(Self {
             path,
-            precision,
+            precision: run.precision,
             groups: experts.groups(),
         })
     }

@@ -250,7 +250,7 @@ pub fn forward<B: MoeBackend>(
     let output = Mutex::new(RowAssembler::<B>::new(&input, plan, threaded));
     let memory = B::slot_memory(run, &input);
     let mem: Mem<'_, B> = memory.as_deref();
-    let library = Library::find(comm, run.precision, &experts, run.backend_experts);
+    let library = Library::find(comm, &experts, run);
     let step_fn = |_: usize, step: &Step| -> Result<()> {
         match step.op {
             Op::Dispatch(i) => {
@@ -368,7 +368,7 @@ pub fn backward<B: MoeBackend>(
     let input_grad = Mutex::new(RowAssembler::<B>::new(&grad_out, plan, threaded));
     let memory = B::slot_memory(run, &grad_out);
     let mem: Mem<'_, B> = memory.as_deref();
-    let library = Library::find(comm, run.precision, &experts, run.backend_experts);
+    let library = Library::find(comm, &experts, run);
     let take_dispatched = |i: usize| std::mem::replace(&mut lock(&stashes[i]).dispatched, Stash::Dropped);
     let take_hidden = |i: usize| -> Result<Vec<Option<FloatTensor<B>>>> {
         std::mem::take(&mut lock(&stashes[i]).hidden)
