@@ -21,7 +21,7 @@
 //!
 //! Memory: the partition's buffers and the stacked sums are whole from the start, and each
 //! running expert holds its own temporaries, so the peak is not the expert-by-expert one that
-//! the implementation's memory model replays (measured 1.2–1.3 times it on `tests/memory.rs`'s
+//! the implementation's memory model replays (measured up to 1.38 times it on `tests/memory.rs`'s
 //! shapes, one thread a rank). The layer therefore takes this path only without a
 //! `memory_budget` ([`ExchangeRun::backend_experts`](super::ExchangeRun::backend_experts)).
 
