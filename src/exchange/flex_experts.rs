@@ -13,7 +13,8 @@
 //! unit of work, largest first, each product on `gemm` alone on its thread (an expert with more
 //! than a thread's share of the rows splits its products over the pool as before), and each
 //! expert's weight gradient is written into its slot of the stacked sums: no per-expert
-//! gradient, no concatenation.
+//! gradient, no concatenation. Called from outside any rayon pool, it runs the experts one
+//! after another instead (see [`side_by_side`]).
 //!
 //! Each value is computed as [`ComposedExperts`] computes it (the same products, the same
 //! activation kernels, the same adds in the same order), so the two give the same bits; the
@@ -31,7 +32,7 @@ use burn::tensor::{DType, Shape, TensorData, TensorMetadata};
 use rayon::prelude::*;
 
 use super::expert_path::{ComposedExperts, ExpertBackward, ExpertBackwardOut, ExpertForward, ExpertPath};
-use super::flex_gemm::{is_plain, product_into, FEW_ROWS};
+use super::flex_gemm::{is_plain, product_into, FEW_ROWS, PARALLEL_THRESHOLD};
 use super::rows::{dims2, narrow_rows};
 use crate::error::Result;
 use crate::experts::{activation_backward, activation_forward, ExpertTensors};
@@ -94,9 +95,8 @@ fn plain_f32(tensors: &[&FlexTensor]) -> bool {
 }
 
 /// `out = lhs · rhs` into `m · n` values that the caller owns for the call: the product
-/// [`B::expert_matmul`](super::MoeBackend::expert_matmul) computes, on this thread alone
-/// unless `parallel`.
-fn product(lhs: &FlexTensor, rhs: &FlexTensor, out: &mut [f32], parallel: bool) {
+/// [`B::expert_matmul`](super::MoeBackend::expert_matmul) computes, split as `split` says.
+fn product(lhs: &FlexTensor, rhs: &FlexTensor, out: &mut [f32], split: Split) {
     let ([m, k], [k2, n]) = (dims2::<Flex>(lhs), dims2::<Flex>(rhs));
     assert!(
         k == k2 && out.len() == m * n,
@@ -114,6 +114,11 @@ fn product(lhs: &FlexTensor, rhs: &FlexTensor, out: &mut [f32], parallel: bool) 
     }
     // SAFETY: both operands are plain `[m, k]`, `[k, n]` matrices (checked above); `out` holds
     // `m · n` values (zero for few rows) that nothing else touches during the call.
+    let parallel = match split {
+        Split::Alone => false,
+        Split::Pool => true,
+        Split::BySize => m.saturating_mul(n).saturating_mul(k) >= PARALLEL_THRESHOLD,
+    };
     unsafe { product_into(lhs, rhs, [m, k, n], out.as_mut_ptr(), parallel) };
 }
 
@@ -133,20 +138,52 @@ fn tensor(values: Vec<f32>, rows: usize, cols: usize) -> FlexTensor {
     FlexTensor::from_data(TensorData::new(values, Shape::new([rows, cols])))
 }
 
-/// The order the experts run in, largest first (so that the last tasks are short), and for
-/// each whether its products split over the pool: those of an expert with more than a
-/// thread's share of the partition's rows.
-fn schedule(rows_per_expert: &[usize]) -> Vec<(usize, bool)> {
+/// How one expert's products use the pool.
+#[derive(Clone, Copy)]
+enum Split {
+    /// On the calling thread alone (the experts run side by side).
+    Alone,
+    /// Over the pool (an expert with more than a thread's share of the rows).
+    Pool,
+    /// Over the pool from Flex's threshold on, as `B::expert_matmul` splits them (the experts
+    /// run one after another).
+    BySize,
+}
+
+/// Whether the experts run side by side: where the calling thread is a worker of a pool of
+/// more than one thread. A thread outside any pool (a rank thread of `LocalGroup::run`)
+/// hands a parallel region to rayon's global pool and sleeps until it ends
+/// (rayon-core 1.13 `Registry::in_worker_cold`), and those hand-offs, two per partition and
+/// pass, made the toy GPT-MoE (small experts, two such ranks on two cores) 3% slower; there
+/// the experts run one after another as on the primitives, still writing into the partition
+/// buffers and the stacked sums.
+fn side_by_side() -> bool {
+    rayon::current_thread_index().is_some() && rayon::current_num_threads() > 1
+}
+
+/// The order the experts run in, largest first (so that the last tasks are short), and how
+/// each one's products split (see [`Split`]).
+fn schedule(rows_per_expert: &[usize], side_by_side: bool) -> Vec<(usize, Split)> {
     let total: usize = rows_per_expert.iter().sum();
     let share = total.div_ceil(rayon::current_num_threads().max(1));
     let mut order: Vec<usize> = (0..rows_per_expert.len())
         .filter(|&e| rows_per_expert[e] > 0)
         .collect();
     order.sort_by_key(|&e| std::cmp::Reverse(rows_per_expert[e]));
-    order
-        .into_iter()
-        .map(|e| (e, rows_per_expert[e] > share))
-        .collect()
+    let split = |e: usize| match (side_by_side, rows_per_expert[e] > share) {
+        (false, _) => Split::BySize,
+        (true, true) => Split::Pool,
+        (true, false) => Split::Alone,
+    };
+    order.into_iter().map(|e| (e, split(e))).collect()
+}
+
+/// Runs `task` for every expert of `order`: side by side over the pool, or one after another.
+fn run_all(order: Vec<(usize, Split)>, side_by_side: bool, task: impl Fn((usize, Split)) + Sync) {
+    match side_by_side {
+        true => order.into_par_iter().with_max_len(1).for_each(&task),
+        false => order.into_iter().for_each(task),
+    }
 }
 
 /// Slot `e`'s values in a stacked `[n_slots, ..]` buffer of `per_slot` values a slot.
@@ -214,7 +251,7 @@ impl ExpertPath<Flex> for FlexExperts {
         let [_, d_model] = dims2::<Flex>(&out);
         let [_, d_inner] = dims2::<Flex>(&hidden);
         let (hidden_at, out_at) = (Out::of(&mut hidden), Out::of(&mut out));
-        let run = |(e, parallel): (usize, bool)| {
+        let run = |(e, parallel): (usize, Split)| {
             let rows = rows_per_expert[e];
             let x_e = narrow_rows::<Flex>(x.clone(), layout.start(e), rows);
             // SAFETY: expert `e`'s blocks of rows are its task's alone.
@@ -238,8 +275,8 @@ impl ExpertPath<Flex> for FlexExperts {
                 add_bias(o_e, &b);
             }
         };
-        let order = schedule(rows_per_expert);
-        order.into_par_iter().with_max_len(1).for_each(run);
+        let side_by_side = side_by_side();
+        run_all(schedule(rows_per_expert, side_by_side), side_by_side, run);
         Ok((out, hidden))
     }
 
@@ -301,7 +338,7 @@ impl ExpertPath<Flex> for FlexExperts {
             }
         }
         let t = Flex::float_transpose;
-        let run = |(e, parallel): (usize, bool)| {
+        let run = |(e, parallel): (usize, Split)| {
             let rows = rows_per_expert[e];
             let x_e = narrow_rows::<Flex>(x.clone(), layout.start(e), rows);
             let g_e = narrow_rows::<Flex>(grad.clone(), layout.start(e), rows);
@@ -338,8 +375,8 @@ impl ExpertPath<Flex> for FlexExperts {
             let dx = unsafe { grad_x_at.part(layout.start(e) * d_model, rows * d_model) };
             product(&grad_z, &t(experts.w_in(e)), dx, parallel);
         };
-        let order = schedule(rows_per_expert);
-        order.into_par_iter().with_max_len(1).for_each(run);
+        let side_by_side = side_by_side();
+        run_all(schedule(rows_per_expert, side_by_side), side_by_side, run);
         let grads = ExpertTensors::plain(w_in, b_in, w_out, b_out);
         Ok(ExpertBackwardOut { grad_x, grads })
     }

@@ -25,7 +25,7 @@ use super::flex_gemv;
 
 /// Flex's threshold (burn-flex 0.21 `ops/matmul.rs` `PARALLEL_THRESHOLD`): products of at
 /// least this many multiply-adds run on every core.
-const PARALLEL_THRESHOLD: usize = 192 * 192 * 192;
+pub(crate) const PARALLEL_THRESHOLD: usize = 192 * 192 * 192;
 
 /// Products of at most this many rows run as [`few_rows`] does.
 pub(crate) const FEW_ROWS: usize = 16;
