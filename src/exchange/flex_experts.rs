@@ -31,8 +31,10 @@ use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{DType, Shape, TensorData, TensorMetadata};
 use rayon::prelude::*;
 
-use super::expert_path::{ComposedExperts, ExpertBackward, ExpertBackwardOut, ExpertForward, ExpertPath};
-use super::flex_gemm::{is_plain, product_into, FEW_ROWS, PARALLEL_THRESHOLD};
+use super::expert_path::{
+    ComposedExperts, ExpertBackward, ExpertBackwardOut, ExpertForward, ExpertGroups, ExpertPath,
+};
+use super::flex_gemm::{is_plain, product_into, PARALLEL_THRESHOLD};
 use super::rows::{dims2, narrow_rows};
 use crate::error::Result;
 use crate::experts::{activation_backward, activation_forward, ExpertTensors};
@@ -108,18 +110,26 @@ fn product(lhs: &FlexTensor, rhs: &FlexTensor, out: &mut [f32], split: Split) {
         out.copy_from_slice(&z.to_contiguous().storage::<f32>()[..m * n]);
         return;
     }
-    if m <= FEW_ROWS {
-        // The streaming kernel folds into what `out` holds.
-        out.fill(0.0);
-    }
-    // SAFETY: both operands are plain `[m, k]`, `[k, n]` matrices (checked above); `out` holds
-    // `m · n` values (zero for few rows) that nothing else touches during the call.
     let parallel = match split {
         Split::Alone => false,
         Split::Pool => true,
         Split::BySize => m.saturating_mul(n).saturating_mul(k) >= PARALLEL_THRESHOLD,
     };
+    // SAFETY: both operands are plain `[m, k]`, `[k, n]` matrices (checked above); `out` holds
+    // `m · n` values that nothing else touches during the call.
     unsafe { product_into(lhs, rhs, [m, k, n], out.as_mut_ptr(), parallel) };
+}
+
+/// Expert `e`'s `z = x_e · w_in[e] (+ b_in[e])`, `[rows, d_inner]` row-major: what the forward
+/// computes and a backward without the kept `T_M` recomputes (S3, S4).
+fn first_product(x_e: &FlexTensor, experts: &ExpertGroups<Flex>, e: usize, split: Split) -> Vec<f32> {
+    let w_in = experts.w_in(e);
+    let mut z = vec![0f32; dims2::<Flex>(x_e)[0] * dims2::<Flex>(&w_in)[1]];
+    product(x_e, &w_in, &mut z, split);
+    if let Some(b) = experts.b_in(e) {
+        add_bias(&mut z, &b);
+    }
+    z
 }
 
 /// `out[i, j] += bias[j]` for a `[rows, cols]` block: Flex's broadcast add, element by element.
@@ -263,11 +273,7 @@ impl ExpertPath<Flex> for FlexExperts {
             };
             // `z` in a tensor of its own for the activation (a view of `hidden` would read
             // the buffer the other tasks write), copied into its block of `hidden`.
-            let mut z = vec![0f32; rows * d_inner];
-            product(&x_e, &experts.w_in(e), &mut z, parallel);
-            if let Some(b) = experts.b_in(e) {
-                add_bias(&mut z, &b);
-            }
+            let z = first_product(&x_e, experts, e, parallel);
             z_e.copy_from_slice(&z);
             let a = activation_forward::<Flex>(activation, tensor(z, rows, d_inner));
             product(&a, &experts.w_out(e), o_e, parallel);
@@ -346,11 +352,7 @@ impl ExpertPath<Flex> for FlexExperts {
                 Some(z) => z.clone(),
                 None => {
                     // Recomputed from `T_DI` (S3, S4), as the forward computed it.
-                    let mut z = vec![0f32; rows * dims2::<Flex>(&experts.w_in(e))[1]];
-                    product(&x_e, &experts.w_in(e), &mut z, parallel);
-                    if let Some(b) = experts.b_in(e) {
-                        add_bias(&mut z, &b);
-                    }
+                    let z = first_product(&x_e, experts, e, parallel);
                     let width = z.len() / rows;
                     tensor(z, rows, width)
                 }

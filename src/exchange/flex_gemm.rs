@@ -28,7 +28,7 @@ use super::flex_gemv;
 pub(crate) const PARALLEL_THRESHOLD: usize = 192 * 192 * 192;
 
 /// Products of at most this many rows run as [`few_rows`] does.
-pub(crate) const FEW_ROWS: usize = 16;
+const FEW_ROWS: usize = 16;
 
 /// A few-row product is split over the pool's threads when its `rhs` holds at least this
 /// many values (256 KiB).
@@ -63,7 +63,7 @@ pub(crate) fn matmul(lhs: FlexTensor, rhs: FlexTensor) -> FlexTensor {
     assert_eq!(k, r[0], "expert matmul: inner dimensions {k} and {} differ", r[0]);
     let mut out = vec![0f32; m * n];
     let parallel = m.saturating_mul(n).saturating_mul(k) >= PARALLEL_THRESHOLD;
-    // SAFETY: `out` holds `m · n` zeros and is not touched elsewhere meanwhile; the operands
+    // SAFETY: `out` holds `m · n` values and is not touched elsewhere meanwhile; the operands
     // are plain `f32` matrices (checked above).
     unsafe { product_into(&lhs, &rhs, [m, k, n], out.as_mut_ptr(), parallel) };
     FlexTensor::from_data(TensorData::new(out, Shape::new([m, n])))
@@ -86,7 +86,8 @@ pub(crate) fn is_plain(t: &FlexTensor) -> bool {
 ///
 /// # Safety
 /// Both operands are [`is_plain`] with `[m, k]` and `[k, n]`; `out` points at `m · n`
-/// values, zero where `m ≤ FEW_ROWS`, that nothing else reads or writes meanwhile.
+/// initialised values, all of which the call overwrites, that nothing else reads or writes
+/// meanwhile.
 pub(crate) unsafe fn product_into(
     lhs: &FlexTensor,
     rhs: &FlexTensor,
@@ -99,7 +100,10 @@ pub(crate) unsafe fn product_into(
     }
     let operands = Operands::of(lhs, rhs, [m, k, n]);
     if m <= FEW_ROWS {
-        few_rows(&operands, std::slice::from_raw_parts_mut(out, m * n));
+        // The streaming kernel folds into what `out` holds.
+        let out = std::slice::from_raw_parts_mut(out, m * n);
+        out.fill(0.0);
+        few_rows(&operands, out);
     } else {
         let parallelism = match parallel {
             true => gemm::Parallelism::Rayon(0),
