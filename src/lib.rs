@@ -71,24 +71,23 @@
 /// have defaults) for the backends the crate supports that do not override them: NdArray,
 /// the CubeCL backends, `Fusion<B>` and `Autodiff<B>` over any backend that has them. Flex,
 /// which overrides, implements each trait by hand; `$kernels, except cubecl` leaves the CubeCL
-/// backends out too, for a trait they implement by hand.
+/// backends out too, for a trait they implement by hand, and `$kernels, except autodiff`
+/// leaves `Autodiff<B>` out, for a trait whose ops it records as nodes of its own.
 macro_rules! default_kernel_impls {
     ($kernels:path) => {
-        default_kernel_impls!($kernels, except cubecl);
-
-        #[cfg(feature = "cubecl")]
-        impl<R, F, I, BT> $kernels for burn_cubecl::CubeBackend<R, F, I, BT>
-        where
-            R: burn_cubecl::CubeRuntime,
-            R::Server: burn_cubecl::cubecl::server::ComputeServer,
-            R::Device: burn::tensor::backend::DeviceOps,
-            F: burn_cubecl::FloatElement,
-            I: burn_cubecl::IntElement,
-            BT: burn_cubecl::BoolElement,
-        {
-        }
+        default_kernel_impls!(@plain $kernels);
+        default_kernel_impls!(@cubecl $kernels);
+        default_kernel_impls!(@autodiff $kernels);
     };
     ($kernels:path, except cubecl) => {
+        default_kernel_impls!(@plain $kernels);
+        default_kernel_impls!(@autodiff $kernels);
+    };
+    ($kernels:path, except autodiff) => {
+        default_kernel_impls!(@plain $kernels);
+        default_kernel_impls!(@cubecl $kernels);
+    };
+    (@plain $kernels:path) => {
         #[cfg(feature = "ndarray")]
         impl<E, I, Q> $kernels for burn::backend::NdArray<E, I, Q>
         where
@@ -102,7 +101,21 @@ macro_rules! default_kernel_impls {
 
         #[cfg(feature = "fusion")]
         impl<B: burn_fusion::FusionBackend + $kernels> $kernels for burn_fusion::Fusion<B> {}
-
+    };
+    (@cubecl $kernels:path) => {
+        #[cfg(feature = "cubecl")]
+        impl<R, F, I, BT> $kernels for burn_cubecl::CubeBackend<R, F, I, BT>
+        where
+            R: burn_cubecl::CubeRuntime,
+            R::Server: burn_cubecl::cubecl::server::ComputeServer,
+            R::Device: burn::tensor::backend::DeviceOps,
+            F: burn_cubecl::FloatElement,
+            I: burn_cubecl::IntElement,
+            BT: burn_cubecl::BoolElement,
+        {
+        }
+    };
+    (@autodiff $kernels:path) => {
         impl<B: $kernels, C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy> $kernels
             for burn::backend::Autodiff<B, C>
         {
@@ -126,6 +139,7 @@ pub mod harness;
 pub mod heap;
 pub mod hf;
 mod layer;
+pub mod loss;
 pub mod memory;
 pub mod optim;
 pub mod parallel;

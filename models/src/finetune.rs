@@ -302,6 +302,10 @@ where
             tokens_per_s: global_tokens as f64 / seconds,
         });
     }
+    // The optimizer's two moments are twice the weights' size, and nothing after the last
+    // step reads them: freed before the model is gathered and written, they leave that room
+    // to the export's copies instead of adding to them at the run's peak.
+    drop(optimizer);
     let report = FinetuneReport {
         losses,
         step_seconds,

@@ -4,9 +4,9 @@ use std::sync::Arc;
 
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
-use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
+use mpipemoe::loss::cross_entropy;
 use mpipemoe::{Communicator, MoeBackend, MoeError, MoeLayer, MoeLayerConfig, Result};
 
 use crate::attention::Attention;
@@ -431,13 +431,12 @@ impl<B: MoeBackend> MoeCausalLm<B> {
         }
         let out = self.try_forward(ids.clone(), None)?;
         let v = self.config.vocab_size;
-        let predicted = out
-            .logits
-            .clone()
-            .slice([0..b, 0..t - 1, 0..v])
-            .reshape([b * (t - 1), v]);
-        let targets = ids.slice([0..b, 1..t]).reshape([b * (t - 1), 1]);
-        let loss = log_softmax(predicted, 1).gather(1, targets).mean().neg();
+        // Every position's logits in place, the last of each row ignored (target −1), rather
+        // than a sliced copy of the others: the same mean over `b · (t − 1)` tokens.
+        let logits = out.logits.clone().reshape([b * t, v]);
+        let last = Tensor::<B, 2, Int>::full([b, 1], -1, &ids.device());
+        let targets = Tensor::cat(vec![ids.slice([0..b, 1..t]), last], 1).reshape([b * t]);
+        let loss = cross_entropy(logits, targets);
         Ok((loss, out))
     }
 }

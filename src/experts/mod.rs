@@ -8,7 +8,7 @@ pub(crate) mod flex_gelu;
 #[cfg(feature = "flex")]
 pub(crate) mod flex_swiglu;
 #[cfg(feature = "flex")]
-mod gelu_math;
+pub(crate) mod gelu_math;
 mod init;
 mod kernels;
 mod lora;
