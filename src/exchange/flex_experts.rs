@@ -29,7 +29,7 @@
 use burn::backend::flex::{Flex, FlexTensor};
 use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{DType, Shape, TensorData, TensorMetadata};
-use rayon::prelude::*;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::expert_path::{
     ComposedExperts, ExpertBackward, ExpertBackwardOut, ExpertForward, ExpertGroups, ExpertPath,
@@ -189,11 +189,31 @@ fn schedule(rows_per_expert: &[usize], side_by_side: bool) -> Vec<(usize, Split)
 }
 
 /// Runs `task` for every expert of `order`: side by side over the pool, or one after another.
+///
+/// Side by side, each thread takes the next expert of `order` as it frees up (the greedy
+/// longest-first schedule), so the pass ends with the shortest experts and the threads finish
+/// at most one short expert apart. A rayon `par_iter` over `order` splits it in halves
+/// instead: the thread that steals the smaller half first finishes early and steals back
+/// from the middle of the other's run, and a pass of the 163 M Qwen3-MoE's fine-tuning step
+/// ended with one thread running a mid-sized expert alone (`perf`: about 40 ms of a 1.3 s
+/// step with the other thread idle).
 fn run_all(order: Vec<(usize, Split)>, side_by_side: bool, task: impl Fn((usize, Split)) + Sync) {
-    match side_by_side {
-        true => order.into_par_iter().with_max_len(1).for_each(&task),
-        false => order.into_iter().for_each(task),
+    if !side_by_side {
+        return order.into_iter().for_each(task);
     }
+    let next = AtomicUsize::new(0);
+    let drain = || {
+        while let Some(&job) = order.get(next.fetch_add(1, Ordering::Relaxed)) {
+            task(job);
+        }
+    };
+    let helpers = rayon::current_num_threads().min(order.len()).saturating_sub(1);
+    rayon::in_place_scope(|scope| {
+        for _ in 0..helpers {
+            scope.spawn(|_| drain());
+        }
+        drain();
+    });
 }
 
 /// Slot `e`'s values in a stacked `[n_slots, ..]` buffer of `per_slot` values a slot.

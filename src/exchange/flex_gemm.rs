@@ -39,6 +39,9 @@ const SPLIT_VALUES: usize = 1 << 16;
 /// on one thread than split by columns (see [`few_rows`]).
 const SPLIT_VALUES_ONE_ROW: usize = 1 << 21;
 
+/// Products of more rows than this split over the pool by columns ([`pool_columns`]).
+const POOL_SPLIT_ROWS: usize = 64;
+
 /// The fewest columns one thread of a column split takes.
 const MIN_SPLIT_COLUMNS: usize = 64;
 
@@ -104,13 +107,51 @@ pub(crate) unsafe fn product_into(
         let out = std::slice::from_raw_parts_mut(out, m * n);
         out.fill(0.0);
         few_rows(&operands, out);
+    } else if parallel {
+        pool_columns(&operands, out);
     } else {
-        let parallelism = match parallel {
-            true => gemm::Parallelism::Rayon(0),
-            false => gemm::Parallelism::None,
-        };
-        operands.columns(out, 0..n, parallelism);
+        operands.columns(out, 0..n, gemm::Parallelism::None);
     }
+}
+
+/// A product of more than [`POOL_SPLIT_ROWS`] rows over the pool: one run of columns per
+/// thread, one single-threaded `gemm` call each; fewer rows take `gemm`'s own split.
+///
+/// `gemm`'s own split (`Parallelism::Rayon`) hands each block of depth and columns to the
+/// pool as a parallel region of its own, two with the packing of `rhs`. Between two regions
+/// the idle thread spins for a few microseconds and then sleeps (rayon-core 1.13
+/// `sleep/mod.rs`: 32 rounds of `yield_now` before it is sleepy), so in a step of
+/// single-threaded ops and products it was woken again for many regions, each wake 50–250 µs
+/// on this project's VM (scratch benchmark of `rayon::join` after a pause: median 50–70 µs,
+/// p90 up to 240 µs). A model's projections and head ran with the other thread idle for a
+/// quarter of their time (`perf`, the 163 M Qwen3-MoE's fine-tuning step). Cut by columns,
+/// a product takes one region. Each value is the same fold either way: `gemm` cuts the depth
+/// by a block size that depends on `k` alone (gemm-common 0.19 `cache.rs` `kernel_params`)
+/// except for products of at most 64 rows and 64 columns, which the row bound keeps out.
+///
+/// # Safety
+/// As [`product_into`]'s.
+unsafe fn pool_columns(operands: &Operands, out: *mut f32) {
+    use rayon::prelude::*;
+
+    let [m, _, n] = operands.mkn;
+    let threads = rayon::current_num_threads().min(n / MIN_SPLIT_COLUMNS).max(1);
+    if m <= POOL_SPLIT_ROWS || threads == 1 {
+        return operands.columns(out, 0..n, gemm::Parallelism::Rayon(0));
+    }
+    let run = n.div_ceil(threads).next_multiple_of(16).min(n);
+    let out = Shared(out as *const f32);
+    let columns = |j0: usize| {
+        // SAFETY: each run writes only its own columns of `out`, which nothing else touches
+        // meanwhile.
+        unsafe { operands.columns(out.as_mut(), j0..(j0 + run).min(n), gemm::Parallelism::None) }
+    };
+    (0..n)
+        .step_by(run)
+        .collect::<Vec<_>>()
+        .into_par_iter()
+        .with_max_len(1)
+        .for_each(columns);
 }
 
 /// `out = lhs · rhs` for `m ≤ FEW_ROWS` rows (a decode step's products: an expert's share of
@@ -376,6 +417,37 @@ mod tests {
                 terms.fold((0.0, 0.0), |(s, a), x| (s + x, a + x.abs()))
             })
             .collect()
+    }
+
+    /// Products of many rows through `matmul` on pools of one, two and three threads, split by
+    /// columns where they are large and have more than `POOL_SPLIT_ROWS` rows: bit for bit the
+    /// whole single-threaded call's values (deep enough that `gemm` folds the depth in
+    /// blocks; 64 rows by 130 columns would fold it otherwise in runs of 64 columns or
+    /// fewer), plain and transposed operands.
+    #[test]
+    fn many_row_products_split_by_columns_give_the_whole_calls_bits() {
+        let pools = [1, 2, 3].map(|t| rayon::ThreadPoolBuilder::new().num_threads(t).build().unwrap());
+        for (m, k, n) in [(200, 1300, 300), (65, 900, 770), (64, 1300, 130), (130, 40, 1030)] {
+            for (lhs_t, rhs_t) in [(false, false), (true, true)] {
+                let lhs = match lhs_t {
+                    false => tensor(m, k, 3),
+                    true => Flex::float_transpose(tensor(k, m, 3)),
+                };
+                let rhs = match rhs_t {
+                    false => tensor(k, n, 4),
+                    true => Flex::float_transpose(tensor(n, k, 4)),
+                };
+                let want = whole(&lhs, &rhs, [m, k, n]);
+                for pool in &pools {
+                    let got = pool.install(|| values(matmul(lhs.clone(), rhs.clone())));
+                    assert!(
+                        got == want,
+                        "{m}×{k}×{n} (transposed {lhs_t}) on {} threads",
+                        pool.current_num_threads()
+                    );
+                }
+            }
+        }
     }
 
     /// Few-row products on pools of one and three threads (uneven column runs, a last run
