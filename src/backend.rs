@@ -3,7 +3,10 @@
 //! The layer calls [`MoeBackend::exchange`] with `T_I` (this rank's rows in plan order), the
 //! local experts' weights, the [`ExchangePlan`] and an [`ExchangeRun`]. A backend implements
 //! [`MoeBackend::exchange_forward`] and [`MoeBackend::exchange_backward`]; the activation
-//! kernels of the expert FFN come from [`ActivationKernels`] (exact defaults, overridable).
+//! kernels of the expert FFN come from [`ActivationKernels`], the optimizer's update from
+//! [`OptimizerKernels`], the training loss's row kernel from [`LossKernels`] and attention's
+//! layout change from [`LayoutKernels`] (each with exact defaults from burn's ops,
+//! overridable).
 //! [`fused_forward`] and [`fused_backward`] are the generic implementation written with
 //! burn's primitive ops, which a new backend can start from, and [`exchange_reference`] is the
 //! same function built from differentiable tensor ops, which tests hold an implementation to.
@@ -38,6 +41,9 @@ pub use crate::exchange::{
 pub use crate::experts::{
     ActivationKernels, ExpertGrads, ExpertPart, ExpertTensors, LowRankTensors, EXPERT_PARTS,
 };
+pub use crate::layout::LayoutKernels;
+pub use crate::loss::LossKernels;
 pub use crate::memory::host_store::{HostBlock, HostStore};
 pub use crate::memory::Restore;
+pub use crate::optim::OptimizerKernels;
 pub use crate::pipeline::schedule::{Op, Role, Schedule, Slot, Span, Step, Stream};

@@ -139,6 +139,7 @@ pub mod harness;
 pub mod heap;
 pub mod hf;
 mod layer;
+pub mod layout;
 pub mod loss;
 pub mod memory;
 pub mod optim;

@@ -6,6 +6,7 @@ use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
+use mpipemoe::layout::swap_dims_contiguous;
 use mpipemoe::MoeBackend;
 
 use crate::cache::LayerCache;
@@ -231,7 +232,13 @@ impl<B: MoeBackend> Attention<B> {
                 ),
             };
         }
-        let (mut q, mut k, v) = (q.swap_dims(1, 2), k.swap_dims(1, 2), v.swap_dims(1, 2));
+        // Head-major in a layout of their own (`swap_dims_contiguous`): Flex copied the strided
+        // view of `swap_dims` element by element in each product and in backward.
+        let (mut q, mut k, v) = (
+            swap_dims_contiguous(q),
+            swap_dims_contiguous(k),
+            swap_dims_contiguous(v),
+        );
         if rules.l2_qk_norm {
             (q, k) = (l2_norm(q, eps), l2_norm(k, eps));
         }
@@ -245,7 +252,7 @@ impl<B: MoeBackend> Attention<B> {
         let sinks = self.sinks.as_ref().map(|p| p.val());
         let (keys, values) = (cache.keys.clone(), cache.values.clone());
         let out = attend(q, keys, values, (places, &cache.columns), rules, scale, sinks);
-        let out = out.swap_dims(1, 2).reshape([b, t, n_heads * head_dim]);
+        let out = swap_dims_contiguous(out).reshape([b, t, n_heads * head_dim]);
         (
             project(&self.o, self.adapter(3), out),
             cache.trim(rules.window, rules.chunk, places.pads()),

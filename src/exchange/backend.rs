@@ -17,6 +17,7 @@ use crate::comm::Communicator;
 use crate::dispatch::{ExchangePlan, RowMap};
 use crate::error::Result;
 use crate::experts::{Activation, ActivationKernels, ExpertGrads, ExpertTensors};
+use crate::layout::LayoutKernels;
 use crate::loss::LossKernels;
 use crate::memory::{HostStore, Strategy};
 use crate::optim::OptimizerKernels;
@@ -103,7 +104,7 @@ pub struct ExchangeGrads<B: Backend> {
 /// come from the supertrait [`ActivationKernels`], and the fused optimizer's update
 /// ([`mpipemoe::optim::AdamW`](crate::optim::AdamW)) from [`OptimizerKernels`], so that a
 /// training loop generic over `MoeBackend` can step it.
-pub trait MoeBackend: ActivationKernels + OptimizerKernels + LossKernels {
+pub trait MoeBackend: ActivationKernels + OptimizerKernels + LossKernels + LayoutKernels {
     /// What the forward pass keeps for backward under the run's strategy.
     type Saved: Clone + Send + Sync + Debug + 'static;
 
