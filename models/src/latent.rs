@@ -6,6 +6,7 @@ use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
+use mpipemoe::layout::swap_dims_contiguous;
 use mpipemoe::MoeBackend;
 
 use crate::attention::{attend, probabilities};
@@ -213,7 +214,7 @@ impl<B: MoeBackend> LatentAttention<B> {
             _ => unreachable!("built with q_proj or the q_a / q_b pair"),
         };
         // [batch, heads, seq, nope + rope]
-        let q = q.reshape([b, t, h, nope + rope]).swap_dims(1, 2);
+        let q = swap_dims_contiguous(q.reshape([b, t, h, nope + rope]));
         let q_pass = q.clone().slice([0..b, 0..h, 0..t, 0..nope]);
         let q_rot = q.slice([0..b, 0..h, 0..t, nope..nope + rope]);
         let compressed = project(&self.kv_a, self.adapter(3), x);
@@ -235,9 +236,12 @@ impl<B: MoeBackend> LatentAttention<B> {
             // Nothing earlier: every head's keys and values expanded from these tokens' latent,
             // as transformers computes them (the training path and a prefill).
             None => {
-                let kv = project(&self.kv_b, self.adapter(4), kv)
-                    .reshape([b, t, h, nope + v_dim])
-                    .swap_dims(1, 2);
+                let kv = swap_dims_contiguous(project(&self.kv_b, self.adapter(4), kv).reshape([
+                    b,
+                    t,
+                    h,
+                    nope + v_dim,
+                ]));
                 let k_nope = kv.clone().slice([0..b, 0..h, 0..t, 0..nope]);
                 let values = kv.slice([0..b, 0..h, 0..t, nope..nope + v_dim]);
                 let keys = Tensor::cat(vec![k_nope, k_rot.repeat_dim(1, h)], 3);
@@ -258,7 +262,7 @@ impl<B: MoeBackend> LatentAttention<B> {
                 self.absorbed(q_pass, q_rot, maps, &cache, places)
             }
         };
-        let out = out.swap_dims(1, 2).reshape([b, t, h * v_dim]);
+        let out = swap_dims_contiguous(out).reshape([b, t, h * v_dim]);
         (project(&self.o, self.adapter(5), out), cache)
     }
 

@@ -430,11 +430,12 @@ impl MoeBackend for burn::backend::Flex {
         Some(Arc::new(super::flex_experts::FlexExperts))
     }
 
-    /// An `f32` vector zeroed once (see the trait's docs); other dtypes as Flex allocates them.
+    /// An `f32` vector zeroed once, over the pool (see the trait's docs); other dtypes as
+    /// Flex allocates them.
     fn write_buffer(shape: Shape, device: &Self::Device, dtype: FloatDType) -> FloatTensor<Self> {
         match dtype {
             FloatDType::F32 => {
-                let values = vec![0f32; shape.num_elements()];
+                let values = super::flex_rows::zeros(shape.num_elements());
                 burn::backend::flex::FlexTensor::from_data(burn::tensor::TensorData::new(values, shape))
             }
             _ => <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_empty(shape, device, dtype),

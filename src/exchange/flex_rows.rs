@@ -61,3 +61,27 @@ pub(crate) fn expert_matrix(w: &FlexTensor, e: usize) -> FlexTensor {
     );
     w.clone().with_layout(view)
 }
+
+/// Values per rayon task of [`zeros`]: a few hundred KiB, so that a stacked gradient's zeros
+/// split over every thread of the pool.
+const ZEROS_PER_TASK: usize = 1 << 16;
+
+/// `n` zeros written over the pool. Under the kept heap (`mpipemoe::heap`) freed memory is
+/// reused, so `vec![0.0; n]` (`calloc`) zeroes a stacked gradient sum on the calling thread:
+/// 150 MB a layer and step in the 163 M Qwen3-MoE's fine-tuning, with the pool's other thread
+/// idle (`perf`: about 29 ms of a 1.2 s step).
+pub(crate) fn zeros(n: usize) -> Vec<f32> {
+    use rayon::prelude::*;
+
+    let mut values: Vec<f32> = Vec::with_capacity(n);
+    values.spare_capacity_mut()[..n]
+        .par_chunks_mut(ZEROS_PER_TASK)
+        .for_each(|chunk| {
+            for v in chunk {
+                v.write(0.0);
+            }
+        });
+    // SAFETY: the tasks above wrote each of the `n` values.
+    unsafe { values.set_len(n) };
+    values
+}
