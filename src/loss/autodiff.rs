@@ -35,7 +35,8 @@ impl<B: LossKernels> Backward<B, 1> for TokenNllBackward {
 }
 
 impl<B: LossKernels, C: CheckpointStrategy> LossKernels for Autodiff<B, C> {
-    /// The inner backend's forward, recorded as one [`TokenNllBackward`] node.
+    /// The inner backend's forward, recorded as one node whose backward is the inner
+    /// backend's `token_nll_backward`.
     fn token_nll(logits: FloatTensor<Self>, targets: IntTensor<Self>) -> FloatTensor<Self> {
         let (nll, lse) = B::token_nll_forward(logits.primitive.clone(), targets.clone());
         match TokenNllBackward
