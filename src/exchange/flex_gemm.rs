@@ -132,26 +132,12 @@ pub(crate) unsafe fn product_into(
 /// # Safety
 /// As [`product_into`]'s.
 unsafe fn pool_columns(operands: &Operands, out: *mut f32) {
-    use rayon::prelude::*;
-
     let [m, _, n] = operands.mkn;
     let threads = rayon::current_num_threads().min(n / MIN_SPLIT_COLUMNS).max(1);
-    if m <= POOL_SPLIT_ROWS || threads == 1 {
-        return operands.columns(out, 0..n, gemm::Parallelism::Rayon(0));
+    match m <= POOL_SPLIT_ROWS || threads == 1 {
+        true => operands.columns(out, 0..n, gemm::Parallelism::Rayon(0)),
+        false => operands.column_runs(out, threads),
     }
-    let run = n.div_ceil(threads).next_multiple_of(16).min(n);
-    let out = Shared(out as *const f32);
-    let columns = |j0: usize| {
-        // SAFETY: each run writes only its own columns of `out`, which nothing else touches
-        // meanwhile.
-        unsafe { operands.columns(out.as_mut(), j0..(j0 + run).min(n), gemm::Parallelism::None) }
-    };
-    (0..n)
-        .step_by(run)
-        .collect::<Vec<_>>()
-        .into_par_iter()
-        .with_max_len(1)
-        .for_each(columns);
 }
 
 /// `out = lhs · rhs` for `m ≤ FEW_ROWS` rows (a decode step's products: an expert's share of
@@ -260,8 +246,6 @@ fn streamed_rows(operands: &Operands, out: &mut [f32]) {
 /// [`few_rows`] on `gemm`: runs of columns over the pool's threads where `rhs` is large, one
 /// single-threaded `gemm` call each, writing its own columns of `out`.
 fn split_columns(operands: &Operands, out: &mut [f32]) {
-    use rayon::prelude::*;
-
     let [m, k, n] = operands.mkn;
     let threshold = if m == 1 {
         SPLIT_VALUES_ONE_ROW
@@ -272,21 +256,8 @@ fn split_columns(operands: &Operands, out: &mut [f32]) {
         true => rayon::current_num_threads().min(n / MIN_SPLIT_COLUMNS).max(1),
         false => 1,
     };
-    let run = n.div_ceil(threads).next_multiple_of(16).min(n);
-    let out_ptr = Shared(out.as_mut_ptr() as *const f32);
-    let columns = |j0: usize| {
-        // SAFETY: each run writes only its own columns of `out`, which nothing else touches
-        // meanwhile, and `out` is zero on entry.
-        unsafe { operands.columns(out_ptr.as_mut(), j0..(j0 + run).min(n), gemm::Parallelism::None) }
-    };
-    match threads {
-        1 => columns(0),
-        _ => (0..n)
-            .step_by(run)
-            .collect::<Vec<_>>()
-            .into_par_iter()
-            .for_each(columns),
-    }
+    // SAFETY: `out` holds the product's `m · n` values and is only this call's.
+    unsafe { operands.column_runs(out.as_mut_ptr(), threads) }
 }
 
 /// The two `f32` operands of one product, as `gemm` reads them: where their views start, their
@@ -358,6 +329,33 @@ impl Operands {
             false,
             parallelism,
         );
+    }
+
+    /// The product cut into `threads` runs of columns (a multiple of 16 wide, the last one
+    /// shorter), one single-threaded `gemm` call each over the pool, each writing only its own
+    /// columns of `out`: the whole call's values, as `gemm` cuts only output blocks.
+    ///
+    /// # Safety
+    /// As [`columns`](Self::columns) for all of `0..n`.
+    unsafe fn column_runs(&self, out: *mut f32, threads: usize) {
+        use rayon::prelude::*;
+
+        let n = self.mkn[2];
+        let run = n.div_ceil(threads.max(1)).next_multiple_of(16).min(n);
+        let out = Shared(out as *const f32);
+        // SAFETY (each call): each run writes only its own columns of `out`, which nothing
+        // else touches meanwhile.
+        let columns =
+            |j0: usize| unsafe { self.columns(out.as_mut(), j0..(j0 + run).min(n), gemm::Parallelism::None) };
+        match threads {
+            0 | 1 => columns(0),
+            _ => (0..n)
+                .step_by(run)
+                .collect::<Vec<_>>()
+                .into_par_iter()
+                .with_max_len(1)
+                .for_each(columns),
+        }
     }
 }
 
