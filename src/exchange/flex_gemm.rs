@@ -48,6 +48,9 @@ const MIN_SPLIT_COLUMNS: usize = 64;
 /// The most depth chunks a streamed product is cut into (see [`depth_chunks`]).
 const MAX_DEPTH_CHUNKS: usize = 8;
 
+/// The side of [`transpose_block`]'s tiles: 16 values, a cache line of `f32`.
+const TILE: usize = 16;
+
 /// `lhs · rhs` for two `f32` matrices of any strides (transposed views included); other
 /// dtypes and ranks go to Flex's matmul.
 ///
@@ -308,9 +311,39 @@ impl Operands {
     /// offsets), and `read_dst` is false, so `out` is only written.
     unsafe fn columns(&self, out: *mut f32, cols: std::ops::Range<usize>, parallelism: gemm::Parallelism) {
         let ([m, k, n], [l0, l1], [r0, r1]) = (self.mkn, self.lhs_strides, self.rhs_strides);
+        let width = cols.len();
+        if self.transposed_rhs_for_few_rows(width) {
+            // `gemm` writes a column-major block of the run here, then it is laid into `out`.
+            let mut block = Vec::<f32>::with_capacity(m * width);
+            gemm::gemm(
+                m,
+                width,
+                k,
+                block.as_mut_ptr(),
+                m as isize,
+                1,
+                false,
+                self.lhs.0,
+                l1,
+                l0,
+                self.rhs.0.offset(cols.start as isize * r1),
+                r1,
+                r0,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                parallelism,
+            );
+            // SAFETY: with `read_dst` false `gemm` wrote every one of the `m · width` values.
+            block.set_len(m * width);
+            transpose_block(&block, [m, width], out.add(cols.start), n);
+            return;
+        }
         gemm::gemm(
             m,
-            cols.len(),
+            width,
             k,
             out.add(cols.start),
             1,
@@ -329,6 +362,35 @@ impl Operands {
             false,
             parallelism,
         );
+    }
+
+    /// Whether a run of `width` columns goes through a column-major block
+    /// ([`columns`](Self::columns)): `rhs` is a transposed row-major matrix (a backward's
+    /// `g · wᵀ`, a tied head's `Eᵀ`) and the run has at least twice as many columns as the
+    /// product has rows, from two rows on.
+    ///
+    /// `gemm` lays out its work by the output: a row-major output makes it compute the
+    /// transposed product, whose left operand is then `rhs`ᵀ — the row-major weight itself,
+    /// which it packs into column panels by a strided gather of all `k · width` values
+    /// (gemm-common 0.19 `gemm.rs`, `do_pack_lhs` and `pack_lhs`: any left operand without
+    /// unit row stride). For an expert's few rows that gather took longer than the
+    /// multiply-adds: 19% of a Qwen3-MoE fine-tuning step went to `pack_lhs`, most of it in
+    /// the experts' `g · wᵀ` products (`perf`, this project's VM). A column-major output
+    /// keeps the orientation: the packed operand is `lhs`, `m · k` values, and `rhs` is read
+    /// in place with unit row stride (`gemm` packs such a right operand only beyond 128
+    /// register blocks of rows). Laying the block into `out` costs about half a nanosecond a
+    /// value. Measured single-threaded (µs, this project's VM, AVX-512 kernels; in brackets
+    /// AVX2's): 64×1536×512 970 → 505 (983 → 825), 64×512×768 538 → 242, 128×512×1536
+    /// 1,374 → 925, 256×1536×512 2,170 → 1,959 (3,319 → 3,309), 8×512×8192 3,565 → 1,116
+    /// (1,997 → 1,005); at 512×1536×512, where the weight's gather is spread over as many
+    /// rows, 3,879 → 4,096, so that is left to `gemm`. A single row keeps `gemm`'s
+    /// vector-matrix kernel. Each value is the same fold either way: the microkernel folds
+    /// the depth in order into one accumulator per value, in blocks that depend on `k` and on
+    /// whether both sides of the output are at most 64, which does not change with the
+    /// orientation.
+    fn transposed_rhs_for_few_rows(&self, width: usize) -> bool {
+        let ([m, _, _], [r0, r1]) = (self.mkn, self.rhs_strides);
+        m >= 2 && r0 == 1 && r1 != 1 && 2 * m <= width
     }
 
     /// The product cut into `threads` runs of columns (a multiple of 16 wide, the last one
@@ -355,6 +417,27 @@ impl Operands {
                 .into_par_iter()
                 .with_max_len(1)
                 .for_each(columns),
+        }
+    }
+}
+
+/// `out[i · n + j] = block[j · m + i]`: a column-major `[m, width]` block laid into the rows
+/// of a row-major output `n` values apart, in tiles of [`TILE`]² so that both sides are read
+/// and written a cache line at a time.
+///
+/// # Safety
+/// `out` points at the first of the block's columns in an output of rows `n ≥ width` values
+/// long, `m` of them, whose `width` columns from there no one else reads or writes meanwhile.
+unsafe fn transpose_block(block: &[f32], [m, width]: [usize; 2], out: *mut f32, n: usize) {
+    debug_assert!(block.len() == m * width && width <= n);
+    for i0 in (0..m).step_by(TILE) {
+        for j0 in (0..width).step_by(TILE) {
+            for i in i0..(i0 + TILE).min(m) {
+                let row = out.add(i * n);
+                for j in j0..(j0 + TILE).min(width) {
+                    *row.add(j) = *block.get_unchecked(j * m + i);
+                }
+            }
         }
     }
 }
@@ -446,6 +529,54 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Products against a transposed weight through a column-major block
+    /// (`Operands::transposed_rhs_for_few_rows`): bit for bit Flex's own matmul, which lets
+    /// `gemm` compute them through a row-major output, whole and in runs of columns (edge
+    /// tiles of the block in both directions); and the rule keeps `gemm`'s own orientation
+    /// for a row-major weight, a single row and as many rows as half the columns.
+    #[test]
+    fn transposed_weight_products_through_a_column_major_block_give_flexs_own_bits() {
+        for (m, k, n) in [
+            (2, 96, 1000),
+            (17, 512, 100),
+            (30, 700, 515),
+            (64, 1536, 512),
+            (100, 300, 1030),
+            (256, 64, 600),
+        ] {
+            let lhs = tensor(m, k, 5);
+            let rhs = Flex::float_transpose(tensor(n, k, 6));
+            let operands = Operands::of(&lhs, &rhs, [m, k, n]);
+            assert!(
+                operands.transposed_rhs_for_few_rows(n),
+                "{m}×{k}×{n} takes the block"
+            );
+            let want = values(Flex::float_matmul(lhs.clone(), rhs.clone()).to_contiguous());
+            let mut got = vec![f32::NAN; m * n];
+            // SAFETY: `got` holds `m · n` values; the tensors are alive.
+            unsafe { operands.columns(got.as_mut_ptr(), 0..n, gemm::Parallelism::None) };
+            assert!(got == want, "{m}×{k}×{n}: not Flex's bits");
+            let run = 2 * m..n - 3;
+            let mut part: Vec<f32> = want
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| if run.contains(&(i % n)) { f32::NAN } else { v })
+                .collect();
+            // SAFETY: as above; the run lies within `0..n`.
+            unsafe { operands.columns(part.as_mut_ptr(), run.clone(), gemm::Parallelism::None) };
+            assert!(part == want, "{m}×{k}×{n}: the run {run:?} differs");
+        }
+        let (k, n) = (64, 200);
+        let plain = |m: usize, transposed: bool| {
+            let rhs = match transposed {
+                false => tensor(k, n, 2),
+                true => Flex::float_transpose(tensor(n, k, 2)),
+            };
+            Operands::of(&tensor(m, k, 1), &rhs, [m, k, n]).transposed_rhs_for_few_rows(n)
+        };
+        assert!(plain(100, true) && !plain(101, true) && !plain(1, true) && !plain(50, false));
     }
 
     /// Few-row products on pools of one and three threads (uneven column runs, a last run
