@@ -36,6 +36,7 @@ PyTorch runs with `torch.set_num_threads(THREADS)`, ours with burn's thread pool
     python3 scripts/bench/models_peer.py [--rounds 3] [--steps 8] [--threads 2] [--heap keep|system]
         [--json docs/benchmarks/models_peer.json] [--baseline OTHER_MPIPEMOE]
         [--finetune-only | --generate-only | --batch-only | --lora R] [--llama-src LLAMA_CPP_DIR]
+        [--binary OUR_MPIPEMOE]
 
 Needs PyTorch, transformers and tokenizers; nothing in the build or the tests needs Python.
 """
@@ -307,6 +308,7 @@ def median_after_warm_up(seconds):
 
 
 def main():
+    global BINARY
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
@@ -322,8 +324,11 @@ def main():
     parser.add_argument("--llama-src", help="llama.cpp's source tree (the llama-cpp-python sdist's "
                         "vendor/llama.cpp): adds llama.cpp as a generation comparator")
     parser.add_argument("--lora", type=int, help="LoRA fine-tuning alone at this rank: ours, PEFT's, ours in full")
+    parser.add_argument("--binary", default=BINARY, help="our side's mpipemoe binary (default: "
+                        "target/release/mpipemoe)")
     parser.add_argument("--side", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    BINARY = os.path.abspath(args.binary)
     if args.side == "peft-finetune":
         print(json.dumps(torch_finetune(args.steps, args.threads, args.lora)))
         return

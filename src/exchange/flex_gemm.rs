@@ -51,6 +51,14 @@ const MAX_DEPTH_CHUNKS: usize = 8;
 /// The side of [`transpose_block`]'s tiles: 16 values, a cache line of `f32`.
 const TILE: usize = 16;
 
+/// The side up to which `gemm` folds a product's depth in blocks of its own (see
+/// [`Operands::column_runs`]).
+const GEMM_SMALL_SIDE: usize = 64;
+
+/// The fewest values of a transposed weight (512 KiB) whose product goes through a
+/// column-major block (see [`Operands::transposed_rhs_for_few_rows`]).
+const BLOCK_VALUES: usize = 1 << 17;
+
 /// `lhs · rhs` for two `f32` matrices of any strides (transposed views included); other
 /// dtypes and ranks go to Flex's matmul.
 ///
@@ -366,8 +374,8 @@ impl Operands {
 
     /// Whether a run of `width` columns goes through a column-major block
     /// ([`columns`](Self::columns)): `rhs` is a transposed row-major matrix (a backward's
-    /// `g · wᵀ`, a tied head's `Eᵀ`) and the run has at least twice as many columns as the
-    /// product has rows, from two rows on.
+    /// `g · wᵀ`, a tied head's `Eᵀ`) of at least [`BLOCK_VALUES`] in the run, and the run
+    /// has at least twice as many columns as the product has rows, from two rows on.
     ///
     /// `gemm` lays out its work by the output: a row-major output makes it compute the
     /// transposed product, whose left operand is then `rhs`ᵀ — the row-major weight itself,
@@ -383,19 +391,25 @@ impl Operands {
     /// AVX2's): 64×1536×512 970 → 505 (983 → 825), 64×512×768 538 → 242, 128×512×1536
     /// 1,374 → 925, 256×1536×512 2,170 → 1,959 (3,319 → 3,309), 8×512×8192 3,565 → 1,116
     /// (1,997 → 1,005); at 512×1536×512, where the weight's gather is spread over as many
-    /// rows, 3,879 → 4,096, so that is left to `gemm`. A single row keeps `gemm`'s
-    /// vector-matrix kernel. Each value is the same fold either way: the microkernel folds
+    /// rows, 3,879 → 4,096, so that is left to `gemm`; so is a weight small enough to stay in
+    /// the core's caches, whose gather is cheap (20×64×256: 5.3 → 7.7, 64×128×512: 44 → 51,
+    /// but 64×256×512: 109 → 86). A single row keeps `gemm`'s vector-matrix kernel. Each value is the same fold either way: the microkernel folds
     /// the depth in order into one accumulator per value, in blocks that depend on `k` and on
     /// whether both sides of the output are at most 64, which does not change with the
     /// orientation.
     fn transposed_rhs_for_few_rows(&self, width: usize) -> bool {
-        let ([m, _, _], [r0, r1]) = (self.mkn, self.rhs_strides);
-        m >= 2 && r0 == 1 && r1 != 1 && 2 * m <= width
+        let ([m, k, _], [r0, r1]) = (self.mkn, self.rhs_strides);
+        m >= 2 && r0 == 1 && r1 != 1 && 2 * m <= width && k.saturating_mul(width) >= BLOCK_VALUES
     }
 
-    /// The product cut into `threads` runs of columns (a multiple of 16 wide, the last one
-    /// shorter), one single-threaded `gemm` call each over the pool, each writing only its own
-    /// columns of `out`: the whole call's values, as `gemm` cuts only output blocks.
+    /// The product cut into at most `threads` runs of columns (a multiple of 16 wide, the last
+    /// one shorter, each more than [`GEMM_SMALL_SIDE`] wide), one single-threaded `gemm` call
+    /// each over the pool, each writing only its own columns of `out`: the whole call's values,
+    /// as `gemm` cuts only output blocks and folds the depth in the same blocks for every run.
+    /// A product of at most 64 rows and 64 columns is folded in blocks of 512 (gemm-common 0.19
+    /// `gemm.rs`, the small-size `KernelParams`), any other in blocks from `k` and the caches
+    /// alone, so a run that narrow would change the bits of a deeper product of few rows: runs
+    /// are at least 80 columns wide, and a last run of 64 or fewer joins the one before it.
     ///
     /// # Safety
     /// As [`columns`](Self::columns) for all of `0..n`.
@@ -403,20 +417,29 @@ impl Operands {
         use rayon::prelude::*;
 
         let n = self.mkn[2];
-        let run = n.div_ceil(threads.max(1)).next_multiple_of(16).min(n);
+        let run = n
+            .div_ceil(threads.max(1))
+            .next_multiple_of(16)
+            .max(GEMM_SMALL_SIDE + 16)
+            .min(n);
+        let mut starts: Vec<usize> = (0..n).step_by(run).collect();
+        if starts.len() > 1 && n - starts[starts.len() - 1] <= GEMM_SMALL_SIDE {
+            starts.pop();
+        }
+        let runs: Vec<std::ops::Range<usize>> = starts
+            .iter()
+            .enumerate()
+            .map(|(i, &j0)| j0..starts.get(i + 1).copied().unwrap_or(n))
+            .collect();
         let out = Shared(out as *const f32);
         // SAFETY (each call): each run writes only its own columns of `out`, which nothing
         // else touches meanwhile.
-        let columns =
-            |j0: usize| unsafe { self.columns(out.as_mut(), j0..(j0 + run).min(n), gemm::Parallelism::None) };
-        match threads {
-            0 | 1 => columns(0),
-            _ => (0..n)
-                .step_by(run)
-                .collect::<Vec<_>>()
-                .into_par_iter()
-                .with_max_len(1)
-                .for_each(columns),
+        let columns = |cols: std::ops::Range<usize>| unsafe {
+            self.columns(out.as_mut(), cols, gemm::Parallelism::None)
+        };
+        match runs.len() {
+            1 => columns(0..n),
+            _ => runs.into_par_iter().with_max_len(1).for_each(columns),
         }
     }
 }
@@ -533,18 +556,19 @@ mod tests {
 
     /// Products against a transposed weight through a column-major block
     /// (`Operands::transposed_rhs_for_few_rows`): bit for bit Flex's own matmul, which lets
-    /// `gemm` compute them through a row-major output, whole and in runs of columns (edge
-    /// tiles of the block in both directions); and the rule keeps `gemm`'s own orientation
-    /// for a row-major weight, a single row and as many rows as half the columns.
+    /// `gemm` compute them through a row-major output, whole and in runs of columns wider than
+    /// 64 (edge tiles of the block in both directions; some runs through the block, some on
+    /// `gemm`'s own road); and the rule keeps `gemm`'s own orientation for a row-major weight,
+    /// a single row, more rows than half the columns and a weight under `BLOCK_VALUES`.
     #[test]
     fn transposed_weight_products_through_a_column_major_block_give_flexs_own_bits() {
         for (m, k, n) in [
-            (2, 96, 1000),
-            (17, 512, 100),
+            (2, 300, 1000),
+            (17, 1400, 100),
             (30, 700, 515),
             (64, 1536, 512),
             (100, 300, 1030),
-            (256, 64, 600),
+            (256, 300, 600),
         ] {
             let lhs = tensor(m, k, 5);
             let rhs = Flex::float_transpose(tensor(n, k, 6));
@@ -558,7 +582,7 @@ mod tests {
             // SAFETY: `got` holds `m · n` values; the tensors are alive.
             unsafe { operands.columns(got.as_mut_ptr(), 0..n, gemm::Parallelism::None) };
             assert!(got == want, "{m}×{k}×{n}: not Flex's bits");
-            let run = 2 * m..n - 3;
+            let run = n / 4..n - 3;
             let mut part: Vec<f32> = want
                 .iter()
                 .enumerate()
@@ -568,15 +592,16 @@ mod tests {
             unsafe { operands.columns(part.as_mut_ptr(), run.clone(), gemm::Parallelism::None) };
             assert!(part == want, "{m}×{k}×{n}: the run {run:?} differs");
         }
-        let (k, n) = (64, 200);
-        let plain = |m: usize, transposed: bool| {
+        let takes = |m: usize, k: usize, transposed: bool| {
+            let n = 600;
             let rhs = match transposed {
                 false => tensor(k, n, 2),
                 true => Flex::float_transpose(tensor(n, k, 2)),
             };
             Operands::of(&tensor(m, k, 1), &rhs, [m, k, n]).transposed_rhs_for_few_rows(n)
         };
-        assert!(plain(100, true) && !plain(101, true) && !plain(1, true) && !plain(50, false));
+        assert!(takes(300, 256, true) && !takes(301, 256, true) && !takes(1, 256, true));
+        assert!(!takes(50, 256, false) && !takes(50, 200, true));
     }
 
     /// Few-row products on pools of one and three threads (uneven column runs, a last run
@@ -594,6 +619,8 @@ mod tests {
             (3, 512, 771),
             (16, 128, 530),
             (5, 40, 100),
+            (4, 1400, 130),
+            (4, 1400, 200),
         ] {
             let lhs = tensor(m, k, 1);
             for transposed in [false, true] {
