@@ -138,7 +138,8 @@ pub(crate) unsafe fn product_into(
 /// quarter of their time (`perf`, the 163 M Qwen3-MoE's fine-tuning step). Cut by columns,
 /// a product takes one region. Each value is the same fold either way: `gemm` cuts the depth
 /// by a block size that depends on `k` alone (gemm-common 0.19 `cache.rs` `kernel_params`)
-/// except for products of at most 64 rows and 64 columns, which the row bound keeps out.
+/// except for products of at most 64 rows and 64 columns, which the row bound keeps out
+/// (and [`Operands::column_runs`] never cuts a run that narrow).
 ///
 /// # Safety
 /// As [`product_into`]'s.
@@ -320,42 +321,23 @@ impl Operands {
     unsafe fn columns(&self, out: *mut f32, cols: std::ops::Range<usize>, parallelism: gemm::Parallelism) {
         let ([m, k, n], [l0, l1], [r0, r1]) = (self.mkn, self.lhs_strides, self.rhs_strides);
         let width = cols.len();
-        if self.transposed_rhs_for_few_rows(width) {
-            // `gemm` writes a column-major block of the run here, then it is laid into `out`.
-            let mut block = Vec::<f32>::with_capacity(m * width);
-            gemm::gemm(
-                m,
-                width,
-                k,
-                block.as_mut_ptr(),
-                m as isize,
-                1,
-                false,
-                self.lhs.0,
-                l1,
-                l0,
-                self.rhs.0.offset(cols.start as isize * r1),
-                r1,
-                r0,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                parallelism,
-            );
-            // SAFETY: with `read_dst` false `gemm` wrote every one of the `m · width` values.
-            block.set_len(m * width);
-            transpose_block(&block, [m, width], out.add(cols.start), n);
-            return;
-        }
+        // Through a column-major block of the run (then laid into `out`), or straight into
+        // `out`'s rows.
+        let mut block = match self.transposed_rhs_for_few_rows(width) {
+            true => Some(Vec::<f32>::with_capacity(m * width)),
+            false => None,
+        };
+        let (dst, dst_cs, dst_rs) = match &mut block {
+            Some(block) => (block.as_mut_ptr(), m as isize, 1),
+            None => (out.add(cols.start), 1, n as isize),
+        };
         gemm::gemm(
             m,
             width,
             k,
-            out.add(cols.start),
-            1,
-            n as isize,
+            dst,
+            dst_cs,
+            dst_rs,
             false,
             self.lhs.0,
             l1,
@@ -370,6 +352,11 @@ impl Operands {
             false,
             parallelism,
         );
+        if let Some(mut block) = block {
+            // SAFETY: with `read_dst` false `gemm` wrote every one of the `m · width` values.
+            block.set_len(m * width);
+            transpose_block(&block, [m, width], out.add(cols.start), n);
+        }
     }
 
     /// Whether a run of `width` columns goes through a column-major block
