@@ -138,6 +138,7 @@ pub mod format;
 pub mod harness;
 pub mod heap;
 pub mod hf;
+pub mod hot_pool;
 mod layer;
 pub mod layout;
 pub mod loss;

@@ -5,7 +5,7 @@ use burn::module::{Module, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 use mpipemoe::layout::swap_dims_contiguous;
 use mpipemoe::MoeBackend;
 
@@ -186,7 +186,7 @@ impl<B: MoeBackend> Attention<B> {
         places: &Places,
         (cos, sin): (&Tensor<B, 3>, &Tensor<B, 3>),
         rules: &AttnRules,
-        cached: Option<&LayerCache<B>>,
+        (cached, reserve): (Option<LayerCache<B>>, usize),
     ) -> (Tensor<B, 3>, LayerCache<B>) {
         let Heads {
             n_heads,
@@ -247,10 +247,11 @@ impl<B: MoeBackend> Attention<B> {
             q = q * temperature::<B>(&places.columns(), attn_scale, floor_scale, &device);
         }
 
-        let cache = LayerCache::extend(cached, k, v, &places.columns());
+        let cache = LayerCache::extend(cached, k, v, &places.columns(), reserve);
         let scale = (head_dim as f64).powf(-0.5);
         let sinks = self.sinks.as_ref().map(|p| p.val());
-        let (keys, values) = (cache.keys.clone(), cache.values.clone());
+        // Views of the cache's storage, dropped before the next step writes into it.
+        let (keys, values) = (cache.keys(), cache.values());
         let out = attend(q, keys, values, (places, &cache.columns), rules, scale, sinks);
         let out = swap_dims_contiguous(out).reshape([b, t, n_heads * head_dim]);
         (
@@ -274,7 +275,7 @@ impl<B: MoeBackend> Attention<B> {
 /// - q: `[batch, heads, seq, d]`; keys: `[batch, kv_heads, cached, d]`; values: `[batch,
 ///   kv_heads, cached, d_v]`, `kv_heads` dividing `heads`; sinks: `[heads]`
 /// - output: `[batch, heads, seq, d_v]`
-pub(crate) fn attend<B: Backend>(
+pub(crate) fn attend<B: MoeBackend>(
     q: Tensor<B, 4>,
     keys: Tensor<B, 4>,
     values: Tensor<B, 4>,
@@ -287,15 +288,20 @@ pub(crate) fn attend<B: Backend>(
     let [_, h_kv, s, _] = keys.dims();
     let d_v = values.dims()[3];
     let group = h / h_kv;
-    let scores = q
-        .reshape([b, h_kv, group * t, d])
-        .matmul(keys.swap_dims(2, 3))
-        .reshape([b, h, t, s])
-        * scale;
-    probabilities(scores, (places, cached), rules, sinks)
-        .reshape([b, h_kv, group * t, s])
-        .matmul(values)
-        .reshape([b, h, t, d_v])
+    let scores =
+        heads_matmul(q.reshape([b, h_kv, group * t, d]), keys.swap_dims(2, 3)).reshape([b, h, t, s]) * scale;
+    let weights = probabilities(scores, (places, cached), rules, sinks).reshape([b, h_kv, group * t, s]);
+    heads_matmul(weights, values).reshape([b, h, t, d_v])
+}
+
+/// `lhs · rhs` per head, through the backend's [`MoeBackend::heads_matmul`]: on Flex, a
+/// decode step's few rows read the cached keys and values where they lie.
+///
+/// # Shapes
+/// - lhs: `[batch, heads, m, k]`, rhs: `[batch, heads, k, n]` → `[batch, heads, m, n]`
+pub(crate) fn heads_matmul<B: MoeBackend>(lhs: Tensor<B, 4>, rhs: Tensor<B, 4>) -> Tensor<B, 4> {
+    let product = B::heads_matmul(lhs.into_primitive().tensor(), rhs.into_primitive().tensor());
+    Tensor::from_primitive(TensorPrimitive::Float(product))
 }
 
 /// The attention weights of scaled `scores`: keys hidden by [`Places::mask`] at `-inf`, the

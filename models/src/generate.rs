@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use burn::tensor::{Int, Tensor, TensorData};
+use mpipemoe::hot_pool::HotPool;
 use mpipemoe::rng::SplitMix64;
 use mpipemoe::{Communicator, MoeBackend, MoeError, Result};
 
@@ -111,7 +112,8 @@ impl<B: MoeBackend> MoeCausalLm<B> {
         let pads: Vec<usize> = prompts.iter().map(|p| width - p.len()).collect();
         let pad_id = self.config.eos_token_ids.first().copied().unwrap_or(0);
         let group = self.exchange_group();
-        let mut cache = KvCache::left_padded(self.layers.len(), &pads);
+        // Room for the prompt and every new token, so that no step copies the cache.
+        let mut cache = KvCache::left_padded(self.layers.len(), &pads).with_reserve(width + max_new_tokens);
         let mut new: Vec<Vec<usize>> = vec![Vec::with_capacity(max_new_tokens); prompts.len()];
         let mut finished = vec![max_new_tokens == 0; prompts.len()];
         let mut input: Vec<usize> = prompts
@@ -120,6 +122,9 @@ impl<B: MoeBackend> MoeCausalLm<B> {
             .flat_map(|(p, &pad)| std::iter::repeat_n(pad_id, pad).chain(p.iter().copied()))
             .collect();
         let b = prompts.len();
+        // The pool's other threads wait for each step's products awake rather than asleep
+        // (`mpipemoe::hot_pool`): a step is a chain of short parallel products.
+        let _hot = HotPool::start();
         loop {
             let all_done = finished.iter().all(|&f| f);
             if !any_running(group.as_deref(), all_done)? {

@@ -194,7 +194,7 @@ impl<B: MoeBackend> LatentAttention<B> {
         x: Tensor<B, 3>,
         places: &Places,
         (cos, sin): (&Tensor<B, 3>, &Tensor<B, 3>),
-        cached: Option<&LayerCache<B>>,
+        (cached, reserve): (Option<LayerCache<B>>, usize),
     ) -> (Tensor<B, 3>, LayerCache<B>) {
         let (h, c) = self.rules;
         let (nope, rope, v_dim, lora) = (
@@ -231,11 +231,12 @@ impl<B: MoeBackend> LatentAttention<B> {
         // The cache holds the compressed form: the normalised latent and the rotary key, both
         // shared by every head.
         let latent = kv.clone().reshape([b, 1, t, lora]);
-        let mut cache = LayerCache::extend(cached, k_rot.clone(), latent, &places.columns());
-        let out = match cached {
+        let continues = cached.is_some();
+        let mut cache = LayerCache::extend(cached, k_rot.clone(), latent, &places.columns(), reserve);
+        let out = match continues {
             // Nothing earlier: every head's keys and values expanded from these tokens' latent,
             // as transformers computes them (the training path and a prefill).
-            None => {
+            false => {
                 let kv = swap_dims_contiguous(project(&self.kv_b, self.adapter(4), kv).reshape([
                     b,
                     t,
@@ -256,7 +257,7 @@ impl<B: MoeBackend> LatentAttention<B> {
                     None,
                 )
             }
-            Some(_) => {
+            true => {
                 let maps = cache.absorbed.clone().unwrap_or_else(|| self.absorbed_maps());
                 cache.absorbed = Some(maps.clone());
                 self.absorbed(q_pass, q_rot, maps, &cache, places)
@@ -296,11 +297,11 @@ impl<B: MoeBackend> LatentAttention<B> {
             let d = x.dims()[3];
             x.reshape([b, 1, h * t, d])
         };
-        let scores = rows(q_latent).matmul(cache.values.clone().swap_dims(2, 3))
-            + rows(q_rot).matmul(cache.keys.clone().swap_dims(2, 3));
+        let scores = rows(q_latent).matmul(cache.values().swap_dims(2, 3))
+            + rows(q_rot).matmul(cache.keys().swap_dims(2, 3));
         let scores = scores.reshape([b, h, t, s]) * c.softmax_scale;
         let probs = probabilities(scores, (places, &cache.columns), &AttnRules::default(), None);
-        let context = rows(probs).matmul(cache.values.clone()).reshape([b, h, t, lora]);
+        let context = rows(probs).matmul(cache.values()).reshape([b, h, t, lora]);
         per_head(context, w_value)
     }
 }

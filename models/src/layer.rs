@@ -158,7 +158,9 @@ impl<B: MoeBackend> DecoderLayer<B> {
         self
     }
 
-    /// Runs the layer on `x` at `places`.
+    /// Runs the layer on `x` at `places`, continuing `cached.0` (taken from the model's
+    /// cache, so that the step writes into storage no one else holds) with room for
+    /// `cached.1` entries ([`KvCache::reserve`](crate::KvCache::reserve)).
     ///
     /// # Shapes
     /// - x: `[batch, seq, d_model]`; output the same
@@ -170,7 +172,7 @@ impl<B: MoeBackend> DecoderLayer<B> {
         x: Tensor<B, 3>,
         places: &Places,
         rope: (&Tensor<B, 3>, &Tensor<B, 3>),
-        cached: Option<&LayerCache<B>>,
+        cached: (Option<LayerCache<B>>, usize),
     ) -> Result<LayerOutput<B>> {
         let normed = self.attn_norm.forward(x.clone());
         let (attended, cache) = match (&self.attn, &self.mla) {

@@ -375,7 +375,11 @@ impl<B: MoeBackend> MoeCausalLm<B> {
         let mut z = Tensor::zeros([1], &device);
         let mut balance = Vec::new();
         for (i, layer) in self.layers.iter().enumerate() {
-            let cached = cache.as_ref().and_then(|c| c.layers[i].as_ref());
+            // Taken out of the cache, so that the layer's step writes into storage no one else
+            // holds (`LayerCache::extend`).
+            let cached = cache
+                .as_mut()
+                .map_or((None, 0), |c| (c.layers[i].take(), c.reserve));
             let out = layer.forward(hidden, &places, (&cos, &sin), cached)?;
             hidden = out.hidden;
             balance.extend(out.balance);

@@ -117,6 +117,11 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     fn all_to_all_counts(&self, send: &[usize], per_rank: usize) -> Result<Vec<usize>> {
         let op = "all_to_all_counts";
         check_len(self, op, "send", send.len() / per_rank.max(1))?;
+        // A group of one sends to itself: no exchange (a decode step counts every layer's rows
+        // this way, and a one-rank group of threads still takes its locks).
+        if self.n_ranks() == 1 && send.len() == per_rank {
+            return Ok(send.to_vec());
+        }
         let outgoing = (0..self.n_ranks())
             .map(|dst| Payload::Counts(send[dst * per_rank..(dst + 1) * per_rank].to_vec()))
             .collect();
@@ -132,6 +137,9 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     /// concatenated in rank order.
     fn all_gather_counts(&self, local: &[usize]) -> Result<Vec<usize>> {
         let op = "all_gather_counts";
+        if self.n_ranks() == 1 {
+            return Ok(local.to_vec());
+        }
         let outgoing = vec![Payload::Counts(local.to_vec()); self.n_ranks()];
         let incoming = self.exchange(op, outgoing)?;
         let mut out = Vec::with_capacity(local.len() * self.n_ranks());

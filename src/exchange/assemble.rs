@@ -2,7 +2,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::Slice;
+use burn::tensor::{Slice, TensorMetadata};
 
 use super::rows::{dims2, issue, zeros_like_rows};
 use super::MoeBackend;
@@ -21,6 +21,29 @@ pub(crate) fn slice_assign_rows<B: MoeBackend>(
     let [n, width] = dims2::<B>(&rows);
     issue::<B>("float_slice_assign", n * width);
     B::float_slice_assign(dst, &[Slice::from(start..start + n), Slice::from(0..width)], rows)
+}
+
+/// [`MoeBackend::assign_along`]'s default and reference: burn's `slice_assign` over the range
+/// `start..start + len` of dimension `dim`, every other dimension whole.
+///
+/// # Shapes
+/// - dst: `[.., n, ..]`, value: the same dims but `len` at `dim`; returns `dst`'s shape
+pub(crate) fn slice_assign_along<B: MoeBackend>(
+    dst: FloatTensor<B>,
+    dim: usize,
+    start: usize,
+    value: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let (dims, len) = (dst.shape().to_vec(), value.shape().to_vec()[dim]);
+    let slices: Vec<Slice> = dims
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| match i == dim {
+            true => Slice::from(start..start + len),
+            false => Slice::from(0..n),
+        })
+        .collect();
+    B::float_slice_assign(dst, &slices, value)
 }
 
 /// Collects per-partition row blocks into one `[n_rows, width]` tensor in `T_I` order.

@@ -232,6 +232,35 @@ pub trait MoeBackend: ActivationKernels + OptimizerKernels + LossKernels + Layou
         super::assemble::slice_assign_rows::<Self>(dst, start, rows)
     }
 
+    /// Writes `value` into `dst` from index `start` on along dimension `dim` (every other
+    /// dimension whole), returning `dst`: how a generation's key/value cache appends a step's
+    /// entries to the room it keeps. The default is burn's `slice_assign`; Flex, whose
+    /// `slice_assign` copies the whole destination, writes in place where it owns `dst` alone
+    /// (`exchange/flex_rows.rs`), so a decode step copies only its own entries.
+    ///
+    /// # Shapes
+    /// - dst: `[.., n, ..]`, value: the same dims but `len` at `dim`, `start + len <= n`
+    fn assign_along(
+        dst: FloatTensor<Self>,
+        dim: usize,
+        start: usize,
+        value: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        super::assemble::slice_assign_along::<Self>(dst, dim, start, value)
+    }
+
+    /// `lhs · rhs` over matching batch dimensions: attention's products of every head (the
+    /// scores against the cached keys, the weights against the cached values). The default is
+    /// the backend's matmul; Flex runs each head's product of a few rows (a decode step's) on
+    /// the kernels of its few-row products, reading the cache where it lies
+    /// (`exchange/flex_heads.rs`), where its matmul packed it first.
+    ///
+    /// # Shapes
+    /// - lhs: `[.., m, k]`, rhs: `[.., k, n]` → `[.., m, n]`
+    fn heads_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::float_matmul(lhs, rhs)
+    }
+
     /// `lhs · rhs` for the experts' GEMMs (the fused op's forward and backward products) and
     /// for the dense products around the layer that have no device library to go through (a
     /// model's projections and head, the router's logits and the shared expert on the CPU).
@@ -420,6 +449,16 @@ impl MoeBackend for burn::backend::Flex {
         super::flex_rows::assign_rows(dst, start, rows)
     }
 
+    /// In place where Flex owns the destination alone (its `slice_assign` copies it whole).
+    fn assign_along(
+        dst: FloatTensor<Self>,
+        dim: usize,
+        start: usize,
+        value: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        super::flex_rows::assign_along(dst, dim, start, value)
+    }
+
     /// A view of the weight's storage, not a copy.
     fn expert_matrix(w: &FloatTensor<Self>, e: usize) -> FloatTensor<Self> {
         super::flex_rows::expert_matrix(w, e)
@@ -440,6 +479,11 @@ impl MoeBackend for burn::backend::Flex {
             }
             _ => <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_empty(shape, device, dtype),
         }
+    }
+
+    /// Each head's few rows on the few-row kernels (`exchange/flex_heads.rs`).
+    fn heads_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        super::flex_heads::heads_matmul(lhs, rhs)
     }
 
     /// Into an output zeroed once, not zeroed and copied (`exchange/flex_gemm.rs`).

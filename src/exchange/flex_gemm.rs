@@ -21,14 +21,14 @@ use burn::backend::flex::{Flex, FlexTensor};
 use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{DType, Shape, TensorData};
 
-use super::flex_gemv;
+use super::{flex_dot, flex_gemv};
 
 /// Flex's threshold (burn-flex 0.21 `ops/matmul.rs` `PARALLEL_THRESHOLD`): products of at
 /// least this many multiply-adds run on every core.
 pub(crate) const PARALLEL_THRESHOLD: usize = 192 * 192 * 192;
 
 /// Products of at most this many rows run as [`few_rows`] does.
-const FEW_ROWS: usize = 16;
+pub(crate) const FEW_ROWS: usize = 16;
 
 /// A few-row product is split over the pool's threads when its `rhs` holds at least this
 /// many values (256 KiB).
@@ -114,9 +114,8 @@ pub(crate) unsafe fn product_into(
     }
     let operands = Operands::of(lhs, rhs, [m, k, n]);
     if m <= FEW_ROWS {
-        // The streaming kernel folds into what `out` holds.
+        // Every road writes each of `out`'s values (the streaming kernel's folds are fresh).
         let out = std::slice::from_raw_parts_mut(out, m * n);
-        out.fill(0.0);
         few_rows(&operands, out);
     } else if parallel {
         pool_columns(&operands, out);
@@ -174,11 +173,56 @@ unsafe fn pool_columns(operands: &Operands, out: *mut f32) {
 /// `gemm` call each, giving the whole call's values bit for bit. One row splits there only
 /// from [`SPLIT_VALUES_ONE_ROW`] on (measured, µs, 2 threads, whole call against the split:
 /// 1×512×8192 1,838 → 1,176, but 1×512×1536 372 → 440).
-fn few_rows(operands: &Operands, out: &mut [f32]) {
-    let row_major = operands.rhs_strides[1] == 1 && operands.rhs_strides[0] >= 0;
-    match row_major && flex_gemv::available() {
-        true => streamed_rows(operands, out),
-        false => split_columns(operands, out),
+pub(crate) fn few_rows(operands: &Operands, out: &mut [f32]) {
+    let [m, _, _] = operands.mkn;
+    let row_major = operands.rhs_strides[1] == 1;
+    let column_major = operands.rhs_strides[0] == 1 && m <= flex_dot::DOT_ROWS;
+    match (row_major, column_major, flex_gemv::available()) {
+        (true, _, true) => streamed_rows(operands, out),
+        (false, true, true) => dotted_rows(operands, out),
+        _ => split_columns(operands, out),
+    }
+}
+
+/// [`few_rows`] against a transposed `rhs` of at most [`flex_dot::DOT_ROWS`] rows (attention's
+/// `q · Kᵀ` in a decode step, a tied head's `x · Eᵀ`): each column of `rhs` is a contiguous
+/// run, dotted with every row of `lhs` (`flex_dot.rs`), runs of columns over the pool's
+/// threads where `rhs` is large. Each value is one fold, so the values are the same on any
+/// pool.
+fn dotted_rows(operands: &Operands, out: &mut [f32]) {
+    use rayon::prelude::*;
+
+    let [m, k, n] = operands.mkn;
+    let lhs = operands.lhs_rows();
+    let threads = match k.saturating_mul(n) >= SPLIT_VALUES {
+        true => rayon::current_num_threads().min(n / MIN_SPLIT_COLUMNS).max(1),
+        false => 1,
+    };
+    let run = n.div_ceil(threads).next_multiple_of(16).min(n).max(1);
+    let out_ptr = Shared(out.as_mut_ptr() as *const f32);
+    let work = |j0: usize| {
+        // SAFETY: each run writes only its own columns of `out` (`m · n` values, this call's
+        // alone); the kernel is available (the caller's check) and takes `m ≤ DOT_ROWS` rows;
+        // `rhs`'s columns are `k` contiguous values `rhs_strides[1]` apart.
+        unsafe {
+            flex_dot::rows_dot_rows(
+                &lhs,
+                [m, k],
+                operands.rhs.0,
+                operands.rhs_strides[1] as usize,
+                out_ptr.as_mut(),
+                n,
+                j0..(j0 + run).min(n),
+            )
+        }
+    };
+    match threads {
+        1 => work(0),
+        _ => (0..n)
+            .step_by(run)
+            .collect::<Vec<_>>()
+            .into_par_iter()
+            .for_each(work),
     }
 }
 
@@ -193,66 +237,85 @@ fn depth_chunks(k: usize, n: usize) -> (usize, usize) {
     (k.div_ceil(rows), rows)
 }
 
-/// [`few_rows`] on the streaming kernel: depth chunk `c` is folded into `out` (`c = 0`) or
-/// into partial `c`, each chunk's columns split further into runs where the pool has more
-/// threads than chunks; then `out += partial_1 + partial_2 + …`, added in that order.
+/// [`few_rows`] on the streaming kernel: depth chunk `c` is folded from zero into `out`
+/// (`c = 0`) or into partial `c`, each chunk's columns split further into runs where the pool
+/// has more threads than chunks; then `out += partial_1 + partial_2 + …`, added in that order.
+/// On one thread the chunks run in order, each folded into one scratch buffer and added into
+/// `out` at once: the same sums in the same order, without a buffer per chunk (which were
+/// zeroed, written and read back: 2.6 MB a decode step of the 163 M Qwen3-MoE).
 fn streamed_rows(operands: &Operands, out: &mut [f32]) {
     use rayon::prelude::*;
 
     let [m, k, n] = operands.mkn;
+    if k == 0 {
+        out.fill(0.0);
+        return;
+    }
     let lhs = operands.lhs_rows();
     let (chunks, rows) = depth_chunks(k, n);
-    let mut partials = vec![0f32; (chunks - 1) * m * n];
-    let runs = match chunks {
-        1 => 1,
-        _ => rayon::current_num_threads()
-            .div_ceil(chunks)
-            .min(n / MIN_SPLIT_COLUMNS)
-            .max(1),
+    // Chunk `c`'s columns `cols`, folded from zero into `dst` (`m · n` values, row-major).
+    let fold = |c: usize, cols: std::ops::Range<usize>, dst: *mut f32| {
+        // SAFETY: the kernel is available (the caller's check); `rhs` has `k` rows of `n`
+        // values `rhs_strides[0]` apart; `dst` holds `m · n` values whose columns `cols` no
+        // one else touches meanwhile (each caller below says why).
+        unsafe {
+            flex_gemv::rows_times_matrix(
+                &lhs,
+                [m, k],
+                c * rows..((c + 1) * rows).min(k),
+                operands.rhs.0,
+                operands.rhs_strides[0] as usize,
+                dst,
+                n,
+                cols,
+                true,
+            )
+        }
     };
+    if chunks == 1 || rayon::current_num_threads() == 1 {
+        // `out` and the scratch buffer are this call's alone, and the folds run one by one.
+        fold(0, 0..n, out.as_mut_ptr());
+        if chunks > 1 {
+            let mut scratch = Vec::<f32>::with_capacity(m * n);
+            for c in 1..chunks {
+                fold(c, 0..n, scratch.as_mut_ptr());
+                // SAFETY: the fresh fold wrote all `m · n` values.
+                unsafe { scratch.set_len(m * n) };
+                flex_gemv::add_partials(out, &scratch);
+            }
+        }
+        return;
+    }
+    let mut partials = Vec::<f32>::with_capacity((chunks - 1) * m * n);
+    let runs = rayon::current_num_threads()
+        .div_ceil(chunks)
+        .min(n / MIN_SPLIT_COLUMNS)
+        .max(1);
     // Runs of columns in multiples of 16 (whole SIMD blocks), the last one shorter.
     let run = n.div_ceil(runs).next_multiple_of(16).min(n);
     let (out_ptr, partials_ptr) = (
         Shared(out.as_mut_ptr() as *const f32),
         Shared(partials.as_mut_ptr() as *const f32),
     );
-    let work = |(c, j0): (usize, usize)| {
-        let ks = c * rows..((c + 1) * rows).min(k);
-        let cols = j0..(j0 + run).min(n);
-        // SAFETY: each (chunk, run) writes only its own columns of its own buffer (`out` for
-        // chunk 0, partial `c` otherwise, each `m · n` values), so no two touch the same
-        // values, and nothing else touches the buffers meanwhile; the kernel is available
-        // (the caller's check); `rhs` has `k` rows of `n` values `rhs_strides[0]` apart.
-        unsafe {
-            let dst = match c {
-                0 => out_ptr.as_mut(),
-                _ => partials_ptr.as_mut().add((c - 1) * m * n),
+    (0..chunks)
+        .flat_map(|c| (0..n).step_by(run).map(move |j0| (c, j0)))
+        .collect::<Vec<_>>()
+        .into_par_iter()
+        .for_each(|(c, j0)| {
+            // Each (chunk, run) writes only its own columns of its own buffer (`out` for chunk
+            // 0, partial `c` otherwise, each `m · n` values), so no two touch the same values.
+            // SAFETY: both buffers hold what the offsets reach.
+            let dst = unsafe {
+                match c {
+                    0 => out_ptr.as_mut(),
+                    _ => partials_ptr.as_mut().add((c - 1) * m * n),
+                }
             };
-            flex_gemv::rows_times_matrix(
-                &lhs,
-                [m, k],
-                ks,
-                operands.rhs.0,
-                operands.rhs_strides[0] as usize,
-                dst,
-                n,
-                cols,
-            )
-        }
-    };
-    match chunks * n.div_ceil(run) {
-        1 => work((0, 0)),
-        _ => (0..chunks)
-            .flat_map(|c| (0..n).step_by(run).map(move |j0| (c, j0)))
-            .collect::<Vec<_>>()
-            .into_par_iter()
-            .for_each(work),
-    }
-    for partial in partials.chunks_exact(m * n) {
-        for (o, p) in out.iter_mut().zip(partial) {
-            *o += p;
-        }
-    }
+            fold(c, j0..(j0 + run).min(n), dst)
+        });
+    // SAFETY: the runs cover every column of every partial, each written by a fresh fold.
+    unsafe { partials.set_len((chunks - 1) * m * n) };
+    flex_gemv::add_partials(out, &partials);
 }
 
 /// [`few_rows`] on `gemm`: runs of columns over the pool's threads where `rhs` is large, one
@@ -274,7 +337,7 @@ fn split_columns(operands: &Operands, out: &mut [f32]) {
 
 /// The two `f32` operands of one product, as `gemm` reads them: where their views start, their
 /// strides, and `[m, k, n]`.
-struct Operands {
+pub(crate) struct Operands {
     lhs: Shared<f32>,
     rhs: Shared<f32>,
     lhs_strides: [isize; 2],
@@ -285,6 +348,22 @@ struct Operands {
 impl Operands {
     /// The views of `lhs` `[m, k]` and `rhs` `[k, n]`, whose strides the caller has checked to
     /// be non-negative. The tensors must outlive the value.
+    /// The operands at `lhs` and `rhs` with the strides given (non-negative; the caller keeps
+    /// the storages alive and the views inside them): one product of a batch.
+    pub(crate) fn at(
+        (lhs, lhs_strides): (*const f32, [isize; 2]),
+        (rhs, rhs_strides): (*const f32, [isize; 2]),
+        mkn: [usize; 3],
+    ) -> Self {
+        Self {
+            lhs: Shared(lhs),
+            rhs: Shared(rhs),
+            lhs_strides,
+            rhs_strides,
+            mkn,
+        }
+    }
+
     fn of(lhs: &FlexTensor, rhs: &FlexTensor, mkn: [usize; 3]) -> Self {
         let start = |t: &FlexTensor| Shared(t.storage::<f32>()[t.layout().start_offset()..].as_ptr());
         let strides = |t: &FlexTensor| [t.layout().strides()[0], t.layout().strides()[1]];
@@ -297,9 +376,15 @@ impl Operands {
         }
     }
 
-    /// `lhs`'s `[m, k]` values, row-major and contiguous.
-    fn lhs_rows(&self) -> Vec<f32> {
+    /// `lhs`'s `[m, k]` values, row-major and contiguous: the view itself where it is laid out
+    /// so (a decode step's rows always are), else a copy.
+    fn lhs_rows(&self) -> std::borrow::Cow<'_, [f32]> {
         let ([m, k, _], [l0, l1]) = (self.mkn, self.lhs_strides);
+        if (l1 == 1 || k <= 1) && (l0 == k as isize || m <= 1) {
+            // SAFETY: the view's `m · k` elements lie inside its storage, row after row
+            // (`of`'s contract), and the tensor outlives `self`.
+            return std::borrow::Cow::Borrowed(unsafe { std::slice::from_raw_parts(self.lhs.0, m * k) });
+        }
         let mut rows = Vec::with_capacity(m * k);
         for i in 0..m {
             for t in 0..k {
@@ -307,7 +392,7 @@ impl Operands {
                 rows.push(unsafe { *self.lhs.0.offset(i as isize * l0 + t as isize * l1) });
             }
         }
-        rows
+        std::borrow::Cow::Owned(rows)
     }
 
     /// `out[.., cols] = lhs · rhs[.., cols]`: one `gemm` call over a run of the output's
@@ -473,7 +558,7 @@ mod tests {
     use burn::tensor::ops::FloatTensorOps;
     use burn::tensor::TensorData;
 
-    use super::{few_rows, matmul, Operands};
+    use super::{few_rows, flex_dot, matmul, Operands};
 
     fn tensor(rows: usize, cols: usize, seed: usize) -> FlexTensor {
         let values: Vec<f32> = (0..rows * cols)
@@ -594,8 +679,9 @@ mod tests {
     /// Few-row products on pools of one and three threads (uneven column runs, a last run
     /// short of a SIMD block, depths cut into chunks and not): against a row-major weight
     /// (the streaming kernel, cut by depth) the same values on both pools and within float
-    /// rounding of a float64 product; against a transposed one (`gemm`, split by columns) the
-    /// whole call's values bit for bit; and `matmul` takes that road.
+    /// rounding of a float64 product; against a transposed one (the dot kernel up to four rows,
+    /// `gemm` above, split by columns) one whole call's values bit for bit; and `matmul` takes
+    /// that road.
     #[test]
     fn few_row_products_are_the_same_on_any_pool_and_match_float64() {
         let pools = [1, 3].map(|t| rayon::ThreadPoolBuilder::new().num_threads(t).build().unwrap());
@@ -631,7 +717,25 @@ mod tests {
                         "{m}×{k}×{n}, transposed {transposed}, [{i}]: {got} against {want}"
                     );
                 }
-                if transposed {
+                if transposed && m <= flex_dot::DOT_ROWS {
+                    // The dot kernel's own values over every column in one call.
+                    let operands = Operands::of(&lhs, &rhs, [m, k, n]);
+                    let mut once = vec![f32::NAN; m * n];
+                    // SAFETY: AVX2 is there (the road was taken); `rhs`'s columns are `k`
+                    // contiguous values `rhs_strides[1]` apart; `once` holds `m · n` values.
+                    unsafe {
+                        flex_dot::rows_dot_rows(
+                            &operands.lhs_rows(),
+                            [m, k],
+                            operands.rhs.0,
+                            operands.rhs_strides[1] as usize,
+                            once.as_mut_ptr(),
+                            n,
+                            0..n,
+                        )
+                    };
+                    assert!(three == once, "{m}×{k}×{n}: not the dot kernel's one call");
+                } else if transposed {
                     assert!(
                         three == whole(&lhs, &rhs, [m, k, n]),
                         "{m}×{k}×{n}: not the whole call's"

@@ -33,7 +33,9 @@ pub(crate) fn available() -> bool {
 }
 
 /// `out[i, j] += Σ_{t ∈ ks} lhs[i, t] · rhs[t, j]` for every row `i < m` and column `j` in
-/// `cols`, folded over `t` in order.
+/// `cols`, folded over `t` in order; with `fresh`, `out[i, j] = Σ …`, the fold starting from
+/// zero (bit for bit what it gives on an `out` of zeros) and `out`'s values in `cols` only
+/// written, so that the caller need not zero them first.
 ///
 /// # Shapes
 /// - lhs: `[m, k]` contiguous; rhs: `k` rows of row stride `ld_rhs` (unit column stride);
@@ -53,13 +55,71 @@ pub(crate) unsafe fn rows_times_matrix(
     out: *mut f32,
     n: usize,
     cols: Range<usize>,
+    fresh: bool,
 ) {
     #[cfg(target_arch = "x86_64")]
-    avx2::rows_times_matrix(lhs, [m, k], ks, rhs, ld_rhs, out, n, cols);
+    avx2::rows_times_matrix(lhs, [m, k], ks, rhs, ld_rhs, out, n, cols, fresh);
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (lhs, m, k, ks, rhs, ld_rhs, out, n, cols);
+        let _ = (lhs, m, k, ks, rhs, ld_rhs, out, n, cols, fresh);
         unreachable!("`available` is false off x86-64, so nothing calls the kernel there");
+    }
+}
+
+/// `out[j] = ((out[j] + partials[0][j]) + partials[1][j]) + …`: the depth chunks' partial
+/// products added into the first chunk's, in chunk order, each value's sum the same whether a
+/// vector lane or the scalar tail adds it. One pass over `out` for every partial (the
+/// compiler's own loop, a partial at a time, was SSE and read `out` once per partial: 1% of a
+/// decode step, most of it the head's seven partials of 8,192 values).
+///
+/// # Shapes
+/// - out: `[len]`; partials: `[n_partials · len]`
+pub(crate) fn add_partials(out: &mut [f32], partials: &[f32]) {
+    let len = out.len();
+    if len == 0 || partials.is_empty() {
+        return;
+    }
+    assert_eq!(partials.len() % len, 0, "partials of {len} values each");
+    #[cfg(target_arch = "x86_64")]
+    if available() {
+        // SAFETY: AVX2 is there (`available`); the lengths were checked above.
+        return unsafe { avx2_sums::add_partials(out, partials) };
+    }
+    for (j, o) in out.iter_mut().enumerate() {
+        for partial in partials.chunks_exact(len) {
+            *o += partial[j];
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2_sums {
+    use std::arch::x86_64::*;
+
+    /// [`add_partials`](super::add_partials) eight values a step.
+    ///
+    /// # Safety
+    /// AVX2 is available; `partials.len()` is a multiple of `out.len()`.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn add_partials(out: &mut [f32], partials: &[f32]) {
+        let len = out.len();
+        let count = partials.len() / len;
+        let vector_end = len / 8 * 8;
+        let (o, p) = (out.as_mut_ptr(), partials.as_ptr());
+        let mut j = 0;
+        while j < vector_end {
+            let mut acc = _mm256_loadu_ps(o.add(j));
+            for c in 0..count {
+                acc = _mm256_add_ps(acc, _mm256_loadu_ps(p.add(c * len + j)));
+            }
+            _mm256_storeu_ps(o.add(j), acc);
+            j += 8;
+        }
+        for j in vector_end..len {
+            for c in 0..count {
+                *o.add(j) += *p.add(c * len + j);
+            }
+        }
     }
 }
 
@@ -84,14 +144,26 @@ mod avx2 {
         out: *mut f32,
         n: usize,
         cols: Range<usize>,
+        fresh: bool,
     ) {
         if m == 1 {
-            return one_row(lhs.as_ptr(), ks, rhs, ld_rhs, out, cols);
+            return one_row(lhs.as_ptr(), ks, rhs, ld_rhs, out, cols, fresh);
         }
         let vector_end = cols.start + (cols.len() / 8) * 8;
         let mut k0 = ks.start;
         while k0 < ks.end {
             let rows = BLOCK.min(ks.end - k0);
+            // The first block of a fresh fold starts from zero instead of what `out` holds.
+            let zero = fresh && k0 == ks.start;
+            macro_rules! load {
+                ($at:expr) => {
+                    if zero {
+                        _mm256_setzero_ps()
+                    } else {
+                        _mm256_loadu_ps($at)
+                    }
+                };
+            }
             let row = |t: usize| rhs.add((k0 + t) * ld_rhs);
             let mut j = cols.start;
             while j < vector_end {
@@ -100,7 +172,7 @@ mod avx2 {
                     for i in 0..m {
                         let x = lhs.as_ptr().add(i * k + k0);
                         let at = out.add(i * n + j);
-                        let mut acc = _mm256_loadu_ps(at);
+                        let mut acc = load!(at);
                         for (t, w) in w.iter().enumerate() {
                             acc = _mm256_fmadd_ps(_mm256_broadcast_ss(&*x.add(t)), *w, acc);
                         }
@@ -110,7 +182,7 @@ mod avx2 {
                     for i in 0..m {
                         let x = lhs.as_ptr().add(i * k + k0);
                         let at = out.add(i * n + j);
-                        let mut acc = _mm256_loadu_ps(at);
+                        let mut acc = load!(at);
                         for t in 0..rows {
                             let w = _mm256_loadu_ps(row(t).add(j));
                             acc = _mm256_fmadd_ps(_mm256_broadcast_ss(&*x.add(t)), w, acc);
@@ -125,7 +197,7 @@ mod avx2 {
                 for i in 0..m {
                     let x = lhs.as_ptr().add(i * k + k0);
                     let at = out.add(i * n + j);
-                    let mut acc = *at;
+                    let mut acc = if zero { 0.0 } else { *at };
                     for t in 0..rows {
                         acc = (*x.add(t)).mul_add(*row(t).add(j), acc);
                     }
@@ -153,6 +225,7 @@ mod avx2_one_row {
     ///
     /// # Safety
     /// As [`rows_times_matrix`](super::rows_times_matrix) with `m = 1`: `x` holds the row.
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn one_row(
         x: *const f32,
@@ -161,18 +234,31 @@ mod avx2_one_row {
         ld_rhs: usize,
         out: *mut f32,
         cols: Range<usize>,
+        fresh: bool,
     ) {
         let pair_end = cols.start + (cols.len() / 16) * 16;
         let mut k0 = ks.start;
         while k0 < ks.end {
             let rows = BLOCK.min(ks.end - k0);
             let row = |t: usize| rhs.add((k0 + t) * ld_rhs);
+            // The first block of a fresh fold starts from zero instead of what `out` holds.
+            let zero = fresh && k0 == ks.start;
+            macro_rules! load {
+                ($at:expr) => {
+                    if zero {
+                        _mm256_setzero_ps()
+                    } else {
+                        _mm256_loadu_ps($at)
+                    }
+                };
+            }
+            let scalar = |at: *const f32| if zero { 0.0 } else { *at };
             if rows == BLOCK {
                 let xs: [__m256; BLOCK] = std::array::from_fn(|t| _mm256_broadcast_ss(&*x.add(k0 + t)));
                 let r: [*const f32; BLOCK] = std::array::from_fn(row);
                 let mut j = cols.start;
                 while j < pair_end {
-                    let (mut a0, mut a1) = (_mm256_loadu_ps(out.add(j)), _mm256_loadu_ps(out.add(j + 8)));
+                    let (mut a0, mut a1) = (load!(out.add(j)), load!(out.add(j + 8)));
                     for t in 0..BLOCK {
                         a0 = _mm256_fmadd_ps(xs[t], _mm256_loadu_ps(r[t].add(j)), a0);
                         a1 = _mm256_fmadd_ps(xs[t], _mm256_loadu_ps(r[t].add(j + 8)), a1);
@@ -182,7 +268,7 @@ mod avx2_one_row {
                     j += 16;
                 }
                 if j + 8 <= cols.end {
-                    let mut a = _mm256_loadu_ps(out.add(j));
+                    let mut a = load!(out.add(j));
                     for t in 0..BLOCK {
                         a = _mm256_fmadd_ps(xs[t], _mm256_loadu_ps(r[t].add(j)), a);
                     }
@@ -190,7 +276,7 @@ mod avx2_one_row {
                     j += 8;
                 }
                 for j in j..cols.end {
-                    let mut a = *out.add(j);
+                    let mut a = scalar(out.add(j));
                     for (t, r) in r.iter().enumerate() {
                         a = (*x.add(k0 + t)).mul_add(*r.add(j), a);
                     }
@@ -200,7 +286,7 @@ mod avx2_one_row {
                 // The depth's last rows, fewer than a block: one fused multiply-add per value
                 // and row, rows in order.
                 for j in cols.clone() {
-                    let mut a = *out.add(j);
+                    let mut a = scalar(out.add(j));
                     for t in 0..rows {
                         a = (*x.add(k0 + t)).mul_add(*row(t).add(j), a);
                     }
@@ -214,13 +300,35 @@ mod avx2_one_row {
 
 #[cfg(test)]
 mod tests {
-    use super::{available, rows_times_matrix};
+    use super::{add_partials, available, rows_times_matrix};
+
+    /// The vector sum against the scalar one, in chunk order, bit for bit: lengths with and
+    /// without a scalar tail, one to seven partials, values whose sums round differently in
+    /// another order.
+    #[test]
+    fn partials_add_in_chunk_order_bit_for_bit() {
+        for (len, count) in [(1, 1), (8, 3), (13, 7), (8192, 7), (1541, 2)] {
+            let value = |i: usize| ((i * 7919 % 2003) as f32 - 1000.0) * 1.37e-3 * (1 + i % 5) as f32;
+            let partials: Vec<f32> = (0..len * count).map(|i| value(i + 17)).collect();
+            let start: Vec<f32> = (0..len).map(|i| value(i) * 1e3).collect();
+            let mut want = start.clone();
+            for (j, w) in want.iter_mut().enumerate() {
+                for c in 0..count {
+                    *w += partials[c * len + j];
+                }
+            }
+            let mut got = start;
+            add_partials(&mut got, &partials);
+            assert!(got == want, "{len} × {count}");
+        }
+    }
 
     /// Against a float64 product, for row counts 1 to 16, depths and widths that are not
     /// multiples of the block or the vector (and a row stride wider than the columns); and
     /// computed in column runs of uneven width, each over the depth in two calls, bit for bit
     /// the same as in one run; and each row alone (the one-row kernel) bit for bit its row
-    /// of the many-row product.
+    /// of the many-row product; and a fresh fold (over `out`'s NaNs) bit for bit the fold over
+    /// zeros.
     #[test]
     fn few_rows_times_a_matrix_match_float64_and_split_runs_change_no_bit() {
         if !available() {
@@ -239,7 +347,19 @@ mod tests {
             let mut whole = vec![0f32; m * n];
             // SAFETY: AVX2 and FMA are there; `rhs` has `k` rows of `ld ≥ n` values; `whole`
             // holds `m · n` zeros.
-            unsafe { rows_times_matrix(&lhs, [m, k], 0..k, rhs.as_ptr(), ld, whole.as_mut_ptr(), n, 0..n) };
+            unsafe {
+                rows_times_matrix(
+                    &lhs,
+                    [m, k],
+                    0..k,
+                    rhs.as_ptr(),
+                    ld,
+                    whole.as_mut_ptr(),
+                    n,
+                    0..n,
+                    false,
+                )
+            };
             for i in 0..m {
                 for j in 0..n {
                     let want: f64 = (0..k)
@@ -268,6 +388,7 @@ mod tests {
                             split.as_mut_ptr(),
                             n,
                             w[0]..w[1],
+                            false,
                         )
                     };
                 }
@@ -287,11 +408,53 @@ mod tests {
                         alone.as_mut_ptr(),
                         n,
                         0..n,
+                        false,
                     )
                 };
                 assert!(
                     alone[..] == whole[i * n..(i + 1) * n],
                     "{m}×{k}×{n}: row {i} alone differs"
+                );
+            }
+            // A fresh fold over values that are not zeros (NaN: any read of them shows) gives
+            // the fold over zeros, bit for bit, in column runs and each row alone.
+            let mut fresh = vec![f32::NAN; m * n];
+            for w in cuts.windows(2) {
+                // SAFETY: as above; the runs are disjoint.
+                unsafe {
+                    rows_times_matrix(
+                        &lhs,
+                        [m, k],
+                        0..k,
+                        rhs.as_ptr(),
+                        ld,
+                        fresh.as_mut_ptr(),
+                        n,
+                        w[0]..w[1],
+                        true,
+                    )
+                };
+            }
+            assert!(fresh == whole, "{m}×{k}×{n}: a fresh fold differs");
+            for i in 0..m {
+                let mut alone = vec![f32::NAN; n];
+                // SAFETY: as above, one row of `lhs`.
+                unsafe {
+                    rows_times_matrix(
+                        &lhs[i * k..(i + 1) * k],
+                        [1, k],
+                        0..k,
+                        rhs.as_ptr(),
+                        ld,
+                        alone.as_mut_ptr(),
+                        n,
+                        0..n,
+                        true,
+                    )
+                };
+                assert!(
+                    alone[..] == whole[i * n..(i + 1) * n],
+                    "{m}×{k}×{n}: row {i} fresh differs"
                 );
             }
         }

@@ -23,11 +23,15 @@ pub(crate) mod executor;
 mod expert_path;
 mod ffn;
 #[cfg(feature = "flex")]
+mod flex_dot;
+#[cfg(feature = "flex")]
 mod flex_experts;
 #[cfg(feature = "flex")]
 mod flex_gemm;
 #[cfg(feature = "flex")]
 mod flex_gemv;
+#[cfg(feature = "flex")]
+mod flex_heads;
 #[cfg(feature = "flex")]
 mod flex_rows;
 pub(crate) mod fused;

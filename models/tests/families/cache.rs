@@ -56,8 +56,8 @@ fn deepseeks_cache_holds_the_latent_per_token() {
         .unwrap();
     let expanded = heads * (latent.qk_nope_head_dim + latent.qk_rope_head_dim + latent.v_head_dim);
     for layer in cache.layers.iter().map(|l| l.as_ref().unwrap()) {
-        assert_eq!(layer.keys.dims(), [1, 1, 6, latent.qk_rope_head_dim]);
-        assert_eq!(layer.values.dims(), [1, 1, 6, latent.kv_lora_rank]);
+        assert_eq!(layer.keys().dims(), [1, 1, 6, latent.qk_rope_head_dim]);
+        assert_eq!(layer.values().dims(), [1, 1, 6, latent.kv_lora_rank]);
         let per_token = latent.qk_rope_head_dim + latent.kv_lora_rank;
         assert!(per_token < expanded, "{per_token} against {expanded}");
     }
