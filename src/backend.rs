@@ -25,6 +25,7 @@
 //! slot of the schedule, reused by every partition, layer and step the [`PartitionArena`] is
 //! handed to.
 
+pub use crate::decoder::DecoderKernels;
 pub use crate::dispatch::{
     chunk_len, chunk_range, ExchangePlan, PartitionPlan, RoutingCounts, RowMap, SplitScheme,
 };

@@ -127,6 +127,7 @@ pub mod backend;
 #[cfg(feature = "testkit")]
 mod cases;
 pub mod comm;
+pub mod decoder;
 mod dispatch;
 mod error;
 mod exchange;

@@ -334,7 +334,7 @@ pub(crate) fn probabilities<B: Backend>(
     }
 }
 
-fn norm<B: Backend, const D: usize>(norm: &Option<RmsNorm<B>>, x: Tensor<B, D>) -> Tensor<B, D> {
+fn norm<B: MoeBackend, const D: usize>(norm: &Option<RmsNorm<B>>, x: Tensor<B, D>) -> Tensor<B, D> {
     match norm {
         Some(n) => n.forward(x),
         None => x,

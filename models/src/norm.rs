@@ -3,7 +3,8 @@
 use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::tensor::backend::Backend;
-use burn::tensor::Tensor;
+use burn::tensor::{Tensor, TensorPrimitive};
+use mpipemoe::backend::DecoderKernels;
 
 /// A block's parameters under their Hugging Face names: projections (a `Linear` named `x` is
 /// stored as `x.weight` `[out, in]` and `x.bias`) and vectors under their full names (norm
@@ -60,14 +61,20 @@ impl<B: Backend> RmsNorm<B> {
             eps,
         }
     }
+}
 
-    /// Normalises over the last dimension.
+impl<B: DecoderKernels> RmsNorm<B> {
+    /// Normalises over the last dimension, with the backend's kernel
+    /// ([`DecoderKernels::rms_norm`]: burn's ops, one pass on Flex).
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let mean_square = x.clone().powi_scalar(2).mean_dim(D - 1);
-        let normalised = x * (mean_square + self.eps).sqrt().recip();
+        let dims = x.dims();
         let width = self.weight.dims()[0];
-        let mut shape = [1; D];
-        shape[D - 1] = width;
-        normalised * self.weight.val().reshape(shape)
+        let rows = dims[..D - 1].iter().product::<usize>();
+        let y = B::rms_norm(
+            x.reshape([rows, width]).into_primitive().tensor(),
+            self.weight.val().into_primitive().tensor(),
+            self.eps,
+        );
+        Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(y)).reshape(dims)
     }
 }

@@ -2,7 +2,8 @@
 //! computed as transformers computes them.
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData, TensorPrimitive};
+use mpipemoe::decoder::{rotate_half_rows, DecoderKernels};
 
 /// How the rotary frequencies are scaled for contexts beyond the pretraining length
 /// (`rope_parameters.rope_type` in a transformers 5 config, `rope_scaling` in 4.x).
@@ -231,7 +232,7 @@ impl Rotary {
                 .repeat_dim(1, h)
                 .reshape([rows * h, t * d]),
         };
-        Self::half_with(x, [b * h, t * d], table(cos), table(sin))
+        rotate_half_rows(x, [b * h, t * d], table(cos), table(sin))
     }
 
     /// [`apply`](Self::apply) on the sequence-major layout, before the heads are moved
@@ -241,60 +242,20 @@ impl Rotary {
     /// # Shapes
     /// - x: `[batch, seq, heads, head_dim]`
     /// - cos, sin: `[rows, seq, head_dim]`, `rows` 1 or `batch`
-    pub fn apply_seq_major<B: Backend>(
+    pub fn apply_seq_major<B: DecoderKernels>(
         x: Tensor<B, 4>,
         cos: &Tensor<B, 3>,
         sin: &Tensor<B, 3>,
     ) -> Tensor<B, 4> {
-        let [b, t, h, d] = x.dims();
-        // Each batch row of `t · h · d` values takes its tables (one for all where the rows
-        // share their positions) repeated over the heads.
-        let table = |m: &Tensor<B, 3>| {
-            let rows = m.dims()[0];
-            m.clone()
-                .reshape([rows, t, 1, d])
-                .repeat_dim(2, h)
-                .reshape([rows, t * h * d])
-        };
-        Self::half_with(x, [b, t * h * d], table(cos), table(sin))
+        // The backend's kernel: burn's ops (the tables repeated over the heads), one pass on
+        // Flex (`DecoderKernels::rotate_half_seq_major`).
+        let rotated = B::rotate_half_seq_major(
+            x.into_primitive().tensor(),
+            cos.clone().into_primitive().tensor(),
+            sin.clone().into_primitive().tensor(),
+        );
+        Tensor::from_primitive(TensorPrimitive::Float(rotated))
     }
-
-    /// `x · cos + rotate_half(x) · sin`, with `x` seen as `rows` (each row a run of whole
-    /// heads) and the tables as one such row, shared by every row, or one for each.
-    ///
-    /// Both choices keep a CPU backend on its fast paths: a table shared row by row is a
-    /// broadcast Flex vectorises (a table broadcast over a middle axis it walks element by
-    /// element), and `rotate_half(x) = [−x₂ | x₁]` is one product with the signed permutation
-    /// matrix `[[0, I], [−I, 0]]` over contiguous rows rather than two strided slices, a
-    /// negation and a concatenation. The product is exact: each output is one input times ±1
-    /// plus zeros.
-    fn half_with<B: Backend>(
-        x: Tensor<B, 4>,
-        rows: [usize; 2],
-        cos: Tensor<B, 2>,
-        sin: Tensor<B, 2>,
-    ) -> Tensor<B, 4> {
-        let dims = x.dims();
-        let d = dims[3];
-        let rotated = x
-            .clone()
-            .reshape([rows[0] * rows[1] / d, d])
-            .matmul(rotate_half_matrix(d, &x.device()))
-            .reshape(rows);
-        (x.reshape(rows) * cos + rotated * sin).reshape(dims)
-    }
-}
-
-/// The `[d, d]` matrix `R` with `x · R = rotate_half(x) = [−x[d/2..] | x[..d/2]]` for a row
-/// `x`: `R[half + j][j] = −1` and `R[j][half + j] = 1`.
-fn rotate_half_matrix<B: Backend>(d: usize, device: &B::Device) -> Tensor<B, 2> {
-    let half = d / 2;
-    let mut r = vec![0f32; d * d];
-    for j in 0..half {
-        r[(half + j) * d + j] = -1.0;
-        r[j * d + half + j] = 1.0;
-    }
-    Tensor::from_data(TensorData::new(r, [d, d]), device)
 }
 
 /// Llama 3's frequencies (transformers' `_compute_llama3_parameters`, in f32): wavelengths

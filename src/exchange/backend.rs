@@ -14,6 +14,7 @@ use super::executor::StepExecutor;
 use super::rows;
 use super::streams::{SyncStreams, WorkerStreams};
 use crate::comm::Communicator;
+use crate::decoder::DecoderKernels;
 use crate::dispatch::{ExchangePlan, RowMap};
 use crate::error::Result;
 use crate::experts::{Activation, ActivationKernels, ExpertGrads, ExpertTensors};
@@ -104,7 +105,9 @@ pub struct ExchangeGrads<B: Backend> {
 /// come from the supertrait [`ActivationKernels`], and the fused optimizer's update
 /// ([`mpipemoe::optim::AdamW`](crate::optim::AdamW)) from [`OptimizerKernels`], so that a
 /// training loop generic over `MoeBackend` can step it.
-pub trait MoeBackend: ActivationKernels + OptimizerKernels + LossKernels + LayoutKernels {
+pub trait MoeBackend:
+    ActivationKernels + OptimizerKernels + LossKernels + LayoutKernels + DecoderKernels
+{
     /// What the forward pass keeps for backward under the run's strategy.
     type Saved: Clone + Send + Sync + Debug + 'static;
 
