@@ -240,9 +240,10 @@ fn depth_chunks(k: usize, n: usize) -> (usize, usize) {
 /// [`few_rows`] on the streaming kernel: depth chunk `c` is folded from zero into `out`
 /// (`c = 0`) or into partial `c`, each chunk's columns split further into runs where the pool
 /// has more threads than chunks; then `out += partial_1 + partial_2 + …`, added in that order.
-/// On one thread the chunks run in order, each folded into one scratch buffer and added into
-/// `out` at once: the same sums in the same order, without a buffer per chunk (which were
-/// zeroed, written and read back: 2.6 MB a decode step of the 163 M Qwen3-MoE).
+/// On one thread the chunks run in order, each folded in one scratch buffer and added into
+/// `out` by its own last block of depth: the same sums in the same order, without a buffer per
+/// chunk (which were zeroed, written and read back: 2.6 MB a decode step of the 163 M
+/// Qwen3-MoE) or a pass to add them.
 fn streamed_rows(operands: &Operands, out: &mut [f32]) {
     use rayon::prelude::*;
 
@@ -253,8 +254,9 @@ fn streamed_rows(operands: &Operands, out: &mut [f32]) {
     }
     let lhs = operands.lhs_rows();
     let (chunks, rows) = depth_chunks(k, n);
-    // Chunk `c`'s columns `cols`, folded from zero into `dst` (`m · n` values, row-major).
-    let fold = |c: usize, cols: std::ops::Range<usize>, dst: *mut f32| {
+    // Chunk `c`'s columns `cols`, folded from zero into `dst` (`m · n` values, row-major), its
+    // result added into `finish` instead where one is given.
+    let fold = |c: usize, cols: std::ops::Range<usize>, dst: *mut f32, finish: Option<*mut f32>| {
         // SAFETY: the kernel is available (the caller's check); `rhs` has `k` rows of `n`
         // values `rhs_strides[0]` apart; `dst` holds `m · n` values whose columns `cols` no
         // one else touches meanwhile (each caller below says why).
@@ -269,19 +271,19 @@ fn streamed_rows(operands: &Operands, out: &mut [f32]) {
                 n,
                 cols,
                 true,
+                finish,
             )
         }
     };
     if chunks == 1 || rayon::current_num_threads() == 1 {
         // `out` and the scratch buffer are this call's alone, and the folds run one by one.
-        fold(0, 0..n, out.as_mut_ptr());
+        fold(0, 0..n, out.as_mut_ptr(), None);
         if chunks > 1 {
-            let mut scratch = Vec::<f32>::with_capacity(m * n);
+            // Each later chunk folds its partial sums in the scratch buffer and adds its result
+            // into `out` from its last block (`out += partial_c`, as `add_partials` adds).
+            let mut scratch = vec![0f32; m * n];
             for c in 1..chunks {
-                fold(c, 0..n, scratch.as_mut_ptr());
-                // SAFETY: the fresh fold wrote all `m · n` values.
-                unsafe { scratch.set_len(m * n) };
-                flex_gemv::add_partials(out, &scratch);
+                fold(c, 0..n, scratch.as_mut_ptr(), Some(out.as_mut_ptr()));
             }
         }
         return;
@@ -311,7 +313,7 @@ fn streamed_rows(operands: &Operands, out: &mut [f32]) {
                     _ => partials_ptr.as_mut().add((c - 1) * m * n),
                 }
             };
-            fold(c, j0..(j0 + run).min(n), dst)
+            fold(c, j0..(j0 + run).min(n), dst, None)
         });
     // SAFETY: the runs cover every column of every partial, each written by a fresh fold.
     unsafe { partials.set_len((chunks - 1) * m * n) };

@@ -35,7 +35,10 @@ pub(crate) fn available() -> bool {
 /// `out[i, j] += Σ_{t ∈ ks} lhs[i, t] · rhs[t, j]` for every row `i < m` and column `j` in
 /// `cols`, folded over `t` in order; with `fresh`, `out[i, j] = Σ …`, the fold starting from
 /// zero (bit for bit what it gives on an `out` of zeros) and `out`'s values in `cols` only
-/// written, so that the caller need not zero them first.
+/// written, so that the caller need not zero them first. With `finish`, the fold's result is
+/// added into `finish[i, j]` (`finish += Σ …`, one rounding, as [`add_partials`] adds it)
+/// instead of stored in `out`, which then holds only the fold's partial sums before its last
+/// block of depth: a chunk of depth added into the product at once, without a pass of its own.
 ///
 /// # Shapes
 /// - lhs: `[m, k]` contiguous; rhs: `k` rows of row stride `ld_rhs` (unit column stride);
@@ -43,8 +46,8 @@ pub(crate) fn available() -> bool {
 ///
 /// # Safety
 /// [`available`] is true; `rhs` points at a matrix with `k` rows of at least `cols.end`
-/// values `ld_rhs` apart; `out` points at `m · n` values, `cols.end ≤ n`, and no one else
-/// reads or writes `out`'s columns `cols` meanwhile.
+/// values `ld_rhs` apart; `out` (and `finish`, where given) point at `m · n` values,
+/// `cols.end ≤ n`, and no one else reads or writes their columns `cols` meanwhile.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn rows_times_matrix(
     lhs: &[f32],
@@ -56,12 +59,13 @@ pub(crate) unsafe fn rows_times_matrix(
     n: usize,
     cols: Range<usize>,
     fresh: bool,
+    finish: Option<*mut f32>,
 ) {
     #[cfg(target_arch = "x86_64")]
-    avx2::rows_times_matrix(lhs, [m, k], ks, rhs, ld_rhs, out, n, cols, fresh);
+    avx2::rows_times_matrix(lhs, [m, k], ks, rhs, ld_rhs, out, n, cols, fresh, finish);
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (lhs, m, k, ks, rhs, ld_rhs, out, n, cols, fresh);
+        let _ = (lhs, m, k, ks, rhs, ld_rhs, out, n, cols, fresh, finish);
         unreachable!("`available` is false off x86-64, so nothing calls the kernel there");
     }
 }
@@ -145,9 +149,18 @@ mod avx2 {
         n: usize,
         cols: Range<usize>,
         fresh: bool,
+        finish: Option<*mut f32>,
     ) {
         if m == 1 {
-            return one_row(lhs.as_ptr(), ks, rhs, ld_rhs, out, cols, fresh);
+            return one_row(
+                lhs.as_ptr(),
+                ks,
+                rhs,
+                ld_rhs,
+                [out, finish.unwrap_or(std::ptr::null_mut())],
+                cols,
+                fresh,
+            );
         }
         let vector_end = cols.start + (cols.len() / 8) * 8;
         let mut k0 = ks.start;
@@ -164,6 +177,19 @@ mod avx2 {
                     }
                 };
             }
+            // The last block of a finished fold adds its result into `finish`.
+            let finish = finish.filter(|_| k0 + rows >= ks.end);
+            macro_rules! store {
+                ($offset:expr, $acc:expr) => {
+                    match finish {
+                        Some(f) => _mm256_storeu_ps(
+                            f.add($offset),
+                            _mm256_add_ps(_mm256_loadu_ps(f.add($offset)), $acc),
+                        ),
+                        None => _mm256_storeu_ps(out.add($offset), $acc),
+                    }
+                };
+            }
             let row = |t: usize| rhs.add((k0 + t) * ld_rhs);
             let mut j = cols.start;
             while j < vector_end {
@@ -171,23 +197,21 @@ mod avx2 {
                     let w: [__m256; BLOCK] = std::array::from_fn(|t| _mm256_loadu_ps(row(t).add(j)));
                     for i in 0..m {
                         let x = lhs.as_ptr().add(i * k + k0);
-                        let at = out.add(i * n + j);
-                        let mut acc = load!(at);
+                        let mut acc = load!(out.add(i * n + j));
                         for (t, w) in w.iter().enumerate() {
                             acc = _mm256_fmadd_ps(_mm256_broadcast_ss(&*x.add(t)), *w, acc);
                         }
-                        _mm256_storeu_ps(at, acc);
+                        store!(i * n + j, acc);
                     }
                 } else {
                     for i in 0..m {
                         let x = lhs.as_ptr().add(i * k + k0);
-                        let at = out.add(i * n + j);
-                        let mut acc = load!(at);
+                        let mut acc = load!(out.add(i * n + j));
                         for t in 0..rows {
                             let w = _mm256_loadu_ps(row(t).add(j));
                             acc = _mm256_fmadd_ps(_mm256_broadcast_ss(&*x.add(t)), w, acc);
                         }
-                        _mm256_storeu_ps(at, acc);
+                        store!(i * n + j, acc);
                     }
                 }
                 j += 8;
@@ -201,7 +225,10 @@ mod avx2 {
                     for t in 0..rows {
                         acc = (*x.add(t)).mul_add(*row(t).add(j), acc);
                     }
-                    *at = acc;
+                    match finish {
+                        Some(f) => *f.add(i * n + j) += acc,
+                        None => *at = acc,
+                    }
                 }
             }
             k0 += rows;
@@ -224,15 +251,15 @@ mod avx2_one_row {
     /// this 10.7, the general kernel 13.2, `gemm` 12.5.
     ///
     /// # Safety
-    /// As [`rows_times_matrix`](super::rows_times_matrix) with `m = 1`: `x` holds the row.
-    #[allow(clippy::too_many_arguments)]
+    /// As [`rows_times_matrix`](super::rows_times_matrix) with `m = 1`: `x` holds the row;
+    /// `finish` is that call's `finish`, null for none.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn one_row(
         x: *const f32,
         ks: Range<usize>,
         rhs: *const f32,
         ld_rhs: usize,
-        out: *mut f32,
+        [out, finish]: [*mut f32; 2],
         cols: Range<usize>,
         fresh: bool,
     ) {
@@ -253,6 +280,23 @@ mod avx2_one_row {
                 };
             }
             let scalar = |at: *const f32| if zero { 0.0 } else { *at };
+            // The last block of a finished fold adds its result into `finish`.
+            let last = !finish.is_null() && k0 + rows >= ks.end;
+            macro_rules! store {
+                ($j:expr, $acc:expr) => {
+                    match last {
+                        true => _mm256_storeu_ps(
+                            finish.add($j),
+                            _mm256_add_ps(_mm256_loadu_ps(finish.add($j)), $acc),
+                        ),
+                        false => _mm256_storeu_ps(out.add($j), $acc),
+                    }
+                };
+            }
+            let store_scalar = |j: usize, a: f32| match last {
+                true => *finish.add(j) += a,
+                false => *out.add(j) = a,
+            };
             if rows == BLOCK {
                 let xs: [__m256; BLOCK] = std::array::from_fn(|t| _mm256_broadcast_ss(&*x.add(k0 + t)));
                 let r: [*const f32; BLOCK] = std::array::from_fn(row);
@@ -263,8 +307,8 @@ mod avx2_one_row {
                         a0 = _mm256_fmadd_ps(xs[t], _mm256_loadu_ps(r[t].add(j)), a0);
                         a1 = _mm256_fmadd_ps(xs[t], _mm256_loadu_ps(r[t].add(j + 8)), a1);
                     }
-                    _mm256_storeu_ps(out.add(j), a0);
-                    _mm256_storeu_ps(out.add(j + 8), a1);
+                    store!(j, a0);
+                    store!(j + 8, a1);
                     j += 16;
                 }
                 if j + 8 <= cols.end {
@@ -272,7 +316,7 @@ mod avx2_one_row {
                     for t in 0..BLOCK {
                         a = _mm256_fmadd_ps(xs[t], _mm256_loadu_ps(r[t].add(j)), a);
                     }
-                    _mm256_storeu_ps(out.add(j), a);
+                    store!(j, a);
                     j += 8;
                 }
                 for j in j..cols.end {
@@ -280,7 +324,7 @@ mod avx2_one_row {
                     for (t, r) in r.iter().enumerate() {
                         a = (*x.add(k0 + t)).mul_add(*r.add(j), a);
                     }
-                    *out.add(j) = a;
+                    store_scalar(j, a);
                 }
             } else {
                 // The depth's last rows, fewer than a block: one fused multiply-add per value
@@ -290,7 +334,7 @@ mod avx2_one_row {
                     for t in 0..rows {
                         a = (*x.add(k0 + t)).mul_add(*row(t).add(j), a);
                     }
-                    *out.add(j) = a;
+                    store_scalar(j, a);
                 }
             }
             k0 += rows;
@@ -358,6 +402,7 @@ mod tests {
                     n,
                     0..n,
                     false,
+                    None,
                 )
             };
             for i in 0..m {
@@ -389,6 +434,7 @@ mod tests {
                             n,
                             w[0]..w[1],
                             false,
+                            None,
                         )
                     };
                 }
@@ -409,6 +455,7 @@ mod tests {
                         n,
                         0..n,
                         false,
+                        None,
                     )
                 };
                 assert!(
@@ -432,6 +479,7 @@ mod tests {
                         n,
                         w[0]..w[1],
                         true,
+                        None,
                     )
                 };
             }
@@ -450,11 +498,61 @@ mod tests {
                         n,
                         0..n,
                         true,
+                        None,
                     )
                 };
                 assert!(
                     alone[..] == whole[i * n..(i + 1) * n],
                     "{m}×{k}×{n}: row {i} fresh differs"
+                );
+            }
+            // A fresh fold finished into a product added there as `add_partials` adds it: the
+            // whole product folded onto a base, against the base plus the product, bit for bit,
+            // in column runs, for the many-row kernel and each row alone.
+            let base: Vec<f32> = (0..m * n).map(|i| value(i, 3) * 100.0).collect();
+            let mut want = base.clone();
+            add_partials(&mut want, &whole);
+            let mut finished = base.clone();
+            let mut scratch = vec![f32::NAN; m * n];
+            for w in cuts.windows(2) {
+                // SAFETY: as above; the runs are disjoint; `finished` holds `m · n` values.
+                unsafe {
+                    rows_times_matrix(
+                        &lhs,
+                        [m, k],
+                        0..k,
+                        rhs.as_ptr(),
+                        ld,
+                        scratch.as_mut_ptr(),
+                        n,
+                        w[0]..w[1],
+                        true,
+                        Some(finished.as_mut_ptr()),
+                    )
+                };
+            }
+            assert!(finished == want, "{m}×{k}×{n}: a finished fold differs");
+            for i in 0..m {
+                let mut alone = base[i * n..(i + 1) * n].to_vec();
+                let mut scratch = vec![f32::NAN; n];
+                // SAFETY: as above, one row of `lhs`.
+                unsafe {
+                    rows_times_matrix(
+                        &lhs[i * k..(i + 1) * k],
+                        [1, k],
+                        0..k,
+                        rhs.as_ptr(),
+                        ld,
+                        scratch.as_mut_ptr(),
+                        n,
+                        0..n,
+                        true,
+                        Some(alone.as_mut_ptr()),
+                    )
+                };
+                assert!(
+                    alone[..] == want[i * n..(i + 1) * n],
+                    "{m}×{k}×{n}: row {i} finished differs"
                 );
             }
         }

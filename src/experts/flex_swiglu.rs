@@ -45,9 +45,14 @@ pub(crate) fn swiglu(z: FlexTensor) -> FlexTensor {
     let h = inner / 2;
     let mut out = vec![0.0f32; rows * h];
     let task = rows_per_task(inner);
-    out.par_chunks_mut(task * h)
-        .zip(src.par_chunks(task * inner))
-        .for_each(|(out, z)| swiglu_math::forward_rows(z, out, h));
+    match rows <= task {
+        // One task's rows (a decode step's): on this thread, without rayon's split.
+        true => swiglu_math::forward_rows(src, &mut out, h),
+        false => out
+            .par_chunks_mut(task * h)
+            .zip(src.par_chunks(task * inner))
+            .for_each(|(out, z)| swiglu_math::forward_rows(z, out, h)),
+    }
     FlexTensor::from_data(TensorData::new(out, Shape::new([rows, h])))
 }
 
