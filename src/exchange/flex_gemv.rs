@@ -367,48 +367,98 @@ mod tests {
         }
     }
 
-    /// Against a float64 product, for row counts 1 to 16, depths and widths that are not
-    /// multiples of the block or the vector (and a row stride wider than the columns); and
-    /// computed in column runs of uneven width, each over the depth in two calls, bit for bit
-    /// the same as in one run; and each row alone (the one-row kernel) bit for bit its row
-    /// of the many-row product; and a fresh fold (over `out`'s NaNs) bit for bit the fold over
-    /// zeros.
-    #[test]
-    fn few_rows_times_a_matrix_match_float64_and_split_runs_change_no_bit() {
-        if !available() {
-            return;
-        }
-        for (m, k, n, ld) in [
+    /// One product of the tests: `[m, k]` rows against `k` rows of `ld ≥ n` values.
+    struct Case {
+        mkn: [usize; 3],
+        ld: usize,
+        lhs: Vec<f32>,
+        rhs: Vec<f32>,
+    }
+
+    /// Row counts 1 to 16, depths and widths that are not multiples of the block or the
+    /// vector, a row stride wider than the columns.
+    fn cases() -> Vec<Case> {
+        let value = |i: usize, salt: usize| (((i * 7919 + salt * 104_729) % 2003) as f32 / 1001.0) - 1.0;
+        [
             (1, 512, 1536, 1536),
             (2, 100, 1555, 1560),
             (3, 45, 37, 50),
             (16, 9, 203, 203),
             (2, 7, 5, 5),
-        ] {
-            let value = |i: usize, salt: usize| (((i * 7919 + salt * 104_729) % 2003) as f32 / 1001.0) - 1.0;
-            let lhs: Vec<f32> = (0..m * k).map(|i| value(i, 1)).collect();
-            let rhs: Vec<f32> = (0..k * ld).map(|i| value(i, 2)).collect();
-            let mut whole = vec![0f32; m * n];
-            // SAFETY: AVX2 and FMA are there; `rhs` has `k` rows of `ld ≥ n` values; `whole`
-            // holds `m · n` zeros.
+        ]
+        .into_iter()
+        .map(|(m, k, n, ld)| Case {
+            mkn: [m, k, n],
+            ld,
+            lhs: (0..m * k).map(|i| value(i, 1)).collect(),
+            rhs: (0..k * ld).map(|i| value(i, 2)).collect(),
+        })
+        .collect()
+    }
+
+    impl Case {
+        /// The columns' uneven runs the tests cut the product into.
+        fn cuts(&self) -> [usize; 4] {
+            let n = self.mkn[2];
+            [0, n / 3, n / 3 + 1, n]
+        }
+
+        /// `rows_times_matrix` over rows `rows` of `lhs` (their product into `out`, `[rows,
+        /// n]`), depth `ks`, columns `cols`.
+        fn fold(
+            &self,
+            rows: std::ops::Range<usize>,
+            ks: std::ops::Range<usize>,
+            cols: std::ops::Range<usize>,
+            out: &mut [f32],
+            fresh: bool,
+            finish: Option<&mut [f32]>,
+        ) {
+            let [_, k, n] = self.mkn;
+            assert!(out.len() == rows.len() * n && finish.as_ref().is_none_or(|f| f.len() == out.len()));
+            // SAFETY: AVX2 and FMA are there (the tests' first check); `rhs` has `k` rows of
+            // `ld ≥ n` values; `out` (and `finish`) hold the rows' `n` values each, this
+            // call's alone.
             unsafe {
                 rows_times_matrix(
-                    &lhs,
-                    [m, k],
-                    0..k,
-                    rhs.as_ptr(),
-                    ld,
-                    whole.as_mut_ptr(),
+                    &self.lhs[rows.start * k..rows.end * k],
+                    [rows.len(), k],
+                    ks,
+                    self.rhs.as_ptr(),
+                    self.ld,
+                    out.as_mut_ptr(),
                     n,
-                    0..n,
-                    false,
-                    None,
+                    cols,
+                    fresh,
+                    finish.map(|f| f.as_mut_ptr()),
                 )
-            };
+            }
+        }
+
+        /// The whole product in one call, folded onto zeros.
+        fn whole(&self) -> Vec<f32> {
+            let [m, k, n] = self.mkn;
+            let mut out = vec![0f32; m * n];
+            self.fold(0..m, 0..k, 0..n, &mut out, false, None);
+            out
+        }
+    }
+
+    /// Against a float64 product; computed in column runs of uneven width, each over the depth
+    /// in two calls, bit for bit the same as in one call; and each row alone (the one-row
+    /// kernel) bit for bit its row of the many-row product.
+    #[test]
+    fn few_rows_times_a_matrix_match_float64_and_split_runs_change_no_bit() {
+        if !available() {
+            return;
+        }
+        for case in cases() {
+            let ([m, k, n], ld) = (case.mkn, case.ld);
+            let whole = case.whole();
             for i in 0..m {
                 for j in 0..n {
                     let want: f64 = (0..k)
-                        .map(|t| lhs[i * k + t] as f64 * rhs[t * ld + j] as f64)
+                        .map(|t| case.lhs[i * k + t] as f64 * case.rhs[t * ld + j] as f64)
                         .sum();
                     let got = whole[i * n + j] as f64;
                     assert!(
@@ -417,139 +467,60 @@ mod tests {
                     );
                 }
             }
-            // Column runs, each folding the depth in two consecutive ranges: the same folds.
             let mut split = vec![0f32; m * n];
-            let cuts = [0, n / 3, n / 3 + 1, n];
-            for w in cuts.windows(2) {
+            for w in case.cuts().windows(2) {
                 for ks in [0..k / 2, k / 2..k] {
-                    // SAFETY: as above; the runs are disjoint.
-                    unsafe {
-                        rows_times_matrix(
-                            &lhs,
-                            [m, k],
-                            ks,
-                            rhs.as_ptr(),
-                            ld,
-                            split.as_mut_ptr(),
-                            n,
-                            w[0]..w[1],
-                            false,
-                            None,
-                        )
-                    };
+                    case.fold(0..m, ks, w[0]..w[1], &mut split, false, None);
                 }
             }
             assert!(split == whole, "{m}×{k}×{n}: runs differ from one run");
-            // Each row alone (the one-row kernel) gives its row of the product bit for bit.
             for i in 0..m {
                 let mut alone = vec![0f32; n];
-                // SAFETY: as above, one row of `lhs`.
-                unsafe {
-                    rows_times_matrix(
-                        &lhs[i * k..(i + 1) * k],
-                        [1, k],
-                        0..k,
-                        rhs.as_ptr(),
-                        ld,
-                        alone.as_mut_ptr(),
-                        n,
-                        0..n,
-                        false,
-                        None,
-                    )
-                };
+                case.fold(i..i + 1, 0..k, 0..n, &mut alone, false, None);
                 assert!(
                     alone[..] == whole[i * n..(i + 1) * n],
                     "{m}×{k}×{n}: row {i} alone differs"
                 );
             }
-            // A fresh fold over values that are not zeros (NaN: any read of them shows) gives
-            // the fold over zeros, bit for bit, in column runs and each row alone.
+        }
+    }
+
+    /// A fresh fold over values that are not zeros (NaN: any read of them shows) gives the fold
+    /// over zeros bit for bit, in column runs and each row alone; and a fresh fold finished into
+    /// a product adds its result there as [`add_partials`] adds it: the product folded onto a
+    /// base against the base plus the product, bit for bit, whatever the scratch held.
+    #[test]
+    fn fresh_and_finished_folds_give_the_plain_folds_bits() {
+        if !available() {
+            return;
+        }
+        for case in cases() {
+            let [m, k, n] = case.mkn;
+            let whole = case.whole();
             let mut fresh = vec![f32::NAN; m * n];
-            for w in cuts.windows(2) {
-                // SAFETY: as above; the runs are disjoint.
-                unsafe {
-                    rows_times_matrix(
-                        &lhs,
-                        [m, k],
-                        0..k,
-                        rhs.as_ptr(),
-                        ld,
-                        fresh.as_mut_ptr(),
-                        n,
-                        w[0]..w[1],
-                        true,
-                        None,
-                    )
-                };
+            for w in case.cuts().windows(2) {
+                case.fold(0..m, 0..k, w[0]..w[1], &mut fresh, true, None);
             }
             assert!(fresh == whole, "{m}×{k}×{n}: a fresh fold differs");
-            for i in 0..m {
-                let mut alone = vec![f32::NAN; n];
-                // SAFETY: as above, one row of `lhs`.
-                unsafe {
-                    rows_times_matrix(
-                        &lhs[i * k..(i + 1) * k],
-                        [1, k],
-                        0..k,
-                        rhs.as_ptr(),
-                        ld,
-                        alone.as_mut_ptr(),
-                        n,
-                        0..n,
-                        true,
-                        None,
-                    )
-                };
-                assert!(
-                    alone[..] == whole[i * n..(i + 1) * n],
-                    "{m}×{k}×{n}: row {i} fresh differs"
-                );
-            }
-            // A fresh fold finished into a product added there as `add_partials` adds it: the
-            // whole product folded onto a base, against the base plus the product, bit for bit,
-            // in column runs, for the many-row kernel and each row alone.
-            let base: Vec<f32> = (0..m * n).map(|i| value(i, 3) * 100.0).collect();
+            let base: Vec<f32> = (0..m * n).map(|i| ((i * 31 % 97) as f32 - 48.0) * 2.5).collect();
             let mut want = base.clone();
             add_partials(&mut want, &whole);
             let mut finished = base.clone();
             let mut scratch = vec![f32::NAN; m * n];
-            for w in cuts.windows(2) {
-                // SAFETY: as above; the runs are disjoint; `finished` holds `m · n` values.
-                unsafe {
-                    rows_times_matrix(
-                        &lhs,
-                        [m, k],
-                        0..k,
-                        rhs.as_ptr(),
-                        ld,
-                        scratch.as_mut_ptr(),
-                        n,
-                        w[0]..w[1],
-                        true,
-                        Some(finished.as_mut_ptr()),
-                    )
-                };
+            for w in case.cuts().windows(2) {
+                case.fold(0..m, 0..k, w[0]..w[1], &mut scratch, true, Some(&mut finished));
             }
             assert!(finished == want, "{m}×{k}×{n}: a finished fold differs");
             for i in 0..m {
+                let mut alone = vec![f32::NAN; n];
+                case.fold(i..i + 1, 0..k, 0..n, &mut alone, true, None);
+                assert!(
+                    alone[..] == whole[i * n..(i + 1) * n],
+                    "{m}×{k}×{n}: row {i} fresh differs"
+                );
                 let mut alone = base[i * n..(i + 1) * n].to_vec();
                 let mut scratch = vec![f32::NAN; n];
-                // SAFETY: as above, one row of `lhs`.
-                unsafe {
-                    rows_times_matrix(
-                        &lhs[i * k..(i + 1) * k],
-                        [1, k],
-                        0..k,
-                        rhs.as_ptr(),
-                        ld,
-                        scratch.as_mut_ptr(),
-                        n,
-                        0..n,
-                        true,
-                        Some(alone.as_mut_ptr()),
-                    )
-                };
+                case.fold(i..i + 1, 0..k, 0..n, &mut scratch, true, Some(&mut alone));
                 assert!(
                     alone[..] == want[i * n..(i + 1) * n],
                     "{m}×{k}×{n}: row {i} finished differs"
