@@ -62,7 +62,31 @@ pub(crate) unsafe fn rows_times_matrix(
     finish: Option<*mut f32>,
 ) {
     #[cfg(target_arch = "x86_64")]
-    avx2::rows_times_matrix(lhs, [m, k], ks, rhs, ld_rhs, out, n, cols, fresh, finish);
+    {
+        // Two or more rows: the columns filling vectors of sixteen on AVX-512 where the CPU
+        // has it (the same folds), the rest here.
+        let cols = match m > 1 && super::flex_gemv_avx512::available() {
+            true => {
+                let end = super::flex_gemv_avx512::whole_vectors(
+                    lhs,
+                    [m, k],
+                    ks.clone(),
+                    rhs,
+                    ld_rhs,
+                    out,
+                    n,
+                    cols.clone(),
+                    fresh,
+                    finish,
+                );
+                end..cols.end
+            }
+            false => cols,
+        };
+        if !cols.is_empty() {
+            avx2::rows_times_matrix(lhs, [m, k], ks, rhs, ld_rhs, out, n, cols, fresh, finish);
+        }
+    }
     #[cfg(not(target_arch = "x86_64"))]
     {
         let _ = (lhs, m, k, ks, rhs, ld_rhs, out, n, cols, fresh, finish);

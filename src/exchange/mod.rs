@@ -31,6 +31,8 @@ mod flex_gemm;
 #[cfg(feature = "flex")]
 mod flex_gemv;
 #[cfg(feature = "flex")]
+mod flex_gemv_avx512;
+#[cfg(feature = "flex")]
 mod flex_heads;
 #[cfg(feature = "flex")]
 mod flex_rows;
