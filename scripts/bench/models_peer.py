@@ -31,12 +31,14 @@ Both sides run with the same heap setting, named in the output: `--heap keep` (d
 freed memory in the process (the `mpipemoe` binary's `mallopt`; the PyTorch process gets the
 same three settings through GLIBC_TUNABLES), `--heap system` gives both glibc's defaults.
 PyTorch runs with `torch.set_num_threads(THREADS)`, ours with burn's thread pool of the same size
-(RAYON_NUM_THREADS).
+(RAYON_NUM_THREADS). `--huge-pages` runs our single-prompt generation with `generate
+--huge-pages` (our weights on transparent huge pages; llama.cpp maps its GGUF file as the page
+cache holds it, transformers keeps PyTorch's allocations).
 
     python3 scripts/bench/models_peer.py [--rounds 3] [--steps 8] [--threads 2] [--heap keep|system]
         [--json docs/benchmarks/models_peer.json] [--baseline OTHER_MPIPEMOE]
         [--finetune-only | --generate-only | --batch-only | --lora R] [--llama-src LLAMA_CPP_DIR]
-        [--binary OUR_MPIPEMOE]
+        [--binary OUR_MPIPEMOE] [--huge-pages]
 
 Needs PyTorch, transformers and tokenizers; nothing in the build or the tests needs Python.
 """
@@ -324,6 +326,8 @@ def main():
     parser.add_argument("--llama-src", help="llama.cpp's source tree (the llama-cpp-python sdist's "
                         "vendor/llama.cpp): adds llama.cpp as a generation comparator")
     parser.add_argument("--lora", type=int, help="LoRA fine-tuning alone at this rank: ours, PEFT's, ours in full")
+    parser.add_argument("--huge-pages", action="store_true", help="our generation with `--huge-pages` (the "
+                        "weights loaded onto transparent huge pages)")
     parser.add_argument("--binary", default=BINARY, help="our side's mpipemoe binary (default: "
                         "target/release/mpipemoe)")
     parser.add_argument("--side", help=argparse.SUPPRESS)
@@ -445,7 +449,8 @@ def generate_round(args, env, torch_env, heap, rows, llama):
             sys.exit(f"llama.cpp's greedy ids differ from transformers' at new token {first}: not compared")
         rows["llama_generate"].append({"tokens_per_s": len(l["ids"]) / l["seconds"], "peak_mib": run["peak_mib"]})
     ours = wrapped([BINARY] + heap + ["generate", MODEL, "--ids", ",".join(map(str, g["prompt"])),
-                                      "--max-new-tokens", "64", "--greedy"], env)
+                                      "--max-new-tokens", "64", "--greedy"]
+                   + (["--huge-pages"] if args.huge_pages else []), env)
     ids = [int(i) for i in ours["out"].splitlines()[0].split(",") if i]
     line = [l for l in ours["err"].splitlines() if l.startswith("generated ")][-1]
     seconds = float(line.split(" in ")[1].split(" s ")[0])
@@ -484,7 +489,8 @@ def generate_rounds(args, env, torch_env, heap, rows, llama):
     print_generate(rows)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"heap": args.heap, "threads": args.threads, "rows": rows}, f, indent=1)
+            json.dump({"heap": args.heap, "threads": args.threads, "huge_pages": args.huge_pages, "rows": rows}, f,
+                      indent=1)
 
 
 def batch_round(args, env, torch_env, heap, rows):

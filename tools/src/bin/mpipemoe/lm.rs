@@ -131,6 +131,12 @@ pub struct GenerateArgs {
     /// Greedy decoding, whatever `generation_config.json` says.
     #[arg(long)]
     greedy: bool,
+    /// Load the weights onto transparent huge pages (2 MiB; with `--heap keep`, the default
+    /// heap): each decode step reads every weight anew, and with 4 KiB pages it walks a page
+    /// translation for every 4 KiB of them (1.04× the tokens/s on this project's VM). Loading
+    /// can take longer where the kernel must compact memory to find huge pages.
+    #[arg(long)]
+    huge_pages: bool,
     /// A LoRA adapter folder written by PEFT (`adapter_config.json`,
     /// `adapter_model.safetensors`) to run the model with, merged into its weights for
     /// generation (PEFT's `merge_and_unload`: the same function up to float rounding). DIR is the base, whatever the
@@ -251,6 +257,8 @@ struct LmJob<'a> {
     run: &'a RunFlags,
     adapter: Option<&'a PeftAdapter>,
     task: Task,
+    /// The heap grown and advised for huge pages before the load (`--huge-pages`).
+    huge_pages: bool,
 }
 
 impl BackendJob for LmJob<'_> {
@@ -264,6 +272,17 @@ impl BackendJob for LmJob<'_> {
         // Inference only: the backend without autodiff. Rank 0's answer (every rank computes
         // the same tokens).
         let paths = self.run.paths()?;
+        if self.huge_pages {
+            // Room for the checkpoint's tensors widened to f32 and the load's copies, or less
+            // where the address space refuses that much (`mpipemoe::heap::reserve_huge_pages`).
+            let files = weight_file_bytes(self.dir);
+            let reserved = [3, 2, 1]
+                .into_iter()
+                .find_map(|times| mpipemoe::heap::reserve_huge_pages(files.saturating_mul(times)));
+            if reserved.is_none() {
+                eprintln!("note: --huge-pages: the heap could not be advised (see `--heap`); loading on 4 KiB pages");
+            }
+        }
         // Each rank on a pool of its own: a decode step's products split over the threads, and
         // from a pool's worker those hand-offs are cheap (`GroupOptions::pool_per_rank`).
         let options = GroupOptions::pool_per_rank(self.run.ranks);
@@ -379,7 +398,13 @@ fn check_ids(ids: &[usize]) -> Result<(), String> {
     Ok(())
 }
 
-fn answer(dir: &Path, run: &RunFlags, adapter: Option<&Path>, task: Task) -> Result<Answer, ExitCode> {
+fn answer(
+    dir: &Path,
+    run: &RunFlags,
+    adapter: Option<&Path>,
+    task: Task,
+    huge_pages: bool,
+) -> Result<Answer, ExitCode> {
     let adapter = match adapter.map(PeftAdapter::read).transpose() {
         Ok(adapter) => adapter,
         Err(e) => {
@@ -392,6 +417,7 @@ fn answer(dir: &Path, run: &RunFlags, adapter: Option<&Path>, task: Task) -> Res
         run,
         adapter: adapter.as_ref(),
         task,
+        huge_pages,
     };
     match run_on(run.backend, job) {
         Err(message) => {
@@ -421,6 +447,7 @@ pub fn logits(args: LogitsArgs) -> ExitCode {
         &args.run,
         args.adapter.as_deref(),
         Task::Logits(args.ids.clone()),
+        false,
     ) {
         Ok(Answer::Logits(values, shape)) => {
             let mut tensors = TensorMap::new();
@@ -475,6 +502,7 @@ pub fn generate(args: GenerateArgs) -> ExitCode {
         &args.run,
         args.adapter.as_deref(),
         Task::Generate(prompts, args.max_new_tokens, pick),
+        args.huge_pages,
     ) {
         Ok(Answer::Ids(rows)) if batched => {
             // One JSON object a prompt and line: text may hold line breaks.
@@ -513,4 +541,18 @@ impl StrategyArg {
             StrategyArg::S4 => Strategy::S4,
         }
     }
+}
+
+/// The bytes of the folder's `.safetensors` files (0 where it cannot be listed): the size of
+/// the heap the weights will take, near enough.
+fn weight_file_bytes(dir: &Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len() as usize)
+        .fold(0, usize::saturating_add)
 }
