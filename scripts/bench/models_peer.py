@@ -29,7 +29,7 @@ separate processes measured alike (peak resident memory from the kernel's rusage
 
 Both sides run with the same heap setting, named in the output: `--heap keep` (default) keeps
 freed memory in the process (the `mpipemoe` binary's `mallopt`; the PyTorch process gets the
-same three settings through GLIBC_TUNABLES), `--heap system` gives both glibc's defaults.
+same settings through GLIBC_TUNABLES), `--heap system` gives both glibc's defaults.
 PyTorch runs with `torch.set_num_threads(THREADS)`, ours with burn's thread pool of the same size
 (RAYON_NUM_THREADS). `--huge-pages` runs our single-prompt generation with `generate
 --huge-pages` (our weights on transparent huge pages; llama.cpp maps its GGUF file as the page
@@ -57,7 +57,7 @@ CORPUS = os.path.join(BENCH, "models-corpus.txt")
 BINARY = os.path.join(ROOT, "target/release/mpipemoe")
 BATCH, SEQ, LR, SEED = 4, 128, 1e-4, 0
 # glibc's tunables for what `mpipemoe_tools::heap::keep_freed_memory` sets with mallopt.
-KEEP_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=18446744073709551615:glibc.malloc.top_pad=67108864:glibc.malloc.arena_max=1"
+KEEP_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=18446744073709551615:glibc.malloc.top_pad=67108864:glibc.malloc.arena_max=1:glibc.malloc.mxfast=160"
 
 
 def make_model():
