@@ -13,7 +13,29 @@ use burn::backend::flex::{Flex, FlexTensor};
 use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{DType, Shape, TensorData};
 
+use rayon::prelude::*;
+
 use super::flex_gemm::{few_rows, Operands, FEW_ROWS};
+
+/// Multiply-adds from which a batch of heads splits over the pool: about 20 µs of work on one
+/// core, against a few microseconds to hand half of it to a thread kept awake.
+const PARALLEL_MULTIPLY_ADDS: usize = 1 << 16;
+
+/// A pointer the heads' tasks share: each reads the operands (nobody writes them meanwhile).
+#[derive(Clone, Copy)]
+struct Shared(*const f32);
+
+impl Shared {
+    /// The pointer (a method, so that a closure captures the whole `Shared`, which is `Sync`).
+    fn get(self) -> *const f32 {
+        self.0
+    }
+}
+
+// SAFETY: the tasks only read through it, while the tensors it points into are alive and
+// unwritten (the function holds them).
+unsafe impl Send for Shared {}
+unsafe impl Sync for Shared {}
 
 /// `lhs · rhs` over matching batch dimensions, each batch's product on [`few_rows`] where
 /// `lhs` has at most [`FEW_ROWS`] rows; other products (more rows, broadcast batches, other
@@ -46,9 +68,9 @@ pub(crate) fn heads_matmul(lhs: FlexTensor, rhs: FlexTensor) -> FlexTensor {
     let mut out = vec![0f32; batches * m * n];
     if m * n > 0 {
         let (ls, rs) = (lhs.layout().strides(), rhs.layout().strides());
-        let lhs_start = lhs.storage::<f32>()[lhs.layout().start_offset()..].as_ptr();
-        let rhs_start = rhs.storage::<f32>()[rhs.layout().start_offset()..].as_ptr();
-        for (b, out) in out.chunks_exact_mut(m * n).enumerate() {
+        let lhs_start = Shared(lhs.storage::<f32>()[lhs.layout().start_offset()..].as_ptr());
+        let rhs_start = Shared(rhs.storage::<f32>()[rhs.layout().start_offset()..].as_ptr());
+        let head = |(b, out): (usize, &mut [f32])| {
             // The batch index's offset in each operand, from its strides.
             let (mut lo, mut ro, mut rest) = (0isize, 0isize, b);
             for i in (0..d - 2).rev() {
@@ -61,12 +83,20 @@ pub(crate) fn heads_matmul(lhs: FlexTensor, rhs: FlexTensor) -> FlexTensor {
             // (Flex's layouts), alive until this function returns.
             let operands = unsafe {
                 Operands::at(
-                    (lhs_start.offset(lo), [ls[d - 2], ls[d - 1]]),
-                    (rhs_start.offset(ro), [rs[d - 2], rs[d - 1]]),
+                    (lhs_start.get().offset(lo), [ls[d - 2], ls[d - 1]]),
+                    (rhs_start.get().offset(ro), [rs[d - 2], rs[d - 1]]),
                     [m, k, n],
                 )
             };
             few_rows(&operands, out);
+        };
+        // The heads over the pool where there is enough of them to share (a decode step's
+        // scores and weights against a long cache); each head's values are its own product's
+        // on any thread.
+        match batches > 1 && batches * m * k * n >= PARALLEL_MULTIPLY_ADDS && rayon::current_num_threads() > 1
+        {
+            true => out.par_chunks_exact_mut(m * n).enumerate().for_each(head),
+            false => out.chunks_exact_mut(m * n).enumerate().for_each(head),
         }
     }
     let mut shape = l;
