@@ -3,7 +3,7 @@
 //!
 //! Composed from burn's ops, each is six to ten ops, each op an allocation and a pass, on a
 //! few hundred values per token: in a decode step of the 163 M Qwen3-MoE the norms and the
-//! rotations were 2.5% of the step, nearly all of it per-op overhead (BENCHMARKS §13m). The
+//! rotations were 2.9% of the step, nearly all of it per-op overhead (BENCHMARKS §13m). The
 //! defaults here are those compositions, exactly as the models wrote them (and what
 //! `Autodiff` records, with their gradients); Flex runs each as one pass over its rows
 //! (`decoder/flex.rs`), with the same operations per value.
