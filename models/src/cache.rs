@@ -148,11 +148,11 @@ impl<B: Backend> LayerCache<B> {
 impl<B: MoeBackend> LayerCache<B> {
     /// Appends `keys`/`values` at `columns` to what is cached (if anything), returning the
     /// cache attention reads. Written in place where the storage has room and `cached` holds
-    /// the only reference to it ([`MoeBackend::assign_along`]: on Flex a copy of the new entries alone); else
-    /// the entries move to a storage with room for `reserve` entries or twice the old
-    /// capacity, whichever is more. Without a cache and with `reserve` no more than the new
-    /// entries, the tensors are kept as they are (a forward that caches nothing copies
-    /// nothing).
+    /// the only reference to it ([`MoeBackend::assign_along`]: on Flex a copy of the new
+    /// entries alone); else the entries move to a storage with room for `reserve` entries or
+    /// twice the old capacity, whichever is more. Without a cache and with `reserve` no more
+    /// than the new entries, the tensors are kept as they are (a forward that caches nothing
+    /// copies nothing).
     ///
     /// # Shapes
     /// - keys, values: `[batch, n_kv_heads, seq, head_dim]` (the values' last dimension may

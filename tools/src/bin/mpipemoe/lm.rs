@@ -280,7 +280,10 @@ impl BackendJob for LmJob<'_> {
                 .into_iter()
                 .find_map(|times| mpipemoe::heap::reserve_huge_pages(files.saturating_mul(times)));
             if reserved.is_none() {
-                eprintln!("note: --huge-pages: the heap could not be advised (see `--heap`); loading on 4 KiB pages");
+                eprintln!(
+                    "note: --huge-pages: the heap could not be advised (see `--heap`); \
+                     loading on 4 KiB pages"
+                );
             }
         }
         // Each rank on a pool of its own: a decode step's products split over the threads, and
