@@ -11,10 +11,11 @@
 //!
 //! [`HotPool`] parks a job on every other thread of the current pool that keeps looking for
 //! work (`rayon::yield_now`, which runs a pending job of the pool if there is one) until the
-//! guard is dropped: the threads steal each product's halves as soon as they are pushed, as the
-//! spinning threads of llama.cpp's pool take its ops. The cost is those threads' cores, busy for
-//! as long as the guard lives, so it is for a stretch of work that keeps the pool busy anyway:
-//! a generation, not a training step with long single-threaded phases.
+//! guard is dropped: the threads steal each product's halves as soon as they are pushed, as
+//! llama.cpp's threads, waiting at a polling barrier between ops (`ggml_barrier`), take its
+//! next op. The cost is those threads' cores, busy for as long as the guard lives, so it is for
+//! a stretch of work that keeps the pool busy anyway: a generation, not a training step with
+//! long single-threaded phases.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
