@@ -168,11 +168,12 @@ unsafe fn pool_columns(operands: &Operands, out: *mut f32) {
 /// The chunks depend on the shape alone, never on the thread count, so the values are the
 /// same on any pool, one thread included.
 ///
-/// Against a transposed `rhs` (a backward's, a tied head's `Eᵀ`), the contiguous stretches
-/// are columns: the product splits by column runs over the threads, one single-threaded
-/// `gemm` call each, giving the whole call's values bit for bit. One row splits there only
-/// from [`SPLIT_VALUES_ONE_ROW`] on (measured, µs, 2 threads, whole call against the split:
-/// 1×512×8192 1,838 → 1,176, but 1×512×1536 372 → 440).
+/// Against a transposed `rhs` (a backward's, a tied head's `Eᵀ`, attention's `Kᵀ`), the
+/// contiguous stretches are columns. Up to [`flex_dot::DOT_ROWS`] rows each column is dotted
+/// with the rows where it lies ([`dotted_rows`]); with more, the product splits by column runs
+/// over the threads, one single-threaded `gemm` call each, giving the whole call's values bit
+/// for bit. One row split there only from [`SPLIT_VALUES_ONE_ROW`] on (measured, µs, 2
+/// threads, whole call against the split: 1×512×8192 1,838 → 1,176, but 1×512×1536 372 → 440).
 pub(crate) fn few_rows(operands: &Operands, out: &mut [f32]) {
     let [m, _, _] = operands.mkn;
     let row_major = operands.rhs_strides[1] == 1;
@@ -194,10 +195,7 @@ fn dotted_rows(operands: &Operands, out: &mut [f32]) {
 
     let [m, k, n] = operands.mkn;
     let lhs = operands.lhs_rows();
-    let threads = match k.saturating_mul(n) >= SPLIT_VALUES {
-        true => rayon::current_num_threads().min(n / MIN_SPLIT_COLUMNS).max(1),
-        false => 1,
-    };
+    let threads = column_threads(k, n, SPLIT_VALUES);
     let run = n.div_ceil(threads).next_multiple_of(16).min(n).max(1);
     let out_ptr = Shared(out.as_mut_ptr() as *const f32);
     let work = |j0: usize| {
@@ -329,12 +327,17 @@ fn split_columns(operands: &Operands, out: &mut [f32]) {
     } else {
         SPLIT_VALUES
     };
-    let threads = match k.saturating_mul(n) >= threshold {
+    // SAFETY: `out` holds the product's `m · n` values and is only this call's.
+    unsafe { operands.column_runs(out.as_mut_ptr(), column_threads(k, n, threshold)) }
+}
+
+/// The threads a few-row product of depth `k` and width `n` splits its columns over: the
+/// pool's, at most one per [`MIN_SPLIT_COLUMNS`] columns, from `threshold` values of `rhs` on.
+fn column_threads(k: usize, n: usize, threshold: usize) -> usize {
+    match k.saturating_mul(n) >= threshold {
         true => rayon::current_num_threads().min(n / MIN_SPLIT_COLUMNS).max(1),
         false => 1,
-    };
-    // SAFETY: `out` holds the product's `m · n` values and is only this call's.
-    unsafe { operands.column_runs(out.as_mut_ptr(), threads) }
+    }
 }
 
 /// The two `f32` operands of one product, as `gemm` reads them: where their views start, their
@@ -348,8 +351,6 @@ pub(crate) struct Operands {
 }
 
 impl Operands {
-    /// The views of `lhs` `[m, k]` and `rhs` `[k, n]`, whose strides the caller has checked to
-    /// be non-negative. The tensors must outlive the value.
     /// The operands at `lhs` and `rhs` with the strides given (non-negative; the caller keeps
     /// the storages alive and the views inside them): one product of a batch.
     pub(crate) fn at(
@@ -366,16 +367,14 @@ impl Operands {
         }
     }
 
+    /// The views of `lhs` `[m, k]` and `rhs` `[k, n]`, whose strides the caller has checked to
+    /// be non-negative. The tensors must outlive the value.
     fn of(lhs: &FlexTensor, rhs: &FlexTensor, mkn: [usize; 3]) -> Self {
-        let start = |t: &FlexTensor| Shared(t.storage::<f32>()[t.layout().start_offset()..].as_ptr());
-        let strides = |t: &FlexTensor| [t.layout().strides()[0], t.layout().strides()[1]];
-        Self {
-            lhs: start(lhs),
-            rhs: start(rhs),
-            lhs_strides: strides(lhs),
-            rhs_strides: strides(rhs),
-            mkn,
-        }
+        let view = |t: &FlexTensor| {
+            let start = t.storage::<f32>()[t.layout().start_offset()..].as_ptr();
+            (start, [t.layout().strides()[0], t.layout().strides()[1]])
+        };
+        Self::at(view(lhs), view(rhs), mkn)
     }
 
     /// `lhs`'s `[m, k]` values, row-major and contiguous: the view itself where it is laid out
@@ -541,16 +540,23 @@ unsafe fn transpose_block(block: &[f32], [m, width]: [usize; 2], out: *mut f32, 
 
 /// A pointer handed to the pool's threads, each of which uses its own disjoint part of what
 /// it points to (see [`few_rows`]).
-struct Shared<T>(*const T);
+#[derive(Clone, Copy)]
+pub(crate) struct Shared<T>(pub(crate) *const T);
 
 impl Shared<f32> {
     fn as_mut(&self) -> *mut f32 {
         self.0 as *mut f32
     }
+
+    /// The pointer (a method, so that a closure captures the whole `Shared`, which is `Sync`,
+    /// rather than its field).
+    pub(crate) fn get(self) -> *const f32 {
+        self.0
+    }
 }
 
-// SAFETY: the threads of `few_rows` read the operands, which nobody writes meanwhile, and
-// write disjoint runs of the output's columns.
+// SAFETY: the threads of `few_rows` (and of `flex_heads.rs`, one head each) read the operands,
+// which nobody writes meanwhile, and write disjoint runs of the output's columns.
 unsafe impl<T> Send for Shared<T> {}
 unsafe impl<T> Sync for Shared<T> {}
 

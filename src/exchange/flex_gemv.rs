@@ -151,6 +151,19 @@ mod avx2_sums {
     }
 }
 
+/// Eight values of `out` at `$at`, or zeros where the fold is fresh and this is its first
+/// block (`$zero`): the accumulators both kernels start a block from.
+#[cfg(target_arch = "x86_64")]
+macro_rules! load_or_zero {
+    ($zero:expr, $at:expr) => {
+        if $zero {
+            _mm256_setzero_ps()
+        } else {
+            _mm256_loadu_ps($at)
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
@@ -192,15 +205,6 @@ mod avx2 {
             let rows = BLOCK.min(ks.end - k0);
             // The first block of a fresh fold starts from zero instead of what `out` holds.
             let zero = fresh && k0 == ks.start;
-            macro_rules! load {
-                ($at:expr) => {
-                    if zero {
-                        _mm256_setzero_ps()
-                    } else {
-                        _mm256_loadu_ps($at)
-                    }
-                };
-            }
             // The last block of a finished fold adds its result into `finish`.
             let finish = finish.filter(|_| k0 + rows >= ks.end);
             macro_rules! store {
@@ -221,7 +225,7 @@ mod avx2 {
                     let w: [__m256; BLOCK] = std::array::from_fn(|t| _mm256_loadu_ps(row(t).add(j)));
                     for i in 0..m {
                         let x = lhs.as_ptr().add(i * k + k0);
-                        let mut acc = load!(out.add(i * n + j));
+                        let mut acc = load_or_zero!(zero, out.add(i * n + j));
                         for (t, w) in w.iter().enumerate() {
                             acc = _mm256_fmadd_ps(_mm256_broadcast_ss(&*x.add(t)), *w, acc);
                         }
@@ -230,7 +234,7 @@ mod avx2 {
                 } else {
                     for i in 0..m {
                         let x = lhs.as_ptr().add(i * k + k0);
-                        let mut acc = load!(out.add(i * n + j));
+                        let mut acc = load_or_zero!(zero, out.add(i * n + j));
                         for t in 0..rows {
                             let w = _mm256_loadu_ps(row(t).add(j));
                             acc = _mm256_fmadd_ps(_mm256_broadcast_ss(&*x.add(t)), w, acc);
@@ -294,15 +298,6 @@ mod avx2_one_row {
             let row = |t: usize| rhs.add((k0 + t) * ld_rhs);
             // The first block of a fresh fold starts from zero instead of what `out` holds.
             let zero = fresh && k0 == ks.start;
-            macro_rules! load {
-                ($at:expr) => {
-                    if zero {
-                        _mm256_setzero_ps()
-                    } else {
-                        _mm256_loadu_ps($at)
-                    }
-                };
-            }
             let scalar = |at: *const f32| if zero { 0.0 } else { *at };
             // The last block of a finished fold adds its result into `finish`.
             let last = !finish.is_null() && k0 + rows >= ks.end;
@@ -326,7 +321,10 @@ mod avx2_one_row {
                 let r: [*const f32; BLOCK] = std::array::from_fn(row);
                 let mut j = cols.start;
                 while j < pair_end {
-                    let (mut a0, mut a1) = (load!(out.add(j)), load!(out.add(j + 8)));
+                    let (mut a0, mut a1) = (
+                        load_or_zero!(zero, out.add(j)),
+                        load_or_zero!(zero, out.add(j + 8)),
+                    );
                     for t in 0..BLOCK {
                         a0 = _mm256_fmadd_ps(xs[t], _mm256_loadu_ps(r[t].add(j)), a0);
                         a1 = _mm256_fmadd_ps(xs[t], _mm256_loadu_ps(r[t].add(j + 8)), a1);
@@ -336,7 +334,7 @@ mod avx2_one_row {
                     j += 16;
                 }
                 if j + 8 <= cols.end {
-                    let mut a = load!(out.add(j));
+                    let mut a = load_or_zero!(zero, out.add(j));
                     for t in 0..BLOCK {
                         a = _mm256_fmadd_ps(xs[t], _mm256_loadu_ps(r[t].add(j)), a);
                     }

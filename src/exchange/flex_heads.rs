@@ -15,27 +15,11 @@ use burn::tensor::{DType, Shape, TensorData};
 
 use rayon::prelude::*;
 
-use super::flex_gemm::{few_rows, Operands, FEW_ROWS};
+use super::flex_gemm::{few_rows, Operands, Shared, FEW_ROWS};
 
 /// Multiply-adds from which a batch of heads splits over the pool: about 20 µs of work on one
 /// core, against a few microseconds to hand half of it to a thread kept awake.
 const PARALLEL_MULTIPLY_ADDS: usize = 1 << 16;
-
-/// A pointer the heads' tasks share: each reads the operands (nobody writes them meanwhile).
-#[derive(Clone, Copy)]
-struct Shared(*const f32);
-
-impl Shared {
-    /// The pointer (a method, so that a closure captures the whole `Shared`, which is `Sync`).
-    fn get(self) -> *const f32 {
-        self.0
-    }
-}
-
-// SAFETY: the tasks only read through it, while the tensors it points into are alive and
-// unwritten (the function holds them).
-unsafe impl Send for Shared {}
-unsafe impl Sync for Shared {}
 
 /// `lhs · rhs` over matching batch dimensions, each batch's product on [`few_rows`] where
 /// `lhs` has at most [`FEW_ROWS`] rows; other products (more rows, broadcast batches, other
