@@ -9,7 +9,8 @@
 //! scratch benchmark on this project's VM (single thread, median of 400 over 24 distinct
 //! weights, µs, this kernel against `gemm`): 2×512×1536 341 / 813, 8×512×1536 630 / 1,366,
 //! 8×768×512 413 / 899. One row has a kernel of its own (`avx2_one_row`), faster than both
-//! `gemm`'s vector-matrix kernel and the general one here on a decode step's products.
+//! `gemm`'s vector-matrix kernel and the general one here on a decode step's products. Where
+//! the CPU has AVX-512, the columns filling its vectors go to `flex_gemv_avx512` instead.
 //!
 //! Every output value is the same fold in the same order wherever its column falls (a vector
 //! lane or the scalar tail, any run of columns, one row or many): `acc = fma(lhs[i, k],
@@ -63,10 +64,23 @@ pub(crate) unsafe fn rows_times_matrix(
 ) {
     #[cfg(target_arch = "x86_64")]
     {
-        // Two or more rows: the columns filling vectors of sixteen on AVX-512 where the CPU
-        // has it (the same folds), the rest here.
-        let cols = match m > 1 && super::flex_gemv_avx512::available() {
-            true => {
+        // The columns filling vectors of sixteen on AVX-512 where the CPU has it (the same
+        // folds: one row on a kernel of its own, as on AVX2), the rest here.
+        let wide = super::flex_gemv_avx512::available();
+        let cols = match (m, wide) {
+            (1, true) => {
+                let end = super::flex_gemv_avx512::one_row(
+                    lhs.as_ptr(),
+                    ks.clone(),
+                    rhs,
+                    ld_rhs,
+                    [out, finish.unwrap_or(std::ptr::null_mut())],
+                    cols.clone(),
+                    fresh,
+                );
+                end..cols.end
+            }
+            (_, true) => {
                 let end = super::flex_gemv_avx512::whole_vectors(
                     lhs,
                     [m, k],
@@ -81,7 +95,7 @@ pub(crate) unsafe fn rows_times_matrix(
                 );
                 end..cols.end
             }
-            false => cols,
+            (_, false) => cols,
         };
         if !cols.is_empty() {
             avx2::rows_times_matrix(lhs, [m, k], ks, rhs, ld_rhs, out, n, cols, fresh, finish);
@@ -407,6 +421,8 @@ mod tests {
             (3, 45, 37, 50),
             (16, 9, 203, 203),
             (2, 7, 5, 5),
+            (1, 13, 100, 100),
+            (1, 24, 200, 210),
         ]
         .into_iter()
         .map(|(m, k, n, ld)| Case {
@@ -446,6 +462,34 @@ mod tests {
                     &self.lhs[rows.start * k..rows.end * k],
                     [rows.len(), k],
                     ks,
+                    self.rhs.as_ptr(),
+                    self.ld,
+                    out.as_mut_ptr(),
+                    n,
+                    cols,
+                    fresh,
+                    finish.map(|f| f.as_mut_ptr()),
+                )
+            }
+        }
+
+        /// [`Case::fold`] on the AVX2 kernel alone, whatever else the CPU has.
+        fn fold_avx2(
+            &self,
+            rows: std::ops::Range<usize>,
+            cols: std::ops::Range<usize>,
+            out: &mut [f32],
+            fresh: bool,
+            finish: Option<&mut [f32]>,
+        ) {
+            let [_, k, n] = self.mkn;
+            assert!(out.len() == rows.len() * n && finish.as_ref().is_none_or(|f| f.len() == out.len()));
+            // SAFETY: as in `fold`.
+            unsafe {
+                super::avx2::rows_times_matrix(
+                    &self.lhs[rows.start * k..rows.end * k],
+                    [rows.len(), k],
+                    0..k,
                     self.rhs.as_ptr(),
                     self.ld,
                     out.as_mut_ptr(),
@@ -547,6 +591,55 @@ mod tests {
                     alone[..] == want[i * n..(i + 1) * n],
                     "{m}×{k}×{n}: row {i} finished differs"
                 );
+            }
+        }
+    }
+
+    /// Whatever kernel the CPU's vectors pick (AVX-512's where it has them, one row or many)
+    /// gives the AVX2 kernel's bits: folded onto a base, fresh over NaN, and finished into a
+    /// base, in column runs of uneven width.
+    #[test]
+    fn the_wider_kernels_give_the_avx2_kernels_bits() {
+        if !available() {
+            return;
+        }
+        for case in cases() {
+            let [m, k, n] = case.mkn;
+            let base: Vec<f32> = (0..m * n).map(|i| ((i * 31 % 97) as f32 - 48.0) / 8.0).collect();
+            for rows in [0..m, m - 1..m] {
+                let len = rows.len() * n;
+                let base = &base[..len];
+                for (fresh, finished) in [(false, false), (true, false), (true, true)] {
+                    let start = if fresh { vec![f32::NAN; len] } else { base.to_vec() };
+                    let (mut wide, mut narrow) = (start.clone(), start);
+                    let (mut wide_finish, mut narrow_finish) = (base.to_vec(), base.to_vec());
+                    for w in case.cuts().windows(2) {
+                        case.fold(
+                            rows.clone(),
+                            0..k,
+                            w[0]..w[1],
+                            &mut wide,
+                            fresh,
+                            finished.then_some(&mut wide_finish[..]),
+                        );
+                        case.fold_avx2(
+                            rows.clone(),
+                            w[0]..w[1],
+                            &mut narrow,
+                            fresh,
+                            finished.then_some(&mut narrow_finish[..]),
+                        );
+                    }
+                    let (wide, narrow) = match finished {
+                        true => (wide_finish, narrow_finish),
+                        false => (wide, narrow),
+                    };
+                    let same = wide.iter().zip(&narrow).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "{m}×{k}×{n} rows {rows:?} fresh {fresh} finished {finished}"
+                    );
+                }
             }
         }
     }
