@@ -91,15 +91,16 @@ pub(crate) unsafe fn whole_vectors(
 ///
 /// One row does one multiply-add per weight it reads, so this kernel is bound by how fast one
 /// core streams the block's eight matrix rows. It takes four vectors a step where the AVX2
-/// kernel takes two of eight values: 256 bytes of each row a step, so a quarter of the AVX2
-/// kernel's loads and stores of the output's columns per weight read. In the CLI (64-token
+/// kernel takes two of eight values: 256 bytes of each row a step, and half the instructions
+/// (loads, multiply-adds, the output's loads and stores) per weight read. In the CLI (64-token
 /// greedy generations of the 163 M Qwen3-MoE, ten alternating processes each, medians, new
 /// tokens/s) this kernel against the AVX2 one gave 247.4 against 216.4 on one thread and 336.8
 /// against 313.1 on two; two vectors a step 233.0 and eight 217.5 where four gave 241.9. A
-/// prefetch of each row's lines 512 bytes ahead, which a scratch benchmark of the expert
-/// products alone favoured (36.8 against 31.4 GB/s), made the CLI slower (223.6 against 267.7
-/// tokens/s non-temporal, 204.8 against 245.8 into L1), so there is none. The fold of each
-/// value is the AVX2 kernel's, so the bits are.
+/// non-temporal prefetch of each row's lines 512 bytes ahead, which a scratch benchmark of
+/// the expert products alone favoured (36.8 against 31.4 GB/s), gained nothing in the CLI
+/// (270.1 against 266.8 tokens/s over 16 processes on one thread, 353.4 against 354.4 over 12
+/// on two), and one that ran on into the next block's rows lost (223.6 against 267.7), so
+/// there is none. The fold of each value is the AVX2 kernel's, so the bits are.
 ///
 /// # Safety
 /// As [`rows_times_matrix`](super::flex_gemv::rows_times_matrix) with `m = 1`, with
