@@ -20,8 +20,9 @@
 //! router's product and the chosen experts' three products on separate weight tensors (no
 //! copy of any expert's weights), with burn's matmul (`floor_us`) and with the crate's row
 //! product, `MoeBackend::expert_matmul` (`floor_rows_us`: the same reads on the layer's own
-//! kernel, so `layer_us - floor_rows_us` is the layer's machinery). Medians in microseconds,
-//! with the bytes of expert weights a step must read.
+//! kernel, so `layer_us - floor_rows_us` is the layer's machinery). Each timed pass starts
+//! with its weights out of the caches. Medians in microseconds, with the bytes of expert
+//! weights a step must read.
 //!
 //! `layer` times one forward + backward of a FastMoE-style `MoeLayer` (one rank, `n = 1` unless
 //! `--partitions` says otherwise, no reuse, dropless, GELU experts; `--executor` picks how the
@@ -186,6 +187,10 @@ mod before {
     }
 }
 
+/// Bytes `decode` reads between its timed passes to push their weights out of the caches:
+/// four times the largest L3 of the machines the benchmarks ran on.
+const EVICT_BYTES: usize = 128 << 20;
+
 fn time(f: impl FnOnce()) -> Duration {
     let start = Instant::now();
     f();
@@ -306,6 +311,16 @@ fn decode(run: &DecodeArgs) -> serde_json::Value {
     let floor = || floor_with(&|a, w| a.matmul(w.clone()));
     let floor_rows = || floor_with(&rows_product);
     let step = || drop(layer.forward(x.clone()).output.into_data());
+    // Each timed pass starts with its weights out of the caches, as a decode step finds its
+    // experts (the rest of the token's 100 MB or so came between). Without this the three
+    // passes read three fixed sets of weights, and the floor on the row product, right after
+    // the plain floor's pass over the same weights, read them in part from the L3 (32 MiB on
+    // the VM of BENCHMARKS §13): its two-thread floor read at 76 GB/s where the memory gives
+    // 45, so the layer looked 1.6 times its floor in one sitting and 1.1 in another.
+    let flush: Vec<f32> = vec![1.0; EVICT_BYTES / 4];
+    let evict = || {
+        std::hint::black_box(flush.iter().step_by(16).sum::<f32>());
+    };
     for _ in 0..10 {
         step();
         floor();
@@ -314,8 +329,11 @@ fn decode(run: &DecodeArgs) -> serde_json::Value {
     // Alternating, so drift hits all three alike.
     let (mut ours, mut plain, mut rows) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..run.iters {
+        evict();
         ours.push(time(step));
+        evict();
         plain.push(time(floor));
+        evict();
         rows.push(time(floor_rows));
     }
     let bytes = top_k * 3 * m * h * 4;
