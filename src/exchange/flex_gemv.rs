@@ -411,6 +411,20 @@ mod tests {
         rhs: Vec<f32>,
     }
 
+    /// The signature `rows_times_matrix` and the AVX2 kernel share.
+    type Kernel = unsafe fn(
+        &[f32],
+        [usize; 2],
+        std::ops::Range<usize>,
+        *const f32,
+        usize,
+        *mut f32,
+        usize,
+        std::ops::Range<usize>,
+        bool,
+        Option<*mut f32>,
+    );
+
     /// Row counts 1 to 16, depths and widths that are not multiples of the block or the
     /// vector, a row stride wider than the columns.
     fn cases() -> Vec<Case> {
@@ -452,31 +466,16 @@ mod tests {
             fresh: bool,
             finish: Option<&mut [f32]>,
         ) {
-            let [_, k, n] = self.mkn;
-            assert!(out.len() == rows.len() * n && finish.as_ref().is_none_or(|f| f.len() == out.len()));
-            // SAFETY: AVX2 and FMA are there (the tests' first check); `rhs` has `k` rows of
-            // `ld ≥ n` values; `out` (and `finish`) hold the rows' `n` values each, this
-            // call's alone.
-            unsafe {
-                rows_times_matrix(
-                    &self.lhs[rows.start * k..rows.end * k],
-                    [rows.len(), k],
-                    ks,
-                    self.rhs.as_ptr(),
-                    self.ld,
-                    out.as_mut_ptr(),
-                    n,
-                    cols,
-                    fresh,
-                    finish.map(|f| f.as_mut_ptr()),
-                )
-            }
+            self.fold_on(rows_times_matrix, rows, ks, cols, out, fresh, finish)
         }
 
-        /// [`Case::fold`] on the AVX2 kernel alone, whatever else the CPU has.
-        fn fold_avx2(
+        /// [`Case::fold`] on `kernel`: `rows_times_matrix` or one of the kernels it picks from.
+        #[allow(clippy::too_many_arguments)]
+        fn fold_on(
             &self,
+            kernel: Kernel,
             rows: std::ops::Range<usize>,
+            ks: std::ops::Range<usize>,
             cols: std::ops::Range<usize>,
             out: &mut [f32],
             fresh: bool,
@@ -484,12 +483,14 @@ mod tests {
         ) {
             let [_, k, n] = self.mkn;
             assert!(out.len() == rows.len() * n && finish.as_ref().is_none_or(|f| f.len() == out.len()));
-            // SAFETY: as in `fold`.
+            // SAFETY: AVX2 and FMA are there (the tests' first check); `rhs` has `k` rows of
+            // `ld ≥ n` values; `out` (and `finish`) hold the rows' `n` values each, this
+            // call's alone.
             unsafe {
-                super::avx2::rows_times_matrix(
+                kernel(
                     &self.lhs[rows.start * k..rows.end * k],
                     [rows.len(), k],
-                    0..k,
+                    ks,
                     self.rhs.as_ptr(),
                     self.ld,
                     out.as_mut_ptr(),
@@ -622,8 +623,10 @@ mod tests {
                             fresh,
                             finished.then_some(&mut wide_finish[..]),
                         );
-                        case.fold_avx2(
+                        case.fold_on(
+                            super::avx2::rows_times_matrix,
                             rows.clone(),
+                            0..k,
                             w[0]..w[1],
                             &mut narrow,
                             fresh,
