@@ -188,7 +188,8 @@ mod before {
 }
 
 /// Bytes `decode` reads between its timed passes to push their weights out of the caches:
-/// four times the largest L3 of the machines the benchmarks ran on.
+/// four times the L3 of the VM of BENCHMARKS §13 (32 MiB); a CPU with a larger last-level
+/// cache wants more.
 const EVICT_BYTES: usize = 128 << 20;
 
 fn time(f: impl FnOnce()) -> Duration {
