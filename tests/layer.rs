@@ -20,6 +20,10 @@ type B = Autodiff<NdArray>;
 #[path = "layer/expert_path.rs"]
 mod expert_path;
 
+/// The decode path against the exchange, bit for bit, and the reference cases.
+#[path = "layer/decode.rs"]
+mod decode;
+
 /// Low-rank adapters on the experts against a merged float64 oracle.
 #[path = "layer/lora.rs"]
 mod lora;

@@ -33,6 +33,10 @@ use mpipemoe::{
 #[path = "wgpu/fusion.rs"]
 mod fusion;
 
+/// The decode path, raw and under fusion.
+#[path = "wgpu/decode.rs"]
+mod decode;
+
 type B = Autodiff<Wgpu>;
 type Inner = Wgpu;
 

@@ -269,15 +269,31 @@ impl RoutingCounts {
             }
         }
         debug_assert_eq!(row_slot.len(), exchange.send_rows());
+        (self.dispatch_of(row_slot), exchange)
+    }
+
+    /// `T_I`'s rows in one block, by expert, then by token (the order [`plans`](Self::plans)
+    /// gives a single partition), without an exchange plan: the decode path's plan, where one
+    /// rank's few tokens go straight to its experts. Expert `e`'s rows are
+    /// [`kept_per_expert`](Self::kept_per_expert)`()[e]` (pure).
+    pub fn dispatch_plan(&self) -> DispatchPlan {
+        self.dispatch_of(self.rows_of_expert.concat())
+    }
+
+    /// This rank's kept assignments to each expert of the group, after capacity. `[n_experts]`
+    pub fn kept_per_expert(&self) -> &[usize] {
+        &self.send_counts
+    }
+
+    fn dispatch_of(&self, row_slot: Vec<usize>) -> DispatchPlan {
         let row_token = row_slot.iter().map(|&s| s / self.top_k).collect();
-        let dispatch = DispatchPlan {
+        DispatchPlan {
             n_tokens: self.n_tokens,
             top_k: self.top_k,
             row_token,
             row_slot,
             expert_fraction: self.expert_fraction.clone(),
             stats: self.stats.clone(),
-        };
-        (dispatch, exchange)
+        }
     }
 }

@@ -155,6 +155,30 @@ pub trait MoeBackend:
         Self::exchange_forward(input, experts, &plan, run).map(|(out, _)| out)
     }
 
+    /// This rank's experts on rows already in expert order, with nothing to exchange: the
+    /// layer's decode path (a few tokens at inference on one rank) calls it in place of
+    /// [`exchange`](Self::exchange). Forward only, with no backward node: the layer takes it
+    /// only where the backend tracks no gradients. The default runs the exchange's `C` step on
+    /// one block of every row, with the expert compute the exchange would find
+    /// (`exchange/direct.rs`); `Fusion<B>` runs it on `B`, as it runs the exchange.
+    ///
+    /// # Shapes
+    /// - input (`T_I`, expert-major): `[n_rows, d_model]`, `n_rows = Σ rows_per_expert`
+    /// - `rows_per_expert`: `[n_local_experts]`
+    /// - returns `T_O`: `[n_rows, d_model]`
+    ///
+    /// # Errors
+    /// [`MoeError::Input`](crate::MoeError::Input) if the rows or the experts disagree with
+    /// `rows_per_expert`.
+    fn experts_forward(
+        input: FloatTensor<Self>,
+        experts: ExpertTensors<Self>,
+        rows_per_expert: &[usize],
+        run: &ExchangeRun,
+    ) -> Result<FloatTensor<Self>> {
+        super::direct::forward::<Self>(input, experts, rows_per_expert, run)
+    }
+
     /// How the generic fused exchange runs its schedule on this backend (on `device`) when the
     /// layer's config does not say: in issue order on the calling thread (the default), or one
     /// thread per stream (see [`StepExecutor`]).

@@ -71,6 +71,22 @@ impl<B: FusionBackend + MoeBackend> MoeBackend for Fusion<B> {
         Ok((register::<B>(out, &device), saved))
     }
 
+    fn experts_forward(
+        input: FloatTensor<Self>,
+        experts: ExpertTensors<Self>,
+        rows_per_expert: &[usize],
+        run: &ExchangeRun,
+    ) -> Result<FloatTensor<Self>> {
+        let device = input.client.device().clone();
+        let out = B::experts_forward(
+            resolve::<B>(input),
+            experts.map(resolve::<B>),
+            rows_per_expert,
+            run,
+        )?;
+        Ok(register::<B>(out, &device))
+    }
+
     fn exchange_backward(
         grad_out: FloatTensor<Self>,
         saved: Self::Saved,

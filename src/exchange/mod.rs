@@ -18,6 +18,7 @@ mod cubecl_arena;
 #[cfg(feature = "cubecl")]
 mod cubecl_combine;
 mod dense;
+mod direct;
 pub(crate) use dense::dense;
 pub(crate) mod executor;
 mod expert_path;

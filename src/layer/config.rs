@@ -183,6 +183,16 @@ pub struct MoeLayerConfig {
     /// does and ignores it.
     #[config(default = "GemmPrecision::F32")]
     pub gemm_precision: GemmPrecision,
+    /// Batches of at most this many tokens, on one rank and where the backend tracks no
+    /// gradients (a generation's decode steps), take the decode path: the rows go straight
+    /// to the chosen experts in one block, without the exchange's plan, partitions, schedule
+    /// or buffers, none of which does anything for a few tokens that stay on their rank and
+    /// need no backward. The values are the exchange's: the same expert compute on the same
+    /// rows. Above it, on more ranks, under autodiff or on the reference path, the batch goes
+    /// through the exchange. `0` turns the decode path off. The default, 16, is where
+    /// every expert's product is still one of a few rows on the CPU (Flex's streaming kernel).
+    #[config(default = 16)]
+    pub decode_tokens: usize,
 }
 
 impl MoeLayerConfig {

@@ -4,6 +4,7 @@ mod adapters;
 mod balance;
 mod config;
 mod context;
+mod decode;
 mod file;
 mod grads;
 mod io;

@@ -7,6 +7,7 @@ use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorPrimitive};
 
+use super::plan::Route;
 use super::{ExchangePath, MoeContext, MoeLayerConfig, MoeOutput, MoeStats};
 use crate::dispatch::{DispatchPlan, ExchangePlan, RowMap};
 use crate::error::{MoeError, Result};
@@ -225,8 +226,13 @@ impl<B: MoeBackend> MoeLayer<B> {
             )));
         }
 
-        // 3. Plan: count with the other ranks, apply capacity; choose n and the strategy.
-        let plan = self.plan(&routing.indices, &x)?;
+        // 3. Plan: count with the other ranks, apply capacity; choose n and the strategy. A few
+        //    tokens at inference on one rank take the decode path: the counts alone, no
+        //    partitions (`decode.rs`).
+        let plan = match self.decodes(n_tokens, &x.device()) {
+            true => self.plan_direct(&routing.indices, n_tokens)?,
+            false => self.plan(&routing.indices, &x)?,
+        };
 
         // 4. Permute: T_I = the input rows in plan order (scaled by their combine weights
         //    where the weights go on the experts' input, as in Llama 4).
@@ -238,10 +244,14 @@ impl<B: MoeBackend> MoeLayer<B> {
         };
 
         // 5. Exchange: dispatch, local experts (and copies of the shadowed ones), combine —
-        //    fused or reference.
-        let n_partitions = plan.exchange.n_partitions();
-        let recv_rows = plan.exchange.recv_rows();
-        let t_o = self.exchange(t_i, plan.exchange, plan.strategy, &plan.shadows)?;
+        //    fused or reference; on the decode path, this rank's experts alone.
+        let n_partitions = plan.route.n_partitions();
+        let recv_rows = plan.route.recv_rows();
+        let decode = matches!(plan.route, Route::Direct(_));
+        let t_o = match plan.route {
+            Route::Exchange(exchange) => self.exchange(t_i, exchange, plan.strategy, &plan.shadows)?,
+            Route::Direct(rows_per_expert) => self.experts_direct(t_i, &rows_per_expert)?,
+        };
 
         // 6. Unpermute: y[t] += w[t, j] · T_O[row(t, j)] (unweighted where step 4 weighted).
         let mut y = unpermute(t_o, row_weights, &tokens);
@@ -285,6 +295,7 @@ impl<B: MoeBackend> MoeLayer<B> {
                 memory: plan.memory,
                 recv_rows,
                 shadows: plan.shadows,
+                decode,
             },
         })
     }

@@ -63,4 +63,9 @@ pub struct MoeStats {
     /// The experts replicated on every rank this step ([`Shadowing`](crate::Shadowing)), in
     /// increasing index; empty without shadowing.
     pub shadows: Vec<usize>,
+    /// Whether the batch took the decode path
+    /// ([`MoeLayerConfig::decode_tokens`](crate::MoeLayerConfig::decode_tokens)): a few tokens
+    /// at inference on one rank, straight to the experts in one block, with no exchange plan
+    /// (`n_partitions` is then 1 and `strategy` `None`).
+    pub decode: bool,
 }

@@ -39,11 +39,39 @@ pub(super) struct BatchPlan {
     pub memory: Option<MemoryDecision>,
     /// `T_I`'s rows: which token and top-k slot each row carries.
     pub dispatch: DispatchPlan,
-    /// The partitions of the all-to-all and the local experts' rows in each.
-    pub exchange: ExchangePlan,
+    /// How step 5 runs the rows.
+    pub route: Route,
     /// The experts shadowed this step, in increasing index: the exchange's expert slots
     /// after this rank's own.
     pub shadows: Vec<usize>,
+}
+
+/// How step 5 takes a batch's rows to the experts.
+pub(super) enum Route {
+    /// Through the exchange: the partitions of the all-to-all and the local experts' rows in
+    /// each.
+    Exchange(ExchangePlan),
+    /// Straight to this rank's experts in one block (the decode path, `layer/decode.rs`):
+    /// each local expert's rows, in order.
+    Direct(Vec<usize>),
+}
+
+impl Route {
+    /// Partitions the rows run in (one block on the decode path).
+    pub fn n_partitions(&self) -> usize {
+        match self {
+            Route::Exchange(plan) => plan.n_partitions(),
+            Route::Direct(_) => 1,
+        }
+    }
+
+    /// Rows this rank's experts compute.
+    pub fn recv_rows(&self) -> usize {
+        match self {
+            Route::Exchange(plan) => plan.recv_rows(),
+            Route::Direct(rows) => rows.iter().sum(),
+        }
+    }
 }
 
 impl<B: MoeBackend> MoeLayer<B> {
@@ -92,7 +120,7 @@ impl<B: MoeBackend> MoeLayer<B> {
             strategy,
             memory,
             dispatch,
-            exchange,
+            route: Route::Exchange(exchange),
             shadows,
         })
     }
