@@ -183,8 +183,9 @@ pub struct MoeLayerConfig {
     /// does and ignores it.
     #[config(default = "GemmPrecision::F32")]
     pub gemm_precision: GemmPrecision,
-    /// Batches of at most this many tokens, on one rank and where the backend tracks no
-    /// gradients (a generation's decode steps), take the decode path: the rows go straight
+    /// Batches of at most this many tokens, on one rank with nothing to exchange (not
+    /// `HostLoopback`, which emulates the network) and where the backend tracks no gradients
+    /// (a generation's decode steps), take the decode path: the rows go straight
     /// to the chosen experts in one block, without the exchange's plan, partitions, schedule
     /// or buffers, none of which does anything for a few tokens that stay on their rank and
     /// need no backward. The values are the exchange's: the same expert compute on the same

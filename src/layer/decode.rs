@@ -12,8 +12,10 @@
 //!
 //! The layer takes it where [`MoeLayerConfig::decode_tokens`](super::MoeLayerConfig) allows
 //! the batch's size, the backend tracks no gradients, the path is the fused op, and neither
-//! the expert-parallel group nor its data-parallel replicas have a second rank (whose
-//! collectives every rank must join).
+//! the expert-parallel group nor its data-parallel replicas have anything to exchange
+//! ([`Communicator::is_identity`](crate::Communicator::is_identity)): a second rank must join
+//! every collective, and a one-rank group that emulates the network (`HostLoopback`) is there
+//! to send its rows.
 
 use burn::tensor::{Tensor, TensorPrimitive};
 
@@ -30,8 +32,8 @@ impl<B: MoeBackend> MoeLayer<B> {
         let config = &self.ctx.config;
         (1..=config.decode_tokens).contains(&n_tokens)
             && config.path == ExchangePath::Fused
-            && self.ctx.comm.n_ranks() == 1
-            && self.ctx.replicas.n_ranks() == 1
+            && self.ctx.comm.is_identity()
+            && self.ctx.replicas.is_identity()
             && !B::ad_enabled(device)
     }
 

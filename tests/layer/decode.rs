@@ -206,6 +206,17 @@ fn the_decode_path_is_taken_only_where_it_applies() {
     let out = layer.forward(Tensor::<A, 2>::random([1, 24], Distribution::Default, &device));
     assert!(!out.stats.decode);
 
+    // A one-rank group that emulates the network sends its rows.
+    let layer = config
+        .clone()
+        .init_rank::<Flex>(
+            &Default::default(),
+            std::sync::Arc::new(mpipemoe::comm::HostLoopback),
+        )
+        .unwrap();
+    let x = Tensor::<Flex, 2>::random([1, 24], Distribution::Default, &Default::default());
+    assert!(!layer.forward(x).stats.decode);
+
     // A second rank joins the exchange's collectives, so neither rank may skip them.
     let ranks = LocalGroup::run(2, |ctx| {
         let layer = config.init_rank::<NdArray>(&device, ctx.comm.clone())?;
