@@ -104,18 +104,36 @@ def window_starts(seed, step, batch, span):
     return out
 
 
-def torch_finetune(steps, threads, lora=None):
+def torch_finetune(steps, threads, lora=None, device="cpu", precision=None, batch=BATCH, seq=SEQ):
     """transformers' model trained with torch eager; with `lora` a rank, PEFT's LoRA of that
     rank (alpha 2·rank) on q/k/v/o and both of the experts' stacked weights
-    (`target_parameters`), the base frozen: what `mpipemoe finetune --lora-rank` sets up."""
+    (`target_parameters`), the base frozen: what `mpipemoe finetune --lora-rank` sets up.
+    On `device` "cuda", at `precision` "tf32" (every f32 product on the tensor cores in TF32)
+    or "bf16" (autocast to bf16, TF32 for what stays f32), with the device's own peaks
+    (finetune_gpu_peer.py)."""
+    import contextlib
     import torch
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
+    cuda = device == "cuda"
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = precision in ("tf32", "bf16")
+        torch.backends.cudnn.allow_tf32 = precision in ("tf32", "bf16")
+
+    def autocast():
+        if cuda and precision == "bf16":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
     tokens = Tokenizer.from_file(os.path.join(MODEL, "tokenizer.json")).encode(
         open(CORPUS).read(), add_special_tokens=False).ids
-    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).to(device)
     if lora:
         import peft
         config = peft.LoraConfig(r=lora, lora_alpha=2 * lora, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
@@ -125,16 +143,23 @@ def torch_finetune(steps, threads, lora=None):
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
     times, losses = [], []
     for step in range(steps):
+        sync()
         start = time.perf_counter()
-        starts = window_starts(SEED, step, BATCH, len(tokens) - SEQ)
-        ids = torch.tensor([tokens[s:s + SEQ + 1] for s in starts])
-        out = model(input_ids=ids, labels=ids)
+        starts = window_starts(SEED, step, batch, len(tokens) - seq)
+        ids = torch.tensor([tokens[s:s + seq + 1] for s in starts], device=device)
+        with autocast():
+            out = model(input_ids=ids, labels=ids)
         out.loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        # The loss read is the step's end on both devices (a host wait on the GPU).
+        losses.append(out.loss.item())
         times.append(time.perf_counter() - start)
-        losses.append(float(out.loss))
-    return {"step_seconds": times, "losses": losses, "data_tokens": len(tokens)}
+    result = {"step_seconds": times, "losses": losses, "data_tokens": len(tokens)}
+    if cuda:
+        result["max_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        result["max_reserved_mib"] = torch.cuda.max_memory_reserved() / 2**20
+    return result
 
 
 def lora_rounds(args, env, torch_env, heap):

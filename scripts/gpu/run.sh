@@ -11,7 +11,9 @@
 # Each phase runs under its own time limit (seconds, from the environment), so a lease that ends
 # early still returns every earlier phase's log: CHECK_S (default 300), TRAIN_S per training run
 # (120), TRAIN_STEPS (200), BENCH_S (240), PEER_S (120, each of the two peer runs), MODELS_S (240),
-# FINETUNE_S (240), PROFILE_S (60 per profiled process; phase "profile", off by default:
+# FINETUNE_S (240), FTPEER_S (420; phase "finetune-peer", off by default: the 163 M model
+# fine-tuned beside transformers, FTPEER_ARGS to scripts/bench/finetune_gpu_peer.py, e.g.
+# "--rounds 1 --precision tf32"), PROFILE_S (60 per profiled process; phase "profile", off by default:
 # PROFILE_SHAPES, PROFILE_REPEATS); CHECK_ARGS (e.g. --plan cublas) goes to the check, BENCH_ARGS (e.g. --quick)
 # to the benchmark, PEER_ARGS (e.g. --quick --repeats 10) to the PyTorch peer, which runs once
 # before the benchmark and once after it (its figures are the two runs' mean, so both sides are
@@ -27,6 +29,8 @@ BENCH_S=${BENCH_S:-240}
 PEER_S=${PEER_S:-120}
 MODELS_S=${MODELS_S:-240}
 FINETUNE_S=${FINETUNE_S:-240}
+FTPEER_S=${FTPEER_S:-420}
+FTPEER_ARGS=${FTPEER_ARGS:-}
 BENCH_ARGS=${BENCH_ARGS:-}
 CHECK_ARGS=${CHECK_ARGS:-}
 PEER_ARGS=${PEER_ARGS:-}
@@ -98,6 +102,17 @@ print(f"{family}: loss {d['initial_loss']:.3f} -> {d['final_loss']:.3f} in {d['s
 sys.exit(0 if ok else 1)
 PY
   done
+fi
+if [[ $PHASES == *" finetune-peer "* ]]; then
+  # Issue 56's whole model on the GPU: the 163 M Qwen3-MoE of BENCHMARKS 13 (written here by
+  # transformers, seed 0, on the first run) fine-tuned by `mpipemoe finetune --backend cuda`
+  # and by transformers with torch on the same GPU, TF32 on both sides and bf16 on both,
+  # alternating processes; tokens/s and peak GPU memory (nvidia-smi, both sides alike).
+  echo "== the 163 M Qwen3-MoE fine-tuned on CUDA beside transformers (TF32 both, bf16 both)"
+  rm -f cubecl.toml
+  timeout "$FTPEER_S" python3 scripts/bench/finetune_gpu_peer.py --binary "$bin/mpipemoe" $FTPEER_ARGS \
+    --json "$out/finetune_gpu_peer.json" 2>"$out/finetune_gpu_peer.err" | tee "$out/finetune_gpu_peer.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || { check=1; tail -20 "$out/finetune_gpu_peer.err"; }
 fi
 [[ $PHASES != *" train "* ]] || echo "== toy GPT-MoE on CUDA ($TRAIN_STEPS steps; the loss must fall by at least 1 nat)"
 # `--no-chart`: the GPU machines have no TrueType font for the load chart's text (the second
