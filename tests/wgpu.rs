@@ -33,6 +33,10 @@ use mpipemoe::{
 #[path = "wgpu/fusion.rs"]
 mod fusion;
 
+/// The layer's device memory against the memory model.
+#[path = "wgpu/memory.rs"]
+mod memory;
+
 /// The decode path, raw and under fusion.
 #[path = "wgpu/decode.rs"]
 mod decode;

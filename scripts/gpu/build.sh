@@ -17,10 +17,11 @@ if [ "${AUTOTUNE:-0}" = 1 ]; then
   cuda_features=cuda,autotune
   tools_features=cuda-autotune
 fi
-cargo build --release -p mpipemoe-cuda --features "$cuda_features" --example gpu_check --example gpu_bench
+cargo build --release -p mpipemoe-cuda --features "$cuda_features" --example gpu_check --example gpu_bench \
+  --example gpu_memory
 # The toy GPT-MoE with `--backend cuda|cuda-fusion` and `--comm nccl` (tools' `cuda` feature), and
 # the `mpipemoe` CLI, whose `logits` / `generate` run the whole models of tests/data/models there.
-binaries=(target/release/examples/gpu_check target/release/examples/gpu_bench)
+binaries=(target/release/examples/gpu_check target/release/examples/gpu_bench target/release/examples/gpu_memory)
 if [ "${TOOLS:-1}" = 1 ]; then
   cargo build --release -p mpipemoe-tools --features "$tools_features" --example train_gpt_moe --bin mpipemoe
   binaries+=(target/release/examples/train_gpt_moe target/release/mpipemoe)

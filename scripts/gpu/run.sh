@@ -13,7 +13,8 @@
 # (120), TRAIN_STEPS (200), BENCH_S (240), PEER_S (120, each of the two peer runs), MODELS_S (240),
 # FINETUNE_S (240), FTPEER_S (420; phase "finetune-peer", off by default: the 163 M model
 # fine-tuned beside transformers, FTPEER_ARGS to scripts/bench/finetune_gpu_peer.py, e.g.
-# "--rounds 1 --precision tf32"), PROFILE_S (60 per profiled process; phase "profile", off by default:
+# "--rounds 1 --precision tf32"), MEMORY_S (240; phase "memory", off by default: gpu_memory,
+# MEMORY_ARGS e.g. "--quick"), PROFILE_S (60 per profiled process; phase "profile", off by default:
 # PROFILE_SHAPES, PROFILE_REPEATS); CHECK_ARGS (e.g. --plan cublas) goes to the check, BENCH_ARGS (e.g. --quick)
 # to the benchmark, PEER_ARGS (e.g. --quick --repeats 10) to the PyTorch peer, which runs once
 # before the benchmark and once after it (its figures are the two runs' mean, so both sides are
@@ -30,6 +31,8 @@ PEER_S=${PEER_S:-120}
 MODELS_S=${MODELS_S:-240}
 FINETUNE_S=${FINETUNE_S:-240}
 FTPEER_S=${FTPEER_S:-420}
+MEMORY_S=${MEMORY_S:-240}
+MEMORY_ARGS=${MEMORY_ARGS:-}
 FTPEER_ARGS=${FTPEER_ARGS:-}
 BENCH_ARGS=${BENCH_ARGS:-}
 CHECK_ARGS=${CHECK_ARGS:-}
@@ -102,6 +105,14 @@ print(f"{family}: loss {d['initial_loss']:.3f} -> {d['final_loss']:.3f} in {d['s
 sys.exit(0 if ok else 1)
 PY
   done
+fi
+if [[ $PHASES == *" memory "* ]]; then
+  # Issue 56's memory claim on the GPU: the layer's peak device memory, FastMoE-style, PipeMoE
+  # and MPipeMoE under each strategy, at the paper's shapes, beside the memory model.
+  echo "== device memory against the memory model (gpu_memory)"
+  cubecl_logs memory
+  timeout "$MEMORY_S" "$bin/gpu_memory" $MEMORY_ARGS --json "$out/gpu_memory.json" | tee "$out/gpu_memory.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || check=1
 fi
 if [[ $PHASES == *" finetune-peer "* ]]; then
   # Issue 56's whole model on the GPU: the 163 M Qwen3-MoE of BENCHMARKS 13 (written here by

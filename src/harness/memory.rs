@@ -1,4 +1,8 @@
-//! Measuring the peak memory of one forward + backward pass of the layer on the CPU.
+//! Measuring the peak memory of one forward + backward pass of the layer: on the CPU with the
+//! process's counting allocator, on the CubeCL backends from the device allocator
+//! (`harness/device_memory.rs`), both through [`PeakMeter`].
+
+use std::sync::Arc;
 
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
@@ -9,7 +13,7 @@ use crate::error::Result;
 use crate::experts::HostInit;
 use crate::layer::{MoeLayer, MoeStats, TensorMap};
 use crate::memory::alloc::CountingAllocator;
-use crate::{LocalGroup, MoeBackend, MoeLayerConfig};
+use crate::{Communicator, LocalGroup, MoeBackend, MoeLayerConfig};
 
 /// What one rank's measured pass held and did.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -22,6 +26,10 @@ pub struct RankMemory {
     pub host_bytes: usize,
     /// Rows this rank's experts received (kept assignments of the global batch).
     pub recv_rows: usize,
+    /// Device bytes the layer's partition arena held after the pass: buffers the pass
+    /// allocated and the arena keeps for the next (0 on the backends without an arena, the
+    /// CPU backends).
+    pub arena_bytes: u64,
     /// The layer's stats of the measured pass (split, strategy, the budget's decision).
     pub stats: MoeStats,
 }
@@ -35,6 +43,42 @@ pub struct MemoryMeasurement {
     pub host_bytes: usize,
     /// Every rank's figures.
     pub ranks: Vec<RankMemory>,
+}
+
+/// Where a measurement reads each rank's bytes: the counting allocator on the CPU, the device
+/// allocator on the CubeCL backends
+/// ([`DeviceMemoryMeter`](super::DeviceMemoryMeter)).
+pub trait PeakMeter: Sync {
+    /// Called on each rank's thread with `Some(rank)` before the rank builds its layer, and
+    /// with `None` when it is done: where the meter counts per thread, it tags the rank's
+    /// threads here. The default does nothing.
+    fn tag(&self, rank: Option<usize>) {
+        let _ = rank;
+    }
+
+    /// Starts `rank`'s count now, on the rank's thread, with every rank idle; returns the
+    /// bytes the rank holds now.
+    fn start(&self, rank: usize) -> usize;
+
+    /// The most bytes `rank` held at once since [`start`](Self::start), read on the rank's
+    /// thread after its pass, with every rank idle.
+    fn peak(&self, rank: usize) -> usize;
+}
+
+impl PeakMeter for CountingAllocator {
+    /// Tags the rank's thread and every thread of its pool: work the layer hands to the pool
+    /// (Flex's GEMMs, its experts side by side) counts against the rank.
+    fn tag(&self, rank: Option<usize>) {
+        rayon::broadcast(|_| CountingAllocator::tag_thread(rank));
+    }
+
+    fn start(&self, rank: usize) -> usize {
+        self.reset_rank_peak(rank)
+    }
+
+    fn peak(&self, rank: usize) -> usize {
+        self.rank_peak(rank)
+    }
 }
 
 /// Measures one forward + backward of a freshly initialised layer with `config` on
@@ -90,17 +134,54 @@ pub fn measure_layer_memory_with<B>(
 where
     B: AutodiffBackend + MoeBackend,
 {
-    // Each rank on a pool of its own whose every thread carries the rank's tag: work the
-    // layer hands to the pool (Flex's GEMMs, its experts side by side) counts against the
-    // rank, and what the pool's threads keep between calls (gemm's packing buffers) is
-    // allocated in the warm-up, under the tag of the rank that uses it.
+    measure_layer_peak::<B>(
+        alloc,
+        config,
+        weights,
+        tokens,
+        tokens_per_rank,
+        n_ranks,
+        warm_up,
+        device,
+        &|comm| comm,
+    )
+}
+
+/// A rank's communicator passed through a wrapper first (e.g. one that adds a device library's
+/// expert path, `mpipemoe_cuda::with_cublas`).
+pub type WrapComm<'a> = &'a (dyn Fn(Arc<dyn Communicator>) -> Arc<dyn Communicator> + Sync);
+
+/// [`measure_layer_memory_with`] with the bytes read from `meter`: the same pass, on any
+/// backend whose memory a [`PeakMeter`] reads, each rank's communicator passed through `wrap`.
+///
+/// The measured pass builds its partition buffers afresh (the layer gets a new
+/// [`PartitionArena`](crate::backend::PartitionArena) after the warm-up), so on the backends
+/// that keep them between passes (the CubeCL backends) they count in the pass, as the memory
+/// model counts them, and as the CPU backends, which build them fresh each pass, count them.
+#[allow(clippy::too_many_arguments)]
+pub fn measure_layer_peak<B>(
+    meter: &dyn PeakMeter,
+    config: &MoeLayerConfig,
+    weights: Option<&TensorMap>,
+    tokens: Option<TokenSource<'_>>,
+    tokens_per_rank: usize,
+    n_ranks: usize,
+    warm_up: bool,
+    device: &B::Device,
+    wrap: WrapComm<'_>,
+) -> Result<MemoryMeasurement>
+where
+    B: AutodiffBackend + MoeBackend,
+{
+    // Each rank on a pool of its own whose every thread carries the rank's tag (for a meter
+    // that counts per thread): what the pool's threads keep between calls (gemm's packing
+    // buffers) is allocated in the warm-up, under the tag of the rank that uses it.
     let ranks = LocalGroup::run_with(GroupOptions::pool_per_rank(n_ranks), n_ranks, |ctx| {
-        rayon::broadcast(|_| CountingAllocator::tag_thread(Some(ctx.rank)));
-        let layer = match weights {
-            Some(w) => {
-                MoeLayer::<B>::from_tensor_map(config, w, "weights".as_ref(), device, ctx.comm.clone())?
-            }
-            None => config.init_rank::<B>(device, ctx.comm.clone())?,
+        meter.tag(Some(ctx.rank));
+        let comm = wrap(ctx.comm.clone());
+        let mut layer = match weights {
+            Some(w) => MoeLayer::<B>::from_tensor_map(config, w, "weights".as_ref(), device, comm)?,
+            None => config.init_rank::<B>(device, comm)?,
         };
         let m = config.d_model;
         let data = |name: &str| {
@@ -113,31 +194,34 @@ where
         };
         let x = Tensor::<B, 2>::from_data(x, device).require_grad();
         let probe = Tensor::<B, 2>::from_data(data("probe"), device);
-        let pass = || -> Result<MoeStats> {
+        let pass = |layer: &MoeLayer<B>| -> Result<MoeStats> {
             let out = layer.try_forward(x.clone())?;
             let grads = (out.output * probe.clone()).sum().backward();
             drop(grads);
             Ok(out.stats)
         };
         if warm_up {
-            pass()?;
+            pass(&layer)?;
         }
+        let arena = crate::backend::PartitionArena::new();
+        layer.set_partition_arena(arena.clone());
         ctx.comm.barrier()?;
         layer.context().meter().reset_peak();
         // Each rank's base and peak restart at the same instant: a block of this rank freed
         // by a peer in between would otherwise count as part of the pass.
-        let base = alloc.reset_rank_peak(ctx.rank);
-        let stats = pass()?;
+        let base = meter.start(ctx.rank);
+        let stats = pass(&layer)?;
         ctx.comm.barrier()?;
-        let peak = alloc.rank_peak(ctx.rank).saturating_sub(base);
+        let peak = meter.peak(ctx.rank).saturating_sub(base);
         let host = layer.context().meter().report().host_peak_bytes;
         ctx.comm.barrier()?;
-        rayon::broadcast(|_| CountingAllocator::tag_thread(None));
+        meter.tag(None);
         let recv_rows = stats.recv_rows;
         Ok(RankMemory {
             peak_device_bytes: peak,
             host_bytes: host,
             recv_rows,
+            arena_bytes: arena.stats().reserved_bytes,
             stats,
         })
     })?;

@@ -2,6 +2,8 @@
 //! `mpipemoe` command-line tool, the tests and the benchmarks share. Nothing here is covered by
 //! semantic versioning.
 
+#[cfg(feature = "cubecl")]
+mod device_memory;
 mod memory;
 mod synthetic;
 
@@ -10,7 +12,10 @@ pub use crate::cases::{
     CheckReport, TensorError,
 };
 pub use crate::memory::alloc::CountingAllocator;
+#[cfg(feature = "cubecl")]
+pub use device_memory::{DeviceMemoryMeter, DeviceSample};
 pub use memory::{
-    measure_layer_memory, measure_layer_memory_with, MemoryMeasurement, RankMemory, TokenSource,
+    measure_layer_memory, measure_layer_memory_with, measure_layer_peak, MemoryMeasurement, PeakMeter,
+    RankMemory, TokenSource, WrapComm,
 };
 pub use synthetic::{write_synthetic_checkpoint, SyntheticCheckpoint, SyntheticFamily};
