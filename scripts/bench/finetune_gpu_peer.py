@@ -21,9 +21,14 @@ The precisions, named for each side:
   stays f32. torch lowers more of its step than ours does, so for speed it is the stricter
   comparator.
 
+With `--lora R`, the fine-tuning is LoRA's (issue 58's pair on CUDA): ours with
+`--lora-rank R --lora-alpha 2R` on q/k/v/o and the experts, against PEFT's `LoraConfig` of the
+same rank, alpha and targets (`target_parameters` for the stacked experts), and our own full
+fine-tuning beside them for the memory a LoRA run saves.
+
     python3 scripts/bench/finetune_gpu_peer.py --binary .gpu/bin/mpipemoe [--precision tf32 bf16]
         [--rounds 2] [--steps 8] [--batch 16] [--seq-len 256] [--backend cuda|cuda-fusion]
-        [--threads 8] [--json OUT.json]
+        [--threads 8] [--lora R] [--json OUT.json]
 
 Needs a CUDA build of `mpipemoe` (scripts/gpu/build.sh), an NVIDIA GPU with `nvidia-smi`, and
 PyTorch with CUDA, transformers and tokenizers.
@@ -84,14 +89,17 @@ def main():
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--threads", type=int, default=8, help="CPU threads of each side (torch's and rayon's)")
+    parser.add_argument("--lora", type=int, help="LoRA of this rank on both sides (and our full fine-tuning beside)")
     parser.add_argument("--json")
     parser.add_argument("--side", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.steps < 3:
         sys.exit("--steps must be at least 3 (two warm-up steps and one timed)")
+    if args.lora is not None and not 1 <= args.lora <= 1024:
+        sys.exit(f"--lora {args.lora}: expected a rank from 1 to 1024")
     if args.side:
-        print(json.dumps(models_peer.torch_finetune(args.steps, args.threads, device="cuda", precision=args.side,
-                                                    batch=args.batch, seq=args.seq_len)))
+        print(json.dumps(models_peer.torch_finetune(args.steps, args.threads, lora=args.lora, device="cuda",
+                                                    precision=args.side, batch=args.batch, seq=args.seq_len)))
         return
     if shutil.which("nvidia-smi") is None:
         sys.exit("nvidia-smi is not on PATH: this benchmark runs on an NVIDIA GPU")
@@ -101,18 +109,25 @@ def main():
     models_peer.make_model()
     env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads))
     out_dir = os.path.join(models_peer.BENCH, "qwen3-moe-163m-tuned-gpu")
-    rows = {p: {"ours": [], "torch": []} for p in args.precision}
+    sides_of = ["ours", "torch"] + (["ours_full"] if args.lora else [])
+    rows = {p: {side: [] for side in sides_of} for p in args.precision}
+    lora = []
+    if args.lora:
+        lora = ["--lora-rank", str(args.lora), "--lora-alpha", str(2 * args.lora), "--lora-targets",
+                "q_proj,k_proj,v_proj,o_proj,experts"]
     for round_ in range(args.rounds):
         for precision in args.precision:
-            ours_cmd = [binary, "--heap", "keep", "finetune", models_peer.MODEL, "--data", models_peer.CORPUS,
+            full_cmd = [binary, "--heap", "keep", "finetune", models_peer.MODEL, "--data", models_peer.CORPUS,
                         "--steps", str(args.steps), "--batch", str(args.batch), "--seq-len", str(args.seq_len),
                         "--lr", str(models_peer.LR), "--seed", str(models_peer.SEED), "--out", out_dir,
                         "--overwrite", "--json", "--backend", args.backend, "--gemm-precision", precision]
             torch_cmd = [sys.executable, __file__, "--binary", binary, "--side", precision, "--steps",
                          str(args.steps), "--batch", str(args.batch), "--seq-len", str(args.seq_len),
-                         "--threads", str(args.threads)]
+                         "--threads", str(args.threads)] + (["--lora", str(args.lora)] if args.lora else [])
             # The sides alternate which goes first from round to round.
-            sides = [("ours", ours_cmd), ("torch", torch_cmd)]
+            sides = [("ours", full_cmd + lora), ("torch", torch_cmd)]
+            if args.lora:
+                sides.append(("ours_full", full_cmd))
             for side, cmd in sides if round_ % 2 == 0 else sides[::-1]:
                 rows[precision][side].append(run_sampled(cmd, env))
             ours, theirs = rows[precision]["ours"][-1], rows[precision]["torch"][-1]
@@ -122,8 +137,10 @@ def main():
                   f"{models_peer.median_after_warm_up(ours['step_seconds']):.4f} s, torch "
                   f"{models_peer.median_after_warm_up(theirs['step_seconds']):.4f} s", file=sys.stderr)
     tokens = args.batch * args.seq_len
+    what = f"LoRA rank {args.lora} (alpha {2 * args.lora}) on q/k/v/o and the experts, torch with PEFT" \
+        if args.lora else "full fine-tuning"
     print(f"{args.batch} × {args.seq_len} tokens a step, {args.steps} steps, {args.rounds} rounds (medians); "
-          f"ours --backend {args.backend}")
+          f"ours --backend {args.backend}; {what}")
     print(f"{'precision':10} {'ours tok/s':>11} {'torch tok/s':>12} {'ours/torch':>11} "
           f"{'ours GPU MiB':>13} {'torch GPU MiB':>14} {'ours/torch':>11} {'torch alloc/reserved MiB':>25}")
     for precision, sides in rows.items():
@@ -139,6 +156,13 @@ def main():
               f"{memory} {alloc:12.0f} / {reserved:.0f}")
         first = (sides["ours"][0]["losses"][0], sides["torch"][0]["losses"][0])
         print(f"  first step's loss: ours {first[0]:.5f}, torch {first[1]:.5f}")
+        if args.lora:
+            full_step = statistics.median(models_peer.median_after_warm_up(r["step_seconds"])
+                                          for r in sides["ours_full"])
+            full_peak = statistics.median(r["gpu_peak_mib"] for r in sides["ours_full"])
+            share = f"{peak['ours'] / full_peak:.2f}" if full_peak > 0 else "n/a"
+            print(f"  ours, full fine-tuning: {tokens / full_step:.0f} tokens/s, {full_peak:.0f} GPU MiB; "
+                  f"ours LoRA / ours full GPU memory: {share}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"batch": args.batch, "seq": args.seq_len, "steps": args.steps, "backend": args.backend,

@@ -13,7 +13,7 @@
 # (120), TRAIN_STEPS (200), BENCH_S (240), PEER_S (120, each of the two peer runs), MODELS_S (240),
 # FINETUNE_S (240), FTPEER_S (420; phase "finetune-peer", off by default: the 163 M model
 # fine-tuned beside transformers, FTPEER_ARGS to scripts/bench/finetune_gpu_peer.py, e.g.
-# "--rounds 1 --precision tf32"), MEMORY_S (240; phase "memory", off by default: gpu_memory,
+# "--rounds 1 --precision tf32", or "--lora 16" for issue 58's LoRA pair against PEFT), MEMORY_S (240; phase "memory", off by default: gpu_memory,
 # MEMORY_ARGS e.g. "--quick"), PROFILE_S (60 per profiled process; phase "profile", off by default:
 # PROFILE_SHAPES, PROFILE_REPEATS); CHECK_ARGS (e.g. --plan cublas) goes to the check, BENCH_ARGS (e.g. --quick)
 # to the benchmark, PEER_ARGS (e.g. --quick --repeats 10) to the PyTorch peer, which runs once
