@@ -47,12 +47,12 @@ fn device_memory_against_the_model_on_wgpu() {
         );
         eprintln!("{line}");
         // What a sampler can promise (see `harness/device_memory.rs`): it never sees more than
-        // the pass's true peak, which two runs here put at 1.01–1.12 of the model (cubecl's
-        // bytes in use include the small tensors the model leaves out), so a pass counted
-        // twice or a warm-up's buffers counted in it (about 2×) fail; and its last read, after
-        // the pass, sees at least the partition buffers the pass allocated and the arena keeps.
+        // the pass's true peak, which seven runs here put at 0.95–1.26 of the model (it moves
+        // from run to run, most in the first configuration), so a pass counted twice or a
+        // warm-up's buffers counted in it (about 2×) fail; and its last read, after the pass,
+        // sees at least the partition buffers the pass allocated and the arena keeps.
         let ratio = rank.peak_device_bytes as f64 / model;
-        assert!(ratio <= 1.3, "{line}");
+        assert!(ratio <= 1.5, "{line}");
         assert!(
             rank.arena_bytes > 0,
             "{line}: the pass allocated no partition buffer"
