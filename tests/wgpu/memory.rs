@@ -47,12 +47,14 @@ fn device_memory_against_the_model_on_wgpu() {
         );
         eprintln!("{line}");
         // What a sampler can promise (see `harness/device_memory.rs`): it never sees more than
-        // the pass's true peak, which seven runs here put at 0.95–1.26 of the model (it moves
-        // from run to run, most in the first configuration), so a pass counted twice or a
-        // warm-up's buffers counted in it (about 2×) fail; and its last read, after the pass,
-        // sees at least the partition buffers the pass allocated and the arena keeps.
+        // the pass's true peak, and its last read, after the pass, sees at least the partition
+        // buffers the pass allocated and the arena keeps. The true peak moves from run to run
+        // on WGPU: over eleven runs 0.95–1.13 of the model at n = 4 and 1.01–1.56 at n = 1
+        // (one partition, whose large buffers are freed and allocated again within the pass).
+        // So at n = 4 a pass counted twice, or a warm-up's buffers counted in it, fails.
         let ratio = rank.peak_device_bytes as f64 / model;
-        assert!(ratio <= 1.5, "{line}");
+        let bound = if n == 1 { 2.0 } else { 1.5 };
+        assert!(ratio <= bound, "{line}");
         assert!(
             rank.arena_bytes > 0,
             "{line}: the pass allocated no partition buffer"
