@@ -297,3 +297,33 @@ impl RoutingCounts {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::SingleRank;
+
+    /// The decode path's plan is the one-partition plan without its exchange plan: the same
+    /// rows in the same order, the same counts, with and without capacity drops; and each
+    /// expert's kept rows are `kept_per_expert`'s count, in expert order.
+    #[test]
+    fn the_dispatch_plan_is_the_one_partition_plan() {
+        // Six tokens, top-2, four experts; expert 1 is chosen five times.
+        let indices = [1, 0, 1, 2, 3, 1, 1, 0, 2, 1, 3, 0];
+        for capacity in [None, Some(1.0)] {
+            let counts =
+                RoutingCounts::gather(&indices, 6, 2, 4, capacity, &SingleRank, &SingleRank).unwrap();
+            let (plan, _) = counts.plans(SplitScheme::Tokens(1));
+            let direct = counts.dispatch_plan();
+            assert_eq!(direct, plan, "capacity {capacity:?}");
+            let kept = counts.kept_per_expert();
+            assert_eq!(kept.iter().sum::<usize>(), direct.n_rows());
+            let experts: Vec<usize> = direct.row_slot.iter().map(|&s| indices[s]).collect();
+            let want: Vec<usize> = (0..4).flat_map(|e| std::iter::repeat_n(e, kept[e])).collect();
+            assert_eq!(experts, want, "rows by expert, capacity {capacity:?}");
+        }
+        // A capacity of 1.0 × 6 × 2 / 4 = 3 rows an expert drops two of expert 1's five.
+        let capped = RoutingCounts::gather(&indices, 6, 2, 4, Some(1.0), &SingleRank, &SingleRank).unwrap();
+        assert_eq!(capped.kept_per_expert(), &[3, 3, 2, 2]);
+    }
+}
