@@ -21,7 +21,7 @@ use burn::tensor::{Tensor, TensorPrimitive};
 
 use super::plan::{BatchPlan, Route};
 use super::{ExchangePath, MoeLayer};
-use crate::dispatch::{RoutingCounts, SplitScheme};
+use crate::dispatch::SplitScheme;
 use crate::error::Result;
 use crate::exchange::MoeBackend;
 use crate::memory::Strategy;
@@ -43,18 +43,10 @@ impl<B: MoeBackend> MoeLayer<B> {
     /// - `indices`: `[n_tokens * top_k]`, the chosen experts, best first
     ///
     /// # Errors
-    /// As [`RoutingCounts::gather`] (which, on one rank, has no peer to fail).
+    /// As [`RoutingCounts::gather`](crate::dispatch::RoutingCounts::gather) (which, on one
+    /// rank, has no peer to fail).
     pub(super) fn plan_direct(&self, indices: &[usize], n_tokens: usize) -> Result<BatchPlan> {
-        let config = &self.ctx.config;
-        let counts = RoutingCounts::gather(
-            indices,
-            n_tokens,
-            config.top_k,
-            config.n_experts,
-            config.capacity_factor,
-            self.ctx.comm.as_ref(),
-            self.ctx.replicas.as_ref(),
-        )?;
+        let counts = self.gather_counts(indices, n_tokens)?;
         Ok(BatchPlan {
             scheme: SplitScheme::Tokens(1),
             strategy: Strategy::None,
@@ -77,12 +69,12 @@ impl<B: MoeBackend> MoeLayer<B> {
         rows_per_expert: &[usize],
     ) -> Result<Tensor<B, 2>> {
         let run = self.exchange_run(Strategy::None);
-        let experts = self.experts.weights().tensors();
-        let experts = match &self.adapters {
-            Some(adapters) => adapters.attach(experts),
-            None => experts,
-        };
-        let out = B::experts_forward(t_i.into_primitive().tensor(), experts, rows_per_expert, &run)?;
+        let out = B::experts_forward(
+            t_i.into_primitive().tensor(),
+            self.expert_tensors(),
+            rows_per_expert,
+            &run,
+        )?;
         Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
     }
 }

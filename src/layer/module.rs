@@ -12,7 +12,7 @@ use super::{ExchangePath, MoeContext, MoeLayerConfig, MoeOutput, MoeStats};
 use crate::dispatch::{DispatchPlan, ExchangePlan, RowMap};
 use crate::error::{MoeError, Result};
 use crate::exchange::{exchange_reference, GemmPrecision, MoeBackend};
-use crate::experts::{ExpertAdapters, Experts, ExpertsSpec, SharedExpert};
+use crate::experts::{ExpertAdapters, ExpertTensors, Experts, ExpertsSpec, SharedExpert};
 use crate::memory::Strategy;
 use crate::router::{load_balancing_loss, z_loss, Router};
 
@@ -337,14 +337,24 @@ impl<B: MoeBackend> MoeLayer<B> {
             ExchangePath::Fused => {
                 let mut run = self.exchange_run(strategy);
                 run.shadows = shadows.to_vec();
-                let experts = self.experts.weights().tensors();
-                let experts = match &self.adapters {
-                    Some(adapters) => adapters.attach(experts),
-                    None => experts,
-                };
-                let out = B::exchange(t_i.into_primitive().tensor(), experts, Arc::new(plan), &run)?;
+                let out = B::exchange(
+                    t_i.into_primitive().tensor(),
+                    self.expert_tensors(),
+                    Arc::new(plan),
+                    &run,
+                )?;
                 Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
             }
+        }
+    }
+
+    /// This rank's experts as the fused op and the decode path take them: the stacked weights,
+    /// with the adapters' factors beside them where the layer has adapters.
+    pub(super) fn expert_tensors(&self) -> ExpertTensors<B> {
+        let experts = self.experts.weights().tensors();
+        match &self.adapters {
+            Some(adapters) => adapters.attach(experts),
+            None => experts,
         }
     }
 }

@@ -144,16 +144,7 @@ fn the_decode_path_runs_the_experts_adapters() {
 /// tokens), gives the case's output to 1e-4 on both CPU backends.
 #[test]
 fn every_case_on_the_decode_path_gives_the_cases_output() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/cases");
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .collect();
-    files.sort();
-    assert!(!files.is_empty(), "no cases in {}", dir.display());
-    for file in files {
-        let case = Case::load(&file).unwrap();
+    for case in super::expert_path::cases() {
         check_case_on::<Flex>(&case);
         check_case_on::<NdArray>(&case);
     }

@@ -66,7 +66,8 @@ fn assert_same_bits(a: &CheckReport, b: &CheckReport, what: &str) {
     }
 }
 
-fn cases() -> Vec<Case> {
+/// The project's reference cases, sorted by file name.
+pub(super) fn cases() -> Vec<Case> {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/cases");
     let mut files: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()

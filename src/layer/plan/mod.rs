@@ -87,15 +87,7 @@ impl<B: MoeBackend> MoeLayer<B> {
     pub(super) fn plan(&self, indices: &[usize], x: &Tensor<B, 2>) -> Result<BatchPlan> {
         let config = &self.ctx.config;
         let [n_tokens, _] = x.dims();
-        let counts = RoutingCounts::gather(
-            indices,
-            n_tokens,
-            config.top_k,
-            config.n_experts,
-            config.capacity_factor,
-            self.ctx.comm.as_ref(),
-            self.ctx.replicas.as_ref(),
-        )?;
+        let counts = self.gather_counts(indices, n_tokens)?;
         let scheme = self.resolve_split(&counts, x)?;
         // Shadows are chosen on the experts' counts; from here on the plan sees the expert
         // slots every rank runs (its own, then the shadows), so the budget and the cost model
@@ -123,6 +115,24 @@ impl<B: MoeBackend> MoeLayer<B> {
             route: Route::Exchange(exchange),
             shadows,
         })
+    }
+
+    /// Step 3's collective: every rank's routed rows per expert, capacity applied (see
+    /// [`RoutingCounts::gather`]).
+    ///
+    /// # Errors
+    /// [`MoeError::Comm`](crate::MoeError::Comm) if a peer fails in it.
+    pub(super) fn gather_counts(&self, indices: &[usize], n_tokens: usize) -> Result<RoutingCounts> {
+        let config = &self.ctx.config;
+        RoutingCounts::gather(
+            indices,
+            n_tokens,
+            config.top_k,
+            config.n_experts,
+            config.capacity_factor,
+            self.ctx.comm.as_ref(),
+            self.ctx.replicas.as_ref(),
+        )
     }
 
     /// The run settings the fused exchange carries: communicator, activation, strategy, host
