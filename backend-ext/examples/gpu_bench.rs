@@ -6,11 +6,14 @@
 //! - `experts`: the cuBLAS expert path alone (`CublasExperts`'s forward and backward of one
 //!   partition holding every row, 8 experts with the same rows each), at each precision: the
 //!   experts' products, activations and hand-overs, against `dense` (the GEMM efficiency);
-//!   `experts` with `cublas looped` is the same with one `cublasGemmEx` per expert instead of
-//!   the grouped call;
+//!   `experts` with `cublas unbatched` is the same without the batched calls (the products
+//!   grouped, as before them), with `cublas looped` one `cublasGemmEx` per expert, and with
+//!   `cublas skewed` the default path on experts of unequal rows (823 to 204 of 4,096: no two
+//!   alike, so nothing batches), the routing of a real step;
 //! - `layer`: the whole layer (router, plan, permutation, experts, combine, backward) on one
 //!   rank with the exchange skipped (`SingleRank`), in issue order, with the cuBLAS path at each
-//!   precision (device hand-over; TF32 also with host waits, and under burn's fusion), and
+//!   precision (device hand-over; TF32 also with host waits, and under burn's fusion; TF32 and
+//!   bf16 also without the batched calls), and
 //!   without it (cubecl's GEMMs, which multiply f32 in TF32: the twin the GPU check compares the
 //!   path with); `forward` is the layer's forward alone (cuBLAS, TF32).
 //!
@@ -205,10 +208,32 @@ fn dense_ms(
     })
 }
 
+/// How `experts_ms` spreads its rows and what it times.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Rows {
+    /// `rows / EXPERTS` rows each, timed to the device's end.
+    Even,
+    /// The same, timing the calls on the host alone.
+    HostOnly,
+    /// Unequal rows, no two experts alike (`skewed_rows`), timed to the device's end.
+    Skewed,
+}
+
+/// `rows` spread over the experts in the proportions 12 : 10 : 9 : 8 : 7 : 6 : 5 : 3 (the
+/// remainder to the first), as a router that favours some experts sends them: at 4,096 rows,
+/// 823 down to 204, no two alike.
+fn skewed_rows(rows: usize) -> Vec<usize> {
+    const WEIGHTS: [usize; EXPERTS] = [12, 10, 9, 8, 7, 6, 5, 3];
+    let sum: usize = WEIGHTS.iter().sum();
+    let mut per: Vec<usize> = WEIGHTS.iter().map(|w| rows * w / sum).collect();
+    per[0] += rows - per.iter().sum::<usize>();
+    per
+}
+
 /// The path's forward and backward of one partition: `EXPERTS` experts with `rows / EXPERTS`
-/// rows each (GELU, no biases); with `host_only`, the time the calls take on the host alone
-/// (the device is synchronised outside the timed span), which says whether the path's time is
-/// the host's.
+/// rows each, or skewed rows (GELU, no biases); with `Rows::HostOnly`, the time the calls take
+/// on the host alone (the device is synchronised outside the timed span), which says whether
+/// the path's time is the host's.
 fn experts_ms(
     path: &CublasExperts,
     rows: usize,
@@ -216,10 +241,14 @@ fn experts_ms(
     h: usize,
     precision: GemmPrecision,
     repeats: usize,
-    host_only: bool,
+    spread: Rows,
 ) -> (f64, f64, f64) {
     let device = Default::default();
-    let per = vec![rows / EXPERTS; EXPERTS];
+    let host_only = spread == Rows::HostOnly;
+    let per = match spread {
+        Rows::Skewed => skewed_rows(rows),
+        Rows::Even | Rows::HostOnly => vec![rows / EXPERTS; EXPERTS],
+    };
     let layout = BlockLayout::new(&per, 1);
     let total = layout.total();
     let rand = |shape: Vec<usize>| {
@@ -389,17 +418,23 @@ fn main() {
         }
     };
     let paths = [
-        (Handover::Device, true),
-        (Handover::Host, true),
-        (Handover::Device, false),
+        (Handover::Device, true, true),
+        (Handover::Host, true, true),
+        (Handover::Device, false, false),
+        (Handover::Device, true, false),
     ]
-    .map(|(handover, grouped)| {
-        CublasExperts::with_options(0, CublasOptions { handover, grouped }).unwrap_or_else(|e| {
+    .map(|(handover, grouped, batched)| {
+        let options = CublasOptions {
+            handover,
+            grouped,
+            batched,
+        };
+        CublasExperts::with_options(0, options).unwrap_or_else(|e| {
             eprintln!("error: {e}");
             std::process::exit(1)
         })
     });
-    let [device_path, host_path, looped_path] = &paths;
+    let [device_path, host_path, looped_path, unbatched_path] = &paths;
     let device = Default::default();
     eprintln!("cuBLAS expert path: {device_path:?}");
     let token_counts: &[usize] = if args.quick { &[4096] } else { &[4096, 16384] };
@@ -466,21 +501,41 @@ fn main() {
                         "experts",
                         "cublas",
                         precision.name(),
-                        experts_ms(device_path, routed, m, h, precision, args.repeats, false),
+                        experts_ms(device_path, routed, m, h, precision, args.repeats, Rows::Even),
                         1,
                         None,
                     );
                 }
-                let host = experts_ms(device_path, routed, m, h, GemmPrecision::Tf32, args.repeats, true);
+                let host = experts_ms(
+                    device_path,
+                    routed,
+                    m,
+                    h,
+                    GemmPrecision::Tf32,
+                    args.repeats,
+                    Rows::HostOnly,
+                );
                 push("experts", "cublas host only", "tf32", host, 1, None);
                 for precision in [GemmPrecision::Tf32, GemmPrecision::Bf16] {
-                    let t = experts_ms(looped_path, routed, m, h, precision, args.repeats, false);
-                    push("experts", "cublas looped", precision.name(), t, 1, None);
+                    for (path, name, rows) in [
+                        (unbatched_path, "cublas unbatched", Rows::Even),
+                        (looped_path, "cublas looped", Rows::Even),
+                        (device_path, "cublas skewed", Rows::Skewed),
+                    ] {
+                        let t = experts_ms(path, routed, m, h, precision, args.repeats, rows);
+                        push("experts", name, precision.name(), t, 1, None);
+                    }
                 }
                 for precision in GemmPrecision::ALL {
                     let config = base.clone().with_gemm_precision(precision);
                     let (t, n, host) = layer_ms::<B>(&config, with(device_path), tokens, args.repeats, false);
                     push("layer", "cublas", precision.name(), t, n, Some(host));
+                }
+                for precision in [GemmPrecision::Tf32, GemmPrecision::Bf16] {
+                    let config = base.clone().with_gemm_precision(precision);
+                    let (t, n, host) =
+                        layer_ms::<B>(&config, with(unbatched_path), tokens, args.repeats, false);
+                    push("layer", "cublas unbatched", precision.name(), t, n, Some(host));
                 }
                 let (t, n, host) = layer_ms::<B>(&tf32, with(device_path), tokens, args.repeats, true);
                 push("forward", "cublas", "tf32", t, n, Some(host));
@@ -555,7 +610,10 @@ fn main() {
         );
     }
     println!("\nGEMM efficiency (dense ms / experts ms, same rows and precision):");
-    for r in rows.iter().filter(|r| r.what == "experts") {
+    for r in rows
+        .iter()
+        .filter(|r| r.what == "experts" && r.path != "cublas host only")
+    {
         if let Some(d) = rows.iter().find(|d| {
             d.what == "dense"
                 && d.shape == r.shape
@@ -564,11 +622,12 @@ fn main() {
                 && d.precision == r.precision
         }) {
             println!(
-                "{:<8} {:>6} top-{} {:<5} {:.2}",
+                "{:<8} {:>6} top-{} {:<5} {:<18} {:.2}",
                 r.shape,
                 r.tokens,
                 r.top_k,
                 r.precision,
+                r.path,
                 d.median_ms / r.median_ms
             );
         }

@@ -21,7 +21,8 @@
 //!   cross streams").
 //! - [`nccl_available`]: whether NCCL can be loaded, so a caller runs its single-GPU work and
 //!   reports NCCL as unavailable instead of cudarc panicking.
-//! - [`CublasExperts`]: the experts' GEMMs on cuBLAS (grouped, at the layer's
+//! - [`CublasExperts`]: the experts' GEMMs on cuBLAS (batched where experts have the same
+//!   rows, grouped otherwise, at the layer's
 //!   `gemm_precision`: IEEE f32, TF32 or bf16) with their activations in fused kernels, on a
 //!   stream of its own ordered against cubecl's without host waits; [`with_cublas`] adds it to
 //!   a communicator's paths.
@@ -41,6 +42,8 @@
 /// Whether this build has CUDA support compiled in.
 pub const CUDA_COMPILED: bool = cfg!(feature = "cuda");
 
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod batches;
 pub mod bootstrap;
 pub mod check_plan;
 #[cfg(feature = "cuda")]
@@ -60,7 +63,7 @@ mod rows;
 #[cfg(feature = "cuda")]
 pub use driver::{cuda_available, nccl_available, CudaError};
 #[cfg(feature = "cuda")]
-pub use gemm::{with_cublas, CublasExperts, CublasOptions, Handover};
+pub use gemm::{with_cublas, CublasCalls, CublasExperts, CublasOptions, Handover};
 #[cfg(feature = "cuda")]
 pub use nccl::Nccl;
 

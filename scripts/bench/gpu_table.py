@@ -3,10 +3,12 @@
 
     python3 scripts/bench/gpu_table.py GPU_BENCH_JSON TORCH_PEER_JSON
 
-Prints two markdown tables: the layer (ours with cuBLAS at each precision, and the cubecl twin)
-beside PyTorch eager and PyTorch's grouped-GEMM layer at the same precision, with both ratios;
-and the experts' products (ours) beside cuBLAS's dense rate on the same rows through PyTorch
-(`torch.mm`), the GEMM efficiency. Every ratio names its comparator in the column header.
+Prints two markdown tables: the layer (ours with cuBLAS at each precision, without the batched
+calls beside it, and the cubecl twin) beside PyTorch eager and PyTorch's grouped-GEMM layer at
+the same precision, with both ratios; and the experts' products (ours: the default path, without
+the batched calls, looped, and on skewed rows) beside cuBLAS's dense rate on the same rows
+through PyTorch (`torch.mm`), the GEMM efficiency. Every ratio names its comparator in the
+column header. Rows a file lacks print as "-" (older files have no unbatched or skewed rows).
 """
 import json
 import sys
@@ -30,28 +32,33 @@ def main():
                   key=lambda k: (["GPT3-S", "BERT-L", "GPT3-XL"].index(k[0]), k[1], k[2]))
     cell = lambda v: f"{v:.2f}" if v else "-"
     ratio = lambda a, b: f"{a / b:.2f}×" if a and b else "-"
-    print("| shape | k | precision | ours ms | PyTorch eager ms | ours / eager | PyTorch grouped ms | ours / grouped |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| shape | k | precision | ours ms | ours unbatched ms | PyTorch eager ms | ours / eager | PyTorch grouped ms | ours / grouped |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for shape, tokens, k in keys:
         for p in ["f32", "tf32", "bf16"]:
             o = mine(shape, tokens, k, "layer", "cublas", p)
+            u = mine(shape, tokens, k, "layer", "cublas unbatched", p)
             e = theirs.get((shape, tokens, k, "eager", p))
             g = theirs.get((shape, tokens, k, "grouped", p))
-            print(f"| {shape} | {k} | {p} | {cell(o)} | {cell(e)} | {ratio(o, e)} | {cell(g)} | {ratio(o, g)} |")
+            print(f"| {shape} | {k} | {p} | {cell(o)} | {cell(u)} | {cell(e)} | {ratio(o, e)} | {cell(g)} | {ratio(o, g)} |")
         o = mine(shape, tokens, k, "layer", "cubecl", "tf32")
         e = theirs.get((shape, tokens, k, "eager", "tf32"))
-        print(f"| {shape} | {k} | cubecl (tf32) | {cell(o)} | {cell(e)} | {ratio(o, e)} | | |")
+        print(f"| {shape} | {k} | cubecl (tf32) | {cell(o)} | | {cell(e)} | {ratio(o, e)} | | |")
     print()
-    print("| shape | k | precision | experts ms (grouped) | experts ms (looped) | cuBLAS dense ms (torch.mm) | efficiency (dense / best experts) |")
-    print("|---|---|---|---|---|---|---|")
+    # The path's default (batched where experts have equal rows: every expert here) is the
+    # figure; the other columns are what it replaced, in the same call, and the default on
+    # skewed rows (nothing batches), the routing of a real step.
+    print("| shape | k | precision | experts ms (default) | unbatched (grouped) | looped | skewed rows | cuBLAS dense ms (torch.mm) | efficiency (dense / default) | efficiency, skewed |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for shape, tokens, k in keys:
         for p in ["f32", "tf32", "bf16"]:
-            grouped = mine(shape, tokens, k, "experts", "cublas", p)
+            default = mine(shape, tokens, k, "experts", "cublas", p)
+            unbatched = mine(shape, tokens, k, "experts", "cublas unbatched", p)
             looped = mine(shape, tokens, k, "experts", "cublas looped", p)
+            skewed = mine(shape, tokens, k, "experts", "cublas skewed", p)
             dense = theirs.get((shape, tokens, k, "dense", p))
-            best = min(v for v in [grouped, looped] if v) if (grouped or looped) else None
-            eff = f"{dense / best:.2f}" if dense and best else "-"
-            print(f"| {shape} | {k} | {p} | {cell(grouped)} | {cell(looped)} | {cell(dense)} | {eff} |")
+            eff = lambda v: f"{dense / v:.2f}" if dense and v else "-"
+            print(f"| {shape} | {k} | {p} | {cell(default)} | {cell(unbatched)} | {cell(looped)} | {cell(skewed)} | {cell(dense)} | {eff(default)} | {eff(skewed)} |")
 
 
 if __name__ == "__main__":

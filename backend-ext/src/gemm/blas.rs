@@ -1,7 +1,11 @@
-//! The experts' products on cuBLAS: one role (say, every expert's `x_e · W_in[e]`) as one
-//! grouped call (`cublasGemmGroupedBatchedEx`, one group per expert with rows, its pointer
-//! tables written on the device by `fill_ptrs`) or, where the library has no grouped call or
-//! refuses the precision in it, one `cublasGemmEx` per expert.
+//! The experts' products on cuBLAS: one role (say, every expert's `x_e · W_in[e]`) as
+//! - one batched call for the products of each shape that two or more experts share
+//!   (`cublasGemmStridedBatchedEx` where every operand steps evenly, else `cublasGemmBatchedEx`;
+//!   `batches.rs` finds them);
+//! - one grouped call for the rest (`cublasGemmGroupedBatchedEx`, one group per expert with
+//!   rows), the pointer tables of both written on the device by `fill_ptrs`;
+//! - or, where the library has no grouped call or refuses the precision in it, one
+//!   `cublasGemmEx` per expert.
 //!
 //! Tensors are row-major and cuBLAS is column-major: a row-major `C[m, n] = op(A) · op(B)` is
 //! the column-major `Cᵀ[n, m] = op(B)ᵀ · op(A)ᵀ`, whose operands are the same buffers read as
@@ -14,6 +18,7 @@ use cudarc::driver::CudaStream;
 use mpipemoe::{GemmPrecision, MoeError, Result};
 
 use super::kernels::Kernels;
+use crate::batches::{batches, Addressing, Batch, Batches, CallShape};
 
 /// One expert's product in row-major terms: `C[m, n] = op(A)[m, k] · op(B)[k, n] (+ C)`, each
 /// operand a device address and its row stride in elements.
@@ -113,6 +118,45 @@ impl Role {
             false => cudaDataType_t::CUDA_R_32F,
         }
     }
+
+    /// Bytes per element of `A` and `B`.
+    fn operand_bytes(&self) -> usize {
+        if self.bf16 {
+            2
+        } else {
+            4
+        }
+    }
+
+    /// The same role over the products at `indices`.
+    pub(crate) fn subset(&self, indices: &[usize]) -> Self {
+        Self {
+            products: indices.iter().map(|&i| self.products[i]).collect(),
+            ..Self::new(self.trans_a, self.trans_b, self.accumulate, self.bf16, Vec::new())
+        }
+    }
+
+    /// The products that can share batched calls, in the column-major call's terms.
+    pub(crate) fn batches(&self) -> Batches {
+        let (shapes, addresses): (Vec<CallShape>, Vec<[u64; 3]>) = self
+            .products
+            .iter()
+            .map(|p| {
+                let (_, _, m, n, k, a, lda, b, ldb) = self.call(p);
+                let shape = CallShape {
+                    m,
+                    n,
+                    k,
+                    lda,
+                    ldb,
+                    ldc: p.ldc,
+                };
+                (shape, [a, b, p.c])
+            })
+            .unzip();
+        let bytes = self.operand_bytes();
+        batches(&shapes, &addresses, [bytes, bytes, 4])
+    }
 }
 
 fn to_int(v: usize, what: &str) -> Result<i32> {
@@ -176,6 +220,115 @@ impl Role {
             status("cublasGemmEx", s)?;
         }
         Ok(())
+    }
+
+    /// One batched call for `batch`'s products (`Role::batches`): strided where each operand
+    /// steps evenly, else with the pointer tables written to `table` (room for three pointers
+    /// per product) by a kernel on `stream` first. Returns `Ok(false)` where cuBLAS refuses the
+    /// call (`NOT_SUPPORTED` or `INVALID_VALUE` for this compute type): nothing ran, and the
+    /// caller takes the grouped or looped calls instead.
+    pub(crate) fn run_batched(
+        &self,
+        handle: blas::cublasHandle_t,
+        stream: &CudaStream,
+        kernels: &Kernels,
+        table: u64,
+        precision: GemmPrecision,
+        batch: &Batch,
+    ) -> Result<bool> {
+        let count = batch.products.len();
+        if count == 0 {
+            return Ok(true);
+        }
+        let s = batch.shape;
+        let (ta, tb) = (op(self.trans_b), op(self.trans_a));
+        let alpha = 1.0f32;
+        let beta = if self.accumulate { 1.0f32 } else { 0.0 };
+        let (m, n, k) = (to_int(s.m, "m")?, to_int(s.n, "n")?, to_int(s.k, "k")?);
+        let (lda, ldb, ldc) = (
+            to_int(s.lda, "lda")?,
+            to_int(s.ldb, "ldb")?,
+            to_int(s.ldc, "ldc")?,
+        );
+        let first = &self.products[batch.products[0]];
+        let status_of = match batch.addressing {
+            Addressing::Strided { a, b, c } => {
+                // SAFETY: the first product's operands start at these addresses and the i-th
+                // product's lie `i` strides further (`batches.rs` checked the constant steps
+                // on the role's own addresses, each covering its operand); alpha and beta are
+                // host values (the handle's default pointer mode).
+                unsafe {
+                    blas::cublasGemmStridedBatchedEx(
+                        handle,
+                        ta,
+                        tb,
+                        m,
+                        n,
+                        k,
+                        (&alpha as *const f32).cast::<c_void>(),
+                        first.b as *const c_void,
+                        self.operands(),
+                        lda,
+                        a,
+                        first.a as *const c_void,
+                        self.operands(),
+                        ldb,
+                        b,
+                        (&beta as *const f32).cast::<c_void>(),
+                        first.c as *mut c_void,
+                        cudaDataType_t::CUDA_R_32F,
+                        ldc,
+                        c,
+                        to_int(count, "batch count")?,
+                        compute_type(precision),
+                        blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                }
+            }
+            Addressing::Pointers => {
+                let mut ptrs = vec![0u64; 3 * count];
+                for (i, &at) in batch.products.iter().enumerate() {
+                    let p = &self.products[at];
+                    // The column-major call's A is the row-major product's B (`Role::call`).
+                    ptrs[i] = p.b;
+                    ptrs[count + i] = p.a;
+                    ptrs[2 * count + i] = p.c;
+                }
+                kernels.fill_ptrs(stream, &ptrs, table)?;
+                // SAFETY: the three device pointer tables are written by the kernel queued
+                // before on the same stream, each pointer covering its operand at the batch's
+                // shape; alpha and beta are host values.
+                unsafe {
+                    blas::cublasGemmBatchedEx(
+                        handle,
+                        ta,
+                        tb,
+                        m,
+                        n,
+                        k,
+                        (&alpha as *const f32).cast::<c_void>(),
+                        table as *const *const c_void,
+                        self.operands(),
+                        lda,
+                        (table + 8 * count as u64) as *const *const c_void,
+                        self.operands(),
+                        ldb,
+                        (&beta as *const f32).cast::<c_void>(),
+                        (table + 16 * count as u64) as *const *mut c_void,
+                        cudaDataType_t::CUDA_R_32F,
+                        ldc,
+                        to_int(count, "batch count")?,
+                        compute_type(precision),
+                        blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                }
+            }
+        };
+        match status_of {
+            blas::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED
+            | blas::cublasStatus_t::CUBLAS_STATUS_INVALID_VALUE => Ok(false),
+            other => status("batched GEMM", other).map(|_| true),
+        }
     }
 
     /// One `cublasGemmGroupedBatchedEx` for every product, its pointer tables written to

@@ -1,6 +1,6 @@
-//! `C_i` on cuBLAS: `T_M = X·W_in` (one grouped GEMM over the experts), the input bias and the
+//! `C_i` on cuBLAS: `T_M = X·W_in` (one call over the experts, `Inner::run`), the input bias and the
 //! activation in one kernel (`T_M` keeps the biased pre-activation, `A` goes to scratch),
-//! `T_DO = A·W_out` (one grouped GEMM), the output bias.
+//! `T_DO = A·W_out` (the same), the output bias.
 
 use burn_cubecl::cubecl::cuda::CudaRuntime;
 use burn_cubecl::tensor::CubeTensor;

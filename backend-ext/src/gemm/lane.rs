@@ -93,8 +93,19 @@ pub(crate) struct Lane {
     table: DeviceBuf,
     ones: DeviceBuf,
     ones_bf16: DeviceBuf,
-    /// The precisions cuBLAS's grouped call refused on this lane (then looped).
-    refused: [bool; 3],
+    /// The precisions at which cuBLAS refused each kind of call on this lane (then the next
+    /// kind is taken: batched → grouped → looped), by [`Call`] and precision.
+    refused: [[bool; 3]; 2],
+}
+
+/// The cuBLAS calls that a lane may find refused at a precision (`cublasGemmEx`, the last
+/// resort, is never refused without an error).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Call {
+    /// `cublasGemmGroupedBatchedEx`.
+    Grouped,
+    /// `cublasGemmBatchedEx` and `cublasGemmStridedBatchedEx`.
+    Batched,
 }
 
 impl Lane {
@@ -111,7 +122,7 @@ impl Lane {
             blas,
             flags: None,
             handover,
-            refused: [false; 3],
+            refused: [[false; 3]; 2],
         })
     }
 
@@ -130,7 +141,7 @@ impl Lane {
         Ok(())
     }
 
-    /// Room for `pointers` device pointers of the grouped call's tables.
+    /// Room for `pointers` device pointers of the grouped and batched calls' tables.
     pub(crate) fn table(&mut self, pointers: usize) -> Result<u64> {
         self.table.at_least(pointers * 8, None)
     }
@@ -151,13 +162,14 @@ impl Lane {
             .unwrap_or(0)
     }
 
-    /// Whether cuBLAS refused the grouped call at `precision` on this lane before.
-    pub(crate) fn grouped_refused(&self, precision: GemmPrecision) -> bool {
-        self.refused[Self::precision_index(precision)]
+    /// Whether cuBLAS refused `call` at `precision` on this lane before.
+    pub(crate) fn refused(&self, call: Call, precision: GemmPrecision) -> bool {
+        self.refused[call as usize][Self::precision_index(precision)]
     }
 
-    pub(crate) fn refuse_grouped(&mut self, precision: GemmPrecision) {
-        self.refused[Self::precision_index(precision)] = true;
+    /// Remembers that cuBLAS refused `call` at `precision`, so that later roles skip it.
+    pub(crate) fn refuse(&mut self, call: Call, precision: GemmPrecision) {
+        self.refused[call as usize][Self::precision_index(precision)] = true;
     }
 
     /// Orders the lane's stream after everything queued so far on the calling thread's

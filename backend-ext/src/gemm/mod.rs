@@ -5,9 +5,10 @@
 //! One partition step is one section on a lane's own stream (`lane.rs`), ordered against the
 //! calling thread's cubecl stream without host waits (`handover.rs`):
 //!
-//! - forward: `T_M = X·W_in` (one grouped GEMM over the experts), the input bias and the
+//! - forward: `T_M = X·W_in` (one call over the experts: batched where experts have the same
+//!   rows, grouped or looped for the rest, `Inner::run`), the input bias and the
 //!   activation in one kernel (`T_M` keeps the biased pre-activation, `A` goes to scratch),
-//!   `T_DO = A·W_out` (one grouped GEMM), the output bias;
+//!   `T_DO = A·W_out` (the same), the output bias;
 //! - backward: `T_M` recomputed where the strategy dropped it, `dA = dT_DO·W_outᵀ`, one kernel for
 //!   `A` and `dT_M`, then `dW_out += Aᵀ·dT_DO`, `dW_in += Xᵀ·dT_M` straight into the stacked running
 //!   sums (beta = 1), the bias gradients as products with a ones vector, `dT_DI = dT_M·W_inᵀ`.
@@ -26,6 +27,7 @@ mod lane;
 mod operands;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use burn_cubecl::cubecl;
@@ -38,11 +40,12 @@ use mpipemoe::backend::{ExpertBackward, ExpertBackwardOut, ExpertForward, Expert
 use mpipemoe::comm::{RowPaths, WithRowPaths};
 use mpipemoe::{Communicator, GemmPrecision, MoeError, Result};
 
+use crate::batches::Addressing;
 use crate::CudaMoe;
 use blas::Role;
 pub use handover::Handover;
 use kernels::Kernels;
-use lane::Lane;
+use lane::{Call, Lane};
 
 /// Products per expert above which one `cublasGemmEx` each beats the grouped call (see
 /// `Inner::run`).
@@ -58,6 +61,11 @@ pub struct CublasOptions {
     /// about 5 GFLOP each, measured); `false`, or where it does not, one `cublasGemmEx` per
     /// expert.
     pub grouped: bool,
+    /// The products of each shape that two or more experts of a role share (experts with the
+    /// same rows) as one batched call (`cublasGemmStridedBatchedEx`, or `cublasGemmBatchedEx`
+    /// where the operands do not step evenly), before the grouped or looped calls take the
+    /// rest; `false`: every product by `grouped`'s rule.
+    pub batched: bool,
 }
 
 impl Default for CublasOptions {
@@ -65,6 +73,43 @@ impl Default for CublasOptions {
         Self {
             handover: Handover::Device,
             grouped: true,
+            batched: true,
+        }
+    }
+}
+
+/// How many cuBLAS calls of each kind the path has made for its roles since it was created (a
+/// role is one product of every expert: `X·W_in`, say), so that a check can see which calls a
+/// job took and a benchmark can explain a step's launches.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CublasCalls {
+    /// `cublasGemmStridedBatchedEx`: experts with the same rows whose operands step evenly.
+    pub strided_batched: u64,
+    /// `cublasGemmBatchedEx`: experts with the same rows, through pointer tables.
+    pub pointer_batched: u64,
+    /// `cublasGemmGroupedBatchedEx`.
+    pub grouped: u64,
+    /// `cublasGemmEx`, one per expert product.
+    pub looped: u64,
+}
+
+/// [`CublasCalls`] as the path counts them.
+#[derive(Debug, Default)]
+struct CallCounters([AtomicU64; 4]);
+
+impl CallCounters {
+    fn add(&self, which: usize, n: usize) {
+        self.0[which].fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    fn read(&self) -> CublasCalls {
+        let [strided_batched, pointer_batched, grouped, looped] =
+            std::array::from_fn(|i| self.0[i].load(Ordering::Relaxed));
+        CublasCalls {
+            strided_batched,
+            pointer_batched,
+            grouped,
+            looped,
         }
     }
 }
@@ -82,6 +127,7 @@ struct Inner {
     options: CublasOptions,
     grouped: bool,
     lanes: Mutex<HashMap<u64, Arc<Mutex<Lane>>>>,
+    calls: CallCounters,
 }
 
 impl std::fmt::Debug for CublasExperts {
@@ -135,6 +181,7 @@ impl CublasExperts {
                 options,
                 grouped: options.grouped && blas::has_grouped(),
                 lanes: Mutex::new(HashMap::new()),
+                calls: CallCounters::default(),
             }),
         })
     }
@@ -142,6 +189,11 @@ impl CublasExperts {
     /// Whether the GEMMs go through cuBLAS's grouped call (asked for, and in the library).
     pub fn grouped(&self) -> bool {
         self.inner.grouped
+    }
+
+    /// The cuBLAS calls the path has made so far, by kind (all lanes together).
+    pub fn calls(&self) -> CublasCalls {
+        self.inner.calls.read()
     }
 
     /// The path as a communicator offers it, for the CUDA backend in f32.
@@ -225,29 +277,76 @@ pub fn with_cublas(communicator: Arc<dyn Communicator>, ordinal: usize) -> Resul
 }
 
 impl Inner {
-    /// Runs `role`'s products on the lane: grouped where it may and where the products are
-    /// small, looped otherwise.
+    /// Runs `role`'s products on the lane: the products of each shape that several experts
+    /// share as one batched call (where the options ask for it and cuBLAS accepts the
+    /// precision), the rest grouped where they may and where they are small, looped otherwise.
+    ///
+    /// Every call of the role gets its own part of the lane's pointer table, so that no call
+    /// depends on stream order to keep its pointers from the next call's.
+    fn run(&self, lane: &mut Lane, role: &Role, precision: GemmPrecision) -> Result<()> {
+        if role.products.is_empty() {
+            return Ok(());
+        }
+        let table = lane.table(3 * role.products.len())?;
+        let mut rest: Vec<usize> = (0..role.products.len()).collect();
+        let mut used = 0;
+        if self.options.batched && !lane.refused(Call::Batched, precision) {
+            let split = role.batches();
+            if !split.batches.is_empty() {
+                rest = split.rest;
+                let stream = lane.stream.clone();
+                for (i, batch) in split.batches.iter().enumerate() {
+                    let at = table + (24 * used) as u64;
+                    if !role.run_batched(lane.handle(), &stream, &self.kernels, at, precision, batch)? {
+                        lane.refuse(Call::Batched, precision);
+                        rest.extend(split.batches[i..].iter().flat_map(|b| b.products.iter().copied()));
+                        rest.sort_unstable();
+                        break;
+                    }
+                    let kind = match batch.addressing {
+                        Addressing::Strided { .. } => 0,
+                        Addressing::Pointers => 1,
+                    };
+                    self.calls.add(kind, 1);
+                    used += batch.products.len();
+                }
+            }
+        }
+        match rest.len() {
+            0 => Ok(()),
+            n if n == role.products.len() => self.run_unbatched(lane, role, precision, table),
+            _ => self.run_unbatched(lane, &role.subset(&rest), precision, table + (24 * used) as u64),
+        }
+    }
+
+    /// Runs `role`'s products grouped where it may and where the products are small, looped
+    /// otherwise; a grouped call's pointers go to `table`.
     ///
     /// cuBLAS's grouped call won where each expert's product was under about 5 GFLOP (GPT3-S
     /// and BERT-L at 512 rows an expert: 1.34 against 1.76 ms, 1.80 against 2.09 ms at TF32 on
     /// the H100) and lost above it (BERT-L at 1024 rows: 3.35 against 2.60 ms; GPT3-XL at 512
     /// rows: 6.20 against 4.84 ms), where one `cublasGemmEx` per expert gets cuBLAS's best
     /// kernel for its shape (BENCHMARKS §14).
-    fn run(&self, lane: &mut Lane, role: &Role, precision: GemmPrecision) -> Result<()> {
-        if role.products.is_empty() {
-            return Ok(());
-        }
+    fn run_unbatched(
+        &self,
+        lane: &mut Lane,
+        role: &Role,
+        precision: GemmPrecision,
+        table: u64,
+    ) -> Result<()> {
         let flops: f64 = role.products.iter().map(|p| 2.0 * (p.m * p.n * p.k) as f64).sum();
         let small = flops / (role.products.len() as f64) < GROUPED_BELOW_FLOPS;
-        if self.grouped && small && !lane.grouped_refused(precision) {
-            let table = lane.table(3 * role.products.len())?;
+        if self.grouped && small && !lane.refused(Call::Grouped, precision) {
             let stream = lane.stream.clone();
             if role.run_grouped(lane.handle(), &stream, &self.kernels, table, precision)? {
+                self.calls.add(2, 1);
                 return Ok(());
             }
-            lane.refuse_grouped(precision);
+            lane.refuse(Call::Grouped, precision);
         }
-        role.run_looped(lane.handle(), precision)
+        role.run_looped(lane.handle(), precision)?;
+        self.calls.add(3, role.products.len());
+        Ok(())
     }
 
     /// Runs `work` as one section of the calling thread's lane: hands over in, runs, and hands

@@ -24,11 +24,15 @@
 //! layer's dense products too) at every GEMM precision: IEEE f32 is held to the cases' own 1e-4
 //! (no product of the layer goes through cubecl's TF32 there), TF32 to TF32's tolerance, bf16 to
 //! bf16's; with the device hand-over and the host one, at two ranks with a shadowed expert, and
-//! in the arena. `--plan cublas` runs those alone.
+//! in the arena. `--plan cublas` runs those alone. Last, in either plan, the cuBLAS path's
+//! batched calls against its looped ones on rows chosen to take every kind of call
+//! (`batched.rs`).
 //!
 //! ```text
 //! gpu_check [--plan all|cublas] [CASE_DIR]   # default: all, tests/data/cases
 //! ```
+
+mod batched;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -379,6 +383,16 @@ fn main() -> ExitCode {
                     failed += 1;
                     println!("{label} FAIL panicked");
                 }
+            }
+        }
+    }
+    for (label, outcome) in batched::checks() {
+        total += 1;
+        match outcome {
+            Ok(note) => println!("{label} ok {note}"),
+            Err(why) => {
+                failed += 1;
+                println!("{label} FAIL {why}");
             }
         }
     }
