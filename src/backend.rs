@@ -37,7 +37,7 @@ pub use crate::exchange::MoeBackend;
 pub use crate::exchange::{
     buffer_of, exchange_reference, ArenaCounters, ArenaStats, BlockLayout, ComposedExperts, ExchangeGrads,
     ExchangeRun, ExpertBackward, ExpertBackwardOut, ExpertForward, ExpertGroups, ExpertPath, GemmPrecision,
-    NoStreams, PartitionArena, SlotMemory, StepHold, SyncStreams, WorkerStreams,
+    NoStreams, PartitionArena, PassStore, SlotMemory, StepHold, SyncStreams, WorkerStreams,
 };
 pub use crate::experts::{
     ActivationKernels, ExpertGrads, ExpertPart, ExpertTensors, LowRankTensors, EXPERT_PARTS,

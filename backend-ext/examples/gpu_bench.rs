@@ -258,14 +258,12 @@ fn experts_ms(
             &device,
         ))
     };
-    let groups = ExpertGroups {
-        groups: vec![ExpertTensors::plain(
-            rand(vec![EXPERTS, m, h]),
-            None,
-            rand(vec![EXPERTS, h, m]),
-            None,
-        )],
-    };
+    let groups = ExpertGroups::new(vec![ExpertTensors::plain(
+        rand(vec![EXPERTS, m, h]),
+        None,
+        rand(vec![EXPERTS, h, m]),
+        None,
+    )]);
     let x = primitive(Tensor::<Inner, 2>::random(
         [total, m],
         Distribution::Default,
@@ -280,13 +278,17 @@ fn experts_ms(
     let mut host = Vec::new();
     let t = timed(repeats, || {
         let start = Instant::now();
+        // A store per pass, as the layer's forward and backward each build one: under bf16
+        // each converts the weights once, as in a layer step.
+        let forward_pass = ExpertGroups::new(groups.groups.clone());
+        let backward_pass = ExpertGroups::new(groups.groups.clone());
         let (_, hidden) = path
             .forward(ExpertForward {
                 x: x.clone(),
                 rows_per_expert: &per,
                 layout: &layout,
                 hidden_layout: &layout,
-                experts: &groups,
+                experts: &forward_pass,
                 activation: Activation::Gelu,
                 precision,
                 hidden: empty(total, h),
@@ -310,7 +312,7 @@ fn experts_ms(
                 hidden,
                 rows_per_expert: &per,
                 layout: &layout,
-                experts: &groups,
+                experts: &backward_pass,
                 activation: Activation::Gelu,
                 precision,
                 grad_x: empty(total, m),

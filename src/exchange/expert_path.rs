@@ -25,6 +25,7 @@ use burn::tensor::{Slice, TensorMetadata};
 use serde::{Deserialize, Serialize};
 
 use super::blocks::BlockLayout;
+use super::pass_store::PassStore;
 use super::rows::{dims2, narrow_rows};
 use super::MoeBackend;
 use crate::error::Result;
@@ -77,14 +78,25 @@ impl std::fmt::Display for GemmPrecision {
 
 /// The experts of one exchange as the path sees them: groups of stacked experts whose slots
 /// are numbered through the groups in order (this rank's own experts, then the copies of the
-/// shadowed ones).
+/// shadowed ones), and the pass's store for what the path derives from them once.
 #[derive(Debug, Clone)]
 pub struct ExpertGroups<B: MoeBackend> {
     /// The groups, each `[n, ..]` as in [`ExpertTensors`].
     pub groups: Vec<ExpertTensors<B>>,
+    /// What the path makes from the weights once per pass and reuses in each partition (the
+    /// CUDA path's bf16 copies). The exchange builds one `ExpertGroups` per pass.
+    pub pass: PassStore,
 }
 
 impl<B: MoeBackend> ExpertGroups<B> {
+    /// `groups` with an empty pass store: build one per pass.
+    pub fn new(groups: Vec<ExpertTensors<B>>) -> Self {
+        Self {
+            groups,
+            pass: PassStore::default(),
+        }
+    }
+
     /// Slots over every group.
     pub fn n_slots(&self) -> usize {
         self.groups.iter().map(|g| g.w_in.shape().to_vec()[0]).sum()

@@ -485,9 +485,7 @@ mod tests {
         ] {
             let d_inner = activation.d_inner(d_hidden);
             let dims = [d_model, d_inner, d_hidden];
-            let groups = ExpertGroups {
-                groups: vec![experts(5, dims, bias, 10), experts(2, dims, bias, 20)],
-            };
+            let groups = ExpertGroups::new(vec![experts(5, dims, bias, 10), experts(2, dims, bias, 20)]);
             let layout = BlockLayout::new(&rows_per_expert, 1);
             let total = layout.total();
             let x = tensor(&[total, d_model], 1);

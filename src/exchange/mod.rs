@@ -40,6 +40,7 @@ mod flex_rows;
 pub(crate) mod fused;
 #[cfg(feature = "fusion")]
 mod fusion;
+mod pass_store;
 mod reference;
 mod row_moves;
 pub(crate) mod rows;
@@ -56,5 +57,6 @@ pub use expert_path::{
     ComposedExperts, ExpertBackward, ExpertBackwardOut, ExpertForward, ExpertGroups, ExpertPath,
     GemmPrecision,
 };
+pub use pass_store::PassStore;
 pub use reference::exchange_reference;
 pub use streams::{NoStreams, StepHold, SyncStreams, WorkerStreams};

@@ -94,11 +94,11 @@ impl<B: MoeBackend> ExpertSlots<B> {
     /// The stacked groups the slots live in, as a device library reads them: the own experts,
     /// then the copies.
     pub(crate) fn groups(&self) -> super::ExpertGroups<B> {
-        super::ExpertGroups {
-            groups: std::iter::once(self.own.clone())
+        super::ExpertGroups::new(
+            std::iter::once(self.own.clone())
                 .chain(self.copies.clone())
                 .collect(),
-        }
+        )
     }
 
     /// Slots: own experts plus copies.

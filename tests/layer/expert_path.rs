@@ -11,7 +11,9 @@ use std::sync::Arc;
 
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::ops::FloatTensor;
-use mpipemoe::backend::{ComposedExperts, ExpertBackward, ExpertBackwardOut, ExpertForward, ExpertPath};
+use mpipemoe::backend::{
+    ComposedExperts, ExpertBackward, ExpertBackwardOut, ExpertForward, ExpertGroups, ExpertPath,
+};
 use mpipemoe::comm::{HostRows, RowExchange, RowPaths, WithRowPaths};
 use mpipemoe::harness::{check_case, check_case_through, Case, CheckOptions, CheckReport};
 use mpipemoe::memory::Strategy;
@@ -21,11 +23,27 @@ use mpipemoe::{
 
 type B = Autodiff<NdArray>;
 
-/// The twin, counting the partitions it computed forward and backward.
+/// The twin, counting the partitions it computed forward and backward, and the values it made
+/// in the pass stores (`ExpertGroups::pass`), as a path that prepares something from the
+/// weights once per pass would.
 #[derive(Debug, Default)]
 struct Counted {
     forward: AtomicUsize,
     backward: AtomicUsize,
+    made: AtomicUsize,
+}
+
+/// What `Counted` keeps in a pass's store.
+struct Prepared;
+
+impl Counted {
+    fn prepare(&self, experts: &ExpertGroups<NdArray>) -> Result<()> {
+        experts.pass.get_or_make(|| {
+            self.made.fetch_add(1, Ordering::Relaxed);
+            Ok(Prepared)
+        })?;
+        Ok(())
+    }
 }
 
 impl ExpertPath<NdArray> for Counted {
@@ -34,11 +52,13 @@ impl ExpertPath<NdArray> for Counted {
         job: ExpertForward<'_, NdArray>,
     ) -> Result<(FloatTensor<NdArray>, FloatTensor<NdArray>)> {
         self.forward.fetch_add(1, Ordering::Relaxed);
+        self.prepare(job.experts)?;
         ComposedExperts.forward(job)
     }
 
     fn backward(&self, job: ExpertBackward<'_, NdArray>) -> Result<ExpertBackwardOut<NdArray>> {
         self.backward.fetch_add(1, Ordering::Relaxed);
+        self.prepare(job.experts)?;
         ComposedExperts.backward(job)
     }
 }
@@ -120,6 +140,23 @@ fn every_case_through_the_expert_hook_equals_the_primitive_path() {
                 "{what}: backward hook not taken"
             );
             assert_same_bits(&plain, &through, &format!("{what}, against the primitive path"));
+            // One store per pass: made once per rank and pass, whatever the partitions, and
+            // never carried from the forward into the backward.
+            let made = counted.made.load(Ordering::Relaxed);
+            let calls = counted.forward.load(Ordering::Relaxed) + counted.backward.load(Ordering::Relaxed);
+            assert!(
+                made <= 2 * n_ranks,
+                "{what}: {made} values made for {n_ranks} ranks' two passes"
+            );
+            if n_ranks == 1 {
+                assert_eq!(
+                    made, 2,
+                    "{what}: the forward and the backward each make their own"
+                );
+            }
+            if n > 1 && n_ranks == 1 {
+                assert!(calls > made, "{what}: {calls} partition calls made {made} values");
+            }
         }
     }
 }

@@ -8,7 +8,10 @@
 //! through pointer tables, since their blocks do not step evenly, and the 7 grouped or looped),
 //! with biases (whose gradients multiply one shared ones row: pointer tables again) and
 //! without, with `T_M` kept and recomputed, written into fresh sums and added into running
-//! ones. The call counters say that the batched calls ran and the looped path made none.
+//! ones. The call counters say that the batched calls ran and the looped path made none. The
+//! batched side runs each job twice on one pass store (`ExpertGroups::pass`), as a pass's
+//! partitions do: in bf16 the weights are converted once, by the first section, and the
+//! second run's results (read from those copies) are the ones compared.
 
 use burn::tensor::{Distribution, Tensor, TensorData, TensorPrimitive};
 use mpipemoe::backend::{
@@ -127,23 +130,42 @@ impl Job {
         )
     }
 
-    /// Forward and backward on `path`: `T_DO`, `T_M`, `dT_DI` and the four gradient sums, as
-    /// host values.
-    fn run(&self, path: &CublasExperts, precision: GemmPrecision) -> Result<Vec<Vec<f32>>, String> {
+    /// Forward and backward on `path`, `times` times on the same experts (one pass store, as
+    /// the partitions of a pass share it): the last time's `T_DO`, `T_M`, `dT_DI` and gradient
+    /// sums, as host values.
+    fn run(
+        &self,
+        path: &CublasExperts,
+        precision: GemmPrecision,
+        times: usize,
+    ) -> Result<Vec<Vec<f32>>, String> {
+        let v = &self.values;
+        let bias = |i: usize| self.bias.then(|| upload(&v[i]));
+        let groups = ExpertGroups::new(vec![ExpertTensors::plain(
+            upload(&v[2]),
+            bias(3),
+            upload(&v[4]),
+            bias(5),
+        )]);
+        let mut last = Vec::new();
+        for _ in 0..times {
+            last = self.once(path, precision, &groups)?;
+        }
+        Ok(last)
+    }
+
+    fn once(
+        &self,
+        path: &CublasExperts,
+        precision: GemmPrecision,
+        groups: &ExpertGroups<Inner>,
+    ) -> Result<Vec<Vec<f32>>, String> {
         let device = Default::default();
         let v = &self.values;
         let layout = BlockLayout::new(&self.rows, 1);
         let total = layout.total();
         let d_inner = self.activation.d_inner(D_HIDDEN);
         let bias = |i: usize| self.bias.then(|| upload(&v[i]));
-        let groups = ExpertGroups {
-            groups: vec![ExpertTensors::plain(
-                upload(&v[2]),
-                bias(3),
-                upload(&v[4]),
-                bias(5),
-            )],
-        };
         let empty = |r: usize, c: usize| {
             Tensor::<Inner, 2>::empty([r, c], &device)
                 .into_primitive()
@@ -156,7 +178,7 @@ impl Job {
                 rows_per_expert: &self.rows,
                 layout: &layout,
                 hidden_layout: &layout,
-                experts: &groups,
+                experts: groups,
                 activation: self.activation,
                 precision,
                 hidden: empty(total, d_inner),
@@ -182,7 +204,7 @@ impl Job {
                 hidden: kept,
                 rows_per_expert: &self.rows,
                 layout: &layout,
-                experts: &groups,
+                experts: groups,
                 activation: self.activation,
                 precision,
                 grad_x: empty(total, D_MODEL),
@@ -230,9 +252,11 @@ pub(crate) fn checks() -> Vec<(String, Result<String, String>)> {
     for precision in GemmPrecision::ALL {
         for job in &jobs {
             let before = batched.calls();
+            // Twice on one pass store: the second forward and backward find the bf16 weights
+            // the first converted.
             let result = job
-                .run(&batched, precision)
-                .and_then(|got| Ok((got, job.run(&looped, precision)?)))
+                .run(&batched, precision, 2)
+                .and_then(|got| Ok((got, job.run(&looped, precision, 1)?)))
                 .and_then(|(got, want)| {
                     let after = batched.calls();
                     let ran = after.strided_batched + after.pointer_batched
@@ -240,6 +264,14 @@ pub(crate) fn checks() -> Vec<(String, Result<String, String>)> {
                         - before.pointer_batched;
                     if ran == 0 {
                         return Err("the batched path made no batched call".into());
+                    }
+                    let converted = after.weight_conversions - before.weight_conversions;
+                    let expected = u64::from(precision == GemmPrecision::Bf16);
+                    if converted != expected {
+                        return Err(format!(
+                            "{converted} conversions of the weights in four sections of one pass store \
+                             (expected {expected})"
+                        ));
                     }
                     let mut worst = 0.0f64;
                     for ((name, g), w) in NAMES.iter().zip(&got).zip(&want) {

@@ -12,7 +12,7 @@ use super::blas::{Product, Role};
 use super::kernels::Job;
 use super::lane::Lane;
 use super::operands::{dense_starts, ready, row_at, Addresses, Dims, ExpertOperands, Halves};
-use super::CublasExperts;
+use super::{CallCounters, CublasExperts};
 use crate::CudaMoe;
 
 pub(crate) fn backward(
@@ -65,7 +65,12 @@ fn backward_on(
         at.of(&grads.w_out)?,
         grads.b_out.as_ref().map(|b| at.of(b)).transpose()?.unwrap_or(0),
     ];
-    let experts = ExpertOperands::new(job.experts, &mut at, ord, dims, half)?;
+    // The lane's identity keys the pass's bf16 weights (`PassHalves`).
+    let lane_key = Arc::as_ptr(&lane) as usize;
+    let experts = ExpertOperands::new(job.experts, &mut at, ord, dims, half, lane_key)?;
+    if !experts.halves.is_empty() {
+        path.inner.calls.add(CallCounters::CONVERSIONS, 1);
+    }
     let (inputs_half, inputs) = Halves::plan(
         &mut at,
         half,

@@ -13,7 +13,7 @@ use super::blas::{Product, Role};
 use super::kernels::Job;
 use super::lane::Lane;
 use super::operands::{ready, row_at, Addresses, Dims, ExpertOperands, Halves};
-use super::CublasExperts;
+use super::{CallCounters, CublasExperts};
 use crate::CudaMoe;
 
 pub(crate) fn forward(
@@ -50,7 +50,12 @@ fn forward_on(
     let hidden = ready(job.hidden, ord, "T_M")?;
     let out = ready(job.out, ord, "T_DO")?;
     let (x_at, hidden_at, out_at) = (at.of(&x)?, at.of(&hidden)?, at.of(&out)?);
-    let experts = ExpertOperands::new(job.experts, &mut at, ord, dims, half)?;
+    // The lane's identity keys the pass's bf16 weights (`PassHalves`).
+    let lane_key = Arc::as_ptr(&lane) as usize;
+    let experts = ExpertOperands::new(job.experts, &mut at, ord, dims, half, lane_key)?;
+    if !experts.halves.is_empty() {
+        path.inner.calls.add(CallCounters::CONVERSIONS, 1);
+    }
     let (x_half, x_op) = Halves::plan(&mut at, half, &[(x_at, layout.total() * dm)])?;
     let act_at = at.scratch(hidden_layout.total() * dh * bytes)?;
     let used: Vec<usize> = (0..rows.len()).filter(|&e| rows[e] > 0).collect();

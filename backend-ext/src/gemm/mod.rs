@@ -91,25 +91,35 @@ pub struct CublasCalls {
     pub grouped: u64,
     /// `cublasGemmEx`, one per expert product.
     pub looped: u64,
+    /// Conversions of the experts' weights to bf16 (the bf16 precision): one per lane and pass,
+    /// not one per partition (`PassHalves`).
+    pub weight_conversions: u64,
 }
 
 /// [`CublasCalls`] as the path counts them.
 #[derive(Debug, Default)]
-struct CallCounters([AtomicU64; 4]);
+pub(crate) struct CallCounters([AtomicU64; 5]);
 
 impl CallCounters {
-    fn add(&self, which: usize, n: usize) {
+    pub(crate) const STRIDED: usize = 0;
+    pub(crate) const POINTERS: usize = 1;
+    pub(crate) const GROUPED: usize = 2;
+    pub(crate) const LOOPED: usize = 3;
+    pub(crate) const CONVERSIONS: usize = 4;
+
+    pub(crate) fn add(&self, which: usize, n: usize) {
         self.0[which].fetch_add(n as u64, Ordering::Relaxed);
     }
 
     fn read(&self) -> CublasCalls {
-        let [strided_batched, pointer_batched, grouped, looped] =
+        let [strided_batched, pointer_batched, grouped, looped, weight_conversions] =
             std::array::from_fn(|i| self.0[i].load(Ordering::Relaxed));
         CublasCalls {
             strided_batched,
             pointer_batched,
             grouped,
             looped,
+            weight_conversions,
         }
     }
 }
@@ -304,8 +314,8 @@ impl Inner {
                         break;
                     }
                     let kind = match batch.addressing {
-                        Addressing::Strided { .. } => 0,
-                        Addressing::Pointers => 1,
+                        Addressing::Strided { .. } => CallCounters::STRIDED,
+                        Addressing::Pointers => CallCounters::POINTERS,
                     };
                     self.calls.add(kind, 1);
                     used += batch.products.len();
@@ -339,13 +349,13 @@ impl Inner {
         if self.grouped && small && !lane.refused(Call::Grouped, precision) {
             let stream = lane.stream.clone();
             if role.run_grouped(lane.handle(), &stream, &self.kernels, table, precision)? {
-                self.calls.add(2, 1);
+                self.calls.add(CallCounters::GROUPED, 1);
                 return Ok(());
             }
             lane.refuse(Call::Grouped, precision);
         }
         role.run_looped(lane.handle(), precision)?;
-        self.calls.add(3, role.products.len());
+        self.calls.add(CallCounters::LOOPED, role.products.len());
         Ok(())
     }
 

@@ -1,6 +1,9 @@
 //! Where a section's operands lie: device addresses read before the hand-over, the experts'
 //! per-slot addresses, scratch buffers, and the bf16 copies the bf16 precision multiplies.
 
+use std::collections::HashMap;
+use std::sync::Mutex;
+
 use burn::tensor::DType;
 use burn_cubecl::cubecl;
 use burn_cubecl::tensor::CubeTensor;
@@ -46,13 +49,20 @@ impl<'a> Addresses<'a> {
 
     /// A scratch buffer of `bytes` on the calling thread's stream: its address.
     pub(crate) fn scratch(&mut self, bytes: usize) -> Result<u64> {
+        let (handle, at) = self.kept_scratch(bytes)?;
+        self.held.push(handle);
+        Ok(at)
+    }
+
+    /// A buffer of `bytes` on the calling thread's stream that the caller keeps past the
+    /// section (the pass's bf16 weights): its handle and address.
+    pub(crate) fn kept_scratch(&self, bytes: usize) -> Result<(Handle, u64)> {
         let handle = self.client.empty(bytes.max(4));
         let resource = self
             .client
             .get_resource(handle.clone())
             .map_err(|e| err("scratch address", e))?;
-        self.held.push(handle);
-        Ok(resource.resource().ptr)
+        Ok((handle, resource.resource().ptr))
     }
 }
 
@@ -132,6 +142,13 @@ impl Halves {
         if !half {
             return Ok((Self::default(), list.iter().map(|&(a, _)| a).collect()));
         }
+        let (offsets, total) = Self::layout(list);
+        let base = at.scratch(total)?;
+        Ok(Self::at(base, &offsets, list))
+    }
+
+    /// Each copy's offset in one buffer, and the buffer's bytes.
+    fn layout(list: &[(u64, usize)]) -> (Vec<usize>, usize) {
         let offsets: Vec<usize> = list
             .iter()
             .scan(0usize, |at, &(_, n)| {
@@ -141,19 +158,81 @@ impl Halves {
             })
             .collect();
         let total = list.iter().map(|&(_, n)| (n * 2).div_ceil(256) * 256).sum();
-        let base = at.scratch(total)?;
+        (offsets, total)
+    }
+
+    /// The conversions of `list` into the buffer at `base`, and the copies' addresses.
+    fn at(base: u64, offsets: &[usize], list: &[(u64, usize)]) -> (Self, Vec<u64>) {
         let copies: Vec<u64> = offsets.iter().map(|&o| base + o as u64).collect();
         let spans = list
             .iter()
             .zip(&copies)
             .map(|(&(src, n), &dst)| (src, dst, n))
             .collect();
-        Ok((Self { spans }, copies))
+        (Self { spans }, copies)
+    }
+
+    /// Whether there is nothing to convert.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.spans.is_empty()
     }
 
     /// Queues the conversions on the lane's stream.
     pub(crate) fn convert(&self, kernels: &Kernels, stream: &CudaStream) -> Result<()> {
         kernels.to_bf16(stream, &self.spans)
+    }
+}
+
+/// The bf16 copies of one pass's expert matrices (the bf16 precision), kept in the pass's store
+/// (`ExpertGroups::pass`): made by the first section of each lane that needs them, then read
+/// by every later partition of the pass. The weights do not change within a pass, and
+/// converting them for each of the `n` partitions, forward and backward, cost `2n` passes over
+/// every expert's weights a step where the forward's and the backward's one each suffice.
+///
+/// Kept per lane: a lane's later sections run after its first on its own stream, while another
+/// lane's stream is not ordered after it. Kept for the addresses converted: a pass whose
+/// weights were copied to be contiguous has new addresses in each section, and converts again.
+/// Used on cubecl's device thread only (inside a section's `exclusive`), so holding the lock
+/// through the buffer's allocation waits on no other thread.
+#[derive(Default)]
+pub(crate) struct PassHalves {
+    by_lane: Mutex<HashMap<usize, Converted>>,
+}
+
+struct Converted {
+    /// The f32 spans converted, `(address, floats)`.
+    sources: Vec<(u64, usize)>,
+    /// Where their copies are.
+    copies: Vec<u64>,
+    /// The buffer of the copies, held for the pass.
+    _buffer: Handle,
+}
+
+impl PassHalves {
+    /// The copies of `list` for `lane`: made now (and the conversions to queue returned) the
+    /// first time, found afterwards (nothing to queue).
+    pub(crate) fn copies(
+        &self,
+        at: &Addresses<'_>,
+        lane: usize,
+        list: &[(u64, usize)],
+    ) -> Result<(Halves, Vec<u64>)> {
+        let mut by_lane = self.by_lane.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(done) = by_lane.get(&lane).filter(|d| d.sources == list) {
+            return Ok((Halves::default(), done.copies.clone()));
+        }
+        let (offsets, total) = Halves::layout(list);
+        let (buffer, base) = at.kept_scratch(total)?;
+        let (halves, copies) = Halves::at(base, &offsets, list);
+        by_lane.insert(
+            lane,
+            Converted {
+                sources: list.to_vec(),
+                copies: copies.clone(),
+                _buffer: buffer,
+            },
+        );
+        Ok((halves, copies))
     }
 }
 
@@ -168,13 +247,15 @@ pub(crate) struct ExpertOperands {
 
 impl ExpertOperands {
     /// The addresses of every group's contiguous stacked tensors (copies made contiguous are
-    /// held by `at`), their bf16 copies planned where `half`.
+    /// held by `at`), and where `half` their bf16 copies: the pass's own for `lane`
+    /// ([`PassHalves`]), planned here where this is the lane's first section of the pass.
     pub(crate) fn new(
         groups: &ExpertGroups<CudaMoe<f32>>,
         at: &mut Addresses<'_>,
         ordinal: usize,
         dims: Dims,
         half: bool,
+        lane: usize,
     ) -> Result<Self> {
         let Dims {
             d_model: dm,
@@ -207,7 +288,13 @@ impl ExpertOperands {
             .iter()
             .flat_map(|&(n, b)| [(b[0], n * dm * di), (b[2], n * dh * dm)])
             .collect();
-        let (halves, copies) = Halves::plan(at, half, &list)?;
+        let (halves, copies) = match half {
+            true => groups
+                .pass
+                .get_or_make(|| Ok(PassHalves::default()))?
+                .copies(at, lane, &list)?,
+            false => Halves::plan(at, false, &list)?,
+        };
         let bytes = if half { 2 } else { 4 };
         let strides = [dm * di, di, dh * dm, dm];
         let (mut slots, mut matrices) = (Vec::new(), Vec::new());
