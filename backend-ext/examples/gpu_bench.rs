@@ -530,8 +530,20 @@ fn main() {
                 }
                 for precision in GemmPrecision::ALL {
                     let config = base.clone().with_gemm_precision(precision);
+                    let before = device_path.calls();
                     let (t, n, host) = layer_ms::<B>(&config, with(device_path), tokens, args.repeats, false);
                     push("layer", "cublas", precision.name(), t, n, Some(host));
+                    // The experts' cuBLAS calls of one step (two warm-up steps came first).
+                    let steps = (args.repeats + 2) as u64;
+                    let after = device_path.calls();
+                    eprintln!(
+                        "           per step: {} strided batched, {} pointer batched, {} grouped, {} cublasGemmEx, {} bf16 weight conversions",
+                        (after.strided_batched - before.strided_batched) / steps,
+                        (after.pointer_batched - before.pointer_batched) / steps,
+                        (after.grouped - before.grouped) / steps,
+                        (after.looped - before.looped) / steps,
+                        (after.weight_conversions - before.weight_conversions) / steps,
+                    );
                 }
                 for precision in [GemmPrecision::Tf32, GemmPrecision::Bf16] {
                     let config = base.clone().with_gemm_precision(precision);
