@@ -386,27 +386,9 @@ fn main() -> ExitCode {
             }
         }
     }
-    for (label, outcome) in batched::checks() {
-        total += 1;
-        match outcome {
-            Ok(note) => println!("{label} ok {note}"),
-            Err(why) => {
-                failed += 1;
-                println!("{label} FAIL {why}");
-            }
-        }
-    }
+    report(batched::checks(), &mut total, &mut failed);
     if nccl.is_ok() {
-        for (label, outcome) in local_group_checks() {
-            total += 1;
-            match outcome {
-                Ok(note) => println!("{label} ok {note}"),
-                Err(why) => {
-                    failed += 1;
-                    println!("{label} FAIL {why}");
-                }
-            }
-        }
+        report(local_group_checks(), &mut total, &mut failed);
     }
     let skipped = match &nccl {
         Ok(_) => String::new(),
@@ -417,6 +399,20 @@ fn main() -> ExitCode {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
+    }
+}
+
+/// Prints each labelled outcome of a list of checks and counts it.
+fn report(outcomes: Vec<(String, Result<String, String>)>, total: &mut usize, failed: &mut usize) {
+    for (label, outcome) in outcomes {
+        *total += 1;
+        match outcome {
+            Ok(note) => println!("{label} ok {note}"),
+            Err(why) => {
+                *failed += 1;
+                println!("{label} FAIL {why}");
+            }
+        }
     }
 }
 
