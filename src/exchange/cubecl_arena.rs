@@ -179,7 +179,7 @@ where
         let cube_dim = CubeDim::new(&self.client, units);
         let cube_count = calculate_cube_count_elemwise(&self.client, units, cube_dim);
         // Safety: every index is below its tensor's row count (the layout and the plan's
-        // permutation say so; see `dispatch` in fused.rs), and the kernel bounds its units.
+        // permutation say so; see `dispatch` in `fused/moves.rs`), and the kernel bounds its units.
         unsafe {
             copy_rows_kernel::launch_unchecked(
                 &self.client,

@@ -8,27 +8,26 @@
 //! activation and two output partitions are live at once (and the same in backward), and a
 //! write into a slot that is still occupied is a schedule hazard, reported as an error. What
 //! survives into backward is the strategy's choice.
+//!
+//! The rooms: the passes and what survives between them (here), the partition slots and the
+//! checked run of a schedule (`slots.rs`), the steps that move rows (`moves.rs`).
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use crate::sync::{into_inner, lock};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::TensorMetadata;
 
 use super::assemble::RowAssembler;
-use super::blocks::{layout_of, Mem};
+use super::blocks::Mem;
 use super::executor::StepExecutor;
 use super::ffn::{compute, compute_backward, ExpertGradAcc, Library, Restored};
-use super::rows::{all_to_all_rows, dims2, gather_rows, narrow_rows};
-use super::schedule::{Op, Role, Schedule, Slot, Step, Stream};
+use super::schedule::{Op, Role, Schedule, Slot, Step};
 use super::shadows::ExpertSlots;
-use super::streams::StepHold;
 use super::{ExchangeGrads, ExchangeRun, MoeBackend};
-use crate::comm::{Communicator, HostOffload, Offloaded};
-use crate::dispatch::{ExchangePlan, PartitionPlan};
+use crate::comm::{HostOffload, Offloaded};
+use crate::dispatch::ExchangePlan;
 use crate::error::{MoeError, Result};
 use crate::experts::ExpertTensors;
 use crate::memory::Restore;
@@ -86,126 +85,11 @@ impl<B: Backend> Stash<B> {
     }
 }
 
-/// What a partition slot holds.
-enum Value<B: Backend> {
-    /// A `[rows, width]` block (`T_DI`, `T_DO`, `dT_DO`, `dT_DI`).
-    Rows(FloatTensor<B>),
-    /// `T_M`: each local expert's pre-activation rows (`None` for an expert without rows).
-    Hidden(Vec<Option<FloatTensor<B>>>),
-}
+mod moves;
+mod slots;
 
-impl<B: Backend> Clone for Value<B> {
-    fn clone(&self) -> Self {
-        match self {
-            Value::Rows(t) => Value::Rows(t.clone()),
-            Value::Hidden(h) => Value::Hidden(h.clone()),
-        }
-    }
-}
-
-/// The partition slots of one pass.
-struct Slots<B: Backend> {
-    map: Mutex<HashMap<Slot, Value<B>>>,
-    /// With a worker per stream: what each stream's current step read, kept until the
-    /// executor has fenced that stream (`None` in issue order, where one stream orders every
-    /// read before any reuse of the memory).
-    held: Option<Mutex<HashMap<Stream, Vec<Value<B>>>>>,
-    /// What failed steps held, dropped with the slots: after every worker fenced its stream.
-    failed: Mutex<Vec<Vec<Value<B>>>>,
-}
-
-impl<B: Backend> Slots<B> {
-    fn new(executor: StepExecutor) -> Self {
-        Self {
-            map: Mutex::new(HashMap::new()),
-            held: (executor == StepExecutor::StreamThreads).then(|| Mutex::new(HashMap::new())),
-            failed: Mutex::new(Vec::new()),
-        }
-    }
-
-    fn lock(&self) -> MutexGuard<'_, HashMap<Slot, Value<B>>> {
-        lock(&self.map)
-    }
-
-    /// Keeps `value`, which `step` reads, until `step`'s stream is fenced.
-    fn hold(&self, step: &Step, value: &Value<B>) {
-        if let Some(held) = &self.held {
-            lock(held).entry(step.stream()).or_default().push(value.clone());
-        }
-    }
-
-    fn hold_rows(&self, step: &Step, rows: &FloatTensor<B>) {
-        self.hold(step, &Value::Rows(rows.clone()));
-    }
-
-    /// Runs `step` with `step_fn` and hands what it read to the executor, which drops it
-    /// after fencing the step's stream; a failed step's reads wait for the end of the pass.
-    fn run(&self, index: usize, step: &Step, step_fn: &StepFn<'_>) -> Result<StepHold> {
-        let result = step_fn(index, step);
-        let held = match &self.held {
-            Some(held) => lock(held).remove(&step.stream()).unwrap_or_default(),
-            None => Vec::new(),
-        };
-        match result {
-            Ok(()) => Ok(vec![Box::new(held) as Box<dyn std::any::Any + Send>]),
-            Err(e) => {
-                lock(&self.failed).push(held);
-                Err(e)
-            }
-        }
-    }
-
-    /// Fills `slot`. It must be empty: its previous content's last reader takes it, so an
-    /// occupied slot means a step is about to overwrite what another has not read yet.
-    fn put(&self, step: &Step, slot: Slot, value: Value<B>) -> Result<()> {
-        if self.lock().insert(slot, value).is_some() {
-            return Err(MoeError::Backend(format!(
-                "schedule hazard: {:?} overwrote {slot:?} before its last reader took it",
-                step.op
-            )));
-        }
-        Ok(())
-    }
-
-    /// The content of `slot`, taken where `step` is its last reader, shared otherwise.
-    fn get(&self, step: &Step, slot: Slot) -> Result<Value<B>> {
-        let mut map = self.lock();
-        let missing = || {
-            MoeError::Backend(format!(
-                "schedule hazard: {:?} read {slot:?} before anything wrote it",
-                step.op
-            ))
-        };
-        let value = if step.takes.contains(&slot) {
-            map.remove(&slot).ok_or_else(missing)?
-        } else {
-            map.get(&slot).ok_or_else(missing)?.clone()
-        };
-        drop(map);
-        self.hold(step, &value);
-        Ok(value)
-    }
-
-    fn rows(&self, step: &Step, role: Role, i: usize) -> Result<FloatTensor<B>> {
-        match self.get(step, Slot::of(role, i))? {
-            Value::Rows(t) => Ok(t),
-            Value::Hidden(_) => unreachable!("{role:?} slots hold row blocks"),
-        }
-    }
-
-    fn hidden(&self, step: &Step, i: usize, index: usize) -> Result<Vec<Option<FloatTensor<B>>>> {
-        match self.get(
-            step,
-            Slot {
-                role: Role::Hidden,
-                index,
-            },
-        )? {
-            Value::Hidden(h) => Ok(h),
-            Value::Rows(_) => unreachable!("hidden slots hold per-expert blocks (partition {i})"),
-        }
-    }
-}
+use moves::{check_input, combine, dispatch};
+use slots::{run_checked, Slots, Value};
 
 /// The generic fused forward: `T_O` from `T_I` over the plan's partitions, on any backend,
 /// with burn's primitive ops and the run's communicator. Backends without a faster exchange
@@ -465,146 +349,4 @@ pub fn backward<B: MoeBackend>(
         input: into_inner(input_grad).finish(),
         experts,
     })
-}
-
-/// One step of a pass, on the state its table shares.
-type StepFn<'a> = dyn Fn(usize, &Step) -> Result<()> + Sync + 'a;
-
-/// Runs `schedule` on the backend's worker streams for `device` (built here, on the calling
-/// thread, so every pass of this thread uses the same device streams) and checks the recorded
-/// spans for hazards (a few microseconds: the steps are counted in tens).
-fn run_checked<B: MoeBackend>(
-    executor: StepExecutor,
-    device: &B::Device,
-    schedule: &Schedule,
-    slots: &Slots<B>,
-    step_fn: &StepFn<'_>,
-) -> Result<()> {
-    let streams = B::worker_streams(device);
-    let spans = executor.run_on(streams.as_ref(), schedule, &|index, step| {
-        slots.run(index, step, step_fn)
-    })?;
-    schedule
-        .check_trace(&spans)
-        .map_err(|hazard| MoeError::Backend(format!("schedule hazard: {hazard}")))
-}
-
-fn check_input<B: Backend>(
-    input: &FloatTensor<B>,
-    experts: &ExpertTensors<B>,
-    plan: &ExchangePlan,
-    shadows: &[usize],
-) -> Result<()> {
-    let [rows, width] = dims2::<B>(input);
-    let w = experts.w_in.shape().to_vec();
-    if rows != plan.send_rows()
-        || width != w[1]
-        || w[0] + shadows.len() != plan.n_local_experts
-        || plan.partitions.is_empty()
-    {
-        return Err(MoeError::Input(format!(
-            "exchange: T_I is [{rows}, {width}], the plan sends {} rows over {} partitions, \
-             the experts are [{}, {}, {}] and {} shadows for {} expert slots",
-            plan.send_rows(),
-            plan.n_partitions(),
-            w[0],
-            w[1],
-            w[2],
-            shadows.len(),
-            plan.n_local_experts
-        )));
-    }
-    let w_out = experts.w_out.shape().to_vec();
-    for (name, lora, rows, cols) in [
-        ("lora_in", &experts.lora_in, w[1], w[2]),
-        ("lora_out", &experts.lora_out, w_out[1], w_out[2]),
-    ] {
-        let Some(lora) = lora else { continue };
-        let (a, b) = (lora.a.shape().to_vec(), lora.b.shape().to_vec());
-        let fits = a.len() == 3
-            && b.len() == 3
-            && a[..2] == [w[0], rows]
-            && b[0] == w[0]
-            && b[1] == a[2]
-            && b[2] == cols
-            && a[2] > 0;
-        if !fits || !lora.scale.is_finite() {
-            return Err(MoeError::Input(format!(
-                "exchange: the adapter {name} is a {a:?}, b {b:?}, scale {}: expected a [{}, {rows}, r], \
-                 b [{}, r, {cols}] with r ≥ 1 and a finite scale",
-                lora.scale, w[0], w[0]
-            )));
-        }
-    }
-    Ok(())
-}
-
-/// S_i: sends partition `i` of `rows` (a `[n_rows, width]` tensor in plan order) to the
-/// experts' ranks and returns what this rank receives, in expert-major order: in the arena's
-/// buffer of `target` where `mem` is one (each expert's block at its aligned start), as a
-/// fresh tensor otherwise.
-fn dispatch<B: MoeBackend>(
-    rows: &FloatTensor<B>,
-    part: &PartitionPlan,
-    comm: &dyn Communicator,
-    mem: Mem<'_, B>,
-    target: Slot,
-) -> Result<FloatTensor<B>> {
-    let send = narrow_rows::<B>(rows.clone(), part.send_offset, part.send_rows());
-    let recv = all_to_all_rows::<B>(comm, send, &part.send_per_rank, &part.recv_per_rank)?;
-    let Some(m) = mem else {
-        return Ok(match &part.to_expert_major {
-            Some(perm) => gather_rows::<B>(recv, perm),
-            None => recv,
-        });
-    };
-    let [received, width] = dims2::<B>(&recv);
-    let layout = layout_of(mem, &part.rows_per_expert, width);
-    // Expert-major row r is received row `to_expert_major[r]` (row r without a permutation).
-    // The arena's copy replaces the gather that a permutation needs; rows that arrive in
-    // expert-major order at aligned blocks (one rank, or one expert per rank) are used as
-    // they arrived, without a copy.
-    let from: Vec<usize> = match &part.to_expert_major {
-        Some(perm) => perm.clone(),
-        None if layout.is_dense() => return Ok(recv),
-        None => (0..received).collect(),
-    };
-    let into = layout.buffer_rows();
-    if from.len() != into.len() {
-        return Err(MoeError::Backend(format!(
-            "dispatch: {} rows received for {} expert rows",
-            from.len(),
-            into.len()
-        )));
-    }
-    let buffer = m.buffer(target, layout.total(), width)?;
-    m.copy_rows(&buffer, &into, recv, &from);
-    Ok(buffer)
-}
-
-/// R_i: returns expert-major rows (laid out as `mem` places them) to the ranks they came
-/// from.
-fn combine<B: MoeBackend>(
-    rows: FloatTensor<B>,
-    part: &PartitionPlan,
-    comm: &dyn Communicator,
-    mem: Mem<'_, B>,
-) -> Result<FloatTensor<B>> {
-    let [_, width] = dims2::<B>(&rows);
-    let layout = layout_of(mem, &part.rows_per_expert, width);
-    let by_source = match (&part.from_expert_major, layout.is_dense()) {
-        (None, true) => rows,
-        (Some(perm), true) => gather_rows::<B>(rows, perm),
-        // Row k for the sources is expert-major row `from_expert_major[k]`, which the
-        // buffer holds at its padded position.
-        (perm, false) => {
-            let at = layout.buffer_rows();
-            let idx: Vec<usize> = match perm {
-                Some(perm) => perm.iter().map(|&r| at[r]).collect(),
-                None => at,
-            };
-            gather_rows::<B>(rows, &idx)
-        }
-    };
-    all_to_all_rows::<B>(comm, by_source, &part.recv_per_rank, &part.send_per_rank)
 }
