@@ -8,7 +8,7 @@ use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
 
 use super::checkpoint::{narrow, parse, Checkpoint, ImportOptions};
-use super::family::HfConfig;
+use super::config::HfConfig;
 use super::fp8::{is_fp8, quantize, scale_name};
 use super::layout::{to_hf, HfEntry};
 use super::model::HfCheckpoint;

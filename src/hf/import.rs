@@ -7,8 +7,10 @@ use std::sync::Arc;
 use burn::tensor::backend::Backend;
 
 use super::checkpoint::ImportOptions;
-use super::family::{Family, HfConfig, LayerNames};
+use super::config::HfConfig;
+use super::family::Family;
 use super::model::HfCheckpoint;
+use super::names::LayerNames;
 use crate::comm::{Communicator, SingleRank};
 use crate::error::Result;
 use crate::layer::{write_safetensors, LayerMeta, MoeLayer, MoeLayerConfig, TensorMap};

@@ -7,7 +7,8 @@ use std::ops::Range;
 
 use burn::tensor::TensorData;
 
-use super::family::{LayerNames, Part};
+use super::family::Part;
+use super::names::LayerNames;
 use crate::error::{MoeError, Result};
 use crate::layer::{MoeLayerConfig, TensorMap};
 

@@ -42,14 +42,17 @@
 //! ```
 
 mod checkpoint;
+mod config;
 mod export;
 mod family;
 mod fp8;
 mod import;
 mod inspect;
+mod layers;
 mod layout;
 mod model;
 mod mxfp4;
+mod names;
 mod quantization;
 mod tensors;
 

@@ -9,7 +9,8 @@ use std::sync::Arc;
 use burn::tensor::backend::Backend;
 
 use super::checkpoint::{dtype_name, Checkpoint, ImportOptions, ReadStats};
-use super::family::{Family, HfConfig};
+use super::config::HfConfig;
+use super::family::Family;
 use super::import::HfLayer;
 use super::layout::{hf_entries, to_canonical};
 use crate::comm::Communicator;
