@@ -862,10 +862,19 @@ fn the_expert_hook_on_wgpu_in_order_and_threaded() {
 /// the adapter's term added in place with `SlotMemory::add_into`), against the reference
 /// twin on the same device (which runs `w + scale · a · b` and which the CPU tests hold to a
 /// float64 oracle): outputs and every adapter gradient, base weights frozen, at n = 3 with S4
-/// (the recomputed `T_M` includes the adapter's term). One configuration: every strategy's
-/// difference is the CPU tests' business, and each one here costs llvmpipe's kernel builds.
+/// (the recomputed `T_M` includes the adapter's term); then the same with a device library
+/// offered, through which the primitives then multiply (each block copied into the arena's
+/// buffer). One configuration: every strategy's difference is the CPU tests' business, and
+/// each one here costs llvmpipe's kernel builds.
 #[test]
 fn expert_adapters_on_wgpu_match_the_reference_twin() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use burn::tensor::ops::FloatTensor;
+    use mpipemoe::backend::{ExpertBackward, ExpertBackwardOut, ExpertForward, ExpertPath};
+    use mpipemoe::comm::{RowPaths, WithRowPaths};
+    use mpipemoe::Communicator;
+
     let _device = shared();
     let device = WgpuDevice::default();
     let spec = mpipemoe::ExpertLoraSpec {
@@ -881,9 +890,10 @@ fn expert_adapters_on_wgpu_match_the_reference_twin() {
         .with_seed(5);
     let x = Tensor::<B, 2>::random([40, 16], Distribution::Default, &device);
     let g = Tensor::<B, 2>::random([40, 16], Distribution::Default, &device);
-    let run = |config: MoeLayerConfig| {
+    let run_on = |config: MoeLayerConfig, comm: Arc<dyn Communicator>| {
         let mut layer = config
-            .init::<B>(&device)
+            .init_rank::<B>(&device, comm)
+            .unwrap()
             .freeze_all_but_adapters()
             .with_adapters(&spec, 9)
             .unwrap();
@@ -913,11 +923,56 @@ fn expert_adapters_on_wgpu_match_the_reference_twin() {
         );
         all
     };
+    let run = |config: MoeLayerConfig| run_on(config, Arc::new(SingleRank));
     let want = run(base.clone().with_path(ExchangePath::Reference));
-    let got = run(base
+    let fused = base
         .with_path(ExchangePath::Fused)
         .with_partitions(Partitions::Fixed(3))
-        .with_memory_reuse(MemoryReuse::S4));
+        .with_memory_reuse(MemoryReuse::S4);
+    let got = run(fused.clone());
+    for (got, want) in got.into_iter().zip(&want) {
+        got.assert_approx_eq::<f32>(want, burn::tensor::Tolerance::rel_abs(1e-4, 1e-5));
+    }
+    // The same with a device library offered (as cuBLAS is on CUDA): the adapters keep the
+    // experts on the primitives, whose products now go through the library, each block copied
+    // into the arena's buffer.
+    #[derive(Debug, Default)]
+    struct DenseOnly(AtomicUsize);
+    impl ExpertPath<Inner> for DenseOnly {
+        fn forward(
+            &self,
+            _: ExpertForward<'_, Inner>,
+        ) -> mpipemoe::Result<(FloatTensor<Inner>, FloatTensor<Inner>)> {
+            Err(mpipemoe::MoeError::Backend(
+                "a job with adapters reached the library".into(),
+            ))
+        }
+        fn backward(&self, _: ExpertBackward<'_, Inner>) -> mpipemoe::Result<ExpertBackwardOut<Inner>> {
+            Err(mpipemoe::MoeError::Backend(
+                "a job with adapters reached the library".into(),
+            ))
+        }
+        fn matmul(
+            &self,
+            lhs: FloatTensor<Inner>,
+            rhs: FloatTensor<Inner>,
+            _: mpipemoe::GemmPrecision,
+        ) -> mpipemoe::Result<FloatTensor<Inner>> {
+            use burn::tensor::ops::FloatTensorOps;
+            self.0.fetch_add(1, Ordering::Relaxed);
+            Ok(<Inner as FloatTensorOps<Inner>>::float_matmul(lhs, rhs))
+        }
+    }
+    let library = Arc::new(DenseOnly::default());
+    let comm: Arc<dyn Communicator> = Arc::new(WithRowPaths::adding(
+        Arc::new(SingleRank),
+        RowPaths::new().with_experts::<Inner>(library.clone()),
+    ));
+    let got = run_on(fused, comm);
+    assert!(
+        library.0.load(Ordering::Relaxed) > 0,
+        "no product went through the library"
+    );
     for (got, want) in got.into_iter().zip(&want) {
         got.assert_approx_eq::<f32>(want, burn::tensor::Tolerance::rel_abs(1e-4, 1e-5));
     }

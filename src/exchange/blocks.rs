@@ -5,6 +5,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 
 use super::arena::SlotMemory;
+use super::products::Products;
 use super::rows::{cat_rows, narrow_rows};
 use super::schedule::Slot;
 use super::MoeBackend;
@@ -87,8 +88,10 @@ pub(crate) fn block<B: MoeBackend>(
 
 /// A slot filled expert by expert with GEMM results: written into the arena's buffer, or
 /// collected and concatenated.
-pub(crate) struct Blocks<'a, B: Backend> {
+pub(crate) struct Blocks<'a, B: MoeBackend> {
     mem: Mem<'a, B>,
+    /// How the blocks' products multiply.
+    products: &'a Products<B>,
     layout: BlockLayout,
     width: usize,
     buffer: Option<FloatTensor<B>>,
@@ -108,6 +111,7 @@ impl<'a, B: MoeBackend> Blocks<'a, B> {
         rows_per_expert: &[usize],
         width: usize,
         like: &FloatTensor<B>,
+        products: &'a Products<B>,
     ) -> Result<Self> {
         let layout = layout_of(mem, rows_per_expert, width);
         let buffer = match mem {
@@ -116,6 +120,7 @@ impl<'a, B: MoeBackend> Blocks<'a, B> {
         };
         Ok(Self {
             mem,
+            products,
             layout,
             width,
             buffer,
@@ -138,8 +143,22 @@ impl<'a, B: MoeBackend> Blocks<'a, B> {
         low_rank: Option<(FloatTensor<B>, FloatTensor<B>)>,
         bias: Option<FloatTensor<B>>,
     ) -> Result<FloatTensor<B>> {
-        let extra = low_rank.map(|(u, v)| B::expert_matmul(u, v));
+        let products = self.products;
+        let extra = low_rank.map(|(u, v)| products.mm(u, v)).transpose()?;
         match (self.mem, &self.buffer) {
+            // A device library's product is a tensor of its own: the block is copied into the
+            // arena's buffer (the backend's product writes there directly).
+            (Some(m), Some(buffer)) if products.through_library() => {
+                let mut z = products.mm(lhs, rhs)?;
+                for term in extra.into_iter().chain(bias) {
+                    z = B::float_add(z, term);
+                }
+                let start = self.layout.start(e);
+                let into: Vec<usize> = (start..start + rows).collect();
+                let from: Vec<usize> = (0..rows).collect();
+                m.copy_rows(buffer, &into, z, &from);
+                Ok(m.rows(buffer, start, rows))
+            }
             (Some(m), Some(buffer)) => {
                 let out = m.rows(buffer, self.layout.start(e), rows);
                 m.gemm_into(&out, lhs, rhs, bias)?;
@@ -149,7 +168,7 @@ impl<'a, B: MoeBackend> Blocks<'a, B> {
                 Ok(out)
             }
             _ => {
-                let mut z = B::expert_matmul(lhs, rhs);
+                let mut z = products.mm(lhs, rhs)?;
                 for term in extra.into_iter().chain(bias) {
                     z = B::float_add(z, term);
                 }

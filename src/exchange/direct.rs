@@ -13,6 +13,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::TensorMetadata;
 
 use super::ffn::{compute, Library};
+use super::products::Products;
 use super::shadows::ExpertSlots;
 use super::{ExchangeRun, MoeBackend};
 use crate::dispatch::PartitionPlan;
@@ -51,8 +52,18 @@ pub(crate) fn forward<B: MoeBackend>(
     // No shadows: nothing is broadcast, so no collective runs.
     let experts = ExpertSlots::new(experts, &[], &run.comm)?;
     let library = Library::find(run.comm.as_ref(), &experts, run);
+    let products = Products::of(run.comm.as_ref(), run.precision);
     // One partition of one rank: every group is this rank's own, in expert order.
     let part = PartitionPlan::new(0, rows_per_expert, rows_per_expert, 1, n_local);
-    let (out, _hidden) = compute::<B>(input, &part, 0, &experts, run.activation, None, library.as_ref())?;
+    let (out, _hidden) = compute::<B>(
+        input,
+        &part,
+        0,
+        &experts,
+        run.activation,
+        None,
+        library.as_ref(),
+        &products,
+    )?;
     Ok(out)
 }

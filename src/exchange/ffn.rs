@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use super::blocks::{block, layout_of, BlockLayout, Blocks, Mem};
 use super::expert_path::{ExpertBackward, ExpertForward, ExpertGroups, ExpertPath, GemmPrecision};
+use super::products::Products;
 use super::rows::LowRank;
 use super::rows::{dims2, float_dtype};
 use super::schedule::{Role, Slot};
@@ -84,23 +85,27 @@ pub(crate) fn first_gemm<B: MoeBackend>(
     x: FloatTensor<B>,
     experts: &ExpertSlots<B>,
     e: usize,
-) -> FloatTensor<B> {
-    let extra = experts
-        .lora_in(e)
-        .map(|l| B::expert_matmul(l.project(x.clone()), l.b));
-    let mut z = B::expert_matmul(x, experts.w_in(e));
+    products: &Products<B>,
+) -> Result<FloatTensor<B>> {
+    let extra = match experts.lora_in(e) {
+        Some(l) => Some(products.mm(l.project(x.clone(), products)?, l.b)?),
+        None => None,
+    };
+    let mut z = products.mm(x, experts.w_in(e))?;
     for term in extra.into_iter().chain(experts.b_in(e)) {
         z = B::float_add(z, term);
     }
-    z
+    Ok(z)
 }
 
 /// The adapter's term of a block's GEMM on `x`: `(scale · x · a, b)`, for [`Blocks::gemm`].
 fn low_rank_term<B: MoeBackend>(
     lora: Option<LowRank<B>>,
     x: &FloatTensor<B>,
-) -> Option<(FloatTensor<B>, FloatTensor<B>)> {
-    lora.map(|l| (l.project(x.clone()), l.b))
+    products: &Products<B>,
+) -> Result<Option<(FloatTensor<B>, FloatTensor<B>)>> {
+    lora.map(|l| Ok((l.project(x.clone(), products)?, l.b)))
+        .transpose()
 }
 
 /// One optional block per local expert (`None` for an expert without rows).
@@ -113,6 +118,7 @@ pub(crate) type PerExpert<B> = Vec<Option<FloatTensor<B>>>;
 /// # Shapes
 /// - x (`T_DI`): `[rows, d_model]` laid out by [`layout_of`] → `T_DO` the same;
 ///   `T_M` per expert `[rows_e, d_hidden]`
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn compute<B: MoeBackend>(
     x: FloatTensor<B>,
     part: &PartitionPlan,
@@ -121,6 +127,7 @@ pub(crate) fn compute<B: MoeBackend>(
     act: Activation,
     mem: Mem<'_, B>,
     library: Option<&Library<B>>,
+    products: &Products<B>,
 ) -> Result<(FloatTensor<B>, PerExpert<B>)> {
     if let Some(library) = library {
         return compute_on(library, x, part, i, experts, act, mem);
@@ -133,8 +140,15 @@ pub(crate) fn compute<B: MoeBackend>(
         role: Role::Hidden,
         index: i % 2,
     };
-    let mut hidden_blocks = Blocks::new(mem, hidden_slot, rows_per_expert, d_hidden, &x)?;
-    let mut out_blocks = Blocks::new(mem, Slot::of(Role::Output, i), rows_per_expert, d_model, &x)?;
+    let mut hidden_blocks = Blocks::new(mem, hidden_slot, rows_per_expert, d_hidden, &x, products)?;
+    let mut out_blocks = Blocks::new(
+        mem,
+        Slot::of(Role::Output, i),
+        rows_per_expert,
+        d_model,
+        &x,
+        products,
+    )?;
     let mut hidden = Vec::with_capacity(rows_per_expert.len());
     for (e, &rows) in rows_per_expert.iter().enumerate() {
         if rows == 0 {
@@ -142,10 +156,10 @@ pub(crate) fn compute<B: MoeBackend>(
             continue;
         }
         let x_e = block::<B>(mem, &x, &layout, e, rows);
-        let extra = low_rank_term(experts.lora_in(e), &x_e);
+        let extra = low_rank_term(experts.lora_in(e), &x_e, products)?;
         let z = hidden_blocks.gemm(e, rows, x_e, experts.w_in(e), extra, experts.b_in(e))?;
         let a = activation_forward::<B>(act, z.clone());
-        let extra = low_rank_term(experts.lora_out(e), &a);
+        let extra = low_rank_term(experts.lora_out(e), &a, products)?;
         out_blocks.gemm(e, rows, a, experts.w_out(e), extra, experts.b_out(e))?;
         hidden.push(Some(z));
     }
@@ -215,6 +229,7 @@ pub(crate) fn compute_backward<B: MoeBackend>(
     mem: Mem<'_, B>,
     acc: &mut ExpertGradAcc<B>,
     library: Option<&Library<B>>,
+    products: &Products<B>,
 ) -> Result<FloatTensor<B>> {
     if let Some(library) = library {
         return compute_backward_on(library, restored, part, i, act, mem, acc);
@@ -223,36 +238,58 @@ pub(crate) fn compute_backward<B: MoeBackend>(
     let [_, d_model] = dims2::<B>(&x);
     let rows_per_expert = &part.rows_per_expert;
     let layout = layout_of(mem, rows_per_expert, d_model);
-    let mut grads_x = Blocks::new(mem, Slot::of(Role::GradInput, i), rows_per_expert, d_model, &x)?;
+    let mut grads_x = Blocks::new(
+        mem,
+        Slot::of(Role::GradInput, i),
+        rows_per_expert,
+        d_model,
+        &x,
+        products,
+    )?;
     for (e, (&rows, z)) in rows_per_expert.iter().zip(hidden).enumerate() {
         if rows == 0 {
             continue;
         }
         let x_e = block::<B>(mem, &x, &layout, e, rows);
         let g_e = block::<B>(mem, &grad, &layout, e, rows);
-        let z = z.unwrap_or_else(|| first_gemm::<B>(x_e.clone(), experts, e));
+        let z = match z {
+            Some(z) => z,
+            None => first_gemm::<B>(x_e.clone(), experts, e, products)?,
+        };
         let a = activation_forward::<B>(act, z.clone());
         let t = B::float_transpose;
+        let mm = |lhs, rhs| products.mm(lhs, rhs);
         // The second GEMM: `out = a · w_out + s · (a · a_out) · b_out + b_out_bias`.
-        acc.add_with(Part::WOut, e, || B::expert_matmul(t(a.clone()), g_e.clone()));
+        acc.try_add_with(Part::WOut, e, || mm(t(a.clone()), g_e.clone()))?;
         if experts.own().b_out.is_some() {
             acc.add_with(Part::BOut, e, || B::float_sum_dim(g_e.clone(), 0));
         }
-        let mut grad_a = B::expert_matmul(g_e.clone(), t(experts.w_out(e)));
+        let mut grad_a = mm(g_e.clone(), t(experts.w_out(e)))?;
         if let Some(l) = experts.lora_out(e) {
-            let v = lora_backward(&l, &a, &g_e, acc, e, [Part::LoraOutA, Part::LoraOutB]);
-            grad_a = B::float_add(grad_a, B::expert_matmul(v, t(l.a)));
+            let v = lora_backward(&l, &a, &g_e, acc, e, [Part::LoraOutA, Part::LoraOutB], products)?;
+            grad_a = B::float_add(grad_a, mm(v, t(l.a))?);
         }
         let grad_z = activation_backward::<B>(act, z, grad_a);
         // The first: `z = x · w_in + s · (x · a_in) · b_in + b_in_bias`.
-        acc.add_with(Part::WIn, e, || B::expert_matmul(t(x_e.clone()), grad_z.clone()));
+        acc.try_add_with(Part::WIn, e, || mm(t(x_e.clone()), grad_z.clone()))?;
         if experts.own().b_in.is_some() {
             acc.add_with(Part::BIn, e, || B::float_sum_dim(grad_z.clone(), 0));
         }
-        let extra = experts.lora_in(e).map(|l| {
-            let v = lora_backward(&l, &x_e, &grad_z, acc, e, [Part::LoraInA, Part::LoraInB]);
-            (v, t(l.a))
-        });
+        let extra = match experts.lora_in(e) {
+            Some(l) => {
+                let v = lora_backward(
+                    &l,
+                    &x_e,
+                    &grad_z,
+                    acc,
+                    e,
+                    [Part::LoraInA, Part::LoraInB],
+                    products,
+                )?;
+                Some((v, t(l.a)))
+            }
+            None => None,
+        };
         grads_x.gemm(e, rows, grad_z, t(experts.w_in(e)), extra, None)?;
     }
     Ok(grads_x.finish())
@@ -273,15 +310,15 @@ fn lora_backward<B: MoeBackend>(
     acc: &mut ExpertGradAcc<B>,
     e: usize,
     [part_a, part_b]: [Part; 2],
-) -> FloatTensor<B> {
+    products: &Products<B>,
+) -> Result<FloatTensor<B>> {
     let t = B::float_transpose;
-    let v = B::float_mul_scalar(
-        B::expert_matmul(g.clone(), t(l.b.clone())),
-        (l.scale as f32).into(),
-    );
-    acc.add_with(part_a, e, || B::expert_matmul(t(x.clone()), v.clone()));
-    acc.add_with(part_b, e, || B::expert_matmul(t(l.project(x.clone())), g.clone()));
-    v
+    let v = B::float_mul_scalar(products.mm(g.clone(), t(l.b.clone()))?, (l.scale as f32).into());
+    acc.try_add_with(part_a, e, || products.mm(t(x.clone()), v.clone()))?;
+    acc.try_add_with(part_b, e, || {
+        products.mm(t(l.project(x.clone(), products)?), g.clone())
+    })?;
+    Ok(v)
 }
 
 /// [`compute_backward`] through a device library, adding into the stacked running sums.
@@ -457,15 +494,27 @@ impl<B: MoeBackend> ExpertGradAcc<B> {
     /// running sum of `part`, where the part is not frozen: `grad` is not called for a frozen
     /// one, so its product is never computed.
     fn add_with(&mut self, part: Part, e: usize, grad: impl FnOnce() -> FloatTensor<B>) {
+        self.try_add_with(part, e, || Ok(grad()))
+            .expect("an infallible gradient");
+    }
+
+    /// [`add_with`](Self::add_with) for a gradient whose product may fail (a device library's).
+    fn try_add_with(
+        &mut self,
+        part: Part,
+        e: usize,
+        grad: impl FnOnce() -> Result<FloatTensor<B>>,
+    ) -> Result<()> {
         if self.frozen[part as usize] {
-            return;
+            return Ok(());
         }
-        let grad = grad();
+        let grad = grad()?;
         let slot = &mut self.sums[part as usize][e];
         *slot = Some(match slot.take() {
             Some(acc) => B::float_add(acc, grad),
             None => grad,
         });
+        Ok(())
     }
 
     /// Stacks per-expert sums (zeros where an expert had no rows) into `like`'s shape.

@@ -41,6 +41,7 @@ pub(crate) mod fused;
 #[cfg(feature = "fusion")]
 mod fusion;
 mod pass_store;
+mod products;
 mod reference;
 mod row_moves;
 pub(crate) mod rows;

@@ -200,8 +200,19 @@ impl<B: MoeBackend> LowRank<B> {
         }
     }
 
-    /// `scale · (x · a)`: the adapter's side input, the `[n_rows, rank]` factor of its term.
-    pub(crate) fn project(&self, x: FloatTensor<B>) -> FloatTensor<B> {
-        B::float_mul_scalar(B::expert_matmul(x, self.a.clone()), (self.scale as f32).into())
+    /// `scale · (x · a)`: the adapter's side input, the `[n_rows, rank]` factor of its term,
+    /// multiplied as `products` multiplies.
+    ///
+    /// # Errors
+    /// [`MoeError::Backend`](crate::MoeError::Backend) if a device library fails.
+    pub(crate) fn project(
+        &self,
+        x: FloatTensor<B>,
+        products: &super::products::Products<B>,
+    ) -> crate::error::Result<FloatTensor<B>> {
+        Ok(B::float_mul_scalar(
+            products.mm(x, self.a.clone())?,
+            (self.scale as f32).into(),
+        ))
     }
 }

@@ -10,6 +10,15 @@ use mpipemoe::{
     MoeLayerConfig, Partitions, Shadowing,
 };
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use burn::backend::NdArray;
+use burn::tensor::ops::FloatTensor;
+use mpipemoe::backend::{ExpertBackward, ExpertBackwardOut, ExpertForward, ExpertPath};
+use mpipemoe::comm::{RowPaths, WithRowPaths};
+use mpipemoe::{Communicator, GemmPrecision, MemoryReuse as Reuse};
+
 use super::B;
 
 const TOKENS: usize = 12;
@@ -85,10 +94,19 @@ fn run(config: MoeLayerConfig, n_ranks: usize) -> Run {
 
 /// [`run`], with the base weights trained too where `train_base`.
 fn run_with(config: MoeLayerConfig, n_ranks: usize, train_base: bool) -> Run {
+    run_through(config, n_ranks, train_base, None)
+}
+
+/// [`run_with`], each rank's communicator offering `paths` besides its own where given.
+fn run_through(config: MoeLayerConfig, n_ranks: usize, train_base: bool, paths: Option<RowPaths>) -> Run {
     let per_rank = TOKENS / n_ranks;
     let parts = LocalGroup::run(n_ranks, |ctx| {
         let device = Default::default();
-        let layer = config.init_rank::<B>(&device, ctx.comm.clone())?;
+        let comm: Arc<dyn Communicator> = match &paths {
+            Some(p) => Arc::new(WithRowPaths::adding(ctx.comm.clone(), p.clone())),
+            None => ctx.comm.clone(),
+        };
+        let layer = config.init_rank::<B>(&device, comm)?;
         let layer = match train_base {
             true => adapted_with_base(layer),
             false => adapted(layer),
@@ -356,4 +374,76 @@ fn bad_adapter_specs_name_their_field() {
         }),
         "targets"
     );
+}
+
+/// A device library that takes no whole partition (a job with adapters never reaches it) but
+/// counts the dense products it is asked for and the precision of each.
+#[derive(Debug, Default)]
+struct DenseOnly {
+    products: AtomicUsize,
+    precisions: Mutex<Vec<GemmPrecision>>,
+}
+
+impl ExpertPath<NdArray> for DenseOnly {
+    fn forward(
+        &self,
+        _: ExpertForward<'_, NdArray>,
+    ) -> mpipemoe::Result<(FloatTensor<NdArray>, FloatTensor<NdArray>)> {
+        Err(MoeError::Backend(
+            "experts with adapters reached the library's partition job".into(),
+        ))
+    }
+
+    fn backward(&self, _: ExpertBackward<'_, NdArray>) -> mpipemoe::Result<ExpertBackwardOut<NdArray>> {
+        Err(MoeError::Backend(
+            "experts with adapters reached the library's partition job".into(),
+        ))
+    }
+
+    fn matmul(
+        &self,
+        lhs: FloatTensor<NdArray>,
+        rhs: FloatTensor<NdArray>,
+        precision: GemmPrecision,
+    ) -> mpipemoe::Result<FloatTensor<NdArray>> {
+        use burn::tensor::ops::FloatTensorOps;
+        self.products.fetch_add(1, Ordering::Relaxed);
+        self.precisions.lock().unwrap().push(precision);
+        Ok(<NdArray as FloatTensorOps<NdArray>>::float_matmul(lhs, rhs))
+    }
+}
+
+/// Experts with adapters run on the primitives, whose products go through the communicator's
+/// device library at the config's precision where it offers one (on CUDA: cuBLAS at the
+/// precision asked, where cubecl's own product would be TF32 whatever is asked). Outputs and
+/// every adapter and base gradient are bit for bit those of the primitives' own products (the
+/// library here multiplies as NdArray does), at one rank with `T_M` recomputed (S4) and at two
+/// in the arena's blocks; every product the library saw was at the precision asked.
+#[test]
+fn adapter_experts_multiply_through_the_communicators_library_at_the_precision_asked() {
+    for (n_ranks, reuse, train_base) in [(1, Reuse::S4, false), (2, Reuse::Off, true), (1, Reuse::S1, true)] {
+        let config = config()
+            .with_path(ExchangePath::Fused)
+            .with_partitions(Partitions::Fixed(3))
+            .with_memory_reuse(reuse)
+            .with_gemm_precision(GemmPrecision::Tf32);
+        let library = Arc::new(DenseOnly::default());
+        let paths = RowPaths::new().with_experts::<NdArray>(library.clone());
+        let through = run_through(config.clone(), n_ranks, train_base, Some(paths));
+        let own = run_with(config, n_ranks, train_base);
+        let what = format!("ranks {n_ranks} {reuse:?} base trained {train_base}");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&through.output), bits(&own.output), "{what}: output");
+        for (k, (a, b)) in through.grads.iter().zip(&own.grads).enumerate() {
+            assert_eq!(bits(a), bits(b), "{what}: adapter gradient {k}");
+        }
+        assert_eq!(through.base_has_grad, train_base, "{what}");
+        for (k, (a, b)) in through.base_grads.iter().zip(&own.base_grads).enumerate() {
+            assert_eq!(bits(a), bits(b), "{what}: base gradient {k}");
+        }
+        let seen = library.precisions.lock().unwrap().clone();
+        assert!(!seen.is_empty(), "{what}: no product went through the library");
+        assert!(seen.iter().all(|&p| p == GemmPrecision::Tf32), "{what}: {seen:?}");
+        assert_eq!(seen.len(), library.products.load(Ordering::Relaxed));
+    }
 }

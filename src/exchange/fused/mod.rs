@@ -23,6 +23,7 @@ use super::assemble::RowAssembler;
 use super::blocks::Mem;
 use super::executor::StepExecutor;
 use super::ffn::{compute, compute_backward, ExpertGradAcc, Library, Restored};
+use super::products::Products;
 use super::schedule::{Op, Role, Schedule, Slot, Step};
 use super::shadows::ExpertSlots;
 use super::{ExchangeGrads, ExchangeRun, MoeBackend};
@@ -135,6 +136,7 @@ pub fn forward<B: MoeBackend>(
     let memory = B::slot_memory(run, &input);
     let mem: Mem<'_, B> = memory.as_deref();
     let library = Library::find(comm, &experts, run);
+    let products = Products::of(comm, run.precision);
     let step_fn = |_: usize, step: &Step| -> Result<()> {
         match step.op {
             Op::Dispatch(i) => {
@@ -157,6 +159,7 @@ pub fn forward<B: MoeBackend>(
                     run.activation,
                     mem,
                     library.as_ref(),
+                    &products,
                 )?;
                 if strategy.dispatched() == Restore::Keep {
                     lock(&saved)[i].dispatched = Stash::Device(x);
@@ -253,6 +256,7 @@ pub fn backward<B: MoeBackend>(
     let memory = B::slot_memory(run, &grad_out);
     let mem: Mem<'_, B> = memory.as_deref();
     let library = Library::find(comm, &experts, run);
+    let products = Products::of(comm, run.precision);
     let take_dispatched = |i: usize| std::mem::replace(&mut lock(&stashes[i]).dispatched, Stash::Dropped);
     let take_hidden = |i: usize| -> Result<Vec<Option<FloatTensor<B>>>> {
         std::mem::take(&mut lock(&stashes[i]).hidden)
@@ -315,6 +319,7 @@ pub fn backward<B: MoeBackend>(
                     mem,
                     &mut lock(&acc),
                     library.as_ref(),
+                    &products,
                 )?;
                 slots.put(step, Slot::of(Role::GradInput, i), Value::Rows(grad_x))
             }
