@@ -13,7 +13,8 @@
 //! - `layer`: the whole layer (router, plan, permutation, experts, combine, backward) on one
 //!   rank with the exchange skipped (`SingleRank`), in issue order, with the cuBLAS path at each
 //!   precision (device hand-over; TF32 also with host waits, and under burn's fusion; TF32 and
-//!   bf16 also without the batched calls), and
+//!   bf16 also without the batched calls; TF32 also with LoRA adapters of rank 16 on the
+//!   experts, base frozen, whose products go one cuBLAS call each), and
 //!   without it (cubecl's GEMMs, which multiply f32 in TF32: the twin the GPU check compares the
 //!   path with); `forward` is the layer's forward alone (cuBLAS, TF32).
 //!
@@ -368,6 +369,23 @@ fn layer_ms<Bk>(
 where
     Bk: burn::tensor::backend::AutodiffBackend + mpipemoe::MoeBackend,
 {
+    layer_with_ms::<Bk>(config, comm, tokens, repeats, forward_only, None)
+}
+
+/// [`layer_ms`], with LoRA adapters of rank `lora` (alpha `2 · lora`) on both expert matrices
+/// and every base weight frozen where given: experts with adapters run on the primitives, one
+/// cuBLAS call per product at the config's precision, which is what this row costs.
+fn layer_with_ms<Bk>(
+    config: &MoeLayerConfig,
+    comm: Arc<dyn Communicator>,
+    tokens: usize,
+    repeats: usize,
+    forward_only: bool,
+    lora: Option<usize>,
+) -> ((f64, f64, f64), usize, f64)
+where
+    Bk: burn::tensor::backend::AutodiffBackend + mpipemoe::MoeBackend,
+{
     let device = Default::default();
     let mut layer: MoeLayer<Bk> = config.init_rank::<Bk>(&device, comm).expect("valid config");
     let mut router = vec![0f32; EXPERTS * config.d_model];
@@ -378,6 +396,19 @@ where
         TensorData::new(router, [EXPERTS, config.d_model]),
         &device,
     ));
+    if let Some(rank) = lora {
+        let spec = mpipemoe::ExpertLoraSpec {
+            rank,
+            alpha: 2.0 * rank as f64,
+            scaling: mpipemoe::LoraScaling::Standard,
+            w_in: true,
+            w_out: true,
+        };
+        layer = layer
+            .freeze_all_but_adapters()
+            .with_adapters(&spec, 1)
+            .expect("valid adapters");
+    }
     let x = balanced_tokens::<Bk>(tokens, config.d_model, config.top_k).require_grad();
     let mut n = 1;
     let mut host = Vec::new();
@@ -391,7 +422,14 @@ where
             return;
         }
         let grads = out.output.sum().backward();
-        let grad = layer.router.weight.grad(&grads).expect("router gradient");
+        let grad = match &layer.adapters {
+            // Frozen under adapters, the router has no gradient; an adapter's ends the step.
+            Some(adapters) => {
+                let lora = adapters.w_in.as_ref().expect("an adapter on w_in");
+                lora.a.grad(&grads).expect("adapter gradient").flatten::<2>(0, 1)
+            }
+            None => layer.router.weight.grad(&grads).expect("router gradient"),
+        };
         host.push(start.elapsed().as_secs_f64() * 1e3);
         sync(grad);
     });
@@ -553,6 +591,9 @@ fn main() {
                 }
                 let (t, n, host) = layer_ms::<B>(&tf32, with(device_path), tokens, args.repeats, true);
                 push("forward", "cublas", "tf32", t, n, Some(host));
+                let (t, n, host) =
+                    layer_with_ms::<B>(&tf32, with(device_path), tokens, args.repeats, false, Some(16));
+                push("layer", "cublas lora16", "tf32", t, n, Some(host));
                 let (t, n, host) = layer_ms::<B>(&tf32, with(host_path), tokens, args.repeats, false);
                 push("layer", "cublas host-waits", "tf32", t, n, Some(host));
                 let (t, n, host) = layer_ms::<Autodiff<mpipemoe_cuda::CudaMoeFusion<f32>>>(

@@ -44,6 +44,11 @@ def main():
         o = mine(shape, tokens, k, "layer", "cubecl", "tf32")
         e = theirs.get((shape, tokens, k, "eager", "tf32"))
         print(f"| {shape} | {k} | cubecl (tf32) | {cell(o)} | | {cell(e)} | {ratio(o, e)} | | |")
+        # LoRA rank 16 on the experts, base frozen: no PyTorch peer of its own here (the
+        # whole-model pair against PEFT is finetune_gpu_peer.py's).
+        o = mine(shape, tokens, k, "layer", "cublas lora16", "tf32")
+        if o:
+            print(f"| {shape} | {k} | LoRA 16 (tf32) | {cell(o)} | | | | | |")
     print()
     # The path's default (batched where experts have equal rows: every expert here) is the
     # figure; the other columns are what it replaced, in the same call, and the default on
