@@ -5,7 +5,7 @@
 //! The fused exchange finds such a path the way it finds a device row exchange: among the
 //! [`RowPaths`](crate::comm::RowPaths) its communicator offers, by the backend type
 //! ([`RowPaths::with_experts`](crate::comm::RowPaths::with_experts)). Without one, each expert
-//! runs on burn's primitives, one GEMM per expert and role (`exchange/ffn.rs`).
+//! runs on burn's primitives, one GEMM per expert and role (`exchange/ffn/`).
 //!
 //! A path sees a partition as buffers laid out by a [`BlockLayout`]: expert `e`'s rows start at
 //! `layout.start(e)`, and the padding between blocks is never read. It writes the outputs into

@@ -1,7 +1,7 @@
 //! A partition's experts on Flex side by side: each thread of the pool runs whole experts,
 //! and the weight gradients are written straight into their stacked sums.
 //!
-//! On the primitives (`exchange/ffn.rs`) a partition runs its experts one after another, and
+//! On the primitives (`exchange/ffn/`) a partition runs its experts one after another, and
 //! each product splits over the pool inside `gemm`, which joins its threads after every block
 //! of depth. A fine-tuning step's expert products are many and small (the 163 M Qwen3-MoE of
 //! BENCHMARKS §13: 32 experts of about 64 rows a layer, `[64, 512] · [512, 1536]`), so those

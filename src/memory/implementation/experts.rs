@@ -119,7 +119,7 @@ impl Replay<'_> {
     /// One expert's share of `C'_i` on its `r` rows, with `grads_x` elements of the
     /// partition's input gradients already made by the experts before it.
     ///
-    /// One ledger entry per buffer of `ffn.rs`'s expert backward, in its order: kept in one
+    /// One ledger entry per buffer of `exchange/ffn/`'s expert backward, in its order: kept in one
     /// sequence so that it reads against that code line by line.
     fn expert_backward(&mut self, name: &str, e: usize, r: f64, hidden_name: &str, grads_x: f64) {
         let (m, h, f) = (self.m, self.h, self.f);
@@ -215,7 +215,7 @@ impl Replay<'_> {
     }
 
     /// The end of the backward: the weight gradients are stacked role by role
-    /// (`ffn.rs::ExpertGradAcc::finish`). An expert that received no rows gets zeros, and with
+    /// (`ffn/grad_acc.rs`, `ExpertGradAcc::finish`). An expert that received no rows gets zeros, and with
     /// more than one local expert the concatenation copies a role's gradients while its
     /// per-expert parts are still held.
     pub(super) fn stack_weight_gradients(&mut self) {

@@ -2,7 +2,7 @@
 //! layer on one rank, in the exchange's schedule order, that tracks every tensor's bytes and
 //! the transient buffers of each step, and reports the peak with what is live at it.
 //!
-//! The sizes follow the code of the fused op (`exchange/fused/`, `exchange/ffn.rs`) and of
+//! The sizes follow the code of the fused op (`exchange/fused/`, `exchange/ffn/`) and of
 //! the layer around it, and were checked against a counting allocator on the Flex backend
 //! (`tools/examples/memory.rs`): a GEMM briefly holds a second buffer of its output's size, a
 //! tensor handed to the communicator by value is sent without a copy (a view of a shared

@@ -165,7 +165,7 @@ impl<'a> Replay<'a> {
     }
 
     /// The end of the exchange's backward, before the stacking: each copy's gradient summed
-    /// over the ranks onto its owner's (`ffn.rs::ExpertGradAcc::fold_shadows`), one
+    /// over the ranks onto its owner's (`ffn/grad_acc.rs`, `ExpertGradAcc::fold_shadows`), one
     /// parameter of one copy at a time (the host path: the gradient's values, a chunk per rank
     /// each way of the reduce-scatter and the all-gather, the sum). The copies' running
     /// gradients go with it, so the stacking sees the own experts' alone.
