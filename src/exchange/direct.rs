@@ -12,8 +12,7 @@
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::TensorMetadata;
 
-use super::ffn::{compute, Library};
-use super::products::Products;
+use super::ffn::{compute, ExpertCompute};
 use super::shadows::ExpertSlots;
 use super::{ExchangeRun, MoeBackend};
 use crate::dispatch::PartitionPlan;
@@ -51,19 +50,9 @@ pub(crate) fn forward<B: MoeBackend>(
     }
     // No shadows: nothing is broadcast, so no collective runs.
     let experts = ExpertSlots::new(experts, &[], &run.comm)?;
-    let library = Library::find(run.comm.as_ref(), &experts, run);
-    let products = Products::of(run.comm.as_ref(), run.precision);
+    let how = ExpertCompute::find(run.comm.as_ref(), &experts, run);
     // One partition of one rank: every group is this rank's own, in expert order.
     let part = PartitionPlan::new(0, rows_per_expert, rows_per_expert, 1, n_local);
-    let (out, _hidden) = compute::<B>(
-        input,
-        &part,
-        0,
-        &experts,
-        run.activation,
-        None,
-        library.as_ref(),
-        &products,
-    )?;
+    let (out, _hidden) = compute::<B>(input, &part, 0, &experts, run.activation, None, &how)?;
     Ok(out)
 }

@@ -33,7 +33,7 @@ impl<B: MoeBackend> Library<B> {
     /// ([`ExchangeRun::backend_experts`](crate::exchange::ExchangeRun::backend_experts)) and freezes no
     /// part, if any. Experts with low-rank adapters run on the
     /// primitives: a path's job has no adapter terms.
-    pub(crate) fn find(
+    pub(super) fn find(
         comm: &dyn Communicator,
         experts: &ExpertSlots<B>,
         run: &crate::exchange::ExchangeRun,

@@ -21,8 +21,30 @@ mod grad_acc;
 mod library;
 
 pub(crate) use grad_acc::ExpertGradAcc;
-pub(crate) use library::Library;
-use library::{compute_backward_on, compute_on};
+use library::{compute_backward_on, compute_on, Library};
+
+/// How one pass computes its experts, chosen once per pass: a device library's whole-partition
+/// job where one takes these experts ([`Library::find`]), else the primitives, one expert after
+/// another, multiplying as [`Products`] says (through the communicator's library at the run's
+/// precision where it offers one).
+pub(crate) enum ExpertCompute<B: MoeBackend> {
+    Library(Library<B>),
+    Primitives(Products<B>),
+}
+
+impl<B: MoeBackend> ExpertCompute<B> {
+    /// The pass's choice for `experts` on `comm` (see the type).
+    pub(crate) fn find(
+        comm: &dyn crate::comm::Communicator,
+        experts: &ExpertSlots<B>,
+        run: &crate::exchange::ExchangeRun,
+    ) -> Self {
+        match Library::find(comm, experts, run) {
+            Some(library) => Self::Library(library),
+            None => Self::Primitives(Products::of(comm, run.precision)),
+        }
+    }
+}
 
 /// `x_e · w_in[e] (+ scale · (x_e · a[e]) · b[e]) + b_in[e]`: the first GEMM of expert `e`
 /// with its adapter's term, i.e. `T_M` before activation.
@@ -63,7 +85,6 @@ pub(crate) type PerExpert<B> = Vec<Option<FloatTensor<B>>>;
 /// # Shapes
 /// - x (`T_DI`): `[rows, d_model]` laid out by [`layout_of`] → `T_DO` the same;
 ///   `T_M` per expert `[rows_e, d_hidden]`
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn compute<B: MoeBackend>(
     x: FloatTensor<B>,
     part: &PartitionPlan,
@@ -71,12 +92,12 @@ pub(crate) fn compute<B: MoeBackend>(
     experts: &ExpertSlots<B>,
     act: Activation,
     mem: Mem<'_, B>,
-    library: Option<&Library<B>>,
-    products: &Products<B>,
+    how: &ExpertCompute<B>,
 ) -> Result<(FloatTensor<B>, PerExpert<B>)> {
-    if let Some(library) = library {
-        return compute_on(library, x, part, i, experts, act, mem);
-    }
+    let products = match how {
+        ExpertCompute::Library(library) => return compute_on(library, x, part, i, experts, act, mem),
+        ExpertCompute::Primitives(products) => products,
+    };
     let [_, d_model] = dims2::<B>(&x);
     let d_hidden = experts.d_inner();
     let rows_per_expert = &part.rows_per_expert;
@@ -133,12 +154,14 @@ pub(crate) fn compute_backward<B: MoeBackend>(
     act: Activation,
     mem: Mem<'_, B>,
     acc: &mut ExpertGradAcc<B>,
-    library: Option<&Library<B>>,
-    products: &Products<B>,
+    how: &ExpertCompute<B>,
 ) -> Result<FloatTensor<B>> {
-    if let Some(library) = library {
-        return compute_backward_on(library, restored, part, i, act, mem, acc);
-    }
+    let products = match how {
+        ExpertCompute::Library(library) => {
+            return compute_backward_on(library, restored, part, i, act, mem, acc)
+        }
+        ExpertCompute::Primitives(products) => products,
+    };
     let Restored { grad, x, hidden } = restored;
     let [_, d_model] = dims2::<B>(&x);
     let rows_per_expert = &part.rows_per_expert;

@@ -22,8 +22,7 @@ use burn::tensor::ops::FloatTensor;
 use super::assemble::RowAssembler;
 use super::blocks::Mem;
 use super::executor::StepExecutor;
-use super::ffn::{compute, compute_backward, ExpertGradAcc, Library, Restored};
-use super::products::Products;
+use super::ffn::{compute, compute_backward, ExpertCompute, ExpertGradAcc, Restored};
 use super::schedule::{Op, Role, Schedule, Slot, Step};
 use super::shadows::ExpertSlots;
 use super::{ExchangeGrads, ExchangeRun, MoeBackend};
@@ -135,8 +134,7 @@ pub fn forward<B: MoeBackend>(
     let output = Mutex::new(RowAssembler::<B>::new(&input, plan, threaded));
     let memory = B::slot_memory(run, &input);
     let mem: Mem<'_, B> = memory.as_deref();
-    let library = Library::find(comm, &experts, run);
-    let products = Products::of(comm, run.precision);
+    let how = ExpertCompute::find(comm, &experts, run);
     let step_fn = |_: usize, step: &Step| -> Result<()> {
         match step.op {
             Op::Dispatch(i) => {
@@ -158,8 +156,7 @@ pub fn forward<B: MoeBackend>(
                     &experts,
                     run.activation,
                     mem,
-                    library.as_ref(),
-                    &products,
+                    &how,
                 )?;
                 if strategy.dispatched() == Restore::Keep {
                     lock(&saved)[i].dispatched = Stash::Device(x);
@@ -255,8 +252,7 @@ pub fn backward<B: MoeBackend>(
     let input_grad = Mutex::new(RowAssembler::<B>::new(&grad_out, plan, threaded));
     let memory = B::slot_memory(run, &grad_out);
     let mem: Mem<'_, B> = memory.as_deref();
-    let library = Library::find(comm, &experts, run);
-    let products = Products::of(comm, run.precision);
+    let how = ExpertCompute::find(comm, &experts, run);
     let take_dispatched = |i: usize| std::mem::replace(&mut lock(&stashes[i]).dispatched, Stash::Dropped);
     let take_hidden = |i: usize| -> Result<Vec<Option<FloatTensor<B>>>> {
         std::mem::take(&mut lock(&stashes[i]).hidden)
@@ -318,8 +314,7 @@ pub fn backward<B: MoeBackend>(
                     run.activation,
                     mem,
                     &mut lock(&acc),
-                    library.as_ref(),
-                    &products,
+                    &how,
                 )?;
                 slots.put(step, Slot::of(Role::GradInput, i), Value::Rows(grad_x))
             }
