@@ -14,7 +14,7 @@
 //!   rank with the exchange skipped (`SingleRank`), in issue order, with the cuBLAS path at each
 //!   precision (device hand-over; TF32 also with host waits, and under burn's fusion; TF32 and
 //!   bf16 also without the batched calls; TF32 also with LoRA adapters of rank 16 on the
-//!   experts, base frozen, whose products go one cuBLAS call each), and
+//!   experts, base frozen, whose products go one cuBLAS section a step of a partition), and
 //!   without it (cubecl's GEMMs, which multiply f32 in TF32: the twin the GPU check compares the
 //!   path with); `forward` is the layer's forward alone (cuBLAS, TF32).
 //!
@@ -373,8 +373,9 @@ where
 }
 
 /// [`layer_ms`], with LoRA adapters of rank `lora` (alpha `2 · lora`) on both expert matrices
-/// and every base weight frozen where given: experts with adapters run on the primitives, one
-/// cuBLAS call per product at the config's precision, which is what this row costs.
+/// and every base weight frozen where given: experts with adapters run on the primitives, each
+/// step's products of every expert one cuBLAS section at the config's precision, which is what
+/// this row costs.
 fn layer_with_ms<Bk>(
     config: &MoeLayerConfig,
     comm: Arc<dyn Communicator>,
@@ -575,7 +576,8 @@ fn main() {
                     let steps = (args.repeats + 2) as u64;
                     let after = device_path.calls();
                     eprintln!(
-                        "           per step: {} strided batched, {} pointer batched, {} grouped, {} cublasGemmEx, {} bf16 weight conversions",
+                        "           per step: {} sections, {} strided batched, {} pointer batched, {} grouped, {} cublasGemmEx, {} bf16 weight conversions",
+                        (after.sections - before.sections) / steps,
                         (after.strided_batched - before.strided_batched) / steps,
                         (after.pointer_batched - before.pointer_batched) / steps,
                         (after.grouped - before.grouped) / steps,
@@ -591,9 +593,21 @@ fn main() {
                 }
                 let (t, n, host) = layer_ms::<B>(&tf32, with(device_path), tokens, args.repeats, true);
                 push("forward", "cublas", "tf32", t, n, Some(host));
+                let before = device_path.calls();
                 let (t, n, host) =
                     layer_with_ms::<B>(&tf32, with(device_path), tokens, args.repeats, false, Some(16));
                 push("layer", "cublas lora16", "tf32", t, n, Some(host));
+                let calls = device_path.calls();
+                eprintln!(
+                    "           per step: {} sections, {} cuBLAS calls",
+                    (calls.sections - before.sections) / (args.repeats + 2) as u64,
+                    (calls.strided_batched + calls.pointer_batched + calls.grouped + calls.looped
+                        - before.strided_batched
+                        - before.pointer_batched
+                        - before.grouped
+                        - before.looped)
+                        / (args.repeats + 2) as u64,
+                );
                 let (t, n, host) = layer_ms::<B>(&tf32, with(host_path), tokens, args.repeats, false);
                 push("layer", "cublas host-waits", "tf32", t, n, Some(host));
                 let (t, n, host) = layer_ms::<Autodiff<mpipemoe_cuda::CudaMoeFusion<f32>>>(

@@ -25,8 +25,9 @@ With `--lora R`, the fine-tuning is LoRA's (issue 58's pair on CUDA): ours with
 `--lora-rank R --lora-alpha 2R` on q/k/v/o and the experts, against PEFT's `LoraConfig` of the
 same rank, alpha and targets (`target_parameters` for the stacked experts), and our own full
 fine-tuning beside them for the memory a LoRA run saves. The cuBLAS path's whole-partition
-calls take no adapters (`Library::find`), so with `--lora` our experts run product by product,
-each one cuBLAS call at the precision asked (`exchange/products.rs`), and the report says so.
+calls take no adapters (`Library::find`), so with `--lora` our experts run on the primitives,
+each step's products of every expert one cuBLAS section at the precision asked
+(`exchange/products.rs`, `ExpertPath::matmuls`), and the report says so.
 
     python3 scripts/bench/finetune_gpu_peer.py --binary .gpu/bin/mpipemoe [--precision tf32 bf16]
         [--rounds 2] [--steps 8] [--batch 16] [--seq-len 256] [--backend cuda|cuda-fusion]
@@ -144,8 +145,8 @@ def main():
     print(f"{args.batch} × {args.seq_len} tokens a step, {args.steps} steps, {args.rounds} rounds (medians); "
           f"ours --backend {args.backend}; {what}")
     if args.lora:
-        print("  ours with adapters: the experts product by product, one cuBLAS call each at the precision "
-              "asked (the cuBLAS path's whole-partition calls take no adapters)")
+        print("  ours with adapters: the experts on the primitives, each step's products one cuBLAS section "
+              "at the precision asked (the cuBLAS path's whole-partition calls take no adapters)")
     print(f"{'precision':10} {'ours tok/s':>11} {'torch tok/s':>12} {'ours/torch':>11} "
           f"{'ours GPU MiB':>13} {'torch GPU MiB':>14} {'ours/torch':>11} {'torch alloc/reserved MiB':>25}")
     for precision, sides in rows.items():

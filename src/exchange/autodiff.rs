@@ -225,6 +225,19 @@ impl<B: MoeBackend, C: CheckpointStrategy> MoeBackend for Autodiff<B, C> {
         super::dense::autodiff::<B, C>(lhs, rhs, comm, precision)
     }
 
+    /// Pair by pair, each its own node (a library's single call is the inner backend's, in the
+    /// node's backward).
+    fn dense_matmuls(
+        pairs: Vec<(FloatTensor<Self>, FloatTensor<Self>)>,
+        comm: &Arc<dyn Communicator>,
+        precision: super::GemmPrecision,
+    ) -> Result<Vec<FloatTensor<Self>>> {
+        pairs
+            .into_iter()
+            .map(|(lhs, rhs)| Self::dense_matmul(lhs, rhs, comm, precision))
+            .collect()
+    }
+
     /// One node whose backward is the inner backend's combine.
     fn gather_rows(x: FloatTensor<Self>, map: &Arc<RowMap>) -> FloatTensor<Self> {
         super::row_moves::gather_autodiff::<B, C>(x, map)

@@ -334,6 +334,24 @@ pub trait MoeBackend:
         super::dense::through_path::<Self>(lhs, rhs, comm, precision)
     }
 
+    /// Independent [`dense_matmul`](Self::dense_matmul)s in one call: a dense product's two
+    /// backward products, which a device library runs together ([`ExpertPath::matmuls`](super::ExpertPath::matmuls):
+    /// on CUDA one section, not two). Differentiable only where the backend's `dense_matmul`
+    /// is (the wrappers multiply pair by pair).
+    ///
+    /// # Shapes
+    /// - each pair: lhs `[m, k]`, rhs `[k, n]` → `[m, n]`, in the pairs' order
+    ///
+    /// # Errors
+    /// [`MoeError::Backend`](crate::MoeError::Backend) if the device library fails.
+    fn dense_matmuls(
+        pairs: Vec<(FloatTensor<Self>, FloatTensor<Self>)>,
+        comm: &Arc<dyn Communicator>,
+        precision: super::GemmPrecision,
+    ) -> Result<Vec<FloatTensor<Self>>> {
+        super::dense::through_path_many::<Self>(pairs, comm, precision)
+    }
+
     /// Whether [`dense_matmul`](Self::dense_matmul) goes through a device library here: the
     /// communicator offers one for this backend, or, for a wrapper (`Autodiff<B>`,
     /// `Fusion<B>`), for the backend it wraps.

@@ -5,7 +5,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 
 use super::arena::SlotMemory;
-use super::products::Products;
+use super::products::{Done, ProductBatch, Products, Queued as Ticket};
 use super::rows::{cat_rows, narrow_rows};
 use super::schedule::Slot;
 use super::MoeBackend;
@@ -86,6 +86,31 @@ pub(crate) fn block<B: MoeBackend>(
     }
 }
 
+/// One block's GEMM for [`Blocks::gemm_round`]: expert `e`'s `rows` rows of
+/// `lhs · rhs (+ u · v) (+ bias)`, where `low_rank` is `(u, v)`, a low-rank adapter's term.
+///
+/// # Shapes
+/// - lhs `[rows, k]`, rhs `[k, cols]`, u `[rows, rank]`, v `[rank, cols]`, bias `[1, cols]`
+pub(crate) struct BlockGemm<B: MoeBackend> {
+    pub(crate) e: usize,
+    pub(crate) rows: usize,
+    pub(crate) lhs: FloatTensor<B>,
+    pub(crate) rhs: FloatTensor<B>,
+    pub(crate) low_rank: Option<(FloatTensor<B>, FloatTensor<B>)>,
+    pub(crate) bias: Option<FloatTensor<B>>,
+}
+
+/// A block's products as queued: the adapter's term, and the base product (or its operands,
+/// where the backend writes it into the arena itself).
+struct Queued<B: MoeBackend> {
+    e: usize,
+    rows: usize,
+    extra: Option<Ticket>,
+    base: Option<Ticket>,
+    operands: Option<(FloatTensor<B>, FloatTensor<B>)>,
+    bias: Option<FloatTensor<B>>,
+}
+
 /// A slot filled expert by expert with GEMM results: written into the arena's buffer, or
 /// collected and concatenated.
 pub(crate) struct Blocks<'a, B: MoeBackend> {
@@ -129,53 +154,76 @@ impl<'a, B: MoeBackend> Blocks<'a, B> {
         })
     }
 
-    /// Expert `e`'s block (`rows` rows) = `lhs · rhs (+ u · v) (+ bias)`, where `low_rank` is
-    /// `(u, v)`: a low-rank adapter's term, `u [rows, rank]` and `v [rank, cols]`; returns the
-    /// block.
+    /// The blocks of `jobs` (in expert order, experts without rows left out), their products
+    /// queued in `batch` after the caller's own, so that a device library runs them all in
+    /// one call. Returns the blocks, in the jobs' order, and the batch's results for the
+    /// caller's products.
     ///
-    /// Blocks are written in expert order, and experts without rows are skipped.
-    pub(crate) fn gemm(
+    /// # Errors
+    /// [`MoeError::Backend`](crate::MoeError::Backend) if a device library fails.
+    pub(crate) fn gemm_round(
         &mut self,
-        e: usize,
-        rows: usize,
-        lhs: FloatTensor<B>,
-        rhs: FloatTensor<B>,
-        low_rank: Option<(FloatTensor<B>, FloatTensor<B>)>,
-        bias: Option<FloatTensor<B>>,
-    ) -> Result<FloatTensor<B>> {
-        let products = self.products;
-        let extra = low_rank.map(|(u, v)| products.mm(u, v)).transpose()?;
-        match (self.mem, &self.buffer) {
-            // A device library's product is a tensor of its own: the block is copied into the
-            // arena's buffer (the backend's product writes there directly).
-            (Some(m), Some(buffer)) if products.through_library() => {
-                let mut z = products.mm(lhs, rhs)?;
-                for term in extra.into_iter().chain(bias) {
-                    z = B::float_add(z, term);
+        mut batch: ProductBatch<'_, B>,
+        jobs: Vec<BlockGemm<B>>,
+    ) -> Result<(Vec<FloatTensor<B>>, Done<B>)> {
+        // The backend's own product writes straight into the arena's buffer; a library's (and
+        // any product without an arena) is a tensor of its own.
+        let direct = self.buffer.is_some() && !self.products.through_library();
+        let queued: Vec<Queued<B>> = jobs
+            .into_iter()
+            .map(|job| {
+                let extra = job.low_rank.map(|(u, v)| batch.push(u, v));
+                let (base, operands) = match direct {
+                    true => (None, Some((job.lhs, job.rhs))),
+                    false => (Some(batch.push(job.lhs, job.rhs)), None),
+                };
+                Queued {
+                    e: job.e,
+                    rows: job.rows,
+                    extra,
+                    base,
+                    operands,
+                    bias: job.bias,
                 }
-                let start = self.layout.start(e);
-                let into: Vec<usize> = (start..start + rows).collect();
-                let from: Vec<usize> = (0..rows).collect();
-                m.copy_rows(buffer, &into, z, &from);
-                Ok(m.rows(buffer, start, rows))
-            }
-            (Some(m), Some(buffer)) => {
-                let out = m.rows(buffer, self.layout.start(e), rows);
-                m.gemm_into(&out, lhs, rhs, bias)?;
-                if let Some(extra) = extra {
-                    m.add_into(&out, extra);
+            })
+            .collect();
+        let mut done = batch.run()?;
+        let mut blocks = Vec::with_capacity(queued.len());
+        for q in queued {
+            let extra = done.take_some(q.extra);
+            let block = match (self.mem, &self.buffer, q.base, q.operands) {
+                (Some(m), Some(buffer), None, Some((lhs, rhs))) => {
+                    let out = m.rows(buffer, self.layout.start(q.e), q.rows);
+                    m.gemm_into(&out, lhs, rhs, q.bias)?;
+                    if let Some(extra) = extra {
+                        m.add_into(&out, extra);
+                    }
+                    out
                 }
-                Ok(out)
-            }
-            _ => {
-                let mut z = products.mm(lhs, rhs)?;
-                for term in extra.into_iter().chain(bias) {
-                    z = B::float_add(z, term);
+                (mem, buffer, Some(base), _) => {
+                    let mut z = done.take(base);
+                    for term in extra.into_iter().chain(q.bias) {
+                        z = B::float_add(z, term);
+                    }
+                    match (mem, buffer) {
+                        (Some(m), Some(buffer)) => {
+                            let start = self.layout.start(q.e);
+                            let into: Vec<usize> = (start..start + q.rows).collect();
+                            let from: Vec<usize> = (0..q.rows).collect();
+                            m.copy_rows(buffer, &into, z, &from);
+                            m.rows(buffer, start, q.rows)
+                        }
+                        _ => {
+                            self.parts.push(z.clone());
+                            z
+                        }
+                    }
                 }
-                self.parts.push(z.clone());
-                Ok(z)
-            }
+                _ => unreachable!("a block's product is queued or kept for the arena"),
+            };
+            blocks.push(block);
         }
+        Ok((blocks, done))
     }
 
     /// The filled slot: the arena's buffer, or the blocks concatenated.

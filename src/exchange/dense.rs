@@ -39,6 +39,22 @@ pub(crate) fn through_path<B: MoeBackend>(
     }
 }
 
+/// [`through_path`] for independent products, in one call of the path's
+/// [`ExpertPath::matmuls`](super::ExpertPath::matmuls) where there is a path.
+pub(crate) fn through_path_many<B: MoeBackend>(
+    pairs: Vec<(FloatTensor<B>, FloatTensor<B>)>,
+    comm: &Arc<dyn Communicator>,
+    precision: GemmPrecision,
+) -> Result<Vec<FloatTensor<B>>> {
+    match comm.row_paths().and_then(|p| p.experts::<B>()) {
+        Some(path) => super::products::matmuls(path.as_ref(), pairs, precision),
+        None => Ok(pairs
+            .into_iter()
+            .map(|(lhs, rhs)| B::expert_matmul(lhs, rhs))
+            .collect()),
+    }
+}
+
 /// The backward node of a dense product: `dlhs = g · rhsᵀ`, `drhs = lhsᵀ · g`, each the same
 /// product as the forward's: the inner backend's [`MoeBackend::dense_matmul`] through a
 /// device library, or its [`MoeBackend::expert_matmul`] (on transposed views) without one.
@@ -55,12 +71,15 @@ struct DenseState<B: MoeBackend> {
 }
 
 impl<B: MoeBackend> DenseState<B> {
-    /// `a · b` as the forward multiplied. Burn's backward has no error channel: a failed
-    /// device library is raised as a panic carrying the MoeError (as the exchange's node does).
-    fn product(&self, a: FloatTensor<B>, b: FloatTensor<B>) -> FloatTensor<B> {
+    /// Each `a · b` of `pairs` as the forward multiplied, in one call of the library where
+    /// there is one. Burn's backward has no error channel: a failed device library is raised
+    /// as a panic carrying the MoeError (as the exchange's node does).
+    fn products(&self, pairs: Vec<(FloatTensor<B>, FloatTensor<B>)>) -> Vec<FloatTensor<B>> {
         match &self.library {
-            Some((comm, precision)) => B::dense_matmul(a, b, comm, *precision).unwrap_or_else(|e| e.raise()),
-            None => B::expert_matmul(a, b),
+            Some((comm, precision)) => {
+                B::dense_matmuls(pairs, comm, *precision).unwrap_or_else(|e| e.raise())
+            }
+            None => pairs.into_iter().map(|(a, b)| B::expert_matmul(a, b)).collect(),
         }
     }
 }
@@ -72,12 +91,17 @@ impl<B: MoeBackend> Backward<B, 2> for DenseBackward {
         let grad = grads.consume::<B>(&ops.node);
         let state = ops.state;
         let [lhs_parent, rhs_parent] = ops.parents;
-        if let Some(parent) = lhs_parent {
-            let g = state.product(grad.clone(), B::float_transpose(state.rhs.clone()));
-            grads.register::<B>(parent.id, g);
+        // Both products in one call: through a device library, one section on CUDA.
+        let mut pairs = Vec::with_capacity(2);
+        if lhs_parent.is_some() {
+            pairs.push((grad.clone(), B::float_transpose(state.rhs.clone())));
         }
-        if let Some(parent) = rhs_parent {
-            let g = state.product(B::float_transpose(state.lhs.clone()), grad);
+        if rhs_parent.is_some() {
+            pairs.push((B::float_transpose(state.lhs.clone()), grad));
+        }
+        let mut products = state.products(pairs).into_iter();
+        for parent in [lhs_parent, rhs_parent].into_iter().flatten() {
+            let g = products.next().expect("one product per parent");
             grads.register::<B>(parent.id, g);
         }
     }

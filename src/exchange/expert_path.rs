@@ -252,6 +252,28 @@ pub trait ExpertPath<B: MoeBackend>: Send + Sync + Debug {
         let _ = precision;
         Ok(B::float_matmul(lhs, rhs))
     }
+
+    /// Independent dense products `lhs · rhs` at `precision`, in one call: the primitives'
+    /// products of every expert of a partition, step by step (experts with adapters). A
+    /// library whose every call has a fixed cost (on CUDA, a section: a trip to the device
+    /// thread and a stream hand-over) issues them together. The default is one
+    /// [`matmul`](Self::matmul) each.
+    ///
+    /// # Shapes
+    /// - each pair: lhs `[m, k]`, rhs `[k, n]` → `[m, n]`, in the pairs' order
+    ///
+    /// # Errors
+    /// [`MoeError::Backend`](crate::MoeError::Backend) if the library fails.
+    fn matmuls(
+        &self,
+        pairs: Vec<(FloatTensor<B>, FloatTensor<B>)>,
+        precision: GemmPrecision,
+    ) -> Result<Vec<FloatTensor<B>>> {
+        pairs
+            .into_iter()
+            .map(|(lhs, rhs)| self.matmul(lhs, rhs, precision))
+            .collect()
+    }
 }
 
 /// The plain-primitive twin of every [`ExpertPath`]: each expert's GEMMs and activation on

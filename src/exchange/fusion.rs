@@ -130,6 +130,33 @@ impl<B: FusionBackend + MoeBackend> MoeBackend for Fusion<B> {
         Ok(register::<B>(out, &device))
     }
 
+    /// On the inner backend in one call where the communicator offers a library for it;
+    /// fusion's own matmuls otherwise.
+    fn dense_matmuls(
+        pairs: Vec<(FloatTensor<Self>, FloatTensor<Self>)>,
+        comm: &Arc<dyn Communicator>,
+        precision: super::GemmPrecision,
+    ) -> Result<Vec<FloatTensor<Self>>> {
+        use burn::tensor::ops::FloatTensorOps;
+        if !B::dense_library(comm.as_ref()) {
+            return Ok(pairs
+                .into_iter()
+                .map(|(lhs, rhs)| Self::float_matmul(lhs, rhs))
+                .collect());
+        }
+        let Some(device) = pairs.first().map(|(lhs, _)| lhs.client.device().clone()) else {
+            return Ok(Vec::new());
+        };
+        let inner = pairs
+            .into_iter()
+            .map(|(lhs, rhs)| (resolve::<B>(lhs), resolve::<B>(rhs)))
+            .collect();
+        Ok(B::dense_matmuls(inner, comm, precision)?
+            .into_iter()
+            .map(|out| register::<B>(out, &device))
+            .collect())
+    }
+
     /// On the inner backend, whose combine kernel fusion cannot express; the gather with it,
     /// so that each is the other's backward on the same backend.
     fn gather_rows(x: FloatTensor<Self>, map: &Arc<RowMap>) -> FloatTensor<Self> {

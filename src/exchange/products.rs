@@ -7,6 +7,9 @@
 //! backend's own product is cubecl's, which multiplies f32 in TF32 whatever the config asks:
 //! without this, a LoRA run asked for IEEE f32 or bf16 would have multiplied its experts in
 //! TF32 without a word. Through the library (cuBLAS) each product is at the precision asked.
+//!
+//! The primitives queue each step's independent products in a [`ProductBatch`], which a
+//! library runs in one call ([`ExpertPath::matmuls`]), and the backend's product one by one.
 
 use std::sync::Arc;
 
@@ -40,17 +43,103 @@ impl<B: MoeBackend> Products<B> {
         self.library.is_some()
     }
 
-    /// `lhs · rhs`. The operands may be transposed views.
+    /// How many experts the primitives take through one round of products: every expert of
+    /// the partition where a device library multiplies (each of its calls is a section with a
+    /// hand-over and a trip to the device thread, so the products of all experts go in one),
+    /// one at a time otherwise (the backend's products cost a launch each, and one expert's
+    /// temporaries at a time keep the peak where the memory model puts it).
+    pub(crate) fn experts_per_round(&self, n_experts: usize) -> usize {
+        match self.library {
+            Some(_) => n_experts.max(1),
+            None => 1,
+        }
+    }
+
+    /// An empty batch of independent products, run together by [`ProductBatch::run`].
+    pub(crate) fn batch(&self) -> ProductBatch<'_, B> {
+        ProductBatch {
+            products: self,
+            pairs: Vec::new(),
+        }
+    }
+}
+
+/// `path`'s [`ExpertPath::matmuls`], one result per pair or an error.
+///
+/// # Errors
+/// [`MoeError::Backend`](crate::MoeError::Backend) if the library fails or returns another
+/// number of results.
+pub(crate) fn matmuls<B: MoeBackend>(
+    path: &dyn ExpertPath<B>,
+    pairs: Vec<(FloatTensor<B>, FloatTensor<B>)>,
+    precision: GemmPrecision,
+) -> Result<Vec<FloatTensor<B>>> {
+    let n = pairs.len();
+    let out = path.matmuls(pairs, precision)?;
+    match out.len() == n {
+        true => Ok(out),
+        false => Err(crate::MoeError::Backend(format!(
+            "a device library returned {} products for {n} asked",
+            out.len()
+        ))),
+    }
+}
+
+/// A product queued in a [`ProductBatch`]: where its result is in the batch's [`Done`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use = "a queued product's result is taken with Done::take"]
+pub(crate) struct Queued(usize);
+
+/// Independent products queued to run together: through a device library, in one call
+/// ([`ExpertPath::matmuls`]: one section on CUDA); otherwise one backend product each, in the
+/// order queued.
+pub(crate) struct ProductBatch<'a, B: MoeBackend> {
+    products: &'a Products<B>,
+    pairs: Vec<(FloatTensor<B>, FloatTensor<B>)>,
+}
+
+impl<B: MoeBackend> ProductBatch<'_, B> {
+    /// Queues `lhs · rhs` (as [`Products::mm`]).
     ///
     /// # Shapes
     /// - lhs: `[m, k]`, rhs: `[k, n]` → `[m, n]`
+    pub(crate) fn push(&mut self, lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> Queued {
+        self.pairs.push((lhs, rhs));
+        Queued(self.pairs.len() - 1)
+    }
+
+    /// Runs every queued product (none: no call at all).
     ///
     /// # Errors
     /// [`MoeError::Backend`](crate::MoeError::Backend) if the library fails.
-    pub(crate) fn mm(&self, lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> Result<FloatTensor<B>> {
-        match &self.library {
-            Some((path, precision)) => path.matmul(lhs, rhs, *precision),
-            None => Ok(B::expert_matmul(lhs, rhs)),
-        }
+    pub(crate) fn run(self) -> Result<Done<B>> {
+        let results = match (&self.products.library, self.pairs.is_empty()) {
+            (_, true) => Vec::new(),
+            (Some((path, precision)), false) => matmuls(path.as_ref(), self.pairs, *precision)?,
+            (None, false) => self
+                .pairs
+                .into_iter()
+                .map(|(lhs, rhs)| B::expert_matmul(lhs, rhs))
+                .collect(),
+        };
+        Ok(Done(results.into_iter().map(Some).collect()))
+    }
+}
+
+/// The results of a [`ProductBatch`], each taken once by its [`Queued`].
+pub(crate) struct Done<B: MoeBackend>(Vec<Option<FloatTensor<B>>>);
+
+impl<B: MoeBackend> Done<B> {
+    /// The result of `q`.
+    ///
+    /// # Panics
+    /// If `q` is not of this batch or was taken before (a caller's bug).
+    pub(crate) fn take(&mut self, q: Queued) -> FloatTensor<B> {
+        self.0[q.0].take().expect("each queued product is taken once")
+    }
+
+    /// [`take`](Self::take) where a product was queued.
+    pub(crate) fn take_some(&mut self, q: Option<Queued>) -> Option<FloatTensor<B>> {
+        q.map(|q| self.take(q))
     }
 }

@@ -200,19 +200,9 @@ impl<B: MoeBackend> LowRank<B> {
         }
     }
 
-    /// `scale · (x · a)`: the adapter's side input, the `[n_rows, rank]` factor of its term,
-    /// multiplied as `products` multiplies.
-    ///
-    /// # Errors
-    /// [`MoeError::Backend`](crate::MoeError::Backend) if a device library fails.
-    pub(crate) fn project(
-        &self,
-        x: FloatTensor<B>,
-        products: &super::products::Products<B>,
-    ) -> crate::error::Result<FloatTensor<B>> {
-        Ok(B::float_mul_scalar(
-            products.mm(x, self.a.clone())?,
-            (self.scale as f32).into(),
-        ))
+    /// `scale · p`, for `p = x · a` (the adapter's side input, the `[n_rows, rank]` factor of
+    /// its term) or `p = g · bᵀ` (the gradient flowing back into that factor).
+    pub(crate) fn scaled(&self, p: FloatTensor<B>) -> FloatTensor<B> {
+        B::float_mul_scalar(p, (self.scale as f32).into())
     }
 }

@@ -7,7 +7,7 @@
 //! `cargo test -p mpipemoe --features testkit --test layer expert_path`
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::ops::FloatTensor;
@@ -23,14 +23,15 @@ use mpipemoe::{
 
 type B = Autodiff<NdArray>;
 
-/// The twin, counting the partitions it computed forward and backward, and the values it made
-/// in the pass stores (`ExpertGroups::pass`), as a path that prepares something from the
-/// weights once per pass would.
+/// The twin, counting the partitions it computed forward and backward, the values it made in
+/// the pass stores (`ExpertGroups::pass`), as a path that prepares something from the weights
+/// once per pass would, and the products of each call of `matmuls` (one section each on CUDA).
 #[derive(Debug, Default)]
 struct Counted {
     forward: AtomicUsize,
     backward: AtomicUsize,
     made: AtomicUsize,
+    batches: Mutex<Vec<usize>>,
 }
 
 /// What `Counted` keeps in a pass's store.
@@ -60,6 +61,18 @@ impl ExpertPath<NdArray> for Counted {
         self.backward.fetch_add(1, Ordering::Relaxed);
         self.prepare(job.experts)?;
         ComposedExperts.backward(job)
+    }
+
+    fn matmuls(
+        &self,
+        pairs: Vec<(FloatTensor<NdArray>, FloatTensor<NdArray>)>,
+        precision: GemmPrecision,
+    ) -> Result<Vec<FloatTensor<NdArray>>> {
+        self.batches.lock().unwrap().push(pairs.len());
+        pairs
+            .into_iter()
+            .map(|(lhs, rhs)| self.matmul(lhs, rhs, precision))
+            .collect()
     }
 }
 
@@ -101,8 +114,9 @@ pub(super) fn cases() -> Vec<Case> {
 
 /// Every case through the hook at ranks 1 to 3, n 1 to 3 and every way `T_M` comes back (kept,
 /// offloaded, recomputed, with `T_DI` re-communicated), with and without a shadowed expert:
-/// within 1e-4 of the case, the hook taken for every partition of both passes, and every tensor
-/// bit for bit the layer's own primitive path (the twin multiplies as the backend does, and its
+/// within 1e-4 of the case, the hook taken for every partition of both passes, the router's
+/// two backward products in one call, and every tensor bit for bit the layer's own primitive
+/// path (the twin multiplies as the backend does, and its
 /// running sums add the partitions in the same order). A layout that puts an expert's rows in
 /// another's block, a gradient added to the wrong slot, a partition's sum dropped or a shadow's
 /// gradient left on its copy fails it.
@@ -140,6 +154,13 @@ fn every_case_through_the_expert_hook_equals_the_primitive_path() {
                 "{what}: backward hook not taken"
             );
             assert_same_bits(&plain, &through, &format!("{what}, against the primitive path"));
+            // The router's product needs both its operands' gradients (the input's and the
+            // weight's): one library call in each backward, with both products.
+            let batches = counted.batches.lock().unwrap().clone();
+            assert!(
+                !batches.is_empty() && batches.iter().all(|&n| n == 2),
+                "{what}: the dense backward's library calls took {batches:?} products"
+            );
             // One store per pass: made once per rank and pass, whatever the partitions, and
             // never carried from the forward into the backward.
             let made = counted.made.load(Ordering::Relaxed);

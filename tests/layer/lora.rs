@@ -381,6 +381,8 @@ fn bad_adapter_specs_name_their_field() {
 #[derive(Debug, Default)]
 struct DenseOnly {
     products: AtomicUsize,
+    /// Calls of `matmuls`: one batch of independent products each (a section on CUDA).
+    batches: AtomicUsize,
     precisions: Mutex<Vec<GemmPrecision>>,
 }
 
@@ -410,6 +412,18 @@ impl ExpertPath<NdArray> for DenseOnly {
         self.products.fetch_add(1, Ordering::Relaxed);
         self.precisions.lock().unwrap().push(precision);
         Ok(<NdArray as FloatTensorOps<NdArray>>::float_matmul(lhs, rhs))
+    }
+
+    fn matmuls(
+        &self,
+        pairs: Vec<(FloatTensor<NdArray>, FloatTensor<NdArray>)>,
+        precision: GemmPrecision,
+    ) -> mpipemoe::Result<Vec<FloatTensor<NdArray>>> {
+        self.batches.fetch_add(1, Ordering::Relaxed);
+        pairs
+            .into_iter()
+            .map(|(lhs, rhs)| self.matmul(lhs, rhs, precision))
+            .collect()
     }
 }
 
@@ -445,5 +459,43 @@ fn adapter_experts_multiply_through_the_communicators_library_at_the_precision_a
         assert!(!seen.is_empty(), "{what}: no product went through the library");
         assert!(seen.iter().all(|&p| p == GemmPrecision::Tf32), "{what}: {seen:?}");
         assert_eq!(seen.len(), library.products.load(Ordering::Relaxed));
+    }
+}
+
+/// Through a device library the primitives take every expert's products of one step in one
+/// call (on CUDA a section: a trip to the device thread and a stream hand-over each): per
+/// partition, four steps forward (the first GEMMs' projections, the first GEMMs, the second's
+/// projections, the second GEMMs) and four backward (two for the second GEMM's gradients, two
+/// for the first's), two more where `T_M` is recomputed (S4); the router, frozen with the base
+/// weights and given an input without gradient, has no backward products. The count is the
+/// same for 4 and 8 experts; one call per product, or one round per expert, would grow with
+/// them.
+#[test]
+fn adapter_experts_take_one_library_call_per_step_of_a_partition_whatever_the_expert_count() {
+    for (reuse, steps) in [(Reuse::S4, 10), (Reuse::Off, 8)] {
+        for n_experts in [4, 8] {
+            let config = MoeLayerConfig::new(D_MODEL, 8, n_experts, 2)
+                .with_activation(Activation::SwiGlu)
+                .with_bias(true)
+                .with_seed(7)
+                .with_path(ExchangePath::Fused)
+                .with_partitions(Partitions::Fixed(3))
+                .with_memory_reuse(reuse)
+                .with_gemm_precision(GemmPrecision::Tf32);
+            let library = Arc::new(DenseOnly::default());
+            let paths = RowPaths::new().with_experts::<NdArray>(library.clone());
+            let through = run_through(config.clone(), 1, false, Some(paths));
+            let own = run_with(config, 1, false);
+            let what = format!("{reuse:?}, {n_experts} experts");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&through.output), bits(&own.output), "{what}: output");
+            for (k, (a, b)) in through.grads.iter().zip(&own.grads).enumerate() {
+                assert_eq!(bits(a), bits(b), "{what}: adapter gradient {k}");
+            }
+            let batches = library.batches.load(Ordering::Relaxed);
+            assert_eq!(batches, 3 * steps, "{what}: calls");
+            // Every product of the experts went through a batch: more products than calls.
+            assert!(library.products.load(Ordering::Relaxed) > 3 * batches, "{what}");
+        }
     }
 }

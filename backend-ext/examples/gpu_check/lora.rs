@@ -2,8 +2,8 @@
 //!
 //! A device library takes whole partitions only for plain experts; experts with adapters run on
 //! the primitives, whose products go through the library at the run's precision
-//! (`mpipemoe`'s `exchange/products.rs`): with the cuBLAS path, one `cublasGemmEx` each in IEEE
-//! f32. The CPU layer (NdArray, the same weights: every parameter is drawn on the host from the
+//! (`mpipemoe`'s `exchange/products.rs`): with the cuBLAS path, each step's products of every
+//! expert in one section (`ExpertPath::matmuls`), in IEEE f32. The CPU layer (NdArray, the same weights: every parameter is drawn on the host from the
 //! seed) is the reference. Held to the cases' 1e-4: a product left on cubecl's kernels, which
 //! multiply f32 in TF32, misses it by an order of magnitude (TF32's unit roundoff is 4.9e-4).
 //! Three partitions with S4 (`T_M` recomputed, the adapters' term included), base weights

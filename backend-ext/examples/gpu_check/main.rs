@@ -34,6 +34,7 @@
 
 mod batched;
 mod lora;
+mod products;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -389,6 +390,7 @@ fn main() -> ExitCode {
     }
     report(batched::checks(), &mut total, &mut failed);
     report(lora::checks(), &mut total, &mut failed);
+    report(products::checks(), &mut total, &mut failed);
     if nccl.is_ok() {
         report(local_group_checks(), &mut total, &mut failed);
     }

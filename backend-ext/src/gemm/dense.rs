@@ -1,5 +1,7 @@
-//! The layer's dense products on cuBLAS (`ExpertPath::matmul`: the router's logits, the shared
-//! expert, and their gradients): one `cublasGemmEx` at the precision, into a new tensor.
+//! The layer's dense products on cuBLAS: one (`ExpertPath::matmul`: the router's logits, the
+//! shared expert, and their gradients) as one `cublasGemmEx` at the precision, into a new
+//! tensor; or many independent ones (`ExpertPath::matmuls`: one step of the primitives'
+//! experts, those with adapters) in one section, each into a new tensor.
 
 use burn::tensor::DType;
 use burn_cubecl::cubecl::cuda::CudaRuntime;
@@ -31,12 +33,8 @@ fn operand(
     Ok((t, shape[1], false))
 }
 
-pub(crate) fn matmul(
-    path: &CublasExperts,
-    lhs: CubeTensor<CudaRuntime>,
-    rhs: CubeTensor<CudaRuntime>,
-    precision: GemmPrecision,
-) -> Result<CubeTensor<CudaRuntime>> {
+/// The shape check of `lhs · rhs`, and the new `[m, n]` tensor its result goes to.
+fn output(lhs: &CubeTensor<CudaRuntime>, rhs: &CubeTensor<CudaRuntime>) -> Result<CubeTensor<CudaRuntime>> {
     let (ls, rs) = (lhs.meta.shape().to_vec(), rhs.meta.shape().to_vec());
     if ls.len() != 2 || rs.len() != 2 || ls[1] != rs[0] || ls[1] == 0 {
         return Err(MoeError::Backend(format!(
@@ -44,17 +42,101 @@ pub(crate) fn matmul(
         )));
     }
     let (m, n) = (ls[0], rs[1]);
-    let (client, device) = (lhs.client.clone(), lhs.device.clone());
-    let out = CubeTensor::new_contiguous(
+    let client = lhs.client.clone();
+    Ok(CubeTensor::new_contiguous(
         client.clone(),
-        device,
+        lhs.device.clone(),
         [m, n].into(),
         client.empty((m * n * 4).max(4)),
         DType::F32,
-    );
-    if m * n == 0 {
+    ))
+}
+
+/// Independent products, each into a new tensor, in one section: grouped by the operands'
+/// transpositions into roles, each role run as the experts' are (`Inner::run`: batched where
+/// products share a shape, grouped or looped otherwise).
+pub(crate) fn matmuls(
+    path: &CublasExperts,
+    pairs: Vec<(CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>)>,
+    precision: GemmPrecision,
+) -> Result<Vec<CubeTensor<CudaRuntime>>> {
+    let mut outs = Vec::with_capacity(pairs.len());
+    let mut work = Vec::with_capacity(pairs.len());
+    for (lhs, rhs) in pairs {
+        let out = output(&lhs, &rhs)?;
+        if out.meta.shape().num_elements() > 0 {
+            work.push((lhs, rhs, out.clone()));
+        }
+        outs.push(out);
+    }
+    let Some(client) = work.first().map(|(_, _, out)| out.client.clone()) else {
+        return Ok(outs);
+    };
+    path.on_device_thread(&client, |lane| products_on(path, work, precision, lane))?;
+    Ok(outs)
+}
+
+fn products_on(
+    path: &CublasExperts,
+    work: Vec<(
+        CubeTensor<CudaRuntime>,
+        CubeTensor<CudaRuntime>,
+        CubeTensor<CudaRuntime>,
+    )>,
+    precision: GemmPrecision,
+    lane: Arc<Mutex<Lane>>,
+) -> Result<()> {
+    let client = work[0].2.client.clone();
+    let ord = path.inner.ordinal;
+    let mut at = Addresses::new(&client);
+    let half = precision == GemmPrecision::Bf16;
+    let mut operands = Vec::with_capacity(work.len());
+    let mut list = Vec::with_capacity(2 * work.len());
+    for (lhs, rhs, out) in work {
+        let (m, k, n) = (lhs.meta.shape()[0], lhs.meta.shape()[1], rhs.meta.shape()[1]);
+        let (lhs, lda, trans_a) = operand(lhs, ord, "a product's left operand")?;
+        let (rhs, ldb, trans_b) = operand(rhs, ord, "a product's right operand")?;
+        // A transposed view covers the same elements as its storage: the copy converts it.
+        list.push((at.of(&lhs)?, m * k));
+        list.push((at.of(&rhs)?, k * n));
+        operands.push((trans_a, trans_b, lda, ldb, at.of(&out)?, m, n, k));
+    }
+    let (halves, ops) = Halves::plan(&mut at, half, &list)?;
+    // One role per pair of transpositions, its products in the order asked.
+    let mut roles: Vec<Role> = Vec::new();
+    for (i, &(trans_a, trans_b, lda, ldb, c, m, n, k)) in operands.iter().enumerate() {
+        let product = Product::new(ops[2 * i], lda, ops[2 * i + 1], ldb, c, n, m, n, k);
+        match roles
+            .iter_mut()
+            .find(|r| r.trans_a == trans_a && r.trans_b == trans_b)
+        {
+            Some(role) => role.products.push(product),
+            None => roles.push(Role::new(trans_a, trans_b, false, half, vec![product])),
+        }
+    }
+    path.inner.section(
+        &client,
+        |inner, lane| {
+            halves.convert(&inner.kernels, &lane.stream)?;
+            roles.iter().try_for_each(|role| inner.run(lane, role, precision))
+        },
+        &lane,
+    )?;
+    drop(at);
+    Ok(())
+}
+
+pub(crate) fn matmul(
+    path: &CublasExperts,
+    lhs: CubeTensor<CudaRuntime>,
+    rhs: CubeTensor<CudaRuntime>,
+    precision: GemmPrecision,
+) -> Result<CubeTensor<CudaRuntime>> {
+    let out = output(&lhs, &rhs)?;
+    if out.meta.shape().num_elements() == 0 {
         return Ok(out);
     }
+    let client = out.client.clone();
     path.on_device_thread(&client, |lane| product_on(path, lhs, rhs, out, precision, lane))
 }
 

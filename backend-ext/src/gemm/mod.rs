@@ -94,11 +94,14 @@ pub struct CublasCalls {
     /// Conversions of the experts' weights to bf16 (the bf16 precision): one per lane and pass,
     /// not one per partition (`PassHalves`).
     pub weight_conversions: u64,
+    /// Sections: the path's trips to cubecl's device thread with a hand-over between the
+    /// streams, each holding any number of the calls above (and the dense products' own).
+    pub sections: u64,
 }
 
 /// [`CublasCalls`] as the path counts them.
 #[derive(Debug, Default)]
-pub(crate) struct CallCounters([AtomicU64; 5]);
+pub(crate) struct CallCounters([AtomicU64; 6]);
 
 impl CallCounters {
     pub(crate) const STRIDED: usize = 0;
@@ -106,13 +109,14 @@ impl CallCounters {
     pub(crate) const GROUPED: usize = 2;
     pub(crate) const LOOPED: usize = 3;
     pub(crate) const CONVERSIONS: usize = 4;
+    pub(crate) const SECTIONS: usize = 5;
 
     pub(crate) fn add(&self, which: usize, n: usize) {
         self.0[which].fetch_add(n as u64, Ordering::Relaxed);
     }
 
     fn read(&self) -> CublasCalls {
-        let [strided_batched, pointer_batched, grouped, looped, weight_conversions] =
+        let [strided_batched, pointer_batched, grouped, looped, weight_conversions, sections] =
             std::array::from_fn(|i| self.0[i].load(Ordering::Relaxed));
         CublasCalls {
             strided_batched,
@@ -120,6 +124,7 @@ impl CallCounters {
             grouped,
             looped,
             weight_conversions,
+            sections,
         }
     }
 }
@@ -368,6 +373,7 @@ impl Inner {
         lane: &Arc<Mutex<Lane>>,
     ) -> Result<()> {
         let mut lane = lock(lane);
+        self.calls.add(CallCounters::SECTIONS, 1);
         self.context.bind_to_thread().map_err(|e| err("context", e))?;
         let section = lane.enter(client, &self.kernels)?;
         let result = work(self, &mut lane);
@@ -385,6 +391,17 @@ impl ExpertPath<CudaMoe<f32>> for CublasExperts {
         precision: GemmPrecision,
     ) -> Result<CubeTensor<CudaRuntime>> {
         dense::matmul(self, lhs, rhs, precision)
+    }
+
+    /// Every pair in one section (`dense.rs`): the products of one step of the primitives'
+    /// experts (those with adapters) cost one trip to cubecl's device thread and one hand-over,
+    /// not one each.
+    fn matmuls(
+        &self,
+        pairs: Vec<(CubeTensor<CudaRuntime>, CubeTensor<CudaRuntime>)>,
+        precision: GemmPrecision,
+    ) -> Result<Vec<CubeTensor<CudaRuntime>>> {
+        dense::matmuls(self, pairs, precision)
     }
 
     fn forward(

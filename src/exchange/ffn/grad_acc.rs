@@ -171,6 +171,18 @@ impl<B: MoeBackend> ExpertGradAcc<B> {
         Ok(())
     }
 
+    /// Whether `part`'s gradient is summed (the part is not frozen): where it is not, its
+    /// product is never computed.
+    pub(super) fn wants(&self, part: Part) -> bool {
+        !self.frozen[part as usize]
+    }
+
+    /// Adds an already computed `grad` to `part`'s running sum for expert `e` (see
+    /// [`wants`](Self::wants)).
+    pub(super) fn add(&mut self, part: Part, e: usize, grad: FloatTensor<B>) {
+        self.add_with(part, e, || grad);
+    }
+
     /// Stacks per-expert sums (zeros where an expert had no rows) into `like`'s shape.
     fn stack(sums: Vec<Option<FloatTensor<B>>>, like: &FloatTensor<B>) -> FloatTensor<B> {
         let dims = like.shape().to_vec();
