@@ -25,7 +25,11 @@ const TOKENS: usize = 12;
 const D_MODEL: usize = 6;
 
 fn config() -> MoeLayerConfig {
-    MoeLayerConfig::new(D_MODEL, 8, 4, 2)
+    config_with(4)
+}
+
+fn config_with(n_experts: usize) -> MoeLayerConfig {
+    MoeLayerConfig::new(D_MODEL, 8, n_experts, 2)
         .with_activation(Activation::SwiGlu)
         .with_bias(true)
         .with_seed(7)
@@ -427,6 +431,25 @@ impl ExpertPath<NdArray> for DenseOnly {
     }
 }
 
+/// `config` on the fused path in three partitions at `reuse`, TF32, run through a counting
+/// library and without one: `(through, own, the library)`.
+fn with_and_without_library(
+    config: MoeLayerConfig,
+    reuse: Reuse,
+    n_ranks: usize,
+    train_base: bool,
+) -> (Run, Run, Arc<DenseOnly>) {
+    let config = config
+        .with_path(ExchangePath::Fused)
+        .with_partitions(Partitions::Fixed(3))
+        .with_memory_reuse(reuse)
+        .with_gemm_precision(GemmPrecision::Tf32);
+    let library = Arc::new(DenseOnly::default());
+    let paths = RowPaths::new().with_experts::<NdArray>(library.clone());
+    let through = run_through(config.clone(), n_ranks, train_base, Some(paths));
+    (through, run_with(config, n_ranks, train_base), library)
+}
+
 /// Experts with adapters run on the primitives, whose products go through the communicator's
 /// device library at the config's precision where it offers one (on CUDA: cuBLAS at the
 /// precision asked, where cubecl's own product would be TF32 whatever is asked). Outputs and
@@ -436,15 +459,7 @@ impl ExpertPath<NdArray> for DenseOnly {
 #[test]
 fn adapter_experts_multiply_through_the_communicators_library_at_the_precision_asked() {
     for (n_ranks, reuse, train_base) in [(1, Reuse::S4, false), (2, Reuse::Off, true), (1, Reuse::S1, true)] {
-        let config = config()
-            .with_path(ExchangePath::Fused)
-            .with_partitions(Partitions::Fixed(3))
-            .with_memory_reuse(reuse)
-            .with_gemm_precision(GemmPrecision::Tf32);
-        let library = Arc::new(DenseOnly::default());
-        let paths = RowPaths::new().with_experts::<NdArray>(library.clone());
-        let through = run_through(config.clone(), n_ranks, train_base, Some(paths));
-        let own = run_with(config, n_ranks, train_base);
+        let (through, own, library) = with_and_without_library(config(), reuse, n_ranks, train_base);
         let what = format!("ranks {n_ranks} {reuse:?} base trained {train_base}");
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&through.output), bits(&own.output), "{what}: output");
@@ -474,18 +489,7 @@ fn adapter_experts_multiply_through_the_communicators_library_at_the_precision_a
 fn adapter_experts_take_one_library_call_per_step_of_a_partition_whatever_the_expert_count() {
     for (reuse, steps) in [(Reuse::S4, 10), (Reuse::Off, 8)] {
         for n_experts in [4, 8] {
-            let config = MoeLayerConfig::new(D_MODEL, 8, n_experts, 2)
-                .with_activation(Activation::SwiGlu)
-                .with_bias(true)
-                .with_seed(7)
-                .with_path(ExchangePath::Fused)
-                .with_partitions(Partitions::Fixed(3))
-                .with_memory_reuse(reuse)
-                .with_gemm_precision(GemmPrecision::Tf32);
-            let library = Arc::new(DenseOnly::default());
-            let paths = RowPaths::new().with_experts::<NdArray>(library.clone());
-            let through = run_through(config.clone(), 1, false, Some(paths));
-            let own = run_with(config, 1, false);
+            let (through, own, library) = with_and_without_library(config_with(n_experts), reuse, 1, false);
             let what = format!("{reuse:?}, {n_experts} experts");
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&through.output), bits(&own.output), "{what}: output");

@@ -106,7 +106,8 @@ fn first_gemms<B: MoeBackend>(
         .filter(|(_, z)| z.is_none())
         .map(|(x, _)| x.clone())
         .collect();
-    let terms = low_rank_terms(&missing, |e| experts.lora_in(e), products)?;
+    let adapters = missing.iter().map(|(e, _)| experts.lora_in(*e)).collect();
+    let terms = low_rank_terms(&missing, adapters, products)?;
     let mut batch = products.batch();
     let queued: Vec<_> = missing
         .into_iter()

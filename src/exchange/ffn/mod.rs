@@ -77,24 +77,63 @@ fn rounds<B: MoeBackend>(rows_per_expert: &[usize], products: &Products<B>) -> V
 type LowRankTerm<B> = (FloatTensor<B>, FloatTensor<B>);
 
 /// The adapters' terms of one round's GEMMs on `inputs` (`(e, x)` each): `(scale · x · a, b)`
-/// for each expert `lora(e)` gives an adapter, for [`BlockGemm::low_rank`]; the projections
+/// for each expert with an adapter in `adapters` (one entry per input), for [`BlockGemm::low_rank`]; the projections
 /// `x · a` in one batch. Nothing here is as large as a weight: the rank is a dimension of
 /// every product.
 fn low_rank_terms<B: MoeBackend>(
     inputs: &[(usize, FloatTensor<B>)],
-    lora: impl Fn(usize) -> Option<LowRank<B>>,
+    adapters: Vec<Option<LowRank<B>>>,
     products: &Products<B>,
 ) -> Result<Vec<Option<LowRankTerm<B>>>> {
     let mut batch = products.batch();
     let queued: Vec<_> = inputs
         .iter()
-        .map(|(e, x)| lora(*e).map(|l| (batch.push(x.clone(), l.a.clone()), l)))
+        .zip(adapters)
+        .map(|((_, x), lora)| lora.map(|l| (batch.push(x.clone(), l.a.clone()), l)))
         .collect();
     let mut done = batch.run()?;
     Ok(queued
         .into_iter()
         .map(|q| q.map(|(q, l)| (l.scaled(done.take(q)), l.b)))
         .collect())
+}
+
+/// Expert `e`'s weight, adapter and bias on one of its matrices.
+type Projection<B> = (FloatTensor<B>, Option<LowRank<B>>, Option<FloatTensor<B>>);
+
+/// One step of a round: each expert's `x · w (+ scale · (x · a) · b) (+ bias)` into `blocks`,
+/// for `(w, adapter, bias) = projection(e)`: the adapters' projections in one batch, then the
+/// blocks' products in another. Returns the blocks in the round's order.
+fn adapted_gemms<B: MoeBackend>(
+    blocks: &mut Blocks<'_, B>,
+    round: &[(usize, usize)],
+    inputs: Vec<(usize, FloatTensor<B>)>,
+    projection: impl Fn(usize) -> Projection<B>,
+    products: &Products<B>,
+) -> Result<Vec<FloatTensor<B>>> {
+    let (weights, adapters): (Vec<_>, Vec<_>) = round
+        .iter()
+        .map(|&(e, _)| {
+            let (w, adapter, bias) = projection(e);
+            ((w, bias), adapter)
+        })
+        .unzip();
+    let terms = low_rank_terms(&inputs, adapters, products)?;
+    let jobs = round
+        .iter()
+        .zip(inputs)
+        .zip(terms)
+        .zip(weights)
+        .map(|(((&(e, rows), (_, lhs)), low_rank), (rhs, bias))| BlockGemm {
+            e,
+            rows,
+            lhs,
+            rhs,
+            low_rank,
+            bias,
+        })
+        .collect();
+    Ok(blocks.gemm_round(products.batch(), jobs)?.0)
 }
 
 /// C_i: every local expert on its rows of the expert-major partition `i`. Returns the
@@ -141,21 +180,8 @@ pub(crate) fn compute<B: MoeBackend>(
             .iter()
             .map(|&(e, rows)| (e, block::<B>(mem, &x, &layout, e, rows)))
             .collect();
-        let terms = low_rank_terms(&xs, |e| experts.lora_in(e), products)?;
-        let jobs = round
-            .iter()
-            .zip(xs)
-            .zip(terms)
-            .map(|((&(e, rows), (_, x_e)), low_rank)| BlockGemm {
-                e,
-                rows,
-                lhs: x_e,
-                rhs: experts.w_in(e),
-                low_rank,
-                bias: experts.b_in(e),
-            })
-            .collect();
-        let (zs, _) = hidden_blocks.gemm_round(products.batch(), jobs)?;
+        let in_proj = |e| (experts.w_in(e), experts.lora_in(e), experts.b_in(e));
+        let zs = adapted_gemms(&mut hidden_blocks, &round, xs, in_proj, products)?;
         // 2. The activation.
         let acts: Vec<_> = round
             .iter()
@@ -163,21 +189,8 @@ pub(crate) fn compute<B: MoeBackend>(
             .map(|(&(e, _), z)| (e, activation_forward::<B>(act, z.clone())))
             .collect();
         // 3. The second GEMMs, with their adapters' terms, into the output slot (`T_DO`).
-        let terms = low_rank_terms(&acts, |e| experts.lora_out(e), products)?;
-        let jobs = round
-            .iter()
-            .zip(acts)
-            .zip(terms)
-            .map(|((&(e, rows), (_, a)), low_rank)| BlockGemm {
-                e,
-                rows,
-                lhs: a,
-                rhs: experts.w_out(e),
-                low_rank,
-                bias: experts.b_out(e),
-            })
-            .collect();
-        out_blocks.gemm_round(products.batch(), jobs)?;
+        let out_proj = |e| (experts.w_out(e), experts.lora_out(e), experts.b_out(e));
+        adapted_gemms(&mut out_blocks, &round, acts, out_proj, products)?;
         for (&(e, _), z) in round.iter().zip(zs) {
             hidden[e] = Some(z);
         }
