@@ -7,10 +7,11 @@ use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 use mpipemoe::layout::swap_dims_contiguous;
-use mpipemoe::MoeBackend;
+use mpipemoe::{MoeBackend, Result};
 
 use crate::cache::LayerCache;
 use crate::config::{AttnRules, DecoderConfig};
+use crate::linear::DenseProducts;
 use crate::lora::{merged, project, LoraLinear};
 use crate::norm::{NamedParts, RmsNorm};
 use crate::places::Places;
@@ -173,7 +174,11 @@ impl<B: Backend> Attention<B> {
 impl<B: MoeBackend> Attention<B> {
     /// Attends the tokens `x` at `places` to themselves and to `cached` (earlier columns),
     /// causally, within `window` and past each row's pad columns. Returns the output and the
-    /// cache extended by these tokens' keys and values (trimmed to the window).
+    /// cache extended by these tokens' keys and values (trimmed to the window). The
+    /// projections multiply as `dense` makes them.
+    ///
+    /// # Errors
+    /// As [`DenseProducts::matmul`].
     ///
     /// # Shapes
     /// - x: `[batch, seq, d_model]`; places: `seq` columns
@@ -187,7 +192,8 @@ impl<B: MoeBackend> Attention<B> {
         (cos, sin): (&Tensor<B, 3>, &Tensor<B, 3>),
         rules: &AttnRules,
         (cached, reserve): (Option<LayerCache<B>>, usize),
-    ) -> (Tensor<B, 3>, LayerCache<B>) {
+        dense: &DenseProducts,
+    ) -> Result<(Tensor<B, 3>, LayerCache<B>)> {
         let Heads {
             n_heads,
             n_kv_heads,
@@ -199,9 +205,9 @@ impl<B: MoeBackend> Attention<B> {
         } = self.shape;
         let [b, t, _] = x.dims();
         let device = x.device();
-        let mut q = project(&self.q, self.adapter(0), x.clone());
-        let mut k = project(&self.k, self.adapter(1), x.clone());
-        let mut v = project(&self.v, self.adapter(2), x);
+        let mut q = project(dense, &self.q, self.adapter(0), x.clone())?;
+        let mut k = project(dense, &self.k, self.adapter(1), x.clone())?;
+        let mut v = project(dense, &self.v, self.adapter(2), x)?;
         if qk_norm == QkNorm::Whole {
             q = norm(&self.q_norm, q);
             k = norm(&self.k_norm, k);
@@ -254,10 +260,10 @@ impl<B: MoeBackend> Attention<B> {
         let (keys, values) = (cache.keys(), cache.values());
         let out = attend(q, keys, values, (places, &cache.columns), rules, scale, sinks);
         let out = swap_dims_contiguous(out).reshape([b, t, n_heads * head_dim]);
-        (
-            project(&self.o, self.adapter(3), out),
+        Ok((
+            project(dense, &self.o, self.adapter(3), out)?,
             cache.trim(rules.window, rules.chunk, places.pads()),
-        )
+        ))
     }
 }
 

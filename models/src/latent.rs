@@ -7,11 +7,12 @@ use burn::nn::{Linear, LinearConfig};
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use mpipemoe::layout::swap_dims_contiguous;
-use mpipemoe::MoeBackend;
+use mpipemoe::{MoeBackend, Result};
 
 use crate::attention::{attend, probabilities};
 use crate::cache::LayerCache;
 use crate::config::AttnRules;
+use crate::linear::DenseProducts;
 use crate::lora::{merged, project, LoraLinear};
 use crate::norm::{NamedParts, RmsNorm};
 use crate::places::Places;
@@ -183,7 +184,11 @@ impl<B: MoeBackend> LatentAttention<B> {
     /// (as `keys`), both shared by every head, `kv_lora_rank + qk_rope_head_dim` values a token
     /// where the expanded keys and values would take `n_heads · (qk_nope + qk_rope + v)`. A
     /// forward with nothing cached expands the keys and values as transformers does; one after
-    /// a cache attends on the latents, `kv_b` absorbed into the queries.
+    /// a cache attends on the latents, `kv_b` absorbed into the queries. The projections
+    /// multiply as `dense` makes them.
+    ///
+    /// # Errors
+    /// As [`DenseProducts::matmul`].
     ///
     /// # Shapes
     /// - x: `[batch, seq, d_model]`; cos, sin: `[rows, seq, qk_rope_head_dim]` (`rows` the
@@ -195,7 +200,8 @@ impl<B: MoeBackend> LatentAttention<B> {
         places: &Places,
         (cos, sin): (&Tensor<B, 3>, &Tensor<B, 3>),
         (cached, reserve): (Option<LayerCache<B>>, usize),
-    ) -> (Tensor<B, 3>, LayerCache<B>) {
+        dense: &DenseProducts,
+    ) -> Result<(Tensor<B, 3>, LayerCache<B>)> {
         let (h, c) = self.rules;
         let (nope, rope, v_dim, lora) = (
             c.qk_nope_head_dim,
@@ -205,19 +211,20 @@ impl<B: MoeBackend> LatentAttention<B> {
         );
         let [b, t, _] = x.dims();
         let q = match (&self.q, &self.q_a, &self.q_a_norm, &self.q_b) {
-            (Some(q), ..) => project(q, self.adapter(0), x.clone()),
+            (Some(q), ..) => project(dense, q, self.adapter(0), x.clone())?,
             (None, Some(a), Some(n), Some(qb)) => project(
+                dense,
                 qb,
                 self.adapter(2),
-                n.forward(project(a, self.adapter(1), x.clone())),
-            ),
+                n.forward(project(dense, a, self.adapter(1), x.clone())?),
+            )?,
             _ => unreachable!("built with q_proj or the q_a / q_b pair"),
         };
         // [batch, heads, seq, nope + rope]
         let q = swap_dims_contiguous(q.reshape([b, t, h, nope + rope]));
         let q_pass = q.clone().slice([0..b, 0..h, 0..t, 0..nope]);
         let q_rot = q.slice([0..b, 0..h, 0..t, nope..nope + rope]);
-        let compressed = project(&self.kv_a, self.adapter(3), x);
+        let compressed = project(dense, &self.kv_a, self.adapter(3), x)?;
         let kv = self
             .kv_a_norm
             .forward(compressed.clone().slice([0..b, 0..t, 0..lora]));
@@ -237,7 +244,7 @@ impl<B: MoeBackend> LatentAttention<B> {
             // Nothing earlier: every head's keys and values expanded from these tokens' latent,
             // as transformers computes them (the training path and a prefill).
             false => {
-                let kv = swap_dims_contiguous(project(&self.kv_b, self.adapter(4), kv).reshape([
+                let kv = swap_dims_contiguous(project(dense, &self.kv_b, self.adapter(4), kv)?.reshape([
                     b,
                     t,
                     h,
@@ -264,7 +271,7 @@ impl<B: MoeBackend> LatentAttention<B> {
             }
         };
         let out = swap_dims_contiguous(out).reshape([b, t, h * v_dim]);
-        (project(&self.o, self.adapter(5), out), cache)
+        Ok((project(dense, &self.o, self.adapter(5), out)?, cache))
     }
 
     /// Attention on the compressed cache, as DeepSeek's own inference runs it: `kv_b`'s key map

@@ -10,6 +10,7 @@ use crate::attention::Attention;
 use crate::cache::LayerCache;
 use crate::config::AttnRules;
 use crate::latent::LatentAttention;
+use crate::linear::DenseProducts;
 use crate::lora::LoraLinear;
 use crate::mlp::Mlp;
 use crate::norm::{NamedParts, RmsNorm};
@@ -173,11 +174,12 @@ impl<B: MoeBackend> DecoderLayer<B> {
         places: &Places,
         rope: (&Tensor<B, 3>, &Tensor<B, 3>),
         cached: (Option<LayerCache<B>>, usize),
+        dense: &DenseProducts,
     ) -> Result<LayerOutput<B>> {
         let normed = self.attn_norm.forward(x.clone());
         let (attended, cache) = match (&self.attn, &self.mla) {
-            (Some(attn), _) => attn.forward(normed, places, rope, &self.rules, cached),
-            (None, Some(mla)) => mla.forward(normed, places, rope, cached),
+            (Some(attn), _) => attn.forward(normed, places, rope, &self.rules, cached, dense)?,
+            (None, Some(mla)) => mla.forward(normed, places, rope, cached, dense)?,
             (None, None) => unreachable!("a decoder layer is built with an attention block"),
         };
         let h = x + attended;
@@ -195,7 +197,7 @@ impl<B: MoeBackend> DecoderLayer<B> {
                 };
                 (out.output, Some(out.z_loss), Some(balance))
             }
-            (Some(mlp), None) => (mlp.forward(normed), None, None),
+            (Some(mlp), None) => (mlp.forward(normed, dense)?, None, None),
             (None, None) => unreachable!("a decoder layer is built with an MLP or an MoE layer"),
         };
         Ok(LayerOutput {

@@ -58,6 +58,7 @@ pub use finetune::{finetune_rank, window_starts, FinetuneOptions, FinetuneReport
 pub use generation::{GenerateOptions, GenerationDefaults, GENERATION_CONFIG};
 pub use latent::{LatentAttention, LatentConfig};
 pub use layer::DecoderLayer;
+pub use linear::DenseProducts;
 pub use lora::{LoraLinear, LoraSpec, LORA_TARGETS};
 pub use mlp::Mlp;
 pub use model::{HfParts, LmOutput, MoeCausalLm};

@@ -9,10 +9,95 @@
 //! are small in those though each reads a whole weight). Under `Autodiff` it is one
 //! node whose backward products go the same way. Other backends multiply as burn's `Linear`
 //! does.
+//!
+//! Where the MoE layers' communicator offers a device library for the backend (cuBLAS on CUDA),
+//! the products go through it instead, at the MoE layers' GEMM precision ([`DenseProducts`]),
+//! as the layers' own router and shared-expert products do.
+
+use std::sync::Arc;
 
 use burn::nn::Linear;
 use burn::tensor::{Tensor, TensorPrimitive};
-use mpipemoe::MoeBackend;
+use mpipemoe::{Communicator, GemmPrecision, MoeBackend, Result};
+
+/// Where a model's dense products multiply: through the communicator's device library for the
+/// backend at the MoE layers' GEMM precision where it offers one (cuBLAS on CUDA, as the
+/// experts' products do: IEEE f32, TF32 or bf16 as asked, where cubecl's kernels multiply f32
+/// in TF32 whatever is asked and run at a fraction of cuBLAS's rate), the backend's row product
+/// otherwise ([`DenseProducts::backend`], the default: every CPU backend and WGPU).
+#[derive(Clone, Default)]
+pub struct DenseProducts {
+    library: Option<(Arc<dyn Communicator>, GemmPrecision)>,
+}
+
+impl std::fmt::Debug for DenseProducts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.library {
+            Some((_, precision)) => write!(f, "DenseProducts(library, {precision})"),
+            None => f.write_str("DenseProducts(backend)"),
+        }
+    }
+}
+
+impl DenseProducts {
+    /// The backend's row product, [`MoeBackend::expert_matmul`].
+    pub fn backend() -> Self {
+        Self::default()
+    }
+
+    /// `comm`'s device library for `B` at `precision` where it offers one, else the backend's
+    /// product.
+    pub fn of<B: MoeBackend>(comm: &Arc<dyn Communicator>, precision: GemmPrecision) -> Self {
+        Self {
+            library: B::dense_library(comm.as_ref()).then(|| (comm.clone(), precision)),
+        }
+    }
+
+    /// `x · w`, `x`'s leading dimensions kept (the backend's row product where there is no
+    /// library).
+    ///
+    /// # Shapes
+    /// - x: `[..., d_in]`; w: `[d_in, d_out]` → `[..., d_out]`
+    ///
+    /// # Errors
+    /// [`MoeError::Backend`](mpipemoe::MoeError::Backend) if the device library fails.
+    pub fn matmul<B: MoeBackend, const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        w: Tensor<B, 2>,
+    ) -> Result<Tensor<B, D>> {
+        let Some((comm, precision)) = &self.library else {
+            return Ok(matmul(x, w));
+        };
+        let dims = x.dims();
+        let [d_in, d_out] = w.dims();
+        let rows = dims[..D - 1].iter().product::<usize>();
+        let x = x.reshape([rows, d_in]).into_primitive().tensor();
+        let y = B::dense_matmul(x, w.into_primitive().tensor(), comm, *precision)?;
+        let mut out = dims;
+        out[D - 1] = d_out;
+        Ok(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(y)).reshape(out))
+    }
+
+    /// `layer(x)`: `x · weight + bias`, the product as [`matmul`](Self::matmul) makes it.
+    ///
+    /// # Shapes
+    /// - x: `[..., d_in]` → `[..., d_out]`
+    ///
+    /// # Errors
+    /// As [`matmul`](Self::matmul).
+    pub fn linear<B: MoeBackend, const D: usize>(
+        &self,
+        layer: &Linear<B>,
+        x: Tensor<B, D>,
+    ) -> Result<Tensor<B, D>> {
+        let y = self.matmul(x, layer.weight.val())?;
+        Ok(match &layer.bias {
+            Some(bias) => y + bias.val().unsqueeze::<D>(),
+            None => y,
+        })
+    }
+}
 
 /// `x · w`, `x`'s leading dimensions kept.
 ///
@@ -28,16 +113,4 @@ pub(crate) fn matmul<B: MoeBackend, const D: usize>(x: Tensor<B, D>, w: Tensor<B
     let mut out = dims;
     out[D - 1] = d_out;
     Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(y)).reshape(out)
-}
-
-/// `layer(x)`: `x · weight + bias`.
-///
-/// # Shapes
-/// - x: `[..., d_in]` → `[..., d_out]`
-pub(crate) fn linear<B: MoeBackend, const D: usize>(layer: &Linear<B>, x: Tensor<B, D>) -> Tensor<B, D> {
-    let y = matmul(x, layer.weight.val());
-    match &layer.bias {
-        Some(bias) => y + bias.val().unsqueeze::<D>(),
-        None => y,
-    }
 }

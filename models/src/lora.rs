@@ -8,7 +8,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use mpipemoe::{seeded_uniform, ExpertLoraSpec, LoraScaling, MoeBackend, MoeError, Result};
 
-use crate::linear::{linear as linear_product, matmul};
+use crate::linear::{matmul, DenseProducts};
 use crate::model::MoeCausalLm;
 
 /// An adapter on one projection `y = x · w + bias`: it adds `scale · (x · a) · b`.
@@ -72,18 +72,37 @@ impl<B: MoeBackend> LoraLinear<B> {
         let x = DropoutConfig::new(self.dropout).init().forward(x);
         matmul(matmul(x, self.a.val()), self.b.val()).mul_scalar(self.scale)
     }
+
+    /// [`forward`](Self::forward) with its two products made as `dense` makes them.
+    ///
+    /// # Errors
+    /// As [`DenseProducts::matmul`].
+    pub fn forward_with<const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        dense: &DenseProducts,
+    ) -> Result<Tensor<B, D>> {
+        let x = DropoutConfig::new(self.dropout).init().forward(x);
+        let down = dense.matmul(x, self.a.val())?;
+        Ok(dense.matmul(down, self.b.val())?.mul_scalar(self.scale))
+    }
 }
 
-/// `linear(x)`, plus `lora`'s part where the projection has an adapter.
+/// `linear(x)`, plus `lora`'s part where the projection has an adapter, each product as
+/// `dense` makes it.
+///
+/// # Errors
+/// As [`DenseProducts::matmul`].
 pub(crate) fn project<B: MoeBackend, const D: usize>(
+    dense: &DenseProducts,
     linear: &Linear<B>,
     lora: Option<&LoraLinear<B>>,
     x: Tensor<B, D>,
-) -> Tensor<B, D> {
-    match lora {
-        Some(lora) => linear_product(linear, x.clone()) + lora.forward(x),
-        None => linear_product(linear, x),
-    }
+) -> Result<Tensor<B, D>> {
+    Ok(match lora {
+        Some(lora) => dense.linear(linear, x.clone())? + lora.forward_with(x, dense)?,
+        None => dense.linear(linear, x)?,
+    })
 }
 
 /// `linear` with `lora` folded into its weight; the weight keeps its `require_grad` setting.

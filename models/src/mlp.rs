@@ -5,9 +5,9 @@ use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
-use mpipemoe::MoeBackend;
+use mpipemoe::{MoeBackend, Result};
 
-use crate::linear::linear;
+use crate::linear::DenseProducts;
 
 /// `down(silu(gate(x)) · up(x))`, no biases (the `mlp` of Qwen2-MoE's and Qwen3-MoE's dense
 /// layers, DeepSeek's first layers, Llama's MLP).
@@ -47,9 +47,12 @@ impl<B: Backend> Mlp<B> {
 }
 
 impl<B: MoeBackend> Mlp<B> {
-    /// Applies the block.
-    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let hidden = silu(linear(&self.gate, x.clone())) * linear(&self.up, x);
-        linear(&self.down, hidden)
+    /// Applies the block, its products as `dense` makes them.
+    ///
+    /// # Errors
+    /// As [`DenseProducts::matmul`].
+    pub fn forward(&self, x: Tensor<B, 3>, dense: &DenseProducts) -> Result<Tensor<B, 3>> {
+        let hidden = silu(dense.linear(&self.gate, x.clone())?) * dense.linear(&self.up, x)?;
+        dense.linear(&self.down, hidden)
     }
 }

@@ -14,7 +14,7 @@ use crate::cache::KvCache;
 use crate::config::{DecoderConfig, FfnKind};
 use crate::latent::LatentAttention;
 use crate::layer::DecoderLayer;
-use crate::linear::{linear, matmul};
+use crate::linear::DenseProducts;
 use crate::mlp::Mlp;
 use crate::norm::{NamedParts, RmsNorm};
 use crate::places::Places;
@@ -343,6 +343,20 @@ impl<B: MoeBackend> MoeCausalLm<B> {
         self.forward_logits(ids, cache, Logits::Last)
     }
 
+    /// Where the dense products (attention, dense MLPs, the head) multiply: as the MoE layers'
+    /// own dense products do, through their communicator's device library at their GEMM
+    /// precision where it offers one (cuBLAS on CUDA), the backend's product otherwise. Every
+    /// MoE layer of a model shares one communicator and precision (`map_moe_configs` sets
+    /// them alike); a model without MoE layers multiplies on the backend.
+    fn dense_products(&self) -> DenseProducts {
+        self.layers
+            .iter()
+            .find_map(|l| l.moe.as_ref())
+            .map_or_else(DenseProducts::backend, |moe| {
+                DenseProducts::of::<B>(moe.context().comm(), moe.config().gemm_precision)
+            })
+    }
+
     fn forward_logits(
         &self,
         ids: Tensor<B, 2, Int>,
@@ -371,6 +385,7 @@ impl<B: MoeBackend> MoeCausalLm<B> {
             self.config.rope_scaling,
         );
         let (cos, sin) = rotary.tables::<B>(&places.positions(), &device);
+        let dense = self.dense_products();
         let mut hidden = self.embed.forward(ids);
         let mut z = Tensor::zeros([1], &device);
         let mut balance = Vec::new();
@@ -380,7 +395,7 @@ impl<B: MoeBackend> MoeCausalLm<B> {
             let cached = cache
                 .as_mut()
                 .map_or((None, 0), |c| (c.layers[i].take(), c.reserve));
-            let out = layer.forward(hidden, &places, (&cos, &sin), cached)?;
+            let out = layer.forward(hidden, &places, (&cos, &sin), cached, &dense)?;
             hidden = out.hidden;
             balance.extend(out.balance);
             if let Some(zl) = out.z_loss {
@@ -402,10 +417,10 @@ impl<B: MoeBackend> MoeCausalLm<B> {
         };
         let hidden = self.norm.forward(hidden);
         let logits = match &self.lm_head {
-            Some(head) => linear(head, hidden),
+            Some(head) => dense.linear(head, hidden)?,
             // Tied to the embedding: `Eᵀ` as a transposed view, which Flex's row product reads
             // in place (burn's matmul copied it whole in each forward).
-            None => matmul(hidden, self.embed.weight.val().transpose()),
+            None => dense.matmul(hidden, self.embed.weight.val().transpose())?,
         };
         Ok(LmOutput {
             logits,

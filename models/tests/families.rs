@@ -23,6 +23,8 @@ mod agreement;
 mod batched;
 #[path = "families/cache.rs"]
 mod cache;
+#[path = "families/dense.rs"]
+mod dense;
 #[path = "families/finetune.rs"]
 mod finetune;
 #[path = "families/lora.rs"]

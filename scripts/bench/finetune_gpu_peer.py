@@ -12,11 +12,12 @@ every 100 ms (each side's CUDA context included). torch's own allocator peaks ar
 beside it.
 
 The precisions, named for each side:
-- `tf32`: ours, the experts' GEMMs on cuBLAS in TF32 (`--gemm-precision tf32`) and every
-  other product on cubecl's kernels (f32 operands in TF32 on CUDA); torch,
+- `tf32`: ours, the experts' GEMMs on cuBLAS in TF32 (`--gemm-precision tf32`), and so are
+  the router's, attention's and the head's (`DenseProducts`; the attention scores stay on
+  cubecl's kernels, f32 operands in TF32 on CUDA); torch,
   `allow_tf32 = True` (every f32 product in TF32).
 - `bf16`: ours, the experts' GEMMs on bf16 copies of their operands with f32 accumulation
-  (`--gemm-precision bf16`), the other products in TF32, activations f32; torch, autocast to
+  (`--gemm-precision bf16`), the dense products' too, activations f32; torch, autocast to
   bf16 (every linear layer's operands and outputs bf16, f32 accumulation) and TF32 for what
   stays f32. torch lowers more of its step than ours does, so for speed it is the stricter
   comparator.
