@@ -8,7 +8,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use mpipemoe::{seeded_uniform, ExpertLoraSpec, LoraScaling, MoeBackend, MoeError, Result};
 
-use crate::linear::{matmul, DenseProducts};
+use crate::linear::DenseProducts;
 use crate::model::MoeCausalLm;
 
 /// An adapter on one projection `y = x · w + bias`: it adds `scale · (x · a) · b`.
@@ -69,8 +69,8 @@ impl<B: MoeBackend> LoraLinear<B> {
     /// sees `x` whole), in training only: burn's `Dropout`, which is the identity where the
     /// backend tracks no gradients, with the backend's random stream.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let x = DropoutConfig::new(self.dropout).init().forward(x);
-        matmul(matmul(x, self.a.val()), self.b.val()).mul_scalar(self.scale)
+        self.forward_with(x, &DenseProducts::backend())
+            .expect("the backend's own products return no error")
     }
 
     /// [`forward`](Self::forward) with its two products made as `dense` makes them.

@@ -100,14 +100,19 @@ pub(crate) struct BlockGemm<B: MoeBackend> {
     pub(crate) bias: Option<FloatTensor<B>>,
 }
 
-/// A block's products as queued: the adapter's term, and the base product (or its operands,
-/// where the backend writes it into the arena itself).
+/// A block's base product: queued in the batch, or its operands kept for the backend to write
+/// it into the arena's buffer itself.
+enum Base<B: MoeBackend> {
+    Queued(Ticket),
+    Direct(FloatTensor<B>, FloatTensor<B>),
+}
+
+/// A block's products as queued: the adapter's term and the base product.
 struct Queued<B: MoeBackend> {
     e: usize,
     rows: usize,
     extra: Option<Ticket>,
-    base: Option<Ticket>,
-    operands: Option<(FloatTensor<B>, FloatTensor<B>)>,
+    base: Base<B>,
     bias: Option<FloatTensor<B>>,
 }
 
@@ -154,6 +159,20 @@ impl<'a, B: MoeBackend> Blocks<'a, B> {
         })
     }
 
+    /// Blocks in tensors of their own, kept in no slot (`T_M` recomputed in the backward):
+    /// `width` columns, multiplied as `products` multiplies.
+    pub(crate) fn loose(width: usize, like: &FloatTensor<B>, products: &'a Products<B>) -> Self {
+        Self {
+            mem: None,
+            products,
+            layout: BlockLayout::new(&[], 1),
+            width,
+            buffer: None,
+            parts: Vec::new(),
+            like: like.clone(),
+        }
+    }
+
     /// The blocks of `jobs` (in expert order, experts without rows left out), their products
     /// queued in `batch` after the caller's own, so that a device library runs them all in
     /// one call. Returns the blocks, in the jobs' order, and the batch's results for the
@@ -173,16 +192,15 @@ impl<'a, B: MoeBackend> Blocks<'a, B> {
             .into_iter()
             .map(|job| {
                 let extra = job.low_rank.map(|(u, v)| batch.push(u, v));
-                let (base, operands) = match direct {
-                    true => (None, Some((job.lhs, job.rhs))),
-                    false => (Some(batch.push(job.lhs, job.rhs)), None),
+                let base = match direct {
+                    true => Base::Direct(job.lhs, job.rhs),
+                    false => Base::Queued(batch.push(job.lhs, job.rhs)),
                 };
                 Queued {
                     e: job.e,
                     rows: job.rows,
                     extra,
                     base,
-                    operands,
                     bias: job.bias,
                 }
             })
@@ -191,8 +209,8 @@ impl<'a, B: MoeBackend> Blocks<'a, B> {
         let mut blocks = Vec::with_capacity(queued.len());
         for q in queued {
             let extra = done.take_some(q.extra);
-            let block = match (self.mem, &self.buffer, q.base, q.operands) {
-                (Some(m), Some(buffer), None, Some((lhs, rhs))) => {
+            let block = match (self.mem, &self.buffer, q.base) {
+                (Some(m), Some(buffer), Base::Direct(lhs, rhs)) => {
                     let out = m.rows(buffer, self.layout.start(q.e), q.rows);
                     m.gemm_into(&out, lhs, rhs, q.bias)?;
                     if let Some(extra) = extra {
@@ -200,7 +218,7 @@ impl<'a, B: MoeBackend> Blocks<'a, B> {
                     }
                     out
                 }
-                (mem, buffer, Some(base), _) => {
+                (mem, buffer, Base::Queued(base)) => {
                     let mut z = done.take(base);
                     for term in extra.into_iter().chain(q.bias) {
                         z = B::float_add(z, term);
@@ -219,7 +237,7 @@ impl<'a, B: MoeBackend> Blocks<'a, B> {
                         }
                     }
                 }
-                _ => unreachable!("a block's product is queued or kept for the arena"),
+                (_, _, Base::Direct(..)) => unreachable!("a direct product is kept for the arena only"),
             };
             blocks.push(block);
         }

@@ -46,13 +46,8 @@ pub(crate) fn through_path_many<B: MoeBackend>(
     comm: &Arc<dyn Communicator>,
     precision: GemmPrecision,
 ) -> Result<Vec<FloatTensor<B>>> {
-    match comm.row_paths().and_then(|p| p.experts::<B>()) {
-        Some(path) => super::products::matmuls(path.as_ref(), pairs, precision),
-        None => Ok(pairs
-            .into_iter()
-            .map(|(lhs, rhs)| B::expert_matmul(lhs, rhs))
-            .collect()),
-    }
+    let path = comm.row_paths().and_then(|p| p.experts::<B>());
+    super::products::matmuls(path.as_deref(), pairs, precision)
 }
 
 /// The backward node of a dense product: `dlhs = g · rhsᵀ`, `drhs = lhsᵀ · g`, each the same

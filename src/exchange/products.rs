@@ -64,16 +64,24 @@ impl<B: MoeBackend> Products<B> {
     }
 }
 
-/// `path`'s [`ExpertPath::matmuls`], one result per pair or an error.
+/// Independent products: `path`'s [`ExpertPath::matmuls`] where there is a path (one result per
+/// pair, or an error), the backend's [`expert_matmul`](MoeBackend::expert_matmul) each
+/// otherwise.
 ///
 /// # Errors
 /// [`MoeError::Backend`](crate::MoeError::Backend) if the library fails or returns another
 /// number of results.
 pub(crate) fn matmuls<B: MoeBackend>(
-    path: &dyn ExpertPath<B>,
+    path: Option<&dyn ExpertPath<B>>,
     pairs: Vec<(FloatTensor<B>, FloatTensor<B>)>,
     precision: GemmPrecision,
 ) -> Result<Vec<FloatTensor<B>>> {
+    let Some(path) = path else {
+        return Ok(pairs
+            .into_iter()
+            .map(|(lhs, rhs)| B::expert_matmul(lhs, rhs))
+            .collect());
+    };
     let n = pairs.len();
     let out = path.matmuls(pairs, precision)?;
     match out.len() == n {
@@ -99,7 +107,7 @@ pub(crate) struct ProductBatch<'a, B: MoeBackend> {
 }
 
 impl<B: MoeBackend> ProductBatch<'_, B> {
-    /// Queues `lhs · rhs` (as [`Products::mm`]).
+    /// Queues `lhs · rhs`. The operands may be transposed views.
     ///
     /// # Shapes
     /// - lhs: `[m, k]`, rhs: `[k, n]` → `[m, n]`
@@ -115,12 +123,9 @@ impl<B: MoeBackend> ProductBatch<'_, B> {
     pub(crate) fn run(self) -> Result<Done<B>> {
         let results = match (&self.products.library, self.pairs.is_empty()) {
             (_, true) => Vec::new(),
-            (Some((path, precision)), false) => matmuls(path.as_ref(), self.pairs, *precision)?,
-            (None, false) => self
-                .pairs
-                .into_iter()
-                .map(|(lhs, rhs)| B::expert_matmul(lhs, rhs))
-                .collect(),
+            (Some((path, precision)), false) => matmuls(Some(path.as_ref()), self.pairs, *precision)?,
+            // Without a path the backend multiplies as it always does: no precision to pass.
+            (None, false) => matmuls::<B>(None, self.pairs, GemmPrecision::default())?,
         };
         Ok(Done(results.into_iter().map(Some).collect()))
     }

@@ -4,12 +4,12 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 
-use super::{low_rank_terms, rounds, ExpertCompute, ExpertGradAcc};
+use super::{adapted_gemms, rounds, ExpertCompute, ExpertGradAcc, LowRankTerm};
 use crate::dispatch::PartitionPlan;
 use crate::error::Result;
 use crate::exchange::blocks::{block, layout_of, BlockGemm, Blocks, Mem};
-use crate::exchange::products::Products;
-use crate::exchange::rows::dims2;
+use crate::exchange::products::{Done, ProductBatch, Products, Queued};
+use crate::exchange::rows::{dims2, LowRank};
 use crate::exchange::schedule::{Role, Slot};
 use crate::exchange::shadows::ExpertSlots;
 use crate::exchange::MoeBackend;
@@ -24,9 +24,6 @@ pub(crate) struct Restored<B: Backend> {
     /// `T_M_i` per expert where it was kept or offloaded; `None` where it is recomputed.
     pub hidden: Vec<Option<FloatTensor<B>>>,
 }
-
-/// `(e, tensor)` for each expert of a round.
-type Round<B> = Vec<(usize, FloatTensor<B>)>;
 
 /// C'_i: the FFN backward of every local expert on partition `i`. Returns the gradient of
 /// the partition's expert-major inputs (in the arena's `dT_DI` slot where `mem` is one) and
@@ -61,27 +58,27 @@ pub(crate) fn compute_backward<B: MoeBackend>(
         products,
     )?;
     for round in rounds(rows_per_expert, products) {
-        let of = |t: &FloatTensor<B>| -> Round<B> {
+        let of = |t: &FloatTensor<B>| -> Vec<FloatTensor<B>> {
             round
                 .iter()
-                .map(|&(e, rows)| (e, block::<B>(mem, t, &layout, e, rows)))
+                .map(|&(e, rows)| block::<B>(mem, t, &layout, e, rows))
                 .collect()
         };
         let (xs, gs) = (of(&x), of(&grad));
         // 1. `T_M` where it was not kept (S3, S4): the first GEMMs again.
         let kept = round.iter().map(|&(e, _)| hidden[e].take()).collect();
-        let zs = first_gemms(&xs, kept, experts, products)?;
-        let acts: Round<B> = zs
+        let zs = first_gemms(&round, &xs, kept, experts, products)?;
+        let acts: Vec<_> = zs
             .iter()
-            .map(|(e, z)| (*e, activation_forward::<B>(act, z.clone())))
+            .map(|z| activation_forward::<B>(act, z.clone()))
             .collect();
         // 2. The second GEMM's gradients: its weights', its adapter's, and its input's.
-        let grad_as = second_gemm_backward(&acts, &gs, experts, acc, products)?;
+        let grad_as = second_gemm_backward(&round, &acts, &gs, experts, acc, products)?;
         // 3. The activation's.
-        let grad_zs: Round<B> = zs
+        let grad_zs: Vec<_> = zs
             .into_iter()
             .zip(grad_as)
-            .map(|((e, z), grad_a)| (e, activation_backward::<B>(act, z, grad_a)))
+            .map(|(z, grad_a)| activation_backward::<B>(act, z, grad_a))
             .collect();
         // 4. The first GEMM's: its weights', its adapter's, and the partition's input's.
         first_gemm_backward(&round, &xs, grad_zs, experts, acc, &mut grads_x, products)?;
@@ -89,52 +86,97 @@ pub(crate) fn compute_backward<B: MoeBackend>(
     Ok(grads_x.finish())
 }
 
-/// `z = x · w_in (+ scale · (x · a) · b) + b_in` for each expert of a round whose `kept` is
-/// `None`; the kept ones as they are.
+/// `z = x · w_in (+ scale · (x · a) · b) + b_in` for each expert of `round` whose `kept` is
+/// `None` (the forward's [`adapted_gemms`], into tensors of their own); the kept ones as they
+/// are.
 ///
 /// # Shapes
 /// - xs: `[rows_e, d_model]` each → `[rows_e, d_hidden]` each
 fn first_gemms<B: MoeBackend>(
-    xs: &Round<B>,
+    round: &[(usize, usize)],
+    xs: &[FloatTensor<B>],
     kept: Vec<Option<FloatTensor<B>>>,
     experts: &ExpertSlots<B>,
     products: &Products<B>,
-) -> Result<Round<B>> {
-    let missing: Round<B> = xs
+) -> Result<Vec<FloatTensor<B>>> {
+    let (missing, inputs): (Vec<(usize, usize)>, Vec<FloatTensor<B>>) = round
         .iter()
+        .zip(xs)
         .zip(&kept)
         .filter(|(_, z)| z.is_none())
-        .map(|(x, _)| x.clone())
-        .collect();
-    let adapters = missing.iter().map(|(e, _)| experts.lora_in(*e)).collect();
-    let terms = low_rank_terms(&missing, adapters, products)?;
-    let mut batch = products.batch();
-    let queued: Vec<_> = missing
+        .map(|((&at, x), _)| (at, x.clone()))
+        .unzip();
+    let Some(like) = inputs.first().cloned() else {
+        return Ok(kept.into_iter().flatten().collect());
+    };
+    let mut fresh = Blocks::loose(experts.d_inner(), &like, products);
+    let in_proj = |e| (experts.w_in(e), experts.lora_in(e), experts.b_in(e));
+    let mut again = adapted_gemms(&mut fresh, &missing, inputs, in_proj, products)?.into_iter();
+    Ok(kept
         .into_iter()
-        .zip(terms)
-        .map(|((e, x), term)| {
-            let extra = term.map(|(u, v)| batch.push(u, v));
-            (e, extra, batch.push(x, experts.w_in(e)))
-        })
-        .collect();
-    let mut done = batch.run()?;
-    let mut again = queued.into_iter();
-    Ok(xs
-        .iter()
-        .zip(kept)
-        .map(|(&(e, _), z)| {
-            let z = z.unwrap_or_else(|| {
-                let (_, extra, base) = again.next().expect("one recomputed `T_M` per missing one");
-                let mut z = done.take(base);
-                for term in done.take_some(extra).into_iter().chain(experts.b_in(e)) {
-                    z = B::float_add(z, term);
-                }
-                z
-            });
-            (e, z)
-        })
+        .map(|z| z.unwrap_or_else(|| again.next().expect("one recomputed `T_M` per missing one")))
         .collect())
 }
+
+/// One expert's adapter `s · (x · a) · b` in the backward of its GEMM, given the GEMM's input
+/// `x` and output gradient `g`, over two batches: the first makes `g · bᵀ` (and `x · a` where
+/// `b` is trained), the second `d a = xᵀ · v` and `d b = (s · x · a)ᵀ · g` for
+/// `v = s · g · bᵀ`. Nothing here is as large as a weight: the rank is a dimension of every
+/// product.
+struct AdapterBackward<B: MoeBackend> {
+    lora: LowRank<B>,
+    v: Queued,
+    proj: Option<Queued>,
+}
+
+impl<B: MoeBackend> AdapterBackward<B> {
+    /// Queues the first batch's products; `[part_a, part_b]` are the adapter's parts.
+    fn queue(
+        lora: LowRank<B>,
+        (x, g): (&FloatTensor<B>, &FloatTensor<B>),
+        acc: &ExpertGradAcc<B>,
+        [_, part_b]: [Part; 2],
+        batch: &mut ProductBatch<'_, B>,
+    ) -> Self {
+        let v = batch.push(g.clone(), B::float_transpose(lora.b.clone()));
+        let proj = acc.wants(part_b).then(|| batch.push(x.clone(), lora.a.clone()));
+        Self { lora, v, proj }
+    }
+
+    /// Queues the second batch's gradients of `a` and `b` (where trained), from the first
+    /// batch's results `done`. Returns them as `[part_a, part_b]`'s, and `(v, aᵀ)`: the term's
+    /// share of `x`'s gradient, as a low-rank pair.
+    fn queue_grads(
+        self,
+        (x, g): (&FloatTensor<B>, &FloatTensor<B>),
+        acc: &ExpertGradAcc<B>,
+        [part_a, part_b]: [Part; 2],
+        done: &mut Done<B>,
+        batch: &mut ProductBatch<'_, B>,
+    ) -> (Grads, LowRankTerm<B>) {
+        let t = B::float_transpose;
+        let Self { lora, v, proj } = self;
+        let v = lora.scaled(done.take(v));
+        let da = acc.wants(part_a).then(|| batch.push(t(x.clone()), v.clone()));
+        let db = proj.map(|p| batch.push(t(lora.scaled(done.take(p))), g.clone()));
+        (vec![(part_a, da), (part_b, db)], (v, t(lora.a)))
+    }
+}
+
+/// Gradients queued for one expert: each part's product, where it is computed.
+type Grads = Vec<(Part, Option<Queued>)>;
+
+/// Adds each of `grads` that was queued to expert `e`'s running sums, from `done`.
+fn add_grads<B: MoeBackend>(acc: &mut ExpertGradAcc<B>, e: usize, grads: Grads, done: &mut Done<B>) {
+    for (part, q) in grads {
+        if let Some(grad) = done.take_some(q) {
+            acc.add(part, e, grad);
+        }
+    }
+}
+
+const LORA_OUT: [Part; 2] = [Part::LoraOutA, Part::LoraOutB];
+const LORA_IN: [Part; 2] = [Part::LoraInA, Part::LoraInB];
 
 /// The backward of a round's second GEMMs `out = a · w_out + s · (a · a_out) · b_out + b_out`,
 /// given the activations `acts` and the output gradients `gs`: adds the gradients of `w_out`,
@@ -145,66 +187,51 @@ fn first_gemms<B: MoeBackend>(
 /// # Shapes
 /// - acts `[rows_e, d_hidden]`, gs `[rows_e, d_model]` → grad_a `[rows_e, d_hidden]`
 fn second_gemm_backward<B: MoeBackend>(
-    acts: &Round<B>,
-    gs: &Round<B>,
+    round: &[(usize, usize)],
+    acts: &[FloatTensor<B>],
+    gs: &[FloatTensor<B>],
     experts: &ExpertSlots<B>,
     acc: &mut ExpertGradAcc<B>,
     products: &Products<B>,
 ) -> Result<Vec<FloatTensor<B>>> {
     let t = B::float_transpose;
     let mut first = products.batch();
-    let queued: Vec<_> = acts
+    let queued: Vec<_> = round
         .iter()
-        .zip(gs)
-        .map(|((e, a), (_, g))| {
-            let e = *e;
+        .zip(acts.iter().zip(gs))
+        .map(|(&(e, _), (a, g))| {
             let dw = acc.wants(Part::WOut).then(|| first.push(t(a.clone()), g.clone()));
             if experts.own().b_out.is_some() {
                 acc.add_with(Part::BOut, e, || B::float_sum_dim(g.clone(), 0));
             }
             let grad_a = first.push(g.clone(), t(experts.w_out(e)));
-            let lora = experts.lora_out(e).map(|l| {
-                let v = first.push(g.clone(), t(l.b.clone()));
-                let proj = acc
-                    .wants(Part::LoraOutB)
-                    .then(|| first.push(a.clone(), l.a.clone()));
-                (l, v, proj)
-            });
-            (e, dw, grad_a, lora)
+            let adapter = experts
+                .lora_out(e)
+                .map(|l| AdapterBackward::queue(l, (a, g), acc, LORA_OUT, &mut first));
+            (dw, grad_a, adapter)
         })
         .collect();
     let mut done = first.run()?;
     let mut second = products.batch();
     let queued: Vec<_> = queued
         .into_iter()
-        .zip(acts.iter().zip(gs))
-        .map(|((e, dw, grad_a, lora), ((_, a), (_, g)))| {
-            if let Some(dw) = dw {
-                acc.add(Part::WOut, e, done.take(dw));
-            }
-            let lora = lora.map(|(l, v, proj)| {
-                let v = l.scaled(done.take(v));
-                let da = acc
-                    .wants(Part::LoraOutA)
-                    .then(|| second.push(t(a.clone()), v.clone()));
-                let db = proj.map(|p| second.push(t(l.scaled(done.take(p))), g.clone()));
-                (da, db, second.push(v, t(l.a)))
+        .zip(round.iter().zip(acts.iter().zip(gs)))
+        .map(|((dw, grad_a, adapter), (&(e, _), (a, g)))| {
+            add_grads(acc, e, vec![(Part::WOut, dw)], &mut done);
+            let adapter = adapter.map(|adapter| {
+                let (grads, (v, a_t)) = adapter.queue_grads((a, g), acc, LORA_OUT, &mut done, &mut second);
+                (grads, second.push(v, a_t))
             });
-            (e, done.take(grad_a), lora)
+            (e, done.take(grad_a), adapter)
         })
         .collect();
     let mut done = second.run()?;
     Ok(queued
         .into_iter()
-        .map(|(e, grad_a, lora)| match lora {
+        .map(|(e, grad_a, adapter)| match adapter {
             None => grad_a,
-            Some((da, db, through_a)) => {
-                if let Some(da) = da {
-                    acc.add(Part::LoraOutA, e, done.take(da));
-                }
-                if let Some(db) = db {
-                    acc.add(Part::LoraOutB, e, done.take(db));
-                }
+            Some((grads, through_a)) => {
+                add_grads(acc, e, grads, &mut done);
                 B::float_add(grad_a, done.take(through_a))
             }
         })
@@ -221,8 +248,8 @@ fn second_gemm_backward<B: MoeBackend>(
 /// - xs `[rows_e, d_model]`, grad_zs `[rows_e, d_hidden]` → grad_x blocks `[rows_e, d_model]`
 fn first_gemm_backward<B: MoeBackend>(
     round: &[(usize, usize)],
-    xs: &Round<B>,
-    grad_zs: Round<B>,
+    xs: &[FloatTensor<B>],
+    grad_zs: Vec<FloatTensor<B>>,
     experts: &ExpertSlots<B>,
     acc: &mut ExpertGradAcc<B>,
     grads_x: &mut Blocks<'_, B>,
@@ -230,40 +257,33 @@ fn first_gemm_backward<B: MoeBackend>(
 ) -> Result<()> {
     let t = B::float_transpose;
     let mut first = products.batch();
-    let adapters: Vec<_> = xs
+    let adapters: Vec<_> = round
         .iter()
-        .zip(&grad_zs)
-        .map(|((e, x), (_, grad_z))| {
-            experts.lora_in(*e).map(|l| {
-                let v = first.push(grad_z.clone(), t(l.b.clone()));
-                let proj = acc
-                    .wants(Part::LoraInB)
-                    .then(|| first.push(x.clone(), l.a.clone()));
-                (l, v, proj)
-            })
+        .zip(xs.iter().zip(&grad_zs))
+        .map(|(&(e, _), (x, grad_z))| {
+            experts
+                .lora_in(e)
+                .map(|l| AdapterBackward::queue(l, (x, grad_z), acc, LORA_IN, &mut first))
         })
         .collect();
     let mut done = first.run()?;
     let mut second = products.batch();
     let mut jobs = Vec::with_capacity(round.len());
     let mut grads = Vec::with_capacity(round.len());
-    for (((&(e, rows), (_, x)), (_, grad_z)), lora) in round.iter().zip(xs).zip(grad_zs).zip(adapters) {
+    for ((&(e, rows), (x, grad_z)), adapter) in round.iter().zip(xs.iter().zip(grad_zs)).zip(adapters) {
         let dw = acc
             .wants(Part::WIn)
             .then(|| second.push(t(x.clone()), grad_z.clone()));
         if experts.own().b_in.is_some() {
             acc.add_with(Part::BIn, e, || B::float_sum_dim(grad_z.clone(), 0));
         }
-        let (mut da, mut db, mut low_rank) = (None, None, None);
-        if let Some((l, v, proj)) = lora {
-            let v = l.scaled(done.take(v));
-            da = acc
-                .wants(Part::LoraInA)
-                .then(|| second.push(t(x.clone()), v.clone()));
-            db = proj.map(|p| second.push(t(l.scaled(done.take(p))), grad_z.clone()));
-            low_rank = Some((v, t(l.a)));
-        }
-        grads.push((e, dw, da, db));
+        let mut expert_grads = vec![(Part::WIn, dw)];
+        let low_rank = adapter.map(|adapter| {
+            let (more, term) = adapter.queue_grads((x, &grad_z), acc, LORA_IN, &mut done, &mut second);
+            expert_grads.extend(more);
+            term
+        });
+        grads.push((e, expert_grads));
         jobs.push(BlockGemm {
             e,
             rows,
@@ -274,12 +294,8 @@ fn first_gemm_backward<B: MoeBackend>(
         });
     }
     let (_, mut done) = grads_x.gemm_round(second, jobs)?;
-    for (e, dw, da, db) in grads {
-        for (part, q) in [(Part::WIn, dw), (Part::LoraInA, da), (Part::LoraInB, db)] {
-            if let Some(q) = q {
-                acc.add(part, e, done.take(q));
-            }
-        }
+    for (e, expert_grads) in grads {
+        add_grads(acc, e, expert_grads, &mut done);
     }
     Ok(())
 }

@@ -76,12 +76,11 @@ fn rounds<B: MoeBackend>(rows_per_expert: &[usize], products: &Products<B>) -> V
 /// An adapter's term `u · v` of a block's GEMM, as `(u, v)` ([`BlockGemm::low_rank`]).
 type LowRankTerm<B> = (FloatTensor<B>, FloatTensor<B>);
 
-/// The adapters' terms of one round's GEMMs on `inputs` (`(e, x)` each): `(scale · x · a, b)`
-/// for each expert with an adapter in `adapters` (one entry per input), for [`BlockGemm::low_rank`]; the projections
-/// `x · a` in one batch. Nothing here is as large as a weight: the rank is a dimension of
-/// every product.
+/// The adapters' terms of one round's GEMMs on `inputs`: `(scale · x · a, b)` for each input
+/// whose entry in `adapters` has one, for [`BlockGemm::low_rank`]; the projections `x · a` in
+/// one batch. Nothing here is as large as a weight: the rank is a dimension of every product.
 fn low_rank_terms<B: MoeBackend>(
-    inputs: &[(usize, FloatTensor<B>)],
+    inputs: &[FloatTensor<B>],
     adapters: Vec<Option<LowRank<B>>>,
     products: &Products<B>,
 ) -> Result<Vec<Option<LowRankTerm<B>>>> {
@@ -89,7 +88,7 @@ fn low_rank_terms<B: MoeBackend>(
     let queued: Vec<_> = inputs
         .iter()
         .zip(adapters)
-        .map(|((_, x), lora)| lora.map(|l| (batch.push(x.clone(), l.a.clone()), l)))
+        .map(|(x, lora)| lora.map(|l| (batch.push(x.clone(), l.a.clone()), l)))
         .collect();
     let mut done = batch.run()?;
     Ok(queued
@@ -103,11 +102,11 @@ type Projection<B> = (FloatTensor<B>, Option<LowRank<B>>, Option<FloatTensor<B>>
 
 /// One step of a round: each expert's `x · w (+ scale · (x · a) · b) (+ bias)` into `blocks`,
 /// for `(w, adapter, bias) = projection(e)`: the adapters' projections in one batch, then the
-/// blocks' products in another. Returns the blocks in the round's order.
+/// blocks' products in another. `inputs` and the result are in the round's order.
 fn adapted_gemms<B: MoeBackend>(
     blocks: &mut Blocks<'_, B>,
     round: &[(usize, usize)],
-    inputs: Vec<(usize, FloatTensor<B>)>,
+    inputs: Vec<FloatTensor<B>>,
     projection: impl Fn(usize) -> Projection<B>,
     products: &Products<B>,
 ) -> Result<Vec<FloatTensor<B>>> {
@@ -124,7 +123,7 @@ fn adapted_gemms<B: MoeBackend>(
         .zip(inputs)
         .zip(terms)
         .zip(weights)
-        .map(|(((&(e, rows), (_, lhs)), low_rank), (rhs, bias))| BlockGemm {
+        .map(|(((&(e, rows), lhs), low_rank), (rhs, bias))| BlockGemm {
             e,
             rows,
             lhs,
@@ -178,15 +177,14 @@ pub(crate) fn compute<B: MoeBackend>(
         // 1. The first GEMMs, with their adapters' terms, into the hidden slot (`T_M`).
         let xs: Vec<_> = round
             .iter()
-            .map(|&(e, rows)| (e, block::<B>(mem, &x, &layout, e, rows)))
+            .map(|&(e, rows)| block::<B>(mem, &x, &layout, e, rows))
             .collect();
         let in_proj = |e| (experts.w_in(e), experts.lora_in(e), experts.b_in(e));
         let zs = adapted_gemms(&mut hidden_blocks, &round, xs, in_proj, products)?;
         // 2. The activation.
-        let acts: Vec<_> = round
+        let acts: Vec<_> = zs
             .iter()
-            .zip(&zs)
-            .map(|(&(e, _), z)| (e, activation_forward::<B>(act, z.clone())))
+            .map(|z| activation_forward::<B>(act, z.clone()))
             .collect();
         // 3. The second GEMMs, with their adapters' terms, into the output slot (`T_DO`).
         let out_proj = |e| (experts.w_out(e), experts.lora_out(e), experts.b_out(e));
