@@ -13,7 +13,9 @@
 # (120), TRAIN_STEPS (200), BENCH_S (240), PEER_S (120, each of the two peer runs), MODELS_S (240),
 # FINETUNE_S (240), FTPEER_S (420; phase "finetune-peer", off by default: the 163 M model
 # fine-tuned beside transformers, FTPEER_ARGS to scripts/bench/finetune_gpu_peer.py, e.g.
-# "--rounds 1 --precision tf32", or "--lora 16" for issue 58's LoRA pair against PEFT), MEMORY_S (240; phase "memory", off by default: gpu_memory,
+# "--rounds 1 --precision tf32", or "--lora 16" for issue 58's LoRA pair against PEFT), GENPEER_S (300; phase
+# "generate-peer", off by default: the 163 M model's greedy generation, one prompt and a batch of 8, ours on
+# cuBLAS and on cubecl beside transformers, GENPEER_ARGS to scripts/bench/generate_gpu_peer.py), MEMORY_S (240; phase "memory", off by default: gpu_memory,
 # MEMORY_ARGS e.g. "--quick"), PROFILE_S (60 per profiled process; phase "profile", off by default:
 # PROFILE_SHAPES, PROFILE_REPEATS); CHECK_ARGS (e.g. --plan cublas) goes to the check, BENCH_ARGS (e.g. --quick)
 # to the benchmark, PEER_ARGS (e.g. --quick --repeats 10) to the PyTorch peer, which runs once
@@ -31,6 +33,8 @@ PEER_S=${PEER_S:-120}
 MODELS_S=${MODELS_S:-240}
 FINETUNE_S=${FINETUNE_S:-240}
 FTPEER_S=${FTPEER_S:-420}
+GENPEER_S=${GENPEER_S:-300}
+GENPEER_ARGS=${GENPEER_ARGS:-}
 MEMORY_S=${MEMORY_S:-240}
 MEMORY_ARGS=${MEMORY_ARGS:-}
 FTPEER_ARGS=${FTPEER_ARGS:-}
@@ -124,6 +128,16 @@ if [[ $PHASES == *" finetune-peer "* ]]; then
   timeout "$FTPEER_S" python3 scripts/bench/finetune_gpu_peer.py --binary "$bin/mpipemoe" $FTPEER_ARGS \
     --json "$out/finetune_gpu_peer.json" 2>"$out/finetune_gpu_peer.err" | tee "$out/finetune_gpu_peer.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || { check=1; tail -20 "$out/finetune_gpu_peer.err"; }
+fi
+if [[ $PHASES == *" generate-peer "* ]]; then
+  # Issue 56's whole model on the GPU, generating: greedy new tokens/s of the 163 M Qwen3-MoE,
+  # one prompt and a batch of eight, ours with the dense products on cuBLAS (one section a
+  # product) and on cubecl's kernels, beside transformers' generate at the same precision.
+  echo "== the 163 M Qwen3-MoE generating on CUDA beside transformers"
+  rm -f cubecl.toml
+  timeout "$GENPEER_S" python3 scripts/bench/generate_gpu_peer.py --binary "$bin/mpipemoe" $GENPEER_ARGS \
+    --json "$out/generate_gpu_peer.json" 2>"$out/generate_gpu_peer.err" | tee "$out/generate_gpu_peer.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || { check=1; tail -20 "$out/generate_gpu_peer.err"; }
 fi
 [[ $PHASES != *" train "* ]] || echo "== toy GPT-MoE on CUDA ($TRAIN_STEPS steps; the loss must fall by at least 1 nat)"
 # `--no-chart`: the GPU machines have no TrueType font for the load chart's text (the second

@@ -288,7 +288,8 @@ fn nccl_ranks_need_a_cuda_backend() {
 
 /// `generate` prints transformers' greedy ids for the tiny Mixtral (the expected ids are in
 /// its `.expected.safetensors`, from `generate(do_sample=False)`), at one rank and with the
-/// experts sharded over two, three partitions, S4; `logits` writes `[T, vocab]`.
+/// experts sharded over two, three partitions, S4; `--repeats` times each run and answers the
+/// same ids; `logits` writes `[T, vocab]`.
 #[test]
 fn generate_and_logits_on_a_tiny_model() {
     let models = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/models");
@@ -304,14 +305,28 @@ fn generate_and_logits_on_a_tiny_model() {
     let (prompt, greedy) = (ints("prompt").join(","), ints("greedy").join(","));
     let dir = models.join("mixtral-tiny");
     let dir = dir.to_str().unwrap();
-    for extra in [
-        &[][..],
-        &["--ranks", "2", "--partitions", "3", "--strategy", "s4"][..],
+    for (extra, runs) in [
+        (&["--repeats", "3"][..], 3),
+        (&["--ranks", "2", "--partitions", "3", "--strategy", "s4"][..], 1),
     ] {
         let mut args = vec!["generate", dir, "--ids", &prompt, "--max-new-tokens", "32"];
         args.extend_from_slice(extra);
         let out = mpipemoe(&args);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{stderr}");
+        // One timing line a run, each of the 32 new tokens, and no note of differing ids.
+        let timed: Vec<&str> = stderr
+            .lines()
+            .filter(|l| l.starts_with("generated 32 tokens"))
+            .collect();
+        assert_eq!(timed.len(), runs, "{stderr}");
+        if runs > 1 {
+            assert!(
+                timed[runs - 1].ends_with(&format!("(run {runs} of {runs})")),
+                "{stderr}"
+            );
+        }
+        assert!(!stderr.contains("other ids"), "{stderr}");
         // The ids on the first line; the folder has a tokenizer, so their text follows.
         let stdout = String::from_utf8_lossy(&out.stdout).to_string();
         let (ids, text) = stdout.split_once('\n').unwrap();
@@ -333,6 +348,10 @@ fn generate_and_logits_on_a_tiny_model() {
     let _ = std::fs::remove_file(&file);
     let written = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     assert_eq!(written.tensor("logits").unwrap().shape(), [3, 96]);
+    // No run at all is refused by the flag's name.
+    let out = mpipemoe(&["generate", dir, "--ids", "1,5", "--repeats", "0"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--repeats"));
     // An id outside the vocabulary is an error naming it, not a panic.
     let out = mpipemoe(&["generate", dir, "--ids", "1,500"]);
     assert_eq!(out.status.code(), Some(1));

@@ -137,6 +137,13 @@ pub struct GenerateArgs {
     /// can take longer where the kernel must compact memory to find huge pages.
     #[arg(long)]
     huge_pages: bool,
+    /// Generate this many times in the one process and report each run's time: on a GPU the
+    /// first run also compiles and tunes the kernels, so a benchmark times the later ones. The
+    /// answer is the last run's. Every run starts afresh (sampling from `--seed` again), so
+    /// each picks the same ids unless the backend's arithmetic changed between calls, which
+    /// is noted.
+    #[arg(long, default_value_t = 1, value_parser = count(1, 100))]
+    repeats: usize,
     /// A LoRA adapter folder written by PEFT (`adapter_config.json`,
     /// `adapter_model.safetensors`) to run the model with, merged into its weights for
     /// generation (PEFT's `merge_and_unload`: the same function up to float rounding). DIR is the base, whatever the
@@ -195,8 +202,13 @@ enum Prompt {
 #[derive(Clone)]
 enum Task {
     Logits(Vec<usize>),
-    /// The prompts (one batch), the most new tokens, how to pick them.
-    Generate(Vec<Prompt>, usize, Pick),
+    /// The prompts (one batch), the most new tokens, how to pick them, how many times.
+    Generate {
+        prompts: Vec<Prompt>,
+        max_new_tokens: usize,
+        pick: Pick,
+        repeats: usize,
+    },
 }
 
 /// The model's answer: logits `[T, vocab]`, or each prompt's new ids (and their text where
@@ -305,7 +317,7 @@ impl BackendJob for LmJob<'_> {
                 (Some(adapter), Task::Logits(_)) => model.with_adapter(adapter)?,
                 // Generation merges: each step then runs the weights alone, not the experts'
                 // adapted weights rebuilt per token.
-                (Some(adapter), Task::Generate(..)) => model.with_adapter(adapter)?.merge_lora(),
+                (Some(adapter), Task::Generate { .. }) => model.with_adapter(adapter)?.merge_lora(),
             };
             // The ranks meet after loading under the arrival bound: one may load far slower.
             ctx.comm.arrival_barrier()?;
@@ -326,7 +338,12 @@ impl BackendJob for LmJob<'_> {
                         .map_err(|e| MoeError::Input(format!("logits: {e:?}")))?;
                     Ok(Answer::Logits(values, [t, vocab]))
                 }
-                Task::Generate(prompts, n, pick) => {
+                Task::Generate {
+                    prompts,
+                    max_new_tokens,
+                    pick,
+                    repeats,
+                } => {
                     let vocab = model.config().vocab_size;
                     let tokenizer = TextTokenizer::from_dir(self.dir, vocab)?;
                     let prompts = prompts
@@ -349,9 +366,8 @@ impl BackendJob for LmJob<'_> {
                             prompts.len()
                         )));
                     }
-                    let start = std::time::Instant::now();
                     let options = GenerateOptions {
-                        max_new_tokens: *n,
+                        max_new_tokens: *max_new_tokens,
                         sampling: pick.sampling(&model.config().generation),
                     };
                     if ctx.rank == 0 {
@@ -366,19 +382,42 @@ impl BackendJob for LmJob<'_> {
                         }
                     }
                     let batch: Vec<&[usize]> = prompts.iter().map(Vec::as_slice).collect();
-                    let rows = model.generate_batch(&batch, &options, &device)?;
-                    let seconds = start.elapsed().as_secs_f64();
-                    if ctx.rank == 0 {
-                        // On standard error, so that standard output stays ids and text.
-                        let new: usize = rows.iter().map(Vec::len).sum();
-                        let read: usize = prompts.iter().map(Vec::len).sum();
-                        eprintln!(
-                            "generated {new} tokens after {} prompt(s) of {read} tokens in {seconds:.3} s \
-                             ({:.2} tokens/s, prefill included)",
-                            prompts.len(),
-                            new as f64 / seconds
-                        );
+                    let mut last: Option<Vec<Vec<usize>>> = None;
+                    for run in 1..=*repeats {
+                        let start = std::time::Instant::now();
+                        let rows = model.generate_batch(&batch, &options, &device)?;
+                        let seconds = start.elapsed().as_secs_f64();
+                        if ctx.rank == 0 {
+                            // On standard error, so that standard output stays ids and text.
+                            let new: usize = rows.iter().map(Vec::len).sum();
+                            let read: usize = prompts.iter().map(Vec::len).sum();
+                            let of = if *repeats > 1 {
+                                format!(" (run {run} of {repeats})")
+                            } else {
+                                String::new()
+                            };
+                            eprintln!(
+                                "generated {new} tokens after {} prompt(s) of {read} tokens in {seconds:.3} s \
+                                 ({:.2} tokens/s, prefill included){of}",
+                                prompts.len(),
+                                new as f64 / seconds
+                            );
+                        }
+                        // Every run starts from the same prompts and seed, so a run that picks
+                        // other ids says that the backend's arithmetic changed between calls (on
+                        // a GPU, an autotuned kernel chosen after the first run sums in another
+                        // order, which can break a near tie). That is worth a word, not the
+                        // loss of the runs: each run's tokens/s stays the rate of its own work.
+                        if ctx.rank == 0 && last.as_ref().is_some_and(|earlier| *earlier != rows) {
+                            eprintln!(
+                                "note: run {run} picked other ids than run {}: the backend's \
+                                 results changed between calls",
+                                run - 1
+                            );
+                        }
+                        last = Some(rows);
                     }
+                    let rows = last.expect("--repeats is at least 1");
                     let answers = rows
                         .into_iter()
                         .map(|ids| {
@@ -504,7 +543,12 @@ pub fn generate(args: GenerateArgs) -> ExitCode {
         &args.dir,
         &args.run,
         args.adapter.as_deref(),
-        Task::Generate(prompts, args.max_new_tokens, pick),
+        Task::Generate {
+            prompts,
+            max_new_tokens: args.max_new_tokens,
+            pick,
+            repeats: args.repeats,
+        },
         args.huge_pages,
     ) {
         Ok(Answer::Ids(rows)) if batched => {
