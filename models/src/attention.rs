@@ -12,7 +12,7 @@ use mpipemoe::{MoeBackend, Result};
 use crate::cache::LayerCache;
 use crate::config::{AttnRules, DecoderConfig};
 use crate::linear::DenseProducts;
-use crate::lora::{merged, project, LoraLinear};
+use crate::lora::{merged, project, project_all, LoraLinear};
 use crate::norm::{NamedParts, RmsNorm};
 use crate::places::Places;
 use crate::rotary::Rotary;
@@ -205,9 +205,16 @@ impl<B: MoeBackend> Attention<B> {
         } = self.shape;
         let [b, t, _] = x.dims();
         let device = x.device();
-        let mut q = project(dense, &self.q, self.adapter(0), x.clone())?;
-        let mut k = project(dense, &self.k, self.adapter(1), x.clone())?;
-        let mut v = project(dense, &self.v, self.adapter(2), x)?;
+        // The three projections of one input in two calls (one without adapters): on CUDA a
+        // call is a cuBLAS section, and a decode step's products are too small to hide one.
+        let parts = [
+            (&self.q, self.adapter(0)),
+            (&self.k, self.adapter(1)),
+            (&self.v, self.adapter(2)),
+        ];
+        let [mut q, mut k, mut v]: [Tensor<B, 3>; 3] = project_all(dense, &parts, x)?
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("one output per projection"));
         if qk_norm == QkNorm::Whole {
             q = norm(&self.q_norm, q);
             k = norm(&self.k_norm, k);

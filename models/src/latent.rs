@@ -13,7 +13,7 @@ use crate::attention::{attend, probabilities};
 use crate::cache::LayerCache;
 use crate::config::AttnRules;
 use crate::linear::DenseProducts;
-use crate::lora::{merged, project, LoraLinear};
+use crate::lora::{merged, project, project_all, LoraLinear};
 use crate::norm::{NamedParts, RmsNorm};
 use crate::places::Places;
 use crate::rotary::Rotary;
@@ -210,21 +210,26 @@ impl<B: MoeBackend> LatentAttention<B> {
             c.kv_lora_rank,
         );
         let [b, t, _] = x.dims();
-        let q = match (&self.q, &self.q_a, &self.q_a_norm, &self.q_b) {
-            (Some(q), ..) => project(dense, q, self.adapter(0), x.clone())?,
-            (None, Some(a), Some(n), Some(qb)) => project(
-                dense,
-                qb,
-                self.adapter(2),
-                n.forward(project(dense, a, self.adapter(1), x.clone())?),
-            )?,
+        // The two projections of the input (the query's, or its compression's, and the keys'
+        // and values' compression) in one call of `dense` (on CUDA one cuBLAS section).
+        let first = match (&self.q, &self.q_a) {
+            (Some(q), _) => (q, self.adapter(0)),
+            (None, Some(a)) => (a, self.adapter(1)),
+            _ => unreachable!("built with q_proj or the q_a / q_b pair"),
+        };
+        let [q, compressed]: [Tensor<B, 3>; 2] =
+            project_all(dense, &[first, (&self.kv_a, self.adapter(3))], x)?
+                .try_into()
+                .unwrap_or_else(|_| unreachable!("one output per projection"));
+        let q = match (&self.q, &self.q_a_norm, &self.q_b) {
+            (Some(_), ..) => q,
+            (None, Some(n), Some(qb)) => project(dense, qb, self.adapter(2), n.forward(q))?,
             _ => unreachable!("built with q_proj or the q_a / q_b pair"),
         };
         // [batch, heads, seq, nope + rope]
         let q = swap_dims_contiguous(q.reshape([b, t, h, nope + rope]));
         let q_pass = q.clone().slice([0..b, 0..h, 0..t, 0..nope]);
         let q_rot = q.slice([0..b, 0..h, 0..t, nope..nope + rope]);
-        let compressed = project(dense, &self.kv_a, self.adapter(3), x)?;
         let kv = self
             .kv_a_norm
             .forward(compressed.clone().slice([0..b, 0..t, 0..lora]));

@@ -79,6 +79,41 @@ impl DenseProducts {
         Ok(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(y)).reshape(out))
     }
 
+    /// Each `x_i · w_i` of `pairs`, in one call of the device library where there is one (on
+    /// CUDA one cuBLAS section, where each product alone takes one: attention's q, k and v
+    /// projections of one input, say), each as [`matmul`](Self::matmul) makes it otherwise.
+    ///
+    /// # Shapes
+    /// - each x: `[..., d_in]`; its w: `[d_in, d_out]` → `[..., d_out]`
+    ///
+    /// # Errors
+    /// As [`matmul`](Self::matmul).
+    pub fn matmuls<B: MoeBackend, const D: usize>(
+        &self,
+        pairs: Vec<(Tensor<B, D>, Tensor<B, 2>)>,
+    ) -> Result<Vec<Tensor<B, D>>> {
+        let Some((comm, precision)) = self.library.as_ref().filter(|_| !pairs.is_empty()) else {
+            return Ok(pairs.into_iter().map(|(x, w)| matmul(x, w)).collect());
+        };
+        let mut shapes = Vec::with_capacity(pairs.len());
+        let mut flat = Vec::with_capacity(pairs.len());
+        for (x, w) in pairs {
+            let mut dims = x.dims();
+            let [d_in, d_out] = w.dims();
+            let rows = dims[..D - 1].iter().product::<usize>();
+            dims[D - 1] = d_out;
+            shapes.push(dims);
+            let x = x.reshape([rows, d_in]).into_primitive().tensor();
+            flat.push((x, w.into_primitive().tensor()));
+        }
+        let ys = B::dense_matmuls(flat, comm, *precision)?;
+        Ok(ys
+            .into_iter()
+            .zip(shapes)
+            .map(|(y, dims)| Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(y)).reshape(dims))
+            .collect())
+    }
+
     /// `layer(x)`: `x · weight + bias`, the product as [`matmul`](Self::matmul) makes it.
     ///
     /// # Shapes

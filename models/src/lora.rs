@@ -73,6 +73,12 @@ impl<B: MoeBackend> LoraLinear<B> {
             .expect("the backend's own products return no error")
     }
 
+    /// PEFT's `lora_dropout` on the adapter's input, in training only (burn's `Dropout` is the
+    /// identity where the backend tracks no gradients).
+    fn dropped<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        DropoutConfig::new(self.dropout).init().forward(x)
+    }
+
     /// [`forward`](Self::forward) with its two products made as `dense` makes them.
     ///
     /// # Errors
@@ -82,8 +88,7 @@ impl<B: MoeBackend> LoraLinear<B> {
         x: Tensor<B, D>,
         dense: &DenseProducts,
     ) -> Result<Tensor<B, D>> {
-        let x = DropoutConfig::new(self.dropout).init().forward(x);
-        let down = dense.matmul(x, self.a.val())?;
+        let down = dense.matmul(self.dropped(x), self.a.val())?;
         Ok(dense.matmul(down, self.b.val())?.mul_scalar(self.scale))
     }
 }
@@ -103,6 +108,59 @@ pub(crate) fn project<B: MoeBackend, const D: usize>(
         Some(lora) => dense.linear(linear, x.clone())? + lora.forward_with(x, dense)?,
         None => dense.linear(linear, x)?,
     })
+}
+
+/// [`project`] of several projections of one input (attention's q, k and v; DeepSeek-V3's
+/// `q_a_proj` and `kv_a_proj_with_mqa`), their products made in two calls of `dense` (the base
+/// products with the adapters' first, then the adapters' second) rather than two or three per
+/// projection: through a device library each call is one section on CUDA. Without a library
+/// every product, and so every bit, is what [`project`] makes; the adapters' dropouts draw in
+/// the projections' order, as they did one projection at a time.
+///
+/// # Errors
+/// As [`DenseProducts::matmul`].
+pub(crate) fn project_all<B: MoeBackend, const D: usize>(
+    dense: &DenseProducts,
+    parts: &[(&Linear<B>, Option<&LoraLinear<B>>)],
+    x: Tensor<B, D>,
+) -> Result<Vec<Tensor<B, D>>> {
+    let mut first: Vec<(Tensor<B, D>, Tensor<B, 2>)> = parts
+        .iter()
+        .map(|(linear, _)| (x.clone(), linear.weight.val()))
+        .collect();
+    for (_, lora) in parts {
+        if let Some(lora) = lora {
+            first.push((lora.dropped(x.clone()), lora.a.val()));
+        }
+    }
+    let mut first = dense.matmuls(first)?.into_iter();
+    let bases: Vec<Tensor<B, D>> = first.by_ref().take(parts.len()).collect();
+    let second: Vec<_> = parts
+        .iter()
+        .filter_map(|(_, lora)| *lora)
+        .zip(first)
+        .map(|(lora, down)| (down, lora.b.val()))
+        .collect();
+    let mut ups = dense.matmuls(second)?.into_iter();
+    Ok(parts
+        .iter()
+        .zip(bases)
+        .map(|((linear, lora), y)| {
+            let y = match &linear.bias {
+                Some(bias) => y + bias.val().unsqueeze::<D>(),
+                None => y,
+            };
+            match lora {
+                Some(lora) => {
+                    y + ups
+                        .next()
+                        .expect("one up-projection per adapter")
+                        .mul_scalar(lora.scale)
+                }
+                None => y,
+            }
+        })
+        .collect())
 }
 
 /// `linear` with `lora` folded into its weight; the weight keeps its `require_grad` setting.

@@ -8,6 +8,7 @@ use burn::tensor::Tensor;
 use mpipemoe::{MoeBackend, Result};
 
 use crate::linear::DenseProducts;
+use crate::lora::project_all;
 
 /// `down(silu(gate(x)) · up(x))`, no biases (the `mlp` of Qwen2-MoE's and Qwen3-MoE's dense
 /// layers, DeepSeek's first layers, Llama's MLP).
@@ -52,7 +53,11 @@ impl<B: MoeBackend> Mlp<B> {
     /// # Errors
     /// As [`DenseProducts::matmul`].
     pub fn forward(&self, x: Tensor<B, 3>, dense: &DenseProducts) -> Result<Tensor<B, 3>> {
-        let hidden = silu(dense.linear(&self.gate, x.clone())?) * dense.linear(&self.up, x)?;
+        // Both projections of the input in one call (one cuBLAS section on CUDA).
+        let [gate, up]: [Tensor<B, 3>; 2] = project_all(dense, &[(&self.gate, None), (&self.up, None)], x)?
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("one output per projection"));
+        let hidden = silu(gate) * up;
         dense.linear(&self.down, hidden)
     }
 }

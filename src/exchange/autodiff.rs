@@ -225,17 +225,13 @@ impl<B: MoeBackend, C: CheckpointStrategy> MoeBackend for Autodiff<B, C> {
         super::dense::autodiff::<B, C>(lhs, rhs, comm, precision)
     }
 
-    /// Pair by pair, each its own node (a library's single call is the inner backend's, in the
-    /// node's backward).
+    /// Every product in one call of the inner backend's library, each its own node.
     fn dense_matmuls(
         pairs: Vec<(FloatTensor<Self>, FloatTensor<Self>)>,
         comm: &Arc<dyn Communicator>,
         precision: super::GemmPrecision,
     ) -> Result<Vec<FloatTensor<Self>>> {
-        pairs
-            .into_iter()
-            .map(|(lhs, rhs)| Self::dense_matmul(lhs, rhs, comm, precision))
-            .collect()
+        super::dense::autodiff_many::<B, C>(pairs, comm, precision)
     }
 
     /// One node whose backward is the inner backend's combine.

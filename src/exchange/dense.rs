@@ -142,6 +142,37 @@ pub(crate) fn autodiff<B: MoeBackend, C: CheckpointStrategy>(
     Ok(record::<B, C>(lhs, rhs, Some((comm.clone(), precision)), out))
 }
 
+/// A product's two operands.
+type Pair<B> = (FloatTensor<B>, FloatTensor<B>);
+
+/// [`MoeBackend::dense_matmuls`] of `Autodiff<B>`: every product in one call of the inner
+/// backend's library (on CUDA, one section where each product alone would take one), each
+/// recorded as a node of its own, as [`autodiff`] records one. The backward of each node makes
+/// its own two products: burn's autodiff hands each node its own output's gradient, so the
+/// backwards of products that share an input (attention's q, k and v) cannot be one call.
+pub(crate) fn autodiff_many<B: MoeBackend, C: CheckpointStrategy>(
+    pairs: Vec<Pair<Autodiff<B, C>>>,
+    comm: &Arc<dyn Communicator>,
+    precision: GemmPrecision,
+) -> Result<Vec<FloatTensor<Autodiff<B, C>>>> {
+    if !B::dense_library(comm.as_ref()) {
+        return Ok(pairs
+            .into_iter()
+            .map(|(lhs, rhs)| rows_autodiff::<B, C>(lhs, rhs))
+            .collect());
+    }
+    let inner = pairs
+        .iter()
+        .map(|(lhs, rhs)| (lhs.primitive.clone(), rhs.primitive.clone()))
+        .collect();
+    let outs = B::dense_matmuls(inner, comm, precision)?;
+    Ok(pairs
+        .into_iter()
+        .zip(outs)
+        .map(|((lhs, rhs), out)| record::<B, C>(lhs, rhs, Some((comm.clone(), precision)), out))
+        .collect())
+}
+
 /// [`MoeBackend::expert_matmul`] of `Autodiff<B>`: the inner backend's product, recorded as one
 /// node whose backward products go the same way. Flex's then write into outputs allocated once
 /// and read transposed operands in place, where burn's matmul node would differentiate through

@@ -16,7 +16,7 @@ fn lora_dir(family: &str) -> PathBuf {
     data().join("lora").join(family)
 }
 
-fn lora_expected(family: &str) -> Expected {
+pub(super) fn lora_expected(family: &str) -> Expected {
     expected(&format!("lora/{family}"))
 }
 
@@ -69,7 +69,7 @@ fn compare(family: &str, what: &str, ours: &TensorMap, exp: &Expected) {
 
 /// One rank's run: logits, its share of the loss, and (on rank 0) the adapters' gradients
 /// summed as the library's sync sums them.
-fn run_rank(
+pub(super) fn run_rank(
     family: &str,
     comm: Arc<dyn mpipemoe::Communicator>,
     rows: std::ops::Range<usize>,
