@@ -3,10 +3,12 @@
 //! GPU run held to the cases: every result, at each GEMM precision, and the whole call one
 //! section.
 //!
-//! The pairs mix what one step of the primitives queues: equal shapes from different tensors
-//! (a batch through pointer tables), equal shapes from one stacked tensor's slices (a strided
-//! batch where the steps are even), a left operand that is a transposed view (`xᵀ · v`), a
-//! right one that is (`g · bᵀ`), an odd shape left alone, and an empty product.
+//! The pairs mix what one step of the primitives queues and what a model's projections of one
+//! input queue (`DenseProducts::matmuls`): equal shapes from different tensors (a batch through
+//! pointer tables), one left operand against four slices of a stacked tensor (equal shapes
+//! again; the shared operand does not step, so pointer tables too, as attention's k and v of
+//! one input are), a left operand that is a transposed view (`xᵀ · v`), a right one that is
+//! (`g · bᵀ`), a decode step's single row, an odd shape left alone, and an empty product.
 
 use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{Distribution, Tensor, TensorPrimitive};
@@ -39,7 +41,7 @@ fn download(t: Float) -> Vec<f64> {
 fn pairs() -> Vec<(Float, Float)> {
     let t = <Inner as FloatTensorOps<Inner>>::float_transpose;
     let mut pairs: Vec<(Float, Float)> = (0..4).map(|_| (random(40, 64), random(64, 16))).collect();
-    // Four slices of one stacked `[4 · 64, 16]` weight: evenly stepping right operands.
+    // One left operand against four slices of one stacked `[4 · 64, 16]` weight.
     let stacked = random(4 * 64, 16);
     let x = random(24, 64);
     for e in 0..4 {
@@ -51,6 +53,7 @@ fn pairs() -> Vec<(Float, Float)> {
     }
     pairs.push((t(random(40, 64)), random(40, 16)));
     pairs.push((random(40, 32), t(random(16, 32))));
+    pairs.push((random(1, 64), random(64, 48)));
     pairs.push((random(7, 9), random(9, 5)));
     pairs.push((random(0, 64), random(64, 16)));
     pairs
