@@ -62,10 +62,9 @@ def gpu_used_mib(pid):
     return used
 
 
-def run_sampled(cmd, env):
-    """Runs `cmd`, sampling its GPU memory every 100 ms; returns its stdout's last line as JSON,
-    with the peak (MiB) and the wall time."""
-    start = time.perf_counter()
+def sampled(cmd, env):
+    """Runs `cmd`, sampling its GPU memory every 100 ms: (stdout, stderr, peak MiB); exits with
+    its standard error's tail where it fails."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak = 0
     while proc.poll() is None:
@@ -74,6 +73,14 @@ def run_sampled(cmd, env):
     out, err = proc.communicate()
     if proc.returncode != 0:
         sys.exit(f"{' '.join(cmd[:3])}: exit {proc.returncode}\n{err[-3000:]}")
+    return out, err, peak
+
+
+def run_sampled(cmd, env):
+    """Runs `cmd` as `sampled` does; returns its stdout's last line as JSON, with the peak (MiB)
+    and the wall time."""
+    start = time.perf_counter()
+    out, err, peak = sampled(cmd, env)
     lines = out.strip().splitlines()
     if not lines:
         sys.exit(f"{' '.join(cmd[:3])}: no summary on stdout\n{err[-3000:]}")

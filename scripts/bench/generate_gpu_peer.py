@@ -39,13 +39,12 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models_peer  # noqa: E402  (the model, the corpus and the prompts)
-from finetune_gpu_peer import gpu_used_mib  # noqa: E402
+from finetune_gpu_peer import sampled  # noqa: E402  (GPU memory sampled as the fine-tuning pair samples it)
 
 PROMPT_LEN = 64
 
@@ -89,19 +88,6 @@ def torch_side(precision, workload, repeats, new_tokens, threads):
     new = out[:, width:].tolist()
     return {"seconds": seconds, "new_tokens": sum(len(r) for r in new), "rows": new,
             "max_allocated_mib": torch.cuda.max_memory_allocated() / 2**20}
-
-
-def sampled(cmd, env):
-    """Runs `cmd`, sampling its GPU memory every 100 ms: (stdout, stderr, peak MiB)."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak = 0
-    while proc.poll() is None:
-        peak = max(peak, gpu_used_mib(proc.pid))
-        time.sleep(0.1)
-    out, err = proc.communicate()
-    if proc.returncode != 0:
-        sys.exit(f"{' '.join(cmd[:3])}: exit {proc.returncode}\n{err[-3000:]}")
-    return out, err, peak
 
 
 def ours_side(binary, gemm, precision, workload, repeats, new_tokens, env):
