@@ -90,6 +90,18 @@ def run_sampled(cmd, env):
     return summary
 
 
+def prepare(binary, threads):
+    """The checks before a GPU pair runs, the model written where it is not yet: the binary's
+    absolute path, and the environment both sides run in (`threads` CPU threads each)."""
+    if shutil.which("nvidia-smi") is None:
+        sys.exit("nvidia-smi is not on PATH: this benchmark runs on an NVIDIA GPU")
+    binary = os.path.abspath(binary)
+    if not os.access(binary, os.X_OK):
+        sys.exit(f"{binary} is missing: scripts/gpu/build.sh")
+    models_peer.make_model()
+    return binary, dict(os.environ, RAYON_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--binary", required=True, help="a CUDA build of mpipemoe")
@@ -112,13 +124,7 @@ def main():
         print(json.dumps(models_peer.torch_finetune(args.steps, args.threads, lora=args.lora, device="cuda",
                                                     precision=args.side, batch=args.batch, seq=args.seq_len)))
         return
-    if shutil.which("nvidia-smi") is None:
-        sys.exit("nvidia-smi is not on PATH: this benchmark runs on an NVIDIA GPU")
-    binary = os.path.abspath(args.binary)
-    if not os.access(binary, os.X_OK):
-        sys.exit(f"{binary} is missing: scripts/gpu/build.sh")
-    models_peer.make_model()
-    env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads))
+    binary, env = prepare(args.binary, args.threads)
     out_dir = os.path.join(models_peer.BENCH, "qwen3-moe-163m-tuned-gpu")
     sides_of = ["ours", "torch"] + (["ours_full"] if args.lora else [])
     rows = {p: {side: [] for side in sides_of} for p in args.precision}

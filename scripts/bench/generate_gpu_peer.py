@@ -37,14 +37,13 @@ PyTorch with CUDA, transformers and tokenizers.
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models_peer  # noqa: E402  (the model, the corpus and the prompts)
-from finetune_gpu_peer import sampled  # noqa: E402  (GPU memory sampled as the fine-tuning pair samples it)
+from finetune_gpu_peer import prepare, sampled  # noqa: E402  (GPU memory sampled as the fine-tuning pair samples it)
 
 PROMPT_LEN = 64
 
@@ -150,13 +149,7 @@ def main():
         precision, workload = args.side.split(":")
         print(json.dumps(torch_side(precision, workload, args.repeats, args.new_tokens, args.threads)))
         return
-    if shutil.which("nvidia-smi") is None:
-        sys.exit("nvidia-smi is not on PATH: this benchmark runs on an NVIDIA GPU")
-    binary = os.path.abspath(args.binary)
-    if not os.access(binary, os.X_OK):
-        sys.exit(f"{binary} is missing: scripts/gpu/build.sh")
-    models_peer.make_model()
-    env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads))
+    binary, env = prepare(args.binary, args.threads)
     rows = {}
     for round_ in range(args.rounds):
         for precision in args.precision:
