@@ -382,42 +382,7 @@ impl BackendJob for LmJob<'_> {
                         }
                     }
                     let batch: Vec<&[usize]> = prompts.iter().map(Vec::as_slice).collect();
-                    let mut last: Option<Vec<Vec<usize>>> = None;
-                    for run in 1..=*repeats {
-                        let start = std::time::Instant::now();
-                        let rows = model.generate_batch(&batch, &options, &device)?;
-                        let seconds = start.elapsed().as_secs_f64();
-                        if ctx.rank == 0 {
-                            // On standard error, so that standard output stays ids and text.
-                            let new: usize = rows.iter().map(Vec::len).sum();
-                            let read: usize = prompts.iter().map(Vec::len).sum();
-                            let of = if *repeats > 1 {
-                                format!(" (run {run} of {repeats})")
-                            } else {
-                                String::new()
-                            };
-                            eprintln!(
-                                "generated {new} tokens after {} prompt(s) of {read} tokens in {seconds:.3} s \
-                                 ({:.2} tokens/s, prefill included){of}",
-                                prompts.len(),
-                                new as f64 / seconds
-                            );
-                        }
-                        // Every run starts from the same prompts and seed, so a run that picks
-                        // other ids says that the backend's arithmetic changed between calls (on
-                        // a GPU, an autotuned kernel chosen after the first run sums in another
-                        // order, which can break a near tie). That is worth a word, not the
-                        // loss of the runs: each run's tokens/s stays the rate of its own work.
-                        if ctx.rank == 0 && last.as_ref().is_some_and(|earlier| *earlier != rows) {
-                            eprintln!(
-                                "note: run {run} picked other ids than run {}: the backend's \
-                                 results changed between calls",
-                                run - 1
-                            );
-                        }
-                        last = Some(rows);
-                    }
-                    let rows = last.expect("--repeats is at least 1");
+                    let rows = generate_runs(&model, &batch, &options, &device, *repeats, ctx.rank == 0)?;
                     let answers = rows
                         .into_iter()
                         .map(|ids| {
@@ -431,6 +396,52 @@ impl BackendJob for LmJob<'_> {
         })?;
         Ok(answers.into_iter().next().expect("at least one rank"))
     }
+}
+
+/// `model`'s continuations of `batch`, generated `repeats` times, each run timed on standard
+/// error where `report` (rank 0; standard output stays ids and text): the last run's ids.
+fn generate_runs<B: MoeBackend>(
+    model: &MoeCausalLm<B>,
+    batch: &[&[usize]],
+    options: &GenerateOptions,
+    device: &B::Device,
+    repeats: usize,
+    report: bool,
+) -> mpipemoe::Result<Vec<Vec<usize>>> {
+    let read: usize = batch.iter().map(|p| p.len()).sum();
+    let mut last: Option<Vec<Vec<usize>>> = None;
+    for run in 1..=repeats {
+        let start = std::time::Instant::now();
+        let rows = model.generate_batch(batch, options, device)?;
+        let seconds = start.elapsed().as_secs_f64();
+        if report {
+            let new: usize = rows.iter().map(Vec::len).sum();
+            let of = match repeats {
+                1 => String::new(),
+                _ => format!(" (run {run} of {repeats})"),
+            };
+            eprintln!(
+                "generated {new} tokens after {} prompt(s) of {read} tokens in {seconds:.3} s \
+                 ({:.2} tokens/s, prefill included){of}",
+                batch.len(),
+                new as f64 / seconds
+            );
+        }
+        // Every run starts from the same prompts and seed, so a run that picks other ids says
+        // that the backend's arithmetic changed between calls (on a GPU, an autotuned kernel
+        // chosen after the first run sums in another order, which can break a near tie). That
+        // is worth a word, not the loss of the runs: each run's tokens/s stays the rate of its
+        // own work.
+        if report && last.as_ref().is_some_and(|earlier| *earlier != rows) {
+            eprintln!(
+                "note: run {run} picked other ids than run {}: the backend's results changed \
+                 between calls",
+                run - 1
+            );
+        }
+        last = Some(rows);
+    }
+    Ok(last.expect("--repeats is at least 1"))
 }
 
 fn check_ids(ids: &[usize]) -> Result<(), String> {
