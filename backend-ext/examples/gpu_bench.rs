@@ -14,7 +14,9 @@
 //!   rank with the exchange skipped (`SingleRank`), in issue order, with the cuBLAS path at each
 //!   precision (device hand-over; TF32 also with host waits, and under burn's fusion; TF32 and
 //!   bf16 also without the batched calls; TF32 also with LoRA adapters of rank 16 on the
-//!   experts, base frozen, whose products go one cuBLAS section a step of a partition), and
+//!   experts, base frozen, whose products go one cuBLAS section a step of a partition; TF32
+//!   also with the router's products left on cubecl's kernels, `cublas experts only`: two
+//!   sections a step fewer, each a cubecl product instead), and
 //!   without it (cubecl's GEMMs, which multiply f32 in TF32: the twin the GPU check compares the
 //!   path with); `forward` is the layer's forward alone (cuBLAS, TF32).
 //!
@@ -459,23 +461,25 @@ fn main() {
         }
     };
     let paths = [
-        (Handover::Device, true, true),
-        (Handover::Host, true, true),
-        (Handover::Device, false, false),
-        (Handover::Device, true, false),
+        (Handover::Device, true, true, true),
+        (Handover::Host, true, true, true),
+        (Handover::Device, false, false, true),
+        (Handover::Device, true, false, true),
+        (Handover::Device, true, true, false),
     ]
-    .map(|(handover, grouped, batched)| {
+    .map(|(handover, grouped, batched, dense)| {
         let options = CublasOptions {
             handover,
             grouped,
             batched,
+            dense,
         };
         CublasExperts::with_options(0, options).unwrap_or_else(|e| {
             eprintln!("error: {e}");
             std::process::exit(1)
         })
     });
-    let [device_path, host_path, looped_path, unbatched_path] = &paths;
+    let [device_path, host_path, looped_path, unbatched_path, experts_only_path] = &paths;
     let device = Default::default();
     eprintln!("cuBLAS expert path: {device_path:?}");
     let token_counts: &[usize] = if args.quick { &[4096] } else { &[4096, 16384] };
@@ -610,6 +614,9 @@ fn main() {
                 );
                 let (t, n, host) = layer_ms::<B>(&tf32, with(host_path), tokens, args.repeats, false);
                 push("layer", "cublas host-waits", "tf32", t, n, Some(host));
+                let (t, n, host) =
+                    layer_ms::<B>(&tf32, with(experts_only_path), tokens, args.repeats, false);
+                push("layer", "cublas experts only", "tf32", t, n, Some(host));
                 let (t, n, host) = layer_ms::<Autodiff<mpipemoe_cuda::CudaMoeFusion<f32>>>(
                     &tf32,
                     with(device_path),
@@ -646,6 +653,7 @@ fn main() {
     if let Err(e) = device_path
         .check(&client(&device))
         .and(host_path.check(&client(&device)))
+        .and(experts_only_path.check(&client(&device)))
     {
         eprintln!("error: {e}");
         std::process::exit(1);

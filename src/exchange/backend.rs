@@ -335,9 +335,10 @@ pub trait MoeBackend:
     }
 
     /// Independent [`dense_matmul`](Self::dense_matmul)s in one call: a dense product's two
-    /// backward products, which a device library runs together ([`ExpertPath::matmuls`](super::ExpertPath::matmuls):
-    /// on CUDA one section, not two). Differentiable only where the backend's `dense_matmul`
-    /// is (the wrappers multiply pair by pair).
+    /// backward products, a model's projections of one input, which a device library runs
+    /// together ([`ExpertPath::matmuls`](super::ExpertPath::matmuls): on CUDA one section, not
+    /// one each). Differentiable where the backend's `dense_matmul` is: under `Autodiff` one
+    /// inner call, each output a node of its own.
     ///
     /// # Shapes
     /// - each pair: lhs `[m, k]`, rhs `[k, n]` → `[m, n]`, in the pairs' order
@@ -353,10 +354,11 @@ pub trait MoeBackend:
     }
 
     /// Whether [`dense_matmul`](Self::dense_matmul) goes through a device library here: the
-    /// communicator offers one for this backend, or, for a wrapper (`Autodiff<B>`,
-    /// `Fusion<B>`), for the backend it wraps.
+    /// communicator offers one for this backend that takes dense products
+    /// ([`ExpertPath::multiplies_dense`](super::ExpertPath::multiplies_dense)), or, for a
+    /// wrapper (`Autodiff<B>`, `Fusion<B>`), for the backend it wraps.
     fn dense_library(comm: &dyn Communicator) -> bool {
-        comm.row_paths().and_then(|p| p.experts::<Self>()).is_some()
+        super::dense::dense_path::<Self>(comm).is_some()
     }
 
     /// Step 4's gather: row `i` of the result is row `map.targets()[i]` of `x`, differentiable

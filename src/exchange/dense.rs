@@ -33,7 +33,7 @@ pub(crate) fn through_path<B: MoeBackend>(
     comm: &Arc<dyn Communicator>,
     precision: GemmPrecision,
 ) -> Result<FloatTensor<B>> {
-    match comm.row_paths().and_then(|p| p.experts::<B>()) {
+    match dense_path::<B>(comm.as_ref()) {
         Some(path) => path.matmul(lhs, rhs, precision),
         None => Ok(B::expert_matmul(lhs, rhs)),
     }
@@ -46,8 +46,16 @@ pub(crate) fn through_path_many<B: MoeBackend>(
     comm: &Arc<dyn Communicator>,
     precision: GemmPrecision,
 ) -> Result<Vec<FloatTensor<B>>> {
-    let path = comm.row_paths().and_then(|p| p.experts::<B>());
+    let path = dense_path::<B>(comm.as_ref());
     super::products::matmuls(path.as_deref(), pairs, precision)
+}
+
+/// The communicator's device library for `B` where it takes dense products
+/// ([`ExpertPath::multiplies_dense`](super::ExpertPath::multiplies_dense)).
+pub(crate) fn dense_path<B: MoeBackend>(comm: &dyn Communicator) -> Option<Arc<dyn super::ExpertPath<B>>> {
+    comm.row_paths()
+        .and_then(|p| p.experts::<B>())
+        .filter(|p| p.multiplies_dense())
 }
 
 /// The backward node of a dense product: `dlhs = g · rhsᵀ`, `drhs = lhsᵀ · g`, each the same

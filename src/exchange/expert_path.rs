@@ -274,6 +274,16 @@ pub trait ExpertPath<B: MoeBackend>: Send + Sync + Debug {
             .map(|(lhs, rhs)| self.matmul(lhs, rhs, precision))
             .collect()
     }
+
+    /// Whether the layer's dense products (the router's logits, the shared expert, a model's
+    /// projections: [`MoeBackend::dense_matmul`]) go through this path too, or stay on the
+    /// backend's own product. The default is `true`. A library may leave them to the backend
+    /// where its per-call cost outweighs its faster product (on CUDA, a section for a
+    /// router's `[n_tokens, d_model] · [d_model, n_experts]`); the experts' own products
+    /// (`forward`, `backward`, `matmuls` of the primitives) go through it either way.
+    fn multiplies_dense(&self) -> bool {
+        true
+    }
 }
 
 /// The plain-primitive twin of every [`ExpertPath`]: each expert's GEMMs and activation on

@@ -32,6 +32,10 @@ struct Counted {
     backward: AtomicUsize,
     made: AtomicUsize,
     batches: Mutex<Vec<usize>>,
+    /// Single dense products (`matmul`: the router's forward).
+    products: AtomicUsize,
+    /// Leaves the dense products to the backend (`multiplies_dense` false).
+    experts_only: bool,
 }
 
 /// What `Counted` keeps in a pass's store.
@@ -63,16 +67,32 @@ impl ExpertPath<NdArray> for Counted {
         ComposedExperts.backward(job)
     }
 
+    fn matmul(
+        &self,
+        lhs: FloatTensor<NdArray>,
+        rhs: FloatTensor<NdArray>,
+        _precision: GemmPrecision,
+    ) -> Result<FloatTensor<NdArray>> {
+        use burn::tensor::ops::FloatTensorOps;
+        self.products.fetch_add(1, Ordering::Relaxed);
+        Ok(<NdArray as FloatTensorOps<NdArray>>::float_matmul(lhs, rhs))
+    }
+
     fn matmuls(
         &self,
         pairs: Vec<(FloatTensor<NdArray>, FloatTensor<NdArray>)>,
-        precision: GemmPrecision,
+        _precision: GemmPrecision,
     ) -> Result<Vec<FloatTensor<NdArray>>> {
+        use burn::tensor::ops::FloatTensorOps;
         self.batches.lock().unwrap().push(pairs.len());
-        pairs
+        Ok(pairs
             .into_iter()
-            .map(|(lhs, rhs)| self.matmul(lhs, rhs, precision))
-            .collect()
+            .map(|(lhs, rhs)| <NdArray as FloatTensorOps<NdArray>>::float_matmul(lhs, rhs))
+            .collect())
+    }
+
+    fn multiplies_dense(&self) -> bool {
+        !self.experts_only
     }
 }
 
@@ -180,6 +200,50 @@ fn every_case_through_the_expert_hook_equals_the_primitive_path() {
             }
         }
     }
+}
+
+/// A path that leaves the dense products to the backend (`multiplies_dense` false, as a
+/// benchmark sets the CUDA path to time the router on cubecl's kernels) still takes every
+/// partition's experts, forward and backward, while the router's products, forward and
+/// backward, never reach it; every tensor stays the primitive path's, bit for bit. With the
+/// flag ignored the router's product and its backward's call reach the path and it fails.
+#[test]
+fn a_path_for_the_experts_alone_leaves_the_router_to_the_backend() {
+    let device = Default::default();
+    let case = &cases()[0];
+    let options = options(1, 2, Strategy::S4, Shadowing::Off);
+    let counted = Arc::new(Counted {
+        experts_only: true,
+        ..Counted::default()
+    });
+    let paths = RowPaths::new().with_experts::<NdArray>(counted.clone());
+    let wrap = |comm: Arc<dyn Communicator>| -> Arc<dyn Communicator> {
+        Arc::new(WithRowPaths::adding(comm, paths.clone()))
+    };
+    let through = check_case_through::<B>(case, &options, &device, &wrap).unwrap();
+    let plain = check_case::<B>(case, &options, &device).unwrap();
+    assert!(
+        counted.forward.load(Ordering::Relaxed) >= 1,
+        "forward hook not taken"
+    );
+    assert!(
+        counted.backward.load(Ordering::Relaxed) >= 1,
+        "backward hook not taken"
+    );
+    assert_eq!(
+        counted.products.load(Ordering::Relaxed),
+        0,
+        "a dense product reached the path"
+    );
+    assert!(
+        counted.batches.lock().unwrap().is_empty(),
+        "the dense backward reached the path"
+    );
+    assert_same_bits(
+        &plain,
+        &through,
+        &format!("{}, against the primitive path", case.name),
+    );
 }
 
 /// Flex's own path (its experts side by side over the pool, their weight gradients written

@@ -66,6 +66,12 @@ pub struct CublasOptions {
     /// where the operands do not step evenly), before the grouped or looped calls take the
     /// rest; `false`: every product by `grouped`'s rule.
     pub batched: bool,
+    /// The layer's dense products too (the router's logits, the shared expert, a model's
+    /// projections: `MoeBackend::dense_matmul`), at the layer's precision; `false` leaves
+    /// them on cubecl's kernels, which multiply f32 in TF32 whatever is asked, without a
+    /// section each. A benchmark's twin: at TF32 it says what a router's section costs
+    /// against cubecl's small product.
+    pub dense: bool,
 }
 
 impl Default for CublasOptions {
@@ -74,6 +80,7 @@ impl Default for CublasOptions {
             handover: Handover::Device,
             grouped: true,
             batched: true,
+            dense: true,
         }
     }
 }
@@ -413,5 +420,9 @@ impl ExpertPath<CudaMoe<f32>> for CublasExperts {
 
     fn backward(&self, job: ExpertBackward<'_, CudaMoe<f32>>) -> Result<ExpertBackwardOut<CudaMoe<f32>>> {
         backward::backward(self, job)
+    }
+
+    fn multiplies_dense(&self) -> bool {
+        self.inner.options.dense
     }
 }
