@@ -614,8 +614,7 @@ fn main() {
                 );
                 let (t, n, host) = layer_ms::<B>(&tf32, with(host_path), tokens, args.repeats, false);
                 push("layer", "cublas host-waits", "tf32", t, n, Some(host));
-                let (t, n, host) =
-                    layer_ms::<B>(&tf32, with(experts_only_path), tokens, args.repeats, false);
+                let (t, n, host) = layer_ms::<B>(&tf32, with(experts_only_path), tokens, args.repeats, false);
                 push("layer", "cublas experts only", "tf32", t, n, Some(host));
                 let (t, n, host) = layer_ms::<Autodiff<mpipemoe_cuda::CudaMoeFusion<f32>>>(
                     &tf32,

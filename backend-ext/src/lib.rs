@@ -59,6 +59,8 @@ mod offload;
 mod payload;
 #[cfg(feature = "cuda")]
 mod rows;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod spans;
 
 #[cfg(feature = "cuda")]
 pub use driver::{cuda_available, nccl_available, CudaError};

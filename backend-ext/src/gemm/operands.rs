@@ -132,7 +132,8 @@ pub(crate) struct Halves {
 }
 
 impl Halves {
-    /// bf16 copies of each `(address, floats)`, returned in order; none where `half` is false
+    /// bf16 copies of each `(address, floats)`, returned in order, one conversion per
+    /// distinct span however many entries read it (`spans.rs`); none where `half` is false
     /// (then the addresses come back as they are).
     pub(crate) fn plan(
         at: &mut Addresses<'_>,
@@ -142,9 +143,11 @@ impl Halves {
         if !half {
             return Ok((Self::default(), list.iter().map(|&(a, _)| a).collect()));
         }
-        let (offsets, total) = Self::layout(list);
+        let (spans, index) = crate::spans::distinct(list);
+        let (offsets, total) = Self::layout(&spans);
         let base = at.scratch(total)?;
-        Ok(Self::at(base, &offsets, list))
+        let (halves, copies) = Self::at(base, &offsets, &spans);
+        Ok((halves, index.into_iter().map(|i| copies[i]).collect()))
     }
 
     /// Each copy's offset in one buffer, and the buffer's bytes.
