@@ -62,6 +62,17 @@ level = "minimal"
 file = "$out/cubecl-$1-autotune.log"
 TOML
 }
+# A whole-model pair of scripts/bench (SCRIPT.py, beside transformers on this GPU) under LIMIT
+# seconds, with the CLI built here and the phase's arguments; its table, JSON and standard error
+# under $out. Usage: whole_model_pair SCRIPT LIMIT [ARGS...]
+whole_model_pair() {
+  local script=$1 limit=$2
+  shift 2
+  rm -f cubecl.toml
+  timeout "$limit" python3 "scripts/bench/$script.py" --binary "$bin/mpipemoe" "$@" \
+    --json "$out/$script.json" 2>"$out/$script.err" | tee "$out/$script.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || { check=1; tail -20 "$out/$script.err"; }
+}
 if [[ $PHASES == *" check "* ]]; then
   echo "== correctness"
   cubecl_logs check
@@ -124,20 +135,16 @@ if [[ $PHASES == *" finetune-peer "* ]]; then
   # and by transformers with torch on the same GPU, TF32 on both sides and bf16 on both,
   # alternating processes; tokens/s and peak GPU memory (nvidia-smi, both sides alike).
   echo "== the 163 M Qwen3-MoE fine-tuned on CUDA beside transformers (TF32 both, bf16 both)"
-  rm -f cubecl.toml
-  timeout "$FTPEER_S" python3 scripts/bench/finetune_gpu_peer.py --binary "$bin/mpipemoe" $FTPEER_ARGS \
-    --json "$out/finetune_gpu_peer.json" 2>"$out/finetune_gpu_peer.err" | tee "$out/finetune_gpu_peer.txt"
-  [ "${PIPESTATUS[0]}" = 0 ] || { check=1; tail -20 "$out/finetune_gpu_peer.err"; }
+  # shellcheck disable=SC2086 # the arguments split into words on purpose
+  whole_model_pair finetune_gpu_peer "$FTPEER_S" $FTPEER_ARGS
 fi
 if [[ $PHASES == *" generate-peer "* ]]; then
   # Issue 56's whole model on the GPU, generating: greedy new tokens/s of the 163 M Qwen3-MoE,
   # one prompt and a batch of eight, ours with the dense products on cuBLAS (one section a
   # product) and on cubecl's kernels, beside transformers' generate at the same precision.
   echo "== the 163 M Qwen3-MoE generating on CUDA beside transformers"
-  rm -f cubecl.toml
-  timeout "$GENPEER_S" python3 scripts/bench/generate_gpu_peer.py --binary "$bin/mpipemoe" $GENPEER_ARGS \
-    --json "$out/generate_gpu_peer.json" 2>"$out/generate_gpu_peer.err" | tee "$out/generate_gpu_peer.txt"
-  [ "${PIPESTATUS[0]}" = 0 ] || { check=1; tail -20 "$out/generate_gpu_peer.err"; }
+  # shellcheck disable=SC2086
+  whole_model_pair generate_gpu_peer "$GENPEER_S" $GENPEER_ARGS
 fi
 [[ $PHASES != *" train "* ]] || echo "== toy GPT-MoE on CUDA ($TRAIN_STEPS steps; the loss must fall by at least 1 nat)"
 # `--no-chart`: the GPU machines have no TrueType font for the load chart's text (the second
