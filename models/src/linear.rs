@@ -17,6 +17,7 @@
 use std::sync::Arc;
 
 use burn::nn::Linear;
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 use mpipemoe::{Communicator, GemmPrecision, MoeBackend, Result};
 
@@ -69,14 +70,8 @@ impl DenseProducts {
         let Some((comm, precision)) = &self.library else {
             return Ok(matmul(x, w));
         };
-        let dims = x.dims();
-        let [d_in, d_out] = w.dims();
-        let rows = dims[..D - 1].iter().product::<usize>();
-        let x = x.reshape([rows, d_in]).into_primitive().tensor();
-        let y = B::dense_matmul(x, w.into_primitive().tensor(), comm, *precision)?;
-        let mut out = dims;
-        out[D - 1] = d_out;
-        Ok(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(y)).reshape(out))
+        let (out, x, w) = flatten(x, w);
+        Ok(unflatten(B::dense_matmul(x, w, comm, *precision)?, out))
     }
 
     /// Each `x_i · w_i` of `pairs`, in one call of the device library where there is one (on
@@ -95,22 +90,18 @@ impl DenseProducts {
         let Some((comm, precision)) = self.library.as_ref().filter(|_| !pairs.is_empty()) else {
             return Ok(pairs.into_iter().map(|(x, w)| matmul(x, w)).collect());
         };
-        let mut shapes = Vec::with_capacity(pairs.len());
-        let mut flat = Vec::with_capacity(pairs.len());
-        for (x, w) in pairs {
-            let mut dims = x.dims();
-            let [d_in, d_out] = w.dims();
-            let rows = dims[..D - 1].iter().product::<usize>();
-            dims[D - 1] = d_out;
-            shapes.push(dims);
-            let x = x.reshape([rows, d_in]).into_primitive().tensor();
-            flat.push((x, w.into_primitive().tensor()));
-        }
+        let (shapes, flat): (Vec<_>, Vec<_>) = pairs
+            .into_iter()
+            .map(|(x, w)| {
+                let (out, x, w) = flatten(x, w);
+                (out, (x, w))
+            })
+            .unzip();
         let ys = B::dense_matmuls(flat, comm, *precision)?;
         Ok(ys
             .into_iter()
             .zip(shapes)
-            .map(|(y, dims)| Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(y)).reshape(dims))
+            .map(|(y, out)| unflatten(y, out))
             .collect())
     }
 
@@ -140,12 +131,28 @@ impl DenseProducts {
 /// - x: `[..., d_in]`; w: `[d_in, d_out]`
 /// - output: `[..., d_out]`
 pub(crate) fn matmul<B: MoeBackend, const D: usize>(x: Tensor<B, D>, w: Tensor<B, 2>) -> Tensor<B, D> {
-    let dims = x.dims();
+    let (out, x, w) = flatten(x, w);
+    unflatten(B::expert_matmul(x, w), out)
+}
+
+/// `x · w`'s operands as a row product takes them, and the shape its `[rows, d_out]` result
+/// goes back to.
+///
+/// # Shapes
+/// - x: `[..., d_in]` → `[rows, d_in]`; w: `[d_in, d_out]`; returned shape `[..., d_out]`
+fn flatten<B: MoeBackend, const D: usize>(
+    x: Tensor<B, D>,
+    w: Tensor<B, 2>,
+) -> ([usize; D], FloatTensor<B>, FloatTensor<B>) {
+    let mut out = x.dims();
     let [d_in, d_out] = w.dims();
-    let rows = dims[..D - 1].iter().product::<usize>();
-    let x = x.reshape([rows, d_in]);
-    let y = B::expert_matmul(x.into_primitive().tensor(), w.into_primitive().tensor());
-    let mut out = dims;
+    let rows = out[..D - 1].iter().product::<usize>();
     out[D - 1] = d_out;
+    let x = x.reshape([rows, d_in]).into_primitive().tensor();
+    (out, x, w.into_primitive().tensor())
+}
+
+/// A row product's `[rows, d_out]` result in the shape [`flatten`] gave.
+fn unflatten<B: MoeBackend, const D: usize>(y: FloatTensor<B>, out: [usize; D]) -> Tensor<B, D> {
     Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(y)).reshape(out)
 }
