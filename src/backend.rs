@@ -4,9 +4,9 @@
 //! local experts' weights, the [`ExchangePlan`] and an [`ExchangeRun`]. A backend implements
 //! [`MoeBackend::exchange_forward`] and [`MoeBackend::exchange_backward`]; the activation
 //! kernels of the expert FFN come from [`ActivationKernels`], the optimizer's update from
-//! [`OptimizerKernels`], the training loss's row kernel from [`LossKernels`] and attention's
-//! layout change from [`LayoutKernels`] (each with exact defaults from burn's ops,
-//! overridable).
+//! [`OptimizerKernels`], the training loss's row kernel from [`LossKernels`], attention's
+//! layout change from [`LayoutKernels`] and the router's scores and combine weights from
+//! [`RouterKernels`] (each with exact defaults from burn's ops, overridable).
 //! [`fused_forward`] and [`fused_backward`] are the generic implementation written with
 //! burn's primitive ops, which a new backend can start from, and [`exchange_reference`] is the
 //! same function built from differentiable tensor ops, which tests hold an implementation to.
@@ -48,3 +48,4 @@ pub use crate::memory::host_store::{HostBlock, HostStore};
 pub use crate::memory::Restore;
 pub use crate::optim::OptimizerKernels;
 pub use crate::pipeline::schedule::{Op, Role, Schedule, Slot, Span, Step, Stream};
+pub use crate::router::{PickRule, RouterKernels};

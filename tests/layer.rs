@@ -16,6 +16,8 @@ use proptest::strategy::Strategy as PropStrategy;
 
 type B = Autodiff<NdArray>;
 
+mod common;
+
 /// The device library hook of the experts' compute, through its plain-primitive twin.
 #[path = "layer/expert_path.rs"]
 mod expert_path;
@@ -88,13 +90,9 @@ fn bad_input_is_an_error_not_a_panic() {
     assert!(err.contains("d_model = 8") && err.contains('7'), "{err}");
     let vector = Tensor::<B, 1>::ones([8], &device);
     assert!(matches!(layer.try_forward(vector), Err(MoeError::Input(_))));
-    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
-        let mut values = vec![0.5f32; 24];
-        values[13] = bad;
-        let x = Tensor::<B, 2>::from_data(TensorData::new(values, [3, 8]), &device);
-        let err = layer.try_forward(x).unwrap_err().to_string();
-        assert!(err.contains("NaN or infinite"), "{err}");
-    }
+    common::holds_the_finite_check::<B>(&device);
+    common::holds_the_finite_check::<Autodiff<Flex>>(&Default::default());
+    common::holds_the_finite_check::<Flex>(&Default::default());
 }
 
 #[test]

@@ -44,6 +44,8 @@ mod decode;
 type B = Autodiff<Wgpu>;
 type Inner = Wgpu;
 
+mod common;
+
 /// The tests of this file share one WGPU device, and cubecl maps stream ids to its streams
 /// modulo `max_streams`, so another test's threads can allocate in the very pools a memory
 /// test reads. Memory tests take the device alone; the others share it.
@@ -111,6 +113,19 @@ fn cubecl_backends_run_in_order() {
         StepExecutor::InOrder
     );
     assert_eq!(<B as MoeBackend>::step_executor(&device), StepExecutor::InOrder);
+}
+
+/// The finite check on the GPU backends, raw and under burn's fusion, trained and not: NaN and
+/// infinities refused wherever they are, extreme finite values let through
+/// (`common::holds_the_finite_check`).
+#[test]
+fn the_finite_check_on_wgpu_raw_and_fused() {
+    let _device = shared();
+    let device = Default::default();
+    common::holds_the_finite_check::<B>(&device);
+    common::holds_the_finite_check::<Inner>(&device);
+    common::holds_the_finite_check::<fusion::F>(&device);
+    common::holds_the_finite_check::<fusion::FusedWgpu>(&device);
 }
 
 /// Every case through the reference path and the fused path at ranks {1, 2}, n {1, 3}, every

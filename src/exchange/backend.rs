@@ -22,6 +22,7 @@ use crate::layout::LayoutKernels;
 use crate::loss::LossKernels;
 use crate::memory::{HostStore, Strategy};
 use crate::optim::OptimizerKernels;
+use crate::router::RouterKernels;
 
 /// Everything the exchange op needs besides tensors and the plan.
 ///
@@ -106,7 +107,7 @@ pub struct ExchangeGrads<B: Backend> {
 /// ([`mpipemoe::optim::AdamW`](crate::optim::AdamW)) from [`OptimizerKernels`], so that a
 /// training loop generic over `MoeBackend` can step it.
 pub trait MoeBackend:
-    ActivationKernels + OptimizerKernels + LossKernels + LayoutKernels + DecoderKernels
+    ActivationKernels + OptimizerKernels + LossKernels + LayoutKernels + DecoderKernels + RouterKernels
 {
     /// What the forward pass keeps for backward under the run's strategy.
     type Saved: Clone + Send + Sync + Debug + 'static;

@@ -1,11 +1,11 @@
 //! The router module: logits, scores, top-k.
 
 use burn::module::{Module, Param, ParamId};
-use burn::tensor::activation::{sigmoid, softmax};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorPrimitive};
 
-use super::{group_limited_top_k, RoutingRule, Scoring};
+use super::{group_limited_top_k, PickRule, RouterKernels, RoutingRule, Scoring};
 use crate::experts::HostInit;
 
 /// The gate: `logits = x · weight^T (+ bias)`, scores (softmax over all experts, or a sigmoid
@@ -72,7 +72,9 @@ impl<B: Backend> Router<B> {
     pub fn n_experts(&self) -> usize {
         self.weight.dims()[0]
     }
+}
 
+impl<B: RouterKernels> Router<B> {
     /// Routes `x` to each token's `rule.top_k` best experts.
     ///
     /// The choice reads the scores on the host (one `[n_tokens, n_experts]` transfer); the
@@ -132,10 +134,10 @@ impl<B: Backend> Router<B> {
         if let Some(bias) = &self.bias {
             logits = logits + bias.val().unsqueeze::<2>();
         }
-        let scores = match rule.scoring {
-            Scoring::Softmax => softmax(logits.clone(), 1),
-            Scoring::Sigmoid => sigmoid(logits.clone()),
-        };
+        let scores = float(B::router_scores(
+            logits.clone().into_primitive().tensor(),
+            rule.scoring,
+        ));
         let (choice, also) = self.choice_scores(&logits, &scores, also);
         let indices = if n_tokens == 0 {
             Vec::new()
@@ -145,23 +147,16 @@ impl<B: Backend> Router<B> {
         let weights = if n_tokens == 0 {
             Tensor::zeros([0, rule.top_k], &device)
         } else {
-            let index_data = TensorData::new(
-                indices.iter().map(|&i| i as i64).collect::<Vec<_>>(),
-                [n_tokens, rule.top_k],
-            );
-            let index = Tensor::<B, 2, Int>::from_data(index_data, &device);
-            let mut chosen = scores.clone().gather(1, index);
-            if rule.normalize {
-                let sum = chosen.clone().sum_dim(1);
-                chosen = match rule.scoring {
-                    Scoring::Softmax => chosen / sum,
-                    Scoring::Sigmoid => chosen / sum.add_scalar(1e-20),
-                };
-            }
-            if rule.scaling != 1.0 {
-                chosen = chosen * rule.scaling;
-            }
-            chosen
+            let pick = PickRule {
+                normalize: rule.normalize,
+                eps: match rule.scoring {
+                    Scoring::Softmax => 0.0,
+                    Scoring::Sigmoid => 1e-20,
+                },
+                scaling: rule.scaling,
+            };
+            let scores = scores.clone().into_primitive().tensor();
+            float(B::router_pick(scores, &indices, rule.top_k, pick))
         };
         let probs = match rule.scoring {
             Scoring::Softmax => scores,
@@ -214,6 +209,10 @@ impl<B: Backend> Router<B> {
         let also = host.split_off(host.len() - extra);
         (host, also)
     }
+}
+
+fn float<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 2> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
 }
 
 /// A parameter that is saved and loaded with the module but receives no gradient.

@@ -18,8 +18,8 @@ use mpipemoe::{ExchangePath, MoeBackend, MoeLayer, MoeLayerConfig};
 use super::shared;
 
 /// burn's `Wgpu` with its default features.
-type FusedWgpu = Fusion<CubeBackend<WgpuRuntime, f32, i32, u32>>;
-type F = Autodiff<FusedWgpu>;
+pub(super) type FusedWgpu = Fusion<CubeBackend<WgpuRuntime, f32, i32, u32>>;
+pub(super) type F = Autodiff<FusedWgpu>;
 
 /// Whether `every_case_on_wgpu` also runs configuration `o` through fusion: the reference
 /// path, and the fused exchange in the backend's own order under no reuse and S4 (the two

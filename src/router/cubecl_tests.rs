@@ -1,0 +1,140 @@
+//! The router's kernels (`cubecl_router.rs`) against their composed twins on WGPU: scores,
+//! weights and both backwards, from contiguous tensors and from transposed views, for both
+//! scorings and every normalisation. Every reference case also runs through them in the layer
+//! (`tests/wgpu.rs`).
+
+use burn::backend::Wgpu;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Distribution, Tensor, TensorPrimitive};
+
+use super::cubecl_router as kernels;
+use super::{
+    pick_backward_composed, pick_composed, scores_backward_composed, scores_composed, PickRule, Scoring,
+};
+
+const N_TOKENS: usize = 37;
+const N_EXPERTS: usize = 12;
+
+fn random(shape: [usize; 2], scale: f64) -> Tensor<Wgpu, 2> {
+    Tensor::random(shape, Distribution::Normal(0.0, scale), &Default::default())
+}
+
+fn p(t: &Tensor<Wgpu, 2>) -> FloatTensor<Wgpu> {
+    t.clone().into_primitive().tensor()
+}
+
+/// `t` laid out as the transpose of a contiguous tensor: the same values at other strides.
+fn strided(t: &Tensor<Wgpu, 2>) -> Tensor<Wgpu, 2> {
+    let [rows, columns] = t.dims();
+    let flipped = Tensor::<Wgpu, 2>::from_data(t.clone().transpose().into_data(), &Default::default());
+    let view = flipped.transpose();
+    assert_eq!(view.dims(), [rows, columns]);
+    view
+}
+
+/// Each token's `top_k` distinct experts, not in the scores' order.
+fn choice(top_k: usize) -> Vec<usize> {
+    (0..N_TOKENS)
+        .flat_map(|t| (0..top_k).map(move |j| (t * 7 + j * 5) % N_EXPERTS))
+        .collect()
+}
+
+/// The kernel's output against the composed twin's, within 2e-6 of the twin's largest value.
+fn close(what: &str, got: Option<FloatTensor<Wgpu>>, want: FloatTensor<Wgpu>) {
+    let got = got.unwrap_or_else(|| panic!("{what}: the kernel handed the tensors back"));
+    let got = Tensor::<Wgpu, 2>::from_primitive(TensorPrimitive::Float(got));
+    let want = Tensor::<Wgpu, 2>::from_primitive(TensorPrimitive::Float(want));
+    assert_eq!(got.dims(), want.dims(), "{what}");
+    let (got, want) = (
+        got.into_data().to_vec::<f32>().unwrap(),
+        want.into_data().to_vec::<f32>().unwrap(),
+    );
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    assert!(scale > 0.0, "{what}: the twin's output is all zeros");
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            (g - w).abs() <= 2e-6 * scale,
+            "{what}: element {i} is {g}, not {w}"
+        );
+    }
+}
+
+#[test]
+fn the_score_kernels_match_the_composed_forms() {
+    let logits = random([N_TOKENS, N_EXPERTS], 3.0);
+    let grad = random([N_TOKENS, N_EXPERTS], 1.0);
+    for scoring in [Scoring::Softmax, Scoring::Sigmoid] {
+        for (layout, logits, grad) in [
+            ("contiguous", logits.clone(), grad.clone()),
+            ("strided", strided(&logits), strided(&grad)),
+        ] {
+            let what = format!("{scoring:?}, {layout}");
+            let want = scores_composed::<Wgpu>(p(&logits), scoring);
+            close(&what, kernels::scores(&p(&logits), scoring), want);
+            let scores = Tensor::<Wgpu, 2>::from_primitive(TensorPrimitive::Float(scores_composed::<Wgpu>(
+                p(&logits),
+                scoring,
+            )));
+            let want = scores_backward_composed::<Wgpu>(p(&scores), p(&grad), scoring);
+            close(
+                &format!("{what}, backward"),
+                kernels::scores_backward(&p(&scores), &p(&grad), scoring),
+                want,
+            );
+        }
+    }
+}
+
+#[test]
+fn the_pick_kernels_match_the_composed_forms() {
+    let scores = random([N_TOKENS, N_EXPERTS], 1.0).abs();
+    for top_k in [1, 2, 4] {
+        let indices = choice(top_k);
+        let grad = random([N_TOKENS, top_k], 1.0);
+        for (normalize, eps, scaling) in [
+            (false, 0.0, 1.0),
+            (true, 0.0, 1.0),
+            (true, 1e-20, 2.5),
+            (false, 0.0, 0.5),
+        ] {
+            let rule = PickRule {
+                normalize,
+                eps,
+                scaling,
+            };
+            for (layout, scores, grad) in [
+                ("contiguous", scores.clone(), grad.clone()),
+                ("strided", strided(&scores), strided(&grad)),
+            ] {
+                let what = format!("top_k {top_k}, {rule:?}, {layout}");
+                let want = pick_composed::<Wgpu>(p(&scores), &indices, top_k, rule);
+                close(&what, kernels::pick(&p(&scores), &indices, top_k, rule), want);
+                let want = pick_backward_composed::<Wgpu>(p(&scores), &indices, top_k, p(&grad), rule);
+                close(
+                    &format!("{what}, backward"),
+                    kernels::pick_backward(&p(&scores), &indices, top_k, &p(&grad), rule),
+                    want,
+                );
+            }
+        }
+    }
+}
+
+/// A choice outside the scores, or of the wrong length, is handed back to the composed form
+/// (whose `gather` refuses it) rather than read out of bounds on the device.
+#[test]
+fn a_choice_that_breaks_the_contract_is_not_launched() {
+    let scores = random([N_TOKENS, N_EXPERTS], 1.0);
+    let rule = PickRule {
+        normalize: true,
+        eps: 0.0,
+        scaling: 1.0,
+    };
+    let mut outside = choice(2);
+    outside[5] = N_EXPERTS;
+    assert!(kernels::pick(&p(&scores), &outside, 2, rule).is_none());
+    let grad = random([N_TOKENS, 2], 1.0);
+    assert!(kernels::pick_backward(&p(&scores), &outside, 2, &p(&grad), rule).is_none());
+    assert!(kernels::pick(&p(&scores), &choice(2)[1..], 2, rule).is_none());
+    assert!(kernels::pick(&p(&scores), &choice(2), 2, rule).is_some());
+}

@@ -1,0 +1,203 @@
+//! The router's two element-wise stages on backend tensors, overridable per backend, and
+//! their composed twins: the scores from the logits, and the combine weights picked from the
+//! scores.
+
+use burn::tensor::activation::{sigmoid, softmax};
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Int, Tensor, TensorData, TensorPrimitive};
+
+use super::Scoring;
+
+/// How the chosen scores become combine weights: each token's `top_k` chosen scores divided by
+/// their sum plus `eps` when `normalize` is set, then multiplied by `scaling`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PickRule {
+    /// Divide each token's chosen scores by their sum (plus `eps`).
+    pub normalize: bool,
+    /// Added to the sum before dividing: 0 for softmax scores, 1e-20 for sigmoid scores, which
+    /// can all be tiny.
+    pub eps: f64,
+    /// Factor on every weight, after the division.
+    pub scaling: f64,
+}
+
+/// The router's scores and combine weights on the backend that runs them (the inner backend
+/// of `Autodiff`, which records each as one node: `router/autodiff.rs`).
+///
+/// Composed from burn's ops, a softmax router's scores take five kernels forward and about a
+/// dozen backward on a GPU backend, and the picked weights (a gather, the normalisation, the
+/// scaling) four forward and several more backward, every step of every MoE layer. The
+/// defaults are those composed forms ([`scores_composed`], [`scores_backward_composed`],
+/// [`pick_composed`], [`pick_backward_composed`]); the CubeCL backends run one kernel for each
+/// (`router/cubecl_router.rs`), and the tests hold them to the composed forms.
+pub trait RouterKernels: Backend {
+    /// Each row's softmax over the experts, or a sigmoid per expert.
+    ///
+    /// # Shapes
+    /// - logits: `[n_tokens, n_experts]` → `[n_tokens, n_experts]`
+    fn router_scores(logits: FloatTensor<Self>, scoring: Scoring) -> FloatTensor<Self> {
+        scores_composed::<Self>(logits, scoring)
+    }
+
+    /// The logits' gradient from the scores and theirs: `s ⊙ (g − Σ_e g ⊙ s)` per row for
+    /// softmax, `g ⊙ s ⊙ (1 − s)` for sigmoid.
+    ///
+    /// # Shapes
+    /// - scores, grad: `[n_tokens, n_experts]` → `[n_tokens, n_experts]`
+    fn router_scores_backward(
+        scores: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        scoring: Scoring,
+    ) -> FloatTensor<Self> {
+        scores_backward_composed::<Self>(scores, grad, scoring)
+    }
+
+    /// The combine weights: `scores[t, indices[t · top_k + j]]` for each token `t` and choice
+    /// `j`, normalised and scaled by `rule`.
+    ///
+    /// # Shapes
+    /// - scores: `[n_tokens, n_experts]`, indices: `n_tokens · top_k` → `[n_tokens, top_k]`
+    ///
+    /// # Panics
+    /// If an index is `n_experts` or more, or `indices` does not hold `n_tokens · top_k`
+    /// entries (the contract of burn's `gather`).
+    fn router_pick(
+        scores: FloatTensor<Self>,
+        indices: &[usize],
+        top_k: usize,
+        rule: PickRule,
+    ) -> FloatTensor<Self> {
+        pick_composed::<Self>(scores, indices, top_k, rule)
+    }
+
+    /// The scores' gradient from the weights': zero but at each token's chosen experts, where
+    /// it is `scaling · (g_j / S − Σ_l g_l · c_l / S²)` with `c` the chosen scores and
+    /// `S = Σ_l c_l + eps` under `normalize`, `scaling · g_j` without.
+    ///
+    /// # Shapes
+    /// - scores: `[n_tokens, n_experts]`, indices: `n_tokens · top_k`, grad: `[n_tokens, top_k]`
+    ///   → `[n_tokens, n_experts]`
+    ///
+    /// # Panics
+    /// As [`router_pick`](Self::router_pick).
+    fn router_pick_backward(
+        scores: FloatTensor<Self>,
+        indices: &[usize],
+        top_k: usize,
+        grad: FloatTensor<Self>,
+        rule: PickRule,
+    ) -> FloatTensor<Self> {
+        pick_backward_composed::<Self>(scores, indices, top_k, grad, rule)
+    }
+}
+
+fn float<B: Backend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+fn index_tensor<B: Backend>(indices: &[usize], top_k: usize, device: &B::Device) -> Tensor<B, 2, Int> {
+    let n_tokens = indices.len().checked_div(top_k).unwrap_or(0);
+    let data = TensorData::new(
+        indices.iter().map(|&i| i as i64).collect::<Vec<_>>(),
+        [n_tokens, top_k],
+    );
+    Tensor::from_data(data, device)
+}
+
+/// [`RouterKernels::router_scores`] from burn's ops: its `softmax` over dim 1, or `sigmoid`.
+///
+/// # Shapes
+/// - logits: `[n_tokens, n_experts]` → `[n_tokens, n_experts]`
+pub fn scores_composed<B: Backend>(logits: FloatTensor<B>, scoring: Scoring) -> FloatTensor<B> {
+    let logits = float::<B, 2>(logits);
+    match scoring {
+        Scoring::Softmax => softmax(logits, 1),
+        Scoring::Sigmoid => sigmoid(logits),
+    }
+    .into_primitive()
+    .tensor()
+}
+
+/// [`RouterKernels::router_scores_backward`] from burn's ops.
+///
+/// # Shapes
+/// - scores, grad: `[n_tokens, n_experts]` → `[n_tokens, n_experts]`
+pub fn scores_backward_composed<B: Backend>(
+    scores: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    scoring: Scoring,
+) -> FloatTensor<B> {
+    let (s, g) = (float::<B, 2>(scores), float::<B, 2>(grad));
+    match scoring {
+        Scoring::Softmax => {
+            let dot = (g.clone() * s.clone()).sum_dim(1);
+            s * (g - dot)
+        }
+        Scoring::Sigmoid => g * s.clone() * (s.neg() + 1.0),
+    }
+    .into_primitive()
+    .tensor()
+}
+
+/// [`RouterKernels::router_pick`] from burn's ops: a gather, then the division by the row's
+/// sum (plus `eps` where it is not 0) and the scaling where it is not 1.
+///
+/// # Shapes
+/// - scores: `[n_tokens, n_experts]`, indices: `n_tokens · top_k` → `[n_tokens, top_k]`
+pub fn pick_composed<B: Backend>(
+    scores: FloatTensor<B>,
+    indices: &[usize],
+    top_k: usize,
+    rule: PickRule,
+) -> FloatTensor<B> {
+    let scores = float::<B, 2>(scores);
+    let index = index_tensor::<B>(indices, top_k, &scores.device());
+    let mut chosen = scores.gather(1, index);
+    if rule.normalize {
+        let sum = chosen.clone().sum_dim(1);
+        // Softmax scores divide by the bare sum, as every reference computes it.
+        chosen = if rule.eps == 0.0 {
+            chosen / sum
+        } else {
+            chosen / sum.add_scalar(rule.eps)
+        };
+    }
+    if rule.scaling != 1.0 {
+        chosen = chosen * rule.scaling;
+    }
+    chosen.into_primitive().tensor()
+}
+
+/// [`RouterKernels::router_pick_backward`] from burn's ops: the chosen scores' gradient,
+/// scattered (added) into zeros at the chosen experts.
+///
+/// # Shapes
+/// - scores: `[n_tokens, n_experts]`, indices: `n_tokens · top_k`, grad: `[n_tokens, top_k]`
+///   → `[n_tokens, n_experts]`
+pub fn pick_backward_composed<B: Backend>(
+    scores: FloatTensor<B>,
+    indices: &[usize],
+    top_k: usize,
+    grad: FloatTensor<B>,
+    rule: PickRule,
+) -> FloatTensor<B> {
+    let scores = float::<B, 2>(scores);
+    let device = scores.device();
+    let index = index_tensor::<B>(indices, top_k, &device);
+    let mut g = float::<B, 2>(grad);
+    if rule.scaling != 1.0 {
+        g = g * rule.scaling;
+    }
+    if rule.normalize {
+        let chosen = scores.clone().gather(1, index.clone());
+        let sum = chosen.clone().sum_dim(1).add_scalar(rule.eps);
+        let dot = (g.clone() * chosen).sum_dim(1);
+        g = (g - dot / sum.clone()) / sum;
+    }
+    scores
+        .zeros_like()
+        .scatter(1, index, g, burn::tensor::IndexingUpdateOp::Add)
+        .into_primitive()
+        .tensor()
+}
