@@ -48,4 +48,6 @@ pub use crate::memory::host_store::{HostBlock, HostStore};
 pub use crate::memory::Restore;
 pub use crate::optim::OptimizerKernels;
 pub use crate::pipeline::schedule::{Op, Role, Schedule, Slot, Span, Step, Stream};
-pub use crate::router::{PickRule, RouterKernels};
+pub use crate::router::{
+    pick_backward_composed, pick_composed, scores_backward_composed, scores_composed, PickRule, RouterKernels,
+};

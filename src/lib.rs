@@ -127,6 +127,8 @@ pub mod backend;
 #[cfg(feature = "testkit")]
 mod cases;
 pub mod comm;
+#[cfg(feature = "cubecl")]
+mod cubecl_launch;
 pub mod decoder;
 mod dispatch;
 mod error;

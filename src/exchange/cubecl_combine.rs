@@ -6,14 +6,12 @@
 //! the sequential `select_assign` onto zeros and no atomics are needed: every output element
 //! is written once, by one thread.
 
-use burn::tensor::DType;
 use burn_cubecl::cubecl;
-use burn_cubecl::cubecl::calculate_cube_count_elemwise;
 use burn_cubecl::cubecl::prelude::*;
-use burn_cubecl::cubecl::server::Handle;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 
+use crate::cubecl_launch::{grid, kernel_float, output, upload_u32};
 use crate::dispatch::RowMap;
 
 #[cube(launch_unchecked)]
@@ -40,14 +38,6 @@ fn combine_kernel<F: Float>(
     out[ABSOLUTE_POS] = acc;
 }
 
-fn upload<R: CubeRuntime>(like: &CubeTensor<R>, values: &[usize]) -> Option<Handle> {
-    let values: Vec<u32> = values
-        .iter()
-        .map(|&v| u32::try_from(v).ok())
-        .collect::<Option<_>>()?;
-    Some(like.client.create_from_slice(u32::as_bytes(&values)))
-}
-
 /// The combine of `rows` onto `map.n_targets()` rows in one kernel; `None` where the kernel
 /// does not read the tensors (another dtype, another rank, an index past `u32`), and the
 /// caller composes it then.
@@ -56,7 +46,7 @@ fn upload<R: CubeRuntime>(like: &CubeTensor<R>, values: &[usize]) -> Option<Hand
 /// - rows: `[n_rows, width]` → `[n_targets, width]`
 pub(crate) fn combine<R: CubeRuntime>(rows: &CubeTensor<R>, map: &RowMap) -> Option<CubeTensor<R>> {
     let [n_rows, width] = <[usize; 2]>::try_from(rows.meta.shape().to_vec()).ok()?;
-    if !matches!(rows.dtype, DType::F32 | DType::F16 | DType::BF16) || n_rows != map.n_rows() {
+    if !kernel_float(rows) || n_rows != map.n_rows() {
         return None;
     }
     let units = map.n_targets() * width;
@@ -64,18 +54,10 @@ pub(crate) fn combine<R: CubeRuntime>(rows: &CubeTensor<R>, map: &RowMap) -> Opt
         // Nothing to launch over (CUDA refuses an empty grid); the caller's zeros are exact.
         return None;
     }
-    let offsets = upload(rows, map.offsets())?;
-    let order = upload(rows, map.order())?;
-    let handle = rows.client.empty(units * rows.dtype.size());
-    let out = CubeTensor::new_contiguous(
-        rows.client.clone(),
-        rows.device.clone(),
-        [map.n_targets(), width].into(),
-        handle,
-        rows.dtype,
-    );
-    let dim = CubeDim::new(&rows.client, units);
-    let count = calculate_cube_count_elemwise(&rows.client, units, dim);
+    let offsets = upload_u32(rows, map.offsets())?;
+    let order = upload_u32(rows, map.order())?;
+    let out = output(rows, [map.n_targets(), width]);
+    let (count, dim) = grid(rows, units);
     // SAFETY: `offsets` has `n_targets + 1` entries and `order` `n_rows`, every entry of
     // `order` a row of `rows` and every offset within `order` (RowMap builds them so); the
     // kernel bounds its index by `out`'s `n_targets · width` elements.

@@ -10,12 +10,12 @@
 
 use std::f64::consts::{FRAC_1_SQRT_2, PI};
 
-use burn::tensor::DType;
 use burn_cubecl::cubecl;
-use burn_cubecl::cubecl::calculate_cube_count_elemwise;
 use burn_cubecl::cubecl::prelude::*;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
+
+use crate::cubecl_launch::{grid, kernel_float, output};
 
 #[cube(launch_unchecked)]
 fn gelu_kernel<F: Float>(z: &Tensor<F>, out: &mut Tensor<F>, #[define(F)] _dtype: StorageType) {
@@ -84,28 +84,9 @@ fn swiglu_backward_kernel<F: Float>(
     out[r * 2 * hidden + c] = (dy * u) * (s * slope);
 }
 
-/// A contiguous tensor of `shape` and `like`'s dtype on its device, for a kernel to write whole.
-fn output<R: CubeRuntime>(like: &CubeTensor<R>, shape: [usize; 2]) -> CubeTensor<R> {
-    let bytes = shape[0] * shape[1] * like.dtype.size();
-    let handle = like.client.empty(bytes.max(1));
-    CubeTensor::new_contiguous(
-        like.client.clone(),
-        like.device.clone(),
-        shape.into(),
-        handle,
-        like.dtype,
-    )
-}
-
 /// Whether the kernels read `t` as it is: a contiguous float tensor of the kernels' dtypes.
 fn readable<R: CubeRuntime>(t: &CubeTensor<R>) -> bool {
-    matches!(t.dtype, DType::F32 | DType::F16 | DType::BF16) && t.is_contiguous()
-}
-
-/// The launch shape of `units` elements.
-fn grid<R: CubeRuntime>(t: &CubeTensor<R>, units: usize) -> (CubeCount, CubeDim) {
-    let dim = CubeDim::new(&t.client, units);
-    (calculate_cube_count_elemwise(&t.client, units, dim), dim)
+    kernel_float(t) && t.is_contiguous()
 }
 
 /// The exact GELU in one kernel; `None` for a tensor the kernel does not read (the caller

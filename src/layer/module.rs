@@ -14,7 +14,7 @@ use crate::error::{MoeError, Result};
 use crate::exchange::{exchange_reference, GemmPrecision, MoeBackend};
 use crate::experts::{ExpertAdapters, ExpertTensors, Experts, ExpertsSpec, SharedExpert};
 use crate::memory::Strategy;
-use crate::router::{load_balancing_loss, z_loss, Router};
+use crate::router::{load_balancing_loss, z_loss, Router, Scoring};
 
 /// A Mixture-of-Experts layer: a drop-in replacement for a transformer FFN.
 ///
@@ -269,21 +269,26 @@ impl<B: MoeBackend> MoeLayer<B> {
 
         // 8. Auxiliary losses (this rank's shares of the global-batch losses).
         let n_global = plan.dispatch.stats.n_tokens_world;
+        // What a model's load-balancing loss across its layers needs (transformers'
+        // `load_balancing_loss_func`): this rank's sum of the softmax over all experts; only
+        // where the layer has a balancing loss, so that no other layer keeps a graph for it.
+        // A softmax router's probabilities are that softmax already (one op and one node,
+        // `RouterKernels`), so it is not computed twice.
+        let router_softmax_sum = match (n_tokens, config.aux_loss_coef != 0.0) {
+            (0, _) | (_, false) => Tensor::zeros([config.n_experts], &routing.logits.device()),
+            _ => match config.scoring {
+                Scoring::Softmax => routing.probs.clone(),
+                Scoring::Sigmoid => softmax(routing.logits.clone(), 1),
+            }
+            .sum_dim(0)
+            .reshape([config.n_experts]),
+        };
         let aux_loss = load_balancing_loss(
             routing.probs,
             &plan.dispatch.expert_fraction,
             n_global,
             config.aux_loss_coef,
         );
-        // What a model's load-balancing loss across its layers needs (transformers'
-        // `load_balancing_loss_func`): this rank's sum of the softmax over all experts; only
-        // where the layer has a balancing loss, so that no other layer keeps a graph for it.
-        let router_softmax_sum = match (n_tokens, config.aux_loss_coef != 0.0) {
-            (0, _) | (_, false) => Tensor::zeros([config.n_experts], &routing.logits.device()),
-            _ => softmax(routing.logits.clone(), 1)
-                .sum_dim(0)
-                .reshape([config.n_experts]),
-        };
         let z_loss = z_loss(routing.logits, n_global, config.z_loss_coef);
 
         Ok(MoeOutput {

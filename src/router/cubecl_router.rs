@@ -7,9 +7,7 @@
 //! the tensors' type), and reads its inputs at their strides. The tests hold the kernels to the
 //! composed forms on WGPU, outputs and gradients (`router/tests.rs`).
 
-use burn::tensor::DType;
 use burn_cubecl::cubecl;
-use burn_cubecl::cubecl::calculate_cube_count_elemwise;
 use burn_cubecl::cubecl::prelude::*;
 use burn_cubecl::cubecl::server::Handle;
 use burn_cubecl::tensor::CubeTensor;
@@ -17,6 +15,7 @@ use burn_cubecl::CubeRuntime;
 
 use super::kernels::PickRule;
 use super::Scoring;
+use crate::cubecl_launch::{grid, kernel_float, output, upload_u32};
 
 #[cube(launch_unchecked)]
 fn softmax_kernel<F: Float>(
@@ -194,26 +193,7 @@ fn pick_backward_kernel<F: Float>(
 /// (any strides: the kernels index by them).
 fn readable<R: CubeRuntime>(t: &CubeTensor<R>) -> Option<[usize; 2]> {
     let dims = <[usize; 2]>::try_from(t.meta.shape().to_vec()).ok()?;
-    matches!(t.dtype, DType::F32 | DType::F16 | DType::BF16).then_some(dims)
-}
-
-/// A contiguous tensor of `shape` and `like`'s dtype on its device, for a kernel to write whole.
-fn output<R: CubeRuntime>(like: &CubeTensor<R>, shape: [usize; 2]) -> CubeTensor<R> {
-    let handle = like
-        .client
-        .empty((shape[0] * shape[1] * like.dtype.size()).max(1));
-    CubeTensor::new_contiguous(
-        like.client.clone(),
-        like.device.clone(),
-        shape.into(),
-        handle,
-        like.dtype,
-    )
-}
-
-fn grid<R: CubeRuntime>(t: &CubeTensor<R>, units: usize) -> (CubeCount, CubeDim) {
-    let dim = CubeDim::new(&t.client, units);
-    (calculate_cube_count_elemwise(&t.client, units, dim), dim)
+    kernel_float(t).then_some(dims)
 }
 
 /// The choice as `u32`s on the device; `None` when an index is not a column of `n_experts`
@@ -228,11 +208,7 @@ fn upload<R: CubeRuntime>(
     if indices.len() != n_tokens.checked_mul(top_k)? || indices.iter().any(|&e| e >= n_experts) {
         return None;
     }
-    let values: Vec<u32> = indices
-        .iter()
-        .map(|&v| u32::try_from(v).ok())
-        .collect::<Option<_>>()?;
-    Some(like.client.create_from_slice(u32::as_bytes(&values)))
+    upload_u32(like, indices)
 }
 
 fn flag(rule: &PickRule) -> u32 {

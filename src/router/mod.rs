@@ -15,9 +15,9 @@ mod tests;
 mod topk;
 
 pub(crate) use balance::score_bias_step;
-#[cfg(feature = "cubecl")]
-use kernels::{pick_backward_composed, pick_composed, scores_backward_composed, scores_composed};
-pub use kernels::{PickRule, RouterKernels};
+pub use kernels::{
+    pick_backward_composed, pick_composed, scores_backward_composed, scores_composed, PickRule, RouterKernels,
+};
 pub(crate) use losses::{load_balancing_loss, z_loss};
 pub(crate) use module::buffer;
 pub use module::{Router, Routing};
