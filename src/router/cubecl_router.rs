@@ -5,7 +5,7 @@
 //!
 //! Each thread computes in f32 whatever the tensors' float type (the composed forms reduce in
 //! the tensors' type), and reads its inputs at their strides. The tests hold the kernels to the
-//! composed forms on WGPU, outputs and gradients (`router/tests.rs`).
+//! composed forms on WGPU, outputs and gradients (`router/cubecl_tests.rs`).
 
 use burn_cubecl::cubecl;
 use burn_cubecl::cubecl::prelude::*;
