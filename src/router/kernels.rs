@@ -92,7 +92,8 @@ pub trait RouterKernels: Backend {
     }
 }
 
-fn float<B: Backend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
+/// A backend's float primitive as a tensor of `D` dimensions.
+pub(super) fn float<B: Backend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
     Tensor::from_primitive(TensorPrimitive::Float(t))
 }
 

@@ -2,9 +2,9 @@
 
 use burn::module::{Module, Param, ParamId};
 use burn::tensor::backend::Backend;
-use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::Tensor;
 
+use super::kernels::float;
 use super::{group_limited_top_k, PickRule, RouterKernels, RoutingRule, Scoring};
 use crate::experts::HostInit;
 
@@ -134,7 +134,7 @@ impl<B: RouterKernels> Router<B> {
         if let Some(bias) = &self.bias {
             logits = logits + bias.val().unsqueeze::<2>();
         }
-        let scores = float(B::router_scores(
+        let scores = float::<B, 2>(B::router_scores(
             logits.clone().into_primitive().tensor(),
             rule.scoring,
         ));
@@ -156,7 +156,7 @@ impl<B: RouterKernels> Router<B> {
                 scaling: rule.scaling,
             };
             let scores = scores.clone().into_primitive().tensor();
-            float(B::router_pick(scores, &indices, rule.top_k, pick))
+            float::<B, 2>(B::router_pick(scores, &indices, rule.top_k, pick))
         };
         let probs = match rule.scoring {
             Scoring::Softmax => scores,
@@ -209,10 +209,6 @@ impl<B: RouterKernels> Router<B> {
         let also = host.split_off(host.len() - extra);
         (host, also)
     }
-}
-
-fn float<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 2> {
-    Tensor::from_primitive(TensorPrimitive::Float(t))
 }
 
 /// A parameter that is saved and loaded with the module but receives no gradient.
