@@ -27,7 +27,7 @@
 
 pub use crate::decoder::DecoderKernels;
 pub use crate::dispatch::{
-    chunk_len, chunk_range, ExchangePlan, PartitionPlan, RoutingCounts, RowMap, SplitScheme,
+    chunk_len, chunk_range, CombineMap, ExchangePlan, PartitionPlan, RoutingCounts, RowMap, SplitScheme,
 };
 pub use crate::exchange::executor::{
     execute as execute_on_threads, execute_in_order, execute_on, StepExecutor,
@@ -39,6 +39,7 @@ pub use crate::exchange::{
     ExchangeRun, ExpertBackward, ExpertBackwardOut, ExpertForward, ExpertGroups, ExpertPath, GemmPrecision,
     NoStreams, PartitionArena, PassStore, SlotMemory, StepHold, SyncStreams, WorkerStreams,
 };
+pub use crate::exchange::{combine_weighted_backward_composed, combine_weighted_composed};
 pub use crate::experts::{
     ActivationKernels, ExpertGrads, ExpertPart, ExpertTensors, LowRankTensors, EXPERT_PARTS,
 };

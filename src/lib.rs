@@ -72,7 +72,8 @@
 /// the CubeCL backends, `Fusion<B>` and `Autodiff<B>` over any backend that has them. Flex,
 /// which overrides, implements each trait by hand; `$kernels, except cubecl` leaves the CubeCL
 /// backends out too, for a trait they implement by hand, and `$kernels, except autodiff`
-/// leaves `Autodiff<B>` out, for a trait whose ops it records as nodes of its own.
+/// leaves `Autodiff<B>` out, for a trait whose ops it records as nodes of its own;
+/// `@ndarray $kernels` is NdArray's alone, for a trait that `Fusion<B>` implements by hand.
 macro_rules! default_kernel_impls {
     ($kernels:path) => {
         default_kernel_impls!(@plain $kernels);
@@ -88,6 +89,12 @@ macro_rules! default_kernel_impls {
         default_kernel_impls!(@cubecl $kernels);
     };
     (@plain $kernels:path) => {
+        default_kernel_impls!(@ndarray $kernels);
+
+        #[cfg(feature = "fusion")]
+        impl<B: burn_fusion::FusionBackend + $kernels> $kernels for burn_fusion::Fusion<B> {}
+    };
+    (@ndarray $kernels:path) => {
         #[cfg(feature = "ndarray")]
         impl<E, I, Q> $kernels for burn::backend::NdArray<E, I, Q>
         where
@@ -98,9 +105,6 @@ macro_rules! default_kernel_impls {
                 From<burn::backend::ndarray::SharedArray<E>> + From<burn::backend::ndarray::SharedArray<I>>,
         {
         }
-
-        #[cfg(feature = "fusion")]
-        impl<B: burn_fusion::FusionBackend + $kernels> $kernels for burn_fusion::Fusion<B> {}
     };
     (@cubecl $kernels:path) => {
         #[cfg(feature = "cubecl")]
@@ -129,6 +133,8 @@ mod cases;
 pub mod comm;
 #[cfg(feature = "cubecl")]
 mod cubecl_launch;
+#[cfg(all(test, feature = "wgpu"))]
+mod cubecl_test_kernels;
 pub mod decoder;
 mod dispatch;
 mod error;

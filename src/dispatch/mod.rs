@@ -6,6 +6,7 @@
 //! partition cuts them.
 
 mod capacity;
+mod combine_map;
 mod counts;
 mod partition;
 mod plan;
@@ -14,6 +15,7 @@ mod shadows;
 
 pub use crate::pipeline::{chunk_len, chunk_range};
 pub use capacity::{capacity_for, CapacityDecision};
+pub use combine_map::CombineMap;
 pub use counts::RoutingCounts;
 pub use partition::{PartitionPlan, SplitScheme};
 pub use plan::{DispatchPlan, ExchangePlan, RoutingStats};

@@ -16,7 +16,7 @@ use super::executor::StepExecutor;
 use super::streams::WorkerStreams;
 use super::{ExchangeGrads, ExchangeRun, MoeBackend};
 use crate::comm::Communicator;
-use crate::dispatch::{ExchangePlan, RowMap};
+use crate::dispatch::{CombineMap, ExchangePlan, RowMap};
 use crate::error::Result;
 use crate::experts::{ExpertTensors, EXPERT_PARTS};
 
@@ -242,6 +242,15 @@ impl<B: MoeBackend, C: CheckpointStrategy> MoeBackend for Autodiff<B, C> {
     /// One node whose backward is the inner backend's gather.
     fn combine_rows(rows: FloatTensor<Self>, map: &Arc<RowMap>) -> FloatTensor<Self> {
         super::row_moves::combine_autodiff::<B, C>(rows, map)
+    }
+
+    /// One node whose backward is the inner backend's `combine_weighted_backward`.
+    fn combine_weighted(
+        rows: FloatTensor<Self>,
+        weights: FloatTensor<Self>,
+        map: &Arc<CombineMap>,
+    ) -> FloatTensor<Self> {
+        super::weighted_combine::combine_weighted_autodiff::<B, C>(rows, weights, map)
     }
 
     fn all_to_all(

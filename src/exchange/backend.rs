@@ -15,7 +15,7 @@ use super::rows;
 use super::streams::{SyncStreams, WorkerStreams};
 use crate::comm::Communicator;
 use crate::decoder::DecoderKernels;
-use crate::dispatch::{ExchangePlan, RowMap};
+use crate::dispatch::{CombineMap, ExchangePlan, RowMap};
 use crate::error::Result;
 use crate::experts::{Activation, ActivationKernels, ExpertGrads, ExpertTensors};
 use crate::layout::LayoutKernels;
@@ -383,6 +383,42 @@ pub trait MoeBackend:
     /// - rows: `[n_rows, width]` → `[n_targets, width]`
     fn combine_rows(rows: FloatTensor<Self>, map: &Arc<RowMap>) -> FloatTensor<Self> {
         super::row_moves::add_rows::<Self>(rows, map)
+    }
+
+    /// Step 6 with its combine weights: row `t` of the result is the sum over token `t`'s rows
+    /// `r` (ascending) of `weights[slot(r)] · rows[r]` (zero where it has none), differentiable
+    /// where the backend tracks gradients (the backward is
+    /// [`combine_weighted_backward`](Self::combine_weighted_backward)). The default is the
+    /// weights gathered into row order, a product and [`combine_rows`](Self::combine_rows)
+    /// ([`combine_weighted_composed`](crate::backend::combine_weighted_composed)); the CubeCL
+    /// backends run one kernel (`exchange/weighted_combine.rs` says why).
+    ///
+    /// # Shapes
+    /// - rows: `[n_rows, d_model]`, weights: `[n_tokens, top_k]` → `[n_tokens, d_model]`
+    fn combine_weighted(
+        rows: FloatTensor<Self>,
+        weights: FloatTensor<Self>,
+        map: &Arc<CombineMap>,
+    ) -> FloatTensor<Self> {
+        super::weighted_combine::combine_weighted_composed::<Self>(rows, weights, map)
+    }
+
+    /// The backward of [`combine_weighted`](Self::combine_weighted): the rows' gradient
+    /// `weights[slot(r)] · grad[token(r)]` and the weights' gradient, each slot's row dotted
+    /// with its token's gradient (zero for a slot without a row). The default is composed
+    /// ([`combine_weighted_backward_composed`](crate::backend::combine_weighted_backward_composed));
+    /// the CubeCL backends run one kernel.
+    ///
+    /// # Shapes
+    /// - grad: `[n_tokens, d_model]`, rows: `[n_rows, d_model]`, weights: `[n_tokens, top_k]`
+    /// - returns `([n_rows, d_model], [n_tokens, top_k])`
+    fn combine_weighted_backward(
+        grad: FloatTensor<Self>,
+        rows: FloatTensor<Self>,
+        weights: FloatTensor<Self>,
+        map: &Arc<CombineMap>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        super::weighted_combine::combine_weighted_backward_composed::<Self>(grad, rows, weights, map)
     }
 
     /// The uneven all-to-all of rows, differentiable where the backend tracks gradients (its

@@ -19,7 +19,7 @@ use super::cubecl_arena::CubeSlots;
 use super::executor::StepExecutor;
 use super::streams::{fence, WorkerStreams};
 use super::{ExchangeRun, MoeBackend};
-use crate::dispatch::RowMap;
+use crate::dispatch::{CombineMap, RowMap};
 use crate::error::Result;
 use crate::pipeline::schedule::Stream;
 use burn_cubecl::cubecl::stream_id::StreamId;
@@ -64,6 +64,31 @@ where
         match super::cubecl_combine::combine(&rows, map) {
             Some(out) => out,
             None => super::row_moves::add_rows::<Self>(rows, map),
+        }
+    }
+
+    /// One kernel (`exchange/cubecl_combine.rs`); composed where it does not read the
+    /// tensors or there is nothing to sum.
+    fn combine_weighted(rows: CubeTensor<R>, weights: CubeTensor<R>, map: &Arc<CombineMap>) -> CubeTensor<R> {
+        match super::cubecl_combine::combine_weighted(&rows, &weights, map) {
+            Some(out) => out,
+            None => super::weighted_combine::combine_weighted_composed::<Self>(rows, weights, map),
+        }
+    }
+
+    /// One kernel for both gradients (`exchange/cubecl_combine.rs`); composed where it does
+    /// not read the tensors or there is nothing to sum.
+    fn combine_weighted_backward(
+        grad: CubeTensor<R>,
+        rows: CubeTensor<R>,
+        weights: CubeTensor<R>,
+        map: &Arc<CombineMap>,
+    ) -> (CubeTensor<R>, CubeTensor<R>) {
+        match super::cubecl_combine::combine_weighted_backward(&grad, &rows, &weights, map) {
+            Some(grads) => grads,
+            None => {
+                super::weighted_combine::combine_weighted_backward_composed::<Self>(grad, rows, weights, map)
+            }
         }
     }
 

@@ -28,21 +28,24 @@ use super::executor::StepExecutor;
 use super::streams::WorkerStreams;
 use super::{ExchangeGrads, ExchangeRun, MoeBackend};
 use crate::comm::Communicator;
-use crate::dispatch::{ExchangePlan, RowMap};
+use crate::dispatch::{CombineMap, ExchangePlan, RowMap};
 use crate::error::Result;
 use crate::experts::ExpertTensors;
 
 /// The inner backend's tensor behind a fusion tensor, after fusion has executed every queued
 /// operation of the stream that produces it. A tensor fusion still holds elsewhere (a
 /// parameter) is shared, not copied: cubecl writes in place only to a buffer it holds alone.
-fn resolve<B: FusionBackend>(tensor: FloatTensor<Fusion<B>>) -> FloatTensor<B> {
+pub(crate) fn resolve<B: FusionBackend>(tensor: FloatTensor<Fusion<B>>) -> FloatTensor<B> {
     let client = tensor.client.clone();
     client.resolve_tensor_float::<B>(tensor)
 }
 
 /// An inner tensor registered with fusion as a new tensor on the calling thread's stream, as
 /// `Fusion::float_from_data` registers the tensors it creates.
-fn register<B: FusionBackend>(tensor: FloatTensor<B>, device: &B::Device) -> FloatTensor<Fusion<B>> {
+pub(crate) fn register<B: FusionBackend>(
+    tensor: FloatTensor<B>,
+    device: &B::Device,
+) -> FloatTensor<Fusion<B>> {
     let client = get_client::<B>(device);
     let shape = tensor.shape();
     let dtype = tensor.dtype();
@@ -168,6 +171,30 @@ impl<B: FusionBackend + MoeBackend> MoeBackend for Fusion<B> {
     fn combine_rows(rows: FloatTensor<Self>, map: &Arc<RowMap>) -> FloatTensor<Self> {
         let device = rows.client.device().clone();
         register::<B>(B::combine_rows(resolve::<B>(rows), map), &device)
+    }
+
+    /// On the inner backend, whose kernel fusion cannot express either (see `gather_rows`).
+    fn combine_weighted(
+        rows: FloatTensor<Self>,
+        weights: FloatTensor<Self>,
+        map: &Arc<CombineMap>,
+    ) -> FloatTensor<Self> {
+        let device = rows.client.device().clone();
+        let out = B::combine_weighted(resolve::<B>(rows), resolve::<B>(weights), map);
+        register::<B>(out, &device)
+    }
+
+    /// On the inner backend (see `combine_weighted`).
+    fn combine_weighted_backward(
+        grad: FloatTensor<Self>,
+        rows: FloatTensor<Self>,
+        weights: FloatTensor<Self>,
+        map: &Arc<CombineMap>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let device = grad.client.device().clone();
+        let (d_rows, d_weights) =
+            B::combine_weighted_backward(resolve::<B>(grad), resolve::<B>(rows), resolve::<B>(weights), map);
+        (register::<B>(d_rows, &device), register::<B>(d_weights, &device))
     }
 
     /// The reference twin's all-to-all, on the inner backend's rows (the device path where the

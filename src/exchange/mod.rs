@@ -17,6 +17,8 @@ mod cubecl;
 mod cubecl_arena;
 #[cfg(feature = "cubecl")]
 mod cubecl_combine;
+#[cfg(all(test, feature = "wgpu"))]
+mod cubecl_combine_tests;
 mod dense;
 mod direct;
 pub(crate) use dense::dense;
@@ -39,7 +41,7 @@ mod flex_heads;
 mod flex_rows;
 pub(crate) mod fused;
 #[cfg(feature = "fusion")]
-mod fusion;
+pub(crate) mod fusion;
 mod pass_store;
 mod products;
 mod reference;
@@ -47,6 +49,7 @@ mod row_moves;
 pub(crate) mod rows;
 mod shadows;
 pub(crate) mod streams;
+mod weighted_combine;
 
 /// The schedule lives on the ground floor (`pipeline`), shared with `memory` and `sim`.
 pub(crate) use crate::pipeline::schedule;
@@ -61,3 +64,4 @@ pub use expert_path::{
 pub use pass_store::PassStore;
 pub use reference::exchange_reference;
 pub use streams::{NoStreams, StepHold, SyncStreams, WorkerStreams};
+pub use weighted_combine::{combine_weighted_backward_composed, combine_weighted_composed};

@@ -1,5 +1,6 @@
 //! `MoeLayer`: the burn module and its forward pass.
 
+use std::cell::OnceCell;
 use std::sync::Arc;
 
 use burn::module::Module;
@@ -9,7 +10,7 @@ use burn::tensor::{Tensor, TensorPrimitive};
 
 use super::plan::Route;
 use super::{ExchangePath, MoeContext, MoeLayerConfig, MoeOutput, MoeStats};
-use crate::dispatch::{DispatchPlan, ExchangePlan, RowMap};
+use crate::dispatch::{CombineMap, DispatchPlan, ExchangePlan, RowMap};
 use crate::error::{MoeError, Result};
 use crate::exchange::{exchange_reference, GemmPrecision, MoeBackend};
 use crate::experts::{ExpertAdapters, ExpertTensors, Experts, ExpertsSpec, SharedExpert};
@@ -200,8 +201,8 @@ impl<B: MoeBackend> MoeLayer<B> {
 
         // 2. Route: top-k experts and their weights per token. The layer's dense products (here
         //    and in the shared expert) go through the device library at the GEMM precision
-        //    where the communicator offers one. The finite check (step 1's) comes back to the
-        //    host with the router's choice values: one transfer, one host wait.
+        //    where the communicator offers one. The finite check (step 1's) is made on the
+        //    router's choice values, which come back to the host: one transfer, one host wait.
         let comm = &self.ctx.comm;
         let dense =
             |a: Tensor<B, 2>, b: Tensor<B, 2>| crate::exchange::dense(a, b, comm, config.gemm_precision);
@@ -215,18 +216,27 @@ impl<B: MoeBackend> MoeLayer<B> {
         };
         let route_dense =
             |a: Tensor<B, 2>, b: Tensor<B, 2>| crate::exchange::dense(a, b, comm, router_precision);
-        // Every finite value times zero is zero and every NaN or infinity times zero is NaN, so
-        // the sum is 0 exactly when the input is finite. That is two kernels on the CubeCL
-        // backends, where `is_finite().bool_not().any()` launched ten (cubecl's profiling log
-        // on WGPU): burn 0.21 composes `is_finite` from a NaN test, an infinity test, two
-        // negations and an `and` (burn-tensor `api/float.rs`), and `any` adds a cast, a fill
-        // and a sum. Detached: the check is no part of the graph.
-        let non_finite =
-            (config.check_finite && n_tokens > 0).then(|| x.clone().detach().mul_scalar(0.0).sum());
-        let (routing, flags) =
+        // The finite check. A router without a score bias chooses by its logits, which come to
+        // the host for the choice anyway, and a NaN or an infinity anywhere in a token's input
+        // makes every logit of that token NaN or infinite (a product with either is NaN or
+        // infinite, and so is a sum with such a term): the host checks the values it read,
+        // and looks at the input itself only where one is not finite (an input that is not,
+        // or logits that overflowed from one that is). That costs the device nothing, where
+        // the check on the device had taken five launches. A score bias chooses by scores,
+        // which a logit of -inf leaves finite (softmax and sigmoid take it to 0), so there the
+        // input's own check is read with the choice values (`input_is_finite`).
+        let check = config.check_finite && n_tokens > 0;
+        let by_logits = self.router.chooses_by_logits();
+        let on_device = (check && !by_logits).then(|| non_finite_sum(&x));
+        let (routing, read) =
             self.router
-                .route_reading(x.clone(), &config.routing_rule(), &route_dense, non_finite)?;
-        if flags.first().is_some_and(|&bad| bad != 0.0) {
+                .route_reading(x.clone(), &config.routing_rule(), &route_dense, on_device)?;
+        let finite = match (check, by_logits) {
+            (false, _) => true,
+            (true, true) => read.choice_finite || input_is_finite(&x),
+            (true, false) => read.also.first().is_some_and(|&sum| sum == 0.0),
+        };
+        if !finite {
             return Err(MoeError::Input(format!(
                 "input {shape:?} contains NaN or infinite values"
             )));
@@ -243,10 +253,17 @@ impl<B: MoeBackend> MoeLayer<B> {
         // 4. Permute: T_I = the input rows in plan order (scaled by their combine weights
         //    where the weights go on the experts' input, as in Llama 4).
         let tokens = token_map(&plan.dispatch);
-        let row_weights = row_weights(routing.weights, &plan.dispatch);
-        let (t_i, row_weights) = match config.weights_on_input {
-            true => (permute(&x, &tokens) * row_weights.unsqueeze_dim(1), None),
-            false => (permute(&x, &tokens), Some(row_weights)),
+        let combine = Arc::new(CombineMap::new(
+            tokens.clone(),
+            plan.dispatch.row_slot.clone(),
+            plan.dispatch.top_k,
+        ));
+        let (t_i, combine_weights) = match config.weights_on_input {
+            true => (
+                permute(&x, &tokens) * row_weights(routing.weights, &combine).unsqueeze_dim(1),
+                None,
+            ),
+            false => (permute(&x, &tokens), Some(routing.weights)),
         };
 
         // 5. Exchange: dispatch, local experts (and copies of the shadowed ones), combine —
@@ -260,7 +277,7 @@ impl<B: MoeBackend> MoeLayer<B> {
         };
 
         // 6. Unpermute: y[t] += w[t, j] · T_O[row(t, j)] (unweighted where step 4 weighted).
-        let mut y = unpermute(t_o, row_weights, &tokens);
+        let mut y = unpermute(t_o, combine_weights, &combine);
 
         // 7. Shared expert.
         if let (Some(shared), true) = (&self.shared, n_tokens > 0) {
@@ -274,22 +291,35 @@ impl<B: MoeBackend> MoeLayer<B> {
         // where the layer has a balancing loss, so that no other layer keeps a graph for it.
         // A softmax router's probabilities are that softmax already (one op and one node,
         // `RouterKernels`), so it is not computed twice.
-        let router_softmax_sum = match (n_tokens, config.aux_loss_coef != 0.0) {
-            (0, _) | (_, false) => Tensor::zeros([config.n_experts], &routing.logits.device()),
-            _ => match config.scoring {
+        // A loss that is off (or has no tokens) is a zero that takes no gradient. One fill
+        // serves all three, where each had been a fill of its own (a launch each on a GPU):
+        // the losses share it, and the softmax sum is it broadcast to `[n_experts]` (a view).
+        let device = routing.logits.device();
+        let zero = OnceCell::new();
+        let zero = || zero.get_or_init(|| Tensor::<B, 1>::zeros([1], &device)).clone();
+        let balancing = n_tokens > 0 && config.aux_loss_coef != 0.0;
+        let router_softmax_sum = match balancing {
+            false => zero().expand([config.n_experts]),
+            true => match config.scoring {
                 Scoring::Softmax => routing.probs.clone(),
                 Scoring::Sigmoid => softmax(routing.logits.clone(), 1),
             }
             .sum_dim(0)
             .reshape([config.n_experts]),
         };
-        let aux_loss = load_balancing_loss(
-            routing.probs,
-            &plan.dispatch.expert_fraction,
-            n_global,
-            config.aux_loss_coef,
-        );
-        let z_loss = z_loss(routing.logits, n_global, config.z_loss_coef);
+        let aux_loss = match balancing {
+            false => zero(),
+            true => load_balancing_loss(
+                routing.probs,
+                &plan.dispatch.expert_fraction,
+                n_global,
+                config.aux_loss_coef,
+            ),
+        };
+        let z_loss = match n_tokens > 0 && config.z_loss_coef != 0.0 {
+            false => zero(),
+            true => z_loss(routing.logits, n_global, config.z_loss_coef),
+        };
 
         Ok(MoeOutput {
             output: y.reshape(shape),
@@ -370,6 +400,25 @@ impl<B: MoeBackend> MoeLayer<B> {
     }
 }
 
+/// `Σ x · 0` over the detached input: 0 exactly when every value is finite (a finite value
+/// times zero is zero, a NaN or an infinity times zero is NaN). Two kernels and a fill on the
+/// CubeCL backends, where burn 0.21's `is_finite().bool_not().any()` launches ten (a NaN
+/// test, an infinity test, two negations and an `and` in burn-tensor `api/float.rs`, and a
+/// cast, a fill and a sum for `any`).
+///
+/// # Shapes
+/// - `x`: `[n_tokens, d_model]` → `[1]`
+fn non_finite_sum<B: Backend>(x: &Tensor<B, 2>) -> Tensor<B, 1> {
+    x.clone().detach().mul_scalar(0.0).sum()
+}
+
+/// Whether every value of `x` is finite, read to the host: a host wait of its own, which the
+/// layer takes only where the values read with the routing were not all finite.
+fn input_is_finite<B: Backend>(x: &Tensor<B, 2>) -> bool {
+    let sum = non_finite_sum(x).into_data().convert::<f32>();
+    sum.as_slice::<f32>().is_ok_and(|v| v.first() == Some(&0.0))
+}
+
 /// Step 4: the rows of `x` in the plan's order, one per kept (token, expert) assignment
 /// ([`token_map`]).
 ///
@@ -389,27 +438,32 @@ fn float<B: Backend>(x: burn::tensor::ops::FloatTensor<B>) -> Tensor<B, 2> {
     Tensor::from_primitive(TensorPrimitive::Float(x))
 }
 
-/// Each kept row's combine weight, in plan order.
+/// Each kept row's combine weight, in plan order (for the layers that weight the experts'
+/// input, as Llama 4 does).
 ///
 /// # Shapes
 /// - `weights`: `[n_tokens, top_k]`
 /// - returns `[n_rows]`
-fn row_weights<B: MoeBackend>(weights: Tensor<B, 2>, plan: &DispatchPlan) -> Tensor<B, 1> {
-    let slots = Arc::new(RowMap::new(plan.row_slot.clone(), plan.n_tokens * plan.top_k));
-    let weights = weights.reshape([plan.n_tokens * plan.top_k, 1]);
-    float(B::gather_rows(weights.into_primitive().tensor(), &slots)).reshape([plan.n_rows()])
+fn row_weights<B: MoeBackend>(weights: Tensor<B, 2>, map: &CombineMap) -> Tensor<B, 1> {
+    let weights = weights.reshape([map.n_tokens() * map.top_k(), 1]);
+    float(B::gather_rows(weights.into_primitive().tensor(), map.slots())).reshape([map.n_rows()])
 }
 
 /// Step 6: sums each row of `T_O`, scaled by its combine weight where step 4 did not apply
-/// it, onto its token. Dropped assignments have no row and add nothing.
+/// it, onto its token: one op with the weights (`MoeBackend::combine_weighted`, a kernel on
+/// the CubeCL backends), the plain combine without. Dropped assignments have no row and add
+/// nothing.
+///
+/// # Shapes
+/// - `t_o`: `[n_rows, d_model]`, `weights`: `[n_tokens, top_k]` → `[n_tokens, d_model]`
 fn unpermute<B: MoeBackend>(
     t_o: Tensor<B, 2>,
-    row_weights: Option<Tensor<B, 1>>,
-    tokens: &Arc<RowMap>,
+    weights: Option<Tensor<B, 2>>,
+    map: &Arc<CombineMap>,
 ) -> Tensor<B, 2> {
-    let contributions = match row_weights {
-        Some(w) => t_o * w.unsqueeze_dim(1),
-        None => t_o,
-    };
-    float(B::combine_rows(contributions.into_primitive().tensor(), tokens))
+    let t_o = t_o.into_primitive().tensor();
+    float(match weights {
+        Some(w) => B::combine_weighted(t_o, w.into_primitive().tensor(), map),
+        None => B::combine_rows(t_o, map.tokens()),
+    })
 }

@@ -6,6 +6,8 @@ mod balance;
 mod cubecl_router;
 #[cfg(all(test, feature = "wgpu"))]
 mod cubecl_tests;
+#[cfg(feature = "fusion")]
+mod fusion;
 mod kernels;
 mod losses;
 mod module;
@@ -27,10 +29,10 @@ pub(crate) use topk::group_limited_top_k;
 #[cfg(feature = "cubecl")]
 use burn::tensor::ops::FloatTensor;
 
-// NdArray, Flex (a router row is a few experts: its single-threaded element-wise ops are not
-// where a step's time goes) and fusion (which fuses the composed forms' element-wise parts on
-// the GPU backends): the composed forms. `Autodiff<B>` records one node each (`autodiff.rs`).
-default_kernel_impls!(@plain RouterKernels);
+// NdArray and Flex (a router row is a few experts: its single-threaded element-wise ops are
+// not where a step's time goes): the composed forms. `Autodiff<B>` records one node each
+// (`autodiff.rs`); `Fusion<B>` runs the inner backend's (`fusion.rs`).
+default_kernel_impls!(@ndarray RouterKernels);
 
 #[cfg(feature = "flex")]
 impl RouterKernels for burn::backend::Flex {}

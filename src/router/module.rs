@@ -108,9 +108,16 @@ impl<B: RouterKernels> Router<B> {
             .map(|(routing, _)| routing)
     }
 
+    /// Whether experts are chosen by the logits themselves (a router without a score bias):
+    /// then the values read to the host are `x · weightᵀ` (plus the bias), and a NaN or an
+    /// infinity in a token's input makes every one of that token's values NaN or infinite.
+    pub(crate) fn chooses_by_logits(&self) -> bool {
+        self.score_bias.is_none()
+    }
+
     /// [`route_with`](Self::route_with), reading `also` (a few values the caller needs on the
     /// host, such as the layer's finite check) in the same transfer as the choice values: one
-    /// host wait instead of two. Returns `also`'s values (empty without it).
+    /// host wait instead of two.
     ///
     /// # Errors
     /// What `matmul` returns.
@@ -120,7 +127,7 @@ impl<B: RouterKernels> Router<B> {
         rule: &RoutingRule,
         matmul: &dyn Fn(Tensor<B, 2>, Tensor<B, 2>) -> crate::Result<Tensor<B, 2>>,
         also: Option<Tensor<B, 1>>,
-    ) -> crate::Result<(Routing<B>, Vec<f32>)> {
+    ) -> crate::Result<(Routing<B>, HostRead)> {
         let [n_tokens, _] = x.dims();
         let n_experts = self.n_experts();
         let device = x.device();
@@ -139,6 +146,10 @@ impl<B: RouterKernels> Router<B> {
             rule.scoring,
         ));
         let (choice, also) = self.choice_scores(&logits, &scores, also);
+        let read = HostRead {
+            choice_finite: choice.iter().all(|v| v.is_finite()),
+            also,
+        };
         let indices = if n_tokens == 0 {
             Vec::new()
         } else {
@@ -169,7 +180,7 @@ impl<B: RouterKernels> Router<B> {
                 weights,
                 indices,
             },
-            also,
+            read,
         ))
     }
 
@@ -209,6 +220,15 @@ impl<B: RouterKernels> Router<B> {
         let also = host.split_off(host.len() - extra);
         (host, also)
     }
+}
+
+/// What [`Router::route_reading`] read to the host besides the choice.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct HostRead {
+    /// Whether every value the experts were chosen by is finite.
+    pub choice_finite: bool,
+    /// The values of the caller's `also` (empty without it).
+    pub also: Vec<f32>,
 }
 
 /// A parameter that is saved and loaded with the module but receives no gradient.

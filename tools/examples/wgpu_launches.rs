@@ -5,7 +5,7 @@
 //! ```
 //!
 //! Runs `--steps` forward + backward passes of one layer on `Autodiff<Wgpu>` (raw, no fusion:
-//! each burn op is one launch) with a fixed seed, so that two runs that differ only in their
+//! each burn op is one launch; `--fusion` runs burn's fusing backend instead) with a fixed seed, so that two runs that differ only in their
 //! step count differ by exactly one step's launches. The script runs it at two step counts in
 //! a folder whose `cubecl.toml` turns cubecl's profiling logger on at `minimal` (one line per
 //! launch, named) and prints the difference and the last step's kernels. On a GPU each launch
@@ -13,12 +13,9 @@
 //! the host (BENCHMARKS §14b), so the count is what a change to the step's ops moves.
 
 use burn::backend::{Autodiff, Wgpu};
-use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
 use clap::Parser;
 use mpipemoe::{MoeLayerConfig, Partitions};
-
-type B = Autodiff<Wgpu>;
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -43,10 +40,22 @@ struct Args {
     /// Micro-batch partitions n (fixed, so that every step runs the same schedule).
     #[arg(long, default_value_t = 2)]
     partitions: usize,
+    /// Under burn's fusion (`Fusion<CubeBackend<WgpuRuntime>>`, burn's default WGPU backend).
+    #[arg(long)]
+    fusion: bool,
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
+    match args.fusion {
+        false => steps::<Autodiff<Wgpu>>(&args),
+        true => steps::<Autodiff<mpipemoe_tools::backends::WgpuFusion>>(&args),
+    }
+}
+
+fn steps<B: burn::tensor::backend::AutodiffBackend + mpipemoe::MoeBackend>(
+    args: &Args,
+) -> Result<(), Box<dyn std::error::Error>> {
     let device = Default::default();
     B::seed(&device, 7);
     let layer = MoeLayerConfig::new(args.d_model, args.d_hidden, args.experts, args.top_k)

@@ -1,0 +1,57 @@
+//! The router's ops under burn's fusion (`Fusion<B>`, burn's default WGPU and CUDA backends):
+//! on the inner backend, as the combine is (`exchange/fusion.rs`).
+//!
+//! Fusion fuses element-wise ops, but not across a reduction, and it runs some ops unfused:
+//! composed, a softmax router's step took 13 launches under fusion on WGPU where the inner
+//! backend's kernels take 4 (`scripts/bench/wgpu_launches.sh --fusion`). So each op resolves
+//! its inputs to the inner backend's tensors (fusion executes what is queued for them first),
+//! runs the inner backend's op (one kernel each on the CubeCL backends) and registers its
+//! output as a new fusion tensor on the calling thread's stream.
+
+use burn::tensor::ops::FloatTensor;
+use burn_fusion::{Fusion, FusionBackend};
+
+use super::{PickRule, RouterKernels, Scoring};
+use crate::exchange::fusion::{register, resolve};
+
+impl<B: FusionBackend + RouterKernels> RouterKernels for Fusion<B> {
+    fn router_scores(logits: FloatTensor<Self>, scoring: Scoring) -> FloatTensor<Self> {
+        let device = logits.client.device().clone();
+        register::<B>(B::router_scores(resolve::<B>(logits), scoring), &device)
+    }
+
+    fn router_scores_backward(
+        scores: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        scoring: Scoring,
+    ) -> FloatTensor<Self> {
+        let device = scores.client.device().clone();
+        let out = B::router_scores_backward(resolve::<B>(scores), resolve::<B>(grad), scoring);
+        register::<B>(out, &device)
+    }
+
+    fn router_pick(
+        scores: FloatTensor<Self>,
+        indices: &[usize],
+        top_k: usize,
+        rule: PickRule,
+    ) -> FloatTensor<Self> {
+        let device = scores.client.device().clone();
+        register::<B>(
+            B::router_pick(resolve::<B>(scores), indices, top_k, rule),
+            &device,
+        )
+    }
+
+    fn router_pick_backward(
+        scores: FloatTensor<Self>,
+        indices: &[usize],
+        top_k: usize,
+        grad: FloatTensor<Self>,
+        rule: PickRule,
+    ) -> FloatTensor<Self> {
+        let device = scores.client.device().clone();
+        let out = B::router_pick_backward(resolve::<B>(scores), indices, top_k, resolve::<B>(grad), rule);
+        register::<B>(out, &device)
+    }
+}
