@@ -160,7 +160,10 @@ pub struct MoeLayerConfig {
     /// Seed of the parameter initialisation.
     #[config(default = 0)]
     pub seed: u64,
-    /// Reject inputs with NaN or infinite values (one extra pass over the input).
+    /// Reject inputs with NaN or infinite values. Checked on the host on the router's logits,
+    /// which come there for the choice anyway (a NaN or an infinity in a token's input makes
+    /// all of its logits NaN or infinite); one extra pass over the input where a logit is not
+    /// finite, and on every forward of a router with a score bias.
     #[config(default = true)]
     pub check_finite: bool,
     /// How the fused exchange runs its schedule: `None` is the backend's choice
