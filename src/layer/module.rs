@@ -297,20 +297,21 @@ impl<B: MoeBackend> MoeLayer<B> {
         let device = routing.logits.device();
         let zero = OnceCell::new();
         let zero = || zero.get_or_init(|| Tensor::<B, 1>::zeros([1], &device)).clone();
+        // The column sums of the probabilities serve both the layer's balancing loss and, for
+        // a softmax router, the softmax sum: one reduction.
         let balancing = n_tokens > 0 && config.aux_loss_coef != 0.0;
-        let router_softmax_sum = match balancing {
-            false => zero().expand([config.n_experts]),
-            true => match config.scoring {
-                Scoring::Softmax => routing.probs.clone(),
-                Scoring::Sigmoid => softmax(routing.logits.clone(), 1),
-            }
-            .sum_dim(0)
-            .reshape([config.n_experts]),
+        let prob_sums = balancing.then(|| routing.probs.sum_dim(0).reshape([config.n_experts]));
+        let router_softmax_sum = match (&prob_sums, config.scoring) {
+            (None, _) => zero().expand([config.n_experts]),
+            (Some(sums), Scoring::Softmax) => sums.clone(),
+            (Some(_), Scoring::Sigmoid) => softmax(routing.logits.clone(), 1)
+                .sum_dim(0)
+                .reshape([config.n_experts]),
         };
-        let aux_loss = match balancing {
-            false => zero(),
-            true => load_balancing_loss(
-                routing.probs,
+        let aux_loss = match prob_sums {
+            None => zero(),
+            Some(sums) => load_balancing_loss(
+                sums,
                 &plan.dispatch.expert_fraction,
                 n_global,
                 config.aux_loss_coef,

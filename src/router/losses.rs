@@ -12,26 +12,30 @@ use burn::tensor::{Tensor, TensorData};
 ///
 /// `f_e` is the fraction of (token, choice) assignments routed to expert `e` over the global
 /// batch, before capacity drops (piecewise constant, no gradient); `P_e` is the mean router
-/// probability of `e` over the global batch. This rank contributes its tokens' part of `P_e`.
+/// probability of `e` over the global batch. This rank contributes its tokens' part of `P_e`,
+/// given as `prob_sums`, the column sums of its tokens' probabilities (which the layer also
+/// returns as `router_softmax_sum` for a softmax router, so they are summed once). The
+/// constant factor `coef · E / n_tokens_global` is folded into `f` on the host: one product
+/// and a sum on the device.
 ///
 /// # Shapes
-/// - probs: `[n_tokens, n_experts]` (this rank's tokens)
+/// - prob_sums: `[n_experts]` (this rank's tokens, summed)
 /// - returns `[1]`
 pub fn load_balancing_loss<B: Backend>(
-    probs: Tensor<B, 2>,
+    prob_sums: Tensor<B, 1>,
     expert_fraction: &[f64],
     n_tokens_global: usize,
     coef: f64,
 ) -> Tensor<B, 1> {
-    let device = probs.device();
-    let [n_tokens, n_experts] = probs.dims();
-    if coef == 0.0 || n_tokens == 0 || n_tokens_global == 0 {
+    let device = prob_sums.device();
+    let [n_experts] = prob_sums.dims();
+    if coef == 0.0 || n_tokens_global == 0 {
         return Tensor::zeros([1], &device);
     }
-    let f = TensorData::new(expert_fraction.to_vec(), [1, n_experts]).convert::<B::FloatElem>();
-    let f = Tensor::<B, 2>::from_data(f, &device);
     let scale = coef * n_experts as f64 / n_tokens_global as f64;
-    (probs.sum_dim(0) * f).sum() * scale
+    let f: Vec<f64> = expert_fraction.iter().map(|f| f * scale).collect();
+    let f = Tensor::<B, 1>::from_data(TensorData::new(f, [n_experts]).convert::<B::FloatElem>(), &device);
+    (prob_sums * f).sum()
 }
 
 /// Router z-loss (ST-MoE), `coef · mean_t logsumexp(logits_t)²` over the global batch.
