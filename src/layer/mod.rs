@@ -8,6 +8,7 @@ mod decode;
 mod file;
 mod grads;
 mod io;
+mod losses;
 mod meta;
 mod module;
 mod output;

@@ -1,13 +1,12 @@
 //! `MoeLayer`: the burn module and its forward pass.
 
-use std::cell::OnceCell;
 use std::sync::Arc;
 
 use burn::module::Module;
-use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorPrimitive};
 
+use super::losses::RouterLosses;
 use super::plan::Route;
 use super::{ExchangePath, MoeContext, MoeLayerConfig, MoeOutput, MoeStats};
 use crate::dispatch::{CombineMap, DispatchPlan, ExchangePlan, RowMap};
@@ -15,7 +14,7 @@ use crate::error::{MoeError, Result};
 use crate::exchange::{exchange_reference, GemmPrecision, MoeBackend};
 use crate::experts::{ExpertAdapters, ExpertTensors, Experts, ExpertsSpec, SharedExpert};
 use crate::memory::Strategy;
-use crate::router::{load_balancing_loss, z_loss, Router, Scoring};
+use crate::router::Router;
 
 /// A Mixture-of-Experts layer: a drop-in replacement for a transformer FFN.
 ///
@@ -285,48 +284,13 @@ impl<B: MoeBackend> MoeLayer<B> {
         }
 
         // 8. Auxiliary losses (this rank's shares of the global-batch losses).
-        let n_global = plan.dispatch.stats.n_tokens_world;
-        // What a model's load-balancing loss across its layers needs (transformers'
-        // `load_balancing_loss_func`): this rank's sum of the softmax over all experts; only
-        // where the layer has a balancing loss, so that no other layer keeps a graph for it.
-        // A softmax router's probabilities are that softmax already (one op and one node,
-        // `RouterKernels`), so it is not computed twice.
-        // A loss that is off (or has no tokens) is a zero that takes no gradient. One fill
-        // serves all three, where each had been a fill of its own (a launch each on a GPU):
-        // the losses share it, and the softmax sum is it broadcast to `[n_experts]` (a view).
-        let device = routing.logits.device();
-        let zero = OnceCell::new();
-        let zero = || zero.get_or_init(|| Tensor::<B, 1>::zeros([1], &device)).clone();
-        // The column sums of the probabilities serve both the layer's balancing loss and, for
-        // a softmax router, the softmax sum: one reduction.
-        let balancing = n_tokens > 0 && config.aux_loss_coef != 0.0;
-        let prob_sums = balancing.then(|| routing.probs.sum_dim(0).reshape([config.n_experts]));
-        let router_softmax_sum = match (&prob_sums, config.scoring) {
-            (None, _) => zero().expand([config.n_experts]),
-            (Some(sums), Scoring::Softmax) => sums.clone(),
-            (Some(_), Scoring::Sigmoid) => softmax(routing.logits.clone(), 1)
-                .sum_dim(0)
-                .reshape([config.n_experts]),
-        };
-        let aux_loss = match prob_sums {
-            None => zero(),
-            Some(sums) => load_balancing_loss(
-                sums,
-                &plan.dispatch.expert_fraction,
-                n_global,
-                config.aux_loss_coef,
-            ),
-        };
-        let z_loss = match n_tokens > 0 && config.z_loss_coef != 0.0 {
-            false => zero(),
-            true => z_loss(routing.logits, n_global, config.z_loss_coef),
-        };
+        let losses = RouterLosses::new(config, routing.logits, routing.probs, &plan.dispatch, n_tokens);
 
         Ok(MoeOutput {
             output: y.reshape(shape),
-            aux_loss,
-            z_loss,
-            router_softmax_sum,
+            aux_loss: losses.aux_loss,
+            z_loss: losses.z_loss,
+            router_softmax_sum: losses.router_softmax_sum,
             stats: MoeStats {
                 load_imbalance: plan.dispatch.stats.load_imbalance(),
                 routing: plan.dispatch.stats,
