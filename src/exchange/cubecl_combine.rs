@@ -48,7 +48,7 @@ fn combine_kernel<F: Float>(
 /// # Shapes
 /// - rows: `[n_rows, width]` → `[n_targets, width]`
 pub(crate) fn combine<R: CubeRuntime>(rows: &CubeTensor<R>, map: &RowMap) -> Option<CubeTensor<R>> {
-    let [n_rows, width] = <[usize; 2]>::try_from(rows.meta.shape().to_vec()).ok()?;
+    let [n_rows, width] = dims2(rows)?;
     if !kernel_float(rows) || n_rows != map.n_rows() {
         return None;
     }

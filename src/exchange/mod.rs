@@ -64,4 +64,5 @@ pub use expert_path::{
 pub use pass_store::PassStore;
 pub use reference::exchange_reference;
 pub use streams::{NoStreams, StepHold, SyncStreams, WorkerStreams};
+pub(crate) use weighted_combine::row_weights;
 pub use weighted_combine::{combine_weighted_backward_composed, combine_weighted_composed};

@@ -31,8 +31,9 @@ fn float<B: MoeBackend>(x: FloatTensor<B>) -> Tensor<B, 2> {
     Tensor::from_primitive(TensorPrimitive::Float(x))
 }
 
-/// Each row's weight, `[n_rows, 1]`: the weights' slots gathered into row order.
-fn row_weights<B: MoeBackend>(weights: FloatTensor<B>, map: &CombineMap) -> Tensor<B, 2> {
+/// Each row's weight, `[n_rows, 1]`: the weights' slots gathered into row order (also what
+/// the layers that weight the experts' input, as Llama 4 does, scale `T_I` by).
+pub(crate) fn row_weights<B: MoeBackend>(weights: FloatTensor<B>, map: &CombineMap) -> Tensor<B, 2> {
     let slots = float::<B>(weights).reshape([map.n_tokens() * map.top_k(), 1]);
     float::<B>(B::gather_rows(slots.into_primitive().tensor(), map.slots()))
 }

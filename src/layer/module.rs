@@ -11,7 +11,7 @@ use super::plan::Route;
 use super::{ExchangePath, MoeContext, MoeLayerConfig, MoeOutput, MoeStats};
 use crate::dispatch::{CombineMap, DispatchPlan, ExchangePlan, RowMap};
 use crate::error::{MoeError, Result};
-use crate::exchange::{exchange_reference, GemmPrecision, MoeBackend};
+use crate::exchange::{exchange_reference, row_weights, GemmPrecision, MoeBackend};
 use crate::experts::{ExpertAdapters, ExpertTensors, Experts, ExpertsSpec, SharedExpert};
 use crate::memory::Strategy;
 use crate::router::Router;
@@ -259,7 +259,7 @@ impl<B: MoeBackend> MoeLayer<B> {
         ));
         let (t_i, combine_weights) = match config.weights_on_input {
             true => (
-                permute(&x, &tokens) * row_weights(routing.weights, &combine).unsqueeze_dim(1),
+                permute(&x, &tokens) * row_weights(routing.weights.into_primitive().tensor(), &combine),
                 None,
             ),
             false => (permute(&x, &tokens), Some(routing.weights)),
@@ -401,17 +401,6 @@ pub(super) fn token_map(plan: &DispatchPlan) -> Arc<RowMap> {
 
 fn float<B: Backend>(x: burn::tensor::ops::FloatTensor<B>) -> Tensor<B, 2> {
     Tensor::from_primitive(TensorPrimitive::Float(x))
-}
-
-/// Each kept row's combine weight, in plan order (for the layers that weight the experts'
-/// input, as Llama 4 does).
-///
-/// # Shapes
-/// - `weights`: `[n_tokens, top_k]`
-/// - returns `[n_rows]`
-fn row_weights<B: MoeBackend>(weights: Tensor<B, 2>, map: &CombineMap) -> Tensor<B, 1> {
-    let weights = weights.reshape([map.n_tokens() * map.top_k(), 1]);
-    float(B::gather_rows(weights.into_primitive().tensor(), map.slots())).reshape([map.n_rows()])
 }
 
 /// Step 6: sums each row of `T_O`, scaled by its combine weight where step 4 did not apply
