@@ -18,7 +18,12 @@
 //!   also with the router's products left on cubecl's kernels, `cublas experts only`: two
 //!   sections a step fewer, each a cubecl product instead), and
 //!   without it (cubecl's GEMMs, which multiply f32 in TF32: the twin the GPU check compares the
-//!   path with); `forward` is the layer's forward alone (cuBLAS, TF32).
+//!   path with); `forward` is the layer's forward alone (cuBLAS, TF32);
+//! - `experts piece` and `layer piece`: the `experts` runs at each precision and the layer at
+//!   TF32 and bf16 again on a timed path (`CublasOptions::timed`), each section's pieces (the
+//!   weights' bf16 conversion, each GEMM role, the activation kernels, the hand-overs) with
+//!   their device and host ms a step (`CublasExperts::breakdown`): where the experts' time goes
+//!   against `dense`.
 //!
 //! Routing is balanced as in `scripts/bench/torch_gpu_peer.py` (one-hot router rows, tokens that
 //! send every expert the same rows), so both sides run the same GEMM shapes. Every figure is the
@@ -68,9 +73,10 @@ struct Row {
     d_hidden: usize,
     tokens: usize,
     top_k: usize,
-    /// `dense`, `experts`, `layer` or `pipeline`.
+    /// `dense`, `experts`, `layer`, `pipeline`, `experts piece` or `layer piece`.
     what: String,
-    /// `cublas` (device hand-over), `cublas host-waits`, `cubecl`, or the pipeline's system.
+    /// `cublas` (device hand-over), `cublas host-waits`, `cubecl`, the pipeline's system, or
+    /// a piece's name (its `median_ms` the piece's device ms a step, `n` its runs a step).
     path: String,
     /// The GEMM precision (`cubecl`: TF32, what cubek does with f32).
     precision: String,
@@ -337,6 +343,58 @@ fn experts_ms(
     (host[host.len() / 2], host[0], host[host.len() - 1])
 }
 
+/// The timed path's pieces since its last breakdown, per step of `steps` (the warm-ups with
+/// the timed ones), printed under `label` and as rows: `what` is `experts piece` or `layer
+/// piece`, `path` the piece, `median_ms` its device ms a step, `host_ms` its host ms, `n` its
+/// runs a step; the step's own median (`step_ms`, with the events' cost in it) is printed
+/// beside the pieces' sum, which leaves out the time between sections.
+fn piece_rows(
+    path: &CublasExperts,
+    (shape, m, h, tokens, top_k): (&str, usize, usize, usize, usize),
+    what: &str,
+    precision: GemmPrecision,
+    steps: usize,
+    step_ms: f64,
+    label: &str,
+) -> Vec<Row> {
+    let breakdown = path
+        .breakdown()
+        .expect("the timed path's events")
+        .per(steps as u64);
+    eprintln!(
+        "           {label}: where a step's {step_ms:.3} ms go (sections only)\n{}",
+        textwrap_indent(&breakdown.to_string(), "           ")
+    );
+    breakdown
+        .pieces()
+        .iter()
+        .map(|p| Row {
+            shape: shape.into(),
+            d_model: m,
+            d_hidden: h,
+            tokens,
+            top_k,
+            what: format!("{what} piece"),
+            path: p.piece.into(),
+            precision: precision.name().into(),
+            median_ms: p.device_ms,
+            min_ms: p.device_ms,
+            max_ms: p.device_ms,
+            tflops: 0.0,
+            n: p.runs as usize,
+            host_ms: Some(p.host_ms),
+        })
+        .collect()
+}
+
+/// `text` with `indent` before every line.
+fn textwrap_indent(text: &str, indent: &str) -> String {
+    text.lines()
+        .map(|l| format!("{indent}{l}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 /// Tokens that send every expert the same rows through a one-hot router (the scheme of
 /// `torch_gpu_peer.py`'s `balanced_tokens`): columns `0..EXPERTS` of each token are zero but
 /// for its chosen experts, ranked.
@@ -461,30 +519,34 @@ fn main() {
         }
     };
     let paths = [
-        (Handover::Device, true, true, true),
-        (Handover::Host, true, true, true),
-        (Handover::Device, false, false, true),
-        (Handover::Device, true, false, true),
-        (Handover::Device, true, true, false),
+        (Handover::Device, true, true, true, false),
+        (Handover::Host, true, true, true, false),
+        (Handover::Device, false, false, true, false),
+        (Handover::Device, true, false, true, false),
+        (Handover::Device, true, true, false, false),
+        (Handover::Device, true, true, true, true),
     ]
-    .map(|(handover, grouped, batched, dense)| {
+    .map(|(handover, grouped, batched, dense, timed)| {
         let options = CublasOptions {
             handover,
             grouped,
             batched,
             dense,
+            timed,
         };
         CublasExperts::with_options(0, options).unwrap_or_else(|e| {
             eprintln!("error: {e}");
             std::process::exit(1)
         })
     });
-    let [device_path, host_path, looped_path, unbatched_path, experts_only_path] = &paths;
+    let [device_path, host_path, looped_path, unbatched_path, experts_only_path, timed_path] = &paths;
     let device = Default::default();
     eprintln!("cuBLAS expert path: {device_path:?}");
     let token_counts: &[usize] = if args.quick { &[4096] } else { &[4096, 16384] };
     let started = Instant::now();
     let mut rows: Vec<Row> = Vec::new();
+    // The timed path's pieces, one row each, added to `rows` at the end.
+    let mut pieces: Vec<Row> = Vec::new();
     let with = |path: &CublasExperts| -> Arc<dyn Communicator> {
         Arc::new(WithRowPaths::adding(Arc::new(SingleRank), path.paths()))
     };
@@ -551,6 +613,22 @@ fn main() {
                         None,
                     );
                 }
+                // Where the experts' time goes: the same runs on the timed path, its pieces
+                // per pass pair (a separate path, so the figures above carry no events).
+                for precision in GemmPrecision::ALL {
+                    let t = experts_ms(timed_path, routed, m, h, precision, args.repeats, Rows::Even);
+                    let label = format!("{name} {tokens} top-{top_k} experts {}", precision.name());
+                    let shape = (name, m, h, tokens, top_k);
+                    pieces.extend(piece_rows(
+                        timed_path,
+                        shape,
+                        "experts",
+                        precision,
+                        args.repeats + 2,
+                        t.0,
+                        &label,
+                    ));
+                }
                 let host = experts_ms(
                     device_path,
                     routed,
@@ -588,6 +666,22 @@ fn main() {
                         (after.looped - before.looped) / steps,
                         (after.weight_conversions - before.weight_conversions) / steps,
                     );
+                }
+                // The layer's sections piece by piece (the router's products among them).
+                for precision in [GemmPrecision::Tf32, GemmPrecision::Bf16] {
+                    let config = base.clone().with_gemm_precision(precision);
+                    let (t, _, _) = layer_ms::<B>(&config, with(timed_path), tokens, args.repeats, false);
+                    let label = format!("{name} {tokens} top-{top_k} layer {}", precision.name());
+                    let shape = (name, m, h, tokens, top_k);
+                    pieces.extend(piece_rows(
+                        timed_path,
+                        shape,
+                        "layer",
+                        precision,
+                        args.repeats + 2,
+                        t.0,
+                        &label,
+                    ));
                 }
                 for precision in [GemmPrecision::Tf32, GemmPrecision::Bf16] {
                     let config = base.clone().with_gemm_precision(precision);
@@ -649,10 +743,12 @@ fn main() {
             }
         }
     }
+    rows.extend(pieces);
     if let Err(e) = device_path
         .check(&client(&device))
         .and(host_path.check(&client(&device)))
         .and(experts_only_path.check(&client(&device)))
+        .and(timed_path.check(&client(&device)))
     {
         eprintln!("error: {e}");
         std::process::exit(1);

@@ -26,6 +26,8 @@
 //!   `gemm_precision`: IEEE f32, TF32 or bf16) with their activations in fused kernels, on a
 //!   stream of its own ordered against cubecl's without host waits; [`with_cublas`] adds it to
 //!   a communicator's paths.
+//! - [`Breakdown`]: where a timed cuBLAS path's sections spent their time, piece by piece
+//!   (`CublasOptions::timed`, `CublasExperts::breakdown`), for the benchmark.
 //! - [`group`]: the waits on NCCL (a group's end, a non-blocking initialisation, split or
 //!   finalize), bounded by the timeout, aborting the communicator on every error path.
 //! - [`check_plan`]: what `examples/gpu_check.rs` checks, single-GPU checks first.
@@ -45,6 +47,8 @@ pub const CUDA_COMPILED: bool = cfg!(feature = "cuda");
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod batches;
 pub mod bootstrap;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod breakdown;
 pub mod check_plan;
 #[cfg(feature = "cuda")]
 mod driver;
@@ -62,6 +66,7 @@ mod rows;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod spans;
 
+pub use breakdown::{Breakdown, PieceTime};
 #[cfg(feature = "cuda")]
 pub use driver::{cuda_available, nccl_available, CudaError};
 #[cfg(feature = "cuda")]

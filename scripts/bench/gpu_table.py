@@ -9,6 +9,9 @@ the same precision, with both ratios; and the experts' products (ours: the defau
 the batched calls, looped, and on skewed rows) beside cuBLAS's dense rate on the same rows
 through PyTorch (`torch.mm`), the GEMM efficiency. Every ratio names its comparator in the
 column header. Rows a file lacks print as "-" (older files have no unbatched or skewed rows).
+Where the file has a timed path's pieces (`experts piece`, `layer piece`), a third table says
+where the experts' and the layer's section time goes: each piece's device ms a step, its share,
+and the host ms its calls took.
 """
 import json
 import sys
@@ -70,6 +73,29 @@ def main():
             dense = theirs.get((shape, tokens, k, "dense", p))
             eff = lambda v: f"{dense / v:.2f}" if dense and v else "-"
             print(f"| {shape} | {k} | {p} | {cell(default)} | {cell(unbatched)} | {cell(looped)} | {cell(skewed)} | {cell(dense)} | {eff(default)} | {eff(skewed)} |")
+
+    pieces(ours, keys)
+
+
+def pieces(ours, keys):
+    """The timed path's pieces: one row per piece of each shape, k, what and precision."""
+    rows = [r for r in ours if r["what"] in ("experts piece", "layer piece")]
+    if not rows:
+        return
+    print()
+    print("| shape | k | what | precision | piece | runs a step | device ms | share of the sections' device ms | host ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for shape, tokens, k in keys:
+        for what in ("experts piece", "layer piece"):
+            for p in ["f32", "tf32", "bf16"]:
+                group = [r for r in rows if (r["shape"], r["tokens"], r["top_k"], r["what"], r["precision"]) == (shape, tokens, k, what, p)]
+                total = sum(r["median_ms"] for r in group)
+                for r in group:
+                    share = f"{100 * r['median_ms'] / total:.0f}%" if total else "-"
+                    host = f"{r['host_ms']:.3f}" if r.get("host_ms") is not None else "-"
+                    print(f"| {shape} | {k} | {what.split()[0]} | {p} | {r['path']} | {r['n']} | {r['median_ms']:.3f} | {share} | {host} |")
+                if group:
+                    print(f"| {shape} | {k} | {what.split()[0]} | {p} | **all sections** | | {total:.3f} | 100% | {sum(r.get('host_ms') or 0 for r in group):.3f} |")
 
 
 if __name__ == "__main__":

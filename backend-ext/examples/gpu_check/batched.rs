@@ -228,9 +228,12 @@ const NAMES: [&str; 7] = ["T_DO", "T_M", "dT_DI", "dW_in", "dW_out", "db_in", "d
 pub(crate) fn checks() -> Vec<(String, Result<String, String>)> {
     let make = |options: CublasOptions| CublasExperts::with_options(0, options).map_err(|e| e.to_string());
     let batched = make(CublasOptions::default());
+    // The looped side is timed too: its results are the reference here, so a stopwatch that
+    // disturbed the work would show as a mismatch, and its pieces are checked below.
     let looped = make(CublasOptions {
         grouped: false,
         batched: false,
+        timed: true,
         ..CublasOptions::default()
     });
     let (batched, looped) = match (batched, looped) {
@@ -300,6 +303,10 @@ pub(crate) fn checks() -> Vec<(String, Result<String, String>)> {
             false => Err(format!("{looped_calls:?}")),
         },
     ));
+    out.push((
+        "cublas timed path's pieces: every section's, in order".into(),
+        timed_pieces(&looped, jobs.len() * GemmPrecision::ALL.len()),
+    ));
     let calls = batched.calls();
     out.push((
         "cublas batched path took strided and pointer-table batches".into(),
@@ -312,6 +319,62 @@ pub(crate) fn checks() -> Vec<(String, Result<String, String>)> {
         out.push(("cublas batched check's hand-overs".into(), Err(e.to_string())));
     }
     out
+}
+
+/// The timed path's breakdown after `jobs` forward and backward runs (one run each, at every
+/// precision): two sections a run, each with its hand-overs and its GEMM roles, the weights
+/// converted in bf16's runs alone, `T_M` recomputed where a job dropped it, and device time in
+/// every GEMM role.
+fn timed_pieces(path: &CublasExperts, jobs: usize) -> Result<String, String> {
+    let b = path.breakdown().map_err(|e| e.to_string())?;
+    let runs = |piece: &str| b.piece(piece).map_or(0, |p| p.runs);
+    let sections = 2 * jobs as u64;
+    let per_run = [
+        "T_M = X·W_in",
+        "activation",
+        "T_DO = A·W_out",
+        "dA = dT_DO·W_outᵀ",
+    ];
+    let per_run = per_run.iter().chain(&[
+        "activation backward",
+        "dW_out += Aᵀ·dT_DO",
+        "dW_in += Xᵀ·dT_M",
+        "dT_DI = dT_M·W_inᵀ",
+    ]);
+    let mut wrong = Vec::new();
+    if b.sections() != sections || runs("hand-over in") != sections || runs("hand-over out") != sections {
+        wrong.push(format!(
+            "{} sections, {} hand-overs in",
+            b.sections(),
+            runs("hand-over in")
+        ));
+    }
+    for piece in per_run {
+        if runs(piece) != jobs as u64 {
+            wrong.push(format!("{piece}: {} runs, expected {jobs}", runs(piece)));
+        }
+        if b.piece(piece).is_none_or(|p| p.device_ms <= 0.0) {
+            wrong.push(format!("{piece}: no device time"));
+        }
+    }
+    // A run's forward and backward share one pass store, so bf16's runs convert the weights
+    // once per job (the forward); one job of the four recomputes T_M.
+    let per_precision = (jobs / GemmPrecision::ALL.len()) as u64;
+    if runs("convert weights") != per_precision {
+        wrong.push(format!("convert weights: {} runs", runs("convert weights")));
+    }
+    if runs("recompute T_M") != GemmPrecision::ALL.len() as u64 {
+        wrong.push(format!("recompute T_M: {} runs", runs("recompute T_M")));
+    }
+    match wrong.is_empty() {
+        true => Ok(format!(
+            "{} sections, {:.3} device ms, {:.3} host ms",
+            b.sections(),
+            b.device_ms(),
+            b.host_ms()
+        )),
+        false => Err(format!("{}\n{b}", wrong.join("; "))),
+    }
 }
 
 fn f32_client() -> burn_cubecl::cubecl::client::ComputeClient<burn_cubecl::cubecl::cuda::CudaRuntime> {

@@ -201,19 +201,36 @@ fn backward_on(
     path.inner.section(
         &client,
         |inner, lane| {
-            lane.zero(&zero_slots)?;
-            experts.halves.convert(&inner.kernels, &lane.stream)?;
-            inputs_half.convert(&inner.kernels, &lane.stream)?;
-            inner.run(lane, &redo, precision)?;
-            inner
-                .kernels
-                .act_forward(&lane.stream, act, dh, half, &redo_bias)?;
+            // Each piece is marked where the lane is timed (`CublasOptions::timed`).
+            if !zero_slots.is_empty() {
+                lane.zero(&zero_slots)?;
+                lane.mark("zero idle experts' sums")?;
+            }
+            if !experts.halves.is_empty() {
+                experts.halves.convert(&inner.kernels, &lane.stream)?;
+                lane.mark("convert weights")?;
+            }
+            if !inputs_half.is_empty() {
+                inputs_half.convert(&inner.kernels, &lane.stream)?;
+                lane.mark("convert inputs")?;
+            }
+            if !recompute.is_empty() {
+                inner.run(lane, &redo, precision)?;
+                inner
+                    .kernels
+                    .act_forward(&lane.stream, act, dh, half, &redo_bias)?;
+                lane.mark("recompute T_M")?;
+            }
             inner.run(lane, &grad_a, precision)?;
+            lane.mark("dA = dT_DO·W_outᵀ")?;
             inner
                 .kernels
                 .act_backward(&lane.stream, act, dh, half, &act_jobs)?;
+            lane.mark("activation backward")?;
             inner.run(lane, &w_out, precision)?;
+            lane.mark("dW_out += Aᵀ·dT_DO")?;
             inner.run(lane, &w_in, precision)?;
+            lane.mark("dW_in += Xᵀ·dT_M")?;
             // The bias gradients: a ones row times each slot's rows (added, as above).
             if sums[1] != 0 || sums[3] != 0 {
                 let ones = lane.ones(max_rows, half)?;
@@ -246,8 +263,10 @@ fn backward_on(
                 if sums[1] != 0 {
                     inner.run(lane, &bias(1, di, &gz_of), precision)?;
                 }
+                lane.mark("bias gradients")?;
             }
-            inner.run(lane, &grad_x_role, precision)
+            inner.run(lane, &grad_x_role, precision)?;
+            lane.mark("dT_DI = dT_M·W_inᵀ")
         },
         &lane,
     )?;

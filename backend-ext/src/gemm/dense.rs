@@ -117,8 +117,14 @@ fn products_on(
     path.inner.section(
         &client,
         |inner, lane| {
-            halves.convert(&inner.kernels, &lane.stream)?;
-            roles.iter().try_for_each(|role| inner.run(lane, role, precision))
+            if !halves.is_empty() {
+                halves.convert(&inner.kernels, &lane.stream)?;
+                lane.mark("convert dense operands")?;
+            }
+            roles
+                .iter()
+                .try_for_each(|role| inner.run(lane, role, precision))?;
+            lane.mark("dense products")
         },
         &lane,
     )?;
@@ -169,8 +175,12 @@ fn product_on(
     path.inner.section(
         &client,
         |inner, lane| {
-            halves.convert(&inner.kernels, &lane.stream)?;
-            role.run_looped(lane.handle(), precision)
+            if !halves.is_empty() {
+                halves.convert(&inner.kernels, &lane.stream)?;
+                lane.mark("convert dense operands")?;
+            }
+            role.run_looped(lane.handle(), precision)?;
+            lane.mark("dense product")
         },
         &lane,
     )?;

@@ -102,14 +102,28 @@ fn forward_on(
     path.inner.section(
         &client,
         |inner, lane| {
-            experts.halves.convert(&inner.kernels, &lane.stream)?;
-            x_half.convert(&inner.kernels, &lane.stream)?;
+            // Each piece is marked where the lane is timed (`CublasOptions::timed`).
+            if !experts.halves.is_empty() {
+                experts.halves.convert(&inner.kernels, &lane.stream)?;
+                lane.mark("convert weights")?;
+            }
+            if !x_half.is_empty() {
+                x_half.convert(&inner.kernels, &lane.stream)?;
+                lane.mark("convert inputs")?;
+            }
             inner.run(lane, &first, precision)?;
+            lane.mark("T_M = X·W_in")?;
             inner
                 .kernels
                 .act_forward(&lane.stream, act, dh, half, &act_jobs)?;
+            lane.mark("activation")?;
             inner.run(lane, &second, precision)?;
-            inner.kernels.add_bias(&lane.stream, dm, &bias_jobs)
+            lane.mark("T_DO = A·W_out")?;
+            if !bias_jobs.is_empty() {
+                inner.kernels.add_bias(&lane.stream, dm, &bias_jobs)?;
+                lane.mark("output bias")?;
+            }
+            Ok(())
         },
         &lane,
     )?;

@@ -13,6 +13,8 @@ use mpipemoe::{GemmPrecision, MoeError, Result};
 
 use super::handover::{Flags, Handover};
 use super::kernels::Kernels;
+use super::stopwatch::{self, Stopwatch};
+use crate::breakdown::Breakdown;
 
 fn err(what: &str, e: impl std::fmt::Debug) -> MoeError {
     MoeError::Backend(format!("CUDA expert path: {what}: {e:?}"))
@@ -96,6 +98,8 @@ pub(crate) struct Lane {
     /// The precisions at which cuBLAS refused each kind of call on this lane (then the next
     /// kind is taken: batched → grouped → looped), by [`Call`] and precision.
     refused: [[bool; 3]; 2],
+    /// The marks of a timed path (`CublasOptions::timed`); none otherwise.
+    stopwatch: Option<Stopwatch>,
 }
 
 /// The cuBLAS calls that a lane may find refused at a precision (`cublasGemmEx`, the last
@@ -109,8 +113,9 @@ pub(crate) enum Call {
 }
 
 impl Lane {
-    /// A lane on a new stream of `context`, for the calling thread's cubecl stream.
-    pub(crate) fn new(context: &Arc<CudaContext>, handover: Handover) -> Result<Self> {
+    /// A lane on a new stream of `context`, for the calling thread's cubecl stream; `timed`,
+    /// it marks its sections' pieces (see [`mark`](Self::mark)).
+    pub(crate) fn new(context: &Arc<CudaContext>, handover: Handover, timed: bool) -> Result<Self> {
         context.bind_to_thread().map_err(|e| err("context", e))?;
         let stream = context.new_stream().map_err(|e| err("stream", e))?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| err("cuBLAS handle", e))?;
@@ -123,7 +128,39 @@ impl Lane {
             flags: None,
             handover,
             refused: [[false; 3]; 2],
+            stopwatch: timed.then(|| Stopwatch::new(context)),
         })
+    }
+
+    /// Where the lane is timed, marks its stream's position as the end of `piece` (a section's
+    /// first mark, [`open_marks`](Self::open_marks), is its start); otherwise nothing.
+    pub(crate) fn mark(&mut self, piece: &'static str) -> Result<()> {
+        match &mut self.stopwatch {
+            Some(watch) => watch.mark(&self.stream, piece),
+            None => Ok(()),
+        }
+    }
+
+    /// Where the lane is timed, marks the start of a section.
+    pub(crate) fn open_marks(&mut self) -> Result<()> {
+        self.mark(stopwatch::START)
+    }
+
+    /// Where the lane is timed, ends the section's marks.
+    pub(crate) fn close_marks(&mut self) -> Result<()> {
+        match &mut self.stopwatch {
+            Some(watch) => watch.close(),
+            None => Ok(()),
+        }
+    }
+
+    /// The pieces of the sections marked since the last call (empty where the lane is not
+    /// timed); waits for their events.
+    pub(crate) fn take_breakdown(&mut self) -> Result<Breakdown> {
+        match &mut self.stopwatch {
+            Some(watch) => watch.take(),
+            None => Ok(Breakdown::default()),
+        }
     }
 
     pub(crate) fn handle(&self) -> cudarc::cublas::sys::cublasHandle_t {

@@ -25,6 +25,7 @@ mod handover;
 mod kernels;
 mod lane;
 mod operands;
+mod stopwatch;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -41,6 +42,7 @@ use mpipemoe::comm::{RowPaths, WithRowPaths};
 use mpipemoe::{Communicator, GemmPrecision, MoeError, Result};
 
 use crate::batches::Addressing;
+use crate::breakdown::Breakdown;
 use crate::CudaMoe;
 use blas::Role;
 pub use handover::Handover;
@@ -72,6 +74,11 @@ pub struct CublasOptions {
     /// section each. A benchmark's twin: at TF32 it says what a router's section costs
     /// against cubecl's small product.
     pub dense: bool,
+    /// Mark every section's pieces (the conversions, each GEMM role, the element-wise kernels,
+    /// the hand-overs) with a CUDA event and a host instant, for
+    /// [`CublasExperts::breakdown`]: where a benchmark's time goes. Off by default: the events
+    /// cost a driver call each and the path's own figures are taken without them.
+    pub timed: bool,
 }
 
 impl Default for CublasOptions {
@@ -81,6 +88,7 @@ impl Default for CublasOptions {
             grouped: true,
             batched: true,
             dense: true,
+            timed: false,
         }
     }
 }
@@ -218,6 +226,21 @@ impl CublasExperts {
         self.inner.calls.read()
     }
 
+    /// Where the path's sections spent their time since the last call, piece by piece, every
+    /// lane together: empty unless the path was made with [`CublasOptions::timed`]. Waits for
+    /// the marked work to finish (for benchmarks, not the training loop).
+    ///
+    /// # Errors
+    /// [`MoeError::Backend`] if an event cannot be read.
+    pub fn breakdown(&self) -> Result<Breakdown> {
+        let lanes: Vec<_> = lock(&self.inner.lanes).values().cloned().collect();
+        let mut all = Breakdown::default();
+        for lane in lanes {
+            all.merge(&lock(&lane).take_breakdown()?);
+        }
+        Ok(all)
+    }
+
     /// The path as a communicator offers it, for the CUDA backend in f32.
     pub fn paths(&self) -> RowPaths {
         RowPaths::new().with_experts::<CudaMoe<f32>>(Arc::new(self.clone()))
@@ -280,6 +303,7 @@ impl CublasExperts {
         let lane = Arc::new(Mutex::new(Lane::new(
             &self.inner.context,
             self.inner.options.handover,
+            self.inner.options.timed,
         )?));
         lanes.insert(key, lane.clone());
         Ok(lane)
@@ -382,10 +406,14 @@ impl Inner {
         let mut lane = lock(lane);
         self.calls.add(CallCounters::SECTIONS, 1);
         self.context.bind_to_thread().map_err(|e| err("context", e))?;
+        // A timed lane's marks (nothing otherwise): the hand-over in is the lane's wait for
+        // cubecl's stream, the hand-over out cubecl's order after the lane's work.
+        lane.open_marks()?;
         let section = lane.enter(client, &self.kernels)?;
-        let result = work(self, &mut lane);
+        let result = lane.mark("hand-over in").and_then(|()| work(self, &mut lane));
         let left = lane.leave(client, &self.kernels, section);
-        result.and(left)
+        let marked = lane.mark("hand-over out").and(lane.close_marks());
+        result.and(left).and(marked)
     }
 }
 
