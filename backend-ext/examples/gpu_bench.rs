@@ -28,9 +28,12 @@
 //! Routing is balanced as in `scripts/bench/torch_gpu_peer.py` (one-hot router rows, tokens that
 //! send every expert the same rows), so both sides run the same GEMM shapes. Every figure is the
 //! median of `--repeats` timed steps after two warm-up steps, a device sync after each.
-//! `--pipeline` adds the whole layer with the emulated exchange (`HostLoopback`: every
-//! all-to-all a device → host → device copy) at n = 1 (FastMoE-style) and the best fixed n of 2,
-//! 4, 8 (PipeMoE), cuBLAS at TF32, with `max(compute, exchange)` beside it.
+//! `--pipeline` adds, at top-1, the whole layer with the emulated exchange (`HostLoopback`: every
+//! all-to-all a device → host → device copy) at n = 1, 2, 4 and 8 with CUDA's default executor
+//! (a worker and a CUDA stream per schedule stream: `cublas threads`; n = 1 is FastMoE-style,
+//! the best other n PipeMoE) and at n = 1 in issue order (`cublas in-order`: no overlap), cuBLAS
+//! at TF32, with the exchange alone (`exchange`, four round trips of every routed row) beside it;
+//! `gpu_table.py` sets each against `max(compute, exchange)`.
 //!
 //! ```text
 //! gpu_bench [--quick] [--repeats N] [--pipeline] [--json FILE]
@@ -75,7 +78,8 @@ struct Row {
     top_k: usize,
     /// `dense`, `experts`, `layer`, `pipeline`, `experts piece` or `layer piece`.
     what: String,
-    /// `cublas` (device hand-over), `cublas host-waits`, `cubecl`, the pipeline's system, or
+    /// `cublas` (device hand-over), `cublas host-waits`, `cubecl`, the pipeline's executor
+    /// (`cublas threads`, `cublas in-order`; `n` its partitions), or
     /// a piece's name (its `median_ms` the piece's device ms a step, `n` its runs a step).
     path: String,
     /// The GEMM precision (`cubecl`: TF32, what cubek does with f32).
@@ -720,7 +724,9 @@ fn main() {
                 push("layer", "cublas fusion", "tf32", t, n, Some(host));
                 let (t, n, host) = layer_ms::<B>(&base, Arc::new(SingleRank), tokens, args.repeats, false);
                 push("layer", "cubecl", "tf32", t, n, Some(host));
-                if args.pipeline {
+                // The pipeline at top-1 only: the paper's shapes, and top-2's exchange doubles
+                // a lent GPU's minutes for no new question.
+                if args.pipeline && top_k == 1 {
                     let loopback = || -> Arc<dyn Communicator> {
                         Arc::new(WithRowPaths::adding(Arc::new(HostLoopback), device_path.paths()))
                     };
@@ -734,10 +740,25 @@ fn main() {
                         }
                     });
                     push("exchange", "host loopback", "-", exchange, 1, None);
-                    for n in [1, 2, 4, 8] {
-                        let config = tf32.clone().with_partitions(Partitions::Fixed(n));
-                        let (t, n, host) = layer_ms::<B>(&config, loopback(), tokens, args.repeats, false);
-                        push("pipeline", "cublas", "tf32", t, n, Some(host));
+                    // The overlap needs the executor CUDA gets by default, a worker and a CUDA
+                    // stream per schedule stream (`StepExecutor::for_cubecl_runtime`): `tf32`
+                    // runs in issue order, right for one rank, where nothing overlaps, but with
+                    // the emulated exchange it would put every copy between the products. In
+                    // issue order at n = 1 (FastMoE-style) is the reference without overlap.
+                    let runs = [
+                        (StepExecutor::StreamThreads, "cublas threads", vec![1, 2, 4, 8]),
+                        (StepExecutor::InOrder, "cublas in-order", vec![1]),
+                    ];
+                    for (executor, label, ns) in runs {
+                        for n in ns {
+                            let config = tf32
+                                .clone()
+                                .with_executor(Some(executor))
+                                .with_partitions(Partitions::Fixed(n));
+                            let (t, n, host) =
+                                layer_ms::<B>(&config, loopback(), tokens, args.repeats, false);
+                            push("pipeline", label, "tf32", t, n, Some(host));
+                        }
                     }
                 }
             }

@@ -9,7 +9,10 @@ the same precision, with both ratios; and the experts' products (ours: the defau
 the batched calls, looped, and on skewed rows) beside cuBLAS's dense rate on the same rows
 through PyTorch (`torch.mm`), the GEMM efficiency. Every ratio names its comparator in the
 column header. Rows a file lacks print as "-" (older files have no unbatched or skewed rows).
-Where the file has a timed path's pieces (`experts piece`, `layer piece`), a third table says
+Where it has the pipeline's rows (`gpu_bench --pipeline`), a table of the layer with the
+emulated exchange at each n and executor against `max(compute, exchange)`, compute being the
+layer without an exchange at TF32 and exchange the four round trips alone (the goal: at most
+1.10). Where the file has a timed path's pieces (`experts piece`, `layer piece`), a third table says
 where the experts' and the layer's section time goes: each piece's device ms a step, its share,
 and the host ms its calls took.
 """
@@ -74,7 +77,29 @@ def main():
             eff = lambda v: f"{dense / v:.2f}" if dense and v else "-"
             print(f"| {shape} | {k} | {p} | {cell(default)} | {cell(unbatched)} | {cell(looped)} | {cell(skewed)} | {cell(dense)} | {eff(default)} | {eff(skewed)} |")
 
+    pipeline(ours, keys)
     pieces(ours, keys)
+
+
+def pipeline(ours, keys):
+    """The layer with the emulated exchange, each executor and n, against max(compute, exchange)."""
+    rows = [r for r in ours if r["what"] == "pipeline"]
+    if not rows:
+        return
+    print()
+    print("| shape | k | executor | n | layer with exchange ms | compute ms | exchange ms | / max(compute, exchange) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for shape, tokens, k in keys:
+        at = lambda what, path: next((r["median_ms"] for r in ours if (r["shape"], r["tokens"], r["top_k"], r["what"], r["path"]) == (shape, tokens, k, what, path) and r["precision"] in ("tf32", "-")), None)
+        compute, exchange = at("layer", "cublas"), at("exchange", "host loopback")
+        for r in rows:
+            if (r["shape"], r["tokens"], r["top_k"]) != (shape, tokens, k):
+                continue
+            bound = max(compute, exchange) if compute and exchange else None
+            ratio = f"{r['median_ms'] / bound:.2f}" if bound else "-"
+            c = f"{compute:.2f}" if compute else "-"
+            e = f"{exchange:.2f}" if exchange else "-"
+            print(f"| {shape} | {k} | {r['path'].replace('cublas ', '')} | {r['n']} | {r['median_ms']:.2f} | {c} | {e} | {ratio} |")
 
 
 def pieces(ours, keys):
