@@ -9,14 +9,17 @@
 //!   `experts` with `cublas unbatched` is the same without the batched calls (the products
 //!   grouped, as before them), with `cublas looped` one `cublasGemmEx` per expert, and with
 //!   `cublas skewed` the default path on experts of unequal rows (823 to 204 of 4,096: no two
-//!   alike, so nothing batches), the routing of a real step;
+//!   alike, so nothing batches), the routing of a real step, and with `cublas weights per step`
+//!   (bf16) the weights' bf16 copies made once a step and kept for the backward
+//!   (`CublasOptions::bf16_weights_per_step`) instead of once a pass;
 //! - `layer`: the whole layer (router, plan, permutation, experts, combine, backward) on one
 //!   rank with the exchange skipped (`SingleRank`), in issue order, with the cuBLAS path at each
 //!   precision (device hand-over; TF32 also with host waits, and under burn's fusion; TF32 and
 //!   bf16 also without the batched calls; TF32 also with LoRA adapters of rank 16 on the
 //!   experts, base frozen, whose products go one cuBLAS section a step of a partition; TF32
 //!   also with the router's products left on cubecl's kernels, `cublas experts only`: two
-//!   sections a step fewer, each a cubecl product instead), and
+//!   sections a step fewer, each a cubecl product instead; bf16 also with the weights'
+//!   copies made once a step, `cublas weights per step`), and
 //!   without it (cubecl's GEMMs, which multiply f32 in TF32: the twin the GPU check compares the
 //!   path with); `forward` is the layer's forward alone (cuBLAS, TF32);
 //! - `experts piece` and `layer piece`: the `experts` runs at each precision and the layer at
@@ -50,7 +53,8 @@ use burn_cubecl::cubecl::client::ComputeClient;
 use burn_cubecl::cubecl::cuda::CudaRuntime;
 use burn_cubecl::cubecl::Runtime;
 use mpipemoe::backend::{
-    BlockLayout, ExpertBackward, ExpertForward, ExpertGroups, ExpertPath, ExpertTensors, StepExecutor,
+    BlockLayout, ExpertBackward, ExpertForward, ExpertGroups, ExpertPath, ExpertTensors, PassStore,
+    StepExecutor,
 };
 use mpipemoe::comm::{HostLoopback, SingleRank, WithRowPaths};
 use mpipemoe::{Activation, Communicator, GemmPrecision, MoeLayer, MoeLayerConfig, Partitions};
@@ -291,10 +295,12 @@ fn experts_ms(
     let mut host = Vec::new();
     let t = timed(repeats, || {
         let start = Instant::now();
-        // A store per pass, as the layer's forward and backward each build one: under bf16
-        // each converts the weights once, as in a layer step.
-        let forward_pass = ExpertGroups::new(groups.groups.clone());
-        let backward_pass = ExpertGroups::new(groups.groups.clone());
+        // A store per pass and one for the step that both share, as the layer's exchange
+        // builds them: under bf16 each pass converts the weights once, or the forward alone
+        // where the path keeps its copies across the step.
+        let step = PassStore::default();
+        let forward_pass = ExpertGroups::with_step(groups.groups.clone(), step.clone());
+        let backward_pass = ExpertGroups::with_step(groups.groups.clone(), step);
         let (_, hidden) = path
             .forward(ExpertForward {
                 x: x.clone(),
@@ -522,28 +528,34 @@ fn main() {
             std::process::exit(2);
         }
     };
+    let d = CublasOptions::default();
     let paths = [
-        (Handover::Device, true, true, true, false),
-        (Handover::Host, true, true, true, false),
-        (Handover::Device, false, false, true, false),
-        (Handover::Device, true, false, true, false),
-        (Handover::Device, true, true, false, false),
-        (Handover::Device, true, true, true, true),
+        d,
+        CublasOptions {
+            handover: Handover::Host,
+            ..d
+        },
+        CublasOptions {
+            grouped: false,
+            batched: false,
+            ..d
+        },
+        CublasOptions { batched: false, ..d },
+        CublasOptions { dense: false, ..d },
+        CublasOptions { timed: true, ..d },
+        CublasOptions {
+            bf16_weights_per_step: true,
+            ..d
+        },
     ]
-    .map(|(handover, grouped, batched, dense, timed)| {
-        let options = CublasOptions {
-            handover,
-            grouped,
-            batched,
-            dense,
-            timed,
-        };
+    .map(|options| {
         CublasExperts::with_options(0, options).unwrap_or_else(|e| {
             eprintln!("error: {e}");
             std::process::exit(1)
         })
     });
-    let [device_path, host_path, looped_path, unbatched_path, experts_only_path, timed_path] = &paths;
+    let [device_path, host_path, looped_path, unbatched_path, experts_only_path, timed_path, per_step_path] =
+        &paths;
     let device = Default::default();
     eprintln!("cuBLAS expert path: {device_path:?}");
     let token_counts: &[usize] = if args.quick { &[4096] } else { &[4096, 16384] };
@@ -653,6 +665,17 @@ fn main() {
                         push("experts", name, precision.name(), t, 1, None);
                     }
                 }
+                // bf16's weight copies made once a step instead of once a pass.
+                let t = experts_ms(
+                    per_step_path,
+                    routed,
+                    m,
+                    h,
+                    GemmPrecision::Bf16,
+                    args.repeats,
+                    Rows::Even,
+                );
+                push("experts", "cublas weights per step", "bf16", t, 1, None);
                 for precision in GemmPrecision::ALL {
                     let config = base.clone().with_gemm_precision(precision);
                     let before = device_path.calls();
@@ -671,6 +694,17 @@ fn main() {
                         (after.weight_conversions - before.weight_conversions) / steps,
                     );
                 }
+                // bf16 with the weights' copies kept from the forward to the backward: one
+                // conversion a step (autocast's trade, as the PyTorch side makes it).
+                let bf16 = base.clone().with_gemm_precision(GemmPrecision::Bf16);
+                let before = per_step_path.calls();
+                let (t, n, host) = layer_ms::<B>(&bf16, with(per_step_path), tokens, args.repeats, false);
+                push("layer", "cublas weights per step", "bf16", t, n, Some(host));
+                eprintln!(
+                    "           per step: {} bf16 weight conversions",
+                    (per_step_path.calls().weight_conversions - before.weight_conversions)
+                        / (args.repeats + 2) as u64
+                );
                 // The layer's sections piece by piece (the router's products among them).
                 for precision in [GemmPrecision::Tf32, GemmPrecision::Bf16] {
                     let config = base.clone().with_gemm_precision(precision);
@@ -770,6 +804,7 @@ fn main() {
         .and(host_path.check(&client(&device)))
         .and(experts_only_path.check(&client(&device)))
         .and(timed_path.check(&client(&device)))
+        .and(per_step_path.check(&client(&device)))
     {
         eprintln!("error: {e}");
         std::process::exit(1);

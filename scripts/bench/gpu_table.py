@@ -4,7 +4,8 @@
     python3 scripts/bench/gpu_table.py GPU_BENCH_JSON TORCH_PEER_JSON
 
 Prints two markdown tables: the layer (ours with cuBLAS at each precision, without the batched
-calls beside it, with the router's products on cubecl's kernels, and the cubecl twin) beside PyTorch eager and PyTorch's grouped-GEMM layer at
+calls beside it, with the router's products on cubecl's kernels, in bf16 with the weights'
+copies made once a step, and the cubecl twin) beside PyTorch eager and PyTorch's grouped-GEMM layer at
 the same precision, with both ratios; and the experts' products (ours: the default path, without
 the batched calls, looped, and on skewed rows) beside cuBLAS's dense rate on the same rows
 through PyTorch (`torch.mm`), the GEMM efficiency. Every ratio names its comparator in the
@@ -56,6 +57,13 @@ def main():
         if o:
             g = theirs.get((shape, tokens, k, "grouped", "tf32"))
             print(f"| {shape} | {k} | router on cubecl (tf32) | {cell(o)} | | {cell(e)} | {ratio(o, e)} | {cell(g)} | {ratio(o, g)} |")
+        # bf16 with the weights' copies made once a step and kept for the backward, as the
+        # PyTorch side's autocast keeps its casts (the default path makes them once a pass).
+        o = mine(shape, tokens, k, "layer", "cublas weights per step", "bf16")
+        if o:
+            e = theirs.get((shape, tokens, k, "eager", "bf16"))
+            g = theirs.get((shape, tokens, k, "grouped", "bf16"))
+            print(f"| {shape} | {k} | bf16, weights once a step | {cell(o)} | | {cell(e)} | {ratio(o, e)} | {cell(g)} | {ratio(o, g)} |")
         # LoRA rank 16 on the experts, base frozen: no PyTorch peer of its own here (the
         # whole-model pair against PEFT is finetune_gpu_peer.py's).
         o = mine(shape, tokens, k, "layer", "cublas lora16", "tf32")

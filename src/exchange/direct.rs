@@ -50,7 +50,8 @@ pub(crate) fn forward<B: MoeBackend>(
     }
     // No shadows: nothing is broadcast, so no collective runs.
     let experts = ExpertSlots::new(experts, &[], &run.comm)?;
-    let how = ExpertCompute::find(run.comm.as_ref(), &experts, run);
+    // A forward alone (no backward reads the step's store).
+    let how = ExpertCompute::find(run.comm.as_ref(), &experts, run, Default::default());
     // One partition of one rank: every group is this rank's own, in expert order.
     let part = PartitionPlan::new(0, rows_per_expert, rows_per_expert, 1, n_local);
     let (out, _hidden) = compute::<B>(input, &part, 0, &experts, run.activation, None, &how)?;

@@ -78,22 +78,33 @@ impl std::fmt::Display for GemmPrecision {
 
 /// The experts of one exchange as the path sees them: groups of stacked experts whose slots
 /// are numbered through the groups in order (this rank's own experts, then the copies of the
-/// shadowed ones), and the pass's store for what the path derives from them once.
+/// shadowed ones), and the stores for what the path derives from them once.
 #[derive(Debug, Clone)]
 pub struct ExpertGroups<B: MoeBackend> {
     /// The groups, each `[n, ..]` as in [`ExpertTensors`].
     pub groups: Vec<ExpertTensors<B>>,
     /// What the path makes from the weights once per pass and reuses in each partition (the
-    /// CUDA path's bf16 copies). The exchange builds one `ExpertGroups` per pass.
+    /// CUDA path's bf16 copies, by default). The exchange builds one `ExpertGroups` per pass.
     pub pass: PassStore,
+    /// What the path makes from the weights once per step: the forward's store, which the
+    /// exchange hands to the same step's backward (the CUDA path's bf16 copies where it is
+    /// asked to keep them across the step). Fresh in a forward; the forward's in a backward.
+    pub step: PassStore,
 }
 
 impl<B: MoeBackend> ExpertGroups<B> {
-    /// `groups` with an empty pass store: build one per pass.
+    /// `groups` with empty pass and step stores: build one per pass.
     pub fn new(groups: Vec<ExpertTensors<B>>) -> Self {
+        Self::with_step(groups, PassStore::default())
+    }
+
+    /// `groups` with an empty pass store and the step's store `step` (a backward's: its
+    /// forward's).
+    pub fn with_step(groups: Vec<ExpertTensors<B>>, step: PassStore) -> Self {
         Self {
             groups,
             pass: PassStore::default(),
+            step,
         }
     }
 

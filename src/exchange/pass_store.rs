@@ -1,11 +1,16 @@
-//! What an [`ExpertPath`](super::ExpertPath) derives from the experts once per pass and reuses
-//! in every partition of it.
+//! What an [`ExpertPath`](super::ExpertPath) derives from the experts once per pass (or once
+//! per step) and reuses in every partition of it.
 //!
 //! A pass (one forward, or one backward) runs a path once per partition, on the same weights.
 //! Work that depends on the weights alone — the CUDA path's bf16 copies of them — need not be
-//! redone for each of the `n` partitions: the path keeps it here. Each pass builds its
-//! [`ExpertGroups`](super::ExpertGroups) once, with an empty store, and drops it when the pass
-//! ends, so nothing in it outlives the pass or sees weights that an optimizer step changed.
+//! redone for each of the `n` partitions: the path keeps it in a store. Each pass builds its
+//! [`ExpertGroups`](super::ExpertGroups) once, with an empty pass store (`pass`), and drops it
+//! when the pass ends. The step store (`step`) is made by the forward and handed to its
+//! backward with the rest of what the forward saves, then dropped when the backward ends: a
+//! path that keeps its copies there makes them once a step instead of once a pass, and holds
+//! them from the forward to the backward (the trade autocast makes with its saved casts). The
+//! backward reads the weights the forward saved, so neither store sees weights that an
+//! optimizer step changed.
 
 use std::any::{Any, TypeId};
 use std::fmt;
@@ -15,7 +20,7 @@ use crate::error::Result;
 
 type Entry = (TypeId, Arc<dyn Any + Send + Sync>);
 
-/// One pass's store of values by type (see the module docs). Clones share it.
+/// One pass's (or one step's) store of values by type (see the module docs). Clones share it.
 #[derive(Clone, Default)]
 pub struct PassStore {
     entries: Arc<Mutex<Vec<Entry>>>,

@@ -92,12 +92,13 @@ impl<B: MoeBackend> ExpertSlots<B> {
     }
 
     /// The stacked groups the slots live in, as a device library reads them: the own experts,
-    /// then the copies.
-    pub(crate) fn groups(&self) -> super::ExpertGroups<B> {
-        super::ExpertGroups::new(
+    /// then the copies; with the step's store `step` (a backward's: its forward's).
+    pub(crate) fn groups(&self, step: super::PassStore) -> super::ExpertGroups<B> {
+        super::ExpertGroups::with_step(
             std::iter::once(self.own.clone())
                 .chain(self.copies.clone())
                 .collect(),
+            step,
         )
     }
 

@@ -24,13 +24,15 @@ use mpipemoe::{
 type B = Autodiff<NdArray>;
 
 /// The twin, counting the partitions it computed forward and backward, the values it made in
-/// the pass stores (`ExpertGroups::pass`), as a path that prepares something from the weights
-/// once per pass would, and the products of each call of `matmuls` (one section each on CUDA).
+/// the pass stores (`ExpertGroups::pass`) and in the step stores (`ExpertGroups::step`), as a
+/// path that prepares something from the weights once per pass, or once per step, would, and
+/// the products of each call of `matmuls` (one section each on CUDA).
 #[derive(Debug, Default)]
 struct Counted {
     forward: AtomicUsize,
     backward: AtomicUsize,
     made: AtomicUsize,
+    made_for_step: AtomicUsize,
     batches: Mutex<Vec<usize>>,
     /// Single dense products (`matmul`: the router's forward).
     products: AtomicUsize,
@@ -45,6 +47,10 @@ impl Counted {
     fn prepare(&self, experts: &ExpertGroups<NdArray>) -> Result<()> {
         experts.pass.get_or_make(|| {
             self.made.fetch_add(1, Ordering::Relaxed);
+            Ok(Prepared)
+        })?;
+        experts.step.get_or_make(|| {
+            self.made_for_step.fetch_add(1, Ordering::Relaxed);
             Ok(Prepared)
         })?;
         Ok(())
@@ -198,6 +204,12 @@ fn every_case_through_the_expert_hook_equals_the_primitive_path() {
             if n > 1 && n_ranks == 1 {
                 assert!(calls > made, "{what}: {calls} partition calls made {made} values");
             }
+            // One step store per rank and step: the forward's, found again by its backward.
+            let for_step = counted.made_for_step.load(Ordering::Relaxed);
+            assert!(
+                (1..=n_ranks).contains(&for_step),
+                "{what}: {for_step} step values made for {n_ranks} ranks' one step"
+            );
         }
     }
 }

@@ -15,7 +15,7 @@
 
 use burn::tensor::{Distribution, Tensor, TensorData, TensorPrimitive};
 use mpipemoe::backend::{
-    BlockLayout, ExpertBackward, ExpertForward, ExpertGroups, ExpertPath, ExpertTensors,
+    BlockLayout, ExpertBackward, ExpertForward, ExpertGroups, ExpertPath, ExpertTensors, PassStore,
 };
 use mpipemoe::harness::relative_error;
 use mpipemoe::{Activation, GemmPrecision};
@@ -149,9 +149,26 @@ impl Job {
         )]);
         let mut last = Vec::new();
         for _ in 0..times {
-            last = self.once(path, precision, &groups)?;
+            last = self.once(path, precision, &groups, &groups)?;
         }
         Ok(last)
+    }
+
+    /// One forward and backward as the layer's exchange runs them: a pass store each, and one
+    /// step store that the backward gets from the forward.
+    fn run_as_a_step(&self, path: &CublasExperts, precision: GemmPrecision) -> Result<Vec<Vec<f32>>, String> {
+        let v = &self.values;
+        let bias = |i: usize| self.bias.then(|| upload(&v[i]));
+        let experts = vec![ExpertTensors::plain(
+            upload(&v[2]),
+            bias(3),
+            upload(&v[4]),
+            bias(5),
+        )];
+        let step = PassStore::default();
+        let forward = ExpertGroups::with_step(experts.clone(), step.clone());
+        let backward = ExpertGroups::with_step(experts, step);
+        self.once(path, precision, &forward, &backward)
     }
 
     fn once(
@@ -159,6 +176,7 @@ impl Job {
         path: &CublasExperts,
         precision: GemmPrecision,
         groups: &ExpertGroups<Inner>,
+        backward_groups: &ExpertGroups<Inner>,
     ) -> Result<Vec<Vec<f32>>, String> {
         let device = Default::default();
         let v = &self.values;
@@ -204,7 +222,7 @@ impl Job {
                 hidden: kept,
                 rows_per_expert: &self.rows,
                 layout: &layout,
-                experts: groups,
+                experts: backward_groups,
                 activation: self.activation,
                 precision,
                 grad_x: empty(total, D_MODEL),
@@ -303,6 +321,7 @@ pub(crate) fn checks() -> Vec<(String, Result<String, String>)> {
             false => Err(format!("{looped_calls:?}")),
         },
     ));
+    out.extend(per_step_checks(&batched, &jobs));
     out.push((
         "cublas timed path's pieces: every section's, in order".into(),
         timed_pieces(&looped, jobs.len() * GemmPrecision::ALL.len()),
@@ -317,6 +336,64 @@ pub(crate) fn checks() -> Vec<(String, Result<String, String>)> {
     ));
     if let Err(e) = batched.check(&f32_client()).and(looped.check(&f32_client())) {
         out.push(("cublas batched check's hand-overs".into(), Err(e.to_string())));
+    }
+    out
+}
+
+/// bf16's weight copies once a step (`CublasOptions::bf16_weights_per_step`): each job run as
+/// the layer runs a step (a pass store each way, one step store), on a path that keeps the
+/// copies across the step and on `default`, which makes them once a pass. The first converts
+/// the weights once (the forward), the second twice, and their results agree: the backward
+/// read the forward's copies, which are the same values it would have made.
+fn per_step_checks(default: &CublasExperts, jobs: &[Job]) -> Vec<(String, Result<String, String>)> {
+    let per_step = match CublasExperts::with_options(
+        0,
+        CublasOptions {
+            bf16_weights_per_step: true,
+            ..CublasOptions::default()
+        },
+    ) {
+        Ok(p) => p,
+        Err(e) => return vec![("cublas bf16 weights per step".into(), Err(e.to_string()))],
+    };
+    let precision = GemmPrecision::Bf16;
+    let conversions = |path: &CublasExperts, job: &Job| -> Result<(u64, Vec<Vec<f32>>), String> {
+        let before = path.calls().weight_conversions;
+        let got = job.run_as_a_step(path, precision)?;
+        Ok((path.calls().weight_conversions - before, got))
+    };
+    let mut out = Vec::new();
+    for job in jobs {
+        let label = job
+            .label(precision)
+            .replace("batched against looped", "weights per step against per pass");
+        let result = conversions(&per_step, job).and_then(|(once, got)| {
+            let (twice, want) = conversions(default, job)?;
+            if (once, twice) != (1, 2) {
+                return Err(format!(
+                    "{once} conversions a step kept, {twice} a pass each (expected 1 and 2)"
+                ));
+            }
+            let mut worst = 0.0f64;
+            for ((name, g), w) in NAMES.iter().zip(&got).zip(&want) {
+                let g: Vec<f64> = g.iter().map(|&v| f64::from(v)).collect();
+                let w: Vec<f64> = w.iter().map(|&v| f64::from(v)).collect();
+                let err = relative_error(&g, &w);
+                if g.len() != w.len() || g.is_empty() || err.is_nan() || err > tolerance(GemmPrecision::F32) {
+                    return Err(format!(
+                        "{name}: relative error {err:.2e} ({} values against {})",
+                        g.len(),
+                        w.len()
+                    ));
+                }
+                worst = worst.max(err);
+            }
+            Ok(format!("max_rel_err={worst:.2e}"))
+        });
+        out.push((label, result));
+    }
+    if let Err(e) = per_step.check(&f32_client()) {
+        out.push(("cublas weights per step's hand-overs".into(), Err(e.to_string())));
     }
     out
 }

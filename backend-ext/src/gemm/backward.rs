@@ -67,7 +67,8 @@ fn backward_on(
     ];
     // The lane's identity keys the pass's bf16 weights (`PassHalves`).
     let lane_key = Arc::as_ptr(&lane) as usize;
-    let experts = ExpertOperands::new(job.experts, &mut at, ord, dims, half, lane_key)?;
+    let store = path.inner.halves_store(job.experts);
+    let experts = ExpertOperands::new(job.experts, store, &mut at, ord, dims, half, lane_key)?;
     if !experts.halves.is_empty() {
         path.inner.calls.add(CallCounters::CONVERSIONS, 1);
     }

@@ -52,7 +52,8 @@ fn forward_on(
     let (x_at, hidden_at, out_at) = (at.of(&x)?, at.of(&hidden)?, at.of(&out)?);
     // The lane's identity keys the pass's bf16 weights (`PassHalves`).
     let lane_key = Arc::as_ptr(&lane) as usize;
-    let experts = ExpertOperands::new(job.experts, &mut at, ord, dims, half, lane_key)?;
+    let store = path.inner.halves_store(job.experts);
+    let experts = ExpertOperands::new(job.experts, store, &mut at, ord, dims, half, lane_key)?;
     if !experts.halves.is_empty() {
         path.inner.calls.add(CallCounters::CONVERSIONS, 1);
     }

@@ -37,7 +37,9 @@ use cubecl::client::ComputeClient;
 use cubecl::cuda::CudaRuntime;
 use cubecl::stream_id::StreamId;
 use cudarc::driver::CudaContext;
-use mpipemoe::backend::{ExpertBackward, ExpertBackwardOut, ExpertForward, ExpertPath};
+use mpipemoe::backend::{
+    ExpertBackward, ExpertBackwardOut, ExpertForward, ExpertGroups, ExpertPath, PassStore,
+};
 use mpipemoe::comm::{RowPaths, WithRowPaths};
 use mpipemoe::{Communicator, GemmPrecision, MoeError, Result};
 
@@ -74,6 +76,14 @@ pub struct CublasOptions {
     /// section each. A benchmark's twin: at TF32 it says what a router's section costs
     /// against cubecl's small product.
     pub dense: bool,
+    /// Make the bf16 precision's copies of the experts' weights once a step, in the forward,
+    /// and keep them for the backward (the exchange's step store, `ExpertGroups::step`),
+    /// instead of once a pass: one conversion of every expert's weights a step fewer (at
+    /// GPT3-XL's 8 experts 268 M floats, some 0.4 ms of an H200's memory traffic), for half
+    /// the weights' f32 size held from the forward to the backward, the trade PyTorch's
+    /// autocast makes with its saved casts. Off by default: over a whole model it holds every
+    /// MoE layer's copies at once.
+    pub bf16_weights_per_step: bool,
     /// Mark every section's pieces (the conversions, each GEMM role, the element-wise kernels,
     /// the hand-overs) with a CUDA event and a host instant, for
     /// [`CublasExperts::breakdown`]: where a benchmark's time goes. Off by default: the events
@@ -88,6 +98,7 @@ impl Default for CublasOptions {
             grouped: true,
             batched: true,
             dense: true,
+            bf16_weights_per_step: false,
             timed: false,
         }
     }
@@ -323,6 +334,15 @@ pub fn with_cublas(communicator: Arc<dyn Communicator>, ordinal: usize) -> Resul
 }
 
 impl Inner {
+    /// Where the bf16 copies of `experts`' weights are kept: the step's store or the pass's
+    /// (see [`CublasOptions::bf16_weights_per_step`]).
+    fn halves_store<'g>(&self, experts: &'g ExpertGroups<CudaMoe<f32>>) -> &'g PassStore {
+        match self.options.bf16_weights_per_step {
+            true => &experts.step,
+            false => &experts.pass,
+        }
+    }
+
     /// Runs `role`'s products on the lane: the products of each shape that several experts
     /// share as one batched call (where the options ask for it and cuBLAS accepts the
     /// precision), the rest grouped where they may and where they are small, looped otherwise.

@@ -11,7 +11,7 @@ use cubecl::client::ComputeClient;
 use cubecl::cuda::CudaRuntime;
 use cubecl::server::Handle;
 use cudarc::driver::CudaStream;
-use mpipemoe::backend::ExpertGroups;
+use mpipemoe::backend::{ExpertGroups, PassStore};
 use mpipemoe::{Activation, MoeError, Result};
 
 use super::err;
@@ -186,9 +186,10 @@ impl Halves {
     }
 }
 
-/// The bf16 copies of one pass's expert matrices (the bf16 precision), kept in the pass's store
-/// (`ExpertGroups::pass`): made by the first section of each lane that needs them, then read
-/// by every later partition of the pass. The weights do not change within a pass, and
+/// The bf16 copies of one pass's (or one step's) expert matrices (the bf16 precision), kept in
+/// the pass's store (`ExpertGroups::pass`), or the step's (`ExpertGroups::step`) where the
+/// path keeps them across the step: made by the first section of each lane that needs them,
+/// then read by every later partition of the pass (and the backward's, for the step's). The weights do not change within a pass, and
 /// converting them for each of the `n` partitions, forward and backward, cost `2n` passes over
 /// every expert's weights a step where the forward's and the backward's one each suffice.
 ///
@@ -250,10 +251,13 @@ pub(crate) struct ExpertOperands {
 
 impl ExpertOperands {
     /// The addresses of every group's contiguous stacked tensors (copies made contiguous are
-    /// held by `at`), and where `half` their bf16 copies: the pass's own for `lane`
-    /// ([`PassHalves`]), planned here where this is the lane's first section of the pass.
+    /// held by `at`), and where `half` their bf16 copies: those `store` keeps for `lane` (the
+    /// pass's or the step's, [`PassHalves`]), planned here where this is the lane's first
+    /// section of that pass or step.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         groups: &ExpertGroups<CudaMoe<f32>>,
+        store: &PassStore,
         at: &mut Addresses<'_>,
         ordinal: usize,
         dims: Dims,
@@ -292,8 +296,7 @@ impl ExpertOperands {
             .flat_map(|&(n, b)| [(b[0], n * dm * di), (b[2], n * dh * dm)])
             .collect();
         let (halves, copies) = match half {
-            true => groups
-                .pass
+            true => store
                 .get_or_make(|| Ok(PassHalves::default()))?
                 .copies(at, lane, &list)?,
             false => Halves::plan(at, false, &list)?,

@@ -16,7 +16,7 @@ use crate::exchange::expert_path::{ExpertBackward, ExpertForward, ExpertGroups, 
 use crate::exchange::rows::{dims2, float_dtype};
 use crate::exchange::schedule::{Role, Slot};
 use crate::exchange::shadows::ExpertSlots;
-use crate::exchange::MoeBackend;
+use crate::exchange::{MoeBackend, PassStore};
 use crate::experts::Activation;
 
 /// A device library's expert compute for a run, with what it needs besides the partition: the
@@ -32,11 +32,13 @@ impl<B: MoeBackend> Library<B> {
     /// ([`MoeBackend::expert_path`]) where the run allows it
     /// ([`ExchangeRun::backend_experts`](crate::exchange::ExchangeRun::backend_experts)) and freezes no
     /// part, if any. Experts with low-rank adapters run on the
-    /// primitives: a path's job has no adapter terms.
+    /// primitives: a path's job has no adapter terms. `step` is the step's store (see
+    /// [`ExpertGroups::step`]).
     pub(super) fn find(
         comm: &dyn Communicator,
         experts: &ExpertSlots<B>,
         run: &crate::exchange::ExchangeRun,
+        step: PassStore,
     ) -> Option<Self> {
         if experts.own().has_adapters() {
             return None;
@@ -51,8 +53,13 @@ impl<B: MoeBackend> Library<B> {
         Some(Self {
             path,
             precision: run.precision,
-            groups: experts.groups(),
+            groups: experts.groups(step),
         })
+    }
+
+    /// The step's store the path's groups carry.
+    pub(super) fn step(&self) -> &PassStore {
+        &self.groups.step
     }
 }
 

@@ -18,7 +18,7 @@ use super::rows::dims2;
 use super::rows::LowRank;
 use super::schedule::{Role, Slot};
 use super::shadows::ExpertSlots;
-use super::MoeBackend;
+use super::{MoeBackend, PassStore};
 use crate::dispatch::PartitionPlan;
 use crate::error::Result;
 use crate::experts::{activation_forward, Activation};
@@ -41,15 +41,26 @@ pub(crate) enum ExpertCompute<B: MoeBackend> {
 }
 
 impl<B: MoeBackend> ExpertCompute<B> {
-    /// The pass's choice for `experts` on `comm` (see the type).
+    /// The pass's choice for `experts` on `comm` (see the type). `step` is the step's store a
+    /// library's groups carry: a fresh one in a forward, the forward's in its backward.
     pub(crate) fn find(
         comm: &dyn crate::comm::Communicator,
         experts: &ExpertSlots<B>,
         run: &crate::exchange::ExchangeRun,
+        step: PassStore,
     ) -> Self {
-        match Library::find(comm, experts, run) {
+        match Library::find(comm, experts, run, step) {
             Some(library) => Self::Library(library),
             None => Self::Primitives(Products::of(comm, run.precision)),
+        }
+    }
+
+    /// The step's store, where a library computes the experts: what the forward hands to its
+    /// backward (nothing for the primitives, which keep nothing).
+    pub(crate) fn step(&self) -> Option<PassStore> {
+        match self {
+            Self::Library(library) => Some(library.step().clone()),
+            Self::Primitives(_) => None,
         }
     }
 }

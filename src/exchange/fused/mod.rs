@@ -25,7 +25,7 @@ use super::executor::StepExecutor;
 use super::ffn::{compute, compute_backward, ExpertCompute, ExpertGradAcc, Restored};
 use super::schedule::{Op, Role, Schedule, Slot, Step};
 use super::shadows::ExpertSlots;
-use super::{ExchangeGrads, ExchangeRun, MoeBackend};
+use super::{ExchangeGrads, ExchangeRun, MoeBackend, PassStore};
 use crate::comm::{HostOffload, Offloaded};
 use crate::dispatch::ExchangePlan;
 use crate::error::{MoeError, Result};
@@ -41,6 +41,9 @@ pub struct Saved<B: MoeBackend> {
     input: Option<FloatTensor<B>>,
     partitions: Vec<SavedPartition<B>>,
     device: B::Device,
+    /// The step's store of the forward's device library, for the backward's (`None` on the
+    /// primitives): what a path keeps across the step (`ExpertGroups::step`).
+    step: Option<PassStore>,
 }
 
 #[derive(Debug, Clone)]
@@ -134,7 +137,7 @@ pub fn forward<B: MoeBackend>(
     let output = Mutex::new(RowAssembler::<B>::new(&input, plan, threaded));
     let memory = B::slot_memory(run, &input);
     let mem: Mem<'_, B> = memory.as_deref();
-    let how = ExpertCompute::find(comm, &experts, run);
+    let how = ExpertCompute::find(comm, &experts, run, PassStore::default());
     let step_fn = |_: usize, step: &Step| -> Result<()> {
         match step.op {
             Op::Dispatch(i) => {
@@ -212,6 +215,7 @@ pub fn forward<B: MoeBackend>(
             input: strategy.keeps_input().then_some(input),
             experts,
             partitions: into_inner(saved),
+            step: how.step(),
         },
     ))
 }
@@ -237,6 +241,7 @@ pub fn backward<B: MoeBackend>(
         input,
         partitions,
         device,
+        step: step_store,
     } = saved;
     if strategy.keeps_input() && input.is_none() {
         return Err(MoeError::Memory(
@@ -252,7 +257,8 @@ pub fn backward<B: MoeBackend>(
     let input_grad = Mutex::new(RowAssembler::<B>::new(&grad_out, plan, threaded));
     let memory = B::slot_memory(run, &grad_out);
     let mem: Mem<'_, B> = memory.as_deref();
-    let how = ExpertCompute::find(comm, &experts, run);
+    // The forward's step store: what a path kept across the step (dropped with this pass).
+    let how = ExpertCompute::find(comm, &experts, run, step_store.unwrap_or_default());
     let take_dispatched = |i: usize| std::mem::replace(&mut lock(&stashes[i]).dispatched, Stash::Dropped);
     let take_hidden = |i: usize| -> Result<Vec<Option<FloatTensor<B>>>> {
         std::mem::take(&mut lock(&stashes[i]).hidden)
