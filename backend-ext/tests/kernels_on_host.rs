@@ -31,7 +31,14 @@ fn the_kernel_source_builds_and_its_bf16_conversion_rounds_to_nearest_even() {
     let harness = here.join("tests/host/to_bf16.cpp");
     let binary = Path::new(env!("CARGO_TARGET_TMPDIR")).join("to_bf16_on_host");
     let built = Command::new(cxx)
-        .args(["-std=c++17", "-O1", "-Wall", "-Werror", "-Wno-unused-function", "-o"])
+        .args([
+            "-std=c++17",
+            "-O1",
+            "-Wall",
+            "-Werror",
+            "-Wno-unused-function",
+            "-o",
+        ])
         .arg(&binary)
         .arg(&harness)
         .output()

@@ -62,6 +62,10 @@ impl Stopwatch {
 
     /// Marks `stream`'s position now: the end of `piece` (or, as [`START`], a section's start).
     pub(crate) fn mark(&mut self, stream: &CudaStream, piece: &'static str) -> Result<()> {
+        // A section that failed before it could close keeps its marks to itself.
+        if piece == START && !self.open.is_empty() {
+            self.closed.push(std::mem::take(&mut self.open));
+        }
         // Timing events (cudarc's default disables timing).
         let event = self
             .context
