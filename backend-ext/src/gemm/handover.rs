@@ -23,9 +23,10 @@
 //!
 //! Order of issue matters where two streams share one of the device's hardware queues (CUDA
 //! multiplexes streams onto `CUDA_DEVICE_MAX_CONNECTIONS` of them, 8 by default): the signal
-//! kernel is issued to the driver before the lane's spin (cubecl launches through its server
-//! thread, so a blocking submit, `client.flush`, follows the launch), and cubecl's spin after the
-//! lane's store, so every wait in issue order waits only for something issued before it.
+//! kernel is issued to the driver before the lane's spin, and cubecl's spin after the lane's
+//! store, so every wait in issue order waits only for something issued before it. A section
+//! runs on cubecl's device thread (`CublasExperts::on_device_thread`), where a client call runs
+//! inline: the signal's launch has reached the driver when it returns (see [`Flags::enter`]).
 //!
 //! Each spin is bounded: after [`SPIN_BOUND`] turns (minutes) it marks word 2 (cubecl's side) or
 //! word 3 (the lane's) and lets its stream go, so a failure of the device between two kernels
@@ -130,9 +131,20 @@ impl Flags {
                 seq,
             )
         };
-        // The launch goes through cubecl's server thread: a blocking submit after it means the
-        // kernel is in the driver's queue before the wait below (module docs).
-        client.flush().map_err(|e| err("flush", e))?;
+        // The signal is in the driver's queue already, so the lane's wait below is issued after
+        // it (module docs): a section runs on cubecl's device thread, where a launch runs
+        // inline (cubecl-runtime 0.10 `client.rs` `launch_inner` → `device.submit`, which
+        // cubecl-common 0.10 `device/handle/channel.rs` `send` runs at once on the runner
+        // thread) and calls `cuLaunchKernel` before returning (cubecl-cuda 0.10
+        // `compute/context.rs` `execute_task`).
+        //
+        // No `client.flush()` here, as there was before sections ran on the device thread. In
+        // cubecl-cuda 0.10 a flush (`compute/server.rs` `flush`) rotates the stream's drop
+        // queue, and `PendingDropQueue::flush` (cubecl-runtime `memory_management/drop_queue/
+        // queue.rs`) first synchronises the fence of the previous flush on the host
+        // (`cuEventSynchronize`, `compute/sync/fence.rs` `wait_sync`). That was a host wait in
+        // every section, for the device to reach the previous section's start: the host could
+        // never run more than one section ahead of the device.
         kernels.wait_flag(lane, self.ptr, seq, SPIN_BOUND, self.ptr + 12)?;
         Ok(seq)
     }
