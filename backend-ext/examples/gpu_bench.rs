@@ -354,10 +354,10 @@ fn experts_ms(
 }
 
 /// The timed path's pieces since its last breakdown, per step of `steps` (the warm-ups with
-/// the timed ones), printed under `label` and as rows: `what` is `experts piece` or `layer
-/// piece`, `path` the piece, `median_ms` its device ms a step, `host_ms` its host ms, `n` its
-/// runs a step; the step's own median (`step_ms`, with the events' cost in it) is printed
-/// beside the pieces' sum, which leaves out the time between sections.
+/// the timed ones), printed and as rows: `what` (`experts` or `layer`) with ` piece`, `path`
+/// the piece, `median_ms` its device ms a step, `host_ms` its host ms, `n` its runs a step;
+/// the step's own median (`step_ms`, with the events' cost in it) is printed beside the
+/// pieces' sum, which leaves out the time between sections.
 fn piece_rows(
     path: &CublasExperts,
     (shape, m, h, tokens, top_k): (&str, usize, usize, usize, usize),
@@ -365,12 +365,12 @@ fn piece_rows(
     precision: GemmPrecision,
     steps: usize,
     step_ms: f64,
-    label: &str,
 ) -> Vec<Row> {
     let breakdown = path
         .breakdown()
         .expect("the timed path's events")
         .per(steps as u64);
+    let label = format!("{shape} {tokens} top-{top_k} {what} {}", precision.name());
     eprintln!(
         "           {label}: where a step's {step_ms:.3} ms go (sections only)\n{}",
         textwrap_indent(&breakdown.to_string(), "           ")
@@ -633,16 +633,14 @@ fn main() {
                 // per pass pair (a separate path, so the figures above carry no events).
                 for precision in GemmPrecision::ALL {
                     let t = experts_ms(timed_path, routed, m, h, precision, args.repeats, Rows::Even);
-                    let label = format!("{name} {tokens} top-{top_k} experts {}", precision.name());
-                    let shape = (name, m, h, tokens, top_k);
+                    let at = (name, m, h, tokens, top_k);
                     pieces.extend(piece_rows(
                         timed_path,
-                        shape,
+                        at,
                         "experts",
                         precision,
                         args.repeats + 2,
                         t.0,
-                        &label,
                     ));
                 }
                 let host = experts_ms(
@@ -709,16 +707,14 @@ fn main() {
                 for precision in [GemmPrecision::Tf32, GemmPrecision::Bf16] {
                     let config = base.clone().with_gemm_precision(precision);
                     let (t, _, _) = layer_ms::<B>(&config, with(timed_path), tokens, args.repeats, false);
-                    let label = format!("{name} {tokens} top-{top_k} layer {}", precision.name());
-                    let shape = (name, m, h, tokens, top_k);
+                    let at = (name, m, h, tokens, top_k);
                     pieces.extend(piece_rows(
                         timed_path,
-                        shape,
+                        at,
                         "layer",
                         precision,
                         args.repeats + 2,
                         t.0,
-                        &label,
                     ));
                 }
                 for precision in [GemmPrecision::Tf32, GemmPrecision::Bf16] {
