@@ -118,7 +118,8 @@ pub struct CublasCalls {
     /// `cublasGemmEx`, one per expert product.
     pub looped: u64,
     /// Conversions of the experts' weights to bf16 (the bf16 precision): one per lane and pass,
-    /// not one per partition (`PassHalves`).
+    /// not one per partition (`PassHalves`); one per lane and step with
+    /// [`CublasOptions::bf16_weights_per_step`].
     pub weight_conversions: u64,
     /// Sections: the path's trips to cubecl's device thread with a hand-over between the
     /// streams, each holding any number of the calls above (and the dense products' own).
