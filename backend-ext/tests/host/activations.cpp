@@ -9,7 +9,9 @@
 //   gradient through a bound that clamped.
 //
 // Several jobs a launch (experts with different rows, one with none), each at its own place in
-// a buffer with a gap before it, with and without input biases, outputs in f32 and in bf16.
+// a buffer with a gap before it, with and without input biases, outputs in f32 and in bf16; at
+// the launch grid the path makes and at one of three blocks, where each thread walks many
+// elements.
 // What it holds: every value each kernel writes (to 1e-6 relative in f32, to one bf16 step in
 // bf16), the biases added in place, nothing written in the gaps, and the rows of the next job
 // untouched. Exits 1 on the first difference (printed). Built and run by
@@ -74,8 +76,13 @@ static void act_grad(int kind, double g, double u, double alpha, double limit, d
     }
 }
 
+// The most blocks a launch takes in x: 4,096 as `Kernels::tables` caps them, or a few, so that
+// every thread walks several elements of its job (the grid-stride loops and their row and column
+// steps), which the kernels must get right at any grid.
+static unsigned long long max_blocks = 4096;
+
 // The launch `Kernels::tables` makes for `jobs` of `elements` a row: 256 threads, blocks for
-// the largest job's elements (at most 4,096) in x, one row of blocks per job in y.
+// the largest job's elements (at most `max_blocks`) in x, one row of blocks per job in y.
 template <typename F>
 static void launch(const Jobs& jobs, unsigned long long elements, F kernel) {
     unsigned long long largest = 0;
@@ -84,7 +91,7 @@ static void launch(const Jobs& jobs, unsigned long long elements, F kernel) {
         largest = e > largest ? e : largest;
     }
     unsigned long long x = (largest + 255) / 256;
-    x = x < 1 ? 1 : (x > 4096 ? 4096 : x);
+    x = x < 1 ? 1 : (x > max_blocks ? max_blocks : x);
     gridDim = {(unsigned)x, jobs.n, 1};
     blockDim = {256, 1, 1};
     for (unsigned y = 0; y < gridDim.y; y++) {
@@ -117,6 +124,8 @@ int main() {
     const unsigned n_jobs = sizeof(rows) / sizeof(rows[0]);
     const double alpha = 1.702, limit = 1.5;
     int checked = 0;
+    for (unsigned long long cap : {4096ull, 3ull}) {
+    max_blocks = cap;
     for (int kind = 0; kind < 4; kind++) {
         const bool gated = kind >= 2;
         const unsigned d_inner = gated ? 2 * d_hidden : d_hidden;
@@ -230,11 +239,12 @@ int main() {
     // add_bias: every row of each job plus its bias row, the gaps untouched.
     {
         const unsigned width = 19;
-        std::vector<float> out(40 * width), out0, bias(3 * width);
+        const unsigned total_rows = 100;
+        std::vector<float> out(total_rows * width), out0, bias(3 * width);
         for (auto& v : out) v = (float)uniform();
         for (auto& v : bias) v = (float)uniform();
         out0 = out;
-        const unsigned starts[] = {1, 10, 20}, counts[] = {7, 0, 19};
+        const unsigned starts[] = {1, 10, 20}, counts[] = {7, 0, 60};
         Jobs jobs = {};
         jobs.n = 3;
         for (unsigned j = 0; j < 3; j++) {
@@ -243,7 +253,7 @@ int main() {
             jobs.job[j].rows = counts[j];
         }
         launch(jobs, width, [&](const Jobs& js) { add_bias(width, js); });
-        for (unsigned row = 0; row < 40; row++) {
+        for (unsigned row = 0; row < total_rows; row++) {
             int j = -1;
             for (unsigned k = 0; k < 3; k++) if (row >= starts[k] && row < starts[k] + counts[k]) j = (int)k;
             for (unsigned c = 0; c < width; c++) {
@@ -253,6 +263,7 @@ int main() {
                 checked++;
             }
         }
+    }
     }
     printf("ok: %d values\n", checked);
     return 0;
