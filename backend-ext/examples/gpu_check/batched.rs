@@ -242,6 +242,25 @@ impl Job {
 
 const NAMES: [&str; 7] = ["T_DO", "T_M", "dT_DI", "dW_in", "dW_out", "db_in", "db_out"];
 
+/// The largest relative error of `got` against `want`, output by output (`NAMES`), or which
+/// output differs in length, is empty, or errs by more than `tolerance`.
+fn worst_error(got: &[Vec<f32>], want: &[Vec<f32>], tolerance: f64) -> Result<f64, String> {
+    let mut worst = 0.0f64;
+    for ((name, g), w) in NAMES.iter().zip(got).zip(want) {
+        let g: Vec<f64> = g.iter().map(|&v| f64::from(v)).collect();
+        let w: Vec<f64> = w.iter().map(|&v| f64::from(v)).collect();
+        if g.len() != w.len() || g.is_empty() {
+            return Err(format!("{name}: {} values against {}", g.len(), w.len()));
+        }
+        let err = relative_error(&g, &w);
+        if err.is_nan() || err > tolerance {
+            return Err(format!("{name} relative error {err:.2e}"));
+        }
+        worst = worst.max(err);
+    }
+    Ok(worst)
+}
+
 /// Every job at every precision: a label and `Ok(note)` or `Err(why)` each.
 pub(crate) fn checks() -> Vec<(String, Result<String, String>)> {
     let make = |options: CublasOptions| CublasExperts::with_options(0, options).map_err(|e| e.to_string());
@@ -294,19 +313,7 @@ pub(crate) fn checks() -> Vec<(String, Result<String, String>)> {
                              (expected {expected})"
                         ));
                     }
-                    let mut worst = 0.0f64;
-                    for ((name, g), w) in NAMES.iter().zip(&got).zip(&want) {
-                        let g: Vec<f64> = g.iter().map(|&v| f64::from(v)).collect();
-                        let w: Vec<f64> = w.iter().map(|&v| f64::from(v)).collect();
-                        if g.len() != w.len() || g.is_empty() {
-                            return Err(format!("{name}: {} values against {}", g.len(), w.len()));
-                        }
-                        let err = relative_error(&g, &w);
-                        if err.is_nan() || err > tolerance(precision) {
-                            return Err(format!("{name} relative error {err:.2e}"));
-                        }
-                        worst = worst.max(err);
-                    }
+                    let worst = worst_error(&got, &want, tolerance(precision))?;
                     Ok(format!("max_rel_err={worst:.2e} ({ran} batched calls)"))
                 });
             out.push((job.label(precision), result));
@@ -374,20 +381,7 @@ fn per_step_checks(default: &CublasExperts, jobs: &[Job]) -> Vec<(String, Result
                     "{once} conversions a step kept, {twice} a pass each (expected 1 and 2)"
                 ));
             }
-            let mut worst = 0.0f64;
-            for ((name, g), w) in NAMES.iter().zip(&got).zip(&want) {
-                let g: Vec<f64> = g.iter().map(|&v| f64::from(v)).collect();
-                let w: Vec<f64> = w.iter().map(|&v| f64::from(v)).collect();
-                let err = relative_error(&g, &w);
-                if g.len() != w.len() || g.is_empty() || err.is_nan() || err > tolerance(GemmPrecision::F32) {
-                    return Err(format!(
-                        "{name}: relative error {err:.2e} ({} values against {})",
-                        g.len(),
-                        w.len()
-                    ));
-                }
-                worst = worst.max(err);
-            }
+            let worst = worst_error(&got, &want, tolerance(GemmPrecision::F32))?;
             Ok(format!("max_rel_err={worst:.2e}"))
         });
         out.push((label, result));

@@ -68,30 +68,38 @@ __device__ __forceinline__ float gelu_slope(float z) {
     return cdf + z * pdf;
 }
 
-// The row and column of a grid-stride loop's element `i` of a `width`-wide block, advanced with
-// the loop by the stride (`step`) instead of divided out at every element: a 64-bit division is
-// a long software routine on the device, not an instruction, and the element-wise kernels made
-// two an element, which cost more than the element's memory traffic. Here each thread divides
-// once, at the start. Widths are below 2^31 (d_hidden), so `c + step_cols` does not wrap.
-struct RowCol {
+// A thread's walk over the elements of a `width`-wide block in a grid-stride loop: element
+// `i`, its row `r` and column `c`. Each turn steps the row and column by the stride's quotient
+// and remainder, with one carry, instead of dividing them out at every element: a 64-bit
+// division is a long software routine on the device, not an instruction, and the element-wise
+// kernels made two an element, more work than the element's memory traffic. Here each thread
+// divides once, at its first element. Widths are below 2^31 (d_hidden), so `c + step_cols`
+// does not wrap.
+struct Walk {
+    unsigned long long i;
+    unsigned long long step;
     unsigned long long r;
-    unsigned int c;
     unsigned long long step_rows;
+    unsigned int c;
     unsigned int step_cols;
     unsigned int width;
 };
 
-__device__ __forceinline__ RowCol row_col(unsigned long long first, unsigned long long step, unsigned int width) {
-    RowCol at;
-    at.r = first / width;
-    at.c = (unsigned int)(first % width);
-    at.step_rows = step / width;
-    at.step_cols = (unsigned int)(step % width);
+// This thread's first element of the grid-stride loop (blocks in x).
+__device__ __forceinline__ Walk walk(unsigned int width) {
+    Walk at;
+    at.i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    at.step = (unsigned long long)gridDim.x * blockDim.x;
+    at.r = at.i / width;
+    at.c = (unsigned int)(at.i % width);
+    at.step_rows = at.step / width;
+    at.step_cols = (unsigned int)(at.step % width);
     at.width = width;
     return at;
 }
 
-__device__ __forceinline__ void advance(RowCol* at) {
+__device__ __forceinline__ void advance(Walk* at) {
+    at->i += at->step;
     at->r += at->step_rows;
     at->c += at->step_cols;
     if (at->c >= at->width) {
@@ -112,10 +120,7 @@ extern "C" __global__ void act_forward(int kind, float alpha, float limit, unsig
     void* a = (void*)job.p1;
     const float* bias = (const float*)job.bias;
     const unsigned long long total = (unsigned long long)job.rows * d_hidden;
-    const unsigned long long first = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
-    const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
-    RowCol at = row_col(first, step, d_hidden);
-    for (unsigned long long i = first; i < total; i += step, advance(&at)) {
+    for (Walk at = walk(d_hidden); at.i < total; advance(&at)) {
         const unsigned long long r = at.r;
         const unsigned int c = at.c;
         float* zr = z + r * d_inner;
@@ -163,10 +168,7 @@ extern "C" __global__ void act_backward(int kind, float alpha, float limit, unsi
     void* a = (void*)job.p2;
     void* gz = (void*)job.p3;
     const unsigned long long total = (unsigned long long)job.rows * d_hidden;
-    const unsigned long long first = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
-    const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
-    RowCol at = row_col(first, step, d_hidden);
-    for (unsigned long long i = first; i < total; i += step, advance(&at)) {
+    for (Walk at = walk(d_hidden); at.i < total; advance(&at)) {
         const unsigned long long r = at.r;
         const unsigned int c = at.c;
         const float* zr = z + r * d_inner;
@@ -208,11 +210,8 @@ extern "C" __global__ void add_bias(unsigned int width, const Jobs jobs) {
     float* out = (float*)job.p0;
     const float* bias = (const float*)job.bias;
     const unsigned long long total = (unsigned long long)job.rows * width;
-    const unsigned long long first = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
-    const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
-    RowCol at = row_col(first, step, width);
-    for (unsigned long long i = first; i < total; i += step, advance(&at)) {
-        out[i] += bias[at.c];
+    for (Walk at = walk(width); at.i < total; advance(&at)) {
+        out[at.i] += bias[at.c];
     }
 }
 

@@ -144,6 +144,13 @@ int main() {
                 for (auto& v : ga) v = (float)uniform();
                 for (auto& v : bias) v = (float)uniform();
                 z0 = z;
+                // Whether `row` belongs to a job (the others are gaps, never written).
+                auto in_a_job = [&](size_t row) {
+                    for (unsigned j = 0; j < n_jobs; j++) {
+                        if (row >= start[j] && row < start[j] + rows[j]) return true;
+                    }
+                    return false;
+                };
                 // Outputs as 32-bit words filled with the sentinel (f32) or its bf16 pairs.
                 std::vector<float> a(total * d_hidden, SENTINEL), gz(total * d_inner, SENTINEL);
                 std::vector<unsigned short> a16(total * d_hidden, 0xBEEF), gz16(total * d_inner, 0xBEEF);
@@ -179,9 +186,7 @@ int main() {
                 }
                 // Nothing but the jobs' rows written: the gaps keep their values.
                 for (size_t row = 0; row < total; row++) {
-                    bool in_job = false;
-                    for (unsigned j = 0; j < n_jobs; j++) in_job |= row >= start[j] && row < start[j] + rows[j];
-                    if (in_job) continue;
+                    if (in_a_job(row)) continue;
                     for (unsigned c = 0; c < d_inner; c++) {
                         if (z[row * d_inner + c] != z0[row * d_inner + c]) {
                             printf("forward wrote z in a gap, row %zu\n", row);
@@ -223,9 +228,7 @@ int main() {
                     }
                 }
                 for (size_t row = 0; row < total; row++) {
-                    bool in_job = false;
-                    for (unsigned j = 0; j < n_jobs; j++) in_job |= row >= start[j] && row < start[j] + rows[j];
-                    for (unsigned c = 0; !in_job && c < d_inner; c++) {
+                    for (unsigned c = 0; !in_a_job(row) && c < d_inner; c++) {
                         const size_t i = row * d_inner + c;
                         if (half ? gz16[i] != 0xBEEF : gz[i] != SENTINEL) {
                             printf("backward wrote dz in a gap, row %zu\n", row);
