@@ -38,9 +38,16 @@
 //! at TF32, with the exchange alone (`exchange`, four round trips of every routed row) beside it;
 //! `gpu_table.py` sets each against `max(compute, exchange)`.
 //!
+//! Every layer row also counts the CUDA driver and runtime calls of three more steps, run after
+//! its timed ones, through CUPTI's callbacks (`Census`; off while anything is timed): host
+//! waits, frees and launches per step, the waits by name and the kernels by name, printed under
+//! the row and kept in its JSON (`host_waits`, `frees`, `driver_launches`, `runtime_launches`).
+//! Issue 56's goal is at most two host waits per layer step at one rank. Without CUPTI, or with
+//! `--no-census`, the rows carry no counts.
+//!
 //! ```text
 //! gpu_bench [--quick] [--repeats N] [--pipeline] [--json FILE]
-//!           [--shape GPT3-S|BERT-L|GPT3-XL] [--top-k 1|2] [--layer-only]
+//!           [--shape GPT3-S|BERT-L|GPT3-XL] [--top-k 1|2] [--layer-only] [--no-census]
 //! ```
 
 use std::sync::Arc;
@@ -58,7 +65,9 @@ use mpipemoe::backend::{
 };
 use mpipemoe::comm::{HostLoopback, SingleRank, WithRowPaths};
 use mpipemoe::{Activation, Communicator, GemmPrecision, MoeLayer, MoeLayerConfig, Partitions};
-use mpipemoe_cuda::{cuda_available, CublasExperts, CublasOptions, CudaMoe, Handover};
+use mpipemoe_cuda::{
+    cuda_available, CallCounts, CallKind, Census, CublasExperts, CublasOptions, CudaMoe, Handover,
+};
 use serde::Serialize;
 
 type Inner = CudaMoe<f32>;
@@ -100,6 +109,32 @@ struct Row {
     /// final device sync (the forward's routing read included). Near `median_ms`, the step
     /// waits on the host; far under it, on the device or on cubecl's server thread.
     host_ms: Option<f64>,
+    /// Layer rows, where CUPTI could be loaded: per step of `COUNTED` steps run after the
+    /// timed ones, the driver and runtime calls that block the host until the device is done
+    /// (`CallKind::Wait`), the frees, and the launches through the driver and through the
+    /// runtime (cuBLAS's), apart because CUPTI may report a runtime launch and its driver call
+    /// both.
+    host_waits: Option<f64>,
+    frees: Option<f64>,
+    driver_launches: Option<f64>,
+    runtime_launches: Option<f64>,
+}
+
+/// Steps counted by the census after a layer row's timed ones.
+const COUNTED: u64 = 3;
+
+/// What one layer row measured.
+struct LayerRun {
+    /// (median, min, max) ms of the timed steps.
+    times: (f64, f64, f64),
+    /// The partitions the layer ran.
+    n: usize,
+    /// The median host ms of the timed steps.
+    host_ms: f64,
+    /// The calls of `COUNTED` steps, where a census runs.
+    calls: Option<CallCounts>,
+    /// Every step run: two warm-ups, the timed ones and the counted ones.
+    steps: u64,
 }
 
 struct Args {
@@ -113,6 +148,8 @@ struct Args {
     top_k: Option<usize>,
     /// Only the layer at TF32 through the cuBLAS path (what a profiled run looks at).
     layer_only: bool,
+    /// No CUPTI census of the layer rows' calls (`--no-census`).
+    no_census: bool,
 }
 
 fn arguments() -> Result<Args, String> {
@@ -124,6 +161,7 @@ fn arguments() -> Result<Args, String> {
         shape: None,
         top_k: None,
         layer_only: false,
+        no_census: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -140,6 +178,7 @@ fn arguments() -> Result<Args, String> {
             }
             "--json" => args.json = Some(it.next().ok_or("--json needs a file")?),
             "--layer-only" => args.layer_only = true,
+            "--no-census" => args.no_census = true,
             "--shape" => {
                 let v = it.next().ok_or("--shape needs a name")?;
                 if !SHAPES.iter().any(|(name, _, _)| *name == v) {
@@ -393,6 +432,10 @@ fn piece_rows(
             tflops: 0.0,
             n: p.runs as usize,
             host_ms: Some(p.host_ms),
+            host_waits: None,
+            frees: None,
+            driver_launches: None,
+            runtime_launches: None,
         })
         .collect()
 }
@@ -433,13 +476,20 @@ fn layer_ms<Bk>(
     config: &MoeLayerConfig,
     comm: Arc<dyn Communicator>,
     tokens: usize,
-    repeats: usize,
+    bench: &Bench,
     forward_only: bool,
-) -> ((f64, f64, f64), usize, f64)
+) -> LayerRun
 where
     Bk: burn::tensor::backend::AutodiffBackend + mpipemoe::MoeBackend,
 {
-    layer_with_ms::<Bk>(config, comm, tokens, repeats, forward_only, None)
+    layer_with_ms::<Bk>(config, comm, tokens, bench, forward_only, None)
+}
+
+/// How every layer row is measured: its timed steps, and the census that counts the calls of
+/// `COUNTED` more (none where CUPTI is missing or `--no-census` was given).
+struct Bench<'a> {
+    repeats: usize,
+    census: Option<&'a Census>,
 }
 
 /// [`layer_ms`], with LoRA adapters of rank `lora` (alpha `2 · lora`) on both expert matrices
@@ -450,10 +500,10 @@ fn layer_with_ms<Bk>(
     config: &MoeLayerConfig,
     comm: Arc<dyn Communicator>,
     tokens: usize,
-    repeats: usize,
+    bench: &Bench,
     forward_only: bool,
     lora: Option<usize>,
-) -> ((f64, f64, f64), usize, f64)
+) -> LayerRun
 where
     Bk: burn::tensor::backend::AutodiffBackend + mpipemoe::MoeBackend,
 {
@@ -481,9 +531,10 @@ where
             .expect("valid adapters");
     }
     let x = balanced_tokens::<Bk>(tokens, config.d_model, config.top_k).require_grad();
+    let repeats = bench.repeats;
     let mut n = 1;
     let mut host = Vec::new();
-    let t = timed(repeats, || {
+    let mut step = || {
         let start = Instant::now();
         let out = layer.forward(x.clone());
         n = out.stats.n_partitions;
@@ -503,11 +554,25 @@ where
         };
         host.push(start.elapsed().as_secs_f64() * 1e3);
         sync(grad);
+    };
+    let times = timed(repeats, &mut step);
+    // The calls of `COUNTED` more steps, each ending in a read that waits for its device work.
+    let calls = bench.census.map(|census| {
+        let ((), calls) = census
+            .count(|| (0..COUNTED).for_each(|_| step()))
+            .expect("the census's callbacks");
+        calls.per(COUNTED)
     });
-    // The last `repeats` steps are the timed ones (two warm-ups came first).
-    let mut host = host.split_off(host.len() - repeats);
+    // The timed steps are the `repeats` after two warm-ups.
+    let mut host = host[2..2 + repeats].to_vec();
     host.sort_by(f64::total_cmp);
-    (t, n, host[host.len() / 2])
+    LayerRun {
+        times,
+        n,
+        host_ms: host[host.len() / 2],
+        steps: (2 + repeats) as u64 + if calls.is_some() { COUNTED } else { 0 },
+        calls,
+    }
 }
 
 fn main() {
@@ -558,6 +623,28 @@ fn main() {
         &paths;
     let device = Default::default();
     eprintln!("cuBLAS expert path: {device_path:?}");
+    // The census counts each layer row's calls in steps of their own after the timed ones;
+    // without CUPTI the rows go on without counts.
+    let census = if args.no_census {
+        None
+    } else {
+        match Census::start() {
+            Ok(census) => Some(census),
+            Err(e) => {
+                eprintln!("no call counts: {e}");
+                None
+            }
+        }
+    };
+    let bench = Bench {
+        repeats: args.repeats,
+        census: census.as_ref(),
+    };
+    // The timed path's layer runs count nothing: their events are not the layer's calls.
+    let quiet = Bench {
+        repeats: args.repeats,
+        census: None,
+    };
     let token_counts: &[usize] = if args.quick { &[4096] } else { &[4096, 16384] };
     let started = Instant::now();
     let mut rows: Vec<Row> = Vec::new();
@@ -579,12 +666,18 @@ fn main() {
                                 precision: &str,
                                 (median, min, max): (f64, f64, f64),
                                 n: usize,
-                                host_ms: Option<f64>| {
+                                host_ms: Option<f64>,
+                                calls: Option<&CallCounts>| {
                     let host = host_ms.map_or(String::new(), |h| format!(" (host {h:.3} ms)"));
                     eprintln!(
                         "[{:7.1} s] {name} {tokens} top-{top_k} {what} {path} {precision}: {median:.3} ms{host}",
                         started.elapsed().as_secs_f64()
                     );
+                    if let Some(calls) = calls {
+                        eprintln!("{}", textwrap_indent(&calls.to_string(), "           "));
+                    }
+                    let per_step = |kind| calls.map(|c| c.per_step(kind));
+                    let steps = calls.map_or(1, |c| c.steps()) as f64;
                     rows.push(Row {
                         shape: name.into(),
                         d_model: m,
@@ -600,6 +693,10 @@ fn main() {
                         tflops: flops / (median * 1e-3) / 1e12,
                         n,
                         host_ms,
+                        host_waits: per_step(CallKind::Wait),
+                        frees: per_step(CallKind::Free),
+                        driver_launches: calls.map(|c| c.driver_of(CallKind::Launch) as f64 / steps),
+                        runtime_launches: calls.map(|c| c.runtime_of(CallKind::Launch) as f64 / steps),
                     });
                 };
                 let base = MoeLayerConfig::new(m, h, EXPERTS, top_k)
@@ -607,8 +704,16 @@ fn main() {
                     .with_executor(Some(StepExecutor::InOrder));
                 let tf32 = base.clone().with_gemm_precision(GemmPrecision::Tf32);
                 if args.layer_only {
-                    let (t, n, host) = layer_ms::<B>(&tf32, with(device_path), tokens, args.repeats, false);
-                    push("layer", "cublas", "tf32", t, n, Some(host));
+                    let run = layer_ms::<B>(&tf32, with(device_path), tokens, &bench, false);
+                    push(
+                        "layer",
+                        "cublas",
+                        "tf32",
+                        run.times,
+                        run.n,
+                        Some(run.host_ms),
+                        run.calls.as_ref(),
+                    );
                     continue;
                 }
                 for precision in GemmPrecision::ALL {
@@ -619,6 +724,7 @@ fn main() {
                         dense_ms(device_path, routed, m, h, precision, args.repeats),
                         1,
                         None,
+                        None,
                     );
                     push(
                         "experts",
@@ -626,6 +732,7 @@ fn main() {
                         precision.name(),
                         experts_ms(device_path, routed, m, h, precision, args.repeats, Rows::Even),
                         1,
+                        None,
                         None,
                     );
                 }
@@ -652,7 +759,7 @@ fn main() {
                     args.repeats,
                     Rows::HostOnly,
                 );
-                push("experts", "cublas host only", "tf32", host, 1, None);
+                push("experts", "cublas host only", "tf32", host, 1, None, None);
                 for precision in [GemmPrecision::Tf32, GemmPrecision::Bf16] {
                     for (path, name, rows) in [
                         (unbatched_path, "cublas unbatched", Rows::Even),
@@ -660,7 +767,7 @@ fn main() {
                         (device_path, "cublas skewed", Rows::Skewed),
                     ] {
                         let t = experts_ms(path, routed, m, h, precision, args.repeats, rows);
-                        push("experts", name, precision.name(), t, 1, None);
+                        push("experts", name, precision.name(), t, 1, None, None);
                     }
                 }
                 // bf16's weight copies made once a step instead of once a pass.
@@ -673,14 +780,22 @@ fn main() {
                     args.repeats,
                     Rows::Even,
                 );
-                push("experts", "cublas weights per step", "bf16", t, 1, None);
+                push("experts", "cublas weights per step", "bf16", t, 1, None, None);
                 for precision in GemmPrecision::ALL {
                     let config = base.clone().with_gemm_precision(precision);
                     let before = device_path.calls();
-                    let (t, n, host) = layer_ms::<B>(&config, with(device_path), tokens, args.repeats, false);
-                    push("layer", "cublas", precision.name(), t, n, Some(host));
-                    // The experts' cuBLAS calls of one step (two warm-up steps came first).
-                    let steps = (args.repeats + 2) as u64;
+                    let run = layer_ms::<B>(&config, with(device_path), tokens, &bench, false);
+                    push(
+                        "layer",
+                        "cublas",
+                        precision.name(),
+                        run.times,
+                        run.n,
+                        Some(run.host_ms),
+                        run.calls.as_ref(),
+                    );
+                    // The experts' cuBLAS calls of one step (warm-up and counted steps too).
+                    let steps = run.steps;
                     let after = device_path.calls();
                     eprintln!(
                         "           per step: {} sections, {} strided batched, {} pointer batched, {} grouped, {} cublasGemmEx, {} bf16 weight conversions",
@@ -696,64 +811,125 @@ fn main() {
                 // conversion a step (autocast's trade, as the PyTorch side makes it).
                 let bf16 = base.clone().with_gemm_precision(GemmPrecision::Bf16);
                 let before = per_step_path.calls();
-                let (t, n, host) = layer_ms::<B>(&bf16, with(per_step_path), tokens, args.repeats, false);
-                push("layer", "cublas weights per step", "bf16", t, n, Some(host));
+                let run = layer_ms::<B>(&bf16, with(per_step_path), tokens, &bench, false);
+                push(
+                    "layer",
+                    "cublas weights per step",
+                    "bf16",
+                    run.times,
+                    run.n,
+                    Some(run.host_ms),
+                    run.calls.as_ref(),
+                );
                 eprintln!(
                     "           per step: {} bf16 weight conversions",
-                    (per_step_path.calls().weight_conversions - before.weight_conversions)
-                        / (args.repeats + 2) as u64
+                    (per_step_path.calls().weight_conversions - before.weight_conversions) / run.steps
                 );
                 // The layer's sections piece by piece (the router's products among them).
                 for precision in [GemmPrecision::Tf32, GemmPrecision::Bf16] {
                     let config = base.clone().with_gemm_precision(precision);
-                    let (t, _, _) = layer_ms::<B>(&config, with(timed_path), tokens, args.repeats, false);
+                    let run = layer_ms::<B>(&config, with(timed_path), tokens, &quiet, false);
                     let at = (name, m, h, tokens, top_k);
                     pieces.extend(piece_rows(
                         timed_path,
                         at,
                         "layer",
                         precision,
-                        args.repeats + 2,
-                        t.0,
+                        run.steps as usize,
+                        run.times.0,
                     ));
                 }
                 for precision in [GemmPrecision::Tf32, GemmPrecision::Bf16] {
                     let config = base.clone().with_gemm_precision(precision);
-                    let (t, n, host) =
-                        layer_ms::<B>(&config, with(unbatched_path), tokens, args.repeats, false);
-                    push("layer", "cublas unbatched", precision.name(), t, n, Some(host));
+                    let run = layer_ms::<B>(&config, with(unbatched_path), tokens, &bench, false);
+                    push(
+                        "layer",
+                        "cublas unbatched",
+                        precision.name(),
+                        run.times,
+                        run.n,
+                        Some(run.host_ms),
+                        run.calls.as_ref(),
+                    );
                 }
-                let (t, n, host) = layer_ms::<B>(&tf32, with(device_path), tokens, args.repeats, true);
-                push("forward", "cublas", "tf32", t, n, Some(host));
+                let run = layer_ms::<B>(&tf32, with(device_path), tokens, &bench, true);
+                push(
+                    "forward",
+                    "cublas",
+                    "tf32",
+                    run.times,
+                    run.n,
+                    Some(run.host_ms),
+                    run.calls.as_ref(),
+                );
                 let before = device_path.calls();
-                let (t, n, host) =
-                    layer_with_ms::<B>(&tf32, with(device_path), tokens, args.repeats, false, Some(16));
-                push("layer", "cublas lora16", "tf32", t, n, Some(host));
+                let run = layer_with_ms::<B>(&tf32, with(device_path), tokens, &bench, false, Some(16));
+                push(
+                    "layer",
+                    "cublas lora16",
+                    "tf32",
+                    run.times,
+                    run.n,
+                    Some(run.host_ms),
+                    run.calls.as_ref(),
+                );
                 let calls = device_path.calls();
                 eprintln!(
                     "           per step: {} sections, {} cuBLAS calls",
-                    (calls.sections - before.sections) / (args.repeats + 2) as u64,
+                    (calls.sections - before.sections) / run.steps,
                     (calls.strided_batched + calls.pointer_batched + calls.grouped + calls.looped
                         - before.strided_batched
                         - before.pointer_batched
                         - before.grouped
                         - before.looped)
-                        / (args.repeats + 2) as u64,
+                        / run.steps,
                 );
-                let (t, n, host) = layer_ms::<B>(&tf32, with(host_path), tokens, args.repeats, false);
-                push("layer", "cublas host-waits", "tf32", t, n, Some(host));
-                let (t, n, host) = layer_ms::<B>(&tf32, with(experts_only_path), tokens, args.repeats, false);
-                push("layer", "cublas experts only", "tf32", t, n, Some(host));
-                let (t, n, host) = layer_ms::<Autodiff<mpipemoe_cuda::CudaMoeFusion<f32>>>(
+                let run = layer_ms::<B>(&tf32, with(host_path), tokens, &bench, false);
+                push(
+                    "layer",
+                    "cublas host-waits",
+                    "tf32",
+                    run.times,
+                    run.n,
+                    Some(run.host_ms),
+                    run.calls.as_ref(),
+                );
+                let run = layer_ms::<B>(&tf32, with(experts_only_path), tokens, &bench, false);
+                push(
+                    "layer",
+                    "cublas experts only",
+                    "tf32",
+                    run.times,
+                    run.n,
+                    Some(run.host_ms),
+                    run.calls.as_ref(),
+                );
+                let run = layer_ms::<Autodiff<mpipemoe_cuda::CudaMoeFusion<f32>>>(
                     &tf32,
                     with(device_path),
                     tokens,
-                    args.repeats,
+                    &bench,
                     false,
                 );
-                push("layer", "cublas fusion", "tf32", t, n, Some(host));
-                let (t, n, host) = layer_ms::<B>(&base, Arc::new(SingleRank), tokens, args.repeats, false);
-                push("layer", "cubecl", "tf32", t, n, Some(host));
+                push(
+                    "layer",
+                    "cublas fusion",
+                    "tf32",
+                    run.times,
+                    run.n,
+                    Some(run.host_ms),
+                    run.calls.as_ref(),
+                );
+                let run = layer_ms::<B>(&base, Arc::new(SingleRank), tokens, &bench, false);
+                push(
+                    "layer",
+                    "cubecl",
+                    "tf32",
+                    run.times,
+                    run.n,
+                    Some(run.host_ms),
+                    run.calls.as_ref(),
+                );
                 // The pipeline at top-1 only: the paper's shapes, and top-2's exchange doubles
                 // a lent GPU's minutes for no new question.
                 if args.pipeline && top_k == 1 {
@@ -769,7 +945,7 @@ fn main() {
                             sync(Tensor::<Inner, 2>::from_data(data, &device));
                         }
                     });
-                    push("exchange", "host loopback", "-", exchange, 1, None);
+                    push("exchange", "host loopback", "-", exchange, 1, None, None);
                     // The overlap needs the executor CUDA gets by default, a worker and a CUDA
                     // stream per schedule stream (`StepExecutor::for_cubecl_runtime`): `tf32`
                     // runs in issue order, right for one rank, where nothing overlaps, but with
@@ -785,9 +961,16 @@ fn main() {
                                 .clone()
                                 .with_executor(Some(executor))
                                 .with_partitions(Partitions::Fixed(n));
-                            let (t, n, host) =
-                                layer_ms::<B>(&config, loopback(), tokens, args.repeats, false);
-                            push("pipeline", label, "tf32", t, n, Some(host));
+                            let run = layer_ms::<B>(&config, loopback(), tokens, &bench, false);
+                            push(
+                                "pipeline",
+                                label,
+                                "tf32",
+                                run.times,
+                                run.n,
+                                Some(run.host_ms),
+                                run.calls.as_ref(),
+                            );
                         }
                     }
                 }
@@ -832,6 +1015,26 @@ fn main() {
             r.n,
             r.host_ms.map_or("-".to_string(), |h| format!("{h:.3}"))
         );
+    }
+    let counted: Vec<&Row> = rows.iter().filter(|r| r.host_waits.is_some()).collect();
+    if !counted.is_empty() {
+        println!("\nCalls per layer step (CUPTI, {COUNTED} steps after the timed ones; goal: at most 2 host waits):");
+        for r in counted {
+            let at = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
+            println!(
+                "{:<8} {:>6} top-{} {:<8} {:<22} {:<5} waits {:>6} frees {:>6} launches: driver {:>7} runtime {:>7}",
+                r.shape,
+                r.tokens,
+                r.top_k,
+                r.what,
+                r.path,
+                r.precision,
+                at(r.host_waits),
+                at(r.frees),
+                at(r.driver_launches),
+                at(r.runtime_launches)
+            );
+        }
     }
     println!("\nGEMM efficiency (dense ms / experts ms, same rows and precision):");
     for r in rows

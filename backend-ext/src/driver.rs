@@ -14,6 +14,15 @@ pub enum CudaError {
         "no NCCL library found (libnccl.so could not be loaded); install NCCL (e.g. the nvidia-nccl wheel) and put its lib folder on LD_LIBRARY_PATH"
     )]
     NoNccl,
+    /// `libcupti` could not be loaded: the benchmark's count of driver calls (host waits,
+    /// launches) is unavailable, while everything else runs.
+    #[error(
+        "no CUPTI library found (libcupti.so could not be loaded); install it (e.g. the nvidia-cuda-cupti wheel) and put its lib folder on LD_LIBRARY_PATH"
+    )]
+    NoCupti,
+    /// CUPTI refused a call (another subscriber attached, a version it does not support).
+    #[error("CUPTI refused the call count: {0}")]
+    Cupti(String),
 }
 
 /// Checks that the CUDA driver library can be loaded.

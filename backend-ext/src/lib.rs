@@ -28,6 +28,9 @@
 //!   a communicator's paths.
 //! - [`Breakdown`]: where a timed cuBLAS path's sections spent their time, piece by piece
 //!   (`CublasOptions::timed`, `CublasExperts::breakdown`), for the benchmark.
+//! - [`Census`] and [`CallCounts`]: every CUDA driver and runtime call of the process counted
+//!   through CUPTI's callbacks, by name and kind (host waits, launches, polls, frees), so the
+//!   benchmark counts a step's host waits and launches instead of reading them from the code.
 //! - [`group`]: the waits on NCCL (a group's end, a non-blocking initialisation, split or
 //!   finalize), bounded by the timeout, aborting the communicator on every error path.
 //! - [`check_plan`]: what `examples/gpu_check.rs` checks, single-GPU checks first.
@@ -49,6 +52,10 @@ mod batches;
 pub mod bootstrap;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod breakdown;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod calls;
+#[cfg(feature = "cuda")]
+mod census;
 pub mod check_plan;
 #[cfg(feature = "cuda")]
 mod driver;
@@ -67,6 +74,9 @@ mod rows;
 mod spans;
 
 pub use breakdown::{Breakdown, PieceTime};
+pub use calls::{CallCounts, CallKind};
+#[cfg(feature = "cuda")]
+pub use census::Census;
 #[cfg(feature = "cuda")]
 pub use driver::{cuda_available, nccl_available, CudaError};
 #[cfg(feature = "cuda")]

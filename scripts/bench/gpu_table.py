@@ -15,7 +15,9 @@ emulated exchange at each n and executor against `max(compute, exchange)`, compu
 layer without an exchange at TF32 and exchange the four round trips alone (the goal: at most
 1.10). Where the file has a timed path's pieces (`experts piece`, `layer piece`), a third table says
 where the experts' and the layer's section time goes: each piece's device ms a step, its share,
-and the host ms its calls took.
+and the host ms its calls took. Where the layer rows carry the CUPTI census's counts (host
+waits, frees, launches through the driver and the runtime, per step), a last table lists them
+beside the goal of at most two host waits per step at one rank.
 """
 import json
 import sys
@@ -87,6 +89,7 @@ def main():
 
     pipeline(ours, keys)
     pieces(ours, keys)
+    calls(ours, keys)
 
 
 def pipeline(ours, keys):
@@ -129,6 +132,22 @@ def pieces(ours, keys):
                     print(f"| {shape} | {k} | {what.split()[0]} | {p} | {r['path']} | {r['n']} | {r['median_ms']:.3f} | {share} | {host} |")
                 if group:
                     print(f"| {shape} | {k} | {what.split()[0]} | {p} | **all sections** | | {total:.3f} | 100% | {sum(r.get('host_ms') or 0 for r in group):.3f} |")
+
+
+def calls(ours, keys):
+    """The census's calls per layer step: host waits (goal: at most 2), frees, launches."""
+    rows = [r for r in ours if r.get("host_waits") is not None]
+    if not rows:
+        return
+    print()
+    print("| shape | k | what | path | precision | host waits a step | frees | launches (driver) | launches (runtime) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    num = lambda v: f"{v:.2f}".rstrip("0").rstrip(".") if v is not None else "-"
+    for shape, tokens, k in keys:
+        for r in rows:
+            if (r["shape"], r["tokens"], r["top_k"]) != (shape, tokens, k):
+                continue
+            print(f"| {shape} | {k} | {r['what']} | {r['path']} | {r['precision']} | {num(r['host_waits'])} | {num(r.get('frees'))} | {num(r.get('driver_launches'))} | {num(r.get('runtime_launches'))} |")
 
 
 if __name__ == "__main__":

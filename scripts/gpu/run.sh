@@ -199,6 +199,7 @@ if [[ $PHASES == *" profile "* ]]; then
   # (each launch waited for and timed with device events: every cubecl kernel's device time,
   # which, summed and set beside the step's wall time and the cuBLAS experts' time, says how
   # much of the step the device is idle). cubecl-runtime 0.10 `client.rs` `launch_inner`.
+  # `--no-census`: the steps the census counts would add to the profiled ones.
   echo "== profile (cubecl launches per layer step, and their device times)"
   for shape in ${PROFILE_SHAPES:-GPT3-S GPT3-XL}; do
     for level in minimal basic; do
@@ -207,7 +208,7 @@ if [[ $PHASES == *" profile "* ]]; then
 level = "$level"
 file = "$out/profile-$shape-$level.log"
 TOML
-      timeout "${PROFILE_S:-60}" "$bin/gpu_bench" --quick --layer-only --shape "$shape" --top-k 1 \
+      timeout "${PROFILE_S:-60}" "$bin/gpu_bench" --quick --layer-only --shape "$shape" --top-k 1 --no-census \
         --repeats "${PROFILE_REPEATS:-3}" 2>&1 | grep "layer cublas" | sed "s/^/$level: /"
     done
   done

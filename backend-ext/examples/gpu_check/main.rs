@@ -26,13 +26,17 @@
 //! bf16's; with the device hand-over and the host one, at two ranks with a shadowed expert, and
 //! in the arena. `--plan cublas` runs those alone. Last, in either plan, the cuBLAS path's
 //! batched calls against its looped ones on rows chosen to take every kind of call
-//! (`batched.rs`), and experts with LoRA adapters in IEEE f32 against the CPU (`lora.rs`).
+//! (`batched.rs`), and experts with LoRA adapters in IEEE f32 against the CPU (`lora.rs`), the
+//! path's many products in one section against one each (`products.rs`), and the call census
+//! that `gpu_bench` counts host waits and launches with, on work whose calls are known
+//! (`census.rs`).
 //!
 //! ```text
 //! gpu_check [--plan all|cublas] [CASE_DIR]   # default: all, tests/data/cases
 //! ```
 
 mod batched;
+mod census;
 mod lora;
 mod products;
 
@@ -391,6 +395,7 @@ fn main() -> ExitCode {
     report(batched::checks(), &mut total, &mut failed);
     report(lora::checks(), &mut total, &mut failed);
     report(products::checks(), &mut total, &mut failed);
+    report(census::checks(), &mut total, &mut failed);
     if nccl.is_ok() {
         report(local_group_checks(), &mut total, &mut failed);
     }
