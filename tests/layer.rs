@@ -95,6 +95,14 @@ fn bad_input_is_an_error_not_a_panic() {
     common::holds_the_finite_check::<Flex>(&Default::default());
 }
 
+/// The z-loss as one op against its composed form, on both CPU backends
+/// (`common::z_loss_matches_its_composed_form`).
+#[test]
+fn the_z_loss_matches_its_composed_form() {
+    common::z_loss_matches_its_composed_form::<B>(&Default::default());
+    common::z_loss_matches_its_composed_form::<Autodiff<Flex>>(&Default::default());
+}
+
 #[test]
 fn three_d_input_keeps_its_shape_and_matches_flat_input() {
     let device = Default::default();

@@ -128,6 +128,16 @@ fn the_finite_check_on_wgpu_raw_and_fused() {
     common::holds_the_finite_check::<fusion::FusedWgpu>(&device);
 }
 
+/// The z-loss as one op (a kernel and a sum, one kernel backward) against its composed form,
+/// raw and under burn's fusion (`common::z_loss_matches_its_composed_form`).
+#[test]
+fn the_z_loss_on_wgpu_raw_and_fused() {
+    let _device = shared();
+    let device = Default::default();
+    common::z_loss_matches_its_composed_form::<B>(&device);
+    common::z_loss_matches_its_composed_form::<fusion::F>(&device);
+}
+
 /// Every case through the reference path and the fused path at ranks {1, 2}, n {1, 3}, every
 /// strategy, in issue order and with a worker per stream, within 1e-4; and the reference path
 /// and the in-order fused path under no reuse and S4 again through burn's fusion, which must

@@ -1,4 +1,4 @@
-//! The router's scores and picked weights under `Autodiff<B>`: one node each, whose backward is
+//! The router's scores, picked weights and z-loss under `Autodiff<B>`: one node each, whose backward is
 //! the inner backend's [`RouterKernels`] backward, where the composed ops would record (and
 //! keep the outputs of) a node per op.
 
@@ -69,6 +69,29 @@ impl<B: RouterKernels> Backward<B, 1> for PickBackward {
     }
 }
 
+#[derive(Debug)]
+struct ZLossBackward;
+
+/// What the z-loss's backward reads: the logits (their logsumexp and softmax are recomputed
+/// from them) and the scale.
+#[derive(Debug, Clone)]
+struct ZLossState<B: RouterKernels> {
+    logits: FloatTensor<B>,
+    scale: f64,
+}
+
+impl<B: RouterKernels> Backward<B, 1> for ZLossBackward {
+    type State = ZLossState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        if let [Some(parent)] = ops.parents {
+            let ZLossState { logits, scale } = ops.state;
+            grads.register::<B>(parent.id, B::router_z_loss_backward(logits, grad, scale));
+        }
+    }
+}
+
 impl<B: RouterKernels, C: CheckpointStrategy> RouterKernels for Autodiff<B, C> {
     /// The inner backend's scores, recorded as one node that keeps them for its backward.
     fn router_scores(logits: FloatTensor<Self>, scoring: Scoring) -> FloatTensor<Self> {
@@ -113,6 +136,26 @@ impl<B: RouterKernels, C: CheckpointStrategy> RouterKernels for Autodiff<B, C> {
                 weights,
             ),
             OpsKind::UnTracked(prep) => prep.finish(weights),
+        }
+    }
+
+    /// The inner backend's z-loss, recorded as one node that keeps the logits for its
+    /// backward (`[n_tokens, n_experts]`: small beside the layer's activations).
+    fn router_z_loss(logits: FloatTensor<Self>, scale: f64) -> FloatTensor<Self> {
+        let loss = B::router_z_loss(logits.primitive.clone(), scale);
+        match ZLossBackward
+            .prepare::<C>([logits.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(
+                ZLossState {
+                    logits: logits.primitive,
+                    scale,
+                },
+                loss,
+            ),
+            OpsKind::UnTracked(prep) => prep.finish(loss),
         }
     }
 }

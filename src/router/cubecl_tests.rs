@@ -1,6 +1,6 @@
-//! The router's kernels (`cubecl_router.rs`) against their composed twins on WGPU: scores,
-//! weights and both backwards, from contiguous tensors and from transposed views, for both
-//! scorings and every normalisation. Every reference case also runs through them in the layer
+//! The router's kernels (`cubecl_router.rs`, `cubecl_z_loss.rs`) against their composed twins
+//! on WGPU: scores, weights, the z-loss and their backwards, from contiguous tensors and from
+//! transposed views, for both scorings and every normalisation. Every reference case also runs through them in the layer
 //! (`tests/wgpu.rs`).
 
 use burn::backend::Wgpu;
@@ -9,7 +9,8 @@ use burn::tensor::{Distribution, Tensor, TensorPrimitive};
 
 use super::cubecl_router as kernels;
 use super::{
-    pick_backward_composed, pick_composed, scores_backward_composed, scores_composed, PickRule, Scoring,
+    pick_backward_composed, pick_composed, scores_backward_composed, scores_composed,
+    z_loss_backward_composed, z_loss_composed, PickRule, RouterKernels, Scoring,
 };
 use crate::cubecl_test_kernels::{p, strided};
 
@@ -130,4 +131,43 @@ fn a_choice_that_breaks_the_contract_is_not_launched() {
     assert!(kernels::pick_backward(&p(&scores), &outside, 2, &p(&grad), rule).is_none());
     assert!(kernels::pick(&p(&scores), &choice(2)[1..], 2, rule).is_none());
     assert!(kernels::pick(&p(&scores), &choice(2), 2, rule).is_some());
+}
+
+/// A `[1]` primitive as `[1, 1]`, for the comparison.
+fn square(t: FloatTensor<Wgpu>) -> FloatTensor<Wgpu> {
+    Tensor::<Wgpu, 1>::from_primitive(TensorPrimitive::Float(t))
+        .reshape([1, 1])
+        .into_primitive()
+        .tensor()
+}
+
+/// The z-loss through the backend's op (the kernel's terms and burn's sum) and the backward
+/// kernel, against the composed forms; at logits of scale 40 as well, with a first row whose
+/// first logit is 200 and the others -200, where `exp` overflows f32 unless each row is
+/// shifted by its maximum, the first column included.
+#[test]
+fn the_z_loss_kernels_match_the_composed_forms() {
+    let grad = Tensor::<Wgpu, 1>::from_floats([0.7], &Default::default());
+    for (spread, scale) in [(3.0, 0.01), (40.0, 1e-3)] {
+        let mut logits = random([N_TOKENS, N_EXPERTS], spread);
+        if spread > 10.0 {
+            let mut row = vec![-200.0f32; N_EXPERTS];
+            row[0] = 200.0;
+            let row = Tensor::<Wgpu, 1>::from_floats(row.as_slice(), &Default::default());
+            logits = logits.slice_assign([0..1, 0..N_EXPERTS], row.reshape([1, N_EXPERTS]));
+        }
+        for (layout, logits) in [("contiguous", logits.clone()), ("strided", strided(&logits))] {
+            let what = format!("logits of scale {spread}, {layout}");
+            let want = square(z_loss_composed::<Wgpu>(p(&logits), scale));
+            let got = square(<Wgpu as RouterKernels>::router_z_loss(p(&logits), scale));
+            close(&what, Some(got), want);
+            let grad = grad.clone().into_primitive().tensor();
+            let want = z_loss_backward_composed::<Wgpu>(p(&logits), grad.clone(), scale);
+            close(
+                &format!("{what}, backward"),
+                super::cubecl_z_loss::backward(&p(&logits), &grad, scale),
+                want,
+            );
+        }
+    }
 }

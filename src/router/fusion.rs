@@ -54,4 +54,19 @@ impl<B: FusionBackend + RouterKernels> RouterKernels for Fusion<B> {
         let out = B::router_pick_backward(resolve::<B>(scores), indices, top_k, resolve::<B>(grad), rule);
         register::<B>(out, &device)
     }
+
+    fn router_z_loss(logits: FloatTensor<Self>, scale: f64) -> FloatTensor<Self> {
+        let device = logits.client.device().clone();
+        register::<B>(B::router_z_loss(resolve::<B>(logits), scale), &device)
+    }
+
+    fn router_z_loss_backward(
+        logits: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        let device = logits.client.device().clone();
+        let out = B::router_z_loss_backward(resolve::<B>(logits), resolve::<B>(grad), scale);
+        register::<B>(out, &device)
+    }
 }

@@ -29,8 +29,10 @@ pub struct PickRule {
 /// dozen backward on a GPU backend, and the picked weights (a gather, the normalisation, the
 /// scaling) four forward and several more backward, every step of every MoE layer. The
 /// defaults are those composed forms ([`scores_composed`], [`scores_backward_composed`],
-/// [`pick_composed`], [`pick_backward_composed`]); the CubeCL backends run one kernel for each
-/// (`router/cubecl_router.rs`), and the tests hold them to the composed forms.
+/// [`pick_composed`], [`pick_backward_composed`], [`z_loss_composed`],
+/// [`z_loss_backward_composed`]); the CubeCL backends run one kernel for each (the z-loss's sum
+/// a reduction besides: `router/cubecl_router.rs`, `router/cubecl_z_loss.rs`), and the tests
+/// hold them to the composed forms.
 pub trait RouterKernels: Backend {
     /// Each row's softmax over the experts, or a sigmoid per expert.
     ///
@@ -89,6 +91,28 @@ pub trait RouterKernels: Backend {
         rule: PickRule,
     ) -> FloatTensor<Self> {
         pick_backward_composed::<Self>(scores, indices, top_k, grad, rule)
+    }
+
+    /// The router z-loss (ST-MoE): `scale · Σ_t logsumexp(logits_t)²`, `scale` being the
+    /// coefficient over the global batch's tokens.
+    ///
+    /// # Shapes
+    /// - logits: `[n_tokens, n_experts]` → `[1]`
+    fn router_z_loss(logits: FloatTensor<Self>, scale: f64) -> FloatTensor<Self> {
+        z_loss_composed::<Self>(logits, scale)
+    }
+
+    /// The logits' gradient from the z-loss's: `grad · scale · 2 · lse_t · softmax(logits_t)`
+    /// per row, `lse_t` the row's logsumexp.
+    ///
+    /// # Shapes
+    /// - logits: `[n_tokens, n_experts]`, grad: `[1]` → `[n_tokens, n_experts]`
+    fn router_z_loss_backward(
+        logits: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        z_loss_backward_composed::<Self>(logits, grad, scale)
     }
 }
 
@@ -201,4 +225,39 @@ pub fn pick_backward_composed<B: Backend>(
         .scatter(1, index, g, burn::tensor::IndexingUpdateOp::Add)
         .into_primitive()
         .tensor()
+}
+
+/// Each row's logsumexp, shifted by the row's maximum so that `exp` cannot overflow (the shift
+/// cancels exactly).
+///
+/// # Shapes
+/// - logits: `[n_tokens, n_experts]` → `[n_tokens, 1]`
+fn logsumexp<B: Backend>(logits: Tensor<B, 2>) -> Tensor<B, 2> {
+    let shift = logits.clone().max_dim(1);
+    (logits - shift.clone()).exp().sum_dim(1).log() + shift
+}
+
+/// [`RouterKernels::router_z_loss`] from burn's ops.
+///
+/// # Shapes
+/// - logits: `[n_tokens, n_experts]` → `[1]`
+pub fn z_loss_composed<B: Backend>(logits: FloatTensor<B>, scale: f64) -> FloatTensor<B> {
+    let lse = logsumexp(float::<B, 2>(logits));
+    (lse.powi_scalar(2).sum() * scale).into_primitive().tensor()
+}
+
+/// [`RouterKernels::router_z_loss_backward`] from burn's ops: `softmax = exp(logits − lse)`.
+///
+/// # Shapes
+/// - logits: `[n_tokens, n_experts]`, grad: `[1]` → `[n_tokens, n_experts]`
+pub fn z_loss_backward_composed<B: Backend>(
+    logits: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    scale: f64,
+) -> FloatTensor<B> {
+    let logits = float::<B, 2>(logits);
+    let lse = logsumexp(logits.clone());
+    let softmax = (logits - lse.clone()).exp();
+    let grad = float::<B, 1>(grad).reshape([1, 1]);
+    (softmax * (lse * (2.0 * scale)) * grad).into_primitive().tensor()
 }

@@ -8,6 +8,8 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
+use super::kernels::{float, RouterKernels};
+
 /// Switch-Transformer load-balancing loss, `coef · E · Σ_e f_e · P_e`.
 ///
 /// `f_e` is the fraction of (token, choice) assignments routed to expert `e` over the global
@@ -43,15 +45,14 @@ pub fn load_balancing_loss<B: Backend>(
 /// # Shapes
 /// - logits: `[n_tokens, n_experts]` (this rank's tokens)
 /// - returns `[1]`
-pub fn z_loss<B: Backend>(logits: Tensor<B, 2>, n_tokens_global: usize, coef: f64) -> Tensor<B, 1> {
+pub fn z_loss<B: RouterKernels>(logits: Tensor<B, 2>, n_tokens_global: usize, coef: f64) -> Tensor<B, 1> {
     let device = logits.device();
     let [n_tokens, _] = logits.dims();
     if coef == 0.0 || n_tokens == 0 || n_tokens_global == 0 {
         return Tensor::zeros([1], &device);
     }
-    // The shift by the (detached) row maximum only guards exp against overflow: it cancels
-    // exactly in the value and in the gradient.
-    let shift = logits.clone().max_dim(1).detach();
-    let lse = (logits - shift.clone()).exp().sum_dim(1).log() + shift;
-    lse.powi_scalar(2).sum() * (coef / n_tokens_global as f64)
+    // One op (a node under autodiff, a kernel and a sum on the CubeCL backends) where the
+    // composed form is ten: `RouterKernels::router_z_loss`.
+    let scale = coef / n_tokens_global as f64;
+    float::<B, 1>(B::router_z_loss(logits.into_primitive().tensor(), scale))
 }

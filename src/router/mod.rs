@@ -6,6 +6,8 @@ mod balance;
 mod cubecl_router;
 #[cfg(all(test, feature = "wgpu"))]
 mod cubecl_tests;
+#[cfg(feature = "cubecl")]
+mod cubecl_z_loss;
 #[cfg(feature = "fusion")]
 mod fusion;
 mod kernels;
@@ -18,7 +20,8 @@ mod topk;
 
 pub(crate) use balance::score_bias_step;
 pub use kernels::{
-    pick_backward_composed, pick_composed, scores_backward_composed, scores_composed, PickRule, RouterKernels,
+    pick_backward_composed, pick_composed, scores_backward_composed, scores_composed,
+    z_loss_backward_composed, z_loss_composed, PickRule, RouterKernels,
 };
 pub(crate) use losses::{load_balancing_loss, z_loss};
 pub(crate) use module::buffer;
@@ -81,5 +84,22 @@ where
     ) -> FloatTensor<Self> {
         cubecl_router::pick_backward(&scores, indices, top_k, &grad, rule)
             .unwrap_or_else(|| pick_backward_composed::<Self>(scores, indices, top_k, grad, rule))
+    }
+
+    fn router_z_loss(logits: FloatTensor<Self>, scale: f64) -> FloatTensor<Self> {
+        match cubecl_z_loss::row_terms(&logits, scale) {
+            // Each token's term from the kernel, their sum from burn's reduction.
+            Some(terms) => <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_sum(terms),
+            None => z_loss_composed::<Self>(logits, scale),
+        }
+    }
+
+    fn router_z_loss_backward(
+        logits: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        cubecl_z_loss::backward(&logits, &grad, scale)
+            .unwrap_or_else(|| z_loss_backward_composed::<Self>(logits, grad, scale))
     }
 }

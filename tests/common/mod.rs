@@ -90,3 +90,72 @@ pub fn holds_the_finite_check<B: mpipemoe::MoeBackend>(device: &B::Device) {
         );
     }
 }
+
+/// The layer's z-loss on backend `B` against its composed form on the same backend: the value
+/// `coef / n_tokens · Σ_t logsumexp(logits_t)²` and the router's weight and bias gradients,
+/// through burn's own autodiff of the composed ops. The layer's loss is one op
+/// (`RouterKernels::router_z_loss`: one node under autodiff, a kernel and a sum on the CubeCL
+/// backends); a wrong scale, a missing square or a gradient with the softmax of another row
+/// fails it. Inputs of scale 30 put the logits far from zero, where each row's shift by its
+/// maximum matters.
+pub fn z_loss_matches_its_composed_form<B>(device: &B::Device)
+where
+    B: burn::tensor::backend::AutodiffBackend + mpipemoe::MoeBackend,
+{
+    use burn::tensor::{Distribution, Tensor};
+    let (n_tokens, d_model, coef) = (40, 16, 0.05);
+    let config = mpipemoe::MoeLayerConfig::new(d_model, 24, 6, 2)
+        .with_z_loss_coef(coef)
+        .with_router_bias(true)
+        .with_seed(21);
+    let layer: mpipemoe::MoeLayer<B> = config.init(device);
+    let x = Tensor::<B, 2>::random([n_tokens, d_model], Distribution::Normal(0.0, 30.0), device);
+    let out = layer.forward(x.clone());
+    let got = out.z_loss.clone();
+    let grads = got.clone().backward();
+    let weight = layer.router.weight.val().detach().require_grad();
+    let bias = layer
+        .router
+        .bias
+        .as_ref()
+        .expect("a router bias")
+        .val()
+        .detach()
+        .require_grad();
+    let logits = x.detach().matmul(weight.clone().transpose()) + bias.clone().unsqueeze::<2>();
+    let shift = logits.clone().max_dim(1).detach();
+    let lse = (logits - shift.clone()).exp().sum_dim(1).log() + shift;
+    let want = lse.powi_scalar(2).sum() * (coef / n_tokens as f64);
+    let want_grads = want.clone().backward();
+    let values = |t: Tensor<B::InnerBackend, 1>| t.into_data().convert::<f64>().to_vec::<f64>().unwrap();
+    let close = |what: &str, got: Vec<f64>, want: Vec<f64>| {
+        let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+        assert!(scale > 0.0, "{what}: the composed form is zero");
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(g, w)| (g - w).abs())
+            .fold(0f64, f64::max);
+        assert!(worst <= 2e-5 * scale, "{what}: {worst:e} off at scale {scale:e}");
+    };
+    close("z-loss", values(got.inner()), values(want.inner()));
+    let flat = |t: Tensor<B::InnerBackend, 2>| values(t.flatten::<1>(0, 1));
+    close(
+        "router weight gradient",
+        flat(layer.router.weight.grad(&grads).expect("a weight gradient")),
+        flat(weight.grad(&want_grads).expect("the twin's weight gradient")),
+    );
+    close(
+        "router bias gradient",
+        values(
+            layer
+                .router
+                .bias
+                .as_ref()
+                .unwrap()
+                .grad(&grads)
+                .expect("a bias gradient"),
+        ),
+        values(bias.grad(&want_grads).expect("the twin's bias gradient")),
+    );
+}

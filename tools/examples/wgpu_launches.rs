@@ -43,6 +43,9 @@ struct Args {
     /// Under burn's fusion (`Fusion<CubeBackend<WgpuRuntime>>`, burn's default WGPU backend).
     #[arg(long)]
     fusion: bool,
+    /// The router z-loss's coefficient (0: off, the layer's default).
+    #[arg(long, default_value_t = 0.0)]
+    z_loss: f64,
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -60,6 +63,7 @@ fn steps<B: burn::tensor::backend::AutodiffBackend + mpipemoe::MoeBackend>(
     B::seed(&device, 7);
     let layer = MoeLayerConfig::new(args.d_model, args.d_hidden, args.experts, args.top_k)
         .with_partitions(Partitions::Fixed(args.partitions))
+        .with_z_loss_coef(args.z_loss)
         .try_init::<B>(&device)?;
     let x =
         Tensor::<B, 2>::random([args.tokens, args.d_model], Distribution::Default, &device).require_grad();
