@@ -50,5 +50,6 @@ pub use crate::memory::Restore;
 pub use crate::optim::OptimizerKernels;
 pub use crate::pipeline::schedule::{Op, Role, Schedule, Slot, Span, Step, Stream};
 pub use crate::router::{
-    pick_backward_composed, pick_composed, scores_backward_composed, scores_composed, PickRule, RouterKernels,
+    pick_backward_composed, pick_composed, scores_backward_composed, scores_composed,
+    z_loss_backward_composed, z_loss_composed, PickRule, RouterKernels,
 };

@@ -4,7 +4,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Slice, TensorMetadata};
 
-use super::rows::{dims2, issue, zeros_like_rows};
+use super::rows::{dims2, float_dtype, issue};
 use super::MoeBackend;
 use crate::dispatch::{ExchangePlan, PartitionPlan};
 
@@ -72,8 +72,16 @@ impl<B: MoeBackend> RowAssembler<B> {
     pub(crate) fn new(like: &FloatTensor<B>, plan: &ExchangePlan, fenced: bool) -> Self {
         let [_, width] = dims2::<B>(like);
         let single = plan.n_partitions() == 1 && !fenced;
+        // Written whole before it is read: the partitions are contiguous in `T_I` and tile
+        // it (`ExchangePlan::new`: each starts where the one before it ends), and `place`
+        // writes every row of each. So no zero fill (a launch and a pass over the tensor on
+        // a GPU, each way of every step).
+        let buffer = || {
+            let shape = burn::tensor::Shape::new([plan.send_rows(), width]);
+            B::write_buffer(shape, &B::float_device(like), float_dtype::<B>(like))
+        };
         Self {
-            out: (!single).then(|| zeros_like_rows::<B>(like, plan.send_rows(), width)),
+            out: (!single).then(buffer),
             fenced,
         }
     }

@@ -11,11 +11,23 @@
 //! launch, named) and prints the difference and the last step's kernels. On a GPU each launch
 //! costs the host a few microseconds whatever its size, and at small shapes the step waits on
 //! the host (BENCHMARKS §14b), so the count is what a change to the step's ops moves.
+//!
+//! `--null-experts` offers the layer a device library that launches nothing (`NullLibrary`):
+//! the experts' compute and the dense products are taken by it, as cuBLAS takes them on CUDA
+//! (`gpu_bench`'s `cublas` rows, in issue order, without the finite check), so what is counted
+//! is the layer's own cubecl launches around them: on CUDA, the launches besides the cuBLAS
+//! sections. The results are not computed (the buffers are handed back as they came); only
+//! the launches count.
+
+use std::sync::Arc;
 
 use burn::backend::{Autodiff, Wgpu};
+use burn::tensor::ops::{FloatTensor, FloatTensorOps};
 use burn::tensor::{Distribution, Tensor};
 use clap::Parser;
-use mpipemoe::{MoeLayerConfig, Partitions};
+use mpipemoe::backend::{ExpertBackward, ExpertBackwardOut, ExpertForward, ExpertPath, StepExecutor};
+use mpipemoe::comm::{RowPaths, SingleRank, WithRowPaths};
+use mpipemoe::{Communicator, GemmPrecision, MoeLayerConfig, Partitions};
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -46,6 +58,47 @@ struct Args {
     /// The router z-loss's coefficient (0: off, the layer's default).
     #[arg(long, default_value_t = 0.0)]
     z_loss: f64,
+    /// The experts and the dense products on a library that launches nothing, in issue order
+    /// and without the finite check, as `gpu_bench` runs the cuBLAS path (raw WGPU only).
+    #[arg(long, conflicts_with = "fusion")]
+    null_experts: bool,
+}
+
+/// A device library that takes every job and launches nothing: what a cuBLAS section is to
+/// cubecl's launch count. Its outputs are the buffers it was handed, unwritten, and its
+/// products empty tensors of the right shape.
+#[derive(Debug)]
+struct NullLibrary;
+
+impl ExpertPath<Wgpu> for NullLibrary {
+    fn forward(
+        &self,
+        job: ExpertForward<'_, Wgpu>,
+    ) -> mpipemoe::Result<(FloatTensor<Wgpu>, FloatTensor<Wgpu>)> {
+        Ok((job.out, job.hidden))
+    }
+
+    fn backward(&self, job: ExpertBackward<'_, Wgpu>) -> mpipemoe::Result<ExpertBackwardOut<Wgpu>> {
+        Ok(ExpertBackwardOut {
+            grad_x: job.grad_x,
+            grads: job.grads,
+        })
+    }
+
+    fn matmul(
+        &self,
+        lhs: FloatTensor<Wgpu>,
+        rhs: FloatTensor<Wgpu>,
+        _: GemmPrecision,
+    ) -> mpipemoe::Result<FloatTensor<Wgpu>> {
+        let (l, r) = (lhs.meta.shape().to_vec(), rhs.meta.shape().to_vec());
+        let shape = [l[0], r[1]];
+        Ok(<Wgpu as FloatTensorOps<Wgpu>>::float_empty(
+            shape.into(),
+            &lhs.device,
+            lhs.dtype.into(),
+        ))
+    }
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -61,10 +114,22 @@ fn steps<B: burn::tensor::backend::AutodiffBackend + mpipemoe::MoeBackend>(
 ) -> Result<(), Box<dyn std::error::Error>> {
     let device = Default::default();
     B::seed(&device, 7);
-    let layer = MoeLayerConfig::new(args.d_model, args.d_hidden, args.experts, args.top_k)
+    let mut config = MoeLayerConfig::new(args.d_model, args.d_hidden, args.experts, args.top_k)
         .with_partitions(Partitions::Fixed(args.partitions))
-        .with_z_loss_coef(args.z_loss)
-        .try_init::<B>(&device)?;
+        .with_z_loss_coef(args.z_loss);
+    let comm: Arc<dyn Communicator> = match args.null_experts {
+        true => {
+            config = config
+                .with_check_finite(false)
+                .with_executor(Some(StepExecutor::InOrder));
+            Arc::new(WithRowPaths::adding(
+                Arc::new(SingleRank),
+                RowPaths::new().with_experts::<Wgpu>(Arc::new(NullLibrary)),
+            ))
+        }
+        false => Arc::new(SingleRank),
+    };
+    let layer = config.init_rank::<B>(&device, comm)?;
     let x =
         Tensor::<B, 2>::random([args.tokens, args.d_model], Distribution::Default, &device).require_grad();
     for _ in 0..args.steps {
