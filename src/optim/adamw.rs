@@ -244,6 +244,60 @@ mod tests {
         }
     }
 
+    /// The CubeCL kernel (`cubecl_adamw.rs`) on WGPU: three steps through burn's optimizer
+    /// adaptor equal burn's AdamW; on tensors it owns, the kernel runs (it takes them) and
+    /// equals the composed twin; on a parameter with a clone held it hands them back, and the
+    /// composed update leaves the clone as it was.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn wgpu_kernel_equals_burns_adamw_and_its_composed_twin() {
+        use burn::backend::Wgpu;
+        let (diff, moved) = against_burn::<Autodiff<Wgpu>>();
+        assert!(
+            diff <= 1e-6,
+            "wgpu: parameters differ from burn's AdamW by {diff:e}"
+        );
+        assert!(moved > 1e-2, "wgpu: the parameters moved only {moved:e}");
+        let device = Default::default();
+        let n = 130 * 170;
+        let data =
+            |k: usize| -> Vec<f32> { (0..n).map(|i| (((i * k) % 997) as f32 - 498.0) / 997.0).collect() };
+        let make = |k: usize| Tensor::<Wgpu, 2>::from_data(TensorData::new(data(k), [130, 170]), &device);
+        // Each call gets tensors of its own: a clone would share the handle and make the
+        // kernel hand them back.
+        let tensors = || AdamWTensors {
+            param: make(3),
+            moment_1: make(5),
+            moment_2: make(7).abs(),
+        };
+        let c = AdamWCoefficients::new(0.9, 0.999, 1e-8, 0.1, 3e-3, 4);
+        let twin = adamw_update_composed(tensors(), make(11), &c);
+        let Ok(kernel) = crate::optim::cubecl_adamw::adamw_update(tensors(), make(11), &c) else {
+            panic!("the kernel refused tensors it owns");
+        };
+        for (what, a, b) in [
+            ("param", kernel.param, twin.param),
+            ("moment_1", kernel.moment_1, twin.moment_1),
+            ("moment_2", kernel.moment_2, twin.moment_2),
+        ] {
+            let (a, b) = (
+                a.into_data().to_vec::<f32>().unwrap(),
+                b.into_data().to_vec::<f32>().unwrap(),
+            );
+            let diff = max_relative(&a, &b);
+            assert!(diff <= 1e-6, "{what} differs from the composed twin by {diff:e}");
+        }
+        let mut shared = tensors();
+        let held = shared.param.clone();
+        let before = held.to_data();
+        let Err((back, grad)) = crate::optim::cubecl_adamw::adamw_update(shared, make(11), &c) else {
+            panic!("the kernel took a parameter whose clone is held");
+        };
+        shared = adamw_update_composed(back, grad, &c);
+        assert_eq!(held.to_data(), before, "a shared parameter was written");
+        assert_ne!(shared.param.to_data(), before, "the composed update did nothing");
+    }
+
     /// A record saved by burn's AdamW loads into ours, and the next step equals burn's.
     #[test]
     fn burns_record_loads_and_continues() {

@@ -112,10 +112,32 @@ pub fn adamw_update_composed<B: Backend, const D: usize>(
     }
 }
 
-// On NdArray, the CubeCL backends, fusion (which fuses the composed update's element-wise ops
-// into one kernel) and autodiff (burn's optimizers run on the inner backend; the wrapper's is
-// for a caller that steps tracked tensors itself): the composed default.
-default_kernel_impls!(OptimizerKernels);
+// On NdArray, fusion (which fuses the composed update's element-wise ops into one kernel) and
+// autodiff (burn's optimizers run on the inner backend; the wrapper's is for a caller that
+// steps tracked tensors itself): the composed default.
+default_kernel_impls!(OptimizerKernels, except cubecl);
+
+/// One kernel in place (`optim/cubecl_adamw.rs`); composed where the kernel does not take the
+/// tensors (shared or strided ones).
+#[cfg(feature = "cubecl")]
+impl<R, F, I, BT> OptimizerKernels for burn_cubecl::CubeBackend<R, F, I, BT>
+where
+    R: burn_cubecl::CubeRuntime,
+    R::Server: burn_cubecl::cubecl::server::ComputeServer,
+    R::Device: burn::tensor::backend::DeviceOps,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+    fn adamw_update<const D: usize>(
+        tensors: AdamWTensors<Self, D>,
+        grad: Tensor<Self, D>,
+        coefficients: &AdamWCoefficients,
+    ) -> AdamWTensors<Self, D> {
+        super::cubecl_adamw::adamw_update(tensors, grad, coefficients)
+            .unwrap_or_else(|(tensors, grad)| adamw_update_composed(tensors, grad, coefficients))
+    }
+}
 
 #[cfg(feature = "flex")]
 impl OptimizerKernels for burn::backend::Flex {

@@ -9,6 +9,8 @@
 //! backend the composed ops (which burn's fusion fuses on the GPU backends).
 
 mod adamw;
+#[cfg(feature = "cubecl")]
+mod cubecl_adamw;
 #[cfg(feature = "flex")]
 mod flex_adamw;
 mod kernels;
