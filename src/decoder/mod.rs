@@ -8,8 +8,15 @@
 //! `Autodiff` records, with their gradients); Flex runs each as one pass over its rows
 //! (`decoder/flex.rs`), with the same operations per value.
 
+mod autodiff;
+#[cfg(feature = "cubecl")]
+mod cubecl_norm;
+#[cfg(all(test, feature = "wgpu"))]
+mod cubecl_tests;
 #[cfg(feature = "flex")]
 mod flex;
+#[cfg(feature = "fusion")]
+mod fusion;
 #[cfg(all(test, feature = "flex"))]
 mod tests;
 
@@ -26,6 +33,30 @@ pub trait DecoderKernels: Backend {
     /// - x: `[rows, width]`, weight: `[width]` → `[rows, width]`
     fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
         rms_norm_composed::<Self>(x, weight, eps)
+    }
+
+    /// Whether `Autodiff` over this backend records [`rms_norm`](Self::rms_norm) as one node
+    /// whose backward is [`rms_norm_backward`](Self::rms_norm_backward), rather than burn's
+    /// ops one by one (seven forward, about a dozen backward, each a launch on a GPU backend
+    /// that does not fuse). The backends with a kernel each way say yes; the others keep the
+    /// composed graph, and their training is unchanged by this switch.
+    fn rms_norm_node() -> bool {
+        false
+    }
+
+    /// Both gradients of [`rms_norm`](Self::rms_norm) from the output's, with
+    /// `r = 1 / sqrt(mean(x²) + eps)` per row and `u = grad · weight`:
+    /// `dx = r · u − r³ · x · mean(u · x)` per row, `d weight = Σ_rows grad · x · r`.
+    ///
+    /// # Shapes
+    /// - x, grad: `[rows, width]`, weight: `[width]` → (`[rows, width]`, `[width]`)
+    fn rms_norm_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        rms_norm_backward_composed::<Self>(x, weight, grad, eps)
     }
 
     /// `x · cos + rotate_half(x) · sin` for every head of every position, the heads
@@ -61,6 +92,25 @@ pub(crate) fn rms_norm_composed<B: Backend>(
     (normalised * weight.reshape([1, width]))
         .into_primitive()
         .tensor()
+}
+
+/// [`DecoderKernels::rms_norm_backward`]'s default: burn's ops.
+pub(crate) fn rms_norm_backward_composed<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    eps: f64,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let x = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(x));
+    let grad = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(grad));
+    let weight = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(weight));
+    let width = weight.dims()[0];
+    let r = (x.clone().powi_scalar(2).mean_dim(1) + eps).sqrt().recip();
+    let u = grad.clone() * weight.reshape([1, width]);
+    let mean_ux = (u.clone() * x.clone()).mean_dim(1);
+    let dx = u * r.clone() - x.clone() * (r.clone().powi_scalar(3) * mean_ux);
+    let dweight = (grad * x * r).sum_dim(0).reshape([width]);
+    (dx.into_primitive().tensor(), dweight.into_primitive().tensor())
 }
 
 /// [`DecoderKernels::rotate_half_seq_major`]'s default: burn's ops.
@@ -139,4 +189,39 @@ impl DecoderKernels for burn::backend::Flex {
     }
 }
 
-default_kernel_impls!(DecoderKernels);
+// NdArray: the composed forms. The CubeCL backends run the norm in one kernel each way
+// (`cubecl_norm.rs`), fusion the inner backend's (`fusion.rs`), and autodiff records the norm as
+// one node where the inner backend says so (`autodiff.rs`).
+default_kernel_impls!(@ndarray DecoderKernels);
+
+#[cfg(feature = "cubecl")]
+impl<R, F, I, BT> DecoderKernels for burn_cubecl::CubeBackend<R, F, I, BT>
+where
+    R: burn_cubecl::CubeRuntime,
+    R::Server: burn_cubecl::cubecl::server::ComputeServer,
+    R::Device: burn::tensor::backend::DeviceOps,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+    fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+        cubecl_norm::rms_norm(&x, &weight, eps).unwrap_or_else(|| rms_norm_composed::<Self>(x, weight, eps))
+    }
+
+    fn rms_norm_node() -> bool {
+        true
+    }
+
+    fn rms_norm_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        match cubecl_norm::rms_norm_backward(&x, &weight, &grad, eps) {
+            // The weight's gradient is the column sums of the kernel's `grad · x · r`.
+            Some((dx, scaled)) => (dx, cubecl_norm::column_sums::<Self>(scaled)),
+            None => rms_norm_backward_composed::<Self>(x, weight, grad, eps),
+        }
+    }
+}
