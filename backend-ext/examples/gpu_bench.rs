@@ -120,6 +120,41 @@ struct Row {
     runtime_launches: Option<f64>,
 }
 
+/// One row's figures as `push` takes them.
+struct Measured<'a> {
+    /// (median, min, max) ms.
+    times: (f64, f64, f64),
+    /// Partitions (1 but for layer rows).
+    n: usize,
+    /// Layer rows: the median host ms.
+    host_ms: Option<f64>,
+    /// Layer rows: the census's calls.
+    calls: Option<&'a CallCounts>,
+}
+
+impl Measured<'_> {
+    /// Times alone (the rows without a layer).
+    fn times(times: (f64, f64, f64)) -> Self {
+        Measured {
+            times,
+            n: 1,
+            host_ms: None,
+            calls: None,
+        }
+    }
+}
+
+impl<'a> From<&'a LayerRun> for Measured<'a> {
+    fn from(run: &'a LayerRun) -> Self {
+        Measured {
+            times: run.times,
+            n: run.n,
+            host_ms: Some(run.host_ms),
+            calls: run.calls.as_ref(),
+        }
+    }
+}
+
 /// Steps counted by the census after a layer row's timed ones.
 const COUNTED: u64 = 3;
 
@@ -661,13 +696,13 @@ fn main() {
             for top_k in [1, 2].into_iter().filter(|k| args.top_k.is_none_or(|o| o == *k)) {
                 let routed = tokens * top_k;
                 let flops = 12.0 * (routed * m * h) as f64;
-                let mut push = |what: &str,
-                                path: &str,
-                                precision: &str,
-                                (median, min, max): (f64, f64, f64),
-                                n: usize,
-                                host_ms: Option<f64>,
-                                calls: Option<&CallCounts>| {
+                let mut push = |what: &str, path: &str, precision: &str, measured: Measured<'_>| {
+                    let Measured {
+                        times: (median, min, max),
+                        n,
+                        host_ms,
+                        calls,
+                    } = measured;
                     let host = host_ms.map_or(String::new(), |h| format!(" (host {h:.3} ms)"));
                     eprintln!(
                         "[{:7.1} s] {name} {tokens} top-{top_k} {what} {path} {precision}: {median:.3} ms{host}",
@@ -705,15 +740,7 @@ fn main() {
                 let tf32 = base.clone().with_gemm_precision(GemmPrecision::Tf32);
                 if args.layer_only {
                     let run = layer_ms::<B>(&tf32, with(device_path), tokens, &bench, false);
-                    push(
-                        "layer",
-                        "cublas",
-                        "tf32",
-                        run.times,
-                        run.n,
-                        Some(run.host_ms),
-                        run.calls.as_ref(),
-                    );
+                    push("layer", "cublas", "tf32", (&run).into());
                     continue;
                 }
                 for precision in GemmPrecision::ALL {
@@ -721,19 +748,21 @@ fn main() {
                         "dense",
                         "cublas",
                         precision.name(),
-                        dense_ms(device_path, routed, m, h, precision, args.repeats),
-                        1,
-                        None,
-                        None,
+                        Measured::times(dense_ms(device_path, routed, m, h, precision, args.repeats)),
                     );
                     push(
                         "experts",
                         "cublas",
                         precision.name(),
-                        experts_ms(device_path, routed, m, h, precision, args.repeats, Rows::Even),
-                        1,
-                        None,
-                        None,
+                        Measured::times(experts_ms(
+                            device_path,
+                            routed,
+                            m,
+                            h,
+                            precision,
+                            args.repeats,
+                            Rows::Even,
+                        )),
                     );
                 }
                 // Where the experts' time goes: the same runs on the timed path, its pieces
@@ -759,7 +788,7 @@ fn main() {
                     args.repeats,
                     Rows::HostOnly,
                 );
-                push("experts", "cublas host only", "tf32", host, 1, None, None);
+                push("experts", "cublas host only", "tf32", Measured::times(host));
                 for precision in [GemmPrecision::Tf32, GemmPrecision::Bf16] {
                     for (path, name, rows) in [
                         (unbatched_path, "cublas unbatched", Rows::Even),
@@ -767,7 +796,7 @@ fn main() {
                         (device_path, "cublas skewed", Rows::Skewed),
                     ] {
                         let t = experts_ms(path, routed, m, h, precision, args.repeats, rows);
-                        push("experts", name, precision.name(), t, 1, None, None);
+                        push("experts", name, precision.name(), Measured::times(t));
                     }
                 }
                 // bf16's weight copies made once a step instead of once a pass.
@@ -780,20 +809,12 @@ fn main() {
                     args.repeats,
                     Rows::Even,
                 );
-                push("experts", "cublas weights per step", "bf16", t, 1, None, None);
+                push("experts", "cublas weights per step", "bf16", Measured::times(t));
                 for precision in GemmPrecision::ALL {
                     let config = base.clone().with_gemm_precision(precision);
                     let before = device_path.calls();
                     let run = layer_ms::<B>(&config, with(device_path), tokens, &bench, false);
-                    push(
-                        "layer",
-                        "cublas",
-                        precision.name(),
-                        run.times,
-                        run.n,
-                        Some(run.host_ms),
-                        run.calls.as_ref(),
-                    );
+                    push("layer", "cublas", precision.name(), (&run).into());
                     // The experts' cuBLAS calls of one step (warm-up and counted steps too).
                     let steps = run.steps;
                     let after = device_path.calls();
@@ -812,15 +833,7 @@ fn main() {
                 let bf16 = base.clone().with_gemm_precision(GemmPrecision::Bf16);
                 let before = per_step_path.calls();
                 let run = layer_ms::<B>(&bf16, with(per_step_path), tokens, &bench, false);
-                push(
-                    "layer",
-                    "cublas weights per step",
-                    "bf16",
-                    run.times,
-                    run.n,
-                    Some(run.host_ms),
-                    run.calls.as_ref(),
-                );
+                push("layer", "cublas weights per step", "bf16", (&run).into());
                 eprintln!(
                     "           per step: {} bf16 weight conversions",
                     (per_step_path.calls().weight_conversions - before.weight_conversions) / run.steps
@@ -842,37 +855,13 @@ fn main() {
                 for precision in [GemmPrecision::Tf32, GemmPrecision::Bf16] {
                     let config = base.clone().with_gemm_precision(precision);
                     let run = layer_ms::<B>(&config, with(unbatched_path), tokens, &bench, false);
-                    push(
-                        "layer",
-                        "cublas unbatched",
-                        precision.name(),
-                        run.times,
-                        run.n,
-                        Some(run.host_ms),
-                        run.calls.as_ref(),
-                    );
+                    push("layer", "cublas unbatched", precision.name(), (&run).into());
                 }
                 let run = layer_ms::<B>(&tf32, with(device_path), tokens, &bench, true);
-                push(
-                    "forward",
-                    "cublas",
-                    "tf32",
-                    run.times,
-                    run.n,
-                    Some(run.host_ms),
-                    run.calls.as_ref(),
-                );
+                push("forward", "cublas", "tf32", (&run).into());
                 let before = device_path.calls();
                 let run = layer_with_ms::<B>(&tf32, with(device_path), tokens, &bench, false, Some(16));
-                push(
-                    "layer",
-                    "cublas lora16",
-                    "tf32",
-                    run.times,
-                    run.n,
-                    Some(run.host_ms),
-                    run.calls.as_ref(),
-                );
+                push("layer", "cublas lora16", "tf32", (&run).into());
                 let calls = device_path.calls();
                 eprintln!(
                     "           per step: {} sections, {} cuBLAS calls",
@@ -885,25 +874,9 @@ fn main() {
                         / run.steps,
                 );
                 let run = layer_ms::<B>(&tf32, with(host_path), tokens, &bench, false);
-                push(
-                    "layer",
-                    "cublas host-waits",
-                    "tf32",
-                    run.times,
-                    run.n,
-                    Some(run.host_ms),
-                    run.calls.as_ref(),
-                );
+                push("layer", "cublas host-waits", "tf32", (&run).into());
                 let run = layer_ms::<B>(&tf32, with(experts_only_path), tokens, &bench, false);
-                push(
-                    "layer",
-                    "cublas experts only",
-                    "tf32",
-                    run.times,
-                    run.n,
-                    Some(run.host_ms),
-                    run.calls.as_ref(),
-                );
+                push("layer", "cublas experts only", "tf32", (&run).into());
                 let run = layer_ms::<Autodiff<mpipemoe_cuda::CudaMoeFusion<f32>>>(
                     &tf32,
                     with(device_path),
@@ -911,25 +884,9 @@ fn main() {
                     &bench,
                     false,
                 );
-                push(
-                    "layer",
-                    "cublas fusion",
-                    "tf32",
-                    run.times,
-                    run.n,
-                    Some(run.host_ms),
-                    run.calls.as_ref(),
-                );
+                push("layer", "cublas fusion", "tf32", (&run).into());
                 let run = layer_ms::<B>(&base, Arc::new(SingleRank), tokens, &bench, false);
-                push(
-                    "layer",
-                    "cubecl",
-                    "tf32",
-                    run.times,
-                    run.n,
-                    Some(run.host_ms),
-                    run.calls.as_ref(),
-                );
+                push("layer", "cubecl", "tf32", (&run).into());
                 // The pipeline at top-1 only: the paper's shapes, and top-2's exchange doubles
                 // a lent GPU's minutes for no new question.
                 if args.pipeline && top_k == 1 {
@@ -945,7 +902,7 @@ fn main() {
                             sync(Tensor::<Inner, 2>::from_data(data, &device));
                         }
                     });
-                    push("exchange", "host loopback", "-", exchange, 1, None, None);
+                    push("exchange", "host loopback", "-", Measured::times(exchange));
                     // The overlap needs the executor CUDA gets by default, a worker and a CUDA
                     // stream per schedule stream (`StepExecutor::for_cubecl_runtime`): `tf32`
                     // runs in issue order, right for one rank, where nothing overlaps, but with
@@ -962,15 +919,7 @@ fn main() {
                                 .with_executor(Some(executor))
                                 .with_partitions(Partitions::Fixed(n));
                             let run = layer_ms::<B>(&config, loopback(), tokens, &bench, false);
-                            push(
-                                "pipeline",
-                                label,
-                                "tf32",
-                                run.times,
-                                run.n,
-                                Some(run.host_ms),
-                                run.calls.as_ref(),
-                            );
+                            push("pipeline", label, "tf32", (&run).into());
                         }
                     }
                 }
