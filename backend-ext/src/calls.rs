@@ -226,7 +226,7 @@ fn of_kind(calls: &BTreeMap<String, u64>, kind: CallKind) -> u64 {
 const SHOWN: usize = 12;
 
 /// `count` over `steps`, as an integer where it divides.
-fn per_step(count: u64, steps: u64) -> String {
+fn per_step_text(count: u64, steps: u64) -> String {
     if count.is_multiple_of(steps) {
         (count / steps).to_string()
     } else {
@@ -245,8 +245,8 @@ impl fmt::Display for CallCounts {
                 f,
                 "  {:<12} driver {:>6}  runtime {:>6}",
                 kind.name(),
-                per_step(self.driver_of(kind), steps),
-                per_step(self.runtime_of(kind), steps)
+                per_step_text(self.driver_of(kind), steps),
+                per_step_text(self.runtime_of(kind), steps)
             )?;
         }
         let blocking: Vec<(&String, &u64)> = self
@@ -256,14 +256,14 @@ impl fmt::Display for CallCounts {
             .filter(|(name, _)| matches!(CallKind::of(name), CallKind::Wait | CallKind::Free))
             .collect();
         for (name, &c) in blocking.iter().take(SHOWN) {
-            writeln!(f, "  wait or free: {name} {}", per_step(c, steps))?;
+            writeln!(f, "  wait or free: {name} {}", per_step_text(c, steps))?;
         }
         let mut kernels: Vec<(&String, &u64)> = self.kernels.iter().collect();
         kernels.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
         for (name, &c) in kernels.iter().take(SHOWN) {
             // cuBLAS's kernels have C++ names of a hundred characters and more.
             let short: String = name.chars().take(72).collect();
-            writeln!(f, "  kernel: {} {short}", per_step(c, steps))?;
+            writeln!(f, "  kernel: {} {short}", per_step_text(c, steps))?;
         }
         if kernels.len() > SHOWN {
             writeln!(f, "  ... {} kernels more", kernels.len() - SHOWN)?;

@@ -196,7 +196,7 @@ impl Census {
     }
 
     /// Every call counted since the census started.
-    pub fn counts(&self) -> CallCounts {
+    fn counts(&self) -> CallCounts {
         let kernels = match self.tally.kernels.lock() {
             Ok(k) => k.clone(),
             Err(poisoned) => poisoned.into_inner().clone(),

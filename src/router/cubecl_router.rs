@@ -31,17 +31,38 @@ fn softmax_kernel<F: Float>(
     }
     let row = t * logits.stride(0);
     let column = logits.stride(1);
+    let max = row_max::<F>(logits, row, column, width);
+    let sum = row_exp_sum::<F>(logits, row, column, width, max);
+    for e in 0..width {
+        out[t * width + e] = F::cast_from(f32::exp(f32::cast_from(logits[row + e * column]) - max) / sum);
+    }
+}
+
+/// The largest of the `width` values of the row that starts at `row`, `column` apart.
+#[cube]
+pub(super) fn row_max<F: Float>(logits: &Tensor<F>, row: usize, column: usize, width: usize) -> f32 {
     let mut max = f32::cast_from(logits[row]);
     for e in 1..width {
         max = f32::max(max, f32::cast_from(logits[row + e * column]));
     }
+    max
+}
+
+/// `Σ exp(value − max)` over the same row: the softmax's denominator, shifted so that `exp`
+/// cannot overflow.
+#[cube]
+pub(super) fn row_exp_sum<F: Float>(
+    logits: &Tensor<F>,
+    row: usize,
+    column: usize,
+    width: usize,
+    max: f32,
+) -> f32 {
     let mut sum = 0.0f32;
     for e in 0..width {
         sum += f32::exp(f32::cast_from(logits[row + e * column]) - max);
     }
-    for e in 0..width {
-        out[t * width + e] = F::cast_from(f32::exp(f32::cast_from(logits[row + e * column]) - max) / sum);
-    }
+    sum
 }
 
 #[cube(launch_unchecked)]

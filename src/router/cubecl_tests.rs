@@ -1,7 +1,7 @@
 //! The router's kernels (`cubecl_router.rs`, `cubecl_z_loss.rs`) against their composed twins
 //! on WGPU: scores, weights, the z-loss and their backwards, from contiguous tensors and from
-//! transposed views, for both scorings and every normalisation. Every reference case also runs through them in the layer
-//! (`tests/wgpu.rs`).
+//! transposed views, for both scorings and every normalisation. Every reference case also
+//! runs through them in the layer (`tests/wgpu.rs`).
 
 use burn::backend::Wgpu;
 use burn::tensor::ops::FloatTensor;

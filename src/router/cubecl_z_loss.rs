@@ -13,6 +13,7 @@ use burn_cubecl::cubecl::prelude::*;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 
+use super::cubecl_router::{row_exp_sum, row_max};
 use crate::cubecl_launch::{grid, kernel_float, output};
 
 /// Row `t`'s logsumexp, shifted by the row's maximum so that `exp` cannot overflow.
@@ -20,15 +21,8 @@ use crate::cubecl_launch::{grid, kernel_float, output};
 fn row_logsumexp<F: Float>(logits: &Tensor<F>, t: usize, width: usize) -> f32 {
     let row = t * logits.stride(0);
     let column = logits.stride(1);
-    let mut max = f32::cast_from(logits[row]);
-    for e in 1..width {
-        max = f32::max(max, f32::cast_from(logits[row + e * column]));
-    }
-    let mut sum = 0.0f32;
-    for e in 0..width {
-        sum += f32::exp(f32::cast_from(logits[row + e * column]) - max);
-    }
-    f32::ln(sum) + max
+    let max = row_max::<F>(logits, row, column, width);
+    f32::ln(row_exp_sum::<F>(logits, row, column, width, max)) + max
 }
 
 #[cube(launch_unchecked)]
