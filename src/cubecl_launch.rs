@@ -15,8 +15,11 @@ pub(crate) fn kernel_float<R: CubeRuntime>(t: &CubeTensor<R>) -> bool {
 }
 
 /// A contiguous tensor of `shape` and `like`'s dtype on its device, for a kernel to write whole.
-pub(crate) fn output<R: CubeRuntime>(like: &CubeTensor<R>, shape: [usize; 2]) -> CubeTensor<R> {
-    let bytes = shape[0] * shape[1] * like.dtype.size();
+pub(crate) fn output<R: CubeRuntime, const D: usize>(
+    like: &CubeTensor<R>,
+    shape: [usize; D],
+) -> CubeTensor<R> {
+    let bytes = shape.iter().product::<usize>() * like.dtype.size();
     let handle = like.client.empty(bytes.max(1));
     CubeTensor::new_contiguous(
         like.client.clone(),

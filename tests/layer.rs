@@ -103,6 +103,22 @@ fn the_z_loss_matches_its_composed_form() {
     common::z_loss_matches_its_composed_form::<Autodiff<Flex>>(&Default::default());
 }
 
+/// Attention's weights (composed on the CPU backends) against burn's `mask_fill` and `softmax`
+/// (`common::attention_softmax_matches_burns_ops`).
+#[test]
+fn attention_softmax_matches_burns_ops() {
+    common::attention_softmax_matches_burns_ops::<B>(&Default::default());
+    common::attention_softmax_matches_burns_ops::<Autodiff<Flex>>(&Default::default());
+}
+
+/// The rotary embedding (composed on NdArray, one pass forward on Flex) against burn's slices
+/// and concatenation (`common::rotary_matches_burns_ops`).
+#[test]
+fn rotary_matches_burns_ops() {
+    common::rotary_matches_burns_ops::<B>(&Default::default());
+    common::rotary_matches_burns_ops::<Autodiff<Flex>>(&Default::default());
+}
+
 #[test]
 fn three_d_input_keeps_its_shape_and_matches_flat_input() {
     let device = Default::default();

@@ -138,6 +138,26 @@ fn the_z_loss_on_wgpu_raw_and_fused() {
     common::z_loss_matches_its_composed_form::<fusion::F>(&device);
 }
 
+/// Attention's weights as one op (a node over a kernel each way) against burn's `mask_fill` and
+/// `softmax`, raw and under burn's fusion (`common::attention_softmax_matches_burns_ops`).
+#[test]
+fn attention_softmax_on_wgpu_raw_and_fused() {
+    let _device = shared();
+    let device = Default::default();
+    common::attention_softmax_matches_burns_ops::<B>(&device);
+    common::attention_softmax_matches_burns_ops::<fusion::F>(&device);
+}
+
+/// The rotary embedding as one op (a node over a kernel each way) against burn's slices and
+/// concatenation, raw and under burn's fusion (`common::rotary_matches_burns_ops`).
+#[test]
+fn rotary_on_wgpu_raw_and_fused() {
+    let _device = shared();
+    let device = Default::default();
+    common::rotary_matches_burns_ops::<B>(&device);
+    common::rotary_matches_burns_ops::<fusion::F>(&device);
+}
+
 /// Every case through the reference path and the fused path at ranks {1, 2}, n {1, 3}, every
 /// strategy, in issue order and with a worker per stream, within 1e-4; and the reference path
 /// and the in-order fused path under no reuse and S4 again through burn's fusion, which must

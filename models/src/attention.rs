@@ -174,7 +174,8 @@ impl<B: Backend> Attention<B> {
 impl<B: MoeBackend> Attention<B> {
     /// Attends the tokens `x` at `places` to themselves and to `cached` (earlier columns),
     /// causally, within `window` and past each row's pad columns. Returns the output and the
-    /// cache extended by these tokens' keys and values (trimmed to the window). The
+    /// cache extended by these tokens' keys and values, untrimmed (the model trims what it
+    /// keeps: `DecoderLayer::kept`). The
     /// projections multiply as `dense` makes them.
     ///
     /// # Errors
@@ -267,10 +268,9 @@ impl<B: MoeBackend> Attention<B> {
         let (keys, values) = (cache.keys(), cache.values());
         let out = attend(q, keys, values, (places, &cache.columns), rules, scale, sinks);
         let out = swap_dims_contiguous(out).reshape([b, t, n_heads * head_dim]);
-        Ok((
-            project(dense, &self.o, self.adapter(3), out)?,
-            cache.trim(rules.window, rules.chunk, places.pads()),
-        ))
+        // Untrimmed: the model trims what it keeps (`LayerCache::trim`), and a forward that keeps
+        // no cache (training's) drops it without copying the window's entries.
+        Ok((project(dense, &self.o, self.adapter(3), out)?, cache))
     }
 }
 
@@ -301,9 +301,9 @@ pub(crate) fn attend<B: MoeBackend>(
     let [_, h_kv, s, _] = keys.dims();
     let d_v = values.dims()[3];
     let group = h / h_kv;
-    let scores =
-        heads_matmul(q.reshape([b, h_kv, group * t, d]), keys.swap_dims(2, 3)).reshape([b, h, t, s]) * scale;
-    let weights = probabilities(scores, (places, cached), rules, sinks).reshape([b, h_kv, group * t, s]);
+    let scores = heads_matmul(q.reshape([b, h_kv, group * t, d]), keys.swap_dims(2, 3)).reshape([b, h, t, s]);
+    let weights =
+        probabilities(scores, scale, (places, cached), rules, sinks).reshape([b, h_kv, group * t, s]);
     heads_matmul(weights, values).reshape([b, h, t, d_v])
 }
 
@@ -317,34 +317,44 @@ pub(crate) fn heads_matmul<B: MoeBackend>(lhs: Tensor<B, 4>, rhs: Tensor<B, 4>) 
     Tensor::from_primitive(TensorPrimitive::Float(product))
 }
 
-/// The attention weights of scaled `scores`: keys hidden by [`Places::mask`] at `-inf`, the
+/// The attention weights of `scores · scale`: keys hidden by [`Places::mask`] at `-inf`, the
 /// softmax over the keys, with a sink logit per head (GPT-OSS), if given, as one more column
 /// dropped after it.
+///
+/// Without sinks the weights are one op of the backend's
+/// ([`DecoderKernels::attention_softmax`](mpipemoe::backend::DecoderKernels::attention_softmax): one kernel each way on the CubeCL backends, under
+/// autodiff one node); with sinks they stay composed.
 ///
 /// # Shapes
 /// - scores: `[batch, heads, seq, cached]`; sinks: `[heads]`
 /// - output: `[batch, heads, seq, cached]`
-pub(crate) fn probabilities<B: Backend>(
+pub(crate) fn probabilities<B: MoeBackend>(
     scores: Tensor<B, 4>,
+    scale: f64,
     (places, cached): (&Places, &[usize]),
     rules: &AttnRules,
     sinks: Option<Tensor<B, 1>>,
 ) -> Tensor<B, 4> {
     let [b, h, t, s] = scores.dims();
-    let scores = match places.mask(cached, rules, &scores.device()) {
+    let hidden = places.mask::<B>(cached, rules, &scores.device());
+    let Some(sinks) = sinks else {
+        let probs = B::attention_softmax(
+            scores.into_primitive().tensor(),
+            hidden.map(Tensor::into_primitive),
+            scale,
+        );
+        return Tensor::from_primitive(TensorPrimitive::Float(probs));
+    };
+    let scores = scores * scale;
+    let scores = match hidden {
         Some(hidden) => scores.mask_fill(
             hidden.unsqueeze_dim::<4>(1).expand([b, h, t, s]),
             f32::NEG_INFINITY,
         ),
         None => scores,
     };
-    match sinks {
-        None => softmax(scores, 3),
-        Some(sinks) => {
-            let column = sinks.reshape([1, h, 1, 1]).expand([b, h, t, 1]);
-            softmax(Tensor::cat(vec![scores, column], 3), 3).slice([0..b, 0..h, 0..t, 0..s])
-        }
-    }
+    let column = sinks.reshape([1, h, 1, 1]).expand([b, h, t, 1]);
+    softmax(Tensor::cat(vec![scores, column], 3), 3).slice([0..b, 0..h, 0..t, 0..s])
 }
 
 fn norm<B: MoeBackend, const D: usize>(norm: &Option<RmsNorm<B>>, x: Tensor<B, D>) -> Tensor<B, D> {

@@ -209,8 +209,14 @@ fn assign_along<B: MoeBackend>(storage: Tensor<B, 4>, start: usize, new: Tensor<
 
 /// The first `len` slots of `storage`, a view.
 fn filled<B: Backend>(storage: &Tensor<B, 4>, len: usize) -> Tensor<B, 4> {
-    let [b, h, _, d] = storage.dims();
-    storage.clone().slice([0..b, 0..h, 0..len, 0..d])
+    let [b, h, capacity, d] = storage.dims();
+    match len == capacity {
+        // The storage itself where it is full (always, in a forward without a cache): a slice
+        // of the whole is a node under autodiff whose backward writes zeros and then the
+        // gradient into them, two launches a tensor on a GPU backend, for nothing.
+        true => storage.clone(),
+        false => storage.clone().slice([0..b, 0..h, 0..len, 0..d]),
+    }
 }
 
 /// A storage of `room` slots (at least the entries') holding `old` and then `new` in its first

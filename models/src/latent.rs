@@ -311,8 +311,14 @@ impl<B: MoeBackend> LatentAttention<B> {
         };
         let scores = rows(q_latent).matmul(cache.values().swap_dims(2, 3))
             + rows(q_rot).matmul(cache.keys().swap_dims(2, 3));
-        let scores = scores.reshape([b, h, t, s]) * c.softmax_scale;
-        let probs = probabilities(scores, (places, &cache.columns), &AttnRules::default(), None);
+        let scores = scores.reshape([b, h, t, s]);
+        let probs = probabilities(
+            scores,
+            c.softmax_scale,
+            (places, &cache.columns),
+            &AttnRules::default(),
+            None,
+        );
         let context = rows(probs).matmul(cache.values()).reshape([b, h, t, lora]);
         per_head(context, w_value)
     }

@@ -159,6 +159,16 @@ impl<B: MoeBackend> DecoderLayer<B> {
         self
     }
 
+    /// What of the cache a step extended ([`forward`](Self::forward)'s) a later query can still
+    /// see: for standard attention, the entries inside its window or chunk
+    /// ([`LayerCache::trim`]); latent attention keeps everything.
+    pub(crate) fn kept(&self, cache: LayerCache<B>, pads: &[usize]) -> LayerCache<B> {
+        match self.attn {
+            Some(_) => cache.trim(self.rules.window, self.rules.chunk, pads),
+            None => cache,
+        }
+    }
+
     /// Runs the layer on `x` at `places`, continuing `cached.0` (taken from the model's
     /// cache, so that the step writes into storage no one else holds) with room for
     /// `cached.1` entries ([`KvCache::reserve`](crate::KvCache::reserve)).

@@ -402,7 +402,10 @@ impl<B: MoeBackend> MoeCausalLm<B> {
                 z = z + zl;
             }
             if let Some(c) = cache.as_mut() {
-                c.layers[i] = Some(out.cache);
+                // What a later query can still see; a forward without a cache keeps nothing
+                // and trims nothing (each trim is a copy of the kept entries, recorded under
+                // autodiff in training).
+                c.layers[i] = Some(layer.kept(out.cache, places.pads()));
             }
         }
         if let Some(c) = cache {

@@ -1,16 +1,21 @@
 //! RMSNorm under `Autodiff<B>`: one node over the inner backend's norm whose backward is the
 //! inner backend's [`DecoderKernels::rms_norm_backward`], where the inner backend has a kernel
 //! each way ([`DecoderKernels::rms_norm_node`]); burn's ops recorded one by one elsewhere, as
-//! before. The rotary embedding is recorded as composed.
+//! before. Attention's weights likewise ([`DecoderKernels::attention_softmax_node`]): one node
+//! whose backward reads the weights it wrote; and the rotary embedding
+//! ([`DecoderKernels::rotary_node`]): one node whose backward is the rotation's transpose, the
+//! tables constants (a rotation whose tables are tracked is recorded composed, so that their
+//! gradient is not lost).
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::Autodiff;
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{BoolTensor, FloatTensor};
 
-use super::{rms_norm_composed, DecoderKernels};
+use super::softmax::attention_softmax_composed;
+use super::{rms_norm_composed, rotate_half_seq_major_composed, DecoderKernels};
 
 #[derive(Debug)]
 struct RmsNormBackward;
@@ -44,6 +49,39 @@ impl<B: DecoderKernels> Backward<B, 2> for RmsNormBackward {
     }
 }
 
+#[derive(Debug)]
+struct RotaryBackward;
+
+impl<B: DecoderKernels> Backward<B, 1> for RotaryBackward {
+    /// The tables: the transpose reads them and nothing else.
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (cos, sin) = ops.state;
+        if let [Some(parent)] = ops.parents {
+            grads.register::<B>(parent.id, B::rotate_half_seq_major_backward(grad, cos, sin));
+        }
+    }
+}
+
+#[derive(Debug)]
+struct AttentionSoftmaxBackward;
+
+impl<B: DecoderKernels> Backward<B, 1> for AttentionSoftmaxBackward {
+    /// The weights the forward wrote, and the scale: the backward needs nothing else (a hidden
+    /// key's weight is 0, which zeroes its gradient without the mask).
+    type State = (FloatTensor<B>, f64);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (probs, scale) = ops.state;
+        if let [Some(parent)] = ops.parents {
+            grads.register::<B>(parent.id, B::attention_softmax_backward(probs, grad, scale));
+        }
+    }
+}
+
 impl<B: DecoderKernels, C: CheckpointStrategy> DecoderKernels for Autodiff<B, C> {
     /// The inner backend's norm as one node where it has a kernel each way; burn's ops,
     /// recorded one by one, elsewhere.
@@ -71,5 +109,52 @@ impl<B: DecoderKernels, C: CheckpointStrategy> DecoderKernels for Autodiff<B, C>
 
     fn rms_norm_node() -> bool {
         B::rms_norm_node()
+    }
+
+    /// The inner backend's rotation as one node where it has a kernel each way and the tables
+    /// are constants; burn's ops, recorded one by one, elsewhere.
+    fn rotate_half_seq_major(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let tracked = |t: &FloatTensor<Self>| !t.node.requirement.is_none();
+        if !B::rotary_node() || tracked(&cos) || tracked(&sin) {
+            return rotate_half_seq_major_composed::<Self>(x, cos, sin);
+        }
+        let out = B::rotate_half_seq_major(x.primitive, cos.primitive.clone(), sin.primitive.clone());
+        match RotaryBackward.prepare::<C>([x.node]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish((cos.primitive, sin.primitive), out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
+    fn rotary_node() -> bool {
+        B::rotary_node()
+    }
+
+    /// The inner backend's weights as one node where it has a kernel each way; burn's ops,
+    /// recorded one by one, elsewhere.
+    fn attention_softmax(
+        scores: FloatTensor<Self>,
+        hidden: Option<BoolTensor<Self>>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        if !B::attention_softmax_node() {
+            return attention_softmax_composed::<Self>(scores, hidden, scale);
+        }
+        let probs = B::attention_softmax(scores.primitive, hidden, scale);
+        match AttentionSoftmaxBackward
+            .prepare::<C>([scores.node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((probs.clone(), scale), probs),
+            OpsKind::UnTracked(prep) => prep.finish(probs),
+        }
+    }
+
+    fn attention_softmax_node() -> bool {
+        B::attention_softmax_node()
     }
 }

@@ -30,7 +30,7 @@ const THREADS: usize = 64;
 /// The sum of every thread's `value` in the cube, in every thread (`sums` holds one value a
 /// thread; a barrier before and after the sum, so it can be used again).
 #[cube]
-fn cube_sum(sums: &mut SharedMemory<f32>, value: f32, #[comptime] threads: usize) -> f32 {
+pub(super) fn cube_sum(sums: &mut SharedMemory<f32>, value: f32, #[comptime] threads: usize) -> f32 {
     let unit = UNIT_POS as usize;
     sums[unit] = value;
     sync_cube();

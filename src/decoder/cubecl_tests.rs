@@ -81,3 +81,201 @@ fn the_norm_node_matches_burns_ops_recorded_one_by_one() {
     close_within("x's gradient", dx, want_dx, 0.0);
     close_within("the weight's gradient", dw, want_dw, 0.0);
 }
+
+/// A `[rows, seq, keys]` mask that hides the keys after each query's column (the queries the
+/// last `seq` of `keys` columns) and, row by row, a scattering of others, never a query's own
+/// column: no row is hidden whole.
+fn mask(rows: usize, seq: usize, keys: usize) -> Tensor<Wgpu, 3, burn::tensor::Bool> {
+    let hidden: Vec<bool> = (0..rows * seq * keys)
+        .map(|i| {
+            let (r, q, k) = (i / (seq * keys), i / keys % seq, i % keys);
+            let column = keys - seq + q;
+            k > column || (k != column && (k * 7 + q * 3 + r * 5) % 4 == 0)
+        })
+        .collect();
+    Tensor::from_data(
+        burn::tensor::TensorData::new(hidden, [rows, seq, keys]),
+        &Default::default(),
+    )
+}
+
+fn flat(t: burn::tensor::ops::FloatTensor<Wgpu>) -> burn::tensor::ops::FloatTensor<Wgpu> {
+    let t = Tensor::<Wgpu, 4>::from_primitive(TensorPrimitive::Float(t));
+    let [b, h, q, k] = t.dims();
+    t.reshape([b * h * q, k]).into_primitive().tensor()
+}
+
+/// Attention's weights and their backward (`cubecl_softmax.rs`) against the composed forms:
+/// one mask row for every batch row and one each, contiguous scores and a transposed view,
+/// rows shorter than the cube's threads and longer, and scores whose scaled values overflow an
+/// unshifted `exp`.
+#[test]
+fn the_attention_softmax_kernels_match_the_composed_forms() {
+    use super::softmax::{attention_softmax_backward_composed, attention_softmax_composed};
+    let device = Default::default();
+    for (batch, heads, seq, keys, rows, sd) in [(2, 3, 5, 7, 1, 1.0), (2, 4, 6, 70, 2, 100.0)] {
+        let scale = 0.3;
+        let contiguous =
+            Tensor::<Wgpu, 4>::random([batch, heads, seq, keys], Distribution::Normal(0.0, sd), &device);
+        // The same values in a layout whose keys are not adjacent.
+        let transposed =
+            Tensor::<Wgpu, 4>::from_data(contiguous.clone().swap_dims(2, 3).into_data(), &device)
+                .swap_dims(2, 3);
+        let hidden = mask(rows, seq, keys).into_primitive();
+        let grad = Tensor::<Wgpu, 4>::random([batch, heads, seq, keys], Distribution::Default, &device);
+        for (layout, scores) in [("contiguous", contiguous.clone()), ("strided", transposed)] {
+            let what = format!("[{batch}, {heads}, {seq}, {keys}], mask rows {rows}, {layout}");
+            let scores = scores.into_primitive().tensor();
+            let want = attention_softmax_composed::<Wgpu>(scores.clone(), Some(hidden.clone()), scale);
+            let got = super::cubecl_softmax::attention_softmax(&scores, &hidden, scale)
+                .expect("the kernel reads them");
+            close_within(&what, flat(got), flat(want.clone()), 0.0);
+            let want_d = attention_softmax_backward_composed::<Wgpu>(
+                want.clone(),
+                grad.clone().into_primitive().tensor(),
+                scale,
+            );
+            // The gradient as autodiff hands it over may be a view as well.
+            let grad_t = Tensor::<Wgpu, 4>::from_data(grad.clone().swap_dims(2, 3).into_data(), &device)
+                .swap_dims(2, 3);
+            for (g_layout, g) in [("contiguous", grad.clone()), ("strided", grad_t)] {
+                let got_d = <Wgpu as DecoderKernels>::attention_softmax_backward(
+                    want.clone(),
+                    g.into_primitive().tensor(),
+                    scale,
+                );
+                close_within(
+                    &format!("{what}, gradient {g_layout}"),
+                    flat(got_d),
+                    flat(want_d.clone()),
+                    0.0,
+                );
+            }
+        }
+    }
+}
+
+/// The weights under `Autodiff<Wgpu>` (one node) against burn's ops recorded one by one: the
+/// weights and the scores' gradient, for a loss that weighs every weight differently.
+#[test]
+fn the_attention_softmax_node_matches_burns_ops_recorded_one_by_one() {
+    use super::softmax::attention_softmax_composed;
+    type A = Autodiff<Wgpu>;
+    assert!(<A as DecoderKernels>::attention_softmax_node());
+    let (batch, heads, seq, keys, scale) = (3, 2, 9, 12, 0.25);
+    let device = Default::default();
+    let s0 = Tensor::<A, 4>::random([batch, heads, seq, keys], Distribution::Normal(0.0, 4.0), &device);
+    let g = Tensor::<A, 4>::random([batch, heads, seq, keys], Distribution::Default, &device);
+    let hidden = mask(batch, seq, keys).into_primitive();
+    let run = |node: bool| {
+        let s = s0.clone().require_grad();
+        let sp = s.clone().into_primitive().tensor();
+        let y = match node {
+            true => <A as DecoderKernels>::attention_softmax(sp, Some(hidden.clone()), scale),
+            false => attention_softmax_composed::<A>(sp, Some(hidden.clone()), scale),
+        };
+        let y = Tensor::<A, 4>::from_primitive(TensorPrimitive::Float(y));
+        let grads = (y.clone() * g.clone()).sum().backward();
+        let ds = s.grad(&grads).expect("the scores' gradient");
+        [y.inner(), ds].map(|t| flat(t.into_primitive().tensor()))
+    };
+    let [y, ds] = run(true);
+    let [want_y, want_ds] = run(false);
+    close_within("weights", y, want_y, 0.0);
+    close_within("scores' gradient", ds, want_ds, 0.0);
+}
+
+/// `[rows, seq, head_dim]` tables whose halves differ (the kernels must read each value's own
+/// sine, not rely on the halves repeating as the models' tables do).
+fn table(rows: usize, seq: usize, head_dim: usize) -> burn::tensor::ops::FloatTensor<Wgpu> {
+    Tensor::<Wgpu, 3>::random(
+        [rows, seq, head_dim],
+        Distribution::Uniform(-1.0, 1.0),
+        &Default::default(),
+    )
+    .into_primitive()
+    .tensor()
+}
+
+fn flat4(t: burn::tensor::ops::FloatTensor<Wgpu>) -> burn::tensor::ops::FloatTensor<Wgpu> {
+    let t = Tensor::<Wgpu, 4>::from_primitive(TensorPrimitive::Float(t));
+    let [b, s, h, d] = t.dims();
+    t.reshape([b * s * h, d]).into_primitive().tensor()
+}
+
+/// The rotation and its transpose (`cubecl_rotary.rs`) against the composed forms: tables of
+/// one row and of one per batch row, `x` contiguous and a view with other strides.
+#[test]
+fn the_rotary_kernels_match_the_composed_forms() {
+    use super::{rotate_half_seq_major_backward_composed, rotate_half_seq_major_composed};
+    let device = Default::default();
+    for (batch, seq, heads, head_dim, rows) in [(2, 5, 3, 8, 1), (3, 7, 2, 12, 3)] {
+        let contiguous =
+            Tensor::<Wgpu, 4>::random([batch, seq, heads, head_dim], Distribution::Default, &device);
+        let view = Tensor::<Wgpu, 4>::from_data(contiguous.clone().swap_dims(1, 2).into_data(), &device)
+            .swap_dims(1, 2);
+        let (cos, sin) = (table(rows, seq, head_dim), table(rows, seq, head_dim));
+        for (layout, x) in [("contiguous", contiguous), ("strided", view)] {
+            let what = format!("[{batch}, {seq}, {heads}, {head_dim}], table rows {rows}, {layout}");
+            let x = x.into_primitive().tensor();
+            let want = rotate_half_seq_major_composed::<Wgpu>(x.clone(), cos.clone(), sin.clone());
+            let got = <Wgpu as DecoderKernels>::rotate_half_seq_major(x.clone(), cos.clone(), sin.clone());
+            close_within(&what, flat4(got), flat4(want), 0.0);
+            let want = rotate_half_seq_major_backward_composed::<Wgpu>(x.clone(), cos.clone(), sin.clone());
+            let got = <Wgpu as DecoderKernels>::rotate_half_seq_major_backward(x, cos.clone(), sin.clone());
+            close_within(&format!("{what}, transpose"), flat4(got), flat4(want), 0.0);
+        }
+    }
+}
+
+/// The rotation under `Autodiff<Wgpu>` (one node) against burn's ops recorded one by one:
+/// output and `x`'s gradient; and with tracked tables, recorded composed, so that the tables
+/// get their gradient.
+#[test]
+fn the_rotary_node_matches_burns_ops_recorded_one_by_one() {
+    use super::rotate_half_seq_major_composed;
+    type A = Autodiff<Wgpu>;
+    assert!(<A as DecoderKernels>::rotary_node());
+    let (batch, seq, heads, head_dim) = (2, 6, 4, 10);
+    let device = Default::default();
+    let x0 = Tensor::<A, 4>::random([batch, seq, heads, head_dim], Distribution::Default, &device);
+    let g = Tensor::<A, 4>::random([batch, seq, heads, head_dim], Distribution::Default, &device);
+    let tables = [table(1, seq, head_dim), table(1, seq, head_dim)]
+        .map(|t| Tensor::<A, 3>::from_inner(Tensor::from_primitive(TensorPrimitive::Float(t))));
+    let run = |node: bool, track_tables: bool| {
+        let x = x0.clone().require_grad();
+        let [cos, sin] = tables.clone().map(|t| match track_tables {
+            true => t.require_grad(),
+            false => t,
+        });
+        let [xp, c, s] = [
+            x.clone().into_primitive().tensor(),
+            cos.clone().into_primitive().tensor(),
+            sin.clone().into_primitive().tensor(),
+        ];
+        let y = match node {
+            true => <A as DecoderKernels>::rotate_half_seq_major(xp, c, s),
+            false => rotate_half_seq_major_composed::<A>(xp, c, s),
+        };
+        let y = Tensor::<A, 4>::from_primitive(TensorPrimitive::Float(y));
+        let grads = (y.clone() * g.clone()).sum().backward();
+        let dx = x.grad(&grads).expect("x's gradient");
+        let dsin = sin
+            .grad(&grads)
+            .map(|d| d.reshape([seq, head_dim]).into_primitive().tensor());
+        ([y.inner(), dx].map(|t| flat4(t.into_primitive().tensor())), dsin)
+    };
+    let ([y, dx], none) = run(true, false);
+    assert!(none.is_none(), "untracked tables got a gradient");
+    let ([want_y, want_dx], _) = run(false, false);
+    close_within("output", y, want_y, 0.0);
+    close_within("x's gradient", dx, want_dx, 0.0);
+    let (_, dsin) = run(true, true);
+    let (_, want_dsin) = run(false, true);
+    close_within(
+        "the sine table's gradient",
+        dsin.expect("tracked tables get a gradient"),
+        want_dsin.unwrap(),
+        0.0,
+    );
+}

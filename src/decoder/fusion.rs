@@ -1,10 +1,11 @@
 //! RMSNorm under burn's fusion (`Fusion<B>`): on the inner backend, as the router's ops are
 //! (`router/fusion.rs`). Fusion fuses element-wise ops but not across the norm's row sum, so
 //! each op resolves its inputs to the inner backend's tensors, runs the inner backend's kernel
-//! and registers its output on the calling thread's stream. The rotary embedding stays
-//! composed, which fusion fuses.
+//! and registers its output on the calling thread's stream; attention's weights likewise (the
+//! softmax's row maximum and sum stop fusion too), and the rotary embedding, whose partner
+//! reads across each head fusion's element-wise kernels do not make.
 
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{BoolTensor, FloatTensor};
 use burn_fusion::{Fusion, FusionBackend};
 
 use super::DecoderKernels;
@@ -30,5 +31,56 @@ impl<B: FusionBackend + DecoderKernels> DecoderKernels for Fusion<B> {
         let (dx, dweight) =
             B::rms_norm_backward(resolve::<B>(x), resolve::<B>(weight), resolve::<B>(grad), eps);
         (register::<B>(dx, &device), register::<B>(dweight, &device))
+    }
+
+    fn rotate_half_seq_major(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let device = x.client.device().clone();
+        let out = B::rotate_half_seq_major(resolve::<B>(x), resolve::<B>(cos), resolve::<B>(sin));
+        register::<B>(out, &device)
+    }
+
+    fn rotary_node() -> bool {
+        B::rotary_node()
+    }
+
+    fn rotate_half_seq_major_backward(
+        grad: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let device = grad.client.device().clone();
+        let dx = B::rotate_half_seq_major_backward(resolve::<B>(grad), resolve::<B>(cos), resolve::<B>(sin));
+        register::<B>(dx, &device)
+    }
+
+    fn attention_softmax(
+        scores: FloatTensor<Self>,
+        hidden: Option<BoolTensor<Self>>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        let device = scores.client.device().clone();
+        let hidden = hidden.map(|mask| {
+            let client = mask.client.clone();
+            client.resolve_tensor_bool::<B>(mask)
+        });
+        register::<B>(B::attention_softmax(resolve::<B>(scores), hidden, scale), &device)
+    }
+
+    fn attention_softmax_node() -> bool {
+        B::attention_softmax_node()
+    }
+
+    fn attention_softmax_backward(
+        probs: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        let device = probs.client.device().clone();
+        let dscores = B::attention_softmax_backward(resolve::<B>(probs), resolve::<B>(grad), scale);
+        register::<B>(dscores, &device)
     }
 }

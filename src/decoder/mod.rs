@@ -11,18 +11,27 @@
 mod autodiff;
 #[cfg(feature = "cubecl")]
 mod cubecl_norm;
+#[cfg(feature = "cubecl")]
+mod cubecl_rotary;
+#[cfg(feature = "cubecl")]
+mod cubecl_softmax;
 #[cfg(all(test, feature = "wgpu"))]
 mod cubecl_tests;
 #[cfg(feature = "flex")]
 mod flex;
 #[cfg(feature = "fusion")]
 mod fusion;
+mod rotary;
+mod softmax;
 #[cfg(all(test, feature = "flex"))]
 mod tests;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Tensor, TensorData, TensorPrimitive};
+use burn::tensor::ops::{BoolTensor, FloatTensor};
+use burn::tensor::{Tensor, TensorPrimitive};
+
+pub use rotary::rotate_half_rows;
+pub(crate) use rotary::{rotate_half_seq_major_backward_composed, rotate_half_seq_major_composed};
 
 /// The decoder blocks' kernels, on the backend that runs them.
 pub trait DecoderKernels: Backend {
@@ -76,6 +85,71 @@ pub trait DecoderKernels: Backend {
     ) -> FloatTensor<Self> {
         rotate_half_seq_major_composed::<Self>(x, cos, sin)
     }
+
+    /// Whether `Autodiff` over this backend records
+    /// [`rotate_half_seq_major`](Self::rotate_half_seq_major) as one node whose backward is
+    /// [`rotate_half_seq_major_backward`](Self::rotate_half_seq_major_backward), the tables
+    /// constants (as the rotary tables are: computed from positions), rather than burn's ops
+    /// one by one. As [`rms_norm_node`](Self::rms_norm_node): the backends with a kernel each
+    /// way say yes.
+    fn rotary_node() -> bool {
+        false
+    }
+
+    /// `x`'s gradient of [`rotate_half_seq_major`](Self::rotate_half_seq_major) from the
+    /// output's: the transpose of the rotation, `grad · cos − rotate_half(grad · sin)` (the
+    /// signed permutation's transpose is its negation), per head as the forward.
+    ///
+    /// # Shapes
+    /// - grad: `[batch, seq, heads, head_dim]`
+    /// - cos, sin: `[rows, seq, head_dim]`, `rows` 1 or `batch` → `[batch, seq, heads, head_dim]`
+    fn rotate_half_seq_major_backward(
+        grad: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        rotate_half_seq_major_backward_composed::<Self>(grad, cos, sin)
+    }
+
+    /// Attention's weights: the softmax over the keys of `scores · scale`, the keys `hidden`
+    /// marks at `-inf` (each batch row's mask shared by its heads, and by every batch row where
+    /// the mask has one row). By default composed as attention wrote it before: the product by
+    /// the scale, burn's `mask_fill` and burn's softmax (`decoder/softmax.rs`).
+    ///
+    /// # Shapes
+    /// - scores: `[batch, heads, seq, keys]`
+    /// - hidden: `[rows, seq, keys]`, `rows` 1 or `batch` → `[batch, heads, seq, keys]`
+    fn attention_softmax(
+        scores: FloatTensor<Self>,
+        hidden: Option<BoolTensor<Self>>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        softmax::attention_softmax_composed::<Self>(scores, hidden, scale)
+    }
+
+    /// Whether `Autodiff` over this backend records
+    /// [`attention_softmax`](Self::attention_softmax) as one node whose backward is
+    /// [`attention_softmax_backward`](Self::attention_softmax_backward), rather than burn's
+    /// ops one by one (seven forward and about fifteen backward a layer, each a launch on a
+    /// GPU backend that does not fuse). As [`rms_norm_node`](Self::rms_norm_node): the
+    /// backends with a kernel each way say yes.
+    fn attention_softmax_node() -> bool {
+        false
+    }
+
+    /// The scores' gradient from the weights `probs` and their gradient `grad`:
+    /// `scale · probs · (grad − Σ_keys grad · probs)` over each row. A hidden key's weight is
+    /// 0, so its gradient is too, as `mask_fill`'s backward gives it.
+    ///
+    /// # Shapes
+    /// - probs, grad: `[batch, heads, seq, keys]` → `[batch, heads, seq, keys]`
+    fn attention_softmax_backward(
+        probs: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        softmax::attention_softmax_backward_composed::<Self>(probs, grad, scale)
+    }
 }
 
 /// [`DecoderKernels::rms_norm`]'s default: burn's ops.
@@ -113,65 +187,6 @@ pub(crate) fn rms_norm_backward_composed<B: Backend>(
     (dx.into_primitive().tensor(), dweight.into_primitive().tensor())
 }
 
-/// [`DecoderKernels::rotate_half_seq_major`]'s default: burn's ops.
-pub(crate) fn rotate_half_seq_major_composed<B: Backend>(
-    x: FloatTensor<B>,
-    cos: FloatTensor<B>,
-    sin: FloatTensor<B>,
-) -> FloatTensor<B> {
-    let x = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(x));
-    let [b, t, h, d] = x.dims();
-    let table = |m: FloatTensor<B>| {
-        let m = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(m));
-        let rows = m.dims()[0];
-        m.reshape([rows, t, 1, d])
-            .repeat_dim(2, h)
-            .reshape([rows, t * h * d])
-    };
-    rotate_half_rows(x, [b, t * h * d], table(cos), table(sin))
-        .into_primitive()
-        .tensor()
-}
-
-/// `x · cos + rotate_half(x) · sin`, with `x` seen as `rows` (each row a run of whole heads)
-/// and the tables as one such row, shared by every row, or one for each: the composition of
-/// [`DecoderKernels::rotate_half_seq_major`]'s default, and of a heads-major caller's.
-///
-/// A table shared row by row is a broadcast Flex vectorises, and `rotate_half(x)` is one
-/// product with the signed permutation matrix over contiguous rows rather than two strided
-/// slices, a negation and a concatenation. The product is exact: each output is one input
-/// times ±1 plus zeros.
-///
-/// # Shapes
-/// - x: `[.., head_dim]` of `rows[0] · rows[1]` values; cos, sin: `[1 or rows[0], rows[1]]`
-pub fn rotate_half_rows<B: Backend>(
-    x: Tensor<B, 4>,
-    rows: [usize; 2],
-    cos: Tensor<B, 2>,
-    sin: Tensor<B, 2>,
-) -> Tensor<B, 4> {
-    let dims = x.dims();
-    let d = dims[3];
-    let rotated = x
-        .clone()
-        .reshape([rows[0] * rows[1] / d, d])
-        .matmul(rotate_half_matrix(d, &x.device()))
-        .reshape(rows);
-    (x.reshape(rows) * cos + rotated * sin).reshape(dims)
-}
-
-/// The `[d, d]` matrix `R` with `x · R = rotate_half(x) = [−x[d/2..] | x[..d/2]]` for a row
-/// `x`: `R[half + j][j] = −1` and `R[j][half + j] = 1`.
-fn rotate_half_matrix<B: Backend>(d: usize, device: &B::Device) -> Tensor<B, 2> {
-    let half = d / 2;
-    let mut r = vec![0f32; d * d];
-    for j in 0..half {
-        r[(half + j) * d + j] = -1.0;
-        r[j * d + half + j] = 1.0;
-    }
-    Tensor::from_data(TensorData::new(r, [d, d]), device)
-}
-
 #[cfg(feature = "flex")]
 impl DecoderKernels for burn::backend::Flex {
     /// One pass over the rows (`decoder/flex.rs`).
@@ -189,9 +204,10 @@ impl DecoderKernels for burn::backend::Flex {
     }
 }
 
-// NdArray: the composed forms. The CubeCL backends run the norm in one kernel each way
-// (`cubecl_norm.rs`), fusion the inner backend's (`fusion.rs`), and autodiff records the norm as
-// one node where the inner backend says so (`autodiff.rs`).
+// NdArray: the composed forms. The CubeCL backends run the norm, the rotation and attention's
+// weights in one kernel each way (`cubecl_norm.rs`, `cubecl_rotary.rs`, `cubecl_softmax.rs`),
+// fusion the inner backend's (`fusion.rs`), and autodiff records each as one node where the
+// inner backend says so (`autodiff.rs`).
 default_kernel_impls!(@ndarray DecoderKernels);
 
 #[cfg(feature = "cubecl")]
@@ -223,5 +239,56 @@ where
             Some((dx, scaled)) => (dx, cubecl_norm::column_sums::<Self>(scaled)),
             None => rms_norm_backward_composed::<Self>(x, weight, grad, eps),
         }
+    }
+
+    fn rotate_half_seq_major(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        cubecl_rotary::rotate_half(&x, &cos, &sin, false)
+            .unwrap_or_else(|| rotate_half_seq_major_composed::<Self>(x, cos, sin))
+    }
+
+    fn rotary_node() -> bool {
+        true
+    }
+
+    fn rotate_half_seq_major_backward(
+        grad: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        cubecl_rotary::rotate_half(&grad, &cos, &sin, true)
+            .unwrap_or_else(|| rotate_half_seq_major_backward_composed::<Self>(grad, cos, sin))
+    }
+
+    fn attention_softmax(
+        scores: FloatTensor<Self>,
+        hidden: Option<BoolTensor<Self>>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        match hidden {
+            Some(mask) => match cubecl_softmax::attention_softmax(&scores, &mask, scale) {
+                Some(probs) => probs,
+                None => softmax::attention_softmax_composed::<Self>(scores, Some(mask), scale),
+            },
+            // Nothing hidden: a decode step's one query, no training step (whose causal mask
+            // always hides something), so burn's softmax is left to it.
+            None => softmax::attention_softmax_composed::<Self>(scores, None, scale),
+        }
+    }
+
+    fn attention_softmax_node() -> bool {
+        true
+    }
+
+    fn attention_softmax_backward(
+        probs: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        cubecl_softmax::attention_softmax_backward(&probs, &grad, scale)
+            .unwrap_or_else(|| softmax::attention_softmax_backward_composed::<Self>(probs, grad, scale))
     }
 }

@@ -159,3 +159,128 @@ where
         values(bias.grad(&want_grads).expect("the twin's bias gradient")),
     );
 }
+
+/// Attention's weights on backend `B` (`DecoderKernels::attention_softmax`: one node under
+/// autodiff and one kernel each way on the CubeCL backends, burn's ops elsewhere) against
+/// burn's `mask_fill` and `softmax` written out here: the weights and the scores' gradient for
+/// a loss that weighs every weight differently, under a causal mask with one row for every
+/// batch row and under one with a row each. A missing scale, a mask read from another batch
+/// row or a gradient without the row's dot product fails it.
+pub fn attention_softmax_matches_burns_ops<B>(device: &B::Device)
+where
+    B: burn::tensor::backend::AutodiffBackend + mpipemoe::MoeBackend,
+{
+    use burn::tensor::activation::softmax;
+    use burn::tensor::{Bool, Distribution, Tensor, TensorData, TensorPrimitive};
+    let (batch, heads, seq, keys, scale) = (2, 3, 6, 9, 0.4);
+    for rows in [1, batch] {
+        // Causal over the last `seq` columns; row 1 (where there is one) hides its first two
+        // columns as well, as a left-padded row would.
+        let hidden: Vec<bool> = (0..rows * seq * keys)
+            .map(|i| {
+                let (r, q, k) = (i / (seq * keys), i / keys % seq, i % keys);
+                k > keys - seq + q || (r == 1 && k < 2)
+            })
+            .collect();
+        let hidden = Tensor::<B, 3, Bool>::from_data(TensorData::new(hidden, [rows, seq, keys]), device);
+        let scores0 =
+            Tensor::<B, 4>::random([batch, heads, seq, keys], Distribution::Normal(0.0, 3.0), device);
+        let weigh = Tensor::<B, 4>::random([batch, heads, seq, keys], Distribution::Default, device);
+        let scores = scores0.clone().require_grad();
+        let probs = B::attention_softmax(
+            scores.clone().into_primitive().tensor(),
+            Some(hidden.clone().into_primitive()),
+            scale,
+        );
+        let probs = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(probs));
+        let grads = (probs.clone() * weigh.clone()).sum().backward();
+        let twin = scores0.require_grad();
+        let masked = (twin.clone() * scale).mask_fill(
+            hidden.unsqueeze_dim::<4>(1).expand([batch, heads, seq, keys]),
+            f32::NEG_INFINITY,
+        );
+        let want = softmax(masked, 3);
+        let want_grads = (want.clone() * weigh).sum().backward();
+        let values = |t: Tensor<B::InnerBackend, 4>| t.into_data().convert::<f64>().to_vec::<f64>().unwrap();
+        let close = |what: &str, got: Vec<f64>, want: Vec<f64>| {
+            let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+            assert!(scale > 0.0, "{what}: the composed form is zero");
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(g, w)| (g - w).abs())
+                .fold(0f64, f64::max);
+            assert!(
+                worst <= 2e-6 * scale,
+                "{what}, mask rows {rows}: {worst:e} off at scale {scale:e}"
+            );
+        };
+        close("weights", values(probs.inner()), values(want.inner()));
+        close(
+            "scores' gradient",
+            values(scores.grad(&grads).expect("the scores' gradient")),
+            values(twin.grad(&want_grads).expect("the twin's gradient")),
+        );
+    }
+}
+
+/// The rotary embedding on backend `B` (`DecoderKernels::rotate_half_seq_major`: one node under
+/// autodiff and one kernel each way on the CubeCL backends, burn's ops elsewhere) against
+/// `x · cos + rotate_half(x) · sin` written out here with burn's slices, negation and
+/// concatenation: the output and `x`'s gradient for a loss that weighs every value
+/// differently, with tables of one row and of one per batch row.
+pub fn rotary_matches_burns_ops<B>(device: &B::Device)
+where
+    B: burn::tensor::backend::AutodiffBackend + mpipemoe::MoeBackend,
+{
+    use burn::tensor::{Distribution, Tensor, TensorPrimitive};
+    let (batch, seq, heads, head_dim) = (2, 5, 3, 8);
+    let half = head_dim / 2;
+    for rows in [1, batch] {
+        let x0 = Tensor::<B, 4>::random([batch, seq, heads, head_dim], Distribution::Default, device);
+        let weigh = Tensor::<B, 4>::random([batch, seq, heads, head_dim], Distribution::Default, device);
+        let [cos, sin] = [0, 1]
+            .map(|_| Tensor::<B, 3>::random([rows, seq, head_dim], Distribution::Uniform(-1.0, 1.0), device));
+        let x = x0.clone().require_grad();
+        let out = B::rotate_half_seq_major(
+            x.clone().into_primitive().tensor(),
+            cos.clone().into_primitive().tensor(),
+            sin.clone().into_primitive().tensor(),
+        );
+        let out = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(out));
+        let grads = (out.clone() * weigh.clone()).sum().backward();
+        let twin = x0.require_grad();
+        let rotated = Tensor::cat(
+            vec![
+                twin.clone()
+                    .slice([0..batch, 0..seq, 0..heads, half..head_dim])
+                    .neg(),
+                twin.clone().slice([0..batch, 0..seq, 0..heads, 0..half]),
+            ],
+            3,
+        );
+        let per_head = |t: Tensor<B, 3>| t.unsqueeze_dim::<4>(2);
+        let want = twin.clone() * per_head(cos) + rotated * per_head(sin);
+        let want_grads = (want.clone() * weigh).sum().backward();
+        let values = |t: Tensor<B::InnerBackend, 4>| t.into_data().convert::<f64>().to_vec::<f64>().unwrap();
+        let close = |what: &str, got: Vec<f64>, want: Vec<f64>| {
+            let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+            assert!(scale > 0.0, "{what}: the composed form is zero");
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(g, w)| (g - w).abs())
+                .fold(0f64, f64::max);
+            assert!(
+                worst <= 2e-6 * scale,
+                "{what}, table rows {rows}: {worst:e} off at scale {scale:e}"
+            );
+        };
+        close("rotation", values(out.inner()), values(want.inner()));
+        close(
+            "x's gradient",
+            values(x.grad(&grads).expect("x's gradient")),
+            values(twin.grad(&want_grads).expect("the twin's gradient")),
+        );
+    }
+}

@@ -1,0 +1,247 @@
+//! Attention's weights on the CubeCL backends: the scaled, masked softmax over the keys in one
+//! kernel forward and its backward in one, one cube per row of scores (a query of a head).
+//!
+//! Composed, the weights were seven kernels forward (the product by the scale, the mask fill,
+//! the row maximum, the shift, `exp`, the row sum, the division), each a pass over the
+//! `[batch, heads, seq, keys]` scores, and about fifteen backward under autodiff, in every
+//! attention layer of every training step. Here a row's threads stride along its keys
+//! (neighbouring threads read neighbouring keys) and meet in shared memory for the maximum and
+//! the sum, as the norm's do (`cubecl_norm.rs`); the backward reads the weights the forward
+//! wrote and the gradient once each for the row's dot product and once to write.
+//!
+//! Each thread computes in f32 whatever the tensors' float type; a hidden key is skipped in
+//! the maximum and the sum and gets weight 0, which is what `-inf` through the composed
+//! softmax gives it. The tests hold both kernels to the composed forms on WGPU
+//! (`decoder/cubecl_tests.rs`).
+
+use burn_cubecl::cubecl;
+use burn_cubecl::cubecl::calculate_cube_count_elemwise;
+use burn_cubecl::cubecl::prelude::*;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::CubeRuntime;
+
+use super::cubecl_norm::cube_sum;
+use crate::cubecl_launch::{kernel_float, output};
+
+/// Threads of a row's cube: one warp, as a row is a sequence's keys (tens to thousands).
+const THREADS: usize = 32;
+
+/// The maximum of every thread's `value` in the cube, in every thread (barriers as
+/// [`cube_sum`]'s).
+#[cube]
+fn cube_max(shared: &mut SharedMemory<f32>, value: f32, #[comptime] threads: usize) -> f32 {
+    let unit = UNIT_POS as usize;
+    shared[unit] = value;
+    sync_cube();
+    let mut max = shared[0];
+    for i in 1..threads {
+        max = f32::max(max, shared[i]);
+    }
+    sync_cube();
+    max
+}
+
+/// Where row `row` of `[batch, heads, seq, keys]` scores starts in `t`, read at its strides.
+#[cube]
+fn row_start<F: Float>(t: &Tensor<F>, row: usize, heads: usize, seq: usize) -> usize {
+    let q = row % seq;
+    let head = (row / seq) % heads;
+    let batch = row / (seq * heads);
+    batch * t.stride(0) + head * t.stride(1) + q * t.stride(2)
+}
+
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn attention_softmax_kernel<F: Float, M: Int>(
+    scores: &Tensor<F>,
+    hidden: &Tensor<M>,
+    out: &mut Tensor<F>,
+    n_rows: usize,
+    heads: usize,
+    seq: usize,
+    keys: usize,
+    mask_batch_stride: usize,
+    scale: f32,
+    #[comptime] threads: usize,
+    #[define(F, M)] _dtypes: [StorageType; 2],
+) {
+    // A whole cube leaves together (one row per cube), so the barriers are reached by every
+    // thread of every cube that stays.
+    let row = CUBE_POS;
+    if row >= n_rows {
+        terminate!();
+    }
+    let unit = UNIT_POS as usize;
+    let at = row_start(scores, row, heads, seq);
+    let batch = row / (seq * heads);
+    let mask_at = batch * mask_batch_stride + (row % seq) * hidden.stride(1);
+    let (step, mask_step) = (scores.stride(3), hidden.stride(2));
+    // Below any finite score: a thread whose keys are all hidden does not raise the maximum.
+    let mut max = f32::new(-3.0e38);
+    let mut k = unit;
+    while k < keys {
+        if u32::cast_from(hidden[mask_at + k * mask_step]) == 0u32 {
+            max = f32::max(max, f32::cast_from(scores[at + k * step]) * scale);
+        }
+        k += threads;
+    }
+    let mut shared = SharedMemory::<f32>::new(threads);
+    let max = cube_max(&mut shared, max, threads);
+    let mut sum = 0.0f32;
+    let mut k = unit;
+    while k < keys {
+        if u32::cast_from(hidden[mask_at + k * mask_step]) == 0u32 {
+            sum += f32::exp(f32::cast_from(scores[at + k * step]) * scale - max);
+        }
+        k += threads;
+    }
+    let sum = cube_sum(&mut shared, sum, threads);
+    let mut k = unit;
+    while k < keys {
+        let mut p = 0.0f32;
+        if u32::cast_from(hidden[mask_at + k * mask_step]) == 0u32 {
+            p = f32::exp(f32::cast_from(scores[at + k * step]) * scale - max) / sum;
+        }
+        out[row * keys + k] = F::cast_from(p);
+        k += threads;
+    }
+}
+
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn attention_softmax_backward_kernel<F: Float>(
+    probs: &Tensor<F>,
+    grad: &Tensor<F>,
+    out: &mut Tensor<F>,
+    n_rows: usize,
+    heads: usize,
+    seq: usize,
+    keys: usize,
+    scale: f32,
+    #[comptime] threads: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let row = CUBE_POS;
+    if row >= n_rows {
+        terminate!();
+    }
+    let unit = UNIT_POS as usize;
+    let (pa, ga) = (
+        row_start(probs, row, heads, seq),
+        row_start(grad, row, heads, seq),
+    );
+    let (ps, gs) = (probs.stride(3), grad.stride(3));
+    let mut dot = 0.0f32;
+    let mut k = unit;
+    while k < keys {
+        dot += f32::cast_from(grad[ga + k * gs]) * f32::cast_from(probs[pa + k * ps]);
+        k += threads;
+    }
+    let mut shared = SharedMemory::<f32>::new(threads);
+    let dot = cube_sum(&mut shared, dot, threads);
+    let mut k = unit;
+    while k < keys {
+        let p = f32::cast_from(probs[pa + k * ps]);
+        let g = f32::cast_from(grad[ga + k * gs]);
+        out[row * keys + k] = F::cast_from((g - dot) * p * scale);
+        k += threads;
+    }
+}
+
+/// `[batch, heads, seq, keys]` where `t` is a float tensor of the kernels' dtypes with four
+/// dimensions and something in it.
+fn dims4<R: CubeRuntime>(t: &CubeTensor<R>) -> Option<[usize; 4]> {
+    let dims = <[usize; 4]>::try_from(t.meta.shape().to_vec()).ok()?;
+    (kernel_float(t) && dims.iter().product::<usize>() > 0).then_some(dims)
+}
+
+/// One cube per row of scores.
+fn launch_grid<R: CubeRuntime>(t: &CubeTensor<R>, rows: usize) -> (CubeCount, CubeDim) {
+    let dim = CubeDim::new_1d(THREADS as u32);
+    (calculate_cube_count_elemwise(&t.client, rows * THREADS, dim), dim)
+}
+
+/// The weights in one kernel; `None` where the kernel does not read the tensors (the caller
+/// composes them then): scores not a float tensor of four dimensions, or a mask that is not a
+/// `[1 or batch, seq, keys]` bool tensor.
+///
+/// # Shapes
+/// - scores: `[batch, heads, seq, keys]`, hidden: `[1 or batch, seq, keys]` → as scores
+pub(crate) fn attention_softmax<R: CubeRuntime>(
+    scores: &CubeTensor<R>,
+    hidden: &CubeTensor<R>,
+    scale: f64,
+) -> Option<CubeTensor<R>> {
+    let dims @ [batch, heads, seq, keys] = dims4(scores)?;
+    let [rows, mask_seq, mask_keys] = <[usize; 3]>::try_from(hidden.meta.shape().to_vec()).ok()?;
+    let fits = hidden.dtype.is_bool() && (rows == 1 || rows == batch) && [mask_seq, mask_keys] == [seq, keys];
+    if !fits {
+        return None;
+    }
+    // One mask row serves every batch row: its batch stride is read as 0.
+    let mask_batch_stride = if rows == 1 { 0 } else { hidden.meta.strides()[0] };
+    let out = output(scores, dims);
+    let n_rows = batch * heads * seq;
+    let (count, dim) = launch_grid(scores, n_rows);
+    // SAFETY: `scores` is read at its strides within `[batch, heads, seq, keys]`, `hidden` at
+    // its strides within `[rows, seq, keys]` (row 0 alone where `rows` is 1); `out` holds
+    // `n_rows · keys` contiguous elements, each row written by its cube; cubes past the last
+    // row leave before reading.
+    unsafe {
+        attention_softmax_kernel::launch_unchecked(
+            &scores.client,
+            count,
+            dim,
+            scores.clone().into_tensor_arg(),
+            hidden.clone().into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            n_rows,
+            heads,
+            seq,
+            keys,
+            mask_batch_stride,
+            scale as f32,
+            THREADS,
+            [scores.dtype.into(), hidden.dtype.into()],
+        )
+    };
+    Some(out)
+}
+
+/// The scores' gradient in one kernel; `None` where the kernel does not read the tensors.
+///
+/// # Shapes
+/// - probs, grad: `[batch, heads, seq, keys]` → as probs
+pub(crate) fn attention_softmax_backward<R: CubeRuntime>(
+    probs: &CubeTensor<R>,
+    grad: &CubeTensor<R>,
+    scale: f64,
+) -> Option<CubeTensor<R>> {
+    let dims @ [batch, heads, seq, keys] = dims4(probs)?;
+    if grad.dtype != probs.dtype || grad.meta.shape().to_vec() != dims {
+        return None;
+    }
+    let out = output(probs, dims);
+    let n_rows = batch * heads * seq;
+    let (count, dim) = launch_grid(probs, n_rows);
+    // SAFETY: as in `attention_softmax`, both inputs read at their strides within their
+    // shapes, `out` `n_rows · keys` contiguous elements, each row written by its cube.
+    unsafe {
+        attention_softmax_backward_kernel::launch_unchecked(
+            &probs.client,
+            count,
+            dim,
+            probs.clone().into_tensor_arg(),
+            grad.clone().into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            n_rows,
+            heads,
+            seq,
+            keys,
+            scale as f32,
+            THREADS,
+            probs.dtype.into(),
+        )
+    };
+    Some(out)
+}
