@@ -132,6 +132,8 @@ pub mod backend;
 mod cases;
 pub mod comm;
 #[cfg(feature = "cubecl")]
+mod cubecl_cube;
+#[cfg(feature = "cubecl")]
 mod cubecl_launch;
 #[cfg(all(test, feature = "wgpu"))]
 mod cubecl_test_kernels;

@@ -148,6 +148,16 @@ fn attention_softmax_on_wgpu_raw_and_fused() {
     common::attention_softmax_matches_burns_ops::<fusion::F>(&device);
 }
 
+/// The token cross-entropy as one node over a kernel each way against burn's `log_softmax`,
+/// raw and under burn's fusion (`common::cross_entropy_matches_burns_ops`).
+#[test]
+fn cross_entropy_on_wgpu_raw_and_fused() {
+    let _device = shared();
+    let device = Default::default();
+    common::cross_entropy_matches_burns_ops::<B>(&device);
+    common::cross_entropy_matches_burns_ops::<fusion::F>(&device);
+}
+
 /// The rotary embedding as one op (a node over a kernel each way) against burn's slices and
 /// concatenation, raw and under burn's fusion (`common::rotary_matches_burns_ops`).
 #[test]

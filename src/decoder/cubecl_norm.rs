@@ -22,25 +22,11 @@ use burn_cubecl::cubecl::prelude::*;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 
+use crate::cubecl_cube::cube_sum;
 use crate::cubecl_launch::{kernel_float, output};
 
 /// Threads of a row's cube.
 const THREADS: usize = 64;
-
-/// The sum of every thread's `value` in the cube, in every thread (`sums` holds one value a
-/// thread; a barrier before and after the sum, so it can be used again).
-#[cube]
-pub(super) fn cube_sum(sums: &mut SharedMemory<f32>, value: f32, #[comptime] threads: usize) -> f32 {
-    let unit = UNIT_POS as usize;
-    sums[unit] = value;
-    sync_cube();
-    let mut total = 0.0f32;
-    for i in 0..threads {
-        total += sums[i];
-    }
-    sync_cube();
-    total
-}
 
 #[cube(launch_unchecked)]
 fn rms_norm_kernel<F: Float>(

@@ -20,26 +20,11 @@ use burn_cubecl::cubecl::prelude::*;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 
-use super::cubecl_norm::cube_sum;
+use crate::cubecl_cube::{cube_max, cube_sum};
 use crate::cubecl_launch::{kernel_float, output};
 
 /// Threads of a row's cube: one warp, as a row is a sequence's keys (tens to thousands).
 const THREADS: usize = 32;
-
-/// The maximum of every thread's `value` in the cube, in every thread (barriers as
-/// [`cube_sum`]'s).
-#[cube]
-fn cube_max(shared: &mut SharedMemory<f32>, value: f32, #[comptime] threads: usize) -> f32 {
-    let unit = UNIT_POS as usize;
-    shared[unit] = value;
-    sync_cube();
-    let mut max = shared[0];
-    for i in 1..threads {
-        max = f32::max(max, shared[i]);
-    }
-    sync_cube();
-    max
-}
 
 /// Where row `row` of `[batch, heads, seq, keys]` scores starts in `t`, read at its strides.
 #[cube]

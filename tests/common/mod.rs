@@ -284,3 +284,55 @@ where
         );
     }
 }
+
+/// The token cross-entropy on backend `B` (`mpipemoe::loss::cross_entropy`: one node under
+/// autodiff over the backend's `LossKernels`, one kernel each way on the CubeCL backends)
+/// against burn's `log_softmax` and a one-hot product written out here: the mean loss and the
+/// logits' gradient, with two rows ignored (−1 and −100) and logits spread wide enough that
+/// each row's shift by its maximum matters.
+pub fn cross_entropy_matches_burns_ops<B>(device: &B::Device)
+where
+    B: burn::tensor::backend::AutodiffBackend + mpipemoe::MoeBackend,
+{
+    use burn::tensor::activation::log_softmax;
+    use burn::tensor::{Distribution, Int, Tensor, TensorData};
+    let (n_tokens, vocab) = (11, 300);
+    let targets: Vec<i64> = (0..n_tokens as i64)
+        .map(|r| match r {
+            3 => -1,
+            7 => -100,
+            _ => (r * 131 + 5) % vocab as i64,
+        })
+        .collect();
+    let counted = targets.iter().filter(|&&t| t >= 0).count();
+    let one_hot: Vec<f32> = (0..n_tokens * vocab)
+        .map(|i| f32::from(targets[i / vocab] == (i % vocab) as i64))
+        .collect();
+    let one_hot = Tensor::<B, 2>::from_data(TensorData::new(one_hot, [n_tokens, vocab]), device);
+    let targets = Tensor::<B, 1, Int>::from_data(TensorData::new(targets, [n_tokens]), device);
+    let logits0 = Tensor::<B, 2>::random([n_tokens, vocab], Distribution::Normal(0.0, 20.0), device);
+    let logits = logits0.clone().require_grad();
+    let loss = mpipemoe::loss::cross_entropy(logits.clone(), targets);
+    let grads = loss.backward();
+    let twin = logits0.require_grad();
+    let want = (log_softmax(twin.clone(), 1) * one_hot).sum().neg() / counted as f64;
+    let want_grads = want.backward();
+    let values = |t: Tensor<B::InnerBackend, 2>| t.into_data().convert::<f64>().to_vec::<f64>().unwrap();
+    let close = |what: &str, got: Vec<f64>, want: Vec<f64>| {
+        let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+        assert!(scale > 0.0, "{what}: the composed form is zero");
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(g, w)| (g - w).abs())
+            .fold(0f64, f64::max);
+        assert!(worst <= 1e-5 * scale, "{what}: {worst:e} off at scale {scale:e}");
+    };
+    let scalar = |t: Tensor<B, 1>| values(t.inner().reshape([1, 1]));
+    close("loss", scalar(loss), scalar(want));
+    close(
+        "logits' gradient",
+        values(logits.grad(&grads).expect("the logits' gradient")),
+        values(twin.grad(&want_grads).expect("the twin's gradient")),
+    );
+}
