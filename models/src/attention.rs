@@ -266,7 +266,16 @@ impl<B: MoeBackend> Attention<B> {
         let sinks = self.sinks.as_ref().map(|p| p.val());
         // Views of the cache's storage, dropped before the next step writes into it.
         let (keys, values) = (cache.keys(), cache.values());
-        let out = attend(q, keys, values, (places, &cache.columns), rules, scale, sinks);
+        let out = attend(
+            q,
+            keys,
+            values,
+            (places, &cache.columns),
+            rules,
+            scale,
+            sinks,
+            dense,
+        )?;
         let out = swap_dims_contiguous(out).reshape([b, t, n_heads * head_dim]);
         // Untrimmed: the model trims what it keeps (`LayerCache::trim`), and a forward that keeps
         // no cache (training's) drops it without copying the window's entries.
@@ -288,6 +297,7 @@ impl<B: MoeBackend> Attention<B> {
 /// - q: `[batch, heads, seq, d]`; keys: `[batch, kv_heads, cached, d]`; values: `[batch,
 ///   kv_heads, cached, d_v]`, `kv_heads` dividing `heads`; sinks: `[heads]`
 /// - output: `[batch, heads, seq, d_v]`
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn attend<B: MoeBackend>(
     q: Tensor<B, 4>,
     keys: Tensor<B, 4>,
@@ -296,25 +306,20 @@ pub(crate) fn attend<B: MoeBackend>(
     rules: &AttnRules,
     scale: f64,
     sinks: Option<Tensor<B, 1>>,
-) -> Tensor<B, 4> {
+    dense: &DenseProducts,
+) -> Result<Tensor<B, 4>> {
     let [b, h, t, d] = q.dims();
     let [_, h_kv, s, _] = keys.dims();
     let d_v = values.dims()[3];
     let group = h / h_kv;
-    let scores = heads_matmul(q.reshape([b, h_kv, group * t, d]), keys.swap_dims(2, 3)).reshape([b, h, t, s]);
+    // Per head, as `dense` multiplies (the library at its precision where there is one; on
+    // Flex a decode step's few rows read the cached keys and values where they lie).
+    let scores = dense
+        .heads_matmul(q.reshape([b, h_kv, group * t, d]), keys.swap_dims(2, 3))?
+        .reshape([b, h, t, s]);
     let weights =
         probabilities(scores, scale, (places, cached), rules, sinks).reshape([b, h_kv, group * t, s]);
-    heads_matmul(weights, values).reshape([b, h, t, d_v])
-}
-
-/// `lhs · rhs` per head, through the backend's [`MoeBackend::heads_matmul`]: on Flex, a
-/// decode step's few rows read the cached keys and values where they lie.
-///
-/// # Shapes
-/// - lhs: `[batch, heads, m, k]`, rhs: `[batch, heads, k, n]` → `[batch, heads, m, n]`
-pub(crate) fn heads_matmul<B: MoeBackend>(lhs: Tensor<B, 4>, rhs: Tensor<B, 4>) -> Tensor<B, 4> {
-    let product = B::heads_matmul(lhs.into_primitive().tensor(), rhs.into_primitive().tensor());
-    Tensor::from_primitive(TensorPrimitive::Float(product))
+    Ok(dense.heads_matmul(weights, values)?.reshape([b, h, t, d_v]))
 }
 
 /// The attention weights of `scores · scale`: keys hidden by [`Places::mask`] at `-inf`, the

@@ -267,7 +267,8 @@ impl<B: MoeBackend> LatentAttention<B> {
                     &AttnRules::default(),
                     c.softmax_scale,
                     None,
-                )
+                    dense,
+                )?
             }
             true => {
                 let maps = cache.absorbed.clone().unwrap_or_else(|| self.absorbed_maps());

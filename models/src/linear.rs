@@ -12,7 +12,8 @@
 //!
 //! Where the MoE layers' communicator offers a device library for the backend (cuBLAS on CUDA),
 //! the products go through it instead, at the MoE layers' GEMM precision ([`DenseProducts`]),
-//! as the layers' own router and shared-expert products do.
+//! as the layers' own router and shared-expert products do; attention's per-head products too
+//! ([`DenseProducts::heads_matmul`]).
 
 use std::sync::Arc;
 
@@ -103,6 +104,30 @@ impl DenseProducts {
             .zip(shapes)
             .map(|(y, out)| unflatten(y, out))
             .collect())
+    }
+
+    /// Attention's per-head products `lhs · rhs` over matching leading dimensions: through
+    /// the library at its precision where there is one
+    /// ([`MoeBackend::dense_heads_matmul`]), the backend's
+    /// [`heads_matmul`](MoeBackend::heads_matmul) otherwise (on Flex, a decode step's few rows
+    /// read the cache where it lies).
+    ///
+    /// # Shapes
+    /// - lhs: `[.., m, k]`, rhs: `[.., k, n]` → `[.., m, n]`
+    ///
+    /// # Errors
+    /// As [`matmul`](Self::matmul).
+    pub fn heads_matmul<B: MoeBackend, const D: usize>(
+        &self,
+        lhs: Tensor<B, D>,
+        rhs: Tensor<B, D>,
+    ) -> Result<Tensor<B, D>> {
+        let (lhs, rhs) = (lhs.into_primitive().tensor(), rhs.into_primitive().tensor());
+        let product = match &self.library {
+            Some((comm, precision)) => B::dense_heads_matmul(lhs, rhs, comm, *precision)?,
+            None => B::heads_matmul(lhs, rhs),
+        };
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(product)))
     }
 
     /// `layer(x)`: `x · weight + bias`, the product as [`matmul`](Self::matmul) makes it.

@@ -234,6 +234,17 @@ impl<B: MoeBackend, C: CheckpointStrategy> MoeBackend for Autodiff<B, C> {
         super::dense::autodiff_many::<B, C>(pairs, comm, precision)
     }
 
+    /// Through the inner backend's library, one node whose two backward products go the same
+    /// way; `Autodiff`'s own per-head product without one.
+    fn dense_heads_matmul(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        comm: &Arc<dyn Communicator>,
+        precision: super::GemmPrecision,
+    ) -> Result<FloatTensor<Self>> {
+        super::dense_heads::autodiff::<B, C>(lhs, rhs, comm, precision)
+    }
+
     /// One node whose backward is the inner backend's combine.
     fn gather_rows(x: FloatTensor<Self>, map: &Arc<RowMap>) -> FloatTensor<Self> {
         super::row_moves::gather_autodiff::<B, C>(x, map)

@@ -354,6 +354,28 @@ pub trait MoeBackend:
         super::dense::through_path_many::<Self>(pairs, comm, precision)
     }
 
+    /// Attention's per-head products (`lhs · rhs` over matching leading dimensions) at
+    /// `precision`, through the communicator's device library for this backend where it takes
+    /// dense products ([`ExpertPath::heads_matmul`](super::ExpertPath::heads_matmul): on CUDA
+    /// batched cuBLAS calls, where cubecl multiplies f32 in TF32 whatever is asked), else the
+    /// backend's [`heads_matmul`](Self::heads_matmul). Differentiable where the backend is:
+    /// under `Autodiff` one node whose two backward products go the same way
+    /// (`exchange/dense_heads.rs`).
+    ///
+    /// # Shapes
+    /// - lhs: `[.., m, k]`, rhs: `[.., k, n]` → `[.., m, n]`
+    ///
+    /// # Errors
+    /// [`MoeError::Backend`](crate::MoeError::Backend) if the device library fails.
+    fn dense_heads_matmul(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        comm: &Arc<dyn Communicator>,
+        precision: super::GemmPrecision,
+    ) -> Result<FloatTensor<Self>> {
+        super::dense_heads::through_path::<Self>(lhs, rhs, comm, precision)
+    }
+
     /// Whether [`dense_matmul`](Self::dense_matmul) goes through a device library here: the
     /// communicator offers one for this backend that takes dense products
     /// ([`ExpertPath::multiplies_dense`](super::ExpertPath::multiplies_dense)), or, for a

@@ -286,6 +286,27 @@ pub trait ExpertPath<B: MoeBackend>: Send + Sync + Debug {
             .collect()
     }
 
+    /// Products of matching batches of matrices at `precision`: attention's per-head products
+    /// (the scores against the keys, the weights against the values, and their gradients:
+    /// [`MoeBackend::dense_heads_matmul`]). Either operand may be the transposed view of its
+    /// last two dimensions (the keys as `kᵀ`, a gradient's `bᵀ`). The default is the backend's
+    /// [`heads_matmul`](MoeBackend::heads_matmul).
+    ///
+    /// # Shapes
+    /// - lhs: `[.., m, k]`, rhs: `[.., k, n]` with the same leading dimensions → `[.., m, n]`
+    ///
+    /// # Errors
+    /// [`MoeError::Backend`](crate::MoeError::Backend) if the library fails.
+    fn heads_matmul(
+        &self,
+        lhs: FloatTensor<B>,
+        rhs: FloatTensor<B>,
+        precision: GemmPrecision,
+    ) -> Result<FloatTensor<B>> {
+        let _ = precision;
+        Ok(B::heads_matmul(lhs, rhs))
+    }
+
     /// Whether the layer's dense products (the router's logits, the shared expert, a model's
     /// projections: [`MoeBackend::dense_matmul`]) go through this path too, or stay on the
     /// backend's own product. The default is `true`. A library may leave them to the backend

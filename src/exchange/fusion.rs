@@ -133,6 +133,22 @@ impl<B: FusionBackend + MoeBackend> MoeBackend for Fusion<B> {
         Ok(register::<B>(out, &device))
     }
 
+    /// On the inner backend where the communicator offers a library for it; fusion's own
+    /// per-head product otherwise.
+    fn dense_heads_matmul(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        comm: &Arc<dyn Communicator>,
+        precision: super::GemmPrecision,
+    ) -> Result<FloatTensor<Self>> {
+        if !B::dense_library(comm.as_ref()) {
+            return Ok(Self::heads_matmul(lhs, rhs));
+        }
+        let device = lhs.client.device().clone();
+        let out = B::dense_heads_matmul(resolve::<B>(lhs), resolve::<B>(rhs), comm, precision)?;
+        Ok(register::<B>(out, &device))
+    }
+
     /// On the inner backend in one call where the communicator offers a library for it;
     /// fusion's own matmuls otherwise.
     fn dense_matmuls(

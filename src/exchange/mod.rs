@@ -20,6 +20,7 @@ mod cubecl_combine;
 #[cfg(all(test, feature = "wgpu"))]
 mod cubecl_combine_tests;
 mod dense;
+mod dense_heads;
 mod direct;
 pub(crate) use dense::dense;
 pub(crate) mod executor;

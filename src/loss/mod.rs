@@ -21,6 +21,7 @@ mod kernels;
 #[cfg(all(test, feature = "flex", feature = "ndarray"))]
 mod tests;
 
+#[cfg(any(feature = "cubecl", feature = "fusion"))]
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Int, Tensor, TensorPrimitive};
 

@@ -395,6 +395,7 @@ fn main() -> ExitCode {
     report(batched::checks(), &mut total, &mut failed);
     report(lora::checks(), &mut total, &mut failed);
     report(products::checks(), &mut total, &mut failed);
+    report(products::heads_checks(), &mut total, &mut failed);
     if nccl.is_ok() {
         report(local_group_checks(), &mut total, &mut failed);
     }

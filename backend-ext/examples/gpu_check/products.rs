@@ -125,3 +125,92 @@ pub(crate) fn checks() -> Vec<(String, Result<String, String>)> {
         })
         .collect()
 }
+
+/// A `[.., rows, cols]` operand's values as a batch of row-major matrices, whatever its layout.
+fn host_matrices(t: &Float, dims: &[usize]) -> Vec<f64> {
+    Tensor::<Inner, 4>::from_primitive(TensorPrimitive::Float(t.clone()))
+        .reshape([dims[0], dims[1], dims[2], dims[3]])
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap_or_default()
+        .into_iter()
+        .map(f64::from)
+        .collect()
+}
+
+fn random4(dims: [usize; 4]) -> Float {
+    Tensor::<Inner, 4>::random(dims, Distribution::Normal(0.0, 0.5), &Default::default())
+        .into_primitive()
+        .tensor()
+}
+
+/// The operand pairs attention's per-head products see: both contiguous (the weights against
+/// the values), the right one the keys' swapped view (the scores), the left one a swapped view
+/// (a backward's `lhsᵀ · g`), a right one sliced along its last dimension (DeepSeek-V3's
+/// values, made contiguous by the path), and a batch of one matrix.
+fn head_pairs() -> Vec<(&'static str, Float, Float)> {
+    let swap = |t: Float| <Inner as FloatTensorOps<Inner>>::float_swap_dims(t, 2, 3);
+    let sliced = <Inner as FloatTensorOps<Inner>>::float_slice(
+        random4([2, 3, 8, 12]),
+        &[(0..2).into(), (0..3).into(), (0..8).into(), (2..9).into()],
+    );
+    vec![
+        ("contiguous", random4([2, 3, 5, 8]), random4([2, 3, 8, 7])),
+        ("keys' view", random4([2, 3, 5, 8]), swap(random4([2, 3, 7, 8]))),
+        ("left view", swap(random4([2, 3, 8, 5])), random4([2, 3, 8, 7])),
+        ("sliced right", random4([2, 3, 5, 8]), sliced),
+        ("one matrix", random4([1, 1, 6, 8]), random4([1, 1, 8, 4])),
+    ]
+}
+
+/// The cuBLAS path's per-head products (`ExpertPath::heads_matmul`) against the products in
+/// f64 on the host, at each GEMM precision, each call one section.
+pub(crate) fn heads_checks() -> Vec<(String, Result<String, String>)> {
+    let path = match CublasExperts::new(0) {
+        Ok(path) => path,
+        Err(e) => {
+            return vec![(
+                "cublas per-head products".into(),
+                Err(format!("no cuBLAS path: {e}")),
+            )]
+        }
+    };
+    GemmPrecision::ALL
+        .iter()
+        .map(|&precision| {
+            let label = format!("cublas per-head products {precision}");
+            let outcome = (|| -> Result<String, String> {
+                let mut worst = 0.0f64;
+                for (what, lhs, rhs) in head_pairs() {
+                    let (ld, rd) = (lhs.meta.shape().to_vec(), rhs.meta.shape().to_vec());
+                    let (m, k, n, batch) = (ld[2], ld[3], rd[3], ld[0] * ld[1]);
+                    let (a, b) = (host_matrices(&lhs, &ld), host_matrices(&rhs, &rd));
+                    let want: Vec<f64> = (0..batch * m * n)
+                        .map(|i| {
+                            let (p, r, c) = (i / (m * n), i / n % m, i % n);
+                            (0..k)
+                                .map(|j| a[p * m * k + r * k + j] * b[p * k * n + j * n + c])
+                                .sum()
+                        })
+                        .collect();
+                    let before = path.calls();
+                    let got = path
+                        .heads_matmul(lhs, rhs, precision)
+                        .map_err(|e| format!("{what}: {e}"))?;
+                    let sections = path.calls().sections - before.sections;
+                    if sections != 1 {
+                        return Err(format!("{what}: {sections} sections for one call"));
+                    }
+                    let got = host_matrices(&got, &[ld[0], ld[1], m, n]);
+                    let err = relative_error(&got, &want);
+                    if err.is_nan() || err > tolerance(precision) {
+                        return Err(format!("{what}: relative error {err:.2e}"));
+                    }
+                    worst = worst.max(err);
+                }
+                Ok(format!("(worst {worst:.1e})"))
+            })();
+            (label, outcome)
+        })
+        .collect()
+}

@@ -187,3 +187,140 @@ fn product_on(
     drop(at);
     Ok(out)
 }
+
+/// A batch of matrices as cuBLAS reads them, one every `rows · cols` elements: contiguous
+/// (`transposed` false, `ld` the width), or the view of a contiguous batch with its last two
+/// dimensions swapped (`transposed` true, `ld` the view's height), which attention passes for
+/// the keys and a backward for each operand; anything else is made contiguous first.
+fn batched_operand(
+    t: CubeTensor<CudaRuntime>,
+    ordinal: usize,
+    what: &str,
+) -> Result<(CubeTensor<CudaRuntime>, usize, bool)> {
+    let shape = t.meta.shape().to_vec();
+    let strides = t.meta.strides().to_vec();
+    let rank = shape.len();
+    if rank < 2 {
+        return Err(MoeError::Backend(format!(
+            "CUDA per-head product: {what} is {shape:?}"
+        )));
+    }
+    let (rows, cols) = (shape[rank - 2], shape[rank - 1]);
+    // Each leading dimension a whole number of matrices apart, as in a contiguous batch.
+    let mut expected = rows * cols;
+    let mut batch_contiguous = true;
+    for i in (0..rank - 2).rev() {
+        batch_contiguous &= shape[i] == 1 || strides[i] == expected;
+        expected *= shape[i];
+    }
+    let swapped = strides[rank - 2] == 1 && (strides[rank - 1] == rows || cols == 1);
+    if t.dtype == DType::F32 && t.device.index == ordinal && batch_contiguous && swapped && rows > 1 {
+        return Ok((t, rows, true));
+    }
+    let t = ready(t, ordinal, what)?;
+    Ok((t, cols, false))
+}
+
+/// Attention's per-head products (`ExpertPath::heads_matmul`): `lhs[i] · rhs[i]` for every
+/// matrix `i` of the batch, into a new `[.., m, n]` tensor, in one section. Every product has
+/// the same shape and its operands lie a whole matrix apart, so the role runs as one strided
+/// batched call where cuBLAS takes it (`Inner::run`), looped otherwise.
+///
+/// # Shapes
+/// - lhs: `[.., m, k]`, rhs: `[.., k, n]` with the same leading dimensions → `[.., m, n]`
+pub(crate) fn heads_matmul(
+    path: &CublasExperts,
+    lhs: CubeTensor<CudaRuntime>,
+    rhs: CubeTensor<CudaRuntime>,
+    precision: GemmPrecision,
+) -> Result<CubeTensor<CudaRuntime>> {
+    let (ls, rs) = (lhs.meta.shape().to_vec(), rhs.meta.shape().to_vec());
+    let rank = ls.len();
+    if rank < 2 || rs.len() != rank || ls[..rank - 2] != rs[..rank - 2] || ls[rank - 1] != rs[rank - 2] {
+        return Err(MoeError::Backend(format!(
+            "CUDA per-head product: {ls:?} times {rs:?}"
+        )));
+    }
+    let (m, k, n) = (ls[rank - 2], ls[rank - 1], rs[rank - 1]);
+    let batch: usize = ls[..rank - 2].iter().product();
+    let mut shape = ls.clone();
+    shape[rank - 1] = n;
+    let client = lhs.client.clone();
+    let out = CubeTensor::new_contiguous(
+        client.clone(),
+        lhs.device.clone(),
+        shape.into(),
+        client.empty((batch * m * n * 4).max(4)),
+        DType::F32,
+    );
+    if batch * m * n == 0 {
+        return Ok(out);
+    }
+    if k == 0 {
+        // No terms: the products are zeros, which cuBLAS would not write with `beta = 0` and
+        // no `A` or `B` to read.
+        return Ok(burn_cubecl::ops::numeric::zeros_client(
+            client,
+            out.device.clone(),
+            out.meta.shape().clone(),
+            DType::F32,
+        ));
+    }
+    path.on_device_thread(&client, |lane| {
+        heads_on(path, (lhs, rhs, out), (batch, m, k, n), precision, lane)
+    })
+}
+
+fn heads_on(
+    path: &CublasExperts,
+    (lhs, rhs, out): (
+        CubeTensor<CudaRuntime>,
+        CubeTensor<CudaRuntime>,
+        CubeTensor<CudaRuntime>,
+    ),
+    (batch, m, k, n): (usize, usize, usize, usize),
+    precision: GemmPrecision,
+    lane: Arc<Mutex<Lane>>,
+) -> Result<CubeTensor<CudaRuntime>> {
+    let client = out.client.clone();
+    let ord = path.inner.ordinal;
+    let mut at = Addresses::new(&client);
+    let (lhs, lda, trans_a) = batched_operand(lhs, ord, "a per-head product's left operand")?;
+    let (rhs, ldb, trans_b) = batched_operand(rhs, ord, "a per-head product's right operand")?;
+    let half = precision == GemmPrecision::Bf16;
+    let bytes = if half { 2 } else { 4 };
+    // A swapped view covers the same elements as its storage: the copy converts the storage.
+    let list = [(at.of(&lhs)?, batch * m * k), (at.of(&rhs)?, batch * k * n)];
+    let (halves, ops) = Halves::plan(&mut at, half, &list)?;
+    let c = at.of(&out)?;
+    let products = (0..batch)
+        .map(|i| {
+            Product::new(
+                ops[0] + (i * m * k * bytes) as u64,
+                lda,
+                ops[1] + (i * k * n * bytes) as u64,
+                ldb,
+                c + (i * m * n * 4) as u64,
+                n,
+                m,
+                n,
+                k,
+            )
+        })
+        .collect();
+    let role = Role::new(trans_a, trans_b, false, half, products);
+    path.inner.section(
+        &client,
+        |inner, lane| {
+            if !halves.is_empty() {
+                halves.convert(&inner.kernels, &lane.stream)?;
+                lane.mark("convert per-head operands")?;
+            }
+            inner.run(lane, &role, precision)?;
+            lane.mark("per-head products")
+        },
+        &lane,
+    )?;
+    drop(at);
+    Ok(out)
+}

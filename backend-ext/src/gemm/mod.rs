@@ -460,6 +460,17 @@ impl ExpertPath<CudaMoe<f32>> for CublasExperts {
         dense::matmuls(self, pairs, precision)
     }
 
+    /// Every head's product in one section, one strided batched call where cuBLAS takes it
+    /// (`dense.rs`).
+    fn heads_matmul(
+        &self,
+        lhs: CubeTensor<CudaRuntime>,
+        rhs: CubeTensor<CudaRuntime>,
+        precision: GemmPrecision,
+    ) -> Result<CubeTensor<CudaRuntime>> {
+        dense::heads_matmul(self, lhs, rhs, precision)
+    }
+
     fn forward(
         &self,
         job: ExpertForward<'_, CudaMoe<f32>>,

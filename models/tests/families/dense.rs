@@ -14,9 +14,10 @@ use super::*;
 
 /// A library that multiplies as NdArray does (its experts the plain-primitive twin) and
 /// records each call of dense products it is asked for: its precision and how many products it
-/// held (one for `matmul`).
+/// held (one for `matmul`); and, apart, the precision of each call of attention's per-head
+/// products.
 #[derive(Debug, Default)]
-struct Recording(Mutex<Vec<(GemmPrecision, usize)>>);
+struct Recording(Mutex<Vec<(GemmPrecision, usize)>>, Mutex<Vec<GemmPrecision>>);
 
 impl ExpertPath<NdArray> for Recording {
     fn forward(
@@ -39,6 +40,16 @@ impl ExpertPath<NdArray> for Recording {
         use burn::tensor::ops::FloatTensorOps;
         self.0.lock().unwrap().push((precision, 1));
         Ok(<NdArray as FloatTensorOps<NdArray>>::float_matmul(lhs, rhs))
+    }
+
+    fn heads_matmul(
+        &self,
+        lhs: FloatTensor<NdArray>,
+        rhs: FloatTensor<NdArray>,
+        precision: GemmPrecision,
+    ) -> mpipemoe::Result<FloatTensor<NdArray>> {
+        self.1.lock().unwrap().push(precision);
+        Ok(<NdArray as mpipemoe::MoeBackend>::heads_matmul(lhs, rhs))
     }
 
     fn matmuls(
@@ -110,6 +121,19 @@ fn every_familys_dense_products_go_through_the_library_at_the_layers_precision()
             seen.iter().all(|&(p, n)| p == GemmPrecision::Tf32 && n > 0),
             "{family}: {seen:?}"
         );
+        // Attention's two per-head products a layer (the scores, the weighted values), at the
+        // precision set: a model that left them on the backend multiplied them in TF32 on
+        // CUDA whatever it was asked.
+        let heads = library.1.lock().unwrap().clone();
+        assert!(
+            heads.len() >= 2 * layers,
+            "{family}: {} per-head calls for {layers} layers",
+            heads.len()
+        );
+        assert!(
+            heads.iter().all(|&p| p == GemmPrecision::Tf32),
+            "{family}: {heads:?}"
+        );
     }
 }
 
@@ -146,5 +170,20 @@ fn training_with_adapters_through_the_library_keeps_every_bit() {
         }
         let seen = library.0.lock().unwrap().clone();
         assert!(seen.iter().any(|&(_, n)| n > 1), "{family}: {seen:?}");
+        // The per-head products' backward through the library too: each forward product's
+        // node makes its tracked operands' gradients there, at least one each (the first
+        // layer's keys and values come from frozen weights and the frozen embedding where
+        // no adapter reaches them), so at least four calls a layer with the forward's two,
+        // where a backward on the backend leaves two.
+        let layers =
+            MoeCausalLm::<B>::from_hf(data().join(family), &Default::default(), Arc::new(SingleRank))
+                .unwrap()
+                .layers
+                .len();
+        let heads = library.1.lock().unwrap().len();
+        assert!(
+            heads >= 4 * layers,
+            "{family}: {heads} per-head calls for {layers} layers"
+        );
     }
 }
