@@ -273,7 +273,7 @@ impl<B: MoeBackend> LatentAttention<B> {
             true => {
                 let maps = cache.absorbed.clone().unwrap_or_else(|| self.absorbed_maps());
                 cache.absorbed = Some(maps.clone());
-                self.absorbed(q_pass, q_rot, maps, &cache, places)
+                self.absorbed(q_pass, q_rot, maps, &cache, places, dense)?
             }
         };
         let out = swap_dims_contiguous(out).reshape([b, t, h * v_dim]);
@@ -299,19 +299,22 @@ impl<B: MoeBackend> LatentAttention<B> {
         (w_key, w_value): (Tensor<B, 3>, Tensor<B, 3>),
         cache: &LayerCache<B>,
         places: &Places,
-    ) -> Tensor<B, 4> {
+        dense: &DenseProducts,
+    ) -> Result<Tensor<B, 4>> {
         let (h, c) = self.rules;
         let lora = c.kv_lora_rank;
         let [b, _, t, _] = q_pass.dims();
         let s = cache.columns.len();
-        let q_latent = per_head(q_pass, w_key);
+        let q_latent = per_head(q_pass, w_key, dense)?;
         // The keys are shared by the heads: the heads' queries are rows of one product.
         let rows = |x: Tensor<B, 4>| {
             let d = x.dims()[3];
             x.reshape([b, 1, h * t, d])
         };
-        let scores = rows(q_latent).matmul(cache.values().swap_dims(2, 3))
-            + rows(q_rot).matmul(cache.keys().swap_dims(2, 3));
+        // Every product per head as `dense` multiplies (the library at its precision where
+        // there is one), as the expanded form's are (`attend`).
+        let scores = dense.heads_matmul(rows(q_latent), cache.values().swap_dims(2, 3))?
+            + dense.heads_matmul(rows(q_rot), cache.keys().swap_dims(2, 3))?;
         let scores = scores.reshape([b, h, t, s]);
         let probs = probabilities(
             scores,
@@ -320,8 +323,10 @@ impl<B: MoeBackend> LatentAttention<B> {
             &AttnRules::default(),
             None,
         );
-        let context = rows(probs).matmul(cache.values()).reshape([b, h, t, lora]);
-        per_head(context, w_value)
+        let context = dense
+            .heads_matmul(rows(probs), cache.values())?
+            .reshape([b, h, t, lora]);
+        per_head(context, w_value, dense)
     }
 }
 
@@ -356,14 +361,11 @@ impl<B: Backend> LatentAttention<B> {
 /// # Shapes
 /// - x: `[batch, heads, seq, in]`; w: `[heads, in, out]`
 /// - output: `[batch, heads, seq, out]`
-fn per_head<B: Backend>(x: Tensor<B, 4>, w: Tensor<B, 3>) -> Tensor<B, 4> {
+fn per_head<B: MoeBackend>(x: Tensor<B, 4>, w: Tensor<B, 3>, dense: &DenseProducts) -> Result<Tensor<B, 4>> {
     let [b, h, t, i] = x.dims();
     let o = w.dims()[2];
-    x.swap_dims(0, 1)
-        .reshape([h, b * t, i])
-        .matmul(w)
-        .reshape([h, b, t, o])
-        .swap_dims(0, 1)
+    let rows = x.swap_dims(0, 1).reshape([h, b * t, i]);
+    Ok(dense.heads_matmul(rows, w)?.reshape([h, b, t, o]).swap_dims(0, 1))
 }
 
 /// DeepSeek's interleaved rotary embedding: pairs `(x0, x1), (x2, x3), ...` each rotated by

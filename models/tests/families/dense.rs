@@ -102,6 +102,24 @@ fn every_familys_dense_products_go_through_the_library_at_the_layers_precision()
         let own = MoeCausalLm::<B>::from_hf(data().join(family), &device, Arc::new(SingleRank)).unwrap();
         let logits = |m: &MoeCausalLm<B>| values(m.forward(ids_tensor(&ids, [1, ids.len()]), None).logits);
         same_bits(&logits(&through), &logits(&own), &format!("{family}: logits"));
+        // A cached step (a prompt, then one token): DeepSeek-V3's attention on its compressed
+        // cache multiplies per head as well, through the library where there is one.
+        let cached_step = |m: &MoeCausalLm<B>| {
+            let mut cache = mpipemoe_models::KvCache::new(m.layers.len());
+            m.forward(ids_tensor(&ids[..4], [1, 4]), Some(&mut cache));
+            values(m.forward(ids_tensor(&ids[4..], [1, 1]), Some(&mut cache)).logits)
+        };
+        let heads_before = library.1.lock().unwrap().len();
+        same_bits(
+            &cached_step(&through),
+            &cached_step(&own),
+            &format!("{family}: a cached step's logits"),
+        );
+        let heads_cached = library.1.lock().unwrap().len() - heads_before;
+        assert!(
+            heads_cached >= 4 * through.layers.len(),
+            "{family}: {heads_cached} per-head calls in a prompt and a cached step"
+        );
         let seen = library.0.lock().unwrap().clone();
         let products: usize = seen.iter().map(|&(_, n)| n).sum();
         // At least four attention projections a layer, the head, and each MoE layer's router.
