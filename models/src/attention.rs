@@ -175,8 +175,8 @@ impl<B: MoeBackend> Attention<B> {
     /// Attends the tokens `x` at `places` to themselves and to `cached` (earlier columns),
     /// causally, within `window` and past each row's pad columns. Returns the output and the
     /// cache extended by these tokens' keys and values, untrimmed (the model trims what it
-    /// keeps: `DecoderLayer::kept`). The
-    /// projections multiply as `dense` makes them.
+    /// keeps: `DecoderLayer::kept`). The projections and the per-head products multiply as
+    /// `dense` makes them.
     ///
     /// # Errors
     /// As [`DenseProducts::matmul`].
@@ -268,12 +268,10 @@ impl<B: MoeBackend> Attention<B> {
         let (keys, values) = (cache.keys(), cache.values());
         let out = attend(
             q,
-            keys,
-            values,
+            (keys, values),
             (places, &cache.columns),
             rules,
-            scale,
-            sinks,
+            (scale, sinks),
             dense,
         )?;
         let out = swap_dims_contiguous(out).reshape([b, t, n_heads * head_dim]);
@@ -297,15 +295,12 @@ impl<B: MoeBackend> Attention<B> {
 /// - q: `[batch, heads, seq, d]`; keys: `[batch, kv_heads, cached, d]`; values: `[batch,
 ///   kv_heads, cached, d_v]`, `kv_heads` dividing `heads`; sinks: `[heads]`
 /// - output: `[batch, heads, seq, d_v]`
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn attend<B: MoeBackend>(
     q: Tensor<B, 4>,
-    keys: Tensor<B, 4>,
-    values: Tensor<B, 4>,
+    (keys, values): (Tensor<B, 4>, Tensor<B, 4>),
     (places, cached): (&Places, &[usize]),
     rules: &AttnRules,
-    scale: f64,
-    sinks: Option<Tensor<B, 1>>,
+    (scale, sinks): (f64, Option<Tensor<B, 1>>),
     dense: &DenseProducts,
 ) -> Result<Tensor<B, 4>> {
     let [b, h, t, d] = q.dims();

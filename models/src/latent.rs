@@ -261,12 +261,10 @@ impl<B: MoeBackend> LatentAttention<B> {
                 let query = Tensor::cat(vec![q_pass, q_rot], 3);
                 attend(
                     query,
-                    keys,
-                    values,
+                    (keys, values),
                     (places, &cache.columns),
                     &AttnRules::default(),
-                    c.softmax_scale,
-                    None,
+                    (c.softmax_scale, None),
                     dense,
                 )?
             }

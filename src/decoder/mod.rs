@@ -1,12 +1,16 @@
-//! Kernels of the decoder blocks around the MoE layer: RMSNorm and the rotary embedding (the
-//! `rotate_half` form), which a model built on the layer runs at every position of every step.
+//! Kernels of the decoder blocks around the MoE layer: RMSNorm, the rotary embedding (the
+//! `rotate_half` form) and attention's weights (the scaled, masked softmax over the keys),
+//! which a model built on the layer runs at every position of every step.
 //!
 //! Composed from burn's ops, each is six to ten ops, each op an allocation and a pass, on a
 //! few hundred values per token: in a decode step of the 163 M Qwen3-MoE the norms and the
 //! rotations were 2.9% of the step, nearly all of it per-op overhead (BENCHMARKS §13m). The
 //! defaults here are those compositions, exactly as the models wrote them (and what
-//! `Autodiff` records, with their gradients); Flex runs each as one pass over its rows
-//! (`decoder/flex.rs`), with the same operations per value.
+//! `Autodiff` records, with their gradients); Flex runs the norm and the rotation as one pass
+//! over their rows (`decoder/flex.rs`), with the same operations per value. The CubeCL
+//! backends run all three in one kernel each way, and `Autodiff` over them records each as one
+//! node (`autodiff.rs`): in training, each op of a composition is a launch on a GPU backend
+//! that does not fuse, forward and backward.
 
 mod autodiff;
 #[cfg(feature = "cubecl")]
