@@ -36,6 +36,17 @@ pub(crate) fn grid<R: CubeRuntime>(t: &CubeTensor<R>, units: usize) -> (CubeCoun
     (calculate_cube_count_elemwise(&t.client, units, dim), dim)
 }
 
+/// The launch shape of one cube of `threads` threads per row of `rows`, for the kernels whose
+/// cube strides along its row and reduces across its threads (`cubecl_cube.rs`).
+pub(crate) fn cube_per_row<R: CubeRuntime>(
+    t: &CubeTensor<R>,
+    rows: usize,
+    threads: usize,
+) -> (CubeCount, CubeDim) {
+    let dim = CubeDim::new_1d(threads as u32);
+    (calculate_cube_count_elemwise(&t.client, rows * threads, dim), dim)
+}
+
 /// `values` as `u32`s on `like`'s device; `None` if one does not fit in a `u32` (the caller
 /// composes its op then).
 pub(crate) fn upload_u32<R: CubeRuntime>(like: &CubeTensor<R>, values: &[usize]) -> Option<Handle> {

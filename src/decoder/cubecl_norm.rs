@@ -17,13 +17,12 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Shape, TensorMetadata};
 use burn_cubecl::cubecl;
-use burn_cubecl::cubecl::calculate_cube_count_elemwise;
 use burn_cubecl::cubecl::prelude::*;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 
 use crate::cubecl_cube::cube_sum;
-use crate::cubecl_launch::{kernel_float, output};
+use crate::cubecl_launch::{cube_per_row, kernel_float, output};
 
 /// Threads of a row's cube.
 const THREADS: usize = 64;
@@ -121,12 +120,6 @@ fn fits<R: CubeRuntime>(x: &CubeTensor<R>, weight: &CubeTensor<R>) -> Option<[us
     (ok && rows * width > 0).then_some(dims)
 }
 
-/// One cube per row.
-fn launch_grid<R: CubeRuntime>(x: &CubeTensor<R>, rows: usize) -> (CubeCount, CubeDim) {
-    let dim = CubeDim::new_1d(THREADS as u32);
-    (calculate_cube_count_elemwise(&x.client, rows * THREADS, dim), dim)
-}
-
 /// The norm in one kernel; `None` where the kernel does not read the tensors (the caller
 /// composes it then).
 ///
@@ -139,7 +132,7 @@ pub(crate) fn rms_norm<R: CubeRuntime>(
 ) -> Option<CubeTensor<R>> {
     let dims @ [rows, width] = fits(x, weight)?;
     let out = output(x, dims);
-    let (count, dim) = launch_grid(x, rows);
+    let (count, dim) = cube_per_row(x, rows, THREADS);
     // SAFETY: `x` and `weight` are read at their strides within their shapes; `out` holds
     // `rows · width` contiguous elements, each row written by its cube; cubes past the last
     // row leave before reading.
@@ -178,7 +171,7 @@ pub(crate) fn rms_norm_backward<R: CubeRuntime>(
     }
     let dx = output(x, dims);
     let scaled = output(x, dims);
-    let (count, dim) = launch_grid(x, rows);
+    let (count, dim) = cube_per_row(x, rows, THREADS);
     // SAFETY: as in `rms_norm`, `grad` read at its strides within `[rows, width]`, both outputs
     // `rows · width` contiguous elements, each row written by its cube.
     unsafe {

@@ -15,13 +15,12 @@
 //! (`decoder/cubecl_tests.rs`).
 
 use burn_cubecl::cubecl;
-use burn_cubecl::cubecl::calculate_cube_count_elemwise;
 use burn_cubecl::cubecl::prelude::*;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 
 use crate::cubecl_cube::{cube_max, cube_sum};
-use crate::cubecl_launch::{kernel_float, output};
+use crate::cubecl_launch::{cube_per_row, kernel_float, output};
 
 /// Threads of a row's cube: one warp, as a row is a sequence's keys (tens to thousands).
 const THREADS: usize = 32;
@@ -140,12 +139,6 @@ fn dims4<R: CubeRuntime>(t: &CubeTensor<R>) -> Option<[usize; 4]> {
     (kernel_float(t) && dims.iter().product::<usize>() > 0).then_some(dims)
 }
 
-/// One cube per row of scores.
-fn launch_grid<R: CubeRuntime>(t: &CubeTensor<R>, rows: usize) -> (CubeCount, CubeDim) {
-    let dim = CubeDim::new_1d(THREADS as u32);
-    (calculate_cube_count_elemwise(&t.client, rows * THREADS, dim), dim)
-}
-
 /// The weights in one kernel; `None` where the kernel does not read the tensors (the caller
 /// composes them then): scores not a float tensor of four dimensions, or a mask that is not a
 /// `[1 or batch, seq, keys]` bool tensor.
@@ -167,7 +160,7 @@ pub(crate) fn attention_softmax<R: CubeRuntime>(
     let mask_batch_stride = if rows == 1 { 0 } else { hidden.meta.strides()[0] };
     let out = output(scores, dims);
     let n_rows = batch * heads * seq;
-    let (count, dim) = launch_grid(scores, n_rows);
+    let (count, dim) = cube_per_row(scores, n_rows, THREADS);
     // SAFETY: `scores` is read at its strides within `[batch, heads, seq, keys]`, `hidden` at
     // its strides within `[rows, seq, keys]` (row 0 alone where `rows` is 1); `out` holds
     // `n_rows · keys` contiguous elements, each row written by its cube; cubes past the last
@@ -208,7 +201,7 @@ pub(crate) fn attention_softmax_backward<R: CubeRuntime>(
     }
     let out = output(probs, dims);
     let n_rows = batch * heads * seq;
-    let (count, dim) = launch_grid(probs, n_rows);
+    let (count, dim) = cube_per_row(probs, n_rows, THREADS);
     // SAFETY: as in `attention_softmax`, both inputs read at their strides within their
     // shapes, `out` `n_rows · keys` contiguous elements, each row written by its cube.
     unsafe {

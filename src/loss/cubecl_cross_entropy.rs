@@ -17,13 +17,12 @@
 
 use burn::tensor::DType;
 use burn_cubecl::cubecl;
-use burn_cubecl::cubecl::calculate_cube_count_elemwise;
 use burn_cubecl::cubecl::prelude::*;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 
 use crate::cubecl_cube::{cube_max, cube_sum};
-use crate::cubecl_launch::{grid, kernel_float, output};
+use crate::cubecl_launch::{cube_per_row, grid, kernel_float, output};
 
 /// Threads of a row's cube: a row is a vocabulary, thousands to hundreds of thousands wide.
 const THREADS: usize = 128;
@@ -131,8 +130,7 @@ pub(crate) fn token_nll_forward<R: CubeRuntime>(
 ) -> Option<(CubeTensor<R>, CubeTensor<R>)> {
     let [n_tokens, vocab] = fits(logits, targets)?;
     let (nll, lse) = (output(logits, [n_tokens]), output(logits, [n_tokens]));
-    let dim = CubeDim::new_1d(THREADS as u32);
-    let count = calculate_cube_count_elemwise(&logits.client, n_tokens * THREADS, dim);
+    let (count, dim) = cube_per_row(logits, n_tokens, THREADS);
     // SAFETY: `logits` is read at its strides within `[n_tokens, vocab]` (a target is read as
     // a column only below `vocab`), `targets` within `[n_tokens]`; `nll` and `lse` hold
     // `n_tokens` contiguous elements, each written by its row's first thread; cubes past the

@@ -91,6 +91,23 @@ pub fn holds_the_finite_check<B: mpipemoe::MoeBackend>(device: &B::Device) {
     }
 }
 
+/// `got` against `want` within `tolerance` of `want`'s largest magnitude, which must not be
+/// zero (a zero twin would hold any op that writes zeros); `what` names the comparison.
+pub fn assert_close(what: &str, got: &[f64], want: &[f64], tolerance: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+    assert!(scale > 0.0, "{what}: the composed form is zero");
+    let worst = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs())
+        .fold(0f64, f64::max);
+    assert!(
+        worst <= tolerance * scale,
+        "{what}: {worst:e} off at scale {scale:e}"
+    );
+}
+
 /// The layer's z-loss on backend `B` against its composed form on the same backend: the value
 /// `coef / n_tokens · Σ_t logsumexp(logits_t)²` and the router's weight and bias gradients,
 /// through burn's own autodiff of the composed ops. The layer's loss is one op
@@ -128,16 +145,7 @@ where
     let want = lse.powi_scalar(2).sum() * (coef / n_tokens as f64);
     let want_grads = want.clone().backward();
     let values = |t: Tensor<B::InnerBackend, 1>| t.into_data().convert::<f64>().to_vec::<f64>().unwrap();
-    let close = |what: &str, got: Vec<f64>, want: Vec<f64>| {
-        let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
-        assert!(scale > 0.0, "{what}: the composed form is zero");
-        let worst = got
-            .iter()
-            .zip(&want)
-            .map(|(g, w)| (g - w).abs())
-            .fold(0f64, f64::max);
-        assert!(worst <= 2e-5 * scale, "{what}: {worst:e} off at scale {scale:e}");
-    };
+    let close = |what: &str, got: Vec<f64>, want: Vec<f64>| assert_close(what, &got, &want, 2e-5);
     close("z-loss", values(got.inner()), values(want.inner()));
     let flat = |t: Tensor<B::InnerBackend, 2>| values(t.flatten::<1>(0, 1));
     close(
@@ -203,17 +211,7 @@ where
         let want_grads = (want.clone() * weigh).sum().backward();
         let values = |t: Tensor<B::InnerBackend, 4>| t.into_data().convert::<f64>().to_vec::<f64>().unwrap();
         let close = |what: &str, got: Vec<f64>, want: Vec<f64>| {
-            let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
-            assert!(scale > 0.0, "{what}: the composed form is zero");
-            let worst = got
-                .iter()
-                .zip(&want)
-                .map(|(g, w)| (g - w).abs())
-                .fold(0f64, f64::max);
-            assert!(
-                worst <= 2e-6 * scale,
-                "{what}, mask rows {rows}: {worst:e} off at scale {scale:e}"
-            );
+            assert_close(&format!("{what}, mask rows {rows}"), &got, &want, 2e-6)
         };
         close("weights", values(probs.inner()), values(want.inner()));
         close(
@@ -264,17 +262,7 @@ where
         let want_grads = (want.clone() * weigh).sum().backward();
         let values = |t: Tensor<B::InnerBackend, 4>| t.into_data().convert::<f64>().to_vec::<f64>().unwrap();
         let close = |what: &str, got: Vec<f64>, want: Vec<f64>| {
-            let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
-            assert!(scale > 0.0, "{what}: the composed form is zero");
-            let worst = got
-                .iter()
-                .zip(&want)
-                .map(|(g, w)| (g - w).abs())
-                .fold(0f64, f64::max);
-            assert!(
-                worst <= 2e-6 * scale,
-                "{what}, table rows {rows}: {worst:e} off at scale {scale:e}"
-            );
+            assert_close(&format!("{what}, table rows {rows}"), &got, &want, 2e-6)
         };
         close("rotation", values(out.inner()), values(want.inner()));
         close(
@@ -318,16 +306,7 @@ where
     let want = (log_softmax(twin.clone(), 1) * one_hot).sum().neg() / counted as f64;
     let want_grads = want.backward();
     let values = |t: Tensor<B::InnerBackend, 2>| t.into_data().convert::<f64>().to_vec::<f64>().unwrap();
-    let close = |what: &str, got: Vec<f64>, want: Vec<f64>| {
-        let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
-        assert!(scale > 0.0, "{what}: the composed form is zero");
-        let worst = got
-            .iter()
-            .zip(&want)
-            .map(|(g, w)| (g - w).abs())
-            .fold(0f64, f64::max);
-        assert!(worst <= 1e-5 * scale, "{what}: {worst:e} off at scale {scale:e}");
-    };
+    let close = |what: &str, got: Vec<f64>, want: Vec<f64>| assert_close(what, &got, &want, 1e-5);
     let scalar = |t: Tensor<B, 1>| values(t.inner().reshape([1, 1]));
     close("loss", scalar(loss), scalar(want));
     close(
