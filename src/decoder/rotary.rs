@@ -10,6 +10,16 @@ use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 #[cfg(doc)]
 use super::DecoderKernels;
 
+/// A `[rows, seq, head_dim]` table repeated over the heads, as `[rows, seq · heads · head_dim]`:
+/// one row of it per sequence-major row of `x`.
+fn per_head_table<B: Backend>(m: FloatTensor<B>, [t, h, d]: [usize; 3]) -> Tensor<B, 2> {
+    let m = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(m));
+    let rows = m.dims()[0];
+    m.reshape([rows, t, 1, d])
+        .repeat_dim(2, h)
+        .reshape([rows, t * h * d])
+}
+
 /// [`DecoderKernels::rotate_half_seq_major`]'s default: burn's ops.
 pub(crate) fn rotate_half_seq_major_composed<B: Backend>(
     x: FloatTensor<B>,
@@ -18,13 +28,7 @@ pub(crate) fn rotate_half_seq_major_composed<B: Backend>(
 ) -> FloatTensor<B> {
     let x = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(x));
     let [b, t, h, d] = x.dims();
-    let table = |m: FloatTensor<B>| {
-        let m = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(m));
-        let rows = m.dims()[0];
-        m.reshape([rows, t, 1, d])
-            .repeat_dim(2, h)
-            .reshape([rows, t * h * d])
-    };
+    let table = |m| per_head_table::<B>(m, [t, h, d]);
     rotate_half_rows(x, [b, t * h * d], table(cos), table(sin))
         .into_primitive()
         .tensor()
@@ -39,13 +43,7 @@ pub(crate) fn rotate_half_seq_major_backward_composed<B: Backend>(
 ) -> FloatTensor<B> {
     let grad = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(grad));
     let dims @ [b, t, h, d] = grad.dims();
-    let table = |m: FloatTensor<B>| {
-        let m = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(m));
-        let rows = m.dims()[0];
-        m.reshape([rows, t, 1, d])
-            .repeat_dim(2, h)
-            .reshape([rows, t * h * d])
-    };
+    let table = |m| per_head_table::<B>(m, [t, h, d]);
     let grad = grad.reshape([b, t * h * d]);
     let by_sin = (grad.clone() * table(sin)).reshape([b * t * h, d]);
     let rotated = by_sin.matmul(rotate_half_matrix(d, &grad.device()));
