@@ -364,10 +364,24 @@ fn norm<B: MoeBackend, const D: usize>(norm: &Option<RmsNorm<B>>, x: Tensor<B, D
     }
 }
 
-/// `x / sqrt(mean(x²) + eps)` over the last dimension, no weight (Llama 4's `L2Norm`).
-fn l2_norm<B: Backend>(x: Tensor<B, 4>, eps: f64) -> Tensor<B, 4> {
-    let mean_square = x.clone().powi_scalar(2).mean_dim(3);
-    x * (mean_square + eps).sqrt().recip()
+/// `x / sqrt(mean(x²) + eps)` over the last dimension, no weight (Llama 4's `L2Norm`): the
+/// backend's RMSNorm with a weight of ones, which is exact (a product by one changes no bit).
+/// So the CubeCL backends run it in one kernel each way and record it as one node, as every
+/// other norm, where composed it was about twenty launches a layer in training.
+///
+/// # Shapes
+/// - x: `[batch, heads, seq, head_dim]` → the same
+fn l2_norm<B: MoeBackend>(x: Tensor<B, 4>, eps: f64) -> Tensor<B, 4> {
+    let dims = x.dims();
+    let width = dims[3];
+    let ones = Tensor::<B, 1>::ones([width], &x.device());
+    let rows = x.reshape([dims[0] * dims[1] * dims[2], width]);
+    let y = B::rms_norm(
+        rows.into_primitive().tensor(),
+        ones.into_primitive().tensor(),
+        eps,
+    );
+    Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(y)).reshape(dims)
 }
 
 /// Llama 4's attention temperature per query position, in f32 as transformers computes it:
