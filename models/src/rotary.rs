@@ -180,12 +180,19 @@ impl Rotary {
     /// # Shapes
     /// - x: `[batch, seq, heads, head_dim]`
     /// - cos, sin: `[rows, seq, head_dim]`, `rows` 1 or `batch`
-    pub fn apply_pairs_seq_major<B: Backend>(
+    pub fn apply_pairs_seq_major<B: DecoderKernels>(
         x: Tensor<B, 4>,
         cos: &Tensor<B, 3>,
         sin: &Tensor<B, 3>,
     ) -> Tensor<B, 4> {
-        Self::pairs_with(x, cos, sin, 1)
+        // The backend's op: burn's ops as `pairs_with` writes them by default, one kernel each
+        // way on the CubeCL backends (`DecoderKernels::rotate_pairs_seq_major`).
+        let rotated = B::rotate_pairs_seq_major(
+            x.into_primitive().tensor(),
+            cos.clone().into_primitive().tensor(),
+            sin.clone().into_primitive().tensor(),
+        );
+        Tensor::from_primitive(TensorPrimitive::Float(rotated))
     }
 
     /// The pairs' rotation of `x` whose sequence axis is `seq_axis` (1 or 2).

@@ -15,7 +15,9 @@ use burn::backend::Autodiff;
 use burn::tensor::ops::{BoolTensor, FloatTensor};
 
 use super::softmax::attention_softmax_composed;
-use super::{rms_norm_composed, rotate_half_seq_major_composed, DecoderKernels};
+use super::{
+    rms_norm_composed, rotate_half_seq_major_composed, rotate_pairs_seq_major_composed, DecoderKernels,
+};
 
 #[derive(Debug)]
 struct RmsNormBackward;
@@ -49,8 +51,12 @@ impl<B: DecoderKernels> Backward<B, 2> for RmsNormBackward {
     }
 }
 
+/// The backward of a rotation: its transpose, of the `rotate_half` form or (`pairs`) of Llama
+/// 4's pairs.
 #[derive(Debug)]
-struct RotaryBackward;
+struct RotaryBackward {
+    pairs: bool,
+}
 
 impl<B: DecoderKernels> Backward<B, 1> for RotaryBackward {
     /// The tables: the transpose reads them and nothing else.
@@ -60,9 +66,41 @@ impl<B: DecoderKernels> Backward<B, 1> for RotaryBackward {
         let grad = grads.consume::<B>(&ops.node);
         let (cos, sin) = ops.state;
         if let [Some(parent)] = ops.parents {
-            grads.register::<B>(parent.id, B::rotate_half_seq_major_backward(grad, cos, sin));
+            let dx = match self.pairs {
+                true => B::rotate_pairs_seq_major_backward(grad, cos, sin),
+                false => B::rotate_half_seq_major_backward(grad, cos, sin),
+            };
+            grads.register::<B>(parent.id, dx);
         }
     }
+}
+
+/// An autodiff tensor of `Autodiff<B, C>`.
+type Tracked<B, C> = FloatTensor<Autodiff<B, C>>;
+
+/// A rotation (`pairs`: Llama 4's) as one node over the inner backend's where it has a kernel
+/// each way and the tables are constants; the operands back where it should be recorded
+/// composed.
+fn rotation<B: DecoderKernels, C: CheckpointStrategy>(
+    x: Tracked<B, C>,
+    cos: Tracked<B, C>,
+    sin: Tracked<B, C>,
+    pairs: bool,
+) -> Result<Tracked<B, C>, [Tracked<B, C>; 3]> {
+    let tracked = |t: &Tracked<B, C>| !t.node.requirement.is_none();
+    if !B::rotary_node() || tracked(&cos) || tracked(&sin) {
+        return Err([x, cos, sin]);
+    }
+    let (c, s) = (cos.primitive.clone(), sin.primitive.clone());
+    let out = match pairs {
+        true => B::rotate_pairs_seq_major(x.primitive, c, s),
+        false => B::rotate_half_seq_major(x.primitive, c, s),
+    };
+    let node = RotaryBackward { pairs };
+    Ok(match node.prepare::<C>([x.node]).compute_bound().stateful() {
+        OpsKind::Tracked(prep) => prep.finish((cos.primitive, sin.primitive), out),
+        OpsKind::UnTracked(prep) => prep.finish(out),
+    })
 }
 
 #[derive(Debug)]
@@ -118,15 +156,19 @@ impl<B: DecoderKernels, C: CheckpointStrategy> DecoderKernels for Autodiff<B, C>
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        let tracked = |t: &FloatTensor<Self>| !t.node.requirement.is_none();
-        if !B::rotary_node() || tracked(&cos) || tracked(&sin) {
-            return rotate_half_seq_major_composed::<Self>(x, cos, sin);
-        }
-        let out = B::rotate_half_seq_major(x.primitive, cos.primitive.clone(), sin.primitive.clone());
-        match RotaryBackward.prepare::<C>([x.node]).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => prep.finish((cos.primitive, sin.primitive), out),
-            OpsKind::UnTracked(prep) => prep.finish(out),
-        }
+        rotation::<B, C>(x, cos, sin, false)
+            .unwrap_or_else(|[x, cos, sin]| rotate_half_seq_major_composed::<Self>(x, cos, sin))
+    }
+
+    /// As the `rotate_half` form: one node where the inner backend has a kernel each way and
+    /// the tables are constants.
+    fn rotate_pairs_seq_major(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        rotation::<B, C>(x, cos, sin, true)
+            .unwrap_or_else(|[x, cos, sin]| rotate_pairs_seq_major_composed::<Self>(x, cos, sin))
     }
 
     fn rotary_node() -> bool {

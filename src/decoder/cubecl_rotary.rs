@@ -1,5 +1,5 @@
-//! The rotary embedding (`rotate_half` form, sequence-major) on the CubeCL backends: one kernel
-//! forward and one for `x`'s gradient, one thread per output value.
+//! The rotary embedding (sequence-major, the `rotate_half` form and Llama 4's pairs) on the
+//! CubeCL backends: one kernel forward and one for `x`'s gradient, one thread per output value.
 //!
 //! Composed, a rotation is the tables repeated over the heads (two copies), `rotate_half` as a
 //! product with a signed permutation matrix, two products and a sum forward, and about as many
@@ -32,6 +32,7 @@ fn rotate_half_kernel<F: Float>(
     head_dim: usize,
     tables_per_batch: usize,
     #[comptime] transpose: bool,
+    #[comptime] pairs: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let i = ABSOLUTE_POS;
@@ -43,10 +44,20 @@ fn rotate_half_kernel<F: Float>(
     let position = (i / (head_dim * heads)) % seq;
     let batch = i / (head_dim * heads * seq);
     let half = head_dim / 2;
-    // The other half's value of the same head, and the sign `rotate_half` gives it.
+    // The value rotated with this one and the sign it takes, and where the angle's cosine and
+    // sine are: for `rotate_half`, the other half's value of the same head and this value's
+    // own table entries; for pairs, the pair's other value and the pair's angle.
     let mut partner = j + half;
     let mut sign = f32::new(-1.0);
-    if j >= half {
+    let mut angle = j;
+    if pairs {
+        angle = j / 2;
+        partner = j + 1;
+        if j % 2 == 1 {
+            partner = j - 1;
+            sign = f32::new(1.0);
+        }
+    } else if j >= half {
         partner = j - half;
         sign = f32::new(1.0);
     }
@@ -58,11 +69,16 @@ fn rotate_half_kernel<F: Float>(
     );
     let value = f32::cast_from(x[row + j * x.stride(3)]);
     let other = f32::cast_from(x[row + partner * x.stride(3)]);
-    let c = f32::cast_from(cos[c_row + j * cos.stride(2)]);
-    let mut rotated = sign * other * f32::cast_from(sin[s_row + j * sin.stride(2)]);
+    let c = f32::cast_from(cos[c_row + angle * cos.stride(2)]);
+    let mut rotated = sign * other * f32::cast_from(sin[s_row + angle * sin.stride(2)]);
     if transpose {
-        // `Rᵀ = −R`: the partner's sign flips, and its own sine scaled it in the forward.
-        rotated = sign * f32::new(-1.0) * other * f32::cast_from(sin[s_row + partner * sin.stride(2)]);
+        // The rotation's transpose: the partner's sign flips. A pair shares its angle; for
+        // `rotate_half` the partner's own sine scaled it in the forward.
+        let mut from = angle;
+        if !pairs {
+            from = partner;
+        }
+        rotated = sign * f32::new(-1.0) * other * f32::cast_from(sin[s_row + from * sin.stride(2)]);
     }
     out[i] = F::cast_from(value * c + rotated);
 }
@@ -97,6 +113,32 @@ pub(crate) fn rotate_half<R: CubeRuntime>(
     sin: &CubeTensor<R>,
     transpose: bool,
 ) -> Option<CubeTensor<R>> {
+    rotate(x, cos, sin, transpose, false)
+}
+
+/// Llama 4's rotation of `x`'s pairs (`transpose` false), or its transpose (`transpose` true,
+/// `x` then being the output's gradient), in one kernel; `None` where the kernel does not read
+/// the tensors.
+///
+/// # Shapes
+/// - x: `[batch, seq, heads, head_dim]`
+/// - cos, sin: `[rows, seq, head_dim]`, `rows` 1 or `batch` → `[batch, seq, heads, head_dim]`
+pub(crate) fn rotate_pairs<R: CubeRuntime>(
+    x: &CubeTensor<R>,
+    cos: &CubeTensor<R>,
+    sin: &CubeTensor<R>,
+    transpose: bool,
+) -> Option<CubeTensor<R>> {
+    rotate(x, cos, sin, transpose, true)
+}
+
+fn rotate<R: CubeRuntime>(
+    x: &CubeTensor<R>,
+    cos: &CubeTensor<R>,
+    sin: &CubeTensor<R>,
+    transpose: bool,
+    pairs: bool,
+) -> Option<CubeTensor<R>> {
     let dims @ [batch, seq, heads, head_dim] = fits(x, cos, sin)?;
     let tables_per_batch = usize::from(cos.meta.shape()[0] == batch && batch > 1);
     let out = output(x, dims);
@@ -119,6 +161,7 @@ pub(crate) fn rotate_half<R: CubeRuntime>(
             head_dim,
             tables_per_batch,
             transpose,
+            pairs,
             x.dtype.into(),
         )
     };

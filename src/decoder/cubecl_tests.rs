@@ -203,11 +203,56 @@ fn flat4(t: burn::tensor::ops::FloatTensor<Wgpu>) -> burn::tensor::ops::FloatTen
     t.reshape([b * s * h, d]).into_primitive().tensor()
 }
 
-/// The rotation and its transpose (`cubecl_rotary.rs`) against the composed forms: tables of
-/// one row and of one per batch row, `x` contiguous and a view with other strides.
+type Rotation = fn(
+    burn::tensor::ops::FloatTensor<Wgpu>,
+    burn::tensor::ops::FloatTensor<Wgpu>,
+    burn::tensor::ops::FloatTensor<Wgpu>,
+) -> burn::tensor::ops::FloatTensor<Wgpu>;
+
+/// Each rotation's kernels and composed twins, forward then transpose, by name.
+fn rotations() -> [(&'static str, [Rotation; 4]); 2] {
+    use super::{
+        rotate_half_seq_major_backward_composed as half_back, rotate_half_seq_major_composed as half,
+        rotate_pairs_seq_major_backward_composed as pairs_back, rotate_pairs_seq_major_composed as pairs,
+    };
+    [
+        (
+            "rotate_half",
+            [
+                <Wgpu as DecoderKernels>::rotate_half_seq_major,
+                half::<Wgpu>,
+                <Wgpu as DecoderKernels>::rotate_half_seq_major_backward,
+                half_back::<Wgpu>,
+            ],
+        ),
+        (
+            "pairs",
+            [
+                <Wgpu as DecoderKernels>::rotate_pairs_seq_major,
+                pairs::<Wgpu>,
+                <Wgpu as DecoderKernels>::rotate_pairs_seq_major_backward,
+                pairs_back::<Wgpu>,
+            ],
+        ),
+    ]
+}
+
+/// Both rotations and their transposes (`cubecl_rotary.rs`) against the composed forms: tables
+/// of one row and of one per batch row, `x` contiguous and a view with other strides.
 #[test]
 fn the_rotary_kernels_match_the_composed_forms() {
-    use super::{rotate_half_seq_major_backward_composed, rotate_half_seq_major_composed};
+    for (name, [kernel, twin, kernel_back, twin_back]) in rotations() {
+        rotary_kernels_match(name, kernel, twin, kernel_back, twin_back);
+    }
+}
+
+fn rotary_kernels_match(
+    name: &str,
+    kernel: Rotation,
+    twin: Rotation,
+    kernel_back: Rotation,
+    twin_back: Rotation,
+) {
     let device = Default::default();
     for (batch, seq, heads, head_dim, rows) in [(2, 5, 3, 8, 1), (3, 7, 2, 12, 3)] {
         let contiguous =
@@ -216,13 +261,13 @@ fn the_rotary_kernels_match_the_composed_forms() {
             .swap_dims(1, 2);
         let (cos, sin) = (table(rows, seq, head_dim), table(rows, seq, head_dim));
         for (layout, x) in [("contiguous", contiguous), ("strided", view)] {
-            let what = format!("[{batch}, {seq}, {heads}, {head_dim}], table rows {rows}, {layout}");
+            let what = format!("{name}, [{batch}, {seq}, {heads}, {head_dim}], table rows {rows}, {layout}");
             let x = x.into_primitive().tensor();
-            let want = rotate_half_seq_major_composed::<Wgpu>(x.clone(), cos.clone(), sin.clone());
-            let got = <Wgpu as DecoderKernels>::rotate_half_seq_major(x.clone(), cos.clone(), sin.clone());
+            let want = twin(x.clone(), cos.clone(), sin.clone());
+            let got = kernel(x.clone(), cos.clone(), sin.clone());
             close_within(&what, flat4(got), flat4(want), 0.0);
-            let want = rotate_half_seq_major_backward_composed::<Wgpu>(x.clone(), cos.clone(), sin.clone());
-            let got = <Wgpu as DecoderKernels>::rotate_half_seq_major_backward(x, cos.clone(), sin.clone());
+            let want = twin_back(x.clone(), cos.clone(), sin.clone());
+            let got = kernel_back(x, cos.clone(), sin.clone());
             close_within(&format!("{what}, transpose"), flat4(got), flat4(want), 0.0);
         }
     }
@@ -233,9 +278,34 @@ fn the_rotary_kernels_match_the_composed_forms() {
 /// get their gradient.
 #[test]
 fn the_rotary_node_matches_burns_ops_recorded_one_by_one() {
-    use super::rotate_half_seq_major_composed;
     type A = Autodiff<Wgpu>;
     assert!(<A as DecoderKernels>::rotary_node());
+    let ops: [(&str, TrackedRotation, TrackedRotation); 2] = [
+        (
+            "rotate_half",
+            <A as DecoderKernels>::rotate_half_seq_major,
+            super::rotate_half_seq_major_composed::<A>,
+        ),
+        (
+            "pairs",
+            <A as DecoderKernels>::rotate_pairs_seq_major,
+            super::rotate_pairs_seq_major_composed::<A>,
+        ),
+    ];
+    for (name, node_op, composed) in ops {
+        rotary_node_matches(name, node_op, composed);
+    }
+}
+
+/// A rotation under `Autodiff<Wgpu>`: `(x, cos, sin) → rotated`.
+type TrackedRotation = fn(
+    burn::tensor::ops::FloatTensor<Autodiff<Wgpu>>,
+    burn::tensor::ops::FloatTensor<Autodiff<Wgpu>>,
+    burn::tensor::ops::FloatTensor<Autodiff<Wgpu>>,
+) -> burn::tensor::ops::FloatTensor<Autodiff<Wgpu>>;
+
+fn rotary_node_matches(name: &str, node_op: TrackedRotation, composed: TrackedRotation) {
+    type A = Autodiff<Wgpu>;
     let (batch, seq, heads, head_dim) = (2, 6, 4, 10);
     let device = Default::default();
     let x0 = Tensor::<A, 4>::random([batch, seq, heads, head_dim], Distribution::Default, &device);
@@ -254,8 +324,8 @@ fn the_rotary_node_matches_burns_ops_recorded_one_by_one() {
             sin.clone().into_primitive().tensor(),
         ];
         let y = match node {
-            true => <A as DecoderKernels>::rotate_half_seq_major(xp, c, s),
-            false => rotate_half_seq_major_composed::<A>(xp, c, s),
+            true => node_op(xp, c, s),
+            false => composed(xp, c, s),
         };
         let y = Tensor::<A, 4>::from_primitive(TensorPrimitive::Float(y));
         let grads = (y.clone() * g.clone()).sum().backward();
@@ -268,12 +338,12 @@ fn the_rotary_node_matches_burns_ops_recorded_one_by_one() {
     let ([y, dx], none) = run(true, false);
     assert!(none.is_none(), "untracked tables got a gradient");
     let ([want_y, want_dx], _) = run(false, false);
-    close_within("output", y, want_y, 0.0);
-    close_within("x's gradient", dx, want_dx, 0.0);
+    close_within(&format!("{name}: output"), y, want_y, 0.0);
+    close_within(&format!("{name}: x's gradient"), dx, want_dx, 0.0);
     let (_, dsin) = run(true, true);
     let (_, want_dsin) = run(false, true);
     close_within(
-        "the sine table's gradient",
+        &format!("{name}: the sine table's gradient"),
         dsin.expect("tracked tables get a gradient"),
         want_dsin.unwrap(),
         0.0,

@@ -57,6 +57,26 @@ impl<B: FusionBackend + DecoderKernels> DecoderKernels for Fusion<B> {
         register::<B>(dx, &device)
     }
 
+    fn rotate_pairs_seq_major(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let device = x.client.device().clone();
+        let out = B::rotate_pairs_seq_major(resolve::<B>(x), resolve::<B>(cos), resolve::<B>(sin));
+        register::<B>(out, &device)
+    }
+
+    fn rotate_pairs_seq_major_backward(
+        grad: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let device = grad.client.device().clone();
+        let dx = B::rotate_pairs_seq_major_backward(resolve::<B>(grad), resolve::<B>(cos), resolve::<B>(sin));
+        register::<B>(dx, &device)
+    }
+
     fn attention_softmax(
         scores: FloatTensor<Self>,
         hidden: Option<BoolTensor<Self>>,

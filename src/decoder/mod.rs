@@ -35,7 +35,10 @@ use burn::tensor::ops::{BoolTensor, FloatTensor};
 use burn::tensor::{Tensor, TensorPrimitive};
 
 pub use rotary::rotate_half_rows;
-pub(crate) use rotary::{rotate_half_seq_major_backward_composed, rotate_half_seq_major_composed};
+pub(crate) use rotary::{
+    rotate_half_seq_major_backward_composed, rotate_half_seq_major_composed,
+    rotate_pairs_seq_major_backward_composed, rotate_pairs_seq_major_composed,
+};
 
 /// The decoder blocks' kernels, on the backend that runs them.
 pub trait DecoderKernels: Backend {
@@ -113,6 +116,37 @@ pub trait DecoderKernels: Backend {
         sin: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         rotate_half_seq_major_backward_composed::<Self>(grad, cos, sin)
+    }
+
+    /// Llama 4's rotation, `x`'s values of each head taken as pairs `(re, im)` and each pair
+    /// rotated by its position's angle in place: `(re · cos − im · sin, re · sin + im · cos)`,
+    /// the angles the tables' first half (`cat(freqs, freqs)`). By default composed as the
+    /// models wrote it (`decoder/rotary.rs`). Recorded as one node under `Autodiff` where
+    /// [`rotary_node`](Self::rotary_node) says so, as the `rotate_half` form is.
+    ///
+    /// # Shapes
+    /// - x: `[batch, seq, heads, head_dim]`
+    /// - cos, sin: `[rows, seq, head_dim]`, `rows` 1 or `batch` → `[batch, seq, heads, head_dim]`
+    fn rotate_pairs_seq_major(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        rotate_pairs_seq_major_composed::<Self>(x, cos, sin)
+    }
+
+    /// `x`'s gradient of [`rotate_pairs_seq_major`](Self::rotate_pairs_seq_major) from the
+    /// output's: each pair rotated by the opposite angle.
+    ///
+    /// # Shapes
+    /// - grad: `[batch, seq, heads, head_dim]`
+    /// - cos, sin: `[rows, seq, head_dim]`, `rows` 1 or `batch` → `[batch, seq, heads, head_dim]`
+    fn rotate_pairs_seq_major_backward(
+        grad: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        rotate_pairs_seq_major_backward_composed::<Self>(grad, cos, sin)
     }
 
     /// Attention's weights: the softmax over the keys of `scores · scale`, the keys `hidden`
@@ -265,6 +299,24 @@ where
     ) -> FloatTensor<Self> {
         cubecl_rotary::rotate_half(&grad, &cos, &sin, true)
             .unwrap_or_else(|| rotate_half_seq_major_backward_composed::<Self>(grad, cos, sin))
+    }
+
+    fn rotate_pairs_seq_major(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        cubecl_rotary::rotate_pairs(&x, &cos, &sin, false)
+            .unwrap_or_else(|| rotate_pairs_seq_major_composed::<Self>(x, cos, sin))
+    }
+
+    fn rotate_pairs_seq_major_backward(
+        grad: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        cubecl_rotary::rotate_pairs(&grad, &cos, &sin, true)
+            .unwrap_or_else(|| rotate_pairs_seq_major_backward_composed::<Self>(grad, cos, sin))
     }
 
     fn attention_softmax(

@@ -91,3 +91,41 @@ fn rotate_half_matrix<B: Backend>(d: usize, device: &B::Device) -> Tensor<B, 2> 
     }
     Tensor::from_data(TensorData::new(r, [d, d]), device)
 }
+
+/// [`DecoderKernels::rotate_pairs_seq_major`]'s default: burn's ops, as Llama 4's models wrote
+/// the complex form: each head's values as pairs `(re, im)`, each pair rotated by its
+/// position's angle (the tables' first half), written back in place.
+pub(crate) fn rotate_pairs_seq_major_composed<B: Backend>(
+    x: FloatTensor<B>,
+    cos: FloatTensor<B>,
+    sin: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let x = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(x));
+    let [b, t, h, d] = x.dims();
+    let half = d / 2;
+    let pairs = x.reshape([b, t, h, half, 2]);
+    let re = pairs.clone().slice([0..b, 0..t, 0..h, 0..half, 0..1]);
+    let im = pairs.slice([0..b, 0..t, 0..h, 0..half, 1..2]);
+    let table = |m: FloatTensor<B>| {
+        let m = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(m));
+        let rows = m.dims()[0];
+        m.slice([0..rows, 0..t, 0..half]).reshape([rows, t, 1, half, 1])
+    };
+    let (cos, sin) = (table(cos), table(sin));
+    let out_re = re.clone() * cos.clone() - im.clone() * sin.clone();
+    let out_im = re * sin + im * cos;
+    Tensor::cat(vec![out_re, out_im], 4)
+        .reshape([b, t, h, d])
+        .into_primitive()
+        .tensor()
+}
+
+/// [`DecoderKernels::rotate_pairs_seq_major_backward`]'s default: the rotation by the opposite
+/// angles (a rotation's transpose), the sines negated.
+pub(crate) fn rotate_pairs_seq_major_backward_composed<B: Backend>(
+    grad: FloatTensor<B>,
+    cos: FloatTensor<B>,
+    sin: FloatTensor<B>,
+) -> FloatTensor<B> {
+    rotate_pairs_seq_major_composed::<B>(grad, cos, B::float_neg(sin))
+}

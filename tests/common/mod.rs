@@ -222,11 +222,12 @@ where
     }
 }
 
-/// The rotary embedding on backend `B` (`DecoderKernels::rotate_half_seq_major`: one node under
-/// autodiff and one kernel each way on the CubeCL backends, burn's ops elsewhere) against
-/// `x · cos + rotate_half(x) · sin` written out here with burn's slices, negation and
-/// concatenation: the output and `x`'s gradient for a loss that weighs every value
-/// differently, with tables of one row and of one per batch row.
+/// The rotary embedding on backend `B` (`DecoderKernels::rotate_half_seq_major` and Llama 4's
+/// `rotate_pairs_seq_major`: one node under autodiff and one kernel each way on the CubeCL
+/// backends, burn's ops elsewhere) against `x · cos + rotate_half(x) · sin` and the pairs'
+/// rotation written out here with burn's slices, negation and concatenation: the output and
+/// `x`'s gradient for a loss that weighs every value differently, with tables of one row and of
+/// one per batch row.
 pub fn rotary_matches_burns_ops<B>(device: &B::Device)
 where
     B: burn::tensor::backend::AutodiffBackend + mpipemoe::MoeBackend,
@@ -247,7 +248,7 @@ where
         );
         let out = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(out));
         let grads = (out.clone() * weigh.clone()).sum().backward();
-        let twin = x0.require_grad();
+        let twin = x0.clone().require_grad();
         let rotated = Tensor::cat(
             vec![
                 twin.clone()
@@ -258,8 +259,8 @@ where
             3,
         );
         let per_head = |t: Tensor<B, 3>| t.unsqueeze_dim::<4>(2);
-        let want = twin.clone() * per_head(cos) + rotated * per_head(sin);
-        let want_grads = (want.clone() * weigh).sum().backward();
+        let want = twin.clone() * per_head(cos.clone()) + rotated * per_head(sin.clone());
+        let want_grads = (want.clone() * weigh.clone()).sum().backward();
         let values = |t: Tensor<B::InnerBackend, 4>| t.into_data().convert::<f64>().to_vec::<f64>().unwrap();
         let close = |what: &str, got: Vec<f64>, want: Vec<f64>| {
             assert_close(&format!("{what}, table rows {rows}"), &got, &want, 2e-6)
@@ -267,6 +268,40 @@ where
         close("rotation", values(out.inner()), values(want.inner()));
         close(
             "x's gradient",
+            values(x.grad(&grads).expect("x's gradient")),
+            values(twin.grad(&want_grads).expect("the twin's gradient")),
+        );
+
+        // Llama 4's pairs `(x[2i], x[2i + 1])`, each rotated by angle `i` (the tables' first
+        // half), against the same rotation written with interleaved slices.
+        let x = x0.clone().require_grad();
+        let out = B::rotate_pairs_seq_major(
+            x.clone().into_primitive().tensor(),
+            cos.clone().into_primitive().tensor(),
+            sin.clone().into_primitive().tensor(),
+        );
+        let out = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(out));
+        let grads = (out.clone() * weigh.clone()).sum().backward();
+        let twin = x0.require_grad();
+        let pairs = twin.clone().reshape([batch, seq, heads, half, 2]);
+        let (re, im) = (
+            pairs.clone().slice([0..batch, 0..seq, 0..heads, 0..half, 0..1]),
+            pairs.slice([0..batch, 0..seq, 0..heads, 0..half, 1..2]),
+        );
+        let angle = |t: Tensor<B, 3>| {
+            t.slice([0..rows, 0..seq, 0..half])
+                .reshape([rows, seq, 1, half, 1])
+        };
+        let (c, s) = (angle(cos), angle(sin));
+        let want = Tensor::cat(
+            vec![re.clone() * c.clone() - im.clone() * s.clone(), re * s + im * c],
+            4,
+        )
+        .reshape([batch, seq, heads, head_dim]);
+        let want_grads = (want.clone() * weigh).sum().backward();
+        close("pairs' rotation", values(out.inner()), values(want.inner()));
+        close(
+            "pairs' x gradient",
             values(x.grad(&grads).expect("x's gradient")),
             values(twin.grad(&want_grads).expect("the twin's gradient")),
         );
