@@ -169,8 +169,13 @@ impl Rotary {
     /// - x: `[batch, heads, seq, head_dim]`
     /// - cos, sin: `[rows, seq, head_dim]`, `rows` 1 or `batch` (`cat(freqs, freqs)`: the
     ///   first half is used)
-    pub fn apply_pairs<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 3>, sin: &Tensor<B, 3>) -> Tensor<B, 4> {
-        Self::pairs_with(x, cos, sin, 2)
+    pub fn apply_pairs<B: DecoderKernels>(
+        x: Tensor<B, 4>,
+        cos: &Tensor<B, 3>,
+        sin: &Tensor<B, 3>,
+    ) -> Tensor<B, 4> {
+        // The same rotation per value on the heads-major view: one composition, the backend's.
+        Self::apply_pairs_seq_major(x.swap_dims(1, 2), cos, sin).swap_dims(1, 2)
     }
 
     /// [`apply_pairs`](Self::apply_pairs) on the sequence-major layout, before the heads are
@@ -185,41 +190,14 @@ impl Rotary {
         cos: &Tensor<B, 3>,
         sin: &Tensor<B, 3>,
     ) -> Tensor<B, 4> {
-        // The backend's op: burn's ops as `pairs_with` writes them by default, one kernel each
-        // way on the CubeCL backends (`DecoderKernels::rotate_pairs_seq_major`).
+        // The backend's op: burn's ops by default (`mpipemoe`'s `decoder/rotary.rs`), one
+        // kernel each way on the CubeCL backends (`DecoderKernels::rotate_pairs_seq_major`).
         let rotated = B::rotate_pairs_seq_major(
             x.into_primitive().tensor(),
             cos.clone().into_primitive().tensor(),
             sin.clone().into_primitive().tensor(),
         );
         Tensor::from_primitive(TensorPrimitive::Float(rotated))
-    }
-
-    /// The pairs' rotation of `x` whose sequence axis is `seq_axis` (1 or 2).
-    fn pairs_with<B: Backend>(
-        x: Tensor<B, 4>,
-        cos: &Tensor<B, 3>,
-        sin: &Tensor<B, 3>,
-        seq_axis: usize,
-    ) -> Tensor<B, 4> {
-        let [b, n1, n2, d] = x.dims();
-        let t = [n1, n2][seq_axis - 1];
-        let half = d / 2;
-        let pairs = x.reshape([b, n1, n2, half, 2]);
-        let re = pairs.clone().slice([0..b, 0..n1, 0..n2, 0..half, 0..1]);
-        let im = pairs.slice([0..b, 0..n1, 0..n2, 0..half, 1..2]);
-        let table = |m: &Tensor<B, 3>| {
-            let rows = m.dims()[0];
-            let m = m.clone().slice([0..rows, 0..t, 0..half]);
-            match seq_axis {
-                1 => m.reshape([rows, t, 1, half, 1]),
-                _ => m.reshape([rows, 1, t, half, 1]),
-            }
-        };
-        let (cos, sin) = (table(cos), table(sin));
-        let out_re = re.clone() * cos.clone() - im.clone() * sin.clone();
-        let out_im = re * sin + im * cos;
-        Tensor::cat(vec![out_re, out_im], 4).reshape([b, n1, n2, d])
     }
 
     /// Rotates `x` by the tables of its positions.

@@ -15,24 +15,6 @@ use super::lane::Lane;
 use super::operands::{ready, Addresses, Halves};
 use super::CublasExperts;
 
-/// A matrix operand as cuBLAS reads it: contiguous (`transposed` false, `ld` its width), or the
-/// transposed view of a contiguous matrix (`transposed` true, `ld` its height), which the
-/// backward of a dense product passes; anything else is made contiguous first.
-fn operand(
-    t: CubeTensor<CudaRuntime>,
-    ordinal: usize,
-    what: &str,
-) -> Result<(CubeTensor<CudaRuntime>, usize, bool)> {
-    let shape = t.meta.shape().to_vec();
-    let strides = t.meta.strides().to_vec();
-    let transposed_view = shape.len() == 2 && !t.is_contiguous() && strides == [1, shape[0]];
-    if t.dtype == DType::F32 && t.device.index == ordinal && transposed_view {
-        return Ok((t, shape[0], true));
-    }
-    let t = ready(t, ordinal, what)?;
-    Ok((t, shape[1], false))
-}
-
 /// The shape check of `lhs · rhs`, and the new `[m, n]` tensor its result goes to.
 fn output(lhs: &CubeTensor<CudaRuntime>, rhs: &CubeTensor<CudaRuntime>) -> Result<CubeTensor<CudaRuntime>> {
     let (ls, rs) = (lhs.meta.shape().to_vec(), rhs.meta.shape().to_vec());
@@ -94,8 +76,8 @@ fn products_on(
     let mut list = Vec::with_capacity(2 * work.len());
     for (lhs, rhs, out) in work {
         let (m, k, n) = (lhs.meta.shape()[0], lhs.meta.shape()[1], rhs.meta.shape()[1]);
-        let (lhs, lda, trans_a) = operand(lhs, ord, "a product's left operand")?;
-        let (rhs, ldb, trans_b) = operand(rhs, ord, "a product's right operand")?;
+        let (lhs, lda, trans_a) = batched_operand(lhs, ord, "a product's left operand")?;
+        let (rhs, ldb, trans_b) = batched_operand(rhs, ord, "a product's right operand")?;
         // A transposed view covers the same elements as its storage: the copy converts it.
         list.push((at.of(&lhs)?, m * k));
         list.push((at.of(&rhs)?, k * n));
@@ -158,8 +140,8 @@ fn product_on(
     let client = out.client.clone();
     let ord = path.inner.ordinal;
     let mut at = Addresses::new(&client);
-    let (lhs, lda, trans_a) = operand(lhs, ord, "a dense product's left operand")?;
-    let (rhs, ldb, trans_b) = operand(rhs, ord, "a dense product's right operand")?;
+    let (lhs, lda, trans_a) = batched_operand(lhs, ord, "a dense product's left operand")?;
+    let (rhs, ldb, trans_b) = batched_operand(rhs, ord, "a dense product's right operand")?;
     let half = precision == GemmPrecision::Bf16;
     // A transposed view covers the same elements as its storage: the copy converts the storage.
     let list = [(at.of(&lhs)?, m * k), (at.of(&rhs)?, k * n)];
@@ -188,10 +170,11 @@ fn product_on(
     Ok(out)
 }
 
-/// A batch of matrices as cuBLAS reads them, one every `rows · cols` elements: contiguous
-/// (`transposed` false, `ld` the width), or the view of a contiguous batch with its last two
-/// dimensions swapped (`transposed` true, `ld` the view's height), which attention passes for
-/// the keys and a backward for each operand; anything else is made contiguous first.
+/// A matrix, or a batch of them one every `rows · cols` elements, as cuBLAS reads it:
+/// contiguous (`transposed` false, `ld` the width), or the view of a contiguous batch with its
+/// last two dimensions swapped (`transposed` true, `ld` the view's height), which a dense
+/// product's backward passes, and attention for the keys; anything else is made contiguous
+/// first. Every dense and per-head product reads its operands here.
 fn batched_operand(
     t: CubeTensor<CudaRuntime>,
     ordinal: usize,
@@ -202,7 +185,7 @@ fn batched_operand(
     let rank = shape.len();
     if rank < 2 {
         return Err(MoeError::Backend(format!(
-            "CUDA per-head product: {what} is {shape:?}"
+            "CUDA product: {what} is {shape:?}, not a matrix or a batch of them"
         )));
     }
     let (rows, cols) = (shape[rank - 2], shape[rank - 1]);
