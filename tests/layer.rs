@@ -598,14 +598,41 @@ fn flex_swiglu_kernels_match_the_composed_form_on_every_layout() {
         let want = nd_host(<NdArray as ActivationKernels>::swiglu(nd(zs.clone(), [r, 2 * h])));
         close(&format!("{name} swiglu"), &got, &want);
         let got = host(wrap(Flex::swiglu_backward(
-            z.into_primitive().tensor(),
-            g.into_primitive().tensor(),
+            z.clone().into_primitive().tensor(),
+            g.clone().into_primitive().tensor(),
         )));
         let want = nd_host(<NdArray as ActivationKernels>::swiglu_backward(
-            nd(zs, [r, 2 * h]),
-            nd(gs, [r, h]),
+            nd(zs.clone(), [r, 2 * h]),
+            nd(gs.clone(), [r, h]),
         ));
         close(&format!("{name} swiglu backward"), &got, &want);
+        // GPT-OSS's clamp at 7: the values run from -10 to 10 in hundredths, so some lie
+        // exactly on each bound (where the gradient passes) and some past it (where it does not).
+        let (alpha, limit) = (1.702, 7.0);
+        let got = host(wrap(Flex::clamped_swiglu(
+            z.clone().into_primitive().tensor(),
+            alpha,
+            limit,
+        )));
+        let want = nd_host(<NdArray as ActivationKernels>::clamped_swiglu(
+            nd(zs.clone(), [r, 2 * h]),
+            alpha,
+            limit,
+        ));
+        close(&format!("{name} clamped swiglu"), &got, &want);
+        let got = host(wrap(Flex::clamped_swiglu_backward(
+            z.into_primitive().tensor(),
+            g.into_primitive().tensor(),
+            alpha,
+            limit,
+        )));
+        let want = nd_host(<NdArray as ActivationKernels>::clamped_swiglu_backward(
+            nd(zs, [r, 2 * h]),
+            nd(gs, [r, h]),
+            alpha,
+            limit,
+        ));
+        close(&format!("{name} clamped swiglu backward"), &got, &want);
     }
 }
 

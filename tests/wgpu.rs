@@ -818,6 +818,33 @@ fn cubecl_activation_kernels_match_the_composed_form() {
                 nd(gs.clone(), [r, h]),
             )),
         );
+        // GPT-OSS's clamp at 7: the values run from -10 to 10 in hundredths, so some lie
+        // exactly on each bound (where the gradient passes) and some past it (where it does not).
+        let (alpha, limit) = (1.702, 7.0);
+        close(
+            &format!("{name} clamped swiglu"),
+            &host(wrap(Inner::clamped_swiglu(p(z.clone()), alpha, limit))),
+            &nd_host(<NdArray as ActivationKernels>::clamped_swiglu(
+                nd(zs.clone(), [r, 2 * h]),
+                alpha,
+                limit,
+            )),
+        );
+        close(
+            &format!("{name} clamped swiglu backward"),
+            &host(wrap(Inner::clamped_swiglu_backward(
+                p(z.clone()),
+                p(g.clone()),
+                alpha,
+                limit,
+            ))),
+            &nd_host(<NdArray as ActivationKernels>::clamped_swiglu_backward(
+                nd(zs.clone(), [r, 2 * h]),
+                nd(gs.clone(), [r, h]),
+                alpha,
+                limit,
+            )),
+        );
         // GELU on the gate half's shape: z's first `h` columns as a tensor of their own.
         let zg = gpu(
             &zs.chunks(2 * h)

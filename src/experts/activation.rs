@@ -141,13 +141,7 @@ pub(crate) fn activation_forward<B: ActivationKernels>(act: Activation, z: Float
         Activation::Gelu => B::gelu_exact(z),
         Activation::Relu => B::relu(z),
         Activation::SwiGlu => B::swiglu(z),
-        Activation::ClampedSwiGlu { alpha, limit } => {
-            let (gate, up) = split_halves::<B>(z);
-            let gate = B::float_clamp_max(gate, limit.into());
-            let up = B::float_clamp(up, (-limit).into(), limit.into());
-            let glu = B::float_mul(gate.clone(), B::sigmoid(B::float_mul_scalar(gate, alpha.into())));
-            B::float_mul(B::float_add_scalar(up, 1.0.into()), glu)
-        }
+        Activation::ClampedSwiGlu { alpha, limit } => B::clamped_swiglu(z, alpha, limit),
     }
 }
 
@@ -162,15 +156,31 @@ pub(crate) fn activation_backward<B: ActivationKernels>(
         // ReLU's mask is the same whether read from z or from relu(z).
         Activation::Relu => B::relu_backward(z, grad),
         Activation::SwiGlu => B::swiglu_backward(z, grad),
-        Activation::ClampedSwiGlu { alpha, limit } => clamped_swiglu_backward::<B>(z, grad, alpha, limit),
+        Activation::ClampedSwiGlu { alpha, limit } => B::clamped_swiglu_backward(z, grad, alpha, limit),
     }
 }
 
-/// The clamped SwiGLU's backward on primitives. With `g = min(gate, limit)`,
+/// GPT-OSS's clamped SwiGLU composed from primitives; the default of
+/// [`ActivationKernels::clamped_swiglu`]: `(u + 1) · g · σ(alpha · g)` with
+/// `g = min(gate, limit)` and `u = clamp(up, ±limit)`. `z` is `[n_rows, 2 · d_hidden]`.
+pub(crate) fn clamped_swiglu_composed<B: Backend>(
+    z: FloatTensor<B>,
+    alpha: f32,
+    limit: f32,
+) -> FloatTensor<B> {
+    let (gate, up) = split_halves::<B>(z);
+    let gate = B::float_clamp_max(gate, limit.into());
+    let up = B::float_clamp(up, (-limit).into(), limit.into());
+    let glu = B::float_mul(gate.clone(), B::sigmoid(B::float_mul_scalar(gate, alpha.into())));
+    B::float_mul(B::float_add_scalar(up, 1.0.into()), glu)
+}
+
+/// The clamped SwiGLU's backward composed from primitives; the default of
+/// [`ActivationKernels::clamped_swiglu_backward`]. With `g = min(gate, limit)`,
 /// `u = clamp(up, ±limit)` and `s = σ(alpha · g)`:
 /// `d/d up = grad · g · s` where `|up| <= limit`, else 0;
 /// `d/d gate = grad · (u + 1) · s · (1 + alpha · g · (1 − s))` where `gate <= limit`, else 0.
-fn clamped_swiglu_backward<B: Backend>(
+pub(crate) fn clamped_swiglu_backward_composed<B: Backend>(
     z: FloatTensor<B>,
     grad: FloatTensor<B>,
     alpha: f32,

@@ -1,5 +1,5 @@
 //! The experts' activations on the CubeCL backends (CUDA, ROCm, WGPU) as one kernel each way:
-//! the exact GELU and SwiGLU, forward and derivative. Composed from burn's ops, the GELU is five
+//! the exact GELU and SwiGLU (plain or GPT-OSS's clamped form), forward and derivative. Composed from burn's ops, the GELU is five
 //! kernels forward and eleven for its derivative, SwiGLU's derivative a dozen more with its
 //! slices and concatenation, each a pass over the partition; here each is one pass that reads
 //! its inputs once and writes its output once.
@@ -48,6 +48,9 @@ fn swiglu_kernel<F: Float>(
     z: &Tensor<F>,
     out: &mut Tensor<F>,
     hidden: usize,
+    alpha: f32,
+    limit: f32,
+    #[comptime] clamped: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     if ABSOLUTE_POS >= out.len() {
@@ -57,8 +60,17 @@ fn swiglu_kernel<F: Float>(
     let c = ABSOLUTE_POS % hidden;
     let g = z[r * 2 * hidden + c];
     let u = z[r * 2 * hidden + hidden + c];
-    let s = F::new(1.0) / (F::new(1.0) + F::exp(-g));
-    out[ABSOLUTE_POS] = g * s * u;
+    if clamped {
+        // `(u + 1) · g · σ(alpha · g)` on the clamped halves, in the composed form's order.
+        let bound = F::cast_from(limit);
+        let g = F::min(g, bound);
+        let u = F::clamp(u, -bound, bound);
+        let s = F::new(1.0) / (F::new(1.0) + F::exp(-(g * F::cast_from(alpha))));
+        out[ABSOLUTE_POS] = (u + F::new(1.0)) * (g * s);
+    } else {
+        let s = F::new(1.0) / (F::new(1.0) + F::exp(-g));
+        out[ABSOLUTE_POS] = g * s * u;
+    }
 }
 
 #[cube(launch_unchecked)]
@@ -67,6 +79,9 @@ fn swiglu_backward_kernel<F: Float>(
     grad: &Tensor<F>,
     out: &mut Tensor<F>,
     hidden: usize,
+    alpha: f32,
+    limit: f32,
+    #[comptime] clamped: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     if ABSOLUTE_POS >= grad.len() {
@@ -77,12 +92,37 @@ fn swiglu_backward_kernel<F: Float>(
     let g = z[r * 2 * hidden + c];
     let u = z[r * 2 * hidden + hidden + c];
     let dy = grad[ABSOLUTE_POS];
-    let s = F::new(1.0) / (F::new(1.0) + F::exp(-g));
-    // d/d up = grad · silu(gate); d/d gate = grad · up · σ(g) · (1 + g · (1 − σ(g))).
-    out[r * 2 * hidden + hidden + c] = dy * (g * s);
-    let slope = g * (F::new(1.0) - s) + F::new(1.0);
-    out[r * 2 * hidden + c] = (dy * u) * (s * slope);
+    if clamped {
+        // With `gc = min(gate, limit)`, `uc = clamp(up, ±limit)` and `s = σ(alpha · gc)`:
+        // d/d up = grad · gc · s, d/d gate = grad · (uc + 1) · s · (1 + alpha · gc · (1 − s)),
+        // each zero where its clamp clamped (the bounds themselves pass the gradient).
+        let bound = F::cast_from(limit);
+        let a = F::cast_from(alpha);
+        let gc = F::min(g, bound);
+        let uc = F::clamp(u, -bound, bound);
+        let s = F::new(1.0) / (F::new(1.0) + F::exp(-(gc * a)));
+        let mut d_up = dy * (gc * s);
+        if u > bound || u < -bound {
+            d_up = F::new(0.0);
+        }
+        let slope = gc * (F::new(1.0) - s) * a + F::new(1.0);
+        let mut d_gate = (dy * (uc + F::new(1.0))) * (s * slope);
+        if g > bound {
+            d_gate = F::new(0.0);
+        }
+        out[r * 2 * hidden + hidden + c] = d_up;
+        out[r * 2 * hidden + c] = d_gate;
+    } else {
+        let s = F::new(1.0) / (F::new(1.0) + F::exp(-g));
+        // d/d up = grad · silu(gate); d/d gate = grad · up · σ(g) · (1 + g · (1 − σ(g))).
+        out[r * 2 * hidden + hidden + c] = dy * (g * s);
+        let slope = g * (F::new(1.0) - s) + F::new(1.0);
+        out[r * 2 * hidden + c] = (dy * u) * (s * slope);
+    }
 }
+
+/// The clamped SwiGLU's slope and bound (`alpha`, `limit`), or `None` for the plain SwiGLU.
+pub(crate) type Clamp = Option<(f32, f32)>;
 
 /// Whether the kernels read `t` as it is: a contiguous float tensor of the kernels' dtypes.
 fn readable<R: CubeRuntime>(t: &CubeTensor<R>) -> bool {
@@ -145,11 +185,12 @@ pub(crate) fn gelu_backward<R: CubeRuntime>(
     Some(reshaped(out, dims))
 }
 
-/// SwiGLU of `z = [gate | up]` in one kernel; `None` where the kernel does not read `z`.
+/// SwiGLU of `z = [gate | up]` in one kernel, clamped as GPT-OSS's where `clamp` gives the
+/// slope and bound; `None` where the kernel does not read `z`.
 ///
 /// # Shapes
 /// - z: `[n_rows, 2 · d_hidden]` → `[n_rows, d_hidden]`
-pub(crate) fn swiglu<R: CubeRuntime>(z: &CubeTensor<R>) -> Option<CubeTensor<R>> {
+pub(crate) fn swiglu<R: CubeRuntime>(z: &CubeTensor<R>, clamp: Clamp) -> Option<CubeTensor<R>> {
     let dims = z.meta.shape().to_vec();
     let [rows, inner] = <[usize; 2]>::try_from(dims).ok()?;
     let hidden = inner / 2;
@@ -168,19 +209,24 @@ pub(crate) fn swiglu<R: CubeRuntime>(z: &CubeTensor<R>) -> Option<CubeTensor<R>>
             z.clone().into_tensor_arg(),
             out.clone().into_tensor_arg(),
             hidden,
+            clamp.map_or(1.0, |c| c.0),
+            clamp.map_or(0.0, |c| c.1),
+            clamp.is_some(),
             z.dtype.into(),
         )
     };
     Some(out)
 }
 
-/// `[d gate | d up]` of SwiGLU in one kernel; `None` where the kernel does not read the tensors.
+/// `[d gate | d up]` of SwiGLU (clamped where `clamp` says) in one kernel; `None` where the
+/// kernel does not read the tensors.
 ///
 /// # Shapes
 /// - z: `[n_rows, 2 · d_hidden]`, grad: `[n_rows, d_hidden]` → `[n_rows, 2 · d_hidden]`
 pub(crate) fn swiglu_backward<R: CubeRuntime>(
     z: &CubeTensor<R>,
     grad: &CubeTensor<R>,
+    clamp: Clamp,
 ) -> Option<CubeTensor<R>> {
     let dims = z.meta.shape().to_vec();
     let [rows, inner] = <[usize; 2]>::try_from(dims).ok()?;
@@ -202,6 +248,9 @@ pub(crate) fn swiglu_backward<R: CubeRuntime>(
             grad.clone().into_tensor_arg(),
             out.clone().into_tensor_arg(),
             hidden,
+            clamp.map_or(1.0, |c| c.0),
+            clamp.map_or(0.0, |c| c.1),
+            clamp.is_some(),
             z.dtype.into(),
         )
     };
@@ -229,12 +278,14 @@ mod tests {
         let p = |t: Tensor<Wgpu, 2>| t.into_primitive().tensor();
         assert!(super::gelu(&p(z.clone())).is_some());
         assert!(super::gelu_backward(&p(z.clone()), &p(z.clone())).is_some());
-        assert!(super::swiglu(&p(z.clone())).is_some());
-        assert!(super::swiglu_backward(&p(z.clone()), &p(g.clone())).is_some());
+        for clamp in [None, Some((1.702, 0.5))] {
+            assert!(super::swiglu(&p(z.clone()), clamp).is_some());
+            assert!(super::swiglu_backward(&p(z.clone()), &p(g.clone()), clamp).is_some());
+        }
         let view = p(z.clone().transpose());
         assert!(super::gelu(&view).is_none());
-        assert!(super::swiglu(&view).is_none());
+        assert!(super::swiglu(&view, None).is_none());
         let strided_grad = Tensor::<Wgpu, 2>::random([4, 6], Distribution::Default, &device).transpose();
-        assert!(super::swiglu_backward(&p(z), &p(strided_grad)).is_none());
+        assert!(super::swiglu_backward(&p(z), &p(strided_grad), Some((1.702, 0.5))).is_none());
     }
 }

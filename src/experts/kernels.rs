@@ -41,6 +41,29 @@ pub trait ActivationKernels: Backend {
     fn swiglu_backward(z: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
         super::activation::swiglu_backward_composed::<Self>(z, grad)
     }
+
+    /// GPT-OSS's clamped SwiGLU of `z = [gate | up]`: `(u + 1) · g · σ(alpha · g)` with
+    /// `g = min(gate, limit)` and `u = clamp(up, −limit, limit)`.
+    ///
+    /// # Shapes
+    /// - z: `[n_rows, 2 · d_hidden]`; returns `[n_rows, d_hidden]`
+    fn clamped_swiglu(z: FloatTensor<Self>, alpha: f32, limit: f32) -> FloatTensor<Self> {
+        super::activation::clamped_swiglu_composed::<Self>(z, alpha, limit)
+    }
+
+    /// `d clamped_swiglu(z)/dz · grad`: `[d gate | d up]`, zero where a clamp clamped (the
+    /// bounds themselves pass the gradient, as torch's clamps do).
+    ///
+    /// # Shapes
+    /// - z: `[n_rows, 2 · d_hidden]`; grad: `[n_rows, d_hidden]`; returns `[n_rows, 2 · d_hidden]`
+    fn clamped_swiglu_backward(
+        z: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        alpha: f32,
+        limit: f32,
+    ) -> FloatTensor<Self> {
+        super::activation::clamped_swiglu_backward_composed::<Self>(z, grad, alpha, limit)
+    }
 }
 
 // On NdArray, fusion (where the layer computes an activation outside the exchange, on the
@@ -73,12 +96,29 @@ where
     }
 
     fn swiglu(z: FloatTensor<Self>) -> FloatTensor<Self> {
-        super::cubecl_activation::swiglu(&z).unwrap_or_else(|| super::activation::swiglu_composed::<Self>(z))
+        super::cubecl_activation::swiglu(&z, None)
+            .unwrap_or_else(|| super::activation::swiglu_composed::<Self>(z))
     }
 
     fn swiglu_backward(z: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        super::cubecl_activation::swiglu_backward(&z, &grad)
+        super::cubecl_activation::swiglu_backward(&z, &grad, None)
             .unwrap_or_else(|| super::activation::swiglu_backward_composed::<Self>(z, grad))
+    }
+
+    fn clamped_swiglu(z: FloatTensor<Self>, alpha: f32, limit: f32) -> FloatTensor<Self> {
+        super::cubecl_activation::swiglu(&z, Some((alpha, limit)))
+            .unwrap_or_else(|| super::activation::clamped_swiglu_composed::<Self>(z, alpha, limit))
+    }
+
+    fn clamped_swiglu_backward(
+        z: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        alpha: f32,
+        limit: f32,
+    ) -> FloatTensor<Self> {
+        super::cubecl_activation::swiglu_backward(&z, &grad, Some((alpha, limit))).unwrap_or_else(|| {
+            super::activation::clamped_swiglu_backward_composed::<Self>(z, grad, alpha, limit)
+        })
     }
 }
 
@@ -102,5 +142,20 @@ impl ActivationKernels for burn::backend::Flex {
     /// One vectorised pass over every core; the composed form for layouts it does not read.
     fn swiglu_backward(z: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
         super::flex_swiglu::swiglu_backward(z, grad)
+    }
+
+    /// One vectorised pass over every core; the composed form for layouts it does not read.
+    fn clamped_swiglu(z: FloatTensor<Self>, alpha: f32, limit: f32) -> FloatTensor<Self> {
+        super::flex_swiglu::clamped_swiglu(z, alpha, limit)
+    }
+
+    /// One vectorised pass over every core; the composed form for layouts it does not read.
+    fn clamped_swiglu_backward(
+        z: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        alpha: f32,
+        limit: f32,
+    ) -> FloatTensor<Self> {
+        super::flex_swiglu::clamped_swiglu_backward(z, grad, alpha, limit)
     }
 }
