@@ -3,7 +3,6 @@
 
 use burn::module::{Module, Param};
 use burn::nn::{Linear, LinearConfig};
-use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 use mpipemoe::layout::swap_dims_contiguous;
@@ -321,9 +320,10 @@ pub(crate) fn attend<B: MoeBackend>(
 /// softmax over the keys, with a sink logit per head (GPT-OSS), if given, as one more column
 /// dropped after it.
 ///
-/// Without sinks the weights are one op of the backend's
-/// ([`DecoderKernels::attention_softmax`](mpipemoe::backend::DecoderKernels::attention_softmax): one kernel each way on the CubeCL backends, under
-/// autodiff one node); with sinks they stay composed.
+/// Either form is one op of the backend's
+/// ([`DecoderKernels::attention_softmax`](mpipemoe::backend::DecoderKernels::attention_softmax)
+/// and [`attention_softmax_sinks`](mpipemoe::backend::DecoderKernels::attention_softmax_sinks)):
+/// one kernel each way on the CubeCL backends, under autodiff one node.
 ///
 /// # Shapes
 /// - scores: `[batch, heads, seq, cached]`; sinks: `[heads]`
@@ -335,26 +335,15 @@ pub(crate) fn probabilities<B: MoeBackend>(
     rules: &AttnRules,
     sinks: Option<Tensor<B, 1>>,
 ) -> Tensor<B, 4> {
-    let [b, h, t, s] = scores.dims();
-    let hidden = places.mask::<B>(cached, rules, &scores.device());
-    let Some(sinks) = sinks else {
-        let probs = B::attention_softmax(
-            scores.into_primitive().tensor(),
-            hidden.map(Tensor::into_primitive),
-            scale,
-        );
-        return Tensor::from_primitive(TensorPrimitive::Float(probs));
+    let hidden = places
+        .mask::<B>(cached, rules, &scores.device())
+        .map(Tensor::into_primitive);
+    let scores = scores.into_primitive().tensor();
+    let probs = match sinks {
+        None => B::attention_softmax(scores, hidden, scale),
+        Some(sinks) => B::attention_softmax_sinks(scores, hidden, sinks.into_primitive().tensor(), scale).0,
     };
-    let scores = scores * scale;
-    let scores = match hidden {
-        Some(hidden) => scores.mask_fill(
-            hidden.unsqueeze_dim::<4>(1).expand([b, h, t, s]),
-            f32::NEG_INFINITY,
-        ),
-        None => scores,
-    };
-    let column = sinks.reshape([1, h, 1, 1]).expand([b, h, t, 1]);
-    softmax(Tensor::cat(vec![scores, column], 3), 3).slice([0..b, 0..h, 0..t, 0..s])
+    Tensor::from_primitive(TensorPrimitive::Float(probs))
 }
 
 fn norm<B: MoeBackend, const D: usize>(norm: &Option<RmsNorm<B>>, x: Tensor<B, D>) -> Tensor<B, D> {

@@ -2,7 +2,8 @@
 //! inner backend's [`DecoderKernels::rms_norm_backward`], where the inner backend has a kernel
 //! each way ([`DecoderKernels::rms_norm_node`]); burn's ops recorded one by one elsewhere, as
 //! before. Attention's weights likewise ([`DecoderKernels::attention_softmax_node`]): one node
-//! whose backward reads the weights it wrote; and the rotary embedding
+//! whose backward reads the weights it wrote (with GPT-OSS's sinks, one node over the scores
+//! and the sinks that reads the sinks' shares too); and the rotary embedding
 //! ([`DecoderKernels::rotary_node`]): one node whose backward is the rotation's transpose, the
 //! tables constants (a rotation whose tables are tracked is recorded composed, so that their
 //! gradient is not lost).
@@ -12,9 +13,10 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::Autodiff;
+use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::{BoolTensor, FloatTensor};
 
-use super::softmax::attention_softmax_composed;
+use super::softmax::{attention_softmax_composed, attention_softmax_sinks_composed};
 use super::{
     rms_norm_composed, rotate_half_seq_major_composed, rotate_pairs_seq_major_composed, DecoderKernels,
 };
@@ -120,6 +122,27 @@ impl<B: DecoderKernels> Backward<B, 1> for AttentionSoftmaxBackward {
     }
 }
 
+#[derive(Debug)]
+struct AttentionSinksBackward;
+
+impl<B: DecoderKernels> Backward<B, 2> for AttentionSinksBackward {
+    /// The weights and the sinks' shares the forward wrote, and the scale.
+    type State = (FloatTensor<B>, FloatTensor<B>, f64);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (probs, sink_probs, scale) = ops.state;
+        let [scores_parent, sinks_parent] = ops.parents;
+        let (dscores, dsinks) = B::attention_softmax_sinks_backward(probs, sink_probs, grad, scale);
+        if let Some(parent) = scores_parent {
+            grads.register::<B>(parent.id, dscores);
+        }
+        if let Some(parent) = sinks_parent {
+            grads.register::<B>(parent.id, dsinks);
+        }
+    }
+}
+
 impl<B: DecoderKernels, C: CheckpointStrategy> DecoderKernels for Autodiff<B, C> {
     /// The inner backend's norm as one node where it has a kernel each way; burn's ops,
     /// recorded one by one, elsewhere.
@@ -198,5 +221,30 @@ impl<B: DecoderKernels, C: CheckpointStrategy> DecoderKernels for Autodiff<B, C>
 
     fn attention_softmax_node() -> bool {
         B::attention_softmax_node()
+    }
+
+    /// As without sinks: one node, over the scores and the sinks, where the inner backend has
+    /// a kernel each way. The sinks' shares it returns are constants of the graph.
+    fn attention_softmax_sinks(
+        scores: FloatTensor<Self>,
+        hidden: Option<BoolTensor<Self>>,
+        sinks: FloatTensor<Self>,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        if !B::attention_softmax_node() {
+            return attention_softmax_sinks_composed::<Self>(scores, hidden, sinks, scale);
+        }
+        let (probs, sink_probs) =
+            B::attention_softmax_sinks(scores.primitive, hidden, sinks.primitive, scale);
+        let shares = <Self as AutodiffBackend>::from_inner(sink_probs.clone());
+        let probs = match AttentionSinksBackward
+            .prepare::<C>([scores.node, sinks.node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((probs.clone(), sink_probs, scale), probs),
+            OpsKind::UnTracked(prep) => prep.finish(probs),
+        };
+        (probs, shares)
     }
 }

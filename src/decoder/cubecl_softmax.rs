@@ -1,5 +1,8 @@
 //! Attention's weights on the CubeCL backends: the scaled, masked softmax over the keys in one
-//! kernel forward and its backward in one, one cube per row of scores (a query of a head).
+//! kernel forward and its backward in one, one cube per row of scores (a query of a head). The
+//! same kernels take GPT-OSS's sinks in a second compile-time form: the head's sink joins the
+//! row's maximum and sum, its share is written per row, and the backward writes each row's
+//! term of the sink's gradient beside the scores'.
 //!
 //! Composed, the weights were seven kernels forward (the product by the scale, the mask fill,
 //! the row maximum, the shift, `exp`, the row sum, the division), each a pass over the
@@ -14,6 +17,9 @@
 //! softmax gives it. The tests hold both kernels to the composed forms on WGPU
 //! (`decoder/cubecl_tests.rs`).
 
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Shape, TensorMetadata};
 use burn_cubecl::cubecl;
 use burn_cubecl::cubecl::prelude::*;
 use burn_cubecl::tensor::CubeTensor;
@@ -39,7 +45,9 @@ fn row_start<F: Float>(t: &Tensor<F>, row: usize, heads: usize, seq: usize) -> u
 fn attention_softmax_kernel<F: Float, M: Int>(
     scores: &Tensor<F>,
     hidden: &Tensor<M>,
+    sinks: &ComptimeOption<Tensor<F>>,
     out: &mut Tensor<F>,
+    sink_out: &mut ComptimeOption<Tensor<F>>,
     n_rows: usize,
     heads: usize,
     seq: usize,
@@ -70,7 +78,14 @@ fn attention_softmax_kernel<F: Float, M: Int>(
         k += threads;
     }
     let mut shared = SharedMemory::<f32>::new(threads);
-    let max = cube_max(&mut shared, max, threads);
+    let mut max = cube_max(&mut shared, max, threads);
+    // GPT-OSS's sink: one more logit per head, not scaled, in the maximum and the sum.
+    let mut sink = 0.0f32;
+    #[comptime]
+    if let ComptimeOption::Some(sinks) = sinks {
+        sink = f32::cast_from(sinks[((row / seq) % heads) * sinks.stride(0)]);
+        max = f32::max(max, sink);
+    }
     let mut sum = 0.0f32;
     let mut k = unit;
     while k < keys {
@@ -79,7 +94,15 @@ fn attention_softmax_kernel<F: Float, M: Int>(
         }
         k += threads;
     }
-    let sum = cube_sum(&mut shared, sum, threads);
+    let mut sum = cube_sum(&mut shared, sum, threads);
+    #[comptime]
+    if let ComptimeOption::Some(sink_out) = sink_out {
+        let share = f32::exp(sink - max);
+        sum += share;
+        if unit == 0 {
+            sink_out[row] = F::cast_from(share / sum);
+        }
+    }
     let mut k = unit;
     while k < keys {
         let mut p = 0.0f32;
@@ -95,8 +118,10 @@ fn attention_softmax_kernel<F: Float, M: Int>(
 #[allow(clippy::too_many_arguments)]
 fn attention_softmax_backward_kernel<F: Float>(
     probs: &Tensor<F>,
+    sink_probs: &ComptimeOption<Tensor<F>>,
     grad: &Tensor<F>,
     out: &mut Tensor<F>,
+    sink_grad: &mut ComptimeOption<Tensor<F>>,
     n_rows: usize,
     heads: usize,
     seq: usize,
@@ -123,6 +148,17 @@ fn attention_softmax_backward_kernel<F: Float>(
     }
     let mut shared = SharedMemory::<f32>::new(threads);
     let dot = cube_sum(&mut shared, dot, threads);
+    // The sink's term of its head's gradient: the softmax's backward at the dropped column,
+    // whose own gradient is 0.
+    #[comptime]
+    if let ComptimeOption::Some(sink_probs) = sink_probs {
+        #[comptime]
+        if let ComptimeOption::Some(sink_grad) = sink_grad {
+            if unit == 0 {
+                sink_grad[row] = F::cast_from(-(f32::cast_from(sink_probs[row]) * dot));
+            }
+        }
+    }
     let mut k = unit;
     while k < keys {
         let p = f32::cast_from(probs[pa + k * ps]);
@@ -150,6 +186,37 @@ pub(crate) fn attention_softmax<R: CubeRuntime>(
     hidden: &CubeTensor<R>,
     scale: f64,
 ) -> Option<CubeTensor<R>> {
+    softmax(scores, hidden, None, scale).map(|(probs, _)| probs)
+}
+
+/// The weights with a sink logit per head, and each row's sink share, in one kernel; `None`
+/// where the kernel does not read the tensors (as [`attention_softmax`], or sinks that are not
+/// `[heads]` of the scores' dtype).
+///
+/// # Shapes
+/// - scores: `[batch, heads, seq, keys]`, hidden: `[1 or batch, seq, keys]`, sinks: `[heads]`
+/// - returns `[batch, heads, seq, keys]` and `[batch, heads, seq]`
+pub(crate) fn attention_softmax_sinks<R: CubeRuntime>(
+    scores: &CubeTensor<R>,
+    hidden: &CubeTensor<R>,
+    sinks: &CubeTensor<R>,
+    scale: f64,
+) -> Option<(CubeTensor<R>, CubeTensor<R>)> {
+    let heads = dims4(scores)?[1];
+    if sinks.dtype != scores.dtype || sinks.meta.shape().to_vec() != [heads] {
+        return None;
+    }
+    let (probs, sink_probs) = softmax(scores, hidden, Some(sinks), scale)?;
+    Some((probs, sink_probs?))
+}
+
+/// Both forms' launch: the weights, and the sink shares where `sinks` are given.
+fn softmax<R: CubeRuntime>(
+    scores: &CubeTensor<R>,
+    hidden: &CubeTensor<R>,
+    sinks: Option<&CubeTensor<R>>,
+    scale: f64,
+) -> Option<(CubeTensor<R>, Option<CubeTensor<R>>)> {
     let dims @ [batch, heads, seq, keys] = dims4(scores)?;
     let [rows, mask_seq, mask_keys] = <[usize; 3]>::try_from(hidden.meta.shape().to_vec()).ok()?;
     let fits = hidden.dtype.is_bool() && (rows == 1 || rows == batch) && [mask_seq, mask_keys] == [seq, keys];
@@ -159,12 +226,14 @@ pub(crate) fn attention_softmax<R: CubeRuntime>(
     // One mask row serves every batch row: its batch stride is read as 0.
     let mask_batch_stride = if rows == 1 { 0 } else { hidden.meta.strides()[0] };
     let out = output(scores, dims);
+    let sink_out = sinks.map(|_| output(scores, [batch, heads, seq]));
     let n_rows = batch * heads * seq;
     let (count, dim) = cube_per_row(scores, n_rows, THREADS);
     // SAFETY: `scores` is read at its strides within `[batch, heads, seq, keys]`, `hidden` at
-    // its strides within `[rows, seq, keys]` (row 0 alone where `rows` is 1); `out` holds
-    // `n_rows · keys` contiguous elements, each row written by its cube; cubes past the last
-    // row leave before reading.
+    // its strides within `[rows, seq, keys]` (row 0 alone where `rows` is 1), `sinks` at its
+    // stride within `[heads]`; `out` holds `n_rows · keys` contiguous elements, each row
+    // written by its cube, and `sink_out` `n_rows`, each written by its row's first thread;
+    // cubes past the last row leave before reading.
     unsafe {
         attention_softmax_kernel::launch_unchecked(
             &scores.client,
@@ -172,7 +241,9 @@ pub(crate) fn attention_softmax<R: CubeRuntime>(
             dim,
             scores.clone().into_tensor_arg(),
             hidden.clone().into_tensor_arg(),
+            sinks.map(|t| t.clone().into_tensor_arg()).into(),
             out.clone().into_tensor_arg(),
+            sink_out.clone().map(|t| t.into_tensor_arg()).into(),
             n_rows,
             heads,
             seq,
@@ -183,7 +254,7 @@ pub(crate) fn attention_softmax<R: CubeRuntime>(
             [scores.dtype.into(), hidden.dtype.into()],
         )
     };
-    Some(out)
+    Some((out, sink_out))
 }
 
 /// The scores' gradient in one kernel; `None` where the kernel does not read the tensors.
@@ -195,23 +266,63 @@ pub(crate) fn attention_softmax_backward<R: CubeRuntime>(
     grad: &CubeTensor<R>,
     scale: f64,
 ) -> Option<CubeTensor<R>> {
+    softmax_backward(probs, None, grad, scale).map(|(dscores, _)| dscores)
+}
+
+/// The scores' gradient and each row's term of its head's sink gradient,
+/// `−p_sink · Σ_keys grad · probs`, in one kernel ([`per_head_sums`] adds the terms up);
+/// `None` where the kernel does not read the tensors.
+///
+/// # Shapes
+/// - probs, grad: `[batch, heads, seq, keys]`, sink_probs: `[batch, heads, seq]`
+/// - returns `[batch, heads, seq, keys]` and `[batch, heads, seq]`
+pub(crate) fn attention_softmax_sinks_backward<R: CubeRuntime>(
+    probs: &CubeTensor<R>,
+    sink_probs: &CubeTensor<R>,
+    grad: &CubeTensor<R>,
+    scale: f64,
+) -> Option<(CubeTensor<R>, CubeTensor<R>)> {
+    let [batch, heads, seq, _] = dims4(probs)?;
+    // The kernel reads a row's share at the row's index.
+    let fits = sink_probs.dtype == probs.dtype
+        && sink_probs.meta.shape().to_vec() == [batch, heads, seq]
+        && sink_probs.is_contiguous();
+    if !fits {
+        return None;
+    }
+    let (dscores, rows) = softmax_backward(probs, Some(sink_probs), grad, scale)?;
+    Some((dscores, rows?))
+}
+
+/// Both forms' backward launch.
+fn softmax_backward<R: CubeRuntime>(
+    probs: &CubeTensor<R>,
+    sink_probs: Option<&CubeTensor<R>>,
+    grad: &CubeTensor<R>,
+    scale: f64,
+) -> Option<(CubeTensor<R>, Option<CubeTensor<R>>)> {
     let dims @ [batch, heads, seq, keys] = dims4(probs)?;
     if grad.dtype != probs.dtype || grad.meta.shape().to_vec() != dims {
         return None;
     }
     let out = output(probs, dims);
+    let sink_grad = sink_probs.map(|_| output(probs, [batch, heads, seq]));
     let n_rows = batch * heads * seq;
     let (count, dim) = cube_per_row(probs, n_rows, THREADS);
-    // SAFETY: as in `attention_softmax`, both inputs read at their strides within their
-    // shapes, `out` `n_rows · keys` contiguous elements, each row written by its cube.
+    // SAFETY: as in `softmax`, both inputs read at their strides within their shapes,
+    // `sink_probs` (contiguous) at row indices below `n_rows`; `out` `n_rows · keys`
+    // contiguous elements, each row written by its cube, `sink_grad` `n_rows`, each written by
+    // its row's first thread.
     unsafe {
         attention_softmax_backward_kernel::launch_unchecked(
             &probs.client,
             count,
             dim,
             probs.clone().into_tensor_arg(),
+            sink_probs.map(|t| t.clone().into_tensor_arg()).into(),
             grad.clone().into_tensor_arg(),
             out.clone().into_tensor_arg(),
+            sink_grad.clone().map(|t| t.into_tensor_arg()).into(),
             n_rows,
             heads,
             seq,
@@ -221,5 +332,12 @@ pub(crate) fn attention_softmax_backward<R: CubeRuntime>(
             probs.dtype.into(),
         )
     };
-    Some(out)
+    Some((out, sink_grad))
+}
+
+/// Each head's sum of the `[batch, heads, seq]` row terms: `[heads]`.
+pub(crate) fn per_head_sums<B: Backend>(rows: FloatTensor<B>) -> FloatTensor<B> {
+    let heads = rows.shape()[1];
+    let per_head = B::float_sum_dim(B::float_sum_dim(rows, 2), 0);
+    B::float_reshape(per_head, Shape::new([heads]))
 }

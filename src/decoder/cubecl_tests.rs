@@ -185,6 +185,130 @@ fn the_attention_softmax_node_matches_burns_ops_recorded_one_by_one() {
     close_within("scores' gradient", ds, want_ds, 0.0);
 }
 
+/// `[batch, heads, seq]` sink shares as `[batch · heads, seq]`.
+fn flat3(t: burn::tensor::ops::FloatTensor<Wgpu>) -> burn::tensor::ops::FloatTensor<Wgpu> {
+    let t = Tensor::<Wgpu, 3>::from_primitive(TensorPrimitive::Float(t));
+    let [b, h, q] = t.dims();
+    t.reshape([b * h, q]).into_primitive().tensor()
+}
+
+/// The weights with GPT-OSS's sinks and their backward (`cubecl_softmax.rs`'s second form)
+/// against the composed forms, on the shapes and layouts of the test above: the weights, each
+/// row's sink share, the scores' gradient and the sinks'. The sinks are drawn on the scaled
+/// scores' scale, so that the shares lie well inside (0, 1) and a kernel that left the sink
+/// out of the maximum or the sum, or dropped its term of the gradient, fails.
+#[test]
+fn the_attention_softmax_sinks_kernels_match_the_composed_forms() {
+    use super::softmax::{attention_softmax_sinks_backward_composed, attention_softmax_sinks_composed};
+    let device = Default::default();
+    for (batch, heads, seq, keys, rows, sd) in [(2, 3, 5, 7, 1, 1.0), (2, 4, 6, 70, 2, 100.0)] {
+        let scale = 0.3;
+        let contiguous =
+            Tensor::<Wgpu, 4>::random([batch, heads, seq, keys], Distribution::Normal(0.0, sd), &device);
+        let transposed =
+            Tensor::<Wgpu, 4>::from_data(contiguous.clone().swap_dims(2, 3).into_data(), &device)
+                .swap_dims(2, 3);
+        let sinks = Tensor::<Wgpu, 1>::random([heads], Distribution::Normal(sd * scale, sd * scale), &device)
+            .into_primitive()
+            .tensor();
+        let hidden = mask(rows, seq, keys).into_primitive();
+        let grad = Tensor::<Wgpu, 4>::random([batch, heads, seq, keys], Distribution::Default, &device)
+            .into_primitive()
+            .tensor();
+        for (layout, scores) in [("contiguous", contiguous.clone()), ("strided", transposed)] {
+            let what = format!("[{batch}, {heads}, {seq}, {keys}], mask rows {rows}, {layout}");
+            let scores = scores.into_primitive().tensor();
+            let (want, want_shares) = attention_softmax_sinks_composed::<Wgpu>(
+                scores.clone(),
+                Some(hidden.clone()),
+                sinks.clone(),
+                scale,
+            );
+            let shares = Tensor::<Wgpu, 3>::from_primitive(TensorPrimitive::Float(want_shares.clone()));
+            let between = shares
+                .into_data()
+                .to_vec::<f32>()
+                .unwrap()
+                .iter()
+                .filter(|&&p| (0.02..0.98).contains(&p))
+                .count();
+            assert!(between > 0, "{what}: no sink share is far from 0 and 1");
+            let (got, got_shares) =
+                super::cubecl_softmax::attention_softmax_sinks(&scores, &hidden, &sinks, scale)
+                    .expect("the kernel reads them");
+            close_within(&format!("{what}, weights"), flat(got), flat(want.clone()), 0.0);
+            close_within(
+                &format!("{what}, sink shares"),
+                flat3(got_shares),
+                flat3(want_shares.clone()),
+                0.0,
+            );
+            let (want_ds, want_dsinks) = attention_softmax_sinks_backward_composed::<Wgpu>(
+                want.clone(),
+                want_shares.clone(),
+                grad.clone(),
+                scale,
+            );
+            let (got_ds, got_dsinks) = <Wgpu as DecoderKernels>::attention_softmax_sinks_backward(
+                want.clone(),
+                want_shares,
+                grad.clone(),
+                scale,
+            );
+            close_within(
+                &format!("{what}, scores' gradient"),
+                flat(got_ds),
+                flat(want_ds),
+                0.0,
+            );
+            close_within(
+                &format!("{what}, sinks' gradient"),
+                wide(got_dsinks),
+                wide(want_dsinks),
+                0.0,
+            );
+        }
+    }
+}
+
+/// The weights with sinks under `Autodiff<Wgpu>` (one node over the scores and the sinks)
+/// against burn's ops recorded one by one: the weights and both gradients.
+#[test]
+fn the_attention_softmax_sinks_node_matches_burns_ops_recorded_one_by_one() {
+    use super::softmax::attention_softmax_sinks_composed;
+    type A = Autodiff<Wgpu>;
+    let (batch, heads, seq, keys, scale) = (3, 2, 9, 12, 0.25);
+    let device = Default::default();
+    let s0 = Tensor::<A, 4>::random([batch, heads, seq, keys], Distribution::Normal(0.0, 4.0), &device);
+    let k0 = Tensor::<A, 1>::random([heads], Distribution::Normal(1.0, 1.0), &device);
+    let g = Tensor::<A, 4>::random([batch, heads, seq, keys], Distribution::Default, &device);
+    let hidden = mask(batch, seq, keys).into_primitive();
+    let run = |node: bool| {
+        let (s, k) = (s0.clone().require_grad(), k0.clone().require_grad());
+        let (sp, kp) = (
+            s.clone().into_primitive().tensor(),
+            k.clone().into_primitive().tensor(),
+        );
+        let (y, _) = match node {
+            true => <A as DecoderKernels>::attention_softmax_sinks(sp, Some(hidden.clone()), kp, scale),
+            false => attention_softmax_sinks_composed::<A>(sp, Some(hidden.clone()), kp, scale),
+        };
+        let y = Tensor::<A, 4>::from_primitive(TensorPrimitive::Float(y));
+        let grads = (y.clone() * g.clone()).sum().backward();
+        let ds = s.grad(&grads).expect("the scores' gradient");
+        let dk = k.grad(&grads).expect("the sinks' gradient");
+        (
+            [y.inner(), ds].map(|t| flat(t.into_primitive().tensor())),
+            wide(dk.into_primitive().tensor()),
+        )
+    };
+    let ([y, ds], dk) = run(true);
+    let ([want_y, want_ds], want_dk) = run(false);
+    close_within("weights", y, want_y, 0.0);
+    close_within("scores' gradient", ds, want_ds, 0.0);
+    close_within("sinks' gradient", dk, want_dk, 0.0);
+}
+
 /// `[rows, seq, head_dim]` tables whose halves differ (the kernels must read each value's own
 /// sine, not rely on the halves repeating as the models' tables do).
 fn table(rows: usize, seq: usize, head_dim: usize) -> burn::tensor::ops::FloatTensor<Wgpu> {

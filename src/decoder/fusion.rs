@@ -103,4 +103,36 @@ impl<B: FusionBackend + DecoderKernels> DecoderKernels for Fusion<B> {
         let dscores = B::attention_softmax_backward(resolve::<B>(probs), resolve::<B>(grad), scale);
         register::<B>(dscores, &device)
     }
+
+    fn attention_softmax_sinks(
+        scores: FloatTensor<Self>,
+        hidden: Option<BoolTensor<Self>>,
+        sinks: FloatTensor<Self>,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let device = scores.client.device().clone();
+        let hidden = hidden.map(|mask| {
+            let client = mask.client.clone();
+            client.resolve_tensor_bool::<B>(mask)
+        });
+        let (probs, shares) =
+            B::attention_softmax_sinks(resolve::<B>(scores), hidden, resolve::<B>(sinks), scale);
+        (register::<B>(probs, &device), register::<B>(shares, &device))
+    }
+
+    fn attention_softmax_sinks_backward(
+        probs: FloatTensor<Self>,
+        sink_probs: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let device = probs.client.device().clone();
+        let (dscores, dsinks) = B::attention_softmax_sinks_backward(
+            resolve::<B>(probs),
+            resolve::<B>(sink_probs),
+            resolve::<B>(grad),
+            scale,
+        );
+        (register::<B>(dscores, &device), register::<B>(dsinks, &device))
+    }
 }

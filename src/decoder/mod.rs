@@ -188,6 +188,46 @@ pub trait DecoderKernels: Backend {
     ) -> FloatTensor<Self> {
         softmax::attention_softmax_backward_composed::<Self>(probs, grad, scale)
     }
+
+    /// Attention's weights with a learned sink logit per head (GPT-OSS): the softmax over the
+    /// keys of `scores · scale` (the keys `hidden` marks left out, as in
+    /// [`attention_softmax`](Self::attention_softmax)) and one more column, the head's sink
+    /// (not scaled), whose share is then dropped, so each row sums to `1 − p_sink`. Returns
+    /// the weights and each row's `p_sink`, which the backward needs for the sinks' gradient
+    /// (under `Autodiff`'s node it carries no gradient of its own). By default composed as
+    /// GPT-OSS's attention wrote it before (`decoder/softmax.rs`); recorded as one node under
+    /// `Autodiff` where [`attention_softmax_node`](Self::attention_softmax_node) says so.
+    ///
+    /// # Shapes
+    /// - scores: `[batch, heads, seq, keys]`; sinks: `[heads]`
+    /// - hidden: `[rows, seq, keys]`, `rows` 1 or `batch`
+    /// - returns `[batch, heads, seq, keys]` and `[batch, heads, seq]`
+    fn attention_softmax_sinks(
+        scores: FloatTensor<Self>,
+        hidden: Option<BoolTensor<Self>>,
+        sinks: FloatTensor<Self>,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        softmax::attention_softmax_sinks_composed::<Self>(scores, hidden, sinks, scale)
+    }
+
+    /// The gradients of [`attention_softmax_sinks`](Self::attention_softmax_sinks) from the
+    /// weights `probs`, the sinks' shares `sink_probs` and the weights' gradient `grad`: the
+    /// scores' is [`attention_softmax_backward`](Self::attention_softmax_backward)'s (the
+    /// dropped column's gradient is 0, so each row's `Σ grad · probs` runs over the keys
+    /// alone), sink `h`'s `−Σ_{batch, seq} p_sink · Σ_keys grad · probs`.
+    ///
+    /// # Shapes
+    /// - probs, grad: `[batch, heads, seq, keys]`; sink_probs: `[batch, heads, seq]`
+    /// - returns `[batch, heads, seq, keys]` and `[heads]`
+    fn attention_softmax_sinks_backward(
+        probs: FloatTensor<Self>,
+        sink_probs: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        softmax::attention_softmax_sinks_backward_composed::<Self>(probs, sink_probs, grad, scale)
+    }
 }
 
 /// [`DecoderKernels::rms_norm`]'s default: burn's ops.
@@ -346,5 +386,37 @@ where
     ) -> FloatTensor<Self> {
         cubecl_softmax::attention_softmax_backward(&probs, &grad, scale)
             .unwrap_or_else(|| softmax::attention_softmax_backward_composed::<Self>(probs, grad, scale))
+    }
+
+    fn attention_softmax_sinks(
+        scores: FloatTensor<Self>,
+        hidden: Option<BoolTensor<Self>>,
+        sinks: FloatTensor<Self>,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        match hidden {
+            Some(mask) => match cubecl_softmax::attention_softmax_sinks(&scores, &mask, &sinks, scale) {
+                Some(both) => both,
+                None => softmax::attention_softmax_sinks_composed::<Self>(scores, Some(mask), sinks, scale),
+            },
+            // As without sinks: nothing hidden is a decode step's one query.
+            None => softmax::attention_softmax_sinks_composed::<Self>(scores, None, sinks, scale),
+        }
+    }
+
+    fn attention_softmax_sinks_backward(
+        probs: FloatTensor<Self>,
+        sink_probs: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        match cubecl_softmax::attention_softmax_sinks_backward(&probs, &sink_probs, &grad, scale) {
+            // Sink h's gradient is the sum of the kernel's row terms over the batch and the
+            // sequence.
+            Some((dscores, rows)) => (dscores, cubecl_softmax::per_head_sums::<Self>(rows)),
+            None => {
+                softmax::attention_softmax_sinks_backward_composed::<Self>(probs, sink_probs, grad, scale)
+            }
+        }
     }
 }

@@ -173,7 +173,10 @@ where
 /// burn's `mask_fill` and `softmax` written out here: the weights and the scores' gradient for
 /// a loss that weighs every weight differently, under a causal mask with one row for every
 /// batch row and under one with a row each. A missing scale, a mask read from another batch
-/// row or a gradient without the row's dot product fails it.
+/// row or a gradient without the row's dot product fails it. The same with GPT-OSS's sinks
+/// (`DecoderKernels::attention_softmax_sinks`) against the sink column concatenated, the
+/// softmax and the column dropped, written out here, the sinks' gradient too: a sink left out
+/// of the maximum or the sum, read for another head, scaled, or without its gradient fails.
 pub fn attention_softmax_matches_burns_ops<B>(device: &B::Device)
 where
     B: burn::tensor::backend::AutodiffBackend + mpipemoe::MoeBackend,
@@ -202,13 +205,16 @@ where
         );
         let probs = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(probs));
         let grads = (probs.clone() * weigh.clone()).sum().backward();
-        let twin = scores0.require_grad();
+        let twin = scores0.clone().require_grad();
         let masked = (twin.clone() * scale).mask_fill(
-            hidden.unsqueeze_dim::<4>(1).expand([batch, heads, seq, keys]),
+            hidden
+                .clone()
+                .unsqueeze_dim::<4>(1)
+                .expand([batch, heads, seq, keys]),
             f32::NEG_INFINITY,
         );
         let want = softmax(masked, 3);
-        let want_grads = (want.clone() * weigh).sum().backward();
+        let want_grads = (want.clone() * weigh.clone()).sum().backward();
         let values = |t: Tensor<B::InnerBackend, 4>| t.into_data().convert::<f64>().to_vec::<f64>().unwrap();
         let close = |what: &str, got: Vec<f64>, want: Vec<f64>| {
             assert_close(&format!("{what}, mask rows {rows}"), &got, &want, 2e-6)
@@ -218,6 +224,45 @@ where
             "scores' gradient",
             values(scores.grad(&grads).expect("the scores' gradient")),
             values(twin.grad(&want_grads).expect("the twin's gradient")),
+        );
+
+        // With a sink per head, of the scaled scores' size so that it takes a real share.
+        let sinks0 = Tensor::<B, 1>::from_data(TensorData::new(vec![0.5f32, -1.0, 2.0], [heads]), device);
+        let (scores, sinks) = (scores0.clone().require_grad(), sinks0.clone().require_grad());
+        let (probs, _) = B::attention_softmax_sinks(
+            scores.clone().into_primitive().tensor(),
+            Some(hidden.clone().into_primitive()),
+            sinks.clone().into_primitive().tensor(),
+            scale,
+        );
+        let probs = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(probs));
+        let grads = (probs.clone() * weigh.clone()).sum().backward();
+        let (twin, twin_sinks) = (scores0.clone().require_grad(), sinks0.require_grad());
+        let masked = (twin.clone() * scale).mask_fill(
+            hidden
+                .clone()
+                .unsqueeze_dim::<4>(1)
+                .expand([batch, heads, seq, keys]),
+            f32::NEG_INFINITY,
+        );
+        let column = twin_sinks
+            .clone()
+            .reshape([1, heads, 1, 1])
+            .expand([batch, heads, seq, 1]);
+        let want =
+            softmax(Tensor::cat(vec![masked, column], 3), 3).slice([0..batch, 0..heads, 0..seq, 0..keys]);
+        let want_grads = (want.clone() * weigh.clone()).sum().backward();
+        let values1 = |t: Tensor<B::InnerBackend, 1>| t.into_data().convert::<f64>().to_vec::<f64>().unwrap();
+        close("weights with sinks", values(probs.inner()), values(want.inner()));
+        close(
+            "scores' gradient with sinks",
+            values(scores.grad(&grads).expect("the scores' gradient")),
+            values(twin.grad(&want_grads).expect("the twin's gradient")),
+        );
+        close(
+            "sinks' gradient",
+            values1(sinks.grad(&grads).expect("the sinks' gradient")),
+            values1(twin_sinks.grad(&want_grads).expect("the twin's sinks' gradient")),
         );
     }
 }
