@@ -370,28 +370,19 @@ fn per_head<B: MoeBackend>(x: Tensor<B, 4>, w: Tensor<B, 3>, dense: &DenseProduc
 /// one frequency, written out as `[rotated evens | rotated odds]` (transformers'
 /// `apply_rotary_pos_emb_interleave`, bit for bit the de-interleaved "rotate half").
 ///
+/// It is the backend's pairs rotation (Llama 4's: each pair rotated in place; one kernel each
+/// way on the CubeCL backends, one node under autodiff) on the sequence-major view, then each
+/// head's pairs split into their first and second values, one swap of a `[half, 2]` run; the
+/// same products and sums per value as writing it out, where that was about ten launches forward
+/// and fifteen backward for each of the query and the key.
+///
 /// # Shapes
 /// - x: `[batch, heads, seq, rope]`; cos, sin: `[rows, seq, rope]`, `rows` 1 or `batch`
 ///   (`cat(freqs, freqs)`: the first half is used)
-fn interleaved<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 3>, sin: &Tensor<B, 3>) -> Tensor<B, 4> {
+fn interleaved<B: MoeBackend>(x: Tensor<B, 4>, cos: &Tensor<B, 3>, sin: &Tensor<B, 3>) -> Tensor<B, 4> {
     let [b, h, t, d] = x.dims();
-    let half = d / 2;
-    let pairs = x.reshape([b, h, t, half, 2]);
-    let even = pairs
-        .clone()
-        .slice([0..b, 0..h, 0..t, 0..half, 0..1])
-        .reshape([b, h, t, half]);
-    let odd = pairs
-        .slice([0..b, 0..h, 0..t, 0..half, 1..2])
-        .reshape([b, h, t, half]);
-    let rows = cos.dims()[0];
-    let cos = cos.clone().slice([0..rows, 0..t, 0..half]).unsqueeze_dim::<4>(1);
-    let sin = sin.clone().slice([0..rows, 0..t, 0..half]).unsqueeze_dim::<4>(1);
-    Tensor::cat(
-        vec![
-            even.clone() * cos.clone() - odd.clone() * sin.clone(),
-            odd * cos + even * sin,
-        ],
-        3,
-    )
+    let rotated = Rotary::apply_pairs_seq_major(x.swap_dims(1, 2), cos, sin);
+    swap_dims_contiguous(rotated.reshape([b * t * h, d / 2, 2, 1]))
+        .reshape([b, t, h, d])
+        .swap_dims(1, 2)
 }
