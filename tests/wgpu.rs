@@ -138,6 +138,27 @@ fn the_z_loss_on_wgpu_raw_and_fused() {
     common::z_loss_matches_its_composed_form::<fusion::F>(&device);
 }
 
+/// The GPU check's list of kernels against their composed forms (`harness::kernel_checks`: the
+/// activations, the decoder blocks' ops and the token loss, each way), here on WGPU raw and
+/// under fusion, so that the list the GPU check runs on CUDA is known to pass where it can run.
+#[test]
+fn the_gpu_checks_kernel_list_passes_on_wgpu_raw_and_fused() {
+    let _device = shared();
+    let device = Default::default();
+    for (backend, checks) in [
+        ("raw", mpipemoe::harness::kernel_checks::<Inner>(&device)),
+        (
+            "fused",
+            mpipemoe::harness::kernel_checks::<fusion::FusedWgpu>(&device),
+        ),
+    ] {
+        assert!(checks.len() >= 30, "{backend}: {} checks", checks.len());
+        for (label, outcome) in checks {
+            assert!(outcome.is_ok(), "{backend} {label}: {outcome:?}");
+        }
+    }
+}
+
 /// Attention's weights as one op (a node over a kernel each way) against burn's `mask_fill` and
 /// `softmax`, raw and under burn's fusion (`common::attention_softmax_matches_burns_ops`).
 #[test]

@@ -194,9 +194,9 @@ fn flat3(t: burn::tensor::ops::FloatTensor<Wgpu>) -> burn::tensor::ops::FloatTen
 
 /// The weights with GPT-OSS's sinks and their backward (`cubecl_softmax.rs`'s second form)
 /// against the composed forms, on the shapes and layouts of the test above: the weights, each
-/// row's sink share, the scores' gradient and the sinks'. The sinks are drawn on the scaled
-/// scores' scale, so that the shares lie well inside (0, 1) and a kernel that left the sink
-/// out of the maximum or the sum, or dropped its term of the gradient, fails.
+/// row's sink share, the scores' gradient and the sinks'. Each head's sink is set so that one
+/// row's share is one half (asserted), so a kernel that left the sink out of the maximum or
+/// the sum, or dropped its term of the gradient, fails.
 #[test]
 fn the_attention_softmax_sinks_kernels_match_the_composed_forms() {
     use super::softmax::{attention_softmax_sinks_backward_composed, attention_softmax_sinks_composed};
@@ -208,7 +208,22 @@ fn the_attention_softmax_sinks_kernels_match_the_composed_forms() {
         let transposed =
             Tensor::<Wgpu, 4>::from_data(contiguous.clone().swap_dims(2, 3).into_data(), &device)
                 .swap_dims(2, 3);
-        let sinks = Tensor::<Wgpu, 1>::random([heads], Distribution::Normal(sd * scale, sd * scale), &device)
+        // Each head's sink is the log-sum-exp of its last query's visible scaled scores in
+        // batch row 0, so that row's share is one half whatever the draw.
+        let values = contiguous.clone().into_data().to_vec::<f32>().unwrap();
+        let last = seq - 1;
+        let sinks: Vec<f32> = (0..heads)
+            .map(|h| {
+                let column = keys - seq + last;
+                let visible: Vec<f64> = (0..keys)
+                    .filter(|&k| !(k > column || (k != column && (k * 7 + last * 3) % 4 == 0)))
+                    .map(|k| values[(h * seq + last) * keys + k] as f64 * scale)
+                    .collect();
+                let max = visible.iter().fold(f64::MIN, |m, &v| m.max(v));
+                (max + visible.iter().map(|v| (v - max).exp()).sum::<f64>().ln()) as f32
+            })
+            .collect();
+        let sinks = Tensor::<Wgpu, 1>::from_data(burn::tensor::TensorData::new(sinks, [heads]), &device)
             .into_primitive()
             .tensor();
         let hidden = mask(rows, seq, keys).into_primitive();

@@ -39,6 +39,11 @@ pub(crate) use rotary::{
     rotate_half_seq_major_backward_composed, rotate_half_seq_major_composed,
     rotate_pairs_seq_major_backward_composed, rotate_pairs_seq_major_composed,
 };
+#[cfg(feature = "testkit")]
+pub(crate) use softmax::{
+    attention_softmax_backward_composed, attention_softmax_composed,
+    attention_softmax_sinks_backward_composed, attention_softmax_sinks_composed,
+};
 
 /// The decoder blocks' kernels, on the backend that runs them.
 pub trait DecoderKernels: Backend {

@@ -22,6 +22,11 @@ mod weights;
 
 pub use activation::Activation;
 pub(crate) use activation::{activation_backward, activation_forward};
+#[cfg(feature = "testkit")]
+pub(crate) use activation::{
+    clamped_swiglu_backward_composed, clamped_swiglu_composed, gelu_backward_composed,
+    swiglu_backward_composed, swiglu_composed,
+};
 pub use init::seeded_uniform;
 pub(crate) use init::HostInit;
 pub use kernels::ActivationKernels;

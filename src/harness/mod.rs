@@ -4,6 +4,7 @@
 
 #[cfg(feature = "cubecl")]
 mod device_memory;
+mod kernels;
 mod memory;
 mod synthetic;
 
@@ -14,6 +15,7 @@ pub use crate::cases::{
 pub use crate::memory::alloc::CountingAllocator;
 #[cfg(feature = "cubecl")]
 pub use device_memory::{DeviceMemoryMeter, DeviceSample};
+pub use kernels::{kernel_checks, KernelCheck};
 pub use memory::{
     measure_layer_memory, measure_layer_memory_with, measure_layer_peak, MemoryMeasurement, PeakMeter,
     RankMemory, TokenSource, WrapComm,

@@ -27,7 +27,8 @@
 //! in the arena. `--plan cublas` runs those alone. Last, in either plan, the cuBLAS path's
 //! batched calls against its looped ones on rows chosen to take every kind of call
 //! (`batched.rs`), and experts with LoRA adapters in IEEE f32 against the CPU (`lora.rs`), the
-//! path's many products in one section against one each (`products.rs`), and the call census
+//! path's many products in one section against one each (`products.rs`), the crate's CubeCL
+//! kernels against their composed forms, raw and under fusion, and the call census
 //! that `gpu_bench` counts host waits and launches with, on work whose calls are known
 //! (`census.rs`).
 //!
@@ -54,7 +55,9 @@ use mpipemoe::harness::{check_case, check_case_through, relative_error, Case, Ch
 use mpipemoe::memory::Strategy;
 use mpipemoe::{Communicator, ExchangePath, GemmPrecision, MoeBackend, Partitions, Shadowing};
 use mpipemoe_cuda::check_plan::{plan_runs, CheckRun, Plan};
-use mpipemoe_cuda::{cuda_available, nccl_available, CublasExperts, CublasOptions, CudaMoe, Handover, Nccl};
+use mpipemoe_cuda::{
+    cuda_available, nccl_available, CublasExperts, CublasOptions, CudaMoe, CudaMoeFusion, Handover, Nccl,
+};
 
 /// The `--plan` and the case folder from the command line.
 fn arguments() -> Result<(Plan, Option<String>), String> {
@@ -396,6 +399,7 @@ fn main() -> ExitCode {
     report(lora::checks(), &mut total, &mut failed);
     report(products::checks(), &mut total, &mut failed);
     report(products::heads_checks(), &mut total, &mut failed);
+    report(kernel_checks(), &mut total, &mut failed);
     if nccl.is_ok() {
         report(local_group_checks(), &mut total, &mut failed);
     }
@@ -411,6 +415,30 @@ fn main() -> ExitCode {
     } else {
         ExitCode::FAILURE
     }
+}
+
+/// The crate's CubeCL kernels (the activations, the decoder blocks' ops, the token loss), as
+/// NVRTC compiles them for this GPU, against their composed forms on the same backend, raw and
+/// under fusion (`mpipemoe::harness::kernel_checks`; the tests run the same list on WGPU). A
+/// list that panics fails as one check, and the other list still runs.
+fn kernel_checks() -> Vec<(String, Result<String, String>)> {
+    let device = Default::default();
+    let lists: [(&str, fn(&_) -> _); 2] = [
+        ("", mpipemoe::harness::kernel_checks::<CudaMoe<f32>>),
+        ("fusion ", mpipemoe::harness::kernel_checks::<CudaMoeFusion<f32>>),
+    ];
+    lists
+        .into_iter()
+        .flat_map(|(prefix, list)| {
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| list(&device))) {
+                Ok(checks) => checks
+                    .into_iter()
+                    .map(|(label, outcome)| (format!("{prefix}{label}"), outcome))
+                    .collect(),
+                Err(_) => vec![(format!("{prefix}kernel checks"), Err("panicked".to_string()))],
+            }
+        })
+        .collect()
 }
 
 /// Prints each labelled outcome of a list of checks and counts it.
