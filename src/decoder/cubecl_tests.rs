@@ -105,6 +105,16 @@ fn flat(t: burn::tensor::ops::FloatTensor<Wgpu>) -> burn::tensor::ops::FloatTens
     t.reshape([b * h * q, k]).into_primitive().tensor()
 }
 
+/// Random scores of `shape` with standard deviation `sd`, contiguous and the same values in a
+/// layout whose keys are not adjacent (a transposed view).
+fn score_layouts(shape: [usize; 4], sd: f64) -> (Tensor<Wgpu, 4>, Tensor<Wgpu, 4>) {
+    let device = Default::default();
+    let contiguous = Tensor::<Wgpu, 4>::random(shape, Distribution::Normal(0.0, sd), &device);
+    let transposed =
+        Tensor::<Wgpu, 4>::from_data(contiguous.clone().swap_dims(2, 3).into_data(), &device).swap_dims(2, 3);
+    (contiguous, transposed)
+}
+
 /// Attention's weights and their backward (`cubecl_softmax.rs`) against the composed forms:
 /// one mask row for every batch row and one each, contiguous scores and a transposed view,
 /// rows shorter than the cube's threads and longer, and scores whose scaled values overflow an
@@ -115,12 +125,7 @@ fn the_attention_softmax_kernels_match_the_composed_forms() {
     let device = Default::default();
     for (batch, heads, seq, keys, rows, sd) in [(2, 3, 5, 7, 1, 1.0), (2, 4, 6, 70, 2, 100.0)] {
         let scale = 0.3;
-        let contiguous =
-            Tensor::<Wgpu, 4>::random([batch, heads, seq, keys], Distribution::Normal(0.0, sd), &device);
-        // The same values in a layout whose keys are not adjacent.
-        let transposed =
-            Tensor::<Wgpu, 4>::from_data(contiguous.clone().swap_dims(2, 3).into_data(), &device)
-                .swap_dims(2, 3);
+        let (contiguous, transposed) = score_layouts([batch, heads, seq, keys], sd);
         let hidden = mask(rows, seq, keys).into_primitive();
         let grad = Tensor::<Wgpu, 4>::random([batch, heads, seq, keys], Distribution::Default, &device);
         for (layout, scores) in [("contiguous", contiguous.clone()), ("strided", transposed)] {
@@ -203,11 +208,7 @@ fn the_attention_softmax_sinks_kernels_match_the_composed_forms() {
     let device = Default::default();
     for (batch, heads, seq, keys, rows, sd) in [(2, 3, 5, 7, 1, 1.0), (2, 4, 6, 70, 2, 100.0)] {
         let scale = 0.3;
-        let contiguous =
-            Tensor::<Wgpu, 4>::random([batch, heads, seq, keys], Distribution::Normal(0.0, sd), &device);
-        let transposed =
-            Tensor::<Wgpu, 4>::from_data(contiguous.clone().swap_dims(2, 3).into_data(), &device)
-                .swap_dims(2, 3);
+        let (contiguous, transposed) = score_layouts([batch, heads, seq, keys], sd);
         // Each head's sink is the log-sum-exp of its last query's visible scaled scores in
         // batch row 0, so that row's share is one half whatever the draw.
         let values = contiguous.clone().into_data().to_vec::<f32>().unwrap();

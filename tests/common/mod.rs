@@ -205,15 +205,18 @@ where
         );
         let probs = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(probs));
         let grads = (probs.clone() * weigh.clone()).sum().backward();
+        // The scaled scores with the hidden keys at -inf, written out with burn's ops.
+        let masked = |twin: Tensor<B, 4>| {
+            (twin * scale).mask_fill(
+                hidden
+                    .clone()
+                    .unsqueeze_dim::<4>(1)
+                    .expand([batch, heads, seq, keys]),
+                f32::NEG_INFINITY,
+            )
+        };
         let twin = scores0.clone().require_grad();
-        let masked = (twin.clone() * scale).mask_fill(
-            hidden
-                .clone()
-                .unsqueeze_dim::<4>(1)
-                .expand([batch, heads, seq, keys]),
-            f32::NEG_INFINITY,
-        );
-        let want = softmax(masked, 3);
+        let want = softmax(masked(twin.clone()), 3);
         let want_grads = (want.clone() * weigh.clone()).sum().backward();
         let values = |t: Tensor<B::InnerBackend, 4>| t.into_data().convert::<f64>().to_vec::<f64>().unwrap();
         let close = |what: &str, got: Vec<f64>, want: Vec<f64>| {
@@ -238,19 +241,16 @@ where
         let probs = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(probs));
         let grads = (probs.clone() * weigh.clone()).sum().backward();
         let (twin, twin_sinks) = (scores0.clone().require_grad(), sinks0.require_grad());
-        let masked = (twin.clone() * scale).mask_fill(
-            hidden
-                .clone()
-                .unsqueeze_dim::<4>(1)
-                .expand([batch, heads, seq, keys]),
-            f32::NEG_INFINITY,
-        );
         let column = twin_sinks
             .clone()
             .reshape([1, heads, 1, 1])
             .expand([batch, heads, seq, 1]);
-        let want =
-            softmax(Tensor::cat(vec![masked, column], 3), 3).slice([0..batch, 0..heads, 0..seq, 0..keys]);
+        let want = softmax(Tensor::cat(vec![masked(twin.clone()), column], 3), 3).slice([
+            0..batch,
+            0..heads,
+            0..seq,
+            0..keys,
+        ]);
         let want_grads = (want.clone() * weigh.clone()).sum().backward();
         let values1 = |t: Tensor<B::InnerBackend, 1>| t.into_data().convert::<f64>().to_vec::<f64>().unwrap();
         close("weights with sinks", values(probs.inner()), values(want.inner()));
