@@ -95,6 +95,7 @@ fn attention_softmax_kernel<F: Float, M: Int>(
         k += threads;
     }
     let mut sum = cube_sum(&mut shared, sum, threads);
+    // The sinks and their shares come together (`softmax` passes both or neither).
     #[comptime]
     if let ComptimeOption::Some(sink_out) = sink_out {
         let share = f32::exp(sink - max);
