@@ -83,10 +83,7 @@ impl<B: FusionBackend + DecoderKernels> DecoderKernels for Fusion<B> {
         scale: f64,
     ) -> FloatTensor<Self> {
         let device = scores.client.device().clone();
-        let hidden = hidden.map(|mask| {
-            let client = mask.client.clone();
-            client.resolve_tensor_bool::<B>(mask)
-        });
+        let hidden = hidden.map(resolve_mask::<B>);
         register::<B>(B::attention_softmax(resolve::<B>(scores), hidden, scale), &device)
     }
 
@@ -111,10 +108,7 @@ impl<B: FusionBackend + DecoderKernels> DecoderKernels for Fusion<B> {
         scale: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let device = scores.client.device().clone();
-        let hidden = hidden.map(|mask| {
-            let client = mask.client.clone();
-            client.resolve_tensor_bool::<B>(mask)
-        });
+        let hidden = hidden.map(resolve_mask::<B>);
         let (probs, shares) =
             B::attention_softmax_sinks(resolve::<B>(scores), hidden, resolve::<B>(sinks), scale);
         (register::<B>(probs, &device), register::<B>(shares, &device))
@@ -135,4 +129,11 @@ impl<B: FusionBackend + DecoderKernels> DecoderKernels for Fusion<B> {
         );
         (register::<B>(dscores, &device), register::<B>(dsinks, &device))
     }
+}
+
+/// A mask's inner-backend tensor (burn-fusion 0.21 `client.rs` `resolve_tensor_bool`, which
+/// drains the stream's queued operations up to it).
+fn resolve_mask<B: FusionBackend>(mask: BoolTensor<Fusion<B>>) -> BoolTensor<B> {
+    let client = mask.client.clone();
+    client.resolve_tensor_bool::<B>(mask)
 }

@@ -43,8 +43,18 @@ pub(crate) fn attention_softmax_backward_composed<B: Backend>(
 ) -> FloatTensor<B> {
     let probs = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(probs));
     let grad = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(grad));
+    scores_gradient(probs, grad, scale).0.into_primitive().tensor()
+}
+
+/// The scores' gradient `scale · probs · (grad − dot)` and each row's `dot = Σ_keys grad ·
+/// probs` (`[batch, heads, seq, 1]`), which the sinks' gradient reads too.
+fn scores_gradient<B: Backend>(
+    probs: Tensor<B, 4>,
+    grad: Tensor<B, 4>,
+    scale: f64,
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
     let dot = (grad.clone() * probs.clone()).sum_dim(3);
-    ((grad - dot) * probs * scale).into_primitive().tensor()
+    ((grad - dot.clone()) * probs * scale, dot)
 }
 
 /// Attention's weights with a sink logit per head (GPT-OSS), as its attention wrote them: the
@@ -98,12 +108,14 @@ pub(crate) fn attention_softmax_sinks_backward_composed<B: Backend>(
     grad: FloatTensor<B>,
     scale: f64,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
-    let dscores = attention_softmax_backward_composed::<B>(probs.clone(), grad.clone(), scale);
     let probs = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(probs));
     let grad = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(grad));
     let [b, h, t, _] = probs.dims();
-    let dot = (grad * probs).sum_dim(3);
+    let (dscores, dot) = scores_gradient(probs, grad, scale);
     let sink_probs = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(sink_probs)).reshape([b, h, t, 1]);
     let dsinks = (sink_probs * dot).sum_dim(2).sum_dim(0).neg().reshape([h]);
-    (dscores, dsinks.into_primitive().tensor())
+    (
+        dscores.into_primitive().tensor(),
+        dsinks.into_primitive().tensor(),
+    )
 }
