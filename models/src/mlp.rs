@@ -2,9 +2,9 @@
 
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
-use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
+use mpipemoe::decoder::gated_silu_of;
 use mpipemoe::{MoeBackend, Result};
 
 use crate::linear::DenseProducts;
@@ -57,7 +57,9 @@ impl<B: MoeBackend> Mlp<B> {
         let [gate, up]: [Tensor<B, 3>; 2] = project_all(dense, &[(&self.gate, None), (&self.up, None)], x)?
             .try_into()
             .unwrap_or_else(|_| unreachable!("one output per projection"));
-        let hidden = silu(gate) * up;
+        // One SwiGLU op each way where the backend has the kernel (the halves joined by one
+        // copy), burn's `silu(gate) · up` elsewhere.
+        let hidden = gated_silu_of(gate, up);
         dense.linear(&self.down, hidden)
     }
 }

@@ -6,7 +6,8 @@
 //! and the sinks that reads the sinks' shares too); and the rotary embedding
 //! ([`DecoderKernels::rotary_node`]): one node whose backward is the rotation's transpose, the
 //! tables constants (a rotation whose tables are tracked is recorded composed, so that their
-//! gradient is not lost).
+//! gradient is not lost); and the dense blocks' SwiGLU ([`DecoderKernels::gated_silu_node`]):
+//! one node that keeps its input, from which the derivative recomputes `σ(gate)`.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -73,6 +74,21 @@ impl<B: DecoderKernels> Backward<B, 1> for RotaryBackward {
                 false => B::rotate_half_seq_major_backward(grad, cos, sin),
             };
             grads.register::<B>(parent.id, dx);
+        }
+    }
+}
+
+#[derive(Debug)]
+struct GatedSiluBackward;
+
+impl<B: DecoderKernels> Backward<B, 1> for GatedSiluBackward {
+    /// The input `[gate | up]`: the derivative reads both halves and nothing else.
+    type State = FloatTensor<B>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        if let [Some(parent)] = ops.parents {
+            grads.register::<B>(parent.id, B::gated_silu_backward(ops.state, grad));
         }
     }
 }
@@ -196,6 +212,31 @@ impl<B: DecoderKernels, C: CheckpointStrategy> DecoderKernels for Autodiff<B, C>
 
     fn rotary_node() -> bool {
         B::rotary_node()
+    }
+
+    /// The inner backend's SwiGLU as one node where it has a kernel each way; burn's ops,
+    /// recorded one by one, elsewhere.
+    fn gated_silu(z: FloatTensor<Self>) -> FloatTensor<Self> {
+        if !B::gated_silu_node() {
+            return crate::experts::swiglu_composed::<Self>(z);
+        }
+        let out = B::gated_silu(z.primitive.clone());
+        match GatedSiluBackward
+            .prepare::<C>([z.node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(z.primitive, out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
+    fn gated_silu_node() -> bool {
+        B::gated_silu_node()
+    }
+
+    fn gated_silu_joins() -> bool {
+        B::gated_silu_joins()
     }
 
     /// The inner backend's weights as one node where it has a kernel each way; burn's ops,

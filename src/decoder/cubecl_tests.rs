@@ -1,7 +1,8 @@
 //! The norm's kernels (`cubecl_norm.rs`) against the composed forms on WGPU, contiguous and
 //! strided, at a width that is no multiple of the cube's threads and one far wider than them;
 //! and the norm under `Autodiff<Wgpu>` (one node) against burn's ops recorded one by one:
-//! output and both gradients.
+//! output and both gradients. Attention's weights, the rotations and the dense blocks' SwiGLU
+//! likewise.
 
 use burn::backend::{Autodiff, Wgpu};
 use burn::tensor::{Distribution, Tensor, TensorPrimitive};
@@ -80,6 +81,45 @@ fn the_norm_node_matches_burns_ops_recorded_one_by_one() {
     close_within("output", y, want_y, 0.0);
     close_within("x's gradient", dx, want_dx, 0.0);
     close_within("the weight's gradient", dw, want_dw, 0.0);
+}
+
+/// The dense blocks' SwiGLU under `Autodiff<Wgpu>` as the models call it, on halves given apart
+/// (`gated_silu_of`: joined, then one node) and on `[gate | up]` whole (`gated_silu`), against
+/// burn's `silu(gate) · up` recorded one by one: output and both halves' gradients, for a loss
+/// that weighs every output differently, at a width no multiple of a cube's threads.
+#[test]
+fn the_gated_silu_node_matches_burns_ops_recorded_one_by_one() {
+    use burn::tensor::activation::silu;
+    type A = Autodiff<Wgpu>;
+    assert!(<A as DecoderKernels>::gated_silu_node() && <A as DecoderKernels>::gated_silu_joins());
+    let (batch, seq, hidden) = (3, 7, 45);
+    let device = Default::default();
+    let random = |sd| Tensor::<A, 3>::random([batch, seq, hidden], Distribution::Normal(0.0, sd), &device);
+    let (gate0, up0, g) = (random(3.0), random(2.0), random(1.0));
+    // 0: burn's ops; 1: the halves apart; 2: `[gate | up]` whole.
+    let run = |form: usize| {
+        let (gate, up) = (gate0.clone().require_grad(), up0.clone().require_grad());
+        let y = match form {
+            0 => silu(gate.clone()) * up.clone(),
+            1 => super::gated_silu_of(gate.clone(), up.clone()),
+            _ => super::gated_silu(Tensor::cat(vec![gate.clone(), up.clone()], 2)),
+        };
+        let grads = (y.clone() * g.clone()).sum().backward();
+        let dgate = gate.grad(&grads).expect("the gate's gradient");
+        let dup = up.grad(&grads).expect("the up half's gradient");
+        [y.inner(), dgate, dup].map(|t| t.reshape([batch * seq, hidden]).into_primitive().tensor())
+    };
+    let want = run(0);
+    for form in [1, 2] {
+        for (what, got, want) in ["output", "gate's gradient", "up's gradient"]
+            .into_iter()
+            .zip(run(form))
+            .zip(want.clone())
+            .map(|((what, got), want)| (what, got, want))
+        {
+            close_within(&format!("form {form}, {what}"), got, want, 0.0);
+        }
+    }
 }
 
 /// A `[rows, seq, keys]` mask that hides the keys after each query's column (the queries the

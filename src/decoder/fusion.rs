@@ -3,7 +3,9 @@
 //! each op resolves its inputs to the inner backend's tensors, runs the inner backend's kernel
 //! and registers its output on the calling thread's stream; attention's weights likewise (the
 //! softmax's row maximum and sum stop fusion too), and the rotary embedding, whose partner
-//! reads across each head fusion's element-wise kernels do not make.
+//! reads across each head fusion's element-wise kernels do not make. The dense blocks' SwiGLU
+//! too: fusion would fuse its composed element-wise ops, but its derivative's concatenation of
+//! the two halves' gradients stops that, and the inner kernel is one pass each way.
 
 use burn::tensor::ops::{BoolTensor, FloatTensor};
 use burn_fusion::{Fusion, FusionBackend};
@@ -75,6 +77,26 @@ impl<B: FusionBackend + DecoderKernels> DecoderKernels for Fusion<B> {
         let device = grad.client.device().clone();
         let dx = B::rotate_pairs_seq_major_backward(resolve::<B>(grad), resolve::<B>(cos), resolve::<B>(sin));
         register::<B>(dx, &device)
+    }
+
+    fn gated_silu(z: FloatTensor<Self>) -> FloatTensor<Self> {
+        let device = z.client.device().clone();
+        register::<B>(B::gated_silu(resolve::<B>(z)), &device)
+    }
+
+    fn gated_silu_node() -> bool {
+        B::gated_silu_node()
+    }
+
+    // `gated_silu_joins` keeps its default, no: fusion fuses `silu(gate) · up` of two halves
+    // into one kernel, where joining them would add a copy of each.
+
+    fn gated_silu_backward(z: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        let device = z.client.device().clone();
+        register::<B>(
+            B::gated_silu_backward(resolve::<B>(z), resolve::<B>(grad)),
+            &device,
+        )
     }
 
     fn attention_softmax(

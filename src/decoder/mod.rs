@@ -1,6 +1,7 @@
 //! Kernels of the decoder blocks around the MoE layer: RMSNorm, the rotary embedding (the
-//! `rotate_half` form) and attention's weights (the scaled, masked softmax over the keys),
-//! which a model built on the layer runs at every position of every step.
+//! `rotate_half` form and Llama 4's pairs), attention's weights (the scaled, masked softmax over
+//! the keys, with or without GPT-OSS's sinks) and the dense blocks' SwiGLU (`gated.rs`), which a
+//! model built on the layer runs at every position of every step.
 //!
 //! Composed from burn's ops, each is six to ten ops, each op an allocation and a pass, on a
 //! few hundred values per token: in a decode step of the 163 M Qwen3-MoE the norms and the
@@ -27,6 +28,7 @@ mod cubecl_tests;
 mod flex;
 #[cfg(feature = "fusion")]
 mod fusion;
+mod gated;
 mod rotary;
 mod softmax;
 #[cfg(all(test, feature = "flex"))]
@@ -36,6 +38,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::{BoolTensor, FloatTensor};
 use burn::tensor::{Tensor, TensorPrimitive};
 
+pub use gated::{gated_silu, gated_silu_of};
 pub use rotary::rotate_half_rows;
 pub(crate) use rotary::{
     rotate_half_seq_major_backward_composed, rotate_half_seq_major_composed,
@@ -154,6 +157,41 @@ pub trait DecoderKernels: Backend {
         sin: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         rotate_pairs_seq_major_backward_composed::<Self>(grad, cos, sin)
+    }
+
+    /// SwiGLU of a dense block (a dense layer's MLP, the shared expert), `silu(gate) · up` of
+    /// `z = [gate | up]` (`gated.rs`). By default burn's ops, the experts' composed SwiGLU.
+    ///
+    /// # Shapes
+    /// - z: `[rows, 2 · d_hidden]` → `[rows, d_hidden]`
+    fn gated_silu(z: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::experts::swiglu_composed::<Self>(z)
+    }
+
+    /// Whether `Autodiff` over this backend records [`gated_silu`](Self::gated_silu) as one
+    /// node whose backward is [`gated_silu_backward`](Self::gated_silu_backward), rather than
+    /// burn's ops one by one. As [`rms_norm_node`](Self::rms_norm_node): the backends with a
+    /// kernel each way say yes.
+    fn gated_silu_node() -> bool {
+        false
+    }
+
+    /// Whether [`gated_silu_of`] should join two halves given apart (one copy) to run
+    /// [`gated_silu`](Self::gated_silu) on them, rather than burn's `silu(gate) · up`: yes where
+    /// the op is one kernel and burn's ops would be several launches (the raw CubeCL backends;
+    /// Flex, whose element-wise ops run on one thread); no under fusion, which fuses burn's
+    /// product of the halves into one kernel already, and on NdArray.
+    fn gated_silu_joins() -> bool {
+        false
+    }
+
+    /// `z`'s gradient of [`gated_silu`](Self::gated_silu) from the output's, `[d gate | d up]`:
+    /// `d up = grad · silu(gate)`, `d gate = grad · up · σ(gate) · (1 + gate · (1 − σ(gate)))`.
+    ///
+    /// # Shapes
+    /// - z: `[rows, 2 · d_hidden]`, grad: `[rows, d_hidden]` → `[rows, 2 · d_hidden]`
+    fn gated_silu_backward(z: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::experts::swiglu_backward_composed::<Self>(z, grad)
     }
 
     /// Attention's weights: the softmax over the keys of `scores · scale`, the keys `hidden`
@@ -277,6 +315,26 @@ impl DecoderKernels for burn::backend::Flex {
     /// One pass over the rows (`decoder/flex.rs`).
     fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
         flex::rms_norm(x, weight, eps)
+    }
+
+    /// The experts' SwiGLU kernel, one vectorised pass over every core (`experts/flex_swiglu.rs`).
+    fn gated_silu(z: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::experts::flex_swiglu::swiglu(z)
+    }
+
+    /// Yes: Flex's element-wise ops run on one thread, and the composed derivative is about
+    /// fifteen of them; the node's backward is one pass over every core.
+    fn gated_silu_node() -> bool {
+        true
+    }
+
+    fn gated_silu_joins() -> bool {
+        true
+    }
+
+    /// The experts' SwiGLU derivative, one vectorised pass over every core.
+    fn gated_silu_backward(z: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::experts::flex_swiglu::swiglu_backward(z, grad)
     }
 
     /// One pass over the positions and heads (`decoder/flex.rs`).

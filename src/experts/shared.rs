@@ -1,11 +1,12 @@
 //! The shared (always-on) expert of Qwen2-MoE / DeepSeek-style layers.
 
 use burn::module::{Module, Param};
-use burn::tensor::activation::{sigmoid, silu};
+use burn::tensor::activation::sigmoid;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
 use super::HostInit;
+use crate::decoder::{gated_silu, DecoderKernels};
 
 /// A SwiGLU FFN that every token passes through,
 /// `y = (silu(x · w_in[:, :H]) ⊙ x · w_in[:, H:]) · w_out`, scaled by a sigmoid gate
@@ -54,7 +55,9 @@ impl<B: Backend> SharedExpert<B> {
     pub fn d_shared(&self) -> usize {
         self.w_out.dims()[0]
     }
+}
 
+impl<B: DecoderKernels> SharedExpert<B> {
     /// # Shapes
     /// - x: `[n_tokens, d_model]` → `[n_tokens, d_model]`
     pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
@@ -75,12 +78,9 @@ impl<B: Backend> SharedExpert<B> {
         x: Tensor<B, 2>,
         matmul: &dyn Fn(Tensor<B, 2>, Tensor<B, 2>) -> crate::Result<Tensor<B, 2>>,
     ) -> crate::Result<Tensor<B, 2>> {
-        let [n_tokens, _] = x.dims();
-        let h = self.d_shared();
-        let inner = matmul(x.clone(), self.w_in.val())?;
-        let gate_half = inner.clone().slice([0..n_tokens, 0..h]);
-        let up_half = inner.slice([0..n_tokens, h..2 * h]);
-        let hidden = silu(gate_half) * up_half;
+        // `[gate | up]` is the product's layout, so SwiGLU reads it whole: one op each way
+        // where the backend has the kernel (`decoder::gated_silu`), burn's ops elsewhere.
+        let hidden = gated_silu(matmul(x.clone(), self.w_in.val())?);
         let out = matmul(hidden, self.w_out.val())?;
         Ok(match &self.gate {
             Some(gate) => out * sigmoid(matmul(x, gate.val().transpose())?),

@@ -1,5 +1,5 @@
 //! The backend ops a layer and a model run beside their GEMMs (the experts' activations, the
-//! decoder blocks' norm, rotations and attention weights, the token loss), each against its
+//! decoder blocks' norm, rotations, attention weights and dense SwiGLU, the token loss), each against its
 //! composed default on the same backend and the same inputs, forward and backward: what the
 //! GPU check runs on CUDA, raw and under fusion, where the CubeCL kernels are compiled for a
 //! GPU (the crate's tests run the same list on WGPU).
@@ -138,7 +138,22 @@ fn causal<B: MoeBackend>(rows: usize, seq: usize, keys: usize, device: &B::Devic
 }
 
 fn decoder_checks<B: MoeBackend>(device: &B::Device) -> Vec<KernelCheck> {
-    let mut checks = Vec::new();
+    // The dense blocks' SwiGLU, the decoder's route to the experts' kernel.
+    let (rows, h) = (37, 45);
+    let z = random::<B, 2>([rows, 2 * h], 4.0, device);
+    let grad = random::<B, 2>([rows, h], 1.0, device);
+    let mut checks = vec![
+        compare::<B>(
+            "gated silu",
+            <B as decoder::DecoderKernels>::gated_silu(z.clone()),
+            experts::swiglu_composed::<B>(z.clone()),
+        ),
+        compare::<B>(
+            "gated silu backward",
+            <B as decoder::DecoderKernels>::gated_silu_backward(z.clone(), grad.clone()),
+            experts::swiglu_backward_composed::<B>(z, grad),
+        ),
+    ];
     // The norm, on rows narrower and wider than a cube.
     for width in [29, 1000] {
         let x = random::<B, 2>([37, width], 2.0, device);

@@ -246,8 +246,8 @@ mod tests {
 
     /// The CubeCL kernel (`cubecl_adamw.rs`) on WGPU: three steps through burn's optimizer
     /// adaptor equal burn's AdamW; on tensors it owns, the kernel runs (it takes them) and
-    /// equals the composed twin; on a parameter with a clone held it hands them back, and the
-    /// composed update leaves the clone as it was.
+    /// equals the composed twin, from a strided gradient too; on a parameter with a clone held
+    /// it hands them back, and the composed update leaves the clone as it was.
     #[cfg(feature = "wgpu")]
     #[test]
     fn wgpu_kernel_equals_burns_adamw_and_its_composed_twin() {
@@ -286,6 +286,30 @@ mod tests {
             );
             let diff = max_relative(&a, &b);
             assert!(diff <= 1e-6, "{what} differs from the composed twin by {diff:e}");
+        }
+        // A gradient that arrives as a transposed view (a weight applied as `x · wᵀ`, as the
+        // router's is): the kernel copies it contiguous and takes it.
+        let transposed = make(11).transpose().into_data();
+        let strided = Tensor::<Wgpu, 2>::from_data(transposed, &device).transpose();
+        assert!(
+            !strided.clone().into_primitive().tensor().is_contiguous(),
+            "the gradient under test is a strided view"
+        );
+        let Ok(from_view) = crate::optim::cubecl_adamw::adamw_update(tensors(), strided, &c) else {
+            panic!("the kernel refused a strided gradient");
+        };
+        let want = adamw_update_composed(tensors(), make(11), &c);
+        for (what, a, b) in [
+            ("param", from_view.param, want.param),
+            ("moment_1", from_view.moment_1, want.moment_1),
+            ("moment_2", from_view.moment_2, want.moment_2),
+        ] {
+            let (a, b) = (
+                a.into_data().to_vec::<f32>().unwrap(),
+                b.into_data().to_vec::<f32>().unwrap(),
+            );
+            let diff = max_relative(&a, &b);
+            assert!(diff <= 1e-6, "strided gradient: {what} differs by {diff:e}");
         }
         let mut shared = tensors();
         let held = shared.param.clone();

@@ -11,7 +11,7 @@
 //!
 //! In place only where the three tensors are this update's alone (`can_mut`: the usual case,
 //! a parameter after backward and the moments this kernel wrote) and contiguous; otherwise
-//! the caller composes the update.
+//! the caller composes the update. A strided gradient is copied contiguous first.
 
 use burn::tensor::{Tensor as BurnTensor, TensorPrimitive};
 use burn_cubecl::cubecl;
@@ -87,6 +87,14 @@ where
     );
     let shape = param.meta.shape().to_vec();
     let units: usize = shape.iter().product();
+    // A gradient may arrive as a strided view: a weight used transposed (the router's
+    // `[n_experts, d_model]`, applied as `x · wᵀ`) gets its gradient as the transpose of a
+    // contiguous product. One copy makes it readable, against the composed update's fifteen
+    // launches.
+    let grad = match grad.is_contiguous() || grad.meta.shape().to_vec() != shape {
+        true => grad,
+        false => burn_cubecl::kernel::into_contiguous(grad),
+    };
     let fits = |t: &CubeTensor<R>| {
         t.meta.shape().to_vec() == shape && t.dtype == param.dtype && kernel_float(t) && t.is_contiguous()
     };

@@ -124,10 +124,12 @@ impl<'a> Replay<'a> {
         l.alloc("unpermute", "y", t * m);
         if let Some(hs) = self.shared {
             // The shared SwiGLU expert on every token, and what autodiff keeps for its
-            // backward: the first GEMM's output [T, 2Hs], the gate's sigmoid, silu and the
-            // hidden product [T, Hs] each, and the output before the gate [T, M] (measured:
-            // 5·Hs + M per token).
-            l.alloc("shared expert", "shared expert activations", t * (5.0 * hs + m));
+            // backward: the first GEMM's output [T, 2Hs] (the SwiGLU node's state), the hidden
+            // product [T, Hs] (the second GEMM's input) and the output before the gate [T, M].
+            // (Where the SwiGLU is recorded composed, on NdArray, autodiff also keeps the
+            // gate's sigmoid and silu, 2·Hs more.)
+            l.alloc("shared expert", "shared expert SwiGLU input", t * 2.0 * hs);
+            l.alloc("shared expert", "shared expert products", t * (hs + m));
             l.at("shared expert", &[("gated output", t * m)]);
         }
         // The caller's loss reads y; autodiff keeps T_O (and the weights) for backward.
@@ -206,15 +208,18 @@ impl<'a> Replay<'a> {
         let (t, s, m) = (self.rows.tokens as f64, self.rows.send_rows() as f64, self.m);
         let l = &mut self.ledger;
         if let Some(hs) = self.shared {
-            // The shared branch was recorded last, so autodiff runs its backward first: dy and
-            // the gradient of its first GEMM's output on top of its activations, which it then
-            // frees, leaving its weight gradients and its gradients of x (through its first
-            // GEMM and through its gate, and their sum: three [T, M] until the end).
+            // The shared branch was recorded last, so autodiff runs its backward first. The
+            // gate's and the second GEMM's backwards free the products; the SwiGLU's then
+            // holds dy, its input's gradient [T, Hs] and the one it makes [T, 2Hs] on top of
+            // its state, which it then frees, leaving the branch's weight gradients and its
+            // gradients of x (through its first GEMM and through its gate, and their sum: three
+            // [T, M] until the end).
+            l.free("shared expert products");
             l.at(
                 "shared expert backward",
-                &[("dy", t * m), ("shared gradients", t * 2.0 * hs)],
+                &[("dy", t * m), ("SwiGLU gradients", t * 3.0 * hs)],
             );
-            l.free("shared expert activations");
+            l.free("shared expert SwiGLU input");
             l.alloc(
                 "shared expert backward",
                 "shared expert gradients (dx parts, weights)",
