@@ -89,37 +89,11 @@ fn the_norm_node_matches_burns_ops_recorded_one_by_one() {
 /// that weighs every output differently, at a width no multiple of a cube's threads.
 #[test]
 fn the_gated_silu_node_matches_burns_ops_recorded_one_by_one() {
-    use burn::tensor::activation::silu;
     type A = Autodiff<Wgpu>;
     assert!(<A as DecoderKernels>::gated_silu_node() && <A as DecoderKernels>::gated_silu_joins());
-    let (batch, seq, hidden) = (3, 7, 45);
     let device = Default::default();
-    let random = |sd| Tensor::<A, 3>::random([batch, seq, hidden], Distribution::Normal(0.0, sd), &device);
-    let (gate0, up0, g) = (random(3.0), random(2.0), random(1.0));
-    // 0: burn's ops; 1: the halves apart; 2: `[gate | up]` whole.
-    let run = |form: usize| {
-        let (gate, up) = (gate0.clone().require_grad(), up0.clone().require_grad());
-        let y = match form {
-            0 => silu(gate.clone()) * up.clone(),
-            1 => super::gated_silu_of(gate.clone(), up.clone()),
-            _ => super::gated_silu(Tensor::cat(vec![gate.clone(), up.clone()], 2)),
-        };
-        let grads = (y.clone() * g.clone()).sum().backward();
-        let dgate = gate.grad(&grads).expect("the gate's gradient");
-        let dup = up.grad(&grads).expect("the up half's gradient");
-        [y.inner(), dgate, dup].map(|t| t.reshape([batch * seq, hidden]).into_primitive().tensor())
-    };
-    let want = run(0);
-    for form in [1, 2] {
-        for (what, got, want) in ["output", "gate's gradient", "up's gradient"]
-            .into_iter()
-            .zip(run(form))
-            .zip(want.clone())
-            .map(|((what, got), want)| (what, got, want))
-        {
-            close_within(&format!("form {form}, {what}"), got, want, 0.0);
-        }
-    }
+    let random = |sd| Tensor::<A, 3>::random([3, 7, 45], Distribution::Normal(0.0, sd), &device);
+    super::gated::assert_forms_agree(&random(3.0), &random(2.0), &random(1.0), 2e-6);
 }
 
 /// A `[rows, seq, keys]` mask that hides the keys after each query's column (the queries the

@@ -53,3 +53,53 @@ pub fn gated_silu_of<B: DecoderKernels, const D: usize>(
         false => burn::tensor::activation::silu(gate) * up,
     }
 }
+
+/// The node tests' comparison (`cubecl_tests.rs` on WGPU, `tests.rs` on Flex): `gated_silu_of`
+/// on the halves apart and `gated_silu` on `[gate | up]` whole against burn's `silu(gate) · up`
+/// recorded one by one under `A`, the output and both halves' gradients within `tolerance` of
+/// the largest value of burn's, for a loss that weighs every output by `weights`.
+#[cfg(all(test, any(feature = "flex", feature = "wgpu")))]
+pub(super) fn assert_forms_agree<A>(
+    gate: &Tensor<A, 3>,
+    up: &Tensor<A, 3>,
+    weights: &Tensor<A, 3>,
+    tolerance: f32,
+) where
+    A: burn::tensor::backend::AutodiffBackend + DecoderKernels,
+{
+    use burn::tensor::activation::silu;
+    // 0: burn's ops; 1: the halves apart; 2: `[gate | up]` whole.
+    let run = |form: usize| {
+        let (gate, up) = (gate.clone().require_grad(), up.clone().require_grad());
+        let y = match form {
+            0 => silu(gate.clone()) * up.clone(),
+            1 => gated_silu_of(gate.clone(), up.clone()),
+            _ => gated_silu(Tensor::cat(vec![gate.clone(), up.clone()], 2)),
+        };
+        let grads = (y.clone() * weights.clone()).sum().backward();
+        let dgate = gate.grad(&grads).expect("the gate's gradient");
+        let dup = up.grad(&grads).expect("the up half's gradient");
+        [y.inner(), dgate, dup].map(|t| t.into_data().convert::<f32>().to_vec::<f32>().unwrap())
+    };
+    let want = run(0);
+    for form in [1, 2] {
+        for ((what, got), want) in ["output", "gate's gradient", "up's gradient"]
+            .into_iter()
+            .zip(run(form))
+            .zip(&want)
+        {
+            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert!(scale > 0.0, "{what}: burn's is all zeros");
+            let worst = got
+                .iter()
+                .zip(want)
+                .map(|(g, w)| (g - w).abs())
+                .fold(0f32, f32::max);
+            assert!(
+                worst <= tolerance * scale,
+                "{:?}, form {form}, {what}: off by {worst:e} of {scale:e}",
+                gate.dims()
+            );
+        }
+    }
+}

@@ -95,43 +95,10 @@ fn flex_rotate_half_equals_its_composition() {
 #[test]
 fn flex_gated_silu_node_equals_burns_ops_recorded_one_by_one() {
     use burn::backend::Autodiff;
-    use burn::tensor::activation::silu;
     type A = Autodiff<Flex>;
     assert!(<A as DecoderKernels>::gated_silu_node() && <A as DecoderKernels>::gated_silu_joins());
-    for [batch, seq, hidden] in [[2, 3, 13], [4, 300, 96]] {
-        let tracked = |salt| Tensor::<A, 3>::from_inner(seeded([batch, seq, hidden], salt));
-        let (gate0, up0, g) = (tracked(6), tracked(7), tracked(8));
-        // 0: burn's ops; 1: the halves apart; 2: `[gate | up]` whole.
-        let run = |form: usize| {
-            let (gate, up) = (gate0.clone().require_grad(), up0.clone().require_grad());
-            let y = match form {
-                0 => silu(gate.clone()) * up.clone(),
-                1 => super::gated_silu_of(gate.clone(), up.clone()),
-                _ => super::gated_silu(Tensor::cat(vec![gate.clone(), up.clone()], 2)),
-            };
-            let grads = (y.clone() * g.clone()).sum().backward();
-            let dgate = gate.grad(&grads).expect("the gate's gradient");
-            let dup = up.grad(&grads).expect("the up half's gradient");
-            [y.inner(), dgate, dup].map(|t| values::<3>(t.into_primitive().tensor()))
-        };
-        let want = run(0);
-        for form in [1, 2] {
-            for ((what, got), want) in ["output", "gate's gradient", "up's gradient"]
-                .into_iter()
-                .zip(run(form))
-                .zip(&want)
-            {
-                let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-                let worst = got
-                    .iter()
-                    .zip(want)
-                    .map(|(g, w)| (g - w).abs())
-                    .fold(0f32, f32::max);
-                assert!(
-                    worst <= 1e-6 * scale,
-                    "[{batch}, {seq}, {hidden}], form {form}, {what}: off by {worst:e} of {scale:e}"
-                );
-            }
-        }
+    for dims in [[2, 3, 13], [4, 300, 96]] {
+        let tracked = |salt| Tensor::<A, 3>::from_inner(seeded(dims, salt));
+        super::gated::assert_forms_agree(&tracked(6), &tracked(7), &tracked(8), 1e-6);
     }
 }

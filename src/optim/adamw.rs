@@ -101,7 +101,7 @@ mod tests {
     use burn::nn::{Linear, LinearConfig};
     use burn::optim::{GradientsParams, Optimizer};
     use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
-    use burn::tensor::backend::AutodiffBackend;
+    use burn::tensor::backend::{AutodiffBackend, Backend};
     use burn::tensor::{Tensor, TensorData};
 
     use super::AdamWConfig;
@@ -153,6 +153,22 @@ mod tests {
             .zip(b)
             .map(|(x, y)| (x - y).abs() / y.abs().max(1e-3))
             .fold(0.0, f32::max)
+    }
+
+    /// The three tensors of `got` within `1e-6` (relative) of `want`'s, named by `label`.
+    fn assert_same<B: Backend>(label: &str, got: AdamWTensors<B, 2>, want: AdamWTensors<B, 2>) {
+        for (what, a, b) in [
+            ("param", got.param, want.param),
+            ("moment_1", got.moment_1, want.moment_1),
+            ("moment_2", got.moment_2, want.moment_2),
+        ] {
+            let (a, b) = (
+                a.into_data().to_vec::<f32>().unwrap(),
+                b.into_data().to_vec::<f32>().unwrap(),
+            );
+            let diff = max_relative(&a, &b);
+            assert!(diff <= 1e-6, "{label}: {what} differs by {diff:e}");
+        }
     }
 
     /// Three steps of ours against three of burn's AdamW, with weight decay and PyTorch's ε;
@@ -221,21 +237,7 @@ mod tests {
             let grad = shaped(make(11));
             let twin = adamw_update_composed(tensors.clone(), grad.clone(), &c);
             let fused = <Flex as OptimizerKernels>::adamw_update(tensors, grad, &c);
-            for (what, a, b) in [
-                ("param", fused.param, twin.param),
-                ("moment_1", fused.moment_1, twin.moment_1),
-                ("moment_2", fused.moment_2, twin.moment_2),
-            ] {
-                let (a, b) = (
-                    a.into_data().to_vec::<f32>().unwrap(),
-                    b.into_data().to_vec::<f32>().unwrap(),
-                );
-                let diff = max_relative(&a, &b);
-                assert!(
-                    diff <= 1e-6,
-                    "transposed {transposed}: {what} differs by {diff:e}"
-                );
-            }
+            assert_same(&format!("transposed {transposed}"), fused, twin);
             assert_eq!(
                 held.to_data(),
                 before,
@@ -275,18 +277,7 @@ mod tests {
         let Ok(kernel) = crate::optim::cubecl_adamw::adamw_update(tensors(), make(11), &c) else {
             panic!("the kernel refused tensors it owns");
         };
-        for (what, a, b) in [
-            ("param", kernel.param, twin.param),
-            ("moment_1", kernel.moment_1, twin.moment_1),
-            ("moment_2", kernel.moment_2, twin.moment_2),
-        ] {
-            let (a, b) = (
-                a.into_data().to_vec::<f32>().unwrap(),
-                b.into_data().to_vec::<f32>().unwrap(),
-            );
-            let diff = max_relative(&a, &b);
-            assert!(diff <= 1e-6, "{what} differs from the composed twin by {diff:e}");
-        }
+        assert_same("the kernel against the composed twin", kernel, twin);
         // A gradient that arrives as a transposed view (a weight applied as `x · wᵀ`, as the
         // router's is): the kernel copies it contiguous and takes it.
         let transposed = make(11).transpose().into_data();
@@ -299,18 +290,7 @@ mod tests {
             panic!("the kernel refused a strided gradient");
         };
         let want = adamw_update_composed(tensors(), make(11), &c);
-        for (what, a, b) in [
-            ("param", from_view.param, want.param),
-            ("moment_1", from_view.moment_1, want.moment_1),
-            ("moment_2", from_view.moment_2, want.moment_2),
-        ] {
-            let (a, b) = (
-                a.into_data().to_vec::<f32>().unwrap(),
-                b.into_data().to_vec::<f32>().unwrap(),
-            );
-            let diff = max_relative(&a, &b);
-            assert!(diff <= 1e-6, "strided gradient: {what} differs by {diff:e}");
-        }
+        assert_same("strided gradient", from_view, want);
         let mut shared = tensors();
         let held = shared.param.clone();
         let before = held.to_data();
