@@ -231,9 +231,15 @@ impl<B: MoeBackend> Attention<B> {
             q = norm(&self.q_norm, q);
             k = norm(&self.k_norm, k);
         }
-        // The rotation is element-wise per position, so it runs here, on the contiguous
-        // sequence-major layout, rather than on the strided view the swap below makes.
-        if rules.rope {
+        // Head-major in a layout of their own: Flex copied the strided view of `swap_dims`
+        // element by element in each product and in backward. The rotation is element-wise per
+        // position, so it reads the contiguous sequence-major layout; where the backend has the
+        // rotation kernels (`rotary_node`) it writes its output head-major in the same pass, and
+        // its backward reads the head-major gradient where it lies, so the queries and the keys
+        // are not copied again. Elsewhere it rotates in place of layout and one copy swaps
+        // (`swap_dims_contiguous`).
+        let to_heads = rules.rope && B::rotary_node();
+        if rules.rope && !to_heads {
             (q, k) = match rope_pairs {
                 true => (
                     Rotary::apply_pairs_seq_major(q, cos, sin),
@@ -245,13 +251,18 @@ impl<B: MoeBackend> Attention<B> {
                 ),
             };
         }
-        // Head-major in a layout of their own (`swap_dims_contiguous`): Flex copied the strided
-        // view of `swap_dims` element by element in each product and in backward.
-        let (mut q, mut k, v) = (
-            swap_dims_contiguous(q),
-            swap_dims_contiguous(k),
-            swap_dims_contiguous(v),
-        );
+        let (mut q, mut k, v) = match to_heads {
+            true => (
+                Rotary::apply_seq_major_to_heads(q, cos, sin, rope_pairs),
+                Rotary::apply_seq_major_to_heads(k, cos, sin, rope_pairs),
+                swap_dims_contiguous(v),
+            ),
+            false => (
+                swap_dims_contiguous(q),
+                swap_dims_contiguous(k),
+                swap_dims_contiguous(v),
+            ),
+        };
         if rules.l2_qk_norm {
             (q, k) = (l2_norm(q, eps), l2_norm(k, eps));
         }

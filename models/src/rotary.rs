@@ -220,6 +220,31 @@ impl Rotary {
         rotate_half_rows(x, [b * h, t * d], table(cos), table(sin))
     }
 
+    /// Rotates `x` as [`apply_seq_major`](Self::apply_seq_major) (or, `pairs`, as
+    /// [`apply_pairs_seq_major`](Self::apply_pairs_seq_major)) and returns it head-major:
+    /// the backend's [`DecoderKernels::rotate_seq_major_to_heads`], one kernel each way on the
+    /// CubeCL backends, where the rotation and the swap that followed it were a kernel and a
+    /// copy each way.
+    ///
+    /// # Shapes
+    /// - x: `[batch, seq, heads, head_dim]`
+    /// - cos, sin: `[rows, seq, head_dim]`, `rows` 1 or `batch`
+    /// - output: `[batch, heads, seq, head_dim]`
+    pub fn apply_seq_major_to_heads<B: DecoderKernels>(
+        x: Tensor<B, 4>,
+        cos: &Tensor<B, 3>,
+        sin: &Tensor<B, 3>,
+        pairs: bool,
+    ) -> Tensor<B, 4> {
+        let rotated = B::rotate_seq_major_to_heads(
+            x.into_primitive().tensor(),
+            cos.clone().into_primitive().tensor(),
+            sin.clone().into_primitive().tensor(),
+            pairs,
+        );
+        Tensor::from_primitive(TensorPrimitive::Float(rotated))
+    }
+
     /// [`apply`](Self::apply) on the sequence-major layout, before the heads are moved
     /// forward: element-wise ops on a contiguous tensor rather than on a strided view of one
     /// (Flex walks a strided view element by element).

@@ -55,10 +55,11 @@ impl<B: DecoderKernels> Backward<B, 2> for RmsNormBackward {
 }
 
 /// The backward of a rotation: its transpose, of the `rotate_half` form or (`pairs`) of Llama
-/// 4's pairs.
+/// 4's pairs, of a gradient that is head-major where the forward wrote it so (`to_heads`).
 #[derive(Debug)]
 struct RotaryBackward {
     pairs: bool,
+    to_heads: bool,
 }
 
 impl<B: DecoderKernels> Backward<B, 1> for RotaryBackward {
@@ -69,6 +70,11 @@ impl<B: DecoderKernels> Backward<B, 1> for RotaryBackward {
         let grad = grads.consume::<B>(&ops.node);
         let (cos, sin) = ops.state;
         if let [Some(parent)] = ops.parents {
+            // A head-major gradient seen sequence-major: a view the kernels read at its strides.
+            let grad = match self.to_heads {
+                true => B::float_swap_dims(grad, 1, 2),
+                false => grad,
+            };
             let dx = match self.pairs {
                 true => B::rotate_pairs_seq_major_backward(grad, cos, sin),
                 false => B::rotate_half_seq_major_backward(grad, cos, sin),
@@ -96,25 +102,27 @@ impl<B: DecoderKernels> Backward<B, 1> for GatedSiluBackward {
 /// An autodiff tensor of `Autodiff<B, C>`.
 type Tracked<B, C> = FloatTensor<Autodiff<B, C>>;
 
-/// A rotation (`pairs`: Llama 4's) as one node over the inner backend's where it has a kernel
-/// each way and the tables are constants; the operands back where it should be recorded
-/// composed.
+/// A rotation (`pairs`: Llama 4's; `to_heads`: written head-major) as one node over the inner
+/// backend's where it has a kernel each way and the tables are constants; the operands back
+/// where it should be recorded composed.
 fn rotation<B: DecoderKernels, C: CheckpointStrategy>(
     x: Tracked<B, C>,
     cos: Tracked<B, C>,
     sin: Tracked<B, C>,
     pairs: bool,
+    to_heads: bool,
 ) -> Result<Tracked<B, C>, [Tracked<B, C>; 3]> {
     let tracked = |t: &Tracked<B, C>| !t.node.requirement.is_none();
     if !B::rotary_node() || tracked(&cos) || tracked(&sin) {
         return Err([x, cos, sin]);
     }
     let (c, s) = (cos.primitive.clone(), sin.primitive.clone());
-    let out = match pairs {
-        true => B::rotate_pairs_seq_major(x.primitive, c, s),
-        false => B::rotate_half_seq_major(x.primitive, c, s),
+    let out = match (to_heads, pairs) {
+        (true, _) => B::rotate_seq_major_to_heads(x.primitive, c, s, pairs),
+        (false, true) => B::rotate_pairs_seq_major(x.primitive, c, s),
+        (false, false) => B::rotate_half_seq_major(x.primitive, c, s),
     };
-    let node = RotaryBackward { pairs };
+    let node = RotaryBackward { pairs, to_heads };
     Ok(match node.prepare::<C>([x.node]).compute_bound().stateful() {
         OpsKind::Tracked(prep) => prep.finish((cos.primitive, sin.primitive), out),
         OpsKind::UnTracked(prep) => prep.finish(out),
@@ -195,7 +203,7 @@ impl<B: DecoderKernels, C: CheckpointStrategy> DecoderKernels for Autodiff<B, C>
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        rotation::<B, C>(x, cos, sin, false)
+        rotation::<B, C>(x, cos, sin, false, false)
             .unwrap_or_else(|[x, cos, sin]| rotate_half_seq_major_composed::<Self>(x, cos, sin))
     }
 
@@ -206,12 +214,29 @@ impl<B: DecoderKernels, C: CheckpointStrategy> DecoderKernels for Autodiff<B, C>
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        rotation::<B, C>(x, cos, sin, true)
+        rotation::<B, C>(x, cos, sin, true, false)
             .unwrap_or_else(|[x, cos, sin]| rotate_pairs_seq_major_composed::<Self>(x, cos, sin))
     }
 
     fn rotary_node() -> bool {
         B::rotary_node()
+    }
+
+    /// As the sequence-major forms: one node where the inner backend has a kernel each way and
+    /// the tables are constants; elsewhere the rotation (composed) and burn's swap.
+    fn rotate_seq_major_to_heads(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        pairs: bool,
+    ) -> FloatTensor<Self> {
+        rotation::<B, C>(x, cos, sin, pairs, true).unwrap_or_else(|[x, cos, sin]| {
+            let rotated = match pairs {
+                true => rotate_pairs_seq_major_composed::<Self>(x, cos, sin),
+                false => rotate_half_seq_major_composed::<Self>(x, cos, sin),
+            };
+            <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_swap_dims(rotated, 1, 2)
+        })
     }
 
     /// The inner backend's SwiGLU as one node where it has a kernel each way; burn's ops,

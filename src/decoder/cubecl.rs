@@ -63,6 +63,21 @@ where
             .unwrap_or_else(|| super::rotate_half_seq_major_backward_composed::<Self>(grad, cos, sin))
     }
 
+    fn rotate_seq_major_to_heads(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        pairs: bool,
+    ) -> FloatTensor<Self> {
+        cubecl_rotary::rotate_to_heads(&x, &cos, &sin, pairs).unwrap_or_else(|| {
+            let rotated = match pairs {
+                true => super::rotate_pairs_seq_major_composed::<Self>(x, cos, sin),
+                false => super::rotate_half_seq_major_composed::<Self>(x, cos, sin),
+            };
+            <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_swap_dims(rotated, 1, 2)
+        })
+    }
+
     fn rotate_pairs_seq_major(
         x: FloatTensor<Self>,
         cos: FloatTensor<Self>,

@@ -80,7 +80,10 @@ fn rotate_half_kernel<F: Float>(
         }
         rotated = sign * f32::new(-1.0) * other * f32::cast_from(sin[s_row + from * sin.stride(2)]);
     }
-    out[i] = F::cast_from(value * c + rotated);
+    // At the output's strides: contiguous, or (`to_heads`) a head-major buffer seen as
+    // `[batch, seq, heads, head_dim]`.
+    let o = batch * out.stride(0) + position * out.stride(1) + head * out.stride(2) + j * out.stride(3);
+    out[o] = F::cast_from(value * c + rotated);
 }
 
 /// Whether the kernel reads `x` `[batch, seq, heads, head_dim]` (an even `head_dim`) and the
@@ -132,6 +135,30 @@ pub(crate) fn rotate_pairs<R: CubeRuntime>(
     rotate(x, cos, sin, transpose, true)
 }
 
+/// The rotation of `x` (the `rotate_half` form, or Llama 4's `pairs`) written head-major, as
+/// attention's products read it: the sequence-major rotation and the swap of the middle
+/// dimensions that followed it (a copy of the queries or the keys each way) in one kernel.
+/// The backward needs no form of its own: the transpose kernel reads the head-major gradient
+/// at its strides. `None` where the kernel does not read the tensors.
+///
+/// # Shapes
+/// - x: `[batch, seq, heads, head_dim]`
+/// - cos, sin: `[rows, seq, head_dim]`, `rows` 1 or `batch` → `[batch, heads, seq, head_dim]`
+pub(crate) fn rotate_to_heads<R: CubeRuntime>(
+    x: &CubeTensor<R>,
+    cos: &CubeTensor<R>,
+    sin: &CubeTensor<R>,
+    pairs: bool,
+) -> Option<CubeTensor<R>> {
+    let [batch, seq, heads, head_dim] = fits(x, cos, sin)?;
+    let heads_major = output(x, [batch, heads, seq, head_dim]);
+    // The same buffer seen sequence-major, which the kernel writes at its strides.
+    let mut view = heads_major.clone();
+    view.meta.swap(1, 2);
+    rotate_into(x, cos, sin, false, pairs, view)?;
+    Some(heads_major)
+}
+
 fn rotate<R: CubeRuntime>(
     x: &CubeTensor<R>,
     cos: &CubeTensor<R>,
@@ -139,14 +166,29 @@ fn rotate<R: CubeRuntime>(
     transpose: bool,
     pairs: bool,
 ) -> Option<CubeTensor<R>> {
+    let dims = fits(x, cos, sin)?;
+    rotate_into(x, cos, sin, transpose, pairs, output(x, dims))
+}
+
+/// Launches the kernel into `out`, `[batch, seq, heads, head_dim]` over a buffer of its own
+/// (contiguous, or a permutation of a contiguous one); returns it.
+fn rotate_into<R: CubeRuntime>(
+    x: &CubeTensor<R>,
+    cos: &CubeTensor<R>,
+    sin: &CubeTensor<R>,
+    transpose: bool,
+    pairs: bool,
+    out: CubeTensor<R>,
+) -> Option<CubeTensor<R>> {
     let dims @ [batch, seq, heads, head_dim] = fits(x, cos, sin)?;
+    debug_assert_eq!(out.meta.shape().to_vec(), dims, "the output's dims are x's");
     let tables_per_batch = usize::from(cos.meta.shape()[0] == batch && batch > 1);
-    let out = output(x, dims);
     let (count, dim) = grid(x, dims.iter().product());
     // SAFETY: `x` is read at its strides within `[batch, seq, heads, head_dim]`, the tables at
     // theirs within `[rows, seq, head_dim]` (row 0 alone where `tables_per_batch` is 0, which
-    // `fits` and the line above give wherever `rows` is 1); `out` holds one contiguous element
-    // a thread, and threads past its length leave.
+    // `fits` and the line above give wherever `rows` is 1); `out` has those dims over a buffer
+    // of as many elements (its callers': contiguous, or a permutation of contiguous), so each
+    // thread writes one element of it at its strides, and threads past its length leave.
     unsafe {
         rotate_half_kernel::launch_unchecked(
             &x.client,

@@ -427,14 +427,62 @@ fn rotary_kernels_match(
     }
 }
 
-/// The rotation under `Autodiff<Wgpu>` (one node) against burn's ops recorded one by one:
-/// output and `x`'s gradient; and with tracked tables, recorded composed, so that the tables
+/// Both rotations written head-major in the kernel's pass (`rotate_to_heads`) against the
+/// composed rotation and burn's swap, `x` contiguous and strided, tables of one row and of one
+/// per batch row; the output is the kernel's own contiguous head-major tensor (not a view of a
+/// fallback); and the transpose kernel on the head-major gradient seen sequence-major, as the
+/// node's backward reads it, against the composed transpose.
+#[test]
+fn the_rotation_to_heads_writes_head_major_and_its_transpose_reads_it_there() {
+    use burn::tensor::ops::FloatTensorOps;
+    let device = Default::default();
+    for ((name, [_, twin, kernel_back, twin_back]), pairs) in rotations().into_iter().zip([false, true]) {
+        for (batch, seq, heads, head_dim, rows) in [(2, 5, 3, 8, 1), (3, 7, 2, 12, 3)] {
+            let contiguous =
+                Tensor::<Wgpu, 4>::random([batch, seq, heads, head_dim], Distribution::Default, &device);
+            let view = Tensor::<Wgpu, 4>::from_data(contiguous.clone().swap_dims(1, 2).into_data(), &device)
+                .swap_dims(1, 2);
+            let (cos, sin) = (table(rows, seq, head_dim), table(rows, seq, head_dim));
+            for (layout, x) in [("contiguous", contiguous), ("strided", view)] {
+                let what =
+                    format!("{name}, [{batch}, {seq}, {heads}, {head_dim}], table rows {rows}, {layout}");
+                let x = x.into_primitive().tensor();
+                let want = <Wgpu>::float_swap_dims(twin(x.clone(), cos.clone(), sin.clone()), 1, 2);
+                let got =
+                    <Wgpu as DecoderKernels>::rotate_seq_major_to_heads(x, cos.clone(), sin.clone(), pairs);
+                assert!(
+                    got.is_contiguous(),
+                    "{what}: the kernel's output is head-major and whole"
+                );
+                assert_eq!(got.meta.shape().to_vec(), [batch, heads, seq, head_dim], "{what}");
+                close_within(&what, flat4(got), flat4(want), 0.0);
+            }
+            let grad =
+                Tensor::<Wgpu, 4>::random([batch, heads, seq, head_dim], Distribution::Default, &device)
+                    .into_primitive()
+                    .tensor();
+            let seen = <Wgpu>::float_swap_dims(grad, 1, 2);
+            let want = twin_back(seen.clone(), cos.clone(), sin.clone());
+            let got = kernel_back(seen, cos, sin);
+            close_within(
+                &format!("{name}, head-major gradient"),
+                flat4(got),
+                flat4(want),
+                0.0,
+            );
+        }
+    }
+}
+
+/// The rotation under `Autodiff<Wgpu>` (one node, sequence- or head-major) against burn's ops
+/// recorded one by one: output and `x`'s gradient; and with tracked tables, recorded composed, so that the tables
 /// get their gradient.
 #[test]
 fn the_rotary_node_matches_burns_ops_recorded_one_by_one() {
     type A = Autodiff<Wgpu>;
     assert!(<A as DecoderKernels>::rotary_node());
-    let ops: [(&str, TrackedRotation, TrackedRotation); 2] = [
+    use burn::tensor::ops::FloatTensorOps;
+    let ops: [(&str, TrackedRotation, TrackedRotation); 4] = [
         (
             "rotate_half",
             <A as DecoderKernels>::rotate_half_seq_major,
@@ -444,6 +492,16 @@ fn the_rotary_node_matches_burns_ops_recorded_one_by_one() {
             "pairs",
             <A as DecoderKernels>::rotate_pairs_seq_major,
             super::rotate_pairs_seq_major_composed::<A>,
+        ),
+        (
+            "rotate_half to heads",
+            |x, c, s| <A as DecoderKernels>::rotate_seq_major_to_heads(x, c, s, false),
+            |x, c, s| A::float_swap_dims(super::rotate_half_seq_major_composed::<A>(x, c, s), 1, 2),
+        ),
+        (
+            "pairs to heads",
+            |x, c, s| <A as DecoderKernels>::rotate_seq_major_to_heads(x, c, s, true),
+            |x, c, s| A::float_swap_dims(super::rotate_pairs_seq_major_composed::<A>(x, c, s), 1, 2),
         ),
     ];
     for (name, node_op, composed) in ops {
@@ -482,7 +540,9 @@ fn rotary_node_matches(name: &str, node_op: TrackedRotation, composed: TrackedRo
             false => composed(xp, c, s),
         };
         let y = Tensor::<A, 4>::from_primitive(TensorPrimitive::Float(y));
-        let grads = (y.clone() * g.clone()).sum().backward();
+        // The same weights by position whatever the output's layout (sequence- or head-major).
+        let g = g.clone().reshape(y.dims());
+        let grads = (y.clone() * g).sum().backward();
         let dx = x.grad(&grads).expect("x's gradient");
         let dsin = sin
             .grad(&grads)

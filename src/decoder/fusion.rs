@@ -59,6 +59,17 @@ impl<B: FusionBackend + DecoderKernels> DecoderKernels for Fusion<B> {
         register::<B>(dx, &device)
     }
 
+    fn rotate_seq_major_to_heads(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        pairs: bool,
+    ) -> FloatTensor<Self> {
+        let device = x.client.device().clone();
+        let out = B::rotate_seq_major_to_heads(resolve::<B>(x), resolve::<B>(cos), resolve::<B>(sin), pairs);
+        register::<B>(out, &device)
+    }
+
     fn rotate_pairs_seq_major(
         x: FloatTensor<Self>,
         cos: FloatTensor<Self>,

@@ -194,6 +194,31 @@ pub trait DecoderKernels: Backend {
         crate::experts::swiglu_backward_composed::<Self>(z, grad)
     }
 
+    /// The rotation, [`rotate_half_seq_major`](Self::rotate_half_seq_major)'s or (`pairs`)
+    /// [`rotate_pairs_seq_major`](Self::rotate_pairs_seq_major)'s, with its output head-major,
+    /// as attention's products read the queries and the keys. By default the rotation and
+    /// burn's `swap_dims` (a view, which a product then copies where it needs to). Recorded as
+    /// one node under `Autodiff` where [`rotary_node`](Self::rotary_node) says so, whose
+    /// backward is the rotation's transpose of the gradient seen sequence-major (a view): the
+    /// CubeCL kernel writes the head-major output and reads that view where they lie, so the
+    /// swap's copy each way is gone.
+    ///
+    /// # Shapes
+    /// - x: `[batch, seq, heads, head_dim]`
+    /// - cos, sin: `[rows, seq, head_dim]`, `rows` 1 or `batch` → `[batch, heads, seq, head_dim]`
+    fn rotate_seq_major_to_heads(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        pairs: bool,
+    ) -> FloatTensor<Self> {
+        let rotated = match pairs {
+            true => Self::rotate_pairs_seq_major(x, cos, sin),
+            false => Self::rotate_half_seq_major(x, cos, sin),
+        };
+        Self::float_swap_dims(rotated, 1, 2)
+    }
+
     /// Attention's weights: the softmax over the keys of `scores · scale`, the keys `hidden`
     /// marks at `-inf` (each batch row's mask shared by its heads, and by every batch row where
     /// the mask has one row). By default composed as attention wrote it before: the product by
