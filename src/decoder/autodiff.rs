@@ -19,7 +19,8 @@ use burn::tensor::ops::{BoolTensor, FloatTensor};
 
 use super::softmax::{attention_softmax_composed, attention_softmax_sinks_composed};
 use super::{
-    rms_norm_composed, rotate_half_seq_major_composed, rotate_pairs_seq_major_composed, DecoderKernels,
+    rms_norm_composed, rotate_half_seq_major_composed, rotate_pairs_seq_major_composed,
+    rotate_to_heads_composed, DecoderKernels,
 };
 
 #[derive(Debug)]
@@ -230,13 +231,8 @@ impl<B: DecoderKernels, C: CheckpointStrategy> DecoderKernels for Autodiff<B, C>
         sin: FloatTensor<Self>,
         pairs: bool,
     ) -> FloatTensor<Self> {
-        rotation::<B, C>(x, cos, sin, pairs, true).unwrap_or_else(|[x, cos, sin]| {
-            let rotated = match pairs {
-                true => rotate_pairs_seq_major_composed::<Self>(x, cos, sin),
-                false => rotate_half_seq_major_composed::<Self>(x, cos, sin),
-            };
-            <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_swap_dims(rotated, 1, 2)
-        })
+        rotation::<B, C>(x, cos, sin, pairs, true)
+            .unwrap_or_else(|[x, cos, sin]| rotate_to_heads_composed::<Self>(x, cos, sin, pairs))
     }
 
     /// The inner backend's SwiGLU as one node where it has a kernel each way; burn's ops,

@@ -69,13 +69,8 @@ where
         sin: FloatTensor<Self>,
         pairs: bool,
     ) -> FloatTensor<Self> {
-        cubecl_rotary::rotate_to_heads(&x, &cos, &sin, pairs).unwrap_or_else(|| {
-            let rotated = match pairs {
-                true => super::rotate_pairs_seq_major_composed::<Self>(x, cos, sin),
-                false => super::rotate_half_seq_major_composed::<Self>(x, cos, sin),
-            };
-            <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_swap_dims(rotated, 1, 2)
-        })
+        cubecl_rotary::rotate_to_heads(&x, &cos, &sin, pairs)
+            .unwrap_or_else(|| super::rotate_to_heads_composed::<Self>(x, cos, sin, pairs))
     }
 
     fn rotate_pairs_seq_major(

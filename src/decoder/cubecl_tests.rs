@@ -391,6 +391,16 @@ fn rotations() -> [(&'static str, [Rotation; 4]); 2] {
     ]
 }
 
+/// A random `x` of `dims`, contiguous and as a view with other strides (the same values laid
+/// out with the middle dimensions swapped), by name.
+fn rotary_inputs(dims: [usize; 4]) -> [(&'static str, Tensor<Wgpu, 4>); 2] {
+    let device = Default::default();
+    let contiguous = Tensor::<Wgpu, 4>::random(dims, Distribution::Default, &device);
+    let view =
+        Tensor::<Wgpu, 4>::from_data(contiguous.clone().swap_dims(1, 2).into_data(), &device).swap_dims(1, 2);
+    [("contiguous", contiguous), ("strided", view)]
+}
+
 /// Both rotations and their transposes (`cubecl_rotary.rs`) against the composed forms: tables
 /// of one row and of one per batch row, `x` contiguous and a view with other strides.
 #[test]
@@ -407,14 +417,9 @@ fn rotary_kernels_match(
     kernel_back: Rotation,
     twin_back: Rotation,
 ) {
-    let device = Default::default();
     for (batch, seq, heads, head_dim, rows) in [(2, 5, 3, 8, 1), (3, 7, 2, 12, 3)] {
-        let contiguous =
-            Tensor::<Wgpu, 4>::random([batch, seq, heads, head_dim], Distribution::Default, &device);
-        let view = Tensor::<Wgpu, 4>::from_data(contiguous.clone().swap_dims(1, 2).into_data(), &device)
-            .swap_dims(1, 2);
         let (cos, sin) = (table(rows, seq, head_dim), table(rows, seq, head_dim));
-        for (layout, x) in [("contiguous", contiguous), ("strided", view)] {
+        for (layout, x) in rotary_inputs([batch, seq, heads, head_dim]) {
             let what = format!("{name}, [{batch}, {seq}, {heads}, {head_dim}], table rows {rows}, {layout}");
             let x = x.into_primitive().tensor();
             let want = twin(x.clone(), cos.clone(), sin.clone());
@@ -438,12 +443,8 @@ fn the_rotation_to_heads_writes_head_major_and_its_transpose_reads_it_there() {
     let device = Default::default();
     for ((name, [_, twin, kernel_back, twin_back]), pairs) in rotations().into_iter().zip([false, true]) {
         for (batch, seq, heads, head_dim, rows) in [(2, 5, 3, 8, 1), (3, 7, 2, 12, 3)] {
-            let contiguous =
-                Tensor::<Wgpu, 4>::random([batch, seq, heads, head_dim], Distribution::Default, &device);
-            let view = Tensor::<Wgpu, 4>::from_data(contiguous.clone().swap_dims(1, 2).into_data(), &device)
-                .swap_dims(1, 2);
             let (cos, sin) = (table(rows, seq, head_dim), table(rows, seq, head_dim));
-            for (layout, x) in [("contiguous", contiguous), ("strided", view)] {
+            for (layout, x) in rotary_inputs([batch, seq, heads, head_dim]) {
                 let what =
                     format!("{name}, [{batch}, {seq}, {heads}, {head_dim}], table rows {rows}, {layout}");
                 let x = x.into_primitive().tensor();

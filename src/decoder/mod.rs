@@ -42,7 +42,7 @@ pub use gated::{gated_silu, gated_silu_of};
 pub use rotary::rotate_half_rows;
 pub(crate) use rotary::{
     rotate_half_seq_major_backward_composed, rotate_half_seq_major_composed,
-    rotate_pairs_seq_major_backward_composed, rotate_pairs_seq_major_composed,
+    rotate_pairs_seq_major_backward_composed, rotate_pairs_seq_major_composed, rotate_to_heads_composed,
 };
 #[cfg(feature = "testkit")]
 pub(crate) use softmax::{

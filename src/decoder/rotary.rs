@@ -20,6 +20,21 @@ fn per_head_table<B: Backend>(m: FloatTensor<B>, [t, h, d]: [usize; 3]) -> Tenso
         .reshape([rows, t * h * d])
 }
 
+/// The rotation composed from burn's ops (`pairs`: Llama 4's) and burn's `swap_dims` (a view):
+/// the fallback of [`DecoderKernels::rotate_seq_major_to_heads`] where no kernel runs.
+pub(crate) fn rotate_to_heads_composed<B: Backend>(
+    x: FloatTensor<B>,
+    cos: FloatTensor<B>,
+    sin: FloatTensor<B>,
+    pairs: bool,
+) -> FloatTensor<B> {
+    let rotated = match pairs {
+        true => rotate_pairs_seq_major_composed::<B>(x, cos, sin),
+        false => rotate_half_seq_major_composed::<B>(x, cos, sin),
+    };
+    B::float_swap_dims(rotated, 1, 2)
+}
+
 /// [`DecoderKernels::rotate_half_seq_major`]'s default: burn's ops.
 pub(crate) fn rotate_half_seq_major_composed<B: Backend>(
     x: FloatTensor<B>,

@@ -210,24 +210,13 @@ fn decoder_checks<B: MoeBackend>(device: &B::Device) -> Vec<KernelCheck> {
         // Written head-major, and the transpose of a head-major gradient seen sequence-major
         // (a view), as the node's backward reads it.
         let grad = B::float_swap_dims(random::<B, 4>([batch, heads, seq, head_dim], 1.0, device), 1, 2);
-        checks.push(compare::<B>(
-            &what("rotate half to heads"),
-            B::rotate_seq_major_to_heads(x.clone(), cos.clone(), sin.clone(), false),
-            B::float_swap_dims(
-                decoder::rotate_half_seq_major_composed::<B>(x.clone(), cos.clone(), sin.clone()),
-                1,
-                2,
-            ),
-        ));
-        checks.push(compare::<B>(
-            &what("rotate pairs to heads"),
-            B::rotate_seq_major_to_heads(x.clone(), cos.clone(), sin.clone(), true),
-            B::float_swap_dims(
-                decoder::rotate_pairs_seq_major_composed::<B>(x, cos.clone(), sin.clone()),
-                1,
-                2,
-            ),
-        ));
+        for (form, pairs) in [("half", false), ("pairs", true)] {
+            checks.push(compare::<B>(
+                &what(&format!("rotate {form} to heads")),
+                B::rotate_seq_major_to_heads(x.clone(), cos.clone(), sin.clone(), pairs),
+                decoder::rotate_to_heads_composed::<B>(x.clone(), cos.clone(), sin.clone(), pairs),
+            ));
+        }
         checks.push(compare::<B>(
             &what("rotate half backward, head-major gradient"),
             B::rotate_half_seq_major_backward(grad.clone(), cos.clone(), sin.clone()),
