@@ -239,7 +239,7 @@ impl<B: DecoderKernels, C: CheckpointStrategy> DecoderKernels for Autodiff<B, C>
     /// recorded one by one, elsewhere.
     fn gated_silu(z: FloatTensor<Self>) -> FloatTensor<Self> {
         if !B::gated_silu_node() {
-            return crate::experts::swiglu_composed::<Self>(z);
+            return <Self as crate::experts::ActivationKernels>::swiglu(z);
         }
         let out = B::gated_silu(z.primitive.clone());
         match GatedSiluBackward

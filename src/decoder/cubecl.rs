@@ -1,14 +1,13 @@
 //! The decoder blocks' ops on the CubeCL backends (CUDA, ROCm, WGPU): one kernel each way for
 //! the norm (`cubecl_norm.rs`), both rotations (`cubecl_rotary.rs`) and attention's weights with
-//! or without sinks (`cubecl_softmax.rs`), and the dense blocks' SwiGLU (the experts' kernel,
-//! `experts/cubecl_activation.rs`); the composed defaults for what a kernel does not read
+//! or without sinks (`cubecl_softmax.rs`), and the dense blocks' SwiGLU (the experts' kernels,
+//! through `ActivationKernels`); the composed defaults for what a kernel does not read
 //! (another layout or dtype, nothing hidden), and `*_node` saying yes, so that `Autodiff` over
 //! these backends records each op as one node.
 
 use burn::tensor::ops::{BoolTensor, FloatTensor};
 
 use super::{cubecl_norm, cubecl_rotary, cubecl_softmax, softmax, DecoderKernels};
-use crate::experts::cubecl_activation;
 
 impl<R, F, I, BT> DecoderKernels for burn_cubecl::CubeBackend<R, F, I, BT>
 where
@@ -91,21 +90,12 @@ where
             .unwrap_or_else(|| super::rotate_pairs_seq_major_backward_composed::<Self>(grad, cos, sin))
     }
 
-    fn gated_silu(z: FloatTensor<Self>) -> FloatTensor<Self> {
-        cubecl_activation::swiglu(&z, None).unwrap_or_else(|| crate::experts::swiglu_composed::<Self>(z))
-    }
-
     fn gated_silu_node() -> bool {
         true
     }
 
     fn gated_silu_joins() -> bool {
         true
-    }
-
-    fn gated_silu_backward(z: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        cubecl_activation::swiglu_backward(&z, &grad, None)
-            .unwrap_or_else(|| crate::experts::swiglu_backward_composed::<Self>(z, grad))
     }
 
     fn attention_softmax(

@@ -1,6 +1,6 @@
 //! The dense blocks' SwiGLU, `silu(gate) · up` of `z = [gate | up]`: the MLP of a model's dense
 //! layers and the MoE layer's shared expert, which run it on every token outside the exchange
-//! (the routed experts run theirs inside it, on [`ActivationKernels`](crate::ActivationKernels)).
+//! (the routed experts run theirs inside it, on [`ActivationKernels`](crate::experts::ActivationKernels)).
 //!
 //! Composed from burn's ops, `silu` is seven ops forward and its product one more; under
 //! `Autodiff` the backward records about fifteen, with the slices and the concatenation of the

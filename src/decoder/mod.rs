@@ -51,7 +51,7 @@ pub(crate) use softmax::{
 };
 
 /// The decoder blocks' kernels, on the backend that runs them.
-pub trait DecoderKernels: Backend {
+pub trait DecoderKernels: crate::experts::ActivationKernels {
     /// `weight · x / sqrt(mean(x²) + eps)` over each row (transformers' `*RMSNorm`), composed
     /// as `x · recip(sqrt(mean(x²) + eps)) · weight` from burn's ops by default.
     ///
@@ -160,12 +160,13 @@ pub trait DecoderKernels: Backend {
     }
 
     /// SwiGLU of a dense block (a dense layer's MLP, the shared expert), `silu(gate) · up` of
-    /// `z = [gate | up]` (`gated.rs`). By default burn's ops, the experts' composed SwiGLU.
+    /// `z = [gate | up]` (`gated.rs`): the experts' op ([`ActivationKernels::swiglu`](crate::experts::ActivationKernels::swiglu):
+    /// one kernel on CubeCL, one pass on every core on Flex, burn's ops elsewhere).
     ///
     /// # Shapes
     /// - z: `[rows, 2 · d_hidden]` → `[rows, d_hidden]`
     fn gated_silu(z: FloatTensor<Self>) -> FloatTensor<Self> {
-        crate::experts::swiglu_composed::<Self>(z)
+        Self::swiglu(z)
     }
 
     /// Whether `Autodiff` over this backend records [`gated_silu`](Self::gated_silu) as one
@@ -191,7 +192,7 @@ pub trait DecoderKernels: Backend {
     /// # Shapes
     /// - z: `[rows, 2 · d_hidden]`, grad: `[rows, d_hidden]` → `[rows, 2 · d_hidden]`
     fn gated_silu_backward(z: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        crate::experts::swiglu_backward_composed::<Self>(z, grad)
+        Self::swiglu_backward(z, grad)
     }
 
     /// The rotation, [`rotate_half_seq_major`](Self::rotate_half_seq_major)'s or (`pairs`)
@@ -342,24 +343,14 @@ impl DecoderKernels for burn::backend::Flex {
         flex::rms_norm(x, weight, eps)
     }
 
-    /// The experts' SwiGLU kernel, one vectorised pass over every core (`experts/flex_swiglu.rs`).
-    fn gated_silu(z: FloatTensor<Self>) -> FloatTensor<Self> {
-        crate::experts::flex_swiglu::swiglu(z)
-    }
-
     /// Yes: Flex's element-wise ops run on one thread, and the composed derivative is about
-    /// fifteen of them; the node's backward is one pass over every core.
+    /// fifteen of them; the node's backward is the experts' one pass over every core.
     fn gated_silu_node() -> bool {
         true
     }
 
     fn gated_silu_joins() -> bool {
         true
-    }
-
-    /// The experts' SwiGLU derivative, one vectorised pass over every core.
-    fn gated_silu_backward(z: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        crate::experts::flex_swiglu::swiglu_backward(z, grad)
     }
 
     /// One pass over the positions and heads (`decoder/flex.rs`).

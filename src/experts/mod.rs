@@ -2,7 +2,7 @@
 
 mod activation;
 #[cfg(feature = "cubecl")]
-pub(crate) mod cubecl_activation;
+mod cubecl_activation;
 #[cfg(feature = "flex")]
 pub(crate) mod flex_gelu;
 #[cfg(feature = "flex")]
@@ -21,12 +21,11 @@ mod tensors;
 mod weights;
 
 pub use activation::Activation;
-pub(crate) use activation::{
-    activation_backward, activation_forward, swiglu_backward_composed, swiglu_composed,
-};
+pub(crate) use activation::{activation_backward, activation_forward};
 #[cfg(feature = "testkit")]
 pub(crate) use activation::{
     clamped_swiglu_backward_composed, clamped_swiglu_composed, gelu_backward_composed,
+    swiglu_backward_composed, swiglu_composed,
 };
 pub use init::seeded_uniform;
 pub(crate) use init::HostInit;
