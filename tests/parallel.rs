@@ -437,4 +437,5 @@ fn a_record_of_another_ranks_experts_is_refused_naming_both() {
         messages[0].0
     );
     assert!(messages[1].1);
+    std::fs::remove_dir_all(&dir).unwrap();
 }
