@@ -1,12 +1,12 @@
 //! The shared (always-on) expert of Qwen2-MoE / DeepSeek-style layers.
 
 use burn::module::{Module, Param};
-use burn::tensor::activation::sigmoid;
 use burn::tensor::backend::Backend;
-use burn::tensor::Tensor;
+use burn::tensor::{Tensor, TensorPrimitive};
 
 use super::HostInit;
 use crate::decoder::{gated_silu, DecoderKernels};
+use crate::router::{RouterKernels, Scoring};
 
 /// A SwiGLU FFN that every token passes through,
 /// `y = (silu(x · w_in[:, :H]) ⊙ x · w_in[:, H:]) · w_out`, scaled by a sigmoid gate
@@ -57,7 +57,7 @@ impl<B: Backend> SharedExpert<B> {
     }
 }
 
-impl<B: DecoderKernels> SharedExpert<B> {
+impl<B: DecoderKernels + RouterKernels> SharedExpert<B> {
     /// # Shapes
     /// - x: `[n_tokens, d_model]` → `[n_tokens, d_model]`
     pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
@@ -83,8 +83,20 @@ impl<B: DecoderKernels> SharedExpert<B> {
         let hidden = gated_silu(matmul(x.clone(), self.w_in.val())?);
         let out = matmul(hidden, self.w_out.val())?;
         Ok(match &self.gate {
-            Some(gate) => out * sigmoid(matmul(x, gate.val().transpose())?),
+            Some(gate) => out * gate_scores(matmul(x, gate.val().transpose())?),
             None => out,
         })
     }
+}
+
+/// The gate's sigmoid as the router's sigmoid scores, a router of one expert: one op each way
+/// where the backend has the router's kernels (one kernel each on CubeCL), where burn's
+/// `sigmoid` is six element-wise launches forward (`exp(-log(1 + exp(-x)))`) and its backward
+/// recomputes them before its own four, every step of every Qwen2-MoE layer.
+///
+/// # Shapes
+/// - logits: `[n_tokens, 1]` → `[n_tokens, 1]`
+fn gate_scores<B: RouterKernels>(logits: Tensor<B, 2>) -> Tensor<B, 2> {
+    let scores = B::router_scores(logits.into_primitive().tensor(), Scoring::Sigmoid);
+    Tensor::from_primitive(TensorPrimitive::Float(scores))
 }

@@ -42,14 +42,21 @@ fn close_within(what: &str, got: Option<FloatTensor<Wgpu>>, want: FloatTensor<Wg
 
 #[test]
 fn the_score_kernels_match_the_composed_forms() {
-    let logits = random([N_TOKENS, N_EXPERTS], 3.0);
-    let grad = random([N_TOKENS, N_EXPERTS], 1.0);
-    for scoring in [Scoring::Softmax, Scoring::Sigmoid] {
+    scores_match_at(N_EXPERTS, &[Scoring::Softmax, Scoring::Sigmoid]);
+    // A shared expert's gate is a sigmoid one wide (`experts/shared.rs`); a softmax one wide is
+    // a constant, whose gradient is zero.
+    scores_match_at(1, &[Scoring::Sigmoid]);
+}
+
+fn scores_match_at(width: usize, scorings: &[Scoring]) {
+    let logits = random([N_TOKENS, width], 3.0);
+    let grad = random([N_TOKENS, width], 1.0);
+    for &scoring in scorings {
         for (layout, logits, grad) in [
             ("contiguous", logits.clone(), grad.clone()),
             ("strided", strided(&logits), strided(&grad)),
         ] {
-            let what = format!("{scoring:?}, {layout}");
+            let what = format!("{scoring:?}, {layout}, {width} wide");
             let want = scores_composed::<Wgpu>(p(&logits), scoring);
             close(&what, kernels::scores(&p(&logits), scoring), want);
             let scores = Tensor::<Wgpu, 2>::from_primitive(TensorPrimitive::Float(scores_composed::<Wgpu>(
