@@ -116,6 +116,11 @@ impl<B: MoeBackend> ProductBatch<'_, B> {
         Queued(self.pairs.len() - 1)
     }
 
+    /// Whether the batch runs through a device library (else each product is the backend's).
+    pub(crate) fn through_library(&self) -> bool {
+        self.products.through_library()
+    }
+
     /// Runs every queued product (none: no call at all).
     ///
     /// # Errors

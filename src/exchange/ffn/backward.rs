@@ -73,7 +73,7 @@ pub(crate) fn compute_backward<B: MoeBackend>(
             .map(|z| activation_forward::<B>(act, z.clone()))
             .collect();
         // 2. The second GEMM's gradients: its weights', its adapter's, and its input's.
-        let grad_as = second_gemm_backward(&round, &acts, &gs, experts, acc, products)?;
+        let grad_as = second_gemm_backward(&round, &acts, &gs, experts, (acc, mem), products)?;
         // 3. The activation's.
         let grad_zs: Vec<_> = zs
             .into_iter()
@@ -81,7 +81,7 @@ pub(crate) fn compute_backward<B: MoeBackend>(
             .map(|(z, grad_a)| activation_backward::<B>(act, z, grad_a))
             .collect();
         // 4. The first GEMM's: its weights', its adapter's, and the partition's input's.
-        first_gemm_backward(&round, &xs, grad_zs, experts, acc, &mut grads_x, products)?;
+        first_gemm_backward(&round, &xs, grad_zs, experts, (acc, mem), &mut grads_x, products)?;
     }
     Ok(grads_x.finish())
 }
@@ -180,8 +180,9 @@ const LORA_IN: [Part; 2] = [Part::LoraInA, Part::LoraInB];
 
 /// The backward of a round's second GEMMs `out = a · w_out + s · (a · a_out) · b_out + b_out`,
 /// given the activations `acts` and the output gradients `gs`: adds the gradients of `w_out`,
-/// `b_out` and the adapter to `acc` (frozen parts never computed) and returns each expert's
-/// `grad_a`. Two batches: what needs only `a` and `g`, then the adapter's products that need
+/// `b_out` and the adapter to `acc` (frozen parts never computed; `w_out`'s written in place
+/// where `mem` allows, [`ExpertGradAcc::product`]) and returns each expert's `grad_a`. Two
+/// batches: what needs only `a` and `g`, then the adapter's products that need
 /// `v = s · g · b_outᵀ`.
 ///
 /// # Shapes
@@ -191,7 +192,7 @@ fn second_gemm_backward<B: MoeBackend>(
     acts: &[FloatTensor<B>],
     gs: &[FloatTensor<B>],
     experts: &ExpertSlots<B>,
-    acc: &mut ExpertGradAcc<B>,
+    (acc, mem): (&mut ExpertGradAcc<B>, Mem<'_, B>),
     products: &Products<B>,
 ) -> Result<Vec<FloatTensor<B>>> {
     let t = B::float_transpose;
@@ -200,7 +201,7 @@ fn second_gemm_backward<B: MoeBackend>(
         .iter()
         .zip(acts.iter().zip(gs))
         .map(|(&(e, _), (a, g))| {
-            let dw = acc.wants(Part::WOut).then(|| first.push(t(a.clone()), g.clone()));
+            let dw = acc.product(Part::WOut, e, (t(a.clone()), g.clone()), mem, &mut first)?;
             if experts.own().b_out.is_some() {
                 acc.add_with(Part::BOut, e, || B::float_sum_dim(g.clone(), 0));
             }
@@ -208,9 +209,9 @@ fn second_gemm_backward<B: MoeBackend>(
             let adapter = experts
                 .lora_out(e)
                 .map(|l| AdapterBackward::queue(l, (a, g), acc, LORA_OUT, &mut first));
-            (dw, grad_a, adapter)
+            Ok((dw, grad_a, adapter))
         })
-        .collect();
+        .collect::<Result<_>>()?;
     let mut done = first.run()?;
     let mut second = products.batch();
     let queued: Vec<_> = queued
@@ -240,7 +241,8 @@ fn second_gemm_backward<B: MoeBackend>(
 
 /// The backward of a round's first GEMMs `z = x · w_in + s · (x · a_in) · b_in + b_in`, given
 /// the inputs `xs` and the gradients `grad_zs` of `z`: adds the gradients of `w_in`, `b_in`
-/// and the adapter to `acc` and writes each expert's `grad_x` block into `grads_x`. Two
+/// and the adapter to `acc` (`w_in`'s in place where `mem` allows) and writes each expert's
+/// `grad_x` block into `grads_x`. Two
 /// batches: the adapter's products that `v = s · grad_z · b_inᵀ` needs, then everything else
 /// with the blocks.
 ///
@@ -251,7 +253,7 @@ fn first_gemm_backward<B: MoeBackend>(
     xs: &[FloatTensor<B>],
     grad_zs: Vec<FloatTensor<B>>,
     experts: &ExpertSlots<B>,
-    acc: &mut ExpertGradAcc<B>,
+    (acc, mem): (&mut ExpertGradAcc<B>, Mem<'_, B>),
     grads_x: &mut Blocks<'_, B>,
     products: &Products<B>,
 ) -> Result<()> {
@@ -271,9 +273,7 @@ fn first_gemm_backward<B: MoeBackend>(
     let mut jobs = Vec::with_capacity(round.len());
     let mut grads = Vec::with_capacity(round.len());
     for ((&(e, rows), (x, grad_z)), adapter) in round.iter().zip(xs.iter().zip(grad_zs)).zip(adapters) {
-        let dw = acc
-            .wants(Part::WIn)
-            .then(|| second.push(t(x.clone()), grad_z.clone()));
+        let dw = acc.product(Part::WIn, e, (t(x.clone()), grad_z.clone()), mem, &mut second)?;
         if experts.own().b_in.is_some() {
             acc.add_with(Part::BIn, e, || B::float_sum_dim(grad_z.clone(), 0));
         }

@@ -4,8 +4,11 @@
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Shape, TensorMetadata};
 
+use super::in_place::InPlaceSums;
 use crate::comm::Communicator;
 use crate::error::Result;
+use crate::exchange::blocks::Mem;
+use crate::exchange::products::{ProductBatch, Queued};
 use crate::exchange::rows::float_dtype;
 use crate::exchange::shadows::ExpertSlots;
 use crate::exchange::MoeBackend;
@@ -20,22 +23,29 @@ use crate::experts::{ExpertGrads, ExpertPart as Part, ExpertTensors, EXPERT_PART
 /// the run marks frozen are never computed nor summed.
 ///
 /// A device library ([`Library`]) keeps its sums stacked instead (`stacked`, every slot, added
-/// to in place by its GEMMs): without shadows they are the gradients as they stand.
+/// to in place by its GEMMs): without shadows they are the gradients as they stand. So do the
+/// primitives' weight products where the backend has the partition arena's ops and there are
+/// no shadows ([`product`](Self::product), `in_place.rs`).
 pub(crate) struct ExpertGradAcc<B: MoeBackend> {
     sums: [Vec<Option<FloatTensor<B>>>; EXPERT_PARTS],
     /// Every slot's running sums, stacked, where a device library adds them.
     pub(super) stacked: Option<ExpertTensors<B>>,
+    /// The weights' sums the primitives multiply straight into their stacked gradient.
+    in_place: InPlaceSums<B>,
     like: ExpertTensors<B>,
     n_slots: usize,
     frozen: [bool; EXPERT_PARTS],
 }
 
 impl<B: MoeBackend> ExpertGradAcc<B> {
-    pub(crate) fn new(experts: &ExpertSlots<B>, frozen: [bool; EXPERT_PARTS]) -> Self {
+    /// Empty sums for `experts`' slots, `frozen` parts never summed. `idle_slot` says whether
+    /// some slot gets no rows in the whole pass (its gradients are then zeros).
+    pub(crate) fn new(experts: &ExpertSlots<B>, frozen: [bool; EXPERT_PARTS], idle_slot: bool) -> Self {
         let n = experts.n_slots();
         Self {
             sums: std::array::from_fn(|_| (0..n).map(|_| None).collect()),
             stacked: None,
+            in_place: InPlaceSums::new(idle_slot),
             like: experts.own().clone(),
             n_slots: n,
             frozen,
@@ -171,6 +181,41 @@ impl<B: MoeBackend> ExpertGradAcc<B> {
         Ok(())
     }
 
+    /// Expert `e`'s gradient of weight `part`, `lhs · rhs`: multiplied straight into the
+    /// stacked gradient where `mem` has the arena's ops, the batch multiplies on the backend,
+    /// there are no shadow slots and the weight's matrices can be bound as views
+    /// (`in_place.rs`), and queued in `batch` otherwise, for [`add`](Self::add). Returns what
+    /// was queued: nothing where the product was written, or where the part is frozen (then
+    /// it is never computed).
+    ///
+    /// # Shapes
+    /// - lhs `[rows, m]`, rhs `[m, cols]`: the part's matrix of one expert is `[rows, cols]`
+    ///
+    /// # Errors
+    /// [`MoeError::Backend`](crate::MoeError::Backend) if the backend cannot launch the GEMM.
+    pub(super) fn product(
+        &mut self,
+        part: Part,
+        e: usize,
+        (lhs, rhs): (FloatTensor<B>, FloatTensor<B>),
+        mem: Mem<'_, B>,
+        batch: &mut ProductBatch<'_, B>,
+    ) -> Result<Option<Queued>> {
+        if self.frozen[part as usize] {
+            return Ok(None);
+        }
+        let n_own = self.like.w_in.shape().to_vec()[0];
+        let alone = self.n_slots == n_own && self.stacked.is_none() && !batch.through_library();
+        let like = self.like.clone().into_parts()[part as usize].clone();
+        match (mem, like) {
+            (Some(memory), Some(like)) if alone && InPlaceSums::fits(&like, memory) => {
+                self.in_place.add(part as usize, e, (lhs, rhs), &like, memory)?;
+                Ok(None)
+            }
+            _ => Ok(Some(batch.push(lhs, rhs))),
+        }
+    }
+
     /// Whether `part`'s gradient is summed (the part is not frozen): where it is not, its
     /// product is never computed.
     pub(super) fn wants(&self, part: Part) -> bool {
@@ -221,6 +266,7 @@ impl<B: MoeBackend> ExpertGradAcc<B> {
         if let Some(s) = &self.stacked {
             sums.extend(s.clone().into_parts().into_iter().flatten());
         }
+        sums.extend(self.in_place.held());
         self.fold_shadows(shadows, comm)?;
         // A copy on this thread's stream; with the sums still held, the add cannot run in
         // place (and a concatenation of several experts is a new tensor already).
@@ -243,12 +289,15 @@ impl<B: MoeBackend> ExpertGradAcc<B> {
             None => {
                 self.unstack();
                 let likes = self.like.clone().into_parts();
-                let mut sums = self.sums.into_iter().zip(frozen);
+                let mut in_place = self.in_place;
+                let mut sums = self.sums.into_iter().zip(frozen).enumerate();
                 ExpertGrads {
                     parts: likes.map(|like| {
-                        let (sums, frozen) = sums.next().expect("one table per part");
+                        let (part, (sums, frozen)) = sums.next().expect("one table per part");
                         // A frozen part is not stacked: that would be zeros the size of a weight.
-                        like.filter(|_| !frozen).map(|like| Self::stack(sums, &like))
+                        in_place
+                            .take(part)
+                            .or_else(|| like.filter(|_| !frozen).map(|like| Self::stack(sums, &like)))
                     }),
                 }
             }

@@ -25,6 +25,7 @@ use crate::experts::{activation_forward, Activation};
 
 mod backward;
 mod grad_acc;
+mod in_place;
 mod library;
 
 pub(crate) use backward::{compute_backward, Restored};

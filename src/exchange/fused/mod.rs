@@ -252,7 +252,13 @@ pub fn backward<B: MoeBackend>(
     let executor = run.executor_for::<B>(&device);
     let slots = Slots::<B>::new(executor);
     let stashes: Vec<Mutex<SavedPartition<B>>> = partitions.into_iter().map(Mutex::new).collect();
-    let acc = Mutex::new(ExpertGradAcc::<B>::new(&experts, run.frozen));
+    // A slot without rows in every partition has zero gradients.
+    let idle_slot = (0..experts.n_slots()).any(|e| {
+        plan.partitions
+            .iter()
+            .all(|p| p.rows_per_expert.get(e).is_none_or(|&r| r == 0))
+    });
+    let acc = Mutex::new(ExpertGradAcc::<B>::new(&experts, run.frozen, idle_slot));
     let threaded = executor == StepExecutor::StreamThreads;
     let input_grad = Mutex::new(RowAssembler::<B>::new(&grad_out, plan, threaded));
     let memory = B::slot_memory(run, &grad_out);
