@@ -8,9 +8,13 @@
 //! backward's `reshape` of each gradient. In the 163 M Qwen3-MoE's fine-tuning step those
 //! copies took about 57 ms of 1.3 s with the pool's other thread idle (design notes). Here
 //! the swap is one op, [`swap_dims_contiguous`], that Flex writes contiguously in runs of the
-//! last dimension over the pool (`flex_layout.rs`), `Autodiff<B>` records as one node whose
-//! backward is the same op on the gradient, and the other backends keep as burn's view.
+//! last dimension over the pool (`flex_layout.rs`), the CubeCL backends in one copy kernel
+//! (their matmul copies a swapped view once per product that reads it), `Autodiff<B>` records
+//! as one node whose backward is the same op on the gradient, and NdArray and fusion keep as
+//! burn's view.
 
+#[cfg(all(test, feature = "wgpu"))]
+mod cubecl_tests;
 #[cfg(feature = "flex")]
 mod flex_layout;
 #[cfg(all(test, feature = "flex"))]
@@ -88,6 +92,26 @@ impl<B: LayoutKernels, C: CheckpointStrategy> LayoutKernels for Autodiff<B, C> {
     }
 }
 
-// NdArray, the CubeCL backends and fusion: burn's view. `Autodiff<B>` records its own node
-// (above).
-default_kernel_impls!(LayoutKernels, except autodiff);
+#[cfg(feature = "cubecl")]
+impl<R, F, I, BT> LayoutKernels for burn_cubecl::CubeBackend<R, F, I, BT>
+where
+    R: burn_cubecl::CubeRuntime,
+    R::Server: burn_cubecl::cubecl::server::ComputeServer,
+    R::Device: burn::tensor::backend::DeviceOps,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+    /// Contiguous, in one copy kernel. cubek's matmul reads a swapped view only after copying
+    /// it, once per product that reads it: attention's values and the gradient of its output
+    /// are each read by two products in the backward, so a view cost a copy more each
+    /// (the test Qwen3-MoE's fine-tuning step: 406 → 400 launches on WGPU).
+    fn swap_middle_dims(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        use burn::tensor::ops::FloatTensorOps;
+        burn_cubecl::kernel::into_contiguous(Self::float_swap_dims(x, 1, 2))
+    }
+}
+
+// NdArray and fusion: burn's view (fusion's own kernels read strides as they are). The CubeCL
+// backends and `Autodiff<B>` have their own (above).
+default_kernel_impls!(@plain LayoutKernels);
