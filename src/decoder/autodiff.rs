@@ -45,11 +45,12 @@ impl<B: DecoderKernels> Backward<B, 2> for RmsNormBackward {
         if x_parent.is_none() && weight_parent.is_none() {
             return;
         }
-        let (dx, dweight) = B::rms_norm_backward(x, weight, grad, eps);
+        // An untracked weight (frozen, or a constant) gets no gradient, so none is computed.
+        let (dx, dweight) = B::rms_norm_backward(x, weight, grad, eps, weight_parent.is_some());
         if let Some(parent) = x_parent {
             grads.register::<B>(parent.id, dx);
         }
-        if let Some(parent) = weight_parent {
+        if let (Some(parent), Some(dweight)) = (weight_parent, dweight) {
             grads.register::<B>(parent.id, dweight);
         }
     }

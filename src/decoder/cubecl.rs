@@ -32,11 +32,12 @@ where
         weight: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         eps: f64,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        match cubecl_norm::rms_norm_backward(&x, &weight, &grad, eps) {
+        weight_grad: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        match cubecl_norm::rms_norm_backward(&x, &weight, &grad, eps, weight_grad) {
             // The weight's gradient is the column sums of the kernel's `grad · x · r`.
-            Some((dx, scaled)) => (dx, cubecl_norm::column_sums::<Self>(scaled)),
-            None => super::rms_norm_backward_composed::<Self>(x, weight, grad, eps),
+            Some((dx, scaled)) => (dx, scaled.map(cubecl_norm::column_sums::<Self>)),
+            None => super::rms_norm_backward_composed::<Self>(x, weight, grad, eps, weight_grad),
         }
     }
 

@@ -77,6 +77,7 @@ fn rms_norm_backward_kernel<F: Float>(
     width: usize,
     eps: f32,
     #[comptime] threads: usize,
+    #[comptime] weight_grad: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let row = CUBE_POS;
@@ -106,7 +107,9 @@ fn rms_norm_backward_kernel<F: Float>(
         let g = f32::cast_from(grad[ga + c * grad.stride(1)]);
         let u = g * f32::cast_from(weight[c * weight.stride(0)]);
         dx[row * width + c] = F::cast_from(u * r - v * r3 * mean_ux);
-        scaled[row * width + c] = F::cast_from(g * v * r);
+        if weight_grad {
+            scaled[row * width + c] = F::cast_from(g * v * r);
+        }
         c += threads;
     }
 }
@@ -154,8 +157,9 @@ pub(crate) fn rms_norm<R: CubeRuntime>(
     Some(out)
 }
 
-/// The norm's backward in one kernel: `x`'s gradient and each row's `grad · x · r` (the
-/// weight's gradient is their column sums); `None` where the kernel does not read the tensors.
+/// The norm's backward in one kernel: `x`'s gradient and, where `weight_grad` asks, each row's
+/// `grad · x · r` (the weight's gradient is their column sums); `None` where the kernel does not
+/// read the tensors.
 ///
 /// # Shapes
 /// - x, grad: `[rows, width]`, weight: `[width]` → (`[rows, width]`, `[rows, width]`)
@@ -164,13 +168,16 @@ pub(crate) fn rms_norm_backward<R: CubeRuntime>(
     weight: &CubeTensor<R>,
     grad: &CubeTensor<R>,
     eps: f64,
-) -> Option<(CubeTensor<R>, CubeTensor<R>)> {
+    weight_grad: bool,
+) -> Option<(CubeTensor<R>, Option<CubeTensor<R>>)> {
     let dims @ [rows, width] = fits(x, weight)?;
     if grad.dtype != x.dtype || grad.meta.shape().to_vec() != dims {
         return None;
     }
     let dx = output(x, dims);
-    let scaled = output(x, dims);
+    // Without the weight's gradient the kernel writes no products: it is handed one element
+    // it never touches (a binding the launch needs, as no output may alias another).
+    let scaled = output(x, if weight_grad { dims } else { [1, 1] });
     let (count, dim) = cube_per_row(x, rows, THREADS);
     // SAFETY: as in `rms_norm`, `grad` read at its strides within `[rows, width]`, both outputs
     // `rows · width` contiguous elements, each row written by its cube.
@@ -188,10 +195,11 @@ pub(crate) fn rms_norm_backward<R: CubeRuntime>(
             width,
             eps as f32,
             THREADS,
+            weight_grad,
             x.dtype.into(),
         )
     };
-    Some((dx, scaled))
+    Some((dx, weight_grad.then_some(scaled)))
 }
 
 /// The column sums of a `[rows, width]` tensor, as `[width]` (burn's reduction).

@@ -40,11 +40,18 @@ fn the_norm_kernels_match_the_composed_forms() {
             let want = rms_norm_composed::<Wgpu>(p(&x), w.clone(), eps);
             let got = super::cubecl_norm::rms_norm(&p(&x), &w, eps).expect("the kernel reads them");
             close_within(&what, got, want, 0.0);
-            let (want_dx, want_dw) = rms_norm_backward_composed::<Wgpu>(p(&x), w.clone(), p(&grad), eps);
+            let (want_dx, want_dw) =
+                rms_norm_backward_composed::<Wgpu>(p(&x), w.clone(), p(&grad), eps, true);
             let (got_dx, got_dw) =
-                <Wgpu as DecoderKernels>::rms_norm_backward(p(&x), w.clone(), p(&grad), eps);
-            close_within(&format!("{what}, dx"), got_dx, want_dx, 0.0);
+                <Wgpu as DecoderKernels>::rms_norm_backward(p(&x), w.clone(), p(&grad), eps, true);
+            close_within(&format!("{what}, dx"), got_dx, want_dx.clone(), 0.0);
+            let (got_dw, want_dw) = (got_dw.expect("asked for"), want_dw.expect("asked for"));
             close_within(&format!("{what}, d weight"), wide(got_dw), wide(want_dw), 0.0);
+            // A frozen weight: the same `dx`, and no weight gradient made.
+            let (got_dx, got_dw) =
+                <Wgpu as DecoderKernels>::rms_norm_backward(p(&x), w.clone(), p(&grad), eps, false);
+            close_within(&format!("{what}, dx without d weight"), got_dx, want_dx, 0.0);
+            assert!(got_dw.is_none(), "{what}: a weight gradient nobody asked for");
         }
     }
 }
@@ -79,8 +86,22 @@ fn the_norm_node_matches_burns_ops_recorded_one_by_one() {
     let [y, dx, dw] = run(true);
     let [want_y, want_dx, want_dw] = run(false);
     close_within("output", y, want_y, 0.0);
-    close_within("x's gradient", dx, want_dx, 0.0);
+    close_within("x's gradient", dx, want_dx.clone(), 0.0);
     close_within("the weight's gradient", dw, want_dw, 0.0);
+    // A frozen weight (as under adapters): the node asks for no weight gradient, and `x`'s is
+    // the same.
+    let x = x0.clone().require_grad();
+    let y = <A as DecoderKernels>::rms_norm(
+        x.clone().into_primitive().tensor(),
+        w0.clone().into_primitive().tensor(),
+        eps,
+    );
+    let grads = (Tensor::<A, 2>::from_primitive(TensorPrimitive::Float(y)) * g.clone())
+        .sum()
+        .backward();
+    assert!(w0.grad(&grads).is_none(), "a frozen weight got a gradient");
+    let dx = x.grad(&grads).expect("x's gradient").into_primitive().tensor();
+    close_within("x's gradient, the weight frozen", dx, want_dx, 0.0);
 }
 
 /// The dense blocks' SwiGLU under `Autodiff<Wgpu>` as the models call it, on halves given apart

@@ -28,11 +28,20 @@ impl<B: FusionBackend + DecoderKernels> DecoderKernels for Fusion<B> {
         weight: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         eps: f64,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        weight_grad: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         let device = x.client.device().clone();
-        let (dx, dweight) =
-            B::rms_norm_backward(resolve::<B>(x), resolve::<B>(weight), resolve::<B>(grad), eps);
-        (register::<B>(dx, &device), register::<B>(dweight, &device))
+        let (dx, dweight) = B::rms_norm_backward(
+            resolve::<B>(x),
+            resolve::<B>(weight),
+            resolve::<B>(grad),
+            eps,
+            weight_grad,
+        );
+        (
+            register::<B>(dx, &device),
+            dweight.map(|d| register::<B>(d, &device)),
+        )
     }
 
     fn rotate_half_seq_major(

@@ -70,9 +70,11 @@ pub trait DecoderKernels: crate::experts::ActivationKernels {
         false
     }
 
-    /// Both gradients of [`rms_norm`](Self::rms_norm) from the output's, with
+    /// The gradients of [`rms_norm`](Self::rms_norm) from the output's, with
     /// `r = 1 / sqrt(mean(x²) + eps)` per row and `u = grad · weight`:
-    /// `dx = r · u − r³ · x · mean(u · x)` per row, `d weight = Σ_rows grad · x · r`.
+    /// `dx = r · u − r³ · x · mean(u · x)` per row, and `d weight = Σ_rows grad · x · r` where
+    /// `weight_grad` asks for it (`None` otherwise: a frozen weight's, under adapters, or Llama
+    /// 4's constant one, costs no pass over the rows).
     ///
     /// # Shapes
     /// - x, grad: `[rows, width]`, weight: `[width]` → (`[rows, width]`, `[width]`)
@@ -81,8 +83,9 @@ pub trait DecoderKernels: crate::experts::ActivationKernels {
         weight: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         eps: f64,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        rms_norm_backward_composed::<Self>(x, weight, grad, eps)
+        weight_grad: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        rms_norm_backward_composed::<Self>(x, weight, grad, eps, weight_grad)
     }
 
     /// `x · cos + rotate_half(x) · sin` for every head of every position, the heads
@@ -323,7 +326,8 @@ pub(crate) fn rms_norm_backward_composed<B: Backend>(
     weight: FloatTensor<B>,
     grad: FloatTensor<B>,
     eps: f64,
-) -> (FloatTensor<B>, FloatTensor<B>) {
+    weight_grad: bool,
+) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
     let x = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(x));
     let grad = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(grad));
     let weight = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(weight));
@@ -332,8 +336,14 @@ pub(crate) fn rms_norm_backward_composed<B: Backend>(
     let u = grad.clone() * weight.reshape([1, width]);
     let mean_ux = (u.clone() * x.clone()).mean_dim(1);
     let dx = u * r.clone() - x.clone() * (r.clone().powi_scalar(3) * mean_ux);
-    let dweight = (grad * x * r).sum_dim(0).reshape([width]);
-    (dx.into_primitive().tensor(), dweight.into_primitive().tensor())
+    let dweight = weight_grad.then(|| {
+        (grad * x * r)
+            .sum_dim(0)
+            .reshape([width])
+            .into_primitive()
+            .tensor()
+    });
+    (dx.into_primitive().tensor(), dweight)
 }
 
 #[cfg(feature = "flex")]

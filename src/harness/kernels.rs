@@ -167,17 +167,25 @@ fn decoder_checks<B: MoeBackend>(device: &B::Device) -> Vec<KernelCheck> {
             B::rms_norm(x.clone(), weight.clone(), eps),
             decoder::rms_norm_composed::<B>(x.clone(), weight.clone(), eps),
         ));
-        let (dx, dw) = B::rms_norm_backward(x.clone(), weight.clone(), grad.clone(), eps);
-        let (want_dx, want_dw) = decoder::rms_norm_backward_composed::<B>(x, weight, grad, eps);
+        let (dx, dw) = B::rms_norm_backward(x.clone(), weight.clone(), grad.clone(), eps, true);
+        let (want_dx, want_dw) =
+            decoder::rms_norm_backward_composed::<B>(x.clone(), weight.clone(), grad.clone(), eps, true);
         checks.push(compare::<B>(
             &format!("rms norm backward x, width {width}"),
             dx,
-            want_dx,
+            want_dx.clone(),
         ));
         checks.push(compare::<B>(
             &format!("rms norm backward weight, width {width}"),
-            dw,
-            want_dw,
+            dw.expect("asked for"),
+            want_dw.expect("asked for"),
+        ));
+        // Without the weight's gradient (a frozen weight): the kernel writes no products.
+        let (dx, _) = B::rms_norm_backward(x, weight, grad, eps, false);
+        checks.push(compare::<B>(
+            &format!("rms norm backward x without the weight's, width {width}"),
+            dx,
+            want_dx,
         ));
     }
     // Both rotations, with one table for every batch row and one each.
