@@ -143,23 +143,31 @@ impl<B: MoeBackend> AdapterBackward<B> {
         Self { lora, v, proj }
     }
 
-    /// Queues the second batch's gradients of `a` and `b` (where trained), from the first
-    /// batch's results `done`. Returns them as `[part_a, part_b]`'s, and `(v, aᵀ)`: the term's
-    /// share of `x`'s gradient, as a low-rank pair.
+    /// Queues the second batch's gradients of expert `e`'s `a` and `b` (where trained), from
+    /// the first batch's results `done`, or writes them into their stacked gradients where
+    /// `mem` allows ([`ExpertGradAcc::product`]). Returns what was queued, as
+    /// `[part_a, part_b]`'s, and `(v, aᵀ)`: the term's share of `x`'s gradient, as a low-rank
+    /// pair.
+    ///
+    /// # Errors
+    /// [`MoeError::Backend`](crate::MoeError::Backend) if the backend cannot launch a GEMM.
     fn queue_grads(
         self,
-        (x, g): (&FloatTensor<B>, &FloatTensor<B>),
-        acc: &ExpertGradAcc<B>,
+        (e, x, g): (usize, &FloatTensor<B>, &FloatTensor<B>),
+        (acc, mem): (&mut ExpertGradAcc<B>, Mem<'_, B>),
         [part_a, part_b]: [Part; 2],
         done: &mut Done<B>,
         batch: &mut ProductBatch<'_, B>,
-    ) -> (Grads, LowRankTerm<B>) {
+    ) -> Result<(Grads, LowRankTerm<B>)> {
         let t = B::float_transpose;
         let Self { lora, v, proj } = self;
         let v = lora.scaled(done.take(v));
-        let da = acc.wants(part_a).then(|| batch.push(t(x.clone()), v.clone()));
-        let db = proj.map(|p| batch.push(t(lora.scaled(done.take(p))), g.clone()));
-        (vec![(part_a, da), (part_b, db)], (v, t(lora.a)))
+        let da = acc.product(part_a, e, (t(x.clone()), v.clone()), mem, batch)?;
+        let db = match proj {
+            Some(p) => acc.product(part_b, e, (t(lora.scaled(done.take(p))), g.clone()), mem, batch)?,
+            None => None,
+        };
+        Ok((vec![(part_a, da), (part_b, db)], (v, t(lora.a))))
     }
 }
 
@@ -219,13 +227,17 @@ fn second_gemm_backward<B: MoeBackend>(
         .zip(round.iter().zip(acts.iter().zip(gs)))
         .map(|((dw, grad_a, adapter), (&(e, _), (a, g)))| {
             add_grads(acc, e, vec![(Part::WOut, dw)], &mut done);
-            let adapter = adapter.map(|adapter| {
-                let (grads, (v, a_t)) = adapter.queue_grads((a, g), acc, LORA_OUT, &mut done, &mut second);
-                (grads, second.push(v, a_t))
-            });
-            (e, done.take(grad_a), adapter)
+            let adapter = match adapter {
+                Some(adapter) => {
+                    let (grads, (v, a_t)) =
+                        adapter.queue_grads((e, a, g), (acc, mem), LORA_OUT, &mut done, &mut second)?;
+                    Some((grads, second.push(v, a_t)))
+                }
+                None => None,
+            };
+            Ok((e, done.take(grad_a), adapter))
         })
-        .collect();
+        .collect::<Result<_>>()?;
     let mut done = second.run()?;
     Ok(queued
         .into_iter()
@@ -278,11 +290,15 @@ fn first_gemm_backward<B: MoeBackend>(
             acc.add_with(Part::BIn, e, || B::float_sum_dim(grad_z.clone(), 0));
         }
         let mut expert_grads = vec![(Part::WIn, dw)];
-        let low_rank = adapter.map(|adapter| {
-            let (more, term) = adapter.queue_grads((x, &grad_z), acc, LORA_IN, &mut done, &mut second);
-            expert_grads.extend(more);
-            term
-        });
+        let low_rank = match adapter {
+            Some(adapter) => {
+                let (more, term) =
+                    adapter.queue_grads((e, x, &grad_z), (acc, mem), LORA_IN, &mut done, &mut second)?;
+                expert_grads.extend(more);
+                Some(term)
+            }
+            None => None,
+        };
         grads.push((e, expert_grads));
         jobs.push(BlockGemm {
             e,

@@ -181,7 +181,8 @@ impl<B: MoeBackend> ExpertGradAcc<B> {
         Ok(())
     }
 
-    /// Expert `e`'s gradient of weight `part`, `lhs · rhs`: multiplied straight into the
+    /// Expert `e`'s gradient of matrix `part` (a weight, or an adapter's factor),
+    /// `lhs · rhs`: multiplied straight into the
     /// stacked gradient where `mem` has the arena's ops, the batch multiplies on the backend,
     /// there are no shadow slots and the weight's matrices can be bound as views
     /// (`in_place.rs`), and queued in `batch` otherwise, for [`add`](Self::add). Returns what

@@ -1,5 +1,6 @@
-//! The experts' weight gradients multiplied straight into their stacked tensor
-//! ([`InPlaceSums`]), where the backend has the partition arena's ops (the CubeCL backends).
+//! The experts' weight gradients (and their adapters' factors') multiplied straight into their
+//! stacked tensor ([`InPlaceSums`]), where the backend has the partition arena's ops (the
+//! CubeCL backends).
 //!
 //! Without them each expert's `xᵀ · g` is a tensor of its own, summed over the partitions and
 //! concatenated into the stacked gradient at the end of the backward (`grad_acc.rs`): a copy of
