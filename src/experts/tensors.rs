@@ -153,6 +153,20 @@ impl<B: Backend> ExpertTensors<B> {
         self.lora_in.is_some() || self.lora_out.is_some()
     }
 
+    /// Part `part`, borrowed; `None` where the experts have no such part.
+    pub(crate) fn part(&self, part: ExpertPart) -> Option<&FloatTensor<B>> {
+        match part {
+            ExpertPart::WIn => Some(&self.w_in),
+            ExpertPart::BIn => self.b_in.as_ref(),
+            ExpertPart::WOut => Some(&self.w_out),
+            ExpertPart::BOut => self.b_out.as_ref(),
+            ExpertPart::LoraInA => self.lora_in.as_ref().map(|l| &l.a),
+            ExpertPart::LoraInB => self.lora_in.as_ref().map(|l| &l.b),
+            ExpertPart::LoraOutA => self.lora_out.as_ref().map(|l| &l.a),
+            ExpertPart::LoraOutB => self.lora_out.as_ref().map(|l| &l.b),
+        }
+    }
+
     /// Every tensor by [`ExpertPart`], `None` where the experts have no such part: the order
     /// of the exchange's per-part tables.
     pub(crate) fn into_parts(self) -> [Option<FloatTensor<B>>; EXPERT_PARTS] {

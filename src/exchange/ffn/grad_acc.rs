@@ -205,12 +205,11 @@ impl<B: MoeBackend> ExpertGradAcc<B> {
         if self.frozen[part as usize] {
             return Ok(None);
         }
-        let n_own = self.like.w_in.shape().to_vec()[0];
+        let n_own = self.like.w_in.shape()[0];
         let alone = self.n_slots == n_own && self.stacked.is_none() && !batch.through_library();
-        let like = self.like.clone().into_parts()[part as usize].clone();
-        match (mem, like) {
-            (Some(memory), Some(like)) if alone && InPlaceSums::fits(&like, memory) => {
-                self.in_place.add(part as usize, e, (lhs, rhs), &like, memory)?;
+        match (mem, self.like.part(part)) {
+            (Some(memory), Some(like)) if alone && InPlaceSums::fits(like, memory) => {
+                self.in_place.add(part as usize, e, (lhs, rhs), like, memory)?;
                 Ok(None)
             }
             _ => Ok(Some(batch.push(lhs, rhs))),
