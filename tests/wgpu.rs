@@ -190,7 +190,8 @@ fn rotary_on_wgpu_raw_and_fused() {
 }
 
 /// Every case through the reference path and the fused path at ranks {1, 2}, n {1, 3}, every
-/// strategy, in issue order and with a worker per stream, within 1e-4; and the reference path
+/// strategy, in issue order and with a worker per stream, and under a memory budget, within
+/// 1e-4; and the reference path
 /// and the in-order fused path under no reuse and S4 again through burn's fusion, which must
 /// match the case and the raw backend's results (`fusion::check_through_fusion`).
 #[test]
@@ -225,15 +226,26 @@ fn every_case_on_wgpu() {
                     }
                 }
             }
+            // Under a memory budget the layer runs the experts' activations expert by expert,
+            // as the memory model replays them (`exchange/ffn`, `Scope`); without one, over
+            // the whole partition. Both must give the case.
+            options.push(CheckOptions {
+                path: ExchangePath::Fused,
+                n_ranks,
+                partitions: Partitions::Fixed(3),
+                memory_budget: Some(usize::MAX / 4),
+                ..CheckOptions::default()
+            });
             for o in options {
                 let label = format!(
-                    "{} {} ranks={} {:?} {} {:?}",
+                    "{} {} ranks={} {:?} {} {:?} budget {:?}",
                     case.name,
                     o.path.name(),
                     o.n_ranks,
                     o.partitions,
                     o.strategy,
-                    o.executor
+                    o.executor,
+                    o.memory_budget
                 );
                 match check_case::<B>(&case, &o, &device) {
                     Ok(report) => {
@@ -884,12 +896,54 @@ fn cubecl_activation_kernels_match_the_composed_form() {
         );
         close(
             &format!("{name} gelu backward"),
-            &host(wrap(Inner::gelu_backward_exact(p(zg), p(g.clone())))),
+            &host(wrap(Inner::gelu_backward_exact(p(zg.clone()), p(g.clone())))),
             &nd_host(<NdArray as ActivationKernels>::gelu_backward_exact(
                 nd(zgs, [r, h]),
                 nd(gs, [r, h]),
             )),
         );
+        // The value and the derivative from one kernel (the experts' backward on the arena)
+        // are the two kernels' own, bit for bit: the forward's activation is recomputed
+        // there, and a different value would train a different model.
+        let pairs = [
+            (
+                "gelu",
+                Inner::gelu_with_backward_exact(p(zg.clone()), p(g.clone())),
+                (
+                    Inner::gelu_exact(p(zg.clone())),
+                    Inner::gelu_backward_exact(p(zg), p(g.clone())),
+                ),
+            ),
+            (
+                "swiglu",
+                Inner::swiglu_with_backward(p(z.clone()), p(g.clone())),
+                (
+                    Inner::swiglu(p(z.clone())),
+                    Inner::swiglu_backward(p(z.clone()), p(g.clone())),
+                ),
+            ),
+            (
+                "clamped swiglu",
+                Inner::clamped_swiglu_with_backward(p(z.clone()), p(g.clone()), alpha, limit),
+                (
+                    Inner::clamped_swiglu(p(z.clone()), alpha, limit),
+                    Inner::clamped_swiglu_backward(p(z), p(g), alpha, limit),
+                ),
+            ),
+        ];
+        for (what, (value, grad), (want_value, want_grad)) in pairs {
+            let bits = |t| host(wrap(t)).into_iter().map(f32::to_bits).collect::<Vec<_>>();
+            assert_eq!(
+                bits(value),
+                bits(want_value),
+                "{name} {what} with backward: the value"
+            );
+            assert_eq!(
+                bits(grad),
+                bits(want_grad),
+                "{name} {what} with backward: the derivative"
+            );
+        }
     }
 }
 

@@ -69,7 +69,31 @@ impl BlockLayout {
 /// The layout of a partition's blocks of `width` columns where `mem` places them (dense
 /// without an arena).
 pub(crate) fn layout_of<B: Backend>(mem: Mem<'_, B>, rows_per_expert: &[usize], width: usize) -> BlockLayout {
-    BlockLayout::new(rows_per_expert, mem.map_or(1, |m| m.row_align(width)))
+    shared_layout(mem, rows_per_expert, &[width])
+}
+
+/// The layout whose blocks start where a view may start in a buffer of each of `widths`
+/// columns: the least common multiple of their row alignments. A buffer of one width and a
+/// tensor of another made from it row for row (an activation's output) can then both be cut
+/// into views at the same starts.
+pub(crate) fn shared_layout<B: Backend>(
+    mem: Mem<'_, B>,
+    rows_per_expert: &[usize],
+    widths: &[usize],
+) -> BlockLayout {
+    let align = match mem {
+        Some(m) => widths.iter().map(|&w| m.row_align(w).max(1)).fold(1, lcm),
+        None => 1,
+    };
+    BlockLayout::new(rows_per_expert, align)
+}
+
+fn lcm(a: usize, b: usize) -> usize {
+    let (mut x, mut y) = (a, b);
+    while y != 0 {
+        (x, y) = (y, x % y);
+    }
+    a / x * b
 }
 
 /// Expert `e`'s rows of a partition tensor laid out by `layout`.
@@ -143,7 +167,28 @@ impl<'a, B: MoeBackend> Blocks<'a, B> {
         like: &FloatTensor<B>,
         products: &'a Products<B>,
     ) -> Result<Self> {
-        let layout = layout_of(mem, rows_per_expert, width);
+        Self::with_layout(
+            mem,
+            slot,
+            layout_of(mem, rows_per_expert, width),
+            width,
+            like,
+            products,
+        )
+    }
+
+    /// [`Blocks::new`] at a given layout (one from [`shared_layout`], say).
+    ///
+    /// # Errors
+    /// [`MoeError::Memory`](crate::MoeError::Memory) if the arena cannot size the buffer.
+    pub(crate) fn with_layout(
+        mem: Mem<'a, B>,
+        slot: Slot,
+        layout: BlockLayout,
+        width: usize,
+        like: &FloatTensor<B>,
+        products: &'a Products<B>,
+    ) -> Result<Self> {
         let buffer = match mem {
             Some(m) => Some(m.buffer(slot, layout.total(), width)?),
             None => None,
@@ -242,6 +287,16 @@ impl<'a, B: MoeBackend> Blocks<'a, B> {
             blocks.push(block);
         }
         Ok((blocks, done))
+    }
+
+    /// Where the blocks lie in the slot's buffer.
+    pub(crate) fn layout(&self) -> &BlockLayout {
+        &self.layout
+    }
+
+    /// The arena's buffer the blocks are written into (`None` without an arena).
+    pub(crate) fn buffer(&self) -> Option<&FloatTensor<B>> {
+        self.buffer.as_ref()
     }
 
     /// The filled slot: the arena's buffer, or the blocks concatenated.

@@ -76,6 +76,14 @@ impl Activation {
         }
     }
 
+    /// Width of the activation's output for a first GEMM of `d_inner` columns.
+    pub fn d_hidden(self, d_inner: usize) -> usize {
+        match self.gated() {
+            true => d_inner / 2,
+            false => d_inner,
+        }
+    }
+
     /// The name used in case files and on the command line (`swiglu_clamped` files carry
     /// `swiglu_alpha` and `swiglu_limit` beside it).
     pub fn name(self) -> &'static str {
@@ -157,6 +165,22 @@ pub(crate) fn activation_backward<B: ActivationKernels>(
         Activation::Relu => B::relu_backward(z, grad),
         Activation::SwiGlu => B::swiglu_backward(z, grad),
         Activation::ClampedSwiGlu { alpha, limit } => B::clamped_swiglu_backward(z, grad, alpha, limit),
+    }
+}
+
+/// `(act(z), d act(z)/dz · grad)` on primitives, from one kernel where the backend fuses the
+/// two: for a backward that needs the activation's value beside its derivative. Shapes as
+/// [`activation_forward`] and [`activation_backward`].
+pub(crate) fn activation_with_backward<B: ActivationKernels>(
+    act: Activation,
+    z: FloatTensor<B>,
+    grad: FloatTensor<B>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    match act {
+        Activation::Gelu => B::gelu_with_backward_exact(z, grad),
+        Activation::Relu => (B::relu(z.clone()), B::relu_backward(z, grad)),
+        Activation::SwiGlu => B::swiglu_with_backward(z, grad),
+        Activation::ClampedSwiGlu { alpha, limit } => B::clamped_swiglu_with_backward(z, grad, alpha, limit),
     }
 }
 

@@ -27,11 +27,15 @@ fn gelu_kernel<F: Float>(z: &Tensor<F>, out: &mut Tensor<F>, #[define(F)] _dtype
     out[ABSOLUTE_POS] = x * cdf;
 }
 
+/// The derivative, and with `with_value` the forward's value too (`value`, written with the
+/// forward kernel's expression: the backward that needs both reads `z` once).
 #[cube(launch_unchecked)]
 fn gelu_backward_kernel<F: Float>(
     z: &Tensor<F>,
     grad: &Tensor<F>,
     out: &mut Tensor<F>,
+    value: &mut Tensor<F>,
+    #[comptime] with_value: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     if ABSOLUTE_POS >= out.len() {
@@ -41,6 +45,9 @@ fn gelu_backward_kernel<F: Float>(
     let cdf = (F::erf(x * F::new(FRAC_1_SQRT_2 as f32)) + F::new(1.0)) * F::new(0.5);
     let pdf = F::exp(x * x * F::new(-0.5)) * F::new((1.0 / (2.0 * PI).sqrt()) as f32);
     out[ABSOLUTE_POS] = grad[ABSOLUTE_POS] * (cdf + x * pdf);
+    if with_value {
+        value[ABSOLUTE_POS] = x * cdf;
+    }
 }
 
 #[cube(launch_unchecked)]
@@ -73,15 +80,20 @@ fn swiglu_kernel<F: Float>(
     }
 }
 
+/// `[d gate | d up]`, and with `with_value` the forward's value too (`value`, written with
+/// the forward kernel's expressions).
 #[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
 fn swiglu_backward_kernel<F: Float>(
     z: &Tensor<F>,
     grad: &Tensor<F>,
     out: &mut Tensor<F>,
+    value: &mut Tensor<F>,
     hidden: usize,
     alpha: f32,
     limit: f32,
     #[comptime] clamped: bool,
+    #[comptime] with_value: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     if ABSOLUTE_POS >= grad.len() {
@@ -112,12 +124,18 @@ fn swiglu_backward_kernel<F: Float>(
         }
         out[r * 2 * hidden + hidden + c] = d_up;
         out[r * 2 * hidden + c] = d_gate;
+        if with_value {
+            value[ABSOLUTE_POS] = (uc + F::new(1.0)) * (gc * s);
+        }
     } else {
         let s = F::new(1.0) / (F::new(1.0) + F::exp(-g));
         // d/d up = grad · silu(gate); d/d gate = grad · up · σ(g) · (1 + g · (1 − σ(g))).
         out[r * 2 * hidden + hidden + c] = dy * (g * s);
         let slope = g * (F::new(1.0) - s) + F::new(1.0);
         out[r * 2 * hidden + c] = (dy * u) * (s * slope);
+        if with_value {
+            value[ABSOLUTE_POS] = g * s * u;
+        }
     }
 }
 
@@ -158,6 +176,25 @@ pub(crate) fn gelu_backward<R: CubeRuntime>(
     z: &CubeTensor<R>,
     grad: &CubeTensor<R>,
 ) -> Option<CubeTensor<R>> {
+    gelu_backward_launch(z, grad, false).map(|(dz, _)| dz)
+}
+
+/// `(gelu(z), grad · gelu'(z))` in one kernel; `None` where the kernel does not read the
+/// tensors.
+pub(crate) fn gelu_with_backward<R: CubeRuntime>(
+    z: &CubeTensor<R>,
+    grad: &CubeTensor<R>,
+) -> Option<(CubeTensor<R>, CubeTensor<R>)> {
+    let (dz, value) = gelu_backward_launch(z, grad, true)?;
+    Some((value?, dz))
+}
+
+/// The derivative, and the value where `with_value` asks for it.
+fn gelu_backward_launch<R: CubeRuntime>(
+    z: &CubeTensor<R>,
+    grad: &CubeTensor<R>,
+    with_value: bool,
+) -> Option<(CubeTensor<R>, Option<CubeTensor<R>>)> {
     let dims = z.meta.shape().to_vec();
     let units: usize = dims.iter().product();
     if !readable(z)
@@ -169,8 +206,11 @@ pub(crate) fn gelu_backward<R: CubeRuntime>(
         return None;
     }
     let out = output(z, [units, 1]);
+    // Without the value the kernel writes nothing to its `value` argument: one element stands in.
+    let value = output(z, [if with_value { units } else { 1 }, 1]);
     let (count, dim) = grid(z, units);
-    // SAFETY: the three tensors are contiguous with `units` elements; the kernel bounds its index.
+    // SAFETY: `z`, `grad` and `out` are contiguous with `units` elements, and `value` too where
+    // the kernel writes it; the kernel bounds its index.
     unsafe {
         gelu_backward_kernel::launch_unchecked(
             &z.client,
@@ -179,10 +219,13 @@ pub(crate) fn gelu_backward<R: CubeRuntime>(
             z.clone().into_tensor_arg(),
             grad.clone().into_tensor_arg(),
             out.clone().into_tensor_arg(),
+            value.clone().into_tensor_arg(),
+            with_value,
             z.dtype.into(),
         )
     };
-    Some(reshaped(out, dims))
+    let value = with_value.then(|| reshaped(value, dims.clone()));
+    Some((reshaped(out, dims), value))
 }
 
 /// SwiGLU of `z = [gate | up]` in one kernel, clamped as GPT-OSS's where `clamp` gives the
@@ -228,6 +271,31 @@ pub(crate) fn swiglu_backward<R: CubeRuntime>(
     grad: &CubeTensor<R>,
     clamp: Clamp,
 ) -> Option<CubeTensor<R>> {
+    swiglu_backward_launch(z, grad, clamp, false).map(|(dz, _)| dz)
+}
+
+/// `(swiglu(z), [d gate | d up])` (clamped where `clamp` says) in one kernel; `None` where the
+/// kernel does not read the tensors.
+///
+/// # Shapes
+/// - z: `[n_rows, 2 · d_hidden]`, grad: `[n_rows, d_hidden]` → `([n_rows, d_hidden],
+///   [n_rows, 2 · d_hidden])`
+pub(crate) fn swiglu_with_backward<R: CubeRuntime>(
+    z: &CubeTensor<R>,
+    grad: &CubeTensor<R>,
+    clamp: Clamp,
+) -> Option<(CubeTensor<R>, CubeTensor<R>)> {
+    let (dz, value) = swiglu_backward_launch(z, grad, clamp, true)?;
+    Some((value?, dz))
+}
+
+/// The derivative, and the value where `with_value` asks for it.
+fn swiglu_backward_launch<R: CubeRuntime>(
+    z: &CubeTensor<R>,
+    grad: &CubeTensor<R>,
+    clamp: Clamp,
+    with_value: bool,
+) -> Option<(CubeTensor<R>, Option<CubeTensor<R>>)> {
     let dims = z.meta.shape().to_vec();
     let [rows, inner] = <[usize; 2]>::try_from(dims).ok()?;
     let hidden = inner / 2;
@@ -236,9 +304,15 @@ pub(crate) fn swiglu_backward<R: CubeRuntime>(
         return None;
     }
     let out = output(z, [rows, inner]);
+    // Without the value the kernel writes nothing to its `value` argument: one element stands in.
+    let value = match with_value {
+        true => output(z, [rows, hidden]),
+        false => output(z, [1, 1]),
+    };
     let (count, dim) = grid(z, rows * hidden);
-    // SAFETY: `z` and `out` hold `rows · 2 · hidden` contiguous elements, `grad` `rows · hidden`;
-    // the kernel bounds its index by `grad`'s length and writes both halves of each row.
+    // SAFETY: `z` and `out` hold `rows · 2 · hidden` contiguous elements, `grad` `rows · hidden`
+    // and `value` as many where the kernel writes it; the kernel bounds its index by `grad`'s
+    // length and writes both halves of each row.
     unsafe {
         swiglu_backward_kernel::launch_unchecked(
             &z.client,
@@ -247,14 +321,16 @@ pub(crate) fn swiglu_backward<R: CubeRuntime>(
             z.clone().into_tensor_arg(),
             grad.clone().into_tensor_arg(),
             out.clone().into_tensor_arg(),
+            value.clone().into_tensor_arg(),
             hidden,
             clamp.map_or(1.0, |c| c.0),
             clamp.map_or(0.0, |c| c.1),
             clamp.is_some(),
+            with_value,
             z.dtype.into(),
         )
     };
-    Some(out)
+    Some((out, with_value.then_some(value)))
 }
 
 /// `t` (contiguous) with the shape `dims`.
@@ -278,14 +354,20 @@ mod tests {
         let p = |t: Tensor<Wgpu, 2>| t.into_primitive().tensor();
         assert!(super::gelu(&p(z.clone())).is_some());
         assert!(super::gelu_backward(&p(z.clone()), &p(z.clone())).is_some());
+        assert!(super::gelu_with_backward(&p(z.clone()), &p(z.clone())).is_some());
         for clamp in [None, Some((1.702, 0.5))] {
             assert!(super::swiglu(&p(z.clone()), clamp).is_some());
             assert!(super::swiglu_backward(&p(z.clone()), &p(g.clone()), clamp).is_some());
+            assert!(super::swiglu_with_backward(&p(z.clone()), &p(g.clone()), clamp).is_some());
         }
         let view = p(z.clone().transpose());
         assert!(super::gelu(&view).is_none());
         assert!(super::swiglu(&view, None).is_none());
         let strided_grad = Tensor::<Wgpu, 2>::random([4, 6], Distribution::Default, &device).transpose();
-        assert!(super::swiglu_backward(&p(z), &p(strided_grad), Some((1.702, 0.5))).is_none());
+        assert!(
+            super::swiglu_backward(&p(z.clone()), &p(strided_grad.clone()), Some((1.702, 0.5))).is_none()
+        );
+        assert!(super::swiglu_with_backward(&p(z), &p(strided_grad), None).is_none());
+        assert!(super::gelu_with_backward(&view, &view).is_none());
     }
 }

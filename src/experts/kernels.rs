@@ -26,6 +26,19 @@ pub trait ActivationKernels: Backend {
         super::activation::gelu_backward_composed::<Self>(z, grad)
     }
 
+    /// `(gelu(z), grad · d gelu(z)/dz)` at once, for a backward that needs the activation's
+    /// value (the second GEMM's weight gradient) beside its derivative: one pass over `z`
+    /// where a backend fuses them. The value equals [`gelu_exact`](Self::gelu_exact)'s.
+    ///
+    /// # Shapes
+    /// - z, grad: the same shape; returns two of that shape
+    fn gelu_with_backward_exact(
+        z: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        (Self::gelu_exact(z.clone()), Self::gelu_backward_exact(z, grad))
+    }
+
     /// SwiGLU, `silu(gate) · up`, of `z = [gate | up]`.
     ///
     /// # Shapes
@@ -40,6 +53,19 @@ pub trait ActivationKernels: Backend {
     /// - z: `[n_rows, 2 · d_hidden]`; grad: `[n_rows, d_hidden]`; returns `[n_rows, 2 · d_hidden]`
     fn swiglu_backward(z: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
         super::activation::swiglu_backward_composed::<Self>(z, grad)
+    }
+
+    /// `(swiglu(z), d swiglu(z)/dz · grad)` at once (see
+    /// [`gelu_with_backward_exact`](Self::gelu_with_backward_exact)).
+    ///
+    /// # Shapes
+    /// - z: `[n_rows, 2 · d_hidden]`; grad: `[n_rows, d_hidden]`; returns `[n_rows, d_hidden]`
+    ///   and `[n_rows, 2 · d_hidden]`
+    fn swiglu_with_backward(
+        z: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        (Self::swiglu(z.clone()), Self::swiglu_backward(z, grad))
     }
 
     /// GPT-OSS's clamped SwiGLU of `z = [gate | up]`: `(u + 1) · g · σ(alpha · g)` with
@@ -63,6 +89,24 @@ pub trait ActivationKernels: Backend {
         limit: f32,
     ) -> FloatTensor<Self> {
         super::activation::clamped_swiglu_backward_composed::<Self>(z, grad, alpha, limit)
+    }
+
+    /// `(clamped_swiglu(z), d clamped_swiglu(z)/dz · grad)` at once (see
+    /// [`gelu_with_backward_exact`](Self::gelu_with_backward_exact)).
+    ///
+    /// # Shapes
+    /// - z: `[n_rows, 2 · d_hidden]`; grad: `[n_rows, d_hidden]`; returns `[n_rows, d_hidden]`
+    ///   and `[n_rows, 2 · d_hidden]`
+    fn clamped_swiglu_with_backward(
+        z: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        alpha: f32,
+        limit: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        (
+            Self::clamped_swiglu(z.clone(), alpha, limit),
+            Self::clamped_swiglu_backward(z, grad, alpha, limit),
+        )
     }
 }
 
@@ -95,6 +139,14 @@ where
             .unwrap_or_else(|| super::activation::gelu_backward_composed::<Self>(z, grad))
     }
 
+    fn gelu_with_backward_exact(
+        z: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        super::cubecl_activation::gelu_with_backward(&z, &grad)
+            .unwrap_or_else(|| (Self::gelu_exact(z.clone()), Self::gelu_backward_exact(z, grad)))
+    }
+
     fn swiglu(z: FloatTensor<Self>) -> FloatTensor<Self> {
         super::cubecl_activation::swiglu(&z, None)
             .unwrap_or_else(|| super::activation::swiglu_composed::<Self>(z))
@@ -103,6 +155,14 @@ where
     fn swiglu_backward(z: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
         super::cubecl_activation::swiglu_backward(&z, &grad, None)
             .unwrap_or_else(|| super::activation::swiglu_backward_composed::<Self>(z, grad))
+    }
+
+    fn swiglu_with_backward(
+        z: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        super::cubecl_activation::swiglu_with_backward(&z, &grad, None)
+            .unwrap_or_else(|| (Self::swiglu(z.clone()), Self::swiglu_backward(z, grad)))
     }
 
     fn clamped_swiglu(z: FloatTensor<Self>, alpha: f32, limit: f32) -> FloatTensor<Self> {
@@ -118,6 +178,20 @@ where
     ) -> FloatTensor<Self> {
         super::cubecl_activation::swiglu_backward(&z, &grad, Some((alpha, limit))).unwrap_or_else(|| {
             super::activation::clamped_swiglu_backward_composed::<Self>(z, grad, alpha, limit)
+        })
+    }
+
+    fn clamped_swiglu_with_backward(
+        z: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        alpha: f32,
+        limit: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        super::cubecl_activation::swiglu_with_backward(&z, &grad, Some((alpha, limit))).unwrap_or_else(|| {
+            (
+                Self::clamped_swiglu(z.clone(), alpha, limit),
+                Self::clamped_swiglu_backward(z, grad, alpha, limit),
+            )
         })
     }
 }

@@ -21,7 +21,7 @@ mod tensors;
 mod weights;
 
 pub use activation::Activation;
-pub(crate) use activation::{activation_backward, activation_forward};
+pub(crate) use activation::{activation_backward, activation_forward, activation_with_backward};
 #[cfg(feature = "testkit")]
 pub(crate) use activation::{
     clamped_swiglu_backward_composed, clamped_swiglu_composed, gelu_backward_composed,

@@ -91,7 +91,7 @@ fn activation_checks<B: MoeBackend>(device: &B::Device) -> Vec<KernelCheck> {
     let grad = random::<B, 2>([rows, h], 1.0, device);
     // Past the bound at 4 sd's 1.5: about a third of the halves clamp.
     let (alpha, limit) = (1.702, 6.0);
-    vec![
+    let mut checks = vec![
         compare::<B>(
             "gelu",
             B::gelu_exact(gate.clone()),
@@ -100,7 +100,7 @@ fn activation_checks<B: MoeBackend>(device: &B::Device) -> Vec<KernelCheck> {
         compare::<B>(
             "gelu backward",
             B::gelu_backward_exact(gate.clone(), grad.clone()),
-            experts::gelu_backward_composed::<B>(gate, grad.clone()),
+            experts::gelu_backward_composed::<B>(gate.clone(), grad.clone()),
         ),
         compare::<B>(
             "swiglu",
@@ -120,9 +120,43 @@ fn activation_checks<B: MoeBackend>(device: &B::Device) -> Vec<KernelCheck> {
         compare::<B>(
             "clamped swiglu backward",
             B::clamped_swiglu_backward(z.clone(), grad.clone(), alpha, limit),
+            experts::clamped_swiglu_backward_composed::<B>(z.clone(), grad.clone(), alpha, limit),
+        ),
+    ];
+    // The value and the derivative from one kernel, each against its composed form.
+    let pairs = [
+        (
+            "gelu",
+            B::gelu_with_backward_exact(gate.clone(), grad.clone()),
+            <B as burn::tensor::ops::ActivationOps<B>>::gelu(gate.clone()),
+            experts::gelu_backward_composed::<B>(gate, grad.clone()),
+        ),
+        (
+            "swiglu",
+            B::swiglu_with_backward(z.clone(), grad.clone()),
+            experts::swiglu_composed::<B>(z.clone()),
+            experts::swiglu_backward_composed::<B>(z.clone(), grad.clone()),
+        ),
+        (
+            "clamped swiglu",
+            B::clamped_swiglu_with_backward(z.clone(), grad.clone(), alpha, limit),
+            experts::clamped_swiglu_composed::<B>(z.clone(), alpha, limit),
             experts::clamped_swiglu_backward_composed::<B>(z, grad, alpha, limit),
         ),
-    ]
+    ];
+    for (name, (value, derivative), want_value, want_derivative) in pairs {
+        checks.push(compare::<B>(
+            &format!("{name} with backward: value"),
+            value,
+            want_value,
+        ));
+        checks.push(compare::<B>(
+            &format!("{name} with backward: derivative"),
+            derivative,
+            want_derivative,
+        ));
+    }
+    checks
 }
 
 /// A causal `[rows, seq, keys]` mask over the last `seq` keys that also hides one earlier key

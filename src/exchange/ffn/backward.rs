@@ -4,7 +4,7 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 
-use super::{adapted_gemms, rounds, ExpertCompute, ExpertGradAcc, LowRankTerm};
+use super::{adapted_gemms, rounds, ExpertCompute, ExpertGradAcc, LowRankTerm, Scope};
 use crate::dispatch::PartitionPlan;
 use crate::error::Result;
 use crate::exchange::blocks::{block, layout_of, BlockGemm, Blocks, Mem};
@@ -13,7 +13,9 @@ use crate::exchange::rows::{dims2, LowRank};
 use crate::exchange::schedule::{Role, Slot};
 use crate::exchange::shadows::ExpertSlots;
 use crate::exchange::MoeBackend;
-use crate::experts::{activation_backward, activation_forward, Activation, ExpertPart as Part};
+use crate::experts::{
+    activation_backward, activation_forward, activation_with_backward, Activation, ExpertPart as Part,
+};
 
 /// A partition's tensors, back for its backward step.
 pub(crate) struct Restored<B: Backend> {
@@ -39,11 +41,11 @@ pub(crate) fn compute_backward<B: MoeBackend>(
     acc: &mut ExpertGradAcc<B>,
     how: &ExpertCompute<B>,
 ) -> Result<FloatTensor<B>> {
-    let products = match how {
+    let (products, scope) = match how {
         ExpertCompute::Library(library) => {
             return super::compute_backward_on(library, restored, part, i, act, mem, acc)
         }
-        ExpertCompute::Primitives(products) => products,
+        ExpertCompute::Primitives(products, scope) => (products, *scope),
     };
     let Restored { grad, x, mut hidden } = restored;
     let [_, d_model] = dims2::<B>(&x);
@@ -68,22 +70,55 @@ pub(crate) fn compute_backward<B: MoeBackend>(
         // 1. `T_M` where it was not kept (S3, S4): the first GEMMs again.
         let kept = round.iter().map(|&(e, _)| hidden[e].take()).collect();
         let zs = first_gemms(&round, &xs, kept, experts, products)?;
-        let acts: Vec<_> = zs
-            .iter()
-            .map(|z| activation_forward::<B>(act, z.clone()))
-            .collect();
-        // 2. The second GEMM's gradients: its weights', its adapter's, and its input's.
-        let grad_as = second_gemm_backward(&round, &acts, &gs, experts, (acc, mem), products)?;
-        // 3. The activation's.
-        let grad_zs: Vec<_> = zs
-            .into_iter()
-            .zip(grad_as)
-            .map(|(z, grad_a)| activation_backward::<B>(act, z, grad_a))
-            .collect();
+        let grad_zs = if value_with_derivative(&round, experts, mem, products, scope) {
+            // 2. The second GEMM's input gradient, which needs no activation; 3. the
+            //    activation's value and derivative from one kernel; 2'. the second GEMM's
+            //    weight gradient from that value.
+            let grad_as = second_gemm_input_grads(&round, &gs, experts, acc, products)?;
+            let (acts, grad_zs): (Vec<_>, Vec<_>) = zs
+                .into_iter()
+                .zip(grad_as)
+                .map(|(z, grad_a)| activation_with_backward::<B>(act, z, grad_a))
+                .unzip();
+            second_gemm_weight_grads(&round, &acts, &gs, (acc, mem), products)?;
+            grad_zs
+        } else {
+            let acts: Vec<_> = zs
+                .iter()
+                .map(|z| activation_forward::<B>(act, z.clone()))
+                .collect();
+            // 2. The second GEMM's gradients: its weights', its adapter's, and its input's.
+            let grad_as = second_gemm_backward(&round, &acts, &gs, experts, (acc, mem), products)?;
+            // 3. The activation's.
+            zs.into_iter()
+                .zip(grad_as)
+                .map(|(z, grad_a)| activation_backward::<B>(act, z, grad_a))
+                .collect()
+        };
         // 4. The first GEMM's: its weights', its adapter's, and the partition's input's.
         first_gemm_backward(&round, &xs, grad_zs, experts, (acc, mem), &mut grads_x, products)?;
     }
     Ok(grads_x.finish())
+}
+
+/// Whether the round's activation value and derivative come from one kernel, after the second
+/// GEMM's input gradient: under [`Scope::Partition`], where the backend multiplies into the
+/// arena (one expert a round, so one expert's value and derivative are all that is held at
+/// once) and no expert of the round has an adapter on its second GEMM (whose gradients need
+/// the value before the input gradient is whole). Elsewhere the value comes first, as the
+/// memory model replays it: with both at once an expert's backward holds one more
+/// `[rows_e, d_hidden]` tensor.
+fn value_with_derivative<B: MoeBackend>(
+    round: &[(usize, usize)],
+    experts: &ExpertSlots<B>,
+    mem: Mem<'_, B>,
+    products: &Products<B>,
+    scope: Scope,
+) -> bool {
+    scope == Scope::Partition
+        && mem.is_some()
+        && !products.through_library()
+        && round.iter().all(|&(e, _)| experts.lora_out(e).is_none())
 }
 
 /// `z = x · w_in (+ scale · (x · a) · b) + b_in` for each expert of `round` whose `kept` is
@@ -249,6 +284,67 @@ fn second_gemm_backward<B: MoeBackend>(
             }
         })
         .collect())
+}
+
+/// The second GEMMs' input gradients `g · w_outᵀ` of a round without adapters on them (see
+/// [`value_with_derivative`]), in one batch, and `b_out`'s gradient where it has one.
+///
+/// # Shapes
+/// - gs `[rows_e, d_model]` → grad_a `[rows_e, d_hidden]`
+fn second_gemm_input_grads<B: MoeBackend>(
+    round: &[(usize, usize)],
+    gs: &[FloatTensor<B>],
+    experts: &ExpertSlots<B>,
+    acc: &mut ExpertGradAcc<B>,
+    products: &Products<B>,
+) -> Result<Vec<FloatTensor<B>>> {
+    let mut batch = products.batch();
+    let queued: Vec<_> = round
+        .iter()
+        .zip(gs)
+        .map(|(&(e, _), g)| {
+            if experts.own().b_out.is_some() {
+                acc.add_with(Part::BOut, e, || B::float_sum_dim(g.clone(), 0));
+            }
+            batch.push(g.clone(), B::float_transpose(experts.w_out(e)))
+        })
+        .collect();
+    let mut done = batch.run()?;
+    Ok(queued.into_iter().map(|q| done.take(q)).collect())
+}
+
+/// The second GEMMs' weight gradients `aᵀ · g` of a round without adapters on them, from the
+/// activations `acts` (written in place where `mem` allows, [`ExpertGradAcc::product`]).
+///
+/// # Shapes
+/// - acts `[rows_e, d_hidden]`, gs `[rows_e, d_model]`
+fn second_gemm_weight_grads<B: MoeBackend>(
+    round: &[(usize, usize)],
+    acts: &[FloatTensor<B>],
+    gs: &[FloatTensor<B>],
+    (acc, mem): (&mut ExpertGradAcc<B>, Mem<'_, B>),
+    products: &Products<B>,
+) -> Result<()> {
+    let mut batch = products.batch();
+    let queued = round
+        .iter()
+        .zip(acts.iter().zip(gs))
+        .map(|(&(e, _), (a, g))| {
+            let dw = acc.product(
+                Part::WOut,
+                e,
+                (B::float_transpose(a.clone()), g.clone()),
+                mem,
+                &mut batch,
+            )?;
+            Ok((e, dw))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut done = batch.run()?;
+    for (e, dw) in queued {
+        add_grads(acc, e, vec![(Part::WOut, dw)], &mut done);
+    }
+    Ok(())
 }
 
 /// The backward of a round's first GEMMs `z = x · w_in + s · (x · a_in) · b_in + b_in`, given

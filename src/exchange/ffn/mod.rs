@@ -12,7 +12,7 @@
 
 use burn::tensor::ops::FloatTensor;
 
-use super::blocks::{block, layout_of, BlockGemm, Blocks, Mem};
+use super::blocks::{block, layout_of, shared_layout, BlockGemm, Blocks, Mem};
 use super::products::Products;
 use super::rows::dims2;
 use super::rows::LowRank;
@@ -35,10 +35,25 @@ use library::{compute_backward_on, compute_on, Library};
 /// How one pass computes its experts, chosen once per pass: a device library's whole-partition
 /// job where one takes these experts ([`Library::find`]), else the primitives, one expert after
 /// another, multiplying as [`Products`] says (through the communicator's library at the run's
-/// precision where it offers one).
+/// precision where it offers one), with the activation over the scope [`Scope`] says.
 pub(crate) enum ExpertCompute<B: MoeBackend> {
     Library(Library<B>),
-    Primitives(Products<B>),
+    Primitives(Products<B>, Scope),
+}
+
+/// What the primitives' activation kernels run over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Scope {
+    /// Each expert's rows in turn, between its two GEMMs: no transient larger than one
+    /// expert's, the order the implementation's memory model replays (`memory/implementation`).
+    ExpertByExpert,
+    /// The whole partition where the arena holds `T_M` in one buffer: one kernel forward over
+    /// the partition (its output a partition-sized transient, as on a device library), and
+    /// backward each expert's value and derivative from one kernel (both held at once). Taken
+    /// only where the run allows the backend's own ways
+    /// ([`ExchangeRun::backend_experts`](crate::exchange::ExchangeRun::backend_experts): no
+    /// memory budget, whose promise rests on the model).
+    Partition,
 }
 
 impl<B: MoeBackend> ExpertCompute<B> {
@@ -52,7 +67,13 @@ impl<B: MoeBackend> ExpertCompute<B> {
     ) -> Self {
         match Library::find(comm, experts, run, step) {
             Some(library) => Self::Library(library),
-            None => Self::Primitives(Products::of(comm, run.precision)),
+            None => {
+                let scope = match run.backend_experts {
+                    true => Scope::Partition,
+                    false => Scope::ExpertByExpert,
+                };
+                Self::Primitives(Products::of(comm, run.precision), scope)
+            }
         }
     }
 
@@ -61,7 +82,7 @@ impl<B: MoeBackend> ExpertCompute<B> {
     pub(crate) fn step(&self) -> Option<PassStore> {
         match self {
             Self::Library(library) => Some(library.step().clone()),
-            Self::Primitives(_) => None,
+            Self::Primitives(..) => None,
         }
     }
 }
@@ -151,9 +172,12 @@ fn adapted_gemms<B: MoeBackend>(
 /// outputs (`T_DO`, expert-major) and each expert's pre-activation `T_M` (`None` for an
 /// expert without rows), built in the arena's slots where `mem` is one.
 ///
+/// The activation runs over the whole partition after every expert's first GEMM, or expert by
+/// expert between each expert's two GEMMs, as [`Scope`] says.
+///
 /// # Shapes
 /// - x (`T_DI`): `[rows, d_model]` laid out by [`layout_of`] → `T_DO` the same;
-///   `T_M` per expert `[rows_e, d_hidden]`
+///   `T_M` per expert `[rows_e, d_inner]`
 pub(crate) fn compute<B: MoeBackend>(
     x: FloatTensor<B>,
     part: &PartitionPlan,
@@ -163,9 +187,9 @@ pub(crate) fn compute<B: MoeBackend>(
     mem: Mem<'_, B>,
     how: &ExpertCompute<B>,
 ) -> Result<(FloatTensor<B>, PerExpert<B>)> {
-    let products = match how {
+    let (products, scope) = match how {
         ExpertCompute::Library(library) => return compute_on(library, x, part, i, experts, act, mem),
-        ExpertCompute::Primitives(products) => products,
+        ExpertCompute::Primitives(products, scope) => (products, *scope),
     };
     let [_, d_model] = dims2::<B>(&x);
     let rows_per_expert = &part.rows_per_expert;
@@ -174,8 +198,11 @@ pub(crate) fn compute<B: MoeBackend>(
         role: Role::Hidden,
         index: i % 2,
     };
-    let d_hidden = experts.d_inner();
-    let mut hidden_blocks = Blocks::new(mem, hidden_slot, rows_per_expert, d_hidden, &x, products)?;
+    let d_inner = experts.d_inner();
+    // `T_M`'s blocks start where the activation's output, row for row, can be cut into views.
+    let hidden_layout = shared_layout(mem, rows_per_expert, &[d_inner, act.d_hidden(d_inner)]);
+    let mut hidden_blocks = Blocks::with_layout(mem, hidden_slot, hidden_layout, d_inner, &x, products)?;
+    let whole = scope == Scope::Partition && hidden_blocks.buffer().is_some();
     let mut out_blocks = Blocks::new(
         mem,
         Slot::of(Role::Output, i),
@@ -184,25 +211,43 @@ pub(crate) fn compute<B: MoeBackend>(
         &x,
         products,
     )?;
+    let out_proj = |e| (experts.w_out(e), experts.lora_out(e), experts.b_out(e));
+    let in_proj = |e| (experts.w_in(e), experts.lora_in(e), experts.b_in(e));
+    let rounds = rounds(rows_per_expert, products);
     let mut hidden: PerExpert<B> = vec![None; rows_per_expert.len()];
-    for round in rounds(rows_per_expert, products) {
+    for round in &rounds {
         // 1. The first GEMMs, with their adapters' terms, into the hidden slot (`T_M`).
         let xs: Vec<_> = round
             .iter()
             .map(|&(e, rows)| block::<B>(mem, &x, &layout, e, rows))
             .collect();
-        let in_proj = |e| (experts.w_in(e), experts.lora_in(e), experts.b_in(e));
-        let zs = adapted_gemms(&mut hidden_blocks, &round, xs, in_proj, products)?;
-        // 2. The activation.
-        let acts: Vec<_> = zs
-            .iter()
-            .map(|z| activation_forward::<B>(act, z.clone()))
-            .collect();
-        // 3. The second GEMMs, with their adapters' terms, into the output slot (`T_DO`).
-        let out_proj = |e| (experts.w_out(e), experts.lora_out(e), experts.b_out(e));
-        adapted_gemms(&mut out_blocks, &round, acts, out_proj, products)?;
+        let zs = adapted_gemms(&mut hidden_blocks, round, xs, in_proj, products)?;
+        if !whole {
+            // 2. The activation, expert by expert (see `Scope`).
+            let acts = zs
+                .iter()
+                .map(|z| activation_forward::<B>(act, z.clone()))
+                .collect();
+            // 3. The second GEMMs, with their adapters' terms, into the output slot (`T_DO`).
+            adapted_gemms(&mut out_blocks, round, acts, out_proj, products)?;
+        }
         for (&(e, _), z) in round.iter().zip(zs) {
             hidden[e] = Some(z);
+        }
+    }
+    if let (true, Some(m), Some(buffer)) = (whole, mem, hidden_blocks.buffer()) {
+        if !rounds.is_empty() {
+            // 2. The activation over the whole partition: the padding rows between blocks
+            //    hold stale values, whose images nothing reads.
+            let acts = activation_forward::<B>(act, buffer.clone());
+            for round in &rounds {
+                // 3. The second GEMMs on the activation's blocks, as above.
+                let blocks = round
+                    .iter()
+                    .map(|&(e, rows)| m.rows(&acts, hidden_blocks.layout().start(e), rows))
+                    .collect();
+                adapted_gemms(&mut out_blocks, round, blocks, out_proj, products)?;
+            }
         }
     }
     Ok((out_blocks.finish(), hidden))
