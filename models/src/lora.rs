@@ -89,7 +89,12 @@ impl<B: MoeBackend> LoraLinear<B> {
         dense: &DenseProducts,
     ) -> Result<Tensor<B, D>> {
         let down = dense.matmul(self.dropped(x), self.a.val())?;
-        Ok(dense.matmul(down, self.b.val())?.mul_scalar(self.scale))
+        let term = dense.matmul(down, self.b.val())?;
+        // A scale of 1 (PEFT's default, `lora_alpha = r`) is no launch each way.
+        Ok(match self.scale == 1.0 {
+            true => term,
+            false => term.mul_scalar(self.scale),
+        })
     }
 }
 

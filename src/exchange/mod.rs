@@ -6,6 +6,7 @@
 //! same function built from ordinary differentiable tensor ops, which the tests hold the
 //! fused op to.
 
+mod adapter_scales;
 pub(crate) mod arena;
 mod assemble;
 mod autodiff;

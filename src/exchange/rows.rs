@@ -202,7 +202,12 @@ impl<B: MoeBackend> LowRank<B> {
 
     /// `scale · p`, for `p = x · a` (the adapter's side input, the `[n_rows, rank]` factor of
     /// its term) or `p = g · bᵀ` (the gradient flowing back into that factor).
+    /// A scale of 1 (PEFT's default, and every adapter inside the exchange, which folds its
+    /// scale into `b`: `exchange/adapter_scales.rs`) launches nothing.
     pub(crate) fn scaled(&self, p: FloatTensor<B>) -> FloatTensor<B> {
-        B::float_mul_scalar(p, (self.scale as f32).into())
+        match self.scale == 1.0 {
+            true => p,
+            false => B::float_mul_scalar(p, (self.scale as f32).into()),
+        }
     }
 }

@@ -16,11 +16,12 @@ use std::sync::Arc;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Slice, TensorMetadata};
 
+use super::adapter_scales::AdapterScales;
 use super::rows::{index, LowRank};
 use super::MoeBackend;
 use crate::comm::Communicator;
 use crate::error::{MoeError, Result};
-use crate::experts::{ExpertTensors, EXPERT_PARTS};
+use crate::experts::{ExpertGrads, ExpertTensors, EXPERT_PARTS};
 
 /// The experts of one exchange, by slot: this rank's own (slots `0..n_own`), then the copies
 /// of the shadowed experts in the order of the run's list.
@@ -29,13 +30,16 @@ pub(crate) struct ExpertSlots<B: MoeBackend> {
     own: ExpertTensors<B>,
     copies: Option<ExpertTensors<B>>,
     n_own: usize,
+    /// The adapters' scales, folded into their `b` factors (`adapter_scales.rs`).
+    scales: AdapterScales,
 }
 
 impl<B: MoeBackend> ExpertSlots<B> {
     /// This rank's experts `own` and a copy of each expert in `shadows` (global indices,
     /// increasing; experts are numbered owner by owner, `n_own` per rank), each owner's
     /// shadows broadcast by it to every rank: one [`MoeBackend::broadcast`] per owner and
-    /// parameter, in owner order, the same on every rank.
+    /// parameter, in owner order, the same on every rank. The adapters' scales are folded into
+    /// their `b` factors first ([`AdapterScales::fold`]), so the copies carry them too.
     ///
     /// # Errors
     /// [`MoeError::Input`] if `shadows` is not increasing or names an expert no rank owns;
@@ -47,19 +51,21 @@ impl<B: MoeBackend> ExpertSlots<B> {
     ) -> Result<Self> {
         let n_own = own.w_in.shape().to_vec()[0];
         let n_experts = n_own * comm.n_ranks();
-        if shadows.is_empty() {
-            return Ok(Self {
-                own,
-                copies: None,
-                n_own,
-            });
-        }
         if shadows.windows(2).any(|w| w[0] >= w[1]) || shadows.iter().any(|&e| e >= n_experts) {
             return Err(MoeError::Input(format!(
                 "exchange run's shadows {shadows:?}: expected distinct experts in increasing \
                  order below {n_experts} ({n_own} per rank over {} ranks)",
                 comm.n_ranks()
             )));
+        }
+        let (own, scales) = AdapterScales::fold(own);
+        if shadows.is_empty() {
+            return Ok(Self {
+                own,
+                copies: None,
+                n_own,
+                scales,
+            });
         }
         let mut groups: Vec<ExpertTensors<B>> = Vec::new();
         for group in shadows.chunk_by(|a, b| a / n_own == b / n_own) {
@@ -88,6 +94,7 @@ impl<B: MoeBackend> ExpertSlots<B> {
             own,
             copies: Some(copies),
             n_own,
+            scales,
         })
     }
 
@@ -100,6 +107,12 @@ impl<B: MoeBackend> ExpertSlots<B> {
                 .collect(),
             step,
         )
+    }
+
+    /// The gradients of the experts the caller passed from those the exchange summed, which are
+    /// of the folded adapters ([`AdapterScales::unfold`]).
+    pub(crate) fn unfold_grads(&self, grads: ExpertGrads<B>) -> ExpertGrads<B> {
+        self.scales.unfold(grads)
     }
 
     /// Slots: own experts plus copies.

@@ -346,7 +346,7 @@ pub fn backward<B: MoeBackend>(
         &slots,
         &step_fn,
     )?;
-    let experts = if threaded {
+    let grads = if threaded {
         // The sums were allocated on the compute worker's stream: the gradients handed back
         // are copies on this thread's stream, and the sums are let go only after this
         // stream has read them (the rule in `exchange/streams.rs`).
@@ -357,8 +357,9 @@ pub fn backward<B: MoeBackend>(
     } else {
         into_inner(acc).finish(&run.shadows, comm)?
     };
+    // The adapters' `b` gradients were summed for `scale · b` (`adapter_scales.rs`).
     Ok(ExchangeGrads {
         input: into_inner(input_grad).finish(),
-        experts,
+        experts: experts.unfold_grads(grads),
     })
 }
