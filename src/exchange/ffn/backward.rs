@@ -4,7 +4,8 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 
-use super::{adapted_gemms, rounds, ExpertCompute, ExpertGradAcc, LowRankTerm, Scope};
+use super::value_first::{second_gemm_input_grads, second_gemm_weight_grads, value_with_derivative};
+use super::{adapted_gemms, rounds, ExpertCompute, ExpertGradAcc, LowRankTerm};
 use crate::dispatch::PartitionPlan;
 use crate::error::Result;
 use crate::exchange::blocks::{block, layout_of, BlockGemm, Blocks, Mem};
@@ -70,17 +71,17 @@ pub(crate) fn compute_backward<B: MoeBackend>(
         // 1. `T_M` where it was not kept (S3, S4): the first GEMMs again.
         let kept = round.iter().map(|&(e, _)| hidden[e].take()).collect();
         let zs = first_gemms(&round, &xs, kept, experts, products)?;
-        let grad_zs = if value_with_derivative(&round, experts, mem, products, scope) {
+        let grad_zs = if value_with_derivative(mem, products, scope) {
             // 2. The second GEMM's input gradient, which needs no activation; 3. the
             //    activation's value and derivative from one kernel; 2'. the second GEMM's
             //    weight gradient from that value.
-            let grad_as = second_gemm_input_grads(&round, &gs, experts, acc, products)?;
+            let (grad_as, adapters) = second_gemm_input_grads(&round, &gs, experts, acc, products)?;
             let (acts, grad_zs): (Vec<_>, Vec<_>) = zs
                 .into_iter()
                 .zip(grad_as)
                 .map(|(z, grad_a)| activation_with_backward::<B>(act, z, grad_a))
                 .unzip();
-            second_gemm_weight_grads(&round, &acts, &gs, (acc, mem), products)?;
+            second_gemm_weight_grads(&round, (&acts, &gs), adapters, (acc, mem), products)?;
             grad_zs
         } else {
             let acts: Vec<_> = zs
@@ -99,26 +100,6 @@ pub(crate) fn compute_backward<B: MoeBackend>(
         first_gemm_backward(&round, &xs, grad_zs, experts, (acc, mem), &mut grads_x, products)?;
     }
     Ok(grads_x.finish())
-}
-
-/// Whether the round's activation value and derivative come from one kernel, after the second
-/// GEMM's input gradient: under [`Scope::Partition`], where the backend multiplies into the
-/// arena (one expert a round, so one expert's value and derivative are all that is held at
-/// once) and no expert of the round has an adapter on its second GEMM (whose gradients need
-/// the value before the input gradient is whole). Elsewhere the value comes first, as the
-/// memory model replays it: with both at once an expert's backward holds one more
-/// `[rows_e, d_hidden]` tensor.
-fn value_with_derivative<B: MoeBackend>(
-    round: &[(usize, usize)],
-    experts: &ExpertSlots<B>,
-    mem: Mem<'_, B>,
-    products: &Products<B>,
-    scope: Scope,
-) -> bool {
-    scope == Scope::Partition
-        && mem.is_some()
-        && !products.through_library()
-        && round.iter().all(|&(e, _)| experts.lora_out(e).is_none())
 }
 
 /// `z = x · w_in (+ scale · (x · a) · b) + b_in` for each expert of `round` whose `kept` is
@@ -210,7 +191,12 @@ impl<B: MoeBackend> AdapterBackward<B> {
 type Grads = Vec<(Part, Option<Queued>)>;
 
 /// Adds each of `grads` that was queued to expert `e`'s running sums, from `done`.
-fn add_grads<B: MoeBackend>(acc: &mut ExpertGradAcc<B>, e: usize, grads: Grads, done: &mut Done<B>) {
+pub(super) fn add_grads<B: MoeBackend>(
+    acc: &mut ExpertGradAcc<B>,
+    e: usize,
+    grads: Grads,
+    done: &mut Done<B>,
+) {
     for (part, q) in grads {
         if let Some(grad) = done.take_some(q) {
             acc.add(part, e, grad);
@@ -218,7 +204,7 @@ fn add_grads<B: MoeBackend>(acc: &mut ExpertGradAcc<B>, e: usize, grads: Grads, 
     }
 }
 
-const LORA_OUT: [Part; 2] = [Part::LoraOutA, Part::LoraOutB];
+pub(super) const LORA_OUT: [Part; 2] = [Part::LoraOutA, Part::LoraOutB];
 const LORA_IN: [Part; 2] = [Part::LoraInA, Part::LoraInB];
 
 /// The backward of a round's second GEMMs `out = a · w_out + s · (a · a_out) · b_out + b_out`,
@@ -284,67 +270,6 @@ fn second_gemm_backward<B: MoeBackend>(
             }
         })
         .collect())
-}
-
-/// The second GEMMs' input gradients `g · w_outᵀ` of a round without adapters on them (see
-/// [`value_with_derivative`]), in one batch, and `b_out`'s gradient where it has one.
-///
-/// # Shapes
-/// - gs `[rows_e, d_model]` → grad_a `[rows_e, d_hidden]`
-fn second_gemm_input_grads<B: MoeBackend>(
-    round: &[(usize, usize)],
-    gs: &[FloatTensor<B>],
-    experts: &ExpertSlots<B>,
-    acc: &mut ExpertGradAcc<B>,
-    products: &Products<B>,
-) -> Result<Vec<FloatTensor<B>>> {
-    let mut batch = products.batch();
-    let queued: Vec<_> = round
-        .iter()
-        .zip(gs)
-        .map(|(&(e, _), g)| {
-            if experts.own().b_out.is_some() {
-                acc.add_with(Part::BOut, e, || B::float_sum_dim(g.clone(), 0));
-            }
-            batch.push(g.clone(), B::float_transpose(experts.w_out(e)))
-        })
-        .collect();
-    let mut done = batch.run()?;
-    Ok(queued.into_iter().map(|q| done.take(q)).collect())
-}
-
-/// The second GEMMs' weight gradients `aᵀ · g` of a round without adapters on them, from the
-/// activations `acts` (written in place where `mem` allows, [`ExpertGradAcc::product`]).
-///
-/// # Shapes
-/// - acts `[rows_e, d_hidden]`, gs `[rows_e, d_model]`
-fn second_gemm_weight_grads<B: MoeBackend>(
-    round: &[(usize, usize)],
-    acts: &[FloatTensor<B>],
-    gs: &[FloatTensor<B>],
-    (acc, mem): (&mut ExpertGradAcc<B>, Mem<'_, B>),
-    products: &Products<B>,
-) -> Result<()> {
-    let mut batch = products.batch();
-    let queued = round
-        .iter()
-        .zip(acts.iter().zip(gs))
-        .map(|(&(e, _), (a, g))| {
-            let dw = acc.product(
-                Part::WOut,
-                e,
-                (B::float_transpose(a.clone()), g.clone()),
-                mem,
-                &mut batch,
-            )?;
-            Ok((e, dw))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let mut done = batch.run()?;
-    for (e, dw) in queued {
-        add_grads(acc, e, vec![(Part::WOut, dw)], &mut done);
-    }
-    Ok(())
 }
 
 /// The backward of a round's first GEMMs `z = x · w_in + s · (x · a_in) · b_in + b_in`, given

@@ -27,6 +27,7 @@ mod backward;
 mod grad_acc;
 mod in_place;
 mod library;
+mod value_first;
 
 pub(crate) use backward::{compute_backward, Restored};
 pub(crate) use grad_acc::ExpertGradAcc;
