@@ -1,5 +1,8 @@
 //! `C'_i` on backend primitives: every local expert's FFN backward on one partition, in the
-//! rounds of `mod.rs`, each step's independent products one batch.
+//! rounds of `mod.rs`, each step's independent products one batch. The second GEMM's backward
+//! runs in one of two orders: here the activation's value is recomputed first, as the memory
+//! model replays it; under `Scope::Partition` on the arena its input gradient comes first and
+//! one kernel gives the value with the derivative (`value_first.rs`).
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
@@ -72,9 +75,9 @@ pub(crate) fn compute_backward<B: MoeBackend>(
         let kept = round.iter().map(|&(e, _)| hidden[e].take()).collect();
         let zs = first_gemms(&round, &xs, kept, experts, products)?;
         let grad_zs = if value_with_derivative(mem, products, scope) {
-            // 2. The second GEMM's input gradient, which needs no activation; 3. the
-            //    activation's value and derivative from one kernel; 2'. the second GEMM's
-            //    weight gradient from that value.
+            // 2. The second GEMM's input gradient, which needs no activation value; then
+            //    3. the activation's value and derivative from one kernel; then the rest of
+            //    step 2, the second GEMM's weight and adapter gradients, from that value.
             let (grad_as, adapters) = second_gemm_input_grads(&round, &gs, experts, acc, products)?;
             let (acts, grad_zs): (Vec<_>, Vec<_>) = zs
                 .into_iter()
