@@ -205,7 +205,10 @@ impl<B: MoeBackend> DecoderLayer<B> {
                     n_tokens_world: out.stats.routing.n_tokens_world,
                     coef: moe.config().aux_loss_coef,
                 };
-                (out.output, Some(out.z_loss), Some(balance))
+                // A layer without a z-loss returns a zero: not adding it to the model's sum
+                // saves a launch a layer on a GPU backend, and changes no bit.
+                let z_loss = (moe.config().z_loss_coef != 0.0).then_some(out.z_loss);
+                (out.output, z_loss, Some(balance))
             }
             (Some(mlp), None) => (mlp.forward(normed, dense)?, None, None),
             (None, None) => unreachable!("a decoder layer is built with an MLP or an MoE layer"),
