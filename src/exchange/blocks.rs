@@ -89,11 +89,15 @@ pub(crate) fn shared_layout<B: Backend>(
 }
 
 fn lcm(a: usize, b: usize) -> usize {
-    let (mut x, mut y) = (a, b);
-    while y != 0 {
-        (x, y) = (y, x % y);
+    a / gcd(a as u64, b as u64) as usize * b
+}
+
+/// The greatest common divisor (of the arena's byte alignment and a row's bytes, say).
+pub(crate) fn gcd(a: u64, b: u64) -> u64 {
+    match b {
+        0 => a,
+        _ => gcd(b, a % b),
     }
-    a / x * b
 }
 
 /// Expert `e`'s rows of a partition tensor laid out by `layout`.

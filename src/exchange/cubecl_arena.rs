@@ -15,6 +15,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 
 use super::arena::{buffer_of, ArenaCounters, SlotMemory};
+use super::blocks::gcd;
 use super::schedule::Slot;
 use crate::error::{MoeError, Result};
 
@@ -203,14 +204,6 @@ impl<R: CubeRuntime> CubeSlots<R> {
             .map(|&r| u32::try_from(r).expect("a partition's row index fits in u32"))
             .collect();
         self.client.create_from_slice(u32::as_bytes(&idx))
-    }
-}
-
-fn gcd(a: u64, b: u64) -> u64 {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
     }
 }
 

@@ -178,20 +178,40 @@ impl<B: MoeBackend> AdapterBackward<B> {
         done: &mut Done<B>,
         batch: &mut ProductBatch<'_, B>,
     ) -> Result<(Grads, LowRankTerm<B>)> {
-        let t = B::float_transpose;
         let Self { lora, v, proj } = self;
         let v = lora.scaled(done.take(v));
-        let da = acc.product(part_a, e, (t(x.clone()), v.clone()), mem, batch)?;
-        let db = match proj {
-            Some(p) => acc.product(part_b, e, (t(lora.scaled(done.take(p))), g.clone()), mem, batch)?,
-            None => None,
-        };
-        Ok((vec![(part_a, da), (part_b, db)], (v, t(lora.a))))
+        let proj = proj.map(|p| done.take(p));
+        let grads = factor_grads(&lora, (e, x, g), (&v, proj), (acc, mem), [part_a, part_b], batch)?;
+        Ok((grads, (v, B::float_transpose(lora.a))))
     }
 }
 
+/// Expert `e`'s adapter factors' gradients, given its GEMM's input `x` and output gradient
+/// `g`, `v = s · g · bᵀ` and, where `b` is trained, `proj = x · a`: `d a = xᵀ · v` and
+/// `d b = (s · proj)ᵀ · g`, queued in `batch` or written into their stacked gradients where
+/// `mem` allows ([`ExpertGradAcc::product`]). Both orders of the backward take them here.
+///
+/// # Errors
+/// [`MoeError::Backend`](crate::MoeError::Backend) if the backend cannot launch a GEMM.
+pub(super) fn factor_grads<B: MoeBackend>(
+    lora: &LowRank<B>,
+    (e, x, g): (usize, &FloatTensor<B>, &FloatTensor<B>),
+    (v, proj): (&FloatTensor<B>, Option<FloatTensor<B>>),
+    (acc, mem): (&mut ExpertGradAcc<B>, Mem<'_, B>),
+    [part_a, part_b]: [Part; 2],
+    batch: &mut ProductBatch<'_, B>,
+) -> Result<Grads> {
+    let t = B::float_transpose;
+    let da = acc.product(part_a, e, (t(x.clone()), v.clone()), mem, batch)?;
+    let db = match proj {
+        Some(p) => acc.product(part_b, e, (t(lora.scaled(p)), g.clone()), mem, batch)?,
+        None => None,
+    };
+    Ok(vec![(part_a, da), (part_b, db)])
+}
+
 /// Gradients queued for one expert: each part's product, where it is computed.
-type Grads = Vec<(Part, Option<Queued>)>;
+pub(super) type Grads = Vec<(Part, Option<Queued>)>;
 
 /// Adds each of `grads` that was queued to expert `e`'s running sums, from `done`.
 pub(super) fn add_grads<B: MoeBackend>(

@@ -203,7 +203,6 @@ pub(crate) fn compute<B: MoeBackend>(
     // `T_M`'s blocks start where the activation's output, row for row, can be cut into views.
     let hidden_layout = shared_layout(mem, rows_per_expert, &[d_inner, act.d_hidden(d_inner)]);
     let mut hidden_blocks = Blocks::with_layout(mem, hidden_slot, hidden_layout, d_inner, &x, products)?;
-    let whole = scope == Scope::Partition && hidden_blocks.buffer().is_some();
     let mut out_blocks = Blocks::new(
         mem,
         Slot::of(Role::Output, i),
@@ -215,6 +214,11 @@ pub(crate) fn compute<B: MoeBackend>(
     let out_proj = |e| (experts.w_out(e), experts.lora_out(e), experts.b_out(e));
     let in_proj = |e| (experts.w_in(e), experts.lora_in(e), experts.b_in(e));
     let rounds = rounds(rows_per_expert, products);
+    // The arena and `T_M`'s buffer where the activation runs over the whole partition.
+    let whole = match (scope, mem, hidden_blocks.buffer()) {
+        (Scope::Partition, Some(m), Some(buffer)) if !rounds.is_empty() => Some((m, buffer.clone())),
+        _ => None,
+    };
     let mut hidden: PerExpert<B> = vec![None; rows_per_expert.len()];
     for round in &rounds {
         // 1. The first GEMMs, with their adapters' terms, into the hidden slot (`T_M`).
@@ -223,7 +227,7 @@ pub(crate) fn compute<B: MoeBackend>(
             .map(|&(e, rows)| block::<B>(mem, &x, &layout, e, rows))
             .collect();
         let zs = adapted_gemms(&mut hidden_blocks, round, xs, in_proj, products)?;
-        if !whole {
+        if whole.is_none() {
             // 2. The activation, expert by expert (see `Scope`).
             let acts = zs
                 .iter()
@@ -236,19 +240,17 @@ pub(crate) fn compute<B: MoeBackend>(
             hidden[e] = Some(z);
         }
     }
-    if let (true, Some(m), Some(buffer)) = (whole, mem, hidden_blocks.buffer()) {
-        if !rounds.is_empty() {
-            // 2. The activation over the whole partition: the padding rows between blocks
-            //    hold stale values, whose images nothing reads.
-            let acts = activation_forward::<B>(act, buffer.clone());
-            for round in &rounds {
-                // 3. The second GEMMs on the activation's blocks, as above.
-                let blocks = round
-                    .iter()
-                    .map(|&(e, rows)| m.rows(&acts, hidden_blocks.layout().start(e), rows))
-                    .collect();
-                adapted_gemms(&mut out_blocks, round, blocks, out_proj, products)?;
-            }
+    if let Some((m, buffer)) = whole {
+        // 2. The activation over the whole partition: the padding rows between blocks hold
+        //    stale values, whose images nothing reads.
+        let acts = activation_forward::<B>(act, buffer);
+        for round in &rounds {
+            // 3. The second GEMMs on the activation's blocks, as above.
+            let blocks = round
+                .iter()
+                .map(|&(e, rows)| m.rows(&acts, hidden_blocks.layout().start(e), rows))
+                .collect();
+            adapted_gemms(&mut out_blocks, round, blocks, out_proj, products)?;
         }
     }
     Ok((out_blocks.finish(), hidden))

@@ -5,7 +5,7 @@
 
 use burn::tensor::ops::FloatTensor;
 
-use super::backward::{add_grads, LORA_OUT};
+use super::backward::{add_grads, factor_grads, LORA_OUT};
 use super::{ExpertGradAcc, Scope};
 use crate::error::Result;
 use crate::exchange::blocks::Mem;
@@ -91,8 +91,8 @@ pub(super) fn second_gemm_input_grads<B: MoeBackend>(
 
 /// The second GEMMs' weight gradients of a round from the activations `acts`: `w_out`'s
 /// `aᵀ · g` (written in place where `mem` allows, [`ExpertGradAcc::product`]), and where an
-/// expert has an adapter there, `d a_out = aᵀ · v` and `d b_out = (s · a · a_out)ᵀ · g` over
-/// two batches (`adapters` from [`second_gemm_input_grads`]). Frozen parts are never computed.
+/// expert has an adapter there, its factors' ([`factor_grads`], after `a · a_out` in a first
+/// batch; `adapters` from [`second_gemm_input_grads`]). Frozen parts are never computed.
 ///
 /// # Shapes
 /// - acts `[rows_e, d_hidden]`, gs `[rows_e, d_model]`
@@ -104,36 +104,25 @@ pub(super) fn second_gemm_weight_grads<B: MoeBackend>(
     products: &Products<B>,
 ) -> Result<()> {
     let t = B::float_transpose;
-    let [part_a, part_b] = LORA_OUT;
     let mut first = products.batch();
     let mut queued = Vec::with_capacity(round.len());
     for ((&(e, _), (a, g)), adapter) in round.iter().zip(acts.iter().zip(gs)).zip(adapters) {
         let dw = acc.product(Part::WOut, e, (t(a.clone()), g.clone()), mem, &mut first)?;
-        let mut grads = vec![(Part::WOut, dw)];
-        let mut proj = None;
-        if let Some((v, l)) = adapter {
-            grads.push((
-                part_a,
-                acc.product(part_a, e, (t(a.clone()), v), mem, &mut first)?,
-            ));
-            proj = acc.wants(part_b).then(|| (first.push(a.clone(), l.a.clone()), l));
-        }
-        queued.push((e, grads, proj));
+        let adapter = adapter.map(|(v, l)| {
+            let proj = acc.wants(LORA_OUT[1]).then(|| first.push(a.clone(), l.a.clone()));
+            (v, l, proj)
+        });
+        queued.push((e, dw, adapter));
     }
     let mut done = first.run()?;
     let mut second = products.batch();
     let mut pending = Vec::with_capacity(queued.len());
-    for ((e, grads, proj), g) in queued.into_iter().zip(gs) {
-        add_grads(acc, e, grads, &mut done);
-        if let Some((p, l)) = proj {
-            let db = acc.product(
-                part_b,
-                e,
-                (t(l.scaled(done.take(p))), g.clone()),
-                mem,
-                &mut second,
-            )?;
-            pending.push((e, vec![(part_b, db)]));
+    for ((e, dw, adapter), (a, g)) in queued.into_iter().zip(acts.iter().zip(gs)) {
+        add_grads(acc, e, vec![(Part::WOut, dw)], &mut done);
+        if let Some((v, l, proj)) = adapter {
+            let proj = proj.map(|p| done.take(p));
+            let grads = factor_grads(&l, (e, a, g), (&v, proj), (acc, mem), LORA_OUT, &mut second)?;
+            pending.push((e, grads));
         }
     }
     let mut done = second.run()?;
