@@ -226,20 +226,29 @@ impl<B: MoeBackend> LatentAttention<B> {
             (None, Some(n), Some(qb)) => project(dense, qb, self.adapter(2), n.forward(q))?,
             _ => unreachable!("built with q_proj or the q_a / q_b pair"),
         };
-        // [batch, heads, seq, nope + rope]
-        let q = swap_dims_contiguous(q.reshape([b, t, h, nope + rope]));
-        let q_pass = q.clone().slice([0..b, 0..h, 0..t, 0..nope]);
-        let q_rot = q.slice([0..b, 0..h, 0..t, nope..nope + rope]);
+        // [batch, heads, seq, nope + rope]: each head's rotary part rotated and the whole
+        // written head-major in one op (one kernel each way on the CubeCL backends).
+        let query = Rotary::apply_tail_to_heads(
+            q.reshape([b, t, h, nope + rope]),
+            cos,
+            sin,
+            c.rope_interleave,
+            nope,
+        );
         let kv = self
             .kv_a_norm
             .forward(compressed.clone().slice([0..b, 0..t, 0..lora]));
-        let k_rot = compressed
-            .slice([0..b, 0..t, lora..lora + rope])
-            .reshape([b, 1, t, rope]);
-        let (q_rot, k_rot) = match c.rope_interleave {
-            true => (interleaved(q_rot, cos, sin), interleaved(k_rot, cos, sin)),
-            false => (Rotary::apply(q_rot, cos, sin), Rotary::apply(k_rot, cos, sin)),
-        };
+        // [batch, 1, seq, rope]: the keys' rotary part, one head shared by all, read where it
+        // lies in the compression (a view: the unit head dimension added before the slice).
+        let k_rot = Rotary::apply_tail_to_heads(
+            compressed
+                .reshape([b, t, 1, lora + rope])
+                .slice([0..b, 0..t, 0..1, lora..lora + rope]),
+            cos,
+            sin,
+            c.rope_interleave,
+            0,
+        );
         // The cache holds the compressed form: the normalised latent and the rotary key, both
         // shared by every head.
         let latent = kv.clone().reshape([b, 1, t, lora]);
@@ -258,7 +267,6 @@ impl<B: MoeBackend> LatentAttention<B> {
                 let k_nope = kv.clone().slice([0..b, 0..h, 0..t, 0..nope]);
                 let values = kv.slice([0..b, 0..h, 0..t, nope..nope + v_dim]);
                 let keys = Tensor::cat(vec![k_nope, k_rot.repeat_dim(1, h)], 3);
-                let query = Tensor::cat(vec![q_pass, q_rot], 3);
                 attend(
                     query,
                     (keys, values),
@@ -271,6 +279,8 @@ impl<B: MoeBackend> LatentAttention<B> {
             true => {
                 let maps = cache.absorbed.clone().unwrap_or_else(|| self.absorbed_maps());
                 cache.absorbed = Some(maps.clone());
+                let q_pass = query.clone().slice([0..b, 0..h, 0..t, 0..nope]);
+                let q_rot = query.slice([0..b, 0..h, 0..t, nope..nope + rope]);
                 self.absorbed(q_pass, q_rot, maps, &cache, places, dense)?
             }
         };
@@ -364,114 +374,4 @@ fn per_head<B: MoeBackend>(x: Tensor<B, 4>, w: Tensor<B, 3>, dense: &DenseProduc
     let o = w.dims()[2];
     let rows = x.swap_dims(0, 1).reshape([h, b * t, i]);
     Ok(dense.heads_matmul(rows, w)?.reshape([h, b, t, o]).swap_dims(0, 1))
-}
-
-/// DeepSeek's interleaved rotary embedding: pairs `(x0, x1), (x2, x3), ...` each rotated by
-/// one frequency, written out as `[rotated evens | rotated odds]` (transformers'
-/// `apply_rotary_pos_emb_interleave`, bit for bit the de-interleaved "rotate half").
-///
-/// Where the backend has the rotation kernels ([`DecoderKernels::rotary_node`](mpipemoe::backend::DecoderKernels::rotary_node): the CubeCL
-/// backends), it is their pairs rotation and one swap ([`interleaved_on_pairs`]): one kernel
-/// and one copy each way, where written out it is about ten launches forward and fifteen
-/// backward for each of the query and the key. Elsewhere it is written out with burn's ops
-/// ([`interleaved_written_out`]): the pairs' own composition and the swap make more passes
-/// over strided views there, which a CPU backend pays for. The two forms make the same
-/// products and sums per value (a test holds them equal, gradients too).
-///
-/// # Shapes
-/// - x: `[batch, heads, seq, rope]`; cos, sin: `[rows, seq, rope]`, `rows` 1 or `batch`
-///   (`cat(freqs, freqs)`: the first half is used)
-fn interleaved<B: MoeBackend>(x: Tensor<B, 4>, cos: &Tensor<B, 3>, sin: &Tensor<B, 3>) -> Tensor<B, 4> {
-    match B::rotary_node() {
-        true => interleaved_on_pairs(x, cos, sin),
-        false => interleaved_written_out(x, cos, sin),
-    }
-}
-
-/// [`interleaved`] as the backend's pairs rotation (Llama 4's: each pair rotated in place) on
-/// the sequence-major view, then each head's pairs split into their first and second values:
-/// one swap of a `[half, 2]` run.
-///
-/// # Shapes
-/// - as [`interleaved`]
-fn interleaved_on_pairs<B: MoeBackend>(
-    x: Tensor<B, 4>,
-    cos: &Tensor<B, 3>,
-    sin: &Tensor<B, 3>,
-) -> Tensor<B, 4> {
-    let [b, h, t, d] = x.dims();
-    let rotated = Rotary::apply_pairs_seq_major(x.swap_dims(1, 2), cos, sin);
-    swap_dims_contiguous(rotated.reshape([b * t * h, d / 2, 2, 1]))
-        .reshape([b, t, h, d])
-        .swap_dims(1, 2)
-}
-
-/// [`interleaved`] written out with burn's ops: the evens and the odds sliced apart, each
-/// rotated against the other by the tables' first half.
-///
-/// # Shapes
-/// - as [`interleaved`]
-fn interleaved_written_out<B: Backend>(
-    x: Tensor<B, 4>,
-    cos: &Tensor<B, 3>,
-    sin: &Tensor<B, 3>,
-) -> Tensor<B, 4> {
-    let [b, h, t, d] = x.dims();
-    let half = d / 2;
-    let pairs = x.reshape([b, h, t, half, 2]);
-    let even = pairs
-        .clone()
-        .slice([0..b, 0..h, 0..t, 0..half, 0..1])
-        .reshape([b, h, t, half]);
-    let odd = pairs
-        .slice([0..b, 0..h, 0..t, 0..half, 1..2])
-        .reshape([b, h, t, half]);
-    let rows = cos.dims()[0];
-    let cos = cos.clone().slice([0..rows, 0..t, 0..half]).unsqueeze_dim::<4>(1);
-    let sin = sin.clone().slice([0..rows, 0..t, 0..half]).unsqueeze_dim::<4>(1);
-    Tensor::cat(
-        vec![
-            even.clone() * cos.clone() - odd.clone() * sin.clone(),
-            odd * cos + even * sin,
-        ],
-        3,
-    )
-}
-
-#[cfg(all(test, feature = "ndarray"))]
-mod tests {
-    use burn::backend::{Autodiff, NdArray};
-    use burn::tensor::{Distribution, Tensor};
-
-    type A = Autodiff<NdArray>;
-
-    /// The two forms of the interleaved rotation on a slice of a wider tensor (as the models
-    /// hand it over), with one table for every batch row and one each: the same values and the
-    /// same gradient of `x` for a loss that weighs every value differently. A form that rotated
-    /// by the wrong half of the tables, swapped the pairs' roles or left them interleaved fails.
-    #[test]
-    fn the_pairs_form_equals_the_written_out_form_with_its_gradient() {
-        let device = Default::default();
-        let (b, h, t, d) = (2, 3, 5, 8);
-        for rows in [1, b] {
-            let wide = Tensor::<A, 4>::random([b, h, t, d + 4], Distribution::Default, &device);
-            let cos = Tensor::<A, 3>::random([rows, t, d], Distribution::Default, &device);
-            let sin = Tensor::<A, 3>::random([rows, t, d], Distribution::Default, &device);
-            let weigh = Tensor::<A, 4>::random([b, h, t, d], Distribution::Default, &device);
-            let run = |pairs: bool| {
-                let wide = wide.clone().require_grad();
-                let x = wide.clone().slice([0..b, 0..h, 0..t, 2..2 + d]);
-                let y = match pairs {
-                    true => super::interleaved_on_pairs(x, &cos, &sin),
-                    false => super::interleaved_written_out(x, &cos, &sin),
-                };
-                let grads = (y.clone() * weigh.clone()).sum().backward();
-                let dx = wide.grad(&grads).expect("x's gradient");
-                (y.inner().into_data(), dx.into_data())
-            };
-            let ((y, dx), (want_y, want_dx)) = (run(true), run(false));
-            y.assert_approx_eq::<f32>(&want_y, burn::tensor::Tolerance::absolute(1e-6));
-            dx.assert_approx_eq::<f32>(&want_dx, burn::tensor::Tolerance::absolute(1e-6));
-        }
-    }
 }

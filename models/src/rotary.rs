@@ -245,6 +245,34 @@ impl Rotary {
         Tensor::from_primitive(TensorPrimitive::Float(rotated))
     }
 
+    /// Latent attention's rotation (DeepSeek): each head's first `pass` values as they are and
+    /// the rest rotated, in the `rotate_half` form or (`interleaved`) DeepSeek's interleaved
+    /// pairs written as `[first values | second values]`, returned head-major: the backend's
+    /// [`DecoderKernels::rotate_tail_to_heads`], one kernel each way on the CubeCL backends,
+    /// where the slices, the rotation, the concatenation and the swap were five launches
+    /// forward and about ten backward.
+    ///
+    /// # Shapes
+    /// - x: `[batch, seq, heads, pass + rotated]`
+    /// - cos, sin: `[rows, seq, rotated]`, `rows` 1 or `batch`
+    /// - output: `[batch, heads, seq, pass + rotated]`
+    pub fn apply_tail_to_heads<B: DecoderKernels>(
+        x: Tensor<B, 4>,
+        cos: &Tensor<B, 3>,
+        sin: &Tensor<B, 3>,
+        interleaved: bool,
+        pass: usize,
+    ) -> Tensor<B, 4> {
+        let rotated = B::rotate_tail_to_heads(
+            x.into_primitive().tensor(),
+            cos.clone().into_primitive().tensor(),
+            sin.clone().into_primitive().tensor(),
+            interleaved,
+            pass,
+        );
+        Tensor::from_primitive(TensorPrimitive::Float(rotated))
+    }
+
     /// [`apply`](Self::apply) on the sequence-major layout, before the heads are moved
     /// forward: element-wise ops on a contiguous tensor rather than on a strided view of one
     /// (Flex walks a strided view element by element).

@@ -20,7 +20,7 @@ use burn::tensor::ops::{BoolTensor, FloatTensor};
 use super::softmax::{attention_softmax_composed, attention_softmax_sinks_composed};
 use super::{
     rms_norm_composed, rotate_half_seq_major_composed, rotate_pairs_seq_major_composed,
-    rotate_to_heads_composed, DecoderKernels,
+    rotate_tail_to_heads_composed, rotate_to_heads_composed, DecoderKernels,
 };
 
 #[derive(Debug)]
@@ -81,6 +81,29 @@ impl<B: DecoderKernels> Backward<B, 1> for RotaryBackward {
                 true => B::rotate_pairs_seq_major_backward(grad, cos, sin),
                 false => B::rotate_half_seq_major_backward(grad, cos, sin),
             };
+            grads.register::<B>(parent.id, dx);
+        }
+    }
+}
+
+/// The backward of latent attention's query rotation ([`DecoderKernels::rotate_tail_to_heads`]):
+/// its transpose of the head-major gradient, the first `pass` values of each head passed
+/// through.
+#[derive(Debug)]
+struct TailRotaryBackward {
+    interleaved: bool,
+    pass: usize,
+}
+
+impl<B: DecoderKernels> Backward<B, 1> for TailRotaryBackward {
+    /// The tables: the transpose reads them and nothing else.
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (cos, sin) = ops.state;
+        if let [Some(parent)] = ops.parents {
+            let dx = B::rotate_tail_to_heads_backward(grad, cos, sin, self.interleaved, self.pass);
             grads.register::<B>(parent.id, dx);
         }
     }
@@ -234,6 +257,33 @@ impl<B: DecoderKernels, C: CheckpointStrategy> DecoderKernels for Autodiff<B, C>
     ) -> FloatTensor<Self> {
         rotation::<B, C>(x, cos, sin, pairs, true)
             .unwrap_or_else(|[x, cos, sin]| rotate_to_heads_composed::<Self>(x, cos, sin, pairs))
+    }
+
+    /// As the other rotations: one node where the inner backend has a kernel each way and the
+    /// tables are constants; elsewhere composed, recorded op by op.
+    fn rotate_tail_to_heads(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        interleaved: bool,
+        pass: usize,
+    ) -> FloatTensor<Self> {
+        let tracked = |t: &FloatTensor<Self>| !t.node.requirement.is_none();
+        if !B::rotary_node() || tracked(&cos) || tracked(&sin) {
+            return rotate_tail_to_heads_composed::<Self>(x, cos, sin, interleaved, pass);
+        }
+        let out = B::rotate_tail_to_heads(
+            x.primitive,
+            cos.primitive.clone(),
+            sin.primitive.clone(),
+            interleaved,
+            pass,
+        );
+        let node = TailRotaryBackward { interleaved, pass };
+        match node.prepare::<C>([x.node]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish((cos.primitive, sin.primitive), out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
     }
 
     /// The inner backend's SwiGLU as one node where it has a kernel each way; burn's ops,

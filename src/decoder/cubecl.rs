@@ -73,6 +73,29 @@ where
             .unwrap_or_else(|| super::rotate_to_heads_composed::<Self>(x, cos, sin, pairs))
     }
 
+    fn rotate_tail_to_heads(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        interleaved: bool,
+        pass: usize,
+    ) -> FloatTensor<Self> {
+        cubecl_rotary::rotate_tail_to_heads(&x, &cos, &sin, interleaved, pass)
+            .unwrap_or_else(|| super::rotate_tail_to_heads_composed::<Self>(x, cos, sin, interleaved, pass))
+    }
+
+    fn rotate_tail_to_heads_backward(
+        grad: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        interleaved: bool,
+        pass: usize,
+    ) -> FloatTensor<Self> {
+        cubecl_rotary::rotate_tail_to_heads_backward(&grad, &cos, &sin, interleaved, pass).unwrap_or_else(
+            || super::rotate_tail_to_heads_backward_composed::<Self>(grad, cos, sin, interleaved, pass),
+        )
+    }
+
     fn rotate_pairs_seq_major(
         x: FloatTensor<Self>,
         cos: FloatTensor<Self>,

@@ -527,7 +527,7 @@ fn the_rotary_node_matches_burns_ops_recorded_one_by_one() {
         ),
     ];
     for (name, node_op, composed) in ops {
-        rotary_node_matches(name, node_op, composed);
+        rotary_node_matches(name, node_op, composed, 0);
     }
 }
 
@@ -538,13 +538,16 @@ type TrackedRotation = fn(
     burn::tensor::ops::FloatTensor<Autodiff<Wgpu>>,
 ) -> burn::tensor::ops::FloatTensor<Autodiff<Wgpu>>;
 
-fn rotary_node_matches(name: &str, node_op: TrackedRotation, composed: TrackedRotation) {
+/// `pass`: the values of each head that come first unrotated (the tables are as wide as the
+/// rest).
+fn rotary_node_matches(name: &str, node_op: TrackedRotation, composed: TrackedRotation, pass: usize) {
     type A = Autodiff<Wgpu>;
     let (batch, seq, heads, head_dim) = (2, 6, 4, 10);
+    let rotated = head_dim - pass;
     let device = Default::default();
     let x0 = Tensor::<A, 4>::random([batch, seq, heads, head_dim], Distribution::Default, &device);
     let g = Tensor::<A, 4>::random([batch, seq, heads, head_dim], Distribution::Default, &device);
-    let tables = [table(1, seq, head_dim), table(1, seq, head_dim)]
+    let tables = [table(1, seq, rotated), table(1, seq, rotated)]
         .map(|t| Tensor::<A, 3>::from_inner(Tensor::from_primitive(TensorPrimitive::Float(t))));
     let run = |node: bool, track_tables: bool| {
         let x = x0.clone().require_grad();
@@ -568,7 +571,7 @@ fn rotary_node_matches(name: &str, node_op: TrackedRotation, composed: TrackedRo
         let dx = x.grad(&grads).expect("x's gradient");
         let dsin = sin
             .grad(&grads)
-            .map(|d| d.reshape([seq, head_dim]).into_primitive().tensor());
+            .map(|d| d.reshape([seq, rotated]).into_primitive().tensor());
         ([y.inner(), dx].map(|t| flat4(t.into_primitive().tensor())), dsin)
     };
     let ([y, dx], none) = run(true, false);
@@ -584,4 +587,130 @@ fn rotary_node_matches(name: &str, node_op: TrackedRotation, composed: TrackedRo
         want_dsin.unwrap(),
         0.0,
     );
+}
+
+/// Latent attention's query rotation (`rotate_tail_to_heads`: a head's first `pass` values
+/// kept, the rest rotated in the `rotate_half` form or DeepSeek's interleaved one, written
+/// head-major) against its composed twin built from burn's ops: the kernel's output (its own
+/// contiguous head-major tensor) for `x` contiguous and strided, tables of one row and of one
+/// per batch row; and the transpose kernel on a head-major gradient against the composed
+/// transpose. A kernel that rotated the kept values, read the wrong half of the tables, or
+/// left DeepSeek's pairs interleaved fails.
+#[test]
+fn the_tail_rotation_kernels_match_the_composed_forms() {
+    use super::rotary::rotate_tail_to_heads_backward_composed;
+    let device = Default::default();
+    for interleaved in [false, true] {
+        for pass in [0, 6] {
+            for (batch, seq, heads, rotated, rows) in [(2, 5, 3, 8, 1), (3, 7, 2, 12, 3)] {
+                let head_dim = pass + rotated;
+                let (cos, sin) = (table(rows, seq, rotated), table(rows, seq, rotated));
+                let what = format!(
+                    "interleaved {interleaved}, pass {pass}, [{batch}, {seq}, {heads}, {head_dim}], table rows {rows}"
+                );
+                for (layout, x) in rotary_inputs([batch, seq, heads, head_dim]) {
+                    let x = x.into_primitive().tensor();
+                    let want = tail_reference::<Wgpu>(x.clone(), cos.clone(), sin.clone(), interleaved, pass);
+                    let got = <Wgpu as DecoderKernels>::rotate_tail_to_heads(
+                        x,
+                        cos.clone(),
+                        sin.clone(),
+                        interleaved,
+                        pass,
+                    );
+                    assert!(
+                        got.is_contiguous(),
+                        "{what}, {layout}: the kernel's output is head-major and whole"
+                    );
+                    assert_eq!(got.meta.shape().to_vec(), [batch, heads, seq, head_dim], "{what}");
+                    close_within(&format!("{what}, {layout}"), flat4(got), flat4(want), 0.0);
+                }
+                let grad =
+                    Tensor::<Wgpu, 4>::random([batch, heads, seq, head_dim], Distribution::Default, &device)
+                        .into_primitive()
+                        .tensor();
+                let want = rotate_tail_to_heads_backward_composed::<Wgpu>(
+                    grad.clone(),
+                    cos.clone(),
+                    sin.clone(),
+                    interleaved,
+                    pass,
+                );
+                let got = <Wgpu as DecoderKernels>::rotate_tail_to_heads_backward(
+                    grad,
+                    cos,
+                    sin,
+                    interleaved,
+                    pass,
+                );
+                assert_eq!(got.meta.shape().to_vec(), [batch, seq, heads, head_dim], "{what}");
+                close_within(&format!("{what}, transpose"), flat4(got), flat4(want), 0.0);
+            }
+        }
+    }
+}
+
+/// The composed query rotation with the `rotate_half` form composed too (the default runs the
+/// backend's rotation, which on WGPU is the kernel under test).
+fn tail_reference<B: DecoderKernels>(
+    x: burn::tensor::ops::FloatTensor<B>,
+    cos: burn::tensor::ops::FloatTensor<B>,
+    sin: burn::tensor::ops::FloatTensor<B>,
+    interleaved: bool,
+    pass: usize,
+) -> burn::tensor::ops::FloatTensor<B> {
+    if interleaved {
+        return super::rotate_tail_to_heads_composed::<B>(x, cos, sin, true, pass);
+    }
+    let x = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(x));
+    let [b, t, h, d] = x.dims();
+    let tail = x
+        .clone()
+        .slice([0..b, 0..t, 0..h, pass..d])
+        .into_primitive()
+        .tensor();
+    let rotated = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(
+        super::rotate_half_seq_major_composed::<B>(tail, cos, sin),
+    ));
+    Tensor::cat(vec![x.slice([0..b, 0..t, 0..h, 0..pass]), rotated], 3)
+        .swap_dims(1, 2)
+        .into_primitive()
+        .tensor()
+}
+
+/// The query rotation under `Autodiff<Wgpu>` (one node) against its composition recorded op
+/// by op: output, `x`'s gradient, and with tracked tables (recorded composed) the sine
+/// table's gradient.
+#[test]
+fn the_tail_rotation_node_matches_burns_ops_recorded_one_by_one() {
+    type A = Autodiff<Wgpu>;
+    let ops: [(&str, TrackedRotation, TrackedRotation, usize); 4] = [
+        (
+            "rotate_half, nothing kept",
+            |x, c, s| <A as DecoderKernels>::rotate_tail_to_heads(x, c, s, false, 0),
+            |x, c, s| tail_reference::<A>(x, c, s, false, 0),
+            0,
+        ),
+        (
+            "rotate_half after 4 kept",
+            |x, c, s| <A as DecoderKernels>::rotate_tail_to_heads(x, c, s, false, 4),
+            |x, c, s| tail_reference::<A>(x, c, s, false, 4),
+            4,
+        ),
+        (
+            "interleaved, nothing kept",
+            |x, c, s| <A as DecoderKernels>::rotate_tail_to_heads(x, c, s, true, 0),
+            |x, c, s| tail_reference::<A>(x, c, s, true, 0),
+            0,
+        ),
+        (
+            "interleaved after 4 kept",
+            |x, c, s| <A as DecoderKernels>::rotate_tail_to_heads(x, c, s, true, 4),
+            |x, c, s| tail_reference::<A>(x, c, s, true, 4),
+            4,
+        ),
+    ];
+    for (name, node_op, composed, pass) in ops {
+        rotary_node_matches(name, node_op, composed, pass);
+    }
 }

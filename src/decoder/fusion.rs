@@ -79,6 +79,42 @@ impl<B: FusionBackend + DecoderKernels> DecoderKernels for Fusion<B> {
         register::<B>(out, &device)
     }
 
+    fn rotate_tail_to_heads(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        interleaved: bool,
+        pass: usize,
+    ) -> FloatTensor<Self> {
+        let device = x.client.device().clone();
+        let out = B::rotate_tail_to_heads(
+            resolve::<B>(x),
+            resolve::<B>(cos),
+            resolve::<B>(sin),
+            interleaved,
+            pass,
+        );
+        register::<B>(out, &device)
+    }
+
+    fn rotate_tail_to_heads_backward(
+        grad: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        interleaved: bool,
+        pass: usize,
+    ) -> FloatTensor<Self> {
+        let device = grad.client.device().clone();
+        let dx = B::rotate_tail_to_heads_backward(
+            resolve::<B>(grad),
+            resolve::<B>(cos),
+            resolve::<B>(sin),
+            interleaved,
+            pass,
+        );
+        register::<B>(dx, &device)
+    }
+
     fn rotate_pairs_seq_major(
         x: FloatTensor<Self>,
         cos: FloatTensor<Self>,

@@ -1,13 +1,13 @@
 //! The rotary embedding composed from burn's ops: the defaults of
 //! [`DecoderKernels::rotate_half_seq_major`] and its backward, the twins Flex's pass and the
-//! CubeCL kernels (`flex.rs`, `cubecl_rotary.rs`) are held to, and the composition a
-//! heads-major caller uses ([`rotate_half_rows`]).
+//! CubeCL kernels (`flex.rs`, `cubecl_rotary.rs`) are held to, the composition a heads-major
+//! caller uses ([`rotate_half_rows`]), and latent attention's queries (a head's first values
+//! kept, the rest rotated: [`DecoderKernels::rotate_tail_to_heads`]).
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
-#[cfg(doc)]
 use super::DecoderKernels;
 
 /// A `[rows, seq, head_dim]` table repeated over the heads, as `[rows, seq · heads · head_dim]`:
@@ -143,4 +143,109 @@ pub(crate) fn rotate_pairs_seq_major_backward_composed<B: Backend>(
     sin: FloatTensor<B>,
 ) -> FloatTensor<B> {
     rotate_pairs_seq_major_composed::<B>(grad, cos, B::float_neg(sin))
+}
+
+/// [`DecoderKernels::rotate_tail_to_heads`]'s default: each head's first `pass` values and the
+/// rest apart (slices), the rest rotated (`rotate_half` as the backend runs it, or DeepSeek's
+/// interleaved pairs written out), joined again and seen head-major (burn's `swap_dims`, a
+/// view).
+pub(crate) fn rotate_tail_to_heads_composed<B: DecoderKernels>(
+    x: FloatTensor<B>,
+    cos: FloatTensor<B>,
+    sin: FloatTensor<B>,
+    interleaved: bool,
+    pass: usize,
+) -> FloatTensor<B> {
+    let x = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(x));
+    let [b, t, h, d] = x.dims();
+    let tail = x.clone().slice([0..b, 0..t, 0..h, pass..d]);
+    let rotated = match interleaved {
+        false => Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(B::rotate_half_seq_major(
+            tail.into_primitive().tensor(),
+            cos,
+            sin,
+        ))),
+        true => {
+            let [cos, sin] = [cos, sin].map(|m| first_half_per_head::<B>(m, d - pass));
+            let [even, odd] = pair_values(tail);
+            Tensor::cat(
+                vec![
+                    even.clone() * cos.clone() - odd.clone() * sin.clone(),
+                    odd * cos + even * sin,
+                ],
+                3,
+            )
+        }
+    };
+    let out = match pass {
+        0 => rotated,
+        _ => Tensor::cat(vec![x.slice([0..b, 0..t, 0..h, 0..pass]), rotated], 3),
+    };
+    out.swap_dims(1, 2).into_primitive().tensor()
+}
+
+/// [`DecoderKernels::rotate_tail_to_heads_backward`]'s default: the head-major gradient seen
+/// sequence-major, its first `pass` values as they are, the rest through the rotation's
+/// transpose, joined.
+pub(crate) fn rotate_tail_to_heads_backward_composed<B: DecoderKernels>(
+    grad: FloatTensor<B>,
+    cos: FloatTensor<B>,
+    sin: FloatTensor<B>,
+    interleaved: bool,
+    pass: usize,
+) -> FloatTensor<B> {
+    let grad = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(grad)).swap_dims(1, 2);
+    let [b, t, h, d] = grad.dims();
+    let tail = grad.clone().slice([0..b, 0..t, 0..h, pass..d]);
+    let rotated =
+        match interleaved {
+            false => Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(
+                B::rotate_half_seq_major_backward(tail.into_primitive().tensor(), cos, sin),
+            )),
+            true => {
+                // The forward wrote the pairs' first values, then their second values: each pair
+                // rotated back by its angle and interleaved again.
+                let half = (d - pass) / 2;
+                let [cos, sin] = [cos, sin].map(|m| first_half_per_head::<B>(m, d - pass));
+                let first = tail.clone().slice([0..b, 0..t, 0..h, 0..half]);
+                let second = tail.slice([0..b, 0..t, 0..h, half..2 * half]);
+                Tensor::stack::<5>(
+                    vec![
+                        first.clone() * cos.clone() + second.clone() * sin.clone(),
+                        second * cos - first * sin,
+                    ],
+                    4,
+                )
+                .reshape([b, t, h, 2 * half])
+            }
+        };
+    let out = match pass {
+        0 => rotated,
+        _ => Tensor::cat(vec![grad.slice([0..b, 0..t, 0..h, 0..pass]), rotated], 3),
+    };
+    out.into_primitive().tensor()
+}
+
+/// A `[rows, seq, width]` table's first half (the pairs' angles, `cat(freqs, freqs)`), as
+/// `[rows, seq, 1, width / 2]`: shared by the heads.
+fn first_half_per_head<B: Backend>(m: FloatTensor<B>, width: usize) -> Tensor<B, 4> {
+    let m = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(m));
+    let [rows, seq, _] = m.dims();
+    m.slice([0..rows, 0..seq, 0..width / 2]).unsqueeze_dim(2)
+}
+
+/// Each head's pairs `(x0, x1), (x2, x3), ...` apart: the first values and the second values.
+///
+/// # Shapes
+/// - x: `[batch, seq, heads, 2 · half]` → two of `[batch, seq, heads, half]`
+fn pair_values<B: Backend>(x: Tensor<B, 4>) -> [Tensor<B, 4>; 2] {
+    let [b, t, h, d] = x.dims();
+    let half = d / 2;
+    let pairs = x.reshape([b, t, h, half, 2]);
+    [0..1, 1..2].map(|which| {
+        pairs
+            .clone()
+            .slice([0..b, 0..t, 0..h, 0..half, which])
+            .reshape([b, t, h, half])
+    })
 }

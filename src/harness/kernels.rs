@@ -269,6 +269,36 @@ fn decoder_checks<B: MoeBackend>(device: &B::Device) -> Vec<KernelCheck> {
             B::rotate_pairs_seq_major_backward(grad.clone(), cos.clone(), sin.clone()),
             decoder::rotate_pairs_seq_major_backward_composed::<B>(grad, cos, sin),
         ));
+        // Latent attention's queries: the first `pass` values of each head kept, the rest
+        // rotated (the tables as wide as the rest), written head-major, and the transpose.
+        let pass = 6;
+        let cos = random::<B, 3>([rows, seq, head_dim - pass], 1.0, device);
+        let sin = random::<B, 3>([rows, seq, head_dim - pass], 1.0, device);
+        let grad = random::<B, 4>([batch, heads, seq, head_dim], 1.0, device);
+        for (form, interleaved) in [("half", false), ("interleaved", true)] {
+            checks.push(compare::<B>(
+                &what(&format!("rotate {form} after {pass} kept, to heads")),
+                B::rotate_tail_to_heads(x.clone(), cos.clone(), sin.clone(), interleaved, pass),
+                decoder::rotate_tail_to_heads_composed::<B>(
+                    x.clone(),
+                    cos.clone(),
+                    sin.clone(),
+                    interleaved,
+                    pass,
+                ),
+            ));
+            checks.push(compare::<B>(
+                &what(&format!("rotate {form} after {pass} kept, backward")),
+                B::rotate_tail_to_heads_backward(grad.clone(), cos.clone(), sin.clone(), interleaved, pass),
+                decoder::rotate_tail_to_heads_backward_composed::<B>(
+                    grad.clone(),
+                    cos.clone(),
+                    sin.clone(),
+                    interleaved,
+                    pass,
+                ),
+            ));
+        }
     }
     // Attention's weights, plain and with sinks, rows shorter and longer than a cube.
     for (seq, keys) in [(5, 9), (6, 70)] {
