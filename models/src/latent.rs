@@ -5,7 +5,8 @@
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::backend::Backend;
-use burn::tensor::Tensor;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorPrimitive};
 use mpipemoe::layout::swap_dims_contiguous;
 use mpipemoe::{MoeBackend, Result};
 
@@ -258,15 +259,9 @@ impl<B: MoeBackend> LatentAttention<B> {
             // Nothing earlier: every head's keys and values expanded from these tokens' latent,
             // as transformers computes them (the training path and a prefill).
             false => {
-                let kv = swap_dims_contiguous(project(dense, &self.kv_b, self.adapter(4), kv)?.reshape([
-                    b,
-                    t,
-                    h,
-                    nope + v_dim,
-                ]));
-                let k_nope = kv.clone().slice([0..b, 0..h, 0..t, 0..nope]);
-                let values = kv.slice([0..b, 0..h, 0..t, nope..nope + v_dim]);
-                let keys = Tensor::cat(vec![k_nope, k_rot.repeat_dim(1, h)], 3);
+                // [batch, seq, heads, nope + v]: each head's `[k_nope | v]`.
+                let kv = project(dense, &self.kv_b, self.adapter(4), kv)?.reshape([b, t, h, nope + v_dim]);
+                let (keys, values) = keys_and_values(kv, k_rot, nope);
                 attend(
                     query,
                     (keys, values),
@@ -362,6 +357,36 @@ impl<B: Backend> LatentAttention<B> {
             own(w.slice([0..h, 0..lora, nope..nope + v_dim])),
         )
     }
+}
+
+/// Latent attention's keys and values from the expanded product, both head-major: the keys
+/// each head's `k_nope` joined with the rotary key every head shares, the values each head's
+/// `v`. Where the backend has them as one op each way
+/// ([`DecoderKernels::latent_node`](mpipemoe::backend::DecoderKernels::latent_node): the CubeCL
+/// backends), one kernel each; elsewhere one swap of the product, views of it and the
+/// concatenation, whose backward pads and adds the views' gradients.
+///
+/// # Shapes
+/// - kv: `[batch, seq, heads, nope + v]`; k_rot: `[batch, 1, seq, rope]`
+/// - output: keys `[batch, heads, seq, nope + rope]`, values `[batch, heads, seq, v]`
+fn keys_and_values<B: MoeBackend>(
+    kv: Tensor<B, 4>,
+    k_rot: Tensor<B, 4>,
+    nope: usize,
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    if B::latent_node() {
+        let float = |t: FloatTensor<B>| Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(t));
+        let (kv, k_rot) = (kv.into_primitive().tensor(), k_rot.into_primitive().tensor());
+        return (
+            float(B::latent_keys(kv.clone(), k_rot, nope)),
+            float(B::latent_values(kv, nope)),
+        );
+    }
+    let [b, t, h, width] = kv.dims();
+    let kv = swap_dims_contiguous(kv);
+    let k_nope = kv.clone().slice([0..b, 0..h, 0..t, 0..nope]);
+    let values = kv.slice([0..b, 0..h, 0..t, nope..width]);
+    (Tensor::cat(vec![k_nope, k_rot.repeat_dim(1, h)], 3), values)
 }
 
 /// Each head's rows times that head's matrix.

@@ -18,6 +18,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::{BoolTensor, FloatTensor};
 
 use super::softmax::{attention_softmax_composed, attention_softmax_sinks_composed};
+use super::{latent_keys_composed, latent_values_composed};
 use super::{
     rms_norm_composed, rotate_half_seq_major_composed, rotate_pairs_seq_major_composed,
     rotate_tail_to_heads_composed, rotate_to_heads_composed, DecoderKernels,
@@ -105,6 +106,50 @@ impl<B: DecoderKernels> Backward<B, 1> for TailRotaryBackward {
         if let [Some(parent)] = ops.parents {
             let dx = B::rotate_tail_to_heads_backward(grad, cos, sin, self.interleaved, self.pass);
             grads.register::<B>(parent.id, dx);
+        }
+    }
+}
+
+/// The backward of latent attention's keys ([`DecoderKernels::latent_keys`]): the expanded
+/// product's and the rotary key's gradients from the keys'.
+#[derive(Debug)]
+struct LatentKeysBackward {
+    nope: usize,
+    v: usize,
+}
+
+impl<B: DecoderKernels> Backward<B, 2> for LatentKeysBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let [kv_parent, rot_parent] = ops.parents;
+        if kv_parent.is_none() && rot_parent.is_none() {
+            return;
+        }
+        let (dkv, dk_rot) = B::latent_keys_backward(grad, self.nope, self.v);
+        if let Some(parent) = kv_parent {
+            grads.register::<B>(parent.id, dkv);
+        }
+        if let Some(parent) = rot_parent {
+            grads.register::<B>(parent.id, dk_rot);
+        }
+    }
+}
+
+/// The backward of latent attention's values ([`DecoderKernels::latent_values`]).
+#[derive(Debug)]
+struct LatentValuesBackward {
+    nope: usize,
+}
+
+impl<B: DecoderKernels> Backward<B, 1> for LatentValuesBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        if let [Some(parent)] = ops.parents {
+            grads.register::<B>(parent.id, B::latent_values_backward(grad, self.nope));
         }
     }
 }
@@ -284,6 +329,36 @@ impl<B: DecoderKernels, C: CheckpointStrategy> DecoderKernels for Autodiff<B, C>
             OpsKind::Tracked(prep) => prep.finish((cos.primitive, sin.primitive), out),
             OpsKind::UnTracked(prep) => prep.finish(out),
         }
+    }
+
+    fn latent_node() -> bool {
+        B::latent_node()
+    }
+
+    /// The inner backend's keys as one node over both inputs where it has a kernel each way;
+    /// composed, recorded op by op, elsewhere.
+    fn latent_keys(kv: FloatTensor<Self>, k_rot: FloatTensor<Self>, nope: usize) -> FloatTensor<Self> {
+        if !B::latent_node() {
+            return latent_keys_composed::<Self>(kv, k_rot, nope);
+        }
+        let v = burn::tensor::TensorMetadata::shape(&kv.primitive)[3].saturating_sub(nope);
+        let out = B::latent_keys(kv.primitive, k_rot.primitive, nope);
+        LatentKeysBackward { nope, v }
+            .prepare::<C>([kv.node, k_rot.node])
+            .compute_bound()
+            .stateless(out)
+    }
+
+    /// As the keys: one node where the inner backend has a kernel each way.
+    fn latent_values(kv: FloatTensor<Self>, nope: usize) -> FloatTensor<Self> {
+        if !B::latent_node() {
+            return latent_values_composed::<Self>(kv, nope);
+        }
+        let out = B::latent_values(kv.primitive, nope);
+        LatentValuesBackward { nope }
+            .prepare::<C>([kv.node])
+            .compute_bound()
+            .stateless(out)
     }
 
     /// The inner backend's SwiGLU as one node where it has a kernel each way; burn's ops,

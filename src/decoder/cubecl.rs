@@ -1,13 +1,14 @@
 //! The decoder blocks' ops on the CubeCL backends (CUDA, ROCm, WGPU): one kernel each way for
-//! the norm (`cubecl_norm.rs`), both rotations (`cubecl_rotary.rs`) and attention's weights with
-//! or without sinks (`cubecl_softmax.rs`), and the dense blocks' SwiGLU (the experts' kernels,
-//! through `ActivationKernels`); the composed defaults for what a kernel does not read
-//! (another layout or dtype, nothing hidden), and `*_node` saying yes, so that `Autodiff` over
-//! these backends records each op as one node.
+//! the norm (`cubecl_norm.rs`), the rotations (`cubecl_rotary.rs`), latent attention's keys and
+//! values (`cubecl_latent.rs`) and attention's weights with or without sinks
+//! (`cubecl_softmax.rs`), and the dense blocks' SwiGLU (the experts' kernels, through
+//! `ActivationKernels`); the composed defaults for what a kernel does not read (another layout
+//! or dtype, nothing hidden), and `*_node` saying yes, so that `Autodiff` over these backends
+//! records each op as one node.
 
 use burn::tensor::ops::{BoolTensor, FloatTensor};
 
-use super::{cubecl_norm, cubecl_rotary, cubecl_softmax, softmax, DecoderKernels};
+use super::{cubecl_latent, cubecl_norm, cubecl_rotary, cubecl_softmax, softmax, DecoderKernels};
 
 impl<R, F, I, BT> DecoderKernels for burn_cubecl::CubeBackend<R, F, I, BT>
 where
@@ -94,6 +95,33 @@ where
         cubecl_rotary::rotate_tail_to_heads_backward(&grad, &cos, &sin, interleaved, pass).unwrap_or_else(
             || super::rotate_tail_to_heads_backward_composed::<Self>(grad, cos, sin, interleaved, pass),
         )
+    }
+
+    fn latent_node() -> bool {
+        true
+    }
+
+    fn latent_keys(kv: FloatTensor<Self>, k_rot: FloatTensor<Self>, nope: usize) -> FloatTensor<Self> {
+        cubecl_latent::keys(&kv, &k_rot, nope)
+            .unwrap_or_else(|| super::latent_keys_composed::<Self>(kv, k_rot, nope))
+    }
+
+    fn latent_keys_backward(
+        grad: FloatTensor<Self>,
+        nope: usize,
+        v: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        cubecl_latent::keys_backward(&grad, nope, v)
+            .unwrap_or_else(|| super::latent_keys_backward_composed::<Self>(grad, nope, v))
+    }
+
+    fn latent_values(kv: FloatTensor<Self>, nope: usize) -> FloatTensor<Self> {
+        cubecl_latent::values(&kv, nope).unwrap_or_else(|| super::latent_values_composed::<Self>(kv, nope))
+    }
+
+    fn latent_values_backward(grad: FloatTensor<Self>, nope: usize) -> FloatTensor<Self> {
+        cubecl_latent::values_backward(&grad, nope)
+            .unwrap_or_else(|| super::latent_values_backward_composed::<Self>(grad, nope))
     }
 
     fn rotate_pairs_seq_major(

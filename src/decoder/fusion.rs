@@ -115,6 +115,38 @@ impl<B: FusionBackend + DecoderKernels> DecoderKernels for Fusion<B> {
         register::<B>(dx, &device)
     }
 
+    fn latent_node() -> bool {
+        B::latent_node()
+    }
+
+    fn latent_keys(kv: FloatTensor<Self>, k_rot: FloatTensor<Self>, nope: usize) -> FloatTensor<Self> {
+        let device = kv.client.device().clone();
+        register::<B>(
+            B::latent_keys(resolve::<B>(kv), resolve::<B>(k_rot), nope),
+            &device,
+        )
+    }
+
+    fn latent_keys_backward(
+        grad: FloatTensor<Self>,
+        nope: usize,
+        v: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let device = grad.client.device().clone();
+        let (dkv, dk_rot) = B::latent_keys_backward(resolve::<B>(grad), nope, v);
+        (register::<B>(dkv, &device), register::<B>(dk_rot, &device))
+    }
+
+    fn latent_values(kv: FloatTensor<Self>, nope: usize) -> FloatTensor<Self> {
+        let device = kv.client.device().clone();
+        register::<B>(B::latent_values(resolve::<B>(kv), nope), &device)
+    }
+
+    fn latent_values_backward(grad: FloatTensor<Self>, nope: usize) -> FloatTensor<Self> {
+        let device = grad.client.device().clone();
+        register::<B>(B::latent_values_backward(resolve::<B>(grad), nope), &device)
+    }
+
     fn rotate_pairs_seq_major(
         x: FloatTensor<Self>,
         cos: FloatTensor<Self>,

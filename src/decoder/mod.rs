@@ -1,7 +1,8 @@
 //! Kernels of the decoder blocks around the MoE layer: RMSNorm, the rotary embedding (the
-//! `rotate_half` form and Llama 4's pairs), attention's weights (the scaled, masked softmax over
-//! the keys, with or without GPT-OSS's sinks) and the dense blocks' SwiGLU (`gated.rs`), which a
-//! model built on the layer runs at every position of every step.
+//! `rotate_half` form and Llama 4's pairs, and latent attention's queries), latent attention's
+//! keys and values (`latent.rs`), attention's weights (the scaled, masked softmax over the keys,
+//! with or without GPT-OSS's sinks) and the dense blocks' SwiGLU (`gated.rs`), which a model
+//! built on the layer runs at every position of every step.
 //!
 //! Composed from burn's ops, each is six to ten ops, each op an allocation and a pass, on a
 //! few hundred values per token: in a decode step of the 163 M Qwen3-MoE the norms and the
@@ -17,6 +18,10 @@ mod autodiff;
 #[cfg(feature = "cubecl")]
 mod cubecl;
 #[cfg(feature = "cubecl")]
+mod cubecl_latent;
+#[cfg(all(test, feature = "wgpu"))]
+mod cubecl_latent_tests;
+#[cfg(feature = "cubecl")]
 mod cubecl_norm;
 #[cfg(feature = "cubecl")]
 mod cubecl_rotary;
@@ -29,6 +34,7 @@ mod flex;
 #[cfg(feature = "fusion")]
 mod fusion;
 mod gated;
+mod latent;
 mod rotary;
 mod softmax;
 #[cfg(all(test, feature = "flex"))]
@@ -39,6 +45,9 @@ use burn::tensor::ops::{BoolTensor, FloatTensor};
 use burn::tensor::{Tensor, TensorPrimitive};
 
 pub use gated::{gated_silu, gated_silu_of};
+pub(crate) use latent::{latent_keys_composed, latent_values_composed};
+#[cfg(any(feature = "cubecl", feature = "testkit"))]
+pub(crate) use latent::{latent_keys_backward_composed, latent_values_backward_composed};
 pub use rotary::rotate_half_rows;
 pub(crate) use rotary::{
     rotate_half_seq_major_backward_composed, rotate_half_seq_major_composed,
@@ -264,6 +273,60 @@ pub trait DecoderKernels: crate::experts::ActivationKernels {
         pass: usize,
     ) -> FloatTensor<Self> {
         rotate_tail_to_heads_backward_composed::<Self>(grad, cos, sin, interleaved, pass)
+    }
+
+    /// Whether latent attention's keys and values are one op each way
+    /// ([`latent_keys`](Self::latent_keys), [`latent_values`](Self::latent_values)), which
+    /// `Autodiff` then records as one node each: the backends with a kernel each way say yes.
+    /// Elsewhere the model keeps its composition (one swap of the expanded product and views
+    /// of it), whose defaults here would move more.
+    fn latent_node() -> bool {
+        false
+    }
+
+    /// Latent attention's keys: each head's first `nope` values of the expanded product `kv`
+    /// (each head's `[k_nope | v]`), then the rotary key every head shares, head-major. By
+    /// default composed from a slice, burn's swap, a repeat and a concatenation
+    /// (`decoder/latent.rs`).
+    ///
+    /// # Shapes
+    /// - kv: `[batch, seq, heads, nope + v]`; k_rot: `[batch, 1, seq, rope]` →
+    ///   `[batch, heads, seq, nope + rope]`
+    fn latent_keys(kv: FloatTensor<Self>, k_rot: FloatTensor<Self>, nope: usize) -> FloatTensor<Self> {
+        latent::latent_keys_composed::<Self>(kv, k_rot, nope)
+    }
+
+    /// The gradients of [`latent_keys`](Self::latent_keys)' inputs from the keys': `kv`'s
+    /// (zero where the values are, `v` of them a head) and the rotary key's (summed over the
+    /// heads).
+    ///
+    /// # Shapes
+    /// - grad: `[batch, heads, seq, nope + rope]` → (`[batch, seq, heads, nope + v]`,
+    ///   `[batch, 1, seq, rope]`)
+    fn latent_keys_backward(
+        grad: FloatTensor<Self>,
+        nope: usize,
+        v: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        latent::latent_keys_backward_composed::<Self>(grad, nope, v)
+    }
+
+    /// Latent attention's values: each head's values of the expanded product `kv`, after its
+    /// first `nope`, head-major. By default a slice and burn's swap (a view).
+    ///
+    /// # Shapes
+    /// - kv: `[batch, seq, heads, nope + v]` → `[batch, heads, seq, v]`
+    fn latent_values(kv: FloatTensor<Self>, nope: usize) -> FloatTensor<Self> {
+        latent::latent_values_composed::<Self>(kv, nope)
+    }
+
+    /// `kv`'s gradient of [`latent_values`](Self::latent_values) from the values': zero where
+    /// `k_nope` is.
+    ///
+    /// # Shapes
+    /// - grad: `[batch, heads, seq, v]` → `[batch, seq, heads, nope + v]`
+    fn latent_values_backward(grad: FloatTensor<Self>, nope: usize) -> FloatTensor<Self> {
+        latent::latent_values_backward_composed::<Self>(grad, nope)
     }
 
     /// Attention's weights: the softmax over the keys of `scores · scale`, the keys `hidden`

@@ -300,6 +300,38 @@ fn decoder_checks<B: MoeBackend>(device: &B::Device) -> Vec<KernelCheck> {
             ));
         }
     }
+    // Latent attention's keys and values, each way.
+    let (batch, seq, heads, nope, v, rope) = (2, 7, 3, 12, 10, 6);
+    let kv = random::<B, 4>([batch, seq, heads, nope + v], 1.0, device);
+    let k_rot = random::<B, 4>([batch, 1, seq, rope], 1.0, device);
+    let what = |op: &str| format!("{op}, [{batch}, {seq}, {heads}], nope {nope}, v {v}, rope {rope}");
+    checks.push(compare::<B>(
+        &what("latent keys"),
+        B::latent_keys(kv.clone(), k_rot.clone(), nope),
+        decoder::latent_keys_composed::<B>(kv.clone(), k_rot, nope),
+    ));
+    checks.push(compare::<B>(
+        &what("latent values"),
+        B::latent_values(kv.clone(), nope),
+        decoder::latent_values_composed::<B>(kv, nope),
+    ));
+    let grad = random::<B, 4>([batch, heads, seq, nope + rope], 1.0, device);
+    let ((dkv, drot), (want_kv, want_rot)) = (
+        B::latent_keys_backward(grad.clone(), nope, v),
+        decoder::latent_keys_backward_composed::<B>(grad, nope, v),
+    );
+    checks.push(compare::<B>(&what("latent keys backward, kv"), dkv, want_kv));
+    checks.push(compare::<B>(
+        &what("latent keys backward, rotary key"),
+        drot,
+        want_rot,
+    ));
+    let grad = random::<B, 4>([batch, heads, seq, v], 1.0, device);
+    checks.push(compare::<B>(
+        &what("latent values backward"),
+        B::latent_values_backward(grad.clone(), nope),
+        decoder::latent_values_backward_composed::<B>(grad, nope),
+    ));
     // Attention's weights, plain and with sinks, rows shorter and longer than a cube.
     for (seq, keys) in [(5, 9), (6, 70)] {
         let (batch, heads, scale) = (2, 3, 0.3);
