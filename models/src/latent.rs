@@ -236,6 +236,13 @@ impl<B: MoeBackend> LatentAttention<B> {
             c.rope_interleave,
             nope,
         );
+        // Composed, the op's output is a head-major view of a sequence-major tensor: written
+        // head-major once here, as attention's products read it, rather than copied by each
+        // product that reads the view on a CPU backend.
+        let query = match B::rotary_node() {
+            true => query,
+            false => swap_dims_contiguous(query.swap_dims(1, 2)),
+        };
         let kv = self
             .kv_a_norm
             .forward(compressed.clone().slice([0..b, 0..t, 0..lora]));

@@ -45,9 +45,9 @@ use burn::tensor::ops::{BoolTensor, FloatTensor};
 use burn::tensor::{Tensor, TensorPrimitive};
 
 pub use gated::{gated_silu, gated_silu_of};
-pub(crate) use latent::{latent_keys_composed, latent_values_composed};
 #[cfg(any(feature = "cubecl", feature = "testkit"))]
 pub(crate) use latent::{latent_keys_backward_composed, latent_values_backward_composed};
+pub(crate) use latent::{latent_keys_composed, latent_values_composed};
 pub use rotary::rotate_half_rows;
 pub(crate) use rotary::{
     rotate_half_seq_major_backward_composed, rotate_half_seq_major_composed,
