@@ -264,7 +264,9 @@ impl<B: MoeBackend> Attention<B> {
             ),
         };
         if rules.l2_qk_norm {
-            (q, k) = (l2_norm(q, eps), l2_norm(k, eps));
+            // One weight of ones for both norms: each is a fill launch on a GPU backend.
+            let ones = Tensor::<B, 1>::ones([head_dim], &device);
+            (q, k) = (l2_norm(q, &ones, eps), l2_norm(k, &ones, eps));
         }
         if let Some((attn_scale, floor_scale)) = rules.temperature {
             // By column, as transformers counts it (from the cache's length).
@@ -370,15 +372,14 @@ fn norm<B: MoeBackend, const D: usize>(norm: &Option<RmsNorm<B>>, x: Tensor<B, D
 /// other norm, where composed it was about twenty launches a layer in training.
 ///
 /// # Shapes
-/// - x: `[batch, heads, seq, head_dim]` → the same
-fn l2_norm<B: MoeBackend>(x: Tensor<B, 4>, eps: f64) -> Tensor<B, 4> {
+/// - x: `[batch, heads, seq, head_dim]` → the same; ones: `[head_dim]`
+fn l2_norm<B: MoeBackend>(x: Tensor<B, 4>, ones: &Tensor<B, 1>, eps: f64) -> Tensor<B, 4> {
     let dims = x.dims();
     let width = dims[3];
-    let ones = Tensor::<B, 1>::ones([width], &x.device());
     let rows = x.reshape([dims[0] * dims[1] * dims[2], width]);
     let y = B::rms_norm(
         rows.into_primitive().tensor(),
-        ones.into_primitive().tensor(),
+        ones.clone().into_primitive().tensor(),
         eps,
     );
     Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(y)).reshape(dims)
