@@ -17,6 +17,7 @@ use burn::backend::Autodiff;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::{BoolTensor, FloatTensor};
 
+use super::gated::gated_silu_pair_composed;
 use super::softmax::{attention_softmax_composed, attention_softmax_sinks_composed};
 use super::{latent_keys_composed, latent_values_composed};
 use super::{
@@ -150,6 +151,32 @@ impl<B: DecoderKernels> Backward<B, 1> for LatentValuesBackward {
         let grad = grads.consume::<B>(&ops.node);
         if let [Some(parent)] = ops.parents {
             grads.register::<B>(parent.id, B::latent_values_backward(grad, self.nope));
+        }
+    }
+}
+
+/// The backward of the dense blocks' SwiGLU of two halves given apart
+/// ([`DecoderKernels::gated_silu_pair`]).
+#[derive(Debug)]
+struct GatedSiluPairBackward;
+
+impl<B: DecoderKernels> Backward<B, 2> for GatedSiluPairBackward {
+    /// Both halves: the derivative reads them and nothing else.
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let [gate_parent, up_parent] = ops.parents;
+        if gate_parent.is_none() && up_parent.is_none() {
+            return;
+        }
+        let (gate, up) = ops.state;
+        let (d_gate, d_up) = B::gated_silu_pair_backward(gate, up, grad);
+        if let Some(parent) = gate_parent {
+            grads.register::<B>(parent.id, d_gate);
+        }
+        if let Some(parent) = up_parent {
+            grads.register::<B>(parent.id, d_up);
         }
     }
 }
@@ -380,6 +407,27 @@ impl<B: DecoderKernels, C: CheckpointStrategy> DecoderKernels for Autodiff<B, C>
 
     fn gated_silu_node() -> bool {
         B::gated_silu_node()
+    }
+
+    fn gated_silu_pair_node() -> bool {
+        B::gated_silu_pair_node()
+    }
+
+    /// The inner backend's op as one node over both halves where it has a kernel each way;
+    /// burn's ops, recorded one by one, elsewhere.
+    fn gated_silu_pair(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        if !B::gated_silu_pair_node() {
+            return gated_silu_pair_composed::<Self>(gate, up);
+        }
+        let out = B::gated_silu_pair(gate.primitive.clone(), up.primitive.clone());
+        match GatedSiluPairBackward
+            .prepare::<C>([gate.node, up.node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((gate.primitive, up.primitive), out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
     }
 
     fn gated_silu_joins() -> bool {

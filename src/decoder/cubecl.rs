@@ -8,7 +8,9 @@
 
 use burn::tensor::ops::{BoolTensor, FloatTensor};
 
-use super::{cubecl_latent, cubecl_norm, cubecl_rotary, cubecl_softmax, softmax, DecoderKernels};
+use super::{
+    cubecl_gated, cubecl_latent, cubecl_norm, cubecl_rotary, cubecl_softmax, softmax, DecoderKernels,
+};
 
 impl<R, F, I, BT> DecoderKernels for burn_cubecl::CubeBackend<R, F, I, BT>
 where
@@ -148,6 +150,24 @@ where
 
     fn gated_silu_joins() -> bool {
         true
+    }
+
+    fn gated_silu_pair_node() -> bool {
+        true
+    }
+
+    fn gated_silu_pair(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        cubecl_gated::gated_silu_pair(&gate, &up)
+            .unwrap_or_else(|| super::gated_silu_pair_composed::<Self>(gate, up))
+    }
+
+    fn gated_silu_pair_backward(
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        cubecl_gated::gated_silu_pair_backward(&gate, &up, &grad)
+            .unwrap_or_else(|| super::gated_silu_pair_backward_composed::<Self>(gate, up, grad))
     }
 
     fn attention_softmax(

@@ -105,13 +105,13 @@ fn the_norm_node_matches_burns_ops_recorded_one_by_one() {
 }
 
 /// The dense blocks' SwiGLU under `Autodiff<Wgpu>` as the models call it, on halves given apart
-/// (`gated_silu_of`: joined, then one node) and on `[gate | up]` whole (`gated_silu`), against
+/// (`gated_silu_of`: one node over both) and on `[gate | up]` whole (`gated_silu`), against
 /// burn's `silu(gate) · up` recorded one by one: output and both halves' gradients, for a loss
 /// that weighs every output differently, at a width no multiple of a cube's threads.
 #[test]
 fn the_gated_silu_node_matches_burns_ops_recorded_one_by_one() {
     type A = Autodiff<Wgpu>;
-    assert!(<A as DecoderKernels>::gated_silu_node() && <A as DecoderKernels>::gated_silu_joins());
+    assert!(<A as DecoderKernels>::gated_silu_node() && <A as DecoderKernels>::gated_silu_pair_node());
     let device = Default::default();
     let random = |sd| Tensor::<A, 3>::random([3, 7, 45], Distribution::Normal(0.0, sd), &device);
     super::gated::assert_forms_agree(&random(3.0), &random(2.0), &random(1.0), 2e-6);

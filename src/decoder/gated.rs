@@ -10,6 +10,8 @@
 //! ([`DecoderKernels::gated_silu_node`]); NdArray keeps the composed graph, op for op what the
 //! blocks wrote before.
 
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 
 use super::DecoderKernels;
@@ -37,10 +39,12 @@ pub fn gated_silu<B: DecoderKernels, const D: usize>(z: Tensor<B, D>) -> Tensor<
     Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(B::gated_silu(flat))).reshape(out_dims)
 }
 
-/// `silu(gate) · up` of two halves given apart: [`gated_silu`] of their concatenation where
-/// the copy that joins them costs less than the ops it saves
-/// ([`DecoderKernels::gated_silu_joins`]), burn's `silu(gate) · up` elsewhere (the graph the
-/// dense blocks recorded before, unchanged on NdArray and under fusion).
+/// `silu(gate) · up` of two halves given apart: one op of the two where the backend has it
+/// ([`DecoderKernels::gated_silu_pair_node`]: the CubeCL backends, a kernel each way),
+/// [`gated_silu`] of their concatenation where the copy that joins them costs less than the
+/// ops it saves ([`DecoderKernels::gated_silu_joins`]: Flex), burn's `silu(gate) · up`
+/// elsewhere (the graph the dense blocks recorded before, unchanged on NdArray and under
+/// fusion).
 ///
 /// # Shapes
 /// - gate, up: `[..., d_hidden]` → `[..., d_hidden]`
@@ -48,10 +52,38 @@ pub fn gated_silu_of<B: DecoderKernels, const D: usize>(
     gate: Tensor<B, D>,
     up: Tensor<B, D>,
 ) -> Tensor<B, D> {
+    if B::gated_silu_pair_node() {
+        let out = B::gated_silu_pair(gate.into_primitive().tensor(), up.into_primitive().tensor());
+        return Tensor::from_primitive(TensorPrimitive::Float(out));
+    }
     match B::gated_silu_joins() {
         true => gated_silu(Tensor::cat(vec![gate, up], D - 1)),
         false => burn::tensor::activation::silu(gate) * up,
     }
+}
+
+/// [`DecoderKernels::gated_silu_pair`]'s default: burn's `silu(gate) · up`.
+pub(crate) fn gated_silu_pair_composed<B: Backend>(
+    gate: FloatTensor<B>,
+    up: FloatTensor<B>,
+) -> FloatTensor<B> {
+    B::float_mul(B::float_mul(gate.clone(), B::sigmoid(gate)), up)
+}
+
+/// [`DecoderKernels::gated_silu_pair_backward`]'s default: `d up = grad · silu(gate)` and
+/// `d gate = grad · up · σ(gate) · (1 + gate · (1 − σ(gate)))` from burn's ops, as the
+/// experts' composed SwiGLU derivative makes them.
+pub(crate) fn gated_silu_pair_backward_composed<B: Backend>(
+    gate: FloatTensor<B>,
+    up: FloatTensor<B>,
+    grad: FloatTensor<B>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let sig = B::sigmoid(gate.clone());
+    let d_up = B::float_mul(grad.clone(), B::float_mul(gate.clone(), sig.clone()));
+    let one_minus = B::float_add_scalar(B::float_neg(sig.clone()), 1.0.into());
+    let slope = B::float_add_scalar(B::float_mul(gate, one_minus), 1.0.into());
+    let d_gate = B::float_mul(B::float_mul(grad, up), B::float_mul(sig, slope));
+    (d_gate, d_up)
 }
 
 /// The node tests' comparison (`cubecl_tests.rs` on WGPU, `tests.rs` on Flex): `gated_silu_of`

@@ -18,6 +18,8 @@ mod autodiff;
 #[cfg(feature = "cubecl")]
 mod cubecl;
 #[cfg(feature = "cubecl")]
+mod cubecl_gated;
+#[cfg(feature = "cubecl")]
 mod cubecl_latent;
 #[cfg(all(test, feature = "wgpu"))]
 mod cubecl_latent_tests;
@@ -45,6 +47,8 @@ use burn::tensor::ops::{BoolTensor, FloatTensor};
 use burn::tensor::{Tensor, TensorPrimitive};
 
 pub use gated::{gated_silu, gated_silu_of};
+#[cfg(any(feature = "cubecl", feature = "testkit"))]
+pub(crate) use gated::{gated_silu_pair_backward_composed, gated_silu_pair_composed};
 #[cfg(any(feature = "cubecl", feature = "testkit"))]
 pub(crate) use latent::{latent_keys_backward_composed, latent_values_backward_composed};
 pub(crate) use latent::{latent_keys_composed, latent_values_composed};
@@ -206,6 +210,37 @@ pub trait DecoderKernels: crate::experts::ActivationKernels {
     /// - z: `[rows, 2 · d_hidden]`, grad: `[rows, d_hidden]` → `[rows, 2 · d_hidden]`
     fn gated_silu_backward(z: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
         Self::swiglu_backward(z, grad)
+    }
+
+    /// Whether [`gated_silu_of`] runs two halves given apart as one op,
+    /// [`gated_silu_pair`](Self::gated_silu_pair), which `Autodiff` then records as one node
+    /// over both: the backends with a kernel each way say yes (the raw CubeCL backends), where
+    /// joining the halves would be a concatenation forward and two copies backward.
+    fn gated_silu_pair_node() -> bool {
+        false
+    }
+
+    /// SwiGLU of two halves given apart, `silu(gate) · up` (a dense block's two projections).
+    /// By default burn's ops.
+    ///
+    /// # Shapes
+    /// - gate, up: `[.., d_hidden]` → the same
+    fn gated_silu_pair(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        gated::gated_silu_pair_composed::<Self>(gate, up)
+    }
+
+    /// Both halves' gradients of [`gated_silu_pair`](Self::gated_silu_pair) from the
+    /// output's: `(d gate, d up)`, as [`gated_silu_backward`](Self::gated_silu_backward)
+    /// makes them.
+    ///
+    /// # Shapes
+    /// - gate, up, grad: `[.., d_hidden]` → two of the same
+    fn gated_silu_pair_backward(
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        gated::gated_silu_pair_backward_composed::<Self>(gate, up, grad)
     }
 
     /// The rotation, [`rotate_half_seq_major`](Self::rotate_half_seq_major)'s or (`pairs`)

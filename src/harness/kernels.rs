@@ -185,9 +185,31 @@ fn decoder_checks<B: MoeBackend>(device: &B::Device) -> Vec<KernelCheck> {
         compare::<B>(
             "gated silu backward",
             <B as decoder::DecoderKernels>::gated_silu_backward(z.clone(), grad.clone()),
-            experts::swiglu_backward_composed::<B>(z, grad),
+            experts::swiglu_backward_composed::<B>(z, grad.clone()),
         ),
     ];
+    // The same on the two halves given apart (a dense MLP's two projections).
+    let (gate, up) = (
+        random::<B, 2>([rows, h], 4.0, device),
+        random::<B, 2>([rows, h], 4.0, device),
+    );
+    checks.push(compare::<B>(
+        "gated silu of two halves",
+        B::gated_silu_pair(gate.clone(), up.clone()),
+        decoder::gated_silu_pair_composed::<B>(gate.clone(), up.clone()),
+    ));
+    let (d_gate, d_up) = B::gated_silu_pair_backward(gate.clone(), up.clone(), grad.clone());
+    let (want_gate, want_up) = decoder::gated_silu_pair_backward_composed::<B>(gate, up, grad);
+    checks.push(compare::<B>(
+        "gated silu of two halves backward, gate",
+        d_gate,
+        want_gate,
+    ));
+    checks.push(compare::<B>(
+        "gated silu of two halves backward, up",
+        d_up,
+        want_up,
+    ));
     // The norm, on rows narrower and wider than a cube.
     for width in [29, 1000] {
         let x = random::<B, 2>([37, width], 2.0, device);
