@@ -7,8 +7,10 @@
 //! two halves' gradients: each a launch on a GPU backend that does not fuse, every step, every
 //! dense block; on Flex each runs on one thread. The CubeCL backends and Flex run it as the
 //! experts' SwiGLU kernel each way, and `Autodiff` over them records it as one node
-//! ([`DecoderKernels::gated_silu_node`]); NdArray keeps the composed graph, op for op what the
-//! blocks wrote before.
+//! ([`DecoderKernels::gated_silu_node`]); given the two halves apart (a dense MLP's two
+//! projections), the CubeCL backends run a kernel of the pair each way instead of joining them
+//! (`cubecl_gated.rs`). NdArray keeps the composed graph, op for op what the blocks wrote
+//! before.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
