@@ -7,6 +7,7 @@ use burn::nn::{Linear, LinearConfig};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
+use mpipemoe::decoder::TailRotation;
 use mpipemoe::layout::swap_dims_contiguous;
 use mpipemoe::{MoeBackend, Result};
 
@@ -229,13 +230,12 @@ impl<B: MoeBackend> LatentAttention<B> {
         };
         // [batch, heads, seq, nope + rope]: each head's rotary part rotated and the whole
         // written head-major in one op (one kernel each way on the CubeCL backends).
-        let query = Rotary::apply_tail_to_heads(
-            q.reshape([b, t, h, nope + rope]),
-            cos,
-            sin,
-            c.rope_interleave,
-            nope,
-        );
+        let form = |skip, pass| TailRotation {
+            interleaved: c.rope_interleave,
+            skip,
+            pass,
+        };
+        let query = Rotary::apply_tail_to_heads(q.reshape([b, t, h, nope + rope]), cos, sin, form(0, nope));
         // Composed, the op's output is a head-major view of a sequence-major tensor: written
         // head-major once here, as attention's products read it, rather than copied by each
         // product that reads the view on a CPU backend.
@@ -246,16 +246,15 @@ impl<B: MoeBackend> LatentAttention<B> {
         let kv = self
             .kv_a_norm
             .forward(compressed.clone().slice([0..b, 0..t, 0..lora]));
-        // [batch, 1, seq, rope]: the keys' rotary part, one head shared by all, read where it
-        // lies in the compression (a view: the unit head dimension added before the slice).
+        // [batch, 1, seq, rope]: the keys' rotary part, one head shared by all, read from the
+        // compression whole with the latent left out: where the rotation is one op, no slice
+        // is copied forward, and its gradient is the whole compression's (zero where the latent
+        // is) rather than a slice's padded.
         let k_rot = Rotary::apply_tail_to_heads(
-            compressed
-                .reshape([b, t, 1, lora + rope])
-                .slice([0..b, 0..t, 0..1, lora..lora + rope]),
+            compressed.reshape([b, t, 1, lora + rope]),
             cos,
             sin,
-            c.rope_interleave,
-            0,
+            form(lora, 0),
         );
         // The cache holds the compressed form: the normalised latent and the rotary key, both
         // shared by every head.

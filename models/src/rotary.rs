@@ -3,7 +3,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
-use mpipemoe::decoder::{rotate_half_rows, DecoderKernels};
+use mpipemoe::decoder::{rotate_half_rows, DecoderKernels, TailRotation};
 
 /// How the rotary frequencies are scaled for contexts beyond the pretraining length
 /// (`rope_parameters.rope_type` in a transformers 5 config, `rope_scaling` in 4.x).
@@ -245,30 +245,28 @@ impl Rotary {
         Tensor::from_primitive(TensorPrimitive::Float(rotated))
     }
 
-    /// Latent attention's rotation (DeepSeek): each head's first `pass` values as they are and
-    /// the rest rotated, in the `rotate_half` form or (`interleaved`) DeepSeek's interleaved
-    /// pairs written as `[first values | second values]`, returned head-major: the backend's
-    /// [`DecoderKernels::rotate_tail_to_heads`], one kernel each way on the CubeCL backends,
-    /// where the slices, the rotation, the concatenation and the swap were five launches
-    /// forward and about ten backward.
+    /// Latent attention's rotations (DeepSeek): each head's first `form.skip` values left out,
+    /// the next `form.pass` as they are and the rest rotated, in the `rotate_half` form or
+    /// DeepSeek's interleaved pairs written as `[first values | second values]`, returned
+    /// head-major: the backend's [`DecoderKernels::rotate_tail_to_heads`], one kernel each way
+    /// on the CubeCL backends, where the slices, the rotation, the concatenation and the swap
+    /// were five launches forward and about ten backward.
     ///
     /// # Shapes
-    /// - x: `[batch, seq, heads, pass + rotated]`
+    /// - x: `[batch, seq, heads, skip + pass + rotated]`
     /// - cos, sin: `[rows, seq, rotated]`, `rows` 1 or `batch`
     /// - output: `[batch, heads, seq, pass + rotated]`
     pub fn apply_tail_to_heads<B: DecoderKernels>(
         x: Tensor<B, 4>,
         cos: &Tensor<B, 3>,
         sin: &Tensor<B, 3>,
-        interleaved: bool,
-        pass: usize,
+        form: TailRotation,
     ) -> Tensor<B, 4> {
         let rotated = B::rotate_tail_to_heads(
             x.into_primitive().tensor(),
             cos.clone().into_primitive().tensor(),
             sin.clone().into_primitive().tensor(),
-            interleaved,
-            pass,
+            form,
         );
         Tensor::from_primitive(TensorPrimitive::Float(rotated))
     }

@@ -19,6 +19,7 @@ use burn::tensor::ops::{BoolTensor, FloatTensor};
 
 use super::gated::gated_silu_pair_composed;
 use super::softmax::{attention_softmax_composed, attention_softmax_sinks_composed};
+use super::TailRotation;
 use super::{latent_keys_composed, latent_values_composed};
 use super::{
     rms_norm_composed, rotate_half_seq_major_composed, rotate_pairs_seq_major_composed,
@@ -90,11 +91,10 @@ impl<B: DecoderKernels> Backward<B, 1> for RotaryBackward {
 
 /// The backward of latent attention's query rotation ([`DecoderKernels::rotate_tail_to_heads`]):
 /// its transpose of the head-major gradient, the first `pass` values of each head passed
-/// through.
+/// through after `skip` zeros.
 #[derive(Debug)]
 struct TailRotaryBackward {
-    interleaved: bool,
-    pass: usize,
+    form: TailRotation,
 }
 
 impl<B: DecoderKernels> Backward<B, 1> for TailRotaryBackward {
@@ -105,7 +105,7 @@ impl<B: DecoderKernels> Backward<B, 1> for TailRotaryBackward {
         let grad = grads.consume::<B>(&ops.node);
         let (cos, sin) = ops.state;
         if let [Some(parent)] = ops.parents {
-            let dx = B::rotate_tail_to_heads_backward(grad, cos, sin, self.interleaved, self.pass);
+            let dx = B::rotate_tail_to_heads_backward(grad, cos, sin, self.form);
             grads.register::<B>(parent.id, dx);
         }
     }
@@ -337,21 +337,14 @@ impl<B: DecoderKernels, C: CheckpointStrategy> DecoderKernels for Autodiff<B, C>
         x: FloatTensor<Self>,
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
-        interleaved: bool,
-        pass: usize,
+        form: TailRotation,
     ) -> FloatTensor<Self> {
         let tracked = |t: &FloatTensor<Self>| !t.node.requirement.is_none();
         if !B::rotary_node() || tracked(&cos) || tracked(&sin) {
-            return rotate_tail_to_heads_composed::<Self>(x, cos, sin, interleaved, pass);
+            return rotate_tail_to_heads_composed::<Self>(x, cos, sin, form);
         }
-        let out = B::rotate_tail_to_heads(
-            x.primitive,
-            cos.primitive.clone(),
-            sin.primitive.clone(),
-            interleaved,
-            pass,
-        );
-        let node = TailRotaryBackward { interleaved, pass };
+        let out = B::rotate_tail_to_heads(x.primitive, cos.primitive.clone(), sin.primitive.clone(), form);
+        let node = TailRotaryBackward { form };
         match node.prepare::<C>([x.node]).compute_bound().stateful() {
             OpsKind::Tracked(prep) => prep.finish((cos.primitive, sin.primitive), out),
             OpsKind::UnTracked(prep) => prep.finish(out),

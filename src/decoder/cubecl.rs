@@ -10,6 +10,7 @@ use burn::tensor::ops::{BoolTensor, FloatTensor};
 
 use super::{
     cubecl_gated, cubecl_latent, cubecl_norm, cubecl_rotary, cubecl_softmax, softmax, DecoderKernels,
+    TailRotation,
 };
 
 impl<R, F, I, BT> DecoderKernels for burn_cubecl::CubeBackend<R, F, I, BT>
@@ -80,23 +81,26 @@ where
         x: FloatTensor<Self>,
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
-        interleaved: bool,
-        pass: usize,
+        form: TailRotation,
     ) -> FloatTensor<Self> {
-        cubecl_rotary::rotate_tail_to_heads(&x, &cos, &sin, interleaved, pass)
-            .unwrap_or_else(|| super::rotate_tail_to_heads_composed::<Self>(x, cos, sin, interleaved, pass))
+        cubecl_rotary::rotate_tail_to_heads(&x, &cos, &sin, form.interleaved, (form.skip, form.pass))
+            .unwrap_or_else(|| super::rotate_tail_to_heads_composed::<Self>(x, cos, sin, form))
     }
 
     fn rotate_tail_to_heads_backward(
         grad: FloatTensor<Self>,
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
-        interleaved: bool,
-        pass: usize,
+        form: TailRotation,
     ) -> FloatTensor<Self> {
-        cubecl_rotary::rotate_tail_to_heads_backward(&grad, &cos, &sin, interleaved, pass).unwrap_or_else(
-            || super::rotate_tail_to_heads_backward_composed::<Self>(grad, cos, sin, interleaved, pass),
+        cubecl_rotary::rotate_tail_to_heads_backward(
+            &grad,
+            &cos,
+            &sin,
+            form.interleaved,
+            (form.skip, form.pass),
         )
+        .unwrap_or_else(|| super::rotate_tail_to_heads_backward_composed::<Self>(grad, cos, sin, form))
     }
 
     fn latent_node() -> bool {

@@ -33,7 +33,9 @@ fn rotate_half_kernel<F: Float>(
     heads: usize,
     head_dim: usize,
     tables_per_batch: usize,
+    skip: usize,
     pass: usize,
+    rotated: usize,
     #[comptime] transpose: bool,
     #[comptime] pairs: bool,
     #[comptime] interleave: bool,
@@ -51,13 +53,25 @@ fn rotate_half_kernel<F: Float>(
     // At the output's strides: contiguous, or (`to_heads`) a head-major buffer seen as
     // `[batch, seq, heads, head_dim]`.
     let o = batch * out.stride(0) + position * out.stride(1) + head * out.stride(2) + j * out.stride(3);
+    // `x`'s first `skip` values of each head are not the op's: forward they are not read,
+    // transposed their gradient is zero. `col`: this value's place after them.
+    let mut col = j;
+    let mut from_x = skip;
+    if transpose {
+        if j < skip {
+            out[o] = F::new(0.0);
+            terminate!();
+        }
+        col = j - skip;
+        from_x = 0;
+    }
     // Latent attention's queries keep each head's first `pass` values as they are.
-    if j < pass {
-        out[o] = x[row + j * x.stride(3)];
+    if col < pass {
+        out[o] = x[row + (from_x + col) * x.stride(3)];
         terminate!();
     }
-    let r = j - pass;
-    let half = (head_dim - pass) / 2;
+    let r = col - pass;
+    let half = rotated / 2;
     // The value rotated with this one and the sign it takes, and where the angle's cosine and
     // sine are: for `rotate_half`, the other half's value of the same head and this value's
     // own table entries; for pairs, the pair's other value and the pair's angle. Indices are
@@ -92,8 +106,8 @@ fn rotate_half_kernel<F: Float>(
         partner = r - half;
         sign = f32::new(1.0);
     }
-    let value = f32::cast_from(x[row + (pass + own) * x.stride(3)]);
-    let other = f32::cast_from(x[row + (pass + partner) * x.stride(3)]);
+    let value = f32::cast_from(x[row + (from_x + pass + own) * x.stride(3)]);
+    let other = f32::cast_from(x[row + (from_x + pass + partner) * x.stride(3)]);
     let table = batch * tables_per_batch;
     let (c_row, s_row) = (
         table * cos.stride(0) + position * cos.stride(1),
@@ -114,11 +128,13 @@ fn rotate_half_kernel<F: Float>(
 }
 
 /// How the kernel rotates: the form (`rotate_half`, Llama 4's `pairs`, or DeepSeek's pairs
-/// written de-interleaved) and how many values of each head come first unrotated.
+/// written de-interleaved), how many values of each head of `x` are not the op's (`skip`:
+/// not read forward, a zero gradient transposed), and how many come first unrotated (`pass`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Form {
     pairs: bool,
     interleave: bool,
+    skip: usize,
     pass: usize,
 }
 
@@ -126,11 +142,13 @@ impl Form {
     const HALF: Self = Self {
         pairs: false,
         interleave: false,
+        skip: 0,
         pass: 0,
     };
     const PAIRS: Self = Self {
         pairs: true,
         interleave: false,
+        skip: 0,
         pass: 0,
     };
 
@@ -141,28 +159,37 @@ impl Form {
         }
     }
 
-    /// Latent attention's form: `rotate_half`, or (`interleaved`) DeepSeek's, after `pass`
-    /// values kept.
-    fn tail(interleaved: bool, pass: usize) -> Self {
+    /// Latent attention's form: `rotate_half`, or (`interleaved`) DeepSeek's, after `skip`
+    /// values left out and `pass` kept.
+    fn tail(interleaved: bool, skip: usize, pass: usize) -> Self {
         Self {
             pairs: interleaved,
             interleave: interleaved,
+            skip,
             pass,
         }
     }
 }
 
-/// Whether the kernel reads `x` `[batch, seq, heads, head_dim]` (an even number of rotated
-/// values after `form.pass`) and the tables `[1 or batch, seq, head_dim − pass]`, all of one of
-/// the kernels' float types.
+/// The output's dims and the rotated width where the kernel reads the tensors: `x`
+/// `[batch, seq, heads, width]` of one of the kernels' float types, of which forward the first
+/// `form.skip` values a head are left out (the output is that much narrower) and transposed
+/// (`x` the output's gradient) that many zeros come first (the output is that much wider); an
+/// even number of rotated values after `form.pass`; the tables `[1 or batch, seq, rotated]` of
+/// `x`'s type.
 fn fits<R: CubeRuntime>(
     x: &CubeTensor<R>,
     cos: &CubeTensor<R>,
     sin: &CubeTensor<R>,
     form: Form,
-) -> Option<[usize; 4]> {
-    let dims @ [batch, seq, _, head_dim] = <[usize; 4]>::try_from(x.meta.shape().to_vec()).ok()?;
-    let rotated = head_dim.checked_sub(form.pass)?;
+    transpose: bool,
+) -> Option<([usize; 4], usize)> {
+    let dims @ [batch, seq, heads, width] = <[usize; 4]>::try_from(x.meta.shape().to_vec()).ok()?;
+    let (out_width, ours) = match transpose {
+        true => (width.checked_add(form.skip)?, width),
+        false => (width.checked_sub(form.skip)?, width - form.skip),
+    };
+    let rotated = ours.checked_sub(form.pass)?;
     let table = cos.meta.shape().to_vec();
     let ok = kernel_float(x)
         && cos.dtype == x.dtype
@@ -174,7 +201,7 @@ fn fits<R: CubeRuntime>(
         && rotated > 0
         && rotated.is_multiple_of(2)
         && dims.iter().product::<usize>() > 0;
-    ok.then_some(dims)
+    ok.then_some(([batch, seq, heads, out_width], rotated))
 }
 
 /// The rotation of `x` (`transpose` false) or its transpose, `x` then being the output's
@@ -227,43 +254,45 @@ pub(crate) fn rotate_to_heads<R: CubeRuntime>(
     into_heads(x, cos, sin, Form::new(pairs))
 }
 
-/// Latent attention's queries (DeepSeek): each head's first `pass` values as they are and the
-/// rest rotated, `rotate_half` or (`interleaved`) DeepSeek's interleaved pairs written
-/// de-interleaved, all written head-major in one kernel. Composed, that was the slices of the
-/// two parts, the rotation, a copy to de-interleave it, the concatenation and the swap to
-/// head-major (five launches), and in the backward as many more and the two parts' gradients
-/// padded and added. `None` where the kernel does not read the tensors.
+/// Latent attention's rotations (DeepSeek): each head's first `pass` values as they are and
+/// the rest rotated, `rotate_half` or (`interleaved`) DeepSeek's interleaved pairs written
+/// de-interleaved, all written head-major in one kernel, after `skip` values of `x` left out
+/// (the keys' rotary part read where it lies in the compression). Composed, the query's was
+/// the slices of the two parts, the rotation, a copy to de-interleave it, the concatenation
+/// and the swap to head-major (five launches), and in the backward as many more and the two
+/// parts' gradients padded and added. `None` where the kernel does not read the tensors.
 ///
 /// # Shapes
-/// - x: `[batch, seq, heads, pass + rotated]`
+/// - x: `[batch, seq, heads, skip + pass + rotated]`
 /// - cos, sin: `[rows, seq, rotated]`, `rows` 1 or `batch` → `[batch, heads, seq, pass + rotated]`
 pub(crate) fn rotate_tail_to_heads<R: CubeRuntime>(
     x: &CubeTensor<R>,
     cos: &CubeTensor<R>,
     sin: &CubeTensor<R>,
     interleaved: bool,
-    pass: usize,
+    (skip, pass): (usize, usize),
 ) -> Option<CubeTensor<R>> {
-    into_heads(x, cos, sin, Form::tail(interleaved, pass))
+    into_heads(x, cos, sin, Form::tail(interleaved, skip, pass))
 }
 
-/// The transpose of [`rotate_tail_to_heads`]: `x`'s gradient, sequence-major and contiguous,
-/// from the head-major gradient of the output, read where it lies. `None` where the kernel
-/// does not read the tensors.
+/// The transpose of [`rotate_tail_to_heads`]: `x`'s gradient, sequence-major and contiguous
+/// (zero in the `skip` values left out), from the head-major gradient of the output, read
+/// where it lies. `None` where the kernel does not read the tensors.
 ///
 /// # Shapes
 /// - grad: `[batch, heads, seq, pass + rotated]`
-/// - cos, sin: `[rows, seq, rotated]`, `rows` 1 or `batch` → `[batch, seq, heads, pass + rotated]`
+/// - cos, sin: `[rows, seq, rotated]`, `rows` 1 or `batch` →
+///   `[batch, seq, heads, skip + pass + rotated]`
 pub(crate) fn rotate_tail_to_heads_backward<R: CubeRuntime>(
     grad: &CubeTensor<R>,
     cos: &CubeTensor<R>,
     sin: &CubeTensor<R>,
     interleaved: bool,
-    pass: usize,
+    (skip, pass): (usize, usize),
 ) -> Option<CubeTensor<R>> {
     let mut seen = grad.clone();
     seen.meta.swap(1, 2);
-    rotate(&seen, cos, sin, true, Form::tail(interleaved, pass))
+    rotate(&seen, cos, sin, true, Form::tail(interleaved, skip, pass))
 }
 
 /// The forward rotation in `form` written into a head-major buffer of its own.
@@ -273,12 +302,12 @@ fn into_heads<R: CubeRuntime>(
     sin: &CubeTensor<R>,
     form: Form,
 ) -> Option<CubeTensor<R>> {
-    let [batch, seq, heads, head_dim] = fits(x, cos, sin, form)?;
-    let heads_major = output(x, [batch, heads, seq, head_dim]);
+    let ([batch, seq, heads, width], rotated) = fits(x, cos, sin, form, false)?;
+    let heads_major = output(x, [batch, heads, seq, width]);
     // The same buffer seen sequence-major, which the kernel writes at its strides.
     let mut view = heads_major.clone();
     view.meta.swap(1, 2);
-    rotate_into(x, cos, sin, false, form, view)?;
+    rotate_into(x, cos, sin, (false, form, rotated), view);
     Some(heads_major)
 }
 
@@ -289,30 +318,32 @@ fn rotate<R: CubeRuntime>(
     transpose: bool,
     form: Form,
 ) -> Option<CubeTensor<R>> {
-    let dims = fits(x, cos, sin, form)?;
-    rotate_into(x, cos, sin, transpose, form, output(x, dims))
+    let (dims, rotated) = fits(x, cos, sin, form, transpose)?;
+    let out = output(x, dims);
+    rotate_into(x, cos, sin, (transpose, form, rotated), out.clone());
+    Some(out)
 }
 
-/// Launches the kernel into `out`, `[batch, seq, heads, head_dim]` over a buffer of its own
-/// (contiguous, or a permutation of a contiguous one); returns it.
+/// Launches the kernel into `out`, the dims [`fits`] gave for `x` over a buffer of its own
+/// (contiguous, or a permutation of a contiguous one).
 fn rotate_into<R: CubeRuntime>(
     x: &CubeTensor<R>,
     cos: &CubeTensor<R>,
     sin: &CubeTensor<R>,
-    transpose: bool,
-    form: Form,
+    (transpose, form, rotated): (bool, Form, usize),
     out: CubeTensor<R>,
-) -> Option<CubeTensor<R>> {
-    let dims @ [batch, seq, heads, head_dim] = fits(x, cos, sin, form)?;
-    debug_assert_eq!(out.meta.shape().to_vec(), dims, "the output's dims are x's");
+) {
+    let dims @ [batch, seq, heads, head_dim] =
+        <[usize; 4]>::try_from(out.meta.shape().to_vec()).expect("`fits` gave the output four dimensions");
     let tables_per_batch = usize::from(cos.meta.shape()[0] == batch && batch > 1);
     let (count, dim) = grid(x, dims.iter().product());
-    // SAFETY: `x` is read at its strides within `[batch, seq, heads, head_dim]`, the tables at
-    // theirs within `[rows, seq, head_dim − pass]` (row 0 alone where `tables_per_batch` is 0,
-    // which `fits` and the line above give wherever `rows` is 1; the kernel's angles are below
-    // `head_dim − pass`); `out` has those dims over a buffer of as many elements (its callers':
-    // contiguous, or a permutation of contiguous), so each thread writes one element of it at
-    // its strides, and threads past its length leave.
+    // SAFETY: `x` is read at its strides within its dims (`fits`: forward, the values after the
+    // `skip` left out; transposed, every value), the tables at theirs within `[rows, seq,
+    // rotated]` (row 0 alone where `tables_per_batch` is 0, which `fits` and the line above
+    // give wherever `rows` is 1; the kernel's angles are below `rotated`); `out` has the dims
+    // its index is split by over a buffer of as many elements (its callers': contiguous, or a
+    // permutation of contiguous), so each thread writes one element of it at its strides, and
+    // threads past its length leave.
     unsafe {
         rotate_half_kernel::launch_unchecked(
             &x.client,
@@ -321,17 +352,18 @@ fn rotate_into<R: CubeRuntime>(
             x.clone().into_tensor_arg(),
             cos.clone().into_tensor_arg(),
             sin.clone().into_tensor_arg(),
-            out.clone().into_tensor_arg(),
+            out.into_tensor_arg(),
             seq,
             heads,
             head_dim,
             tables_per_batch,
+            form.skip,
             form.pass,
+            rotated,
             transpose,
             form.pairs,
             form.interleave,
             x.dtype.into(),
         )
     };
-    Some(out)
 }

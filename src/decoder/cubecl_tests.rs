@@ -7,7 +7,7 @@
 use burn::backend::{Autodiff, Wgpu};
 use burn::tensor::{Distribution, Tensor, TensorPrimitive};
 
-use super::{rms_norm_backward_composed, rms_norm_composed, DecoderKernels};
+use super::{rms_norm_backward_composed, rms_norm_composed, DecoderKernels, TailRotation};
 use crate::cubecl_test_kernels::{close_within, p, strided};
 
 fn random(shape: [usize; 2], scale: f64) -> Tensor<Wgpu, 2> {
@@ -527,7 +527,7 @@ fn the_rotary_node_matches_burns_ops_recorded_one_by_one() {
         ),
     ];
     for (name, node_op, composed) in ops {
-        rotary_node_matches(name, node_op, composed, 0);
+        rotary_node_matches(name, node_op, composed, (0, 0));
     }
 }
 
@@ -538,15 +538,24 @@ type TrackedRotation = fn(
     burn::tensor::ops::FloatTensor<Autodiff<Wgpu>>,
 ) -> burn::tensor::ops::FloatTensor<Autodiff<Wgpu>>;
 
-/// `pass`: the values of each head that come first unrotated (the tables are as wide as the
-/// rest).
-fn rotary_node_matches(name: &str, node_op: TrackedRotation, composed: TrackedRotation, pass: usize) {
+/// `(skip, pass)`: the values of each head the op leaves out, and those after them it keeps
+/// unrotated (the tables are as wide as the rest).
+fn rotary_node_matches(
+    name: &str,
+    node_op: TrackedRotation,
+    composed: TrackedRotation,
+    (skip, pass): (usize, usize),
+) {
     type A = Autodiff<Wgpu>;
     let (batch, seq, heads, head_dim) = (2, 6, 4, 10);
-    let rotated = head_dim - pass;
+    let rotated = head_dim - skip - pass;
     let device = Default::default();
     let x0 = Tensor::<A, 4>::random([batch, seq, heads, head_dim], Distribution::Default, &device);
-    let g = Tensor::<A, 4>::random([batch, seq, heads, head_dim], Distribution::Default, &device);
+    let g = Tensor::<A, 4>::random(
+        [batch, seq, heads, head_dim - skip],
+        Distribution::Default,
+        &device,
+    );
     let tables = [table(1, seq, rotated), table(1, seq, rotated)]
         .map(|t| Tensor::<A, 3>::from_inner(Tensor::from_primitive(TensorPrimitive::Float(t))));
     let run = |node: bool, track_tables: bool| {
@@ -589,128 +598,141 @@ fn rotary_node_matches(name: &str, node_op: TrackedRotation, composed: TrackedRo
     );
 }
 
-/// Latent attention's query rotation (`rotate_tail_to_heads`: a head's first `pass` values
-/// kept, the rest rotated in the `rotate_half` form or DeepSeek's interleaved one, written
-/// head-major) against its composed twin built from burn's ops: the kernel's output (its own
-/// contiguous head-major tensor) for `x` contiguous and strided, tables of one row and of one
-/// per batch row; and the transpose kernel on a head-major gradient against the composed
-/// transpose. A kernel that rotated the kept values, read the wrong half of the tables, or
-/// left DeepSeek's pairs interleaved fails.
+/// Latent attention's rotations (`rotate_tail_to_heads`: a head's first `skip` values left
+/// out, the next `pass` kept, the rest rotated in the `rotate_half` form or DeepSeek's
+/// interleaved one, written head-major) against their composed twin built from burn's ops: the
+/// kernel's output (its own contiguous head-major tensor) for `x` contiguous and strided,
+/// tables of one row and of one per batch row; and the transpose kernel on a head-major
+/// gradient against the composed transpose (zeros where the values were left out). A kernel
+/// that rotated the kept values, read the wrong half of the tables, left DeepSeek's pairs
+/// interleaved, or read the values it should leave out fails.
 #[test]
 fn the_tail_rotation_kernels_match_the_composed_forms() {
     use super::rotary::rotate_tail_to_heads_backward_composed;
     let device = Default::default();
     for interleaved in [false, true] {
-        for pass in [0, 6] {
+        for (skip, pass) in [(0, 0), (0, 6), (4, 0), (3, 2)] {
+            let form = TailRotation {
+                interleaved,
+                skip,
+                pass,
+            };
             for (batch, seq, heads, rotated, rows) in [(2, 5, 3, 8, 1), (3, 7, 2, 12, 3)] {
-                let head_dim = pass + rotated;
+                let (width, out) = (skip + pass + rotated, pass + rotated);
                 let (cos, sin) = (table(rows, seq, rotated), table(rows, seq, rotated));
-                let what = format!(
-                    "interleaved {interleaved}, pass {pass}, [{batch}, {seq}, {heads}, {head_dim}], table rows {rows}"
-                );
-                for (layout, x) in rotary_inputs([batch, seq, heads, head_dim]) {
+                let what = format!("{form:?}, [{batch}, {seq}, {heads}, {width}], table rows {rows}");
+                for (layout, x) in rotary_inputs([batch, seq, heads, width]) {
                     let x = x.into_primitive().tensor();
-                    let want = tail_reference::<Wgpu>(x.clone(), cos.clone(), sin.clone(), interleaved, pass);
-                    let got = <Wgpu as DecoderKernels>::rotate_tail_to_heads(
-                        x,
-                        cos.clone(),
-                        sin.clone(),
-                        interleaved,
-                        pass,
-                    );
+                    let want = tail_reference::<Wgpu>(x.clone(), cos.clone(), sin.clone(), form);
+                    let got =
+                        <Wgpu as DecoderKernels>::rotate_tail_to_heads(x, cos.clone(), sin.clone(), form);
                     assert!(
                         got.is_contiguous(),
                         "{what}, {layout}: the kernel's output is head-major and whole"
                     );
-                    assert_eq!(got.meta.shape().to_vec(), [batch, heads, seq, head_dim], "{what}");
+                    assert_eq!(got.meta.shape().to_vec(), [batch, heads, seq, out], "{what}");
                     close_within(&format!("{what}, {layout}"), flat4(got), flat4(want), 0.0);
                 }
                 let grad =
-                    Tensor::<Wgpu, 4>::random([batch, heads, seq, head_dim], Distribution::Default, &device)
+                    Tensor::<Wgpu, 4>::random([batch, heads, seq, out], Distribution::Default, &device)
                         .into_primitive()
                         .tensor();
                 let want = rotate_tail_to_heads_backward_composed::<Wgpu>(
                     grad.clone(),
                     cos.clone(),
                     sin.clone(),
-                    interleaved,
-                    pass,
+                    form,
                 );
-                let got = <Wgpu as DecoderKernels>::rotate_tail_to_heads_backward(
-                    grad,
-                    cos,
-                    sin,
-                    interleaved,
-                    pass,
-                );
-                assert_eq!(got.meta.shape().to_vec(), [batch, seq, heads, head_dim], "{what}");
+                let got = <Wgpu as DecoderKernels>::rotate_tail_to_heads_backward(grad, cos, sin, form);
+                assert_eq!(got.meta.shape().to_vec(), [batch, seq, heads, width], "{what}");
                 close_within(&format!("{what}, transpose"), flat4(got), flat4(want), 0.0);
             }
         }
     }
 }
 
-/// The composed query rotation with the `rotate_half` form composed too (the default runs the
+/// The composed rotation with the `rotate_half` form composed too (the default runs the
 /// backend's rotation, which on WGPU is the kernel under test).
 fn tail_reference<B: DecoderKernels>(
     x: burn::tensor::ops::FloatTensor<B>,
     cos: burn::tensor::ops::FloatTensor<B>,
     sin: burn::tensor::ops::FloatTensor<B>,
-    interleaved: bool,
-    pass: usize,
+    form: TailRotation,
 ) -> burn::tensor::ops::FloatTensor<B> {
-    if interleaved {
-        return super::rotate_tail_to_heads_composed::<B>(x, cos, sin, true, pass);
+    if form.interleaved {
+        return super::rotate_tail_to_heads_composed::<B>(x, cos, sin, form);
     }
+    let TailRotation { skip, pass, .. } = form;
     let x = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(x));
     let [b, t, h, d] = x.dims();
     let tail = x
         .clone()
-        .slice([0..b, 0..t, 0..h, pass..d])
+        .slice([0..b, 0..t, 0..h, skip + pass..d])
         .into_primitive()
         .tensor();
     let rotated = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(
         super::rotate_half_seq_major_composed::<B>(tail, cos, sin),
     ));
-    Tensor::cat(vec![x.slice([0..b, 0..t, 0..h, 0..pass]), rotated], 3)
-        .swap_dims(1, 2)
-        .into_primitive()
-        .tensor()
+    let out = match pass {
+        0 => rotated,
+        _ => Tensor::cat(vec![x.slice([0..b, 0..t, 0..h, skip..skip + pass]), rotated], 3),
+    };
+    out.swap_dims(1, 2).into_primitive().tensor()
 }
 
-/// The query rotation under `Autodiff<Wgpu>` (one node) against its composition recorded op
-/// by op: output, `x`'s gradient, and with tracked tables (recorded composed) the sine
-/// table's gradient.
+/// The rotation under `Autodiff<Wgpu>` (one node) against its composition recorded op by op:
+/// output, `x`'s gradient (zero where values are left out), and with tracked tables (recorded
+/// composed) the sine table's gradient.
 #[test]
 fn the_tail_rotation_node_matches_burns_ops_recorded_one_by_one() {
     type A = Autodiff<Wgpu>;
-    let ops: [(&str, TrackedRotation, TrackedRotation, usize); 4] = [
-        (
-            "rotate_half, nothing kept",
-            |x, c, s| <A as DecoderKernels>::rotate_tail_to_heads(x, c, s, false, 0),
-            |x, c, s| tail_reference::<A>(x, c, s, false, 0),
-            0,
-        ),
+    const HALF_KEPT: TailRotation = TailRotation {
+        interleaved: false,
+        skip: 0,
+        pass: 4,
+    };
+    const INTERLEAVED_KEPT: TailRotation = TailRotation {
+        interleaved: true,
+        skip: 0,
+        pass: 4,
+    };
+    const HALF_LEFT_OUT: TailRotation = TailRotation {
+        interleaved: false,
+        skip: 4,
+        pass: 0,
+    };
+    const INTERLEAVED_LEFT_OUT: TailRotation = TailRotation {
+        interleaved: true,
+        skip: 4,
+        pass: 0,
+    };
+    let ops: [(&str, TrackedRotation, TrackedRotation, TailRotation); 4] = [
         (
             "rotate_half after 4 kept",
-            |x, c, s| <A as DecoderKernels>::rotate_tail_to_heads(x, c, s, false, 4),
-            |x, c, s| tail_reference::<A>(x, c, s, false, 4),
-            4,
-        ),
-        (
-            "interleaved, nothing kept",
-            |x, c, s| <A as DecoderKernels>::rotate_tail_to_heads(x, c, s, true, 0),
-            |x, c, s| tail_reference::<A>(x, c, s, true, 0),
-            0,
+            |x, c, s| <A as DecoderKernels>::rotate_tail_to_heads(x, c, s, HALF_KEPT),
+            |x, c, s| tail_reference::<A>(x, c, s, HALF_KEPT),
+            HALF_KEPT,
         ),
         (
             "interleaved after 4 kept",
-            |x, c, s| <A as DecoderKernels>::rotate_tail_to_heads(x, c, s, true, 4),
-            |x, c, s| tail_reference::<A>(x, c, s, true, 4),
-            4,
+            |x, c, s| <A as DecoderKernels>::rotate_tail_to_heads(x, c, s, INTERLEAVED_KEPT),
+            |x, c, s| tail_reference::<A>(x, c, s, INTERLEAVED_KEPT),
+            INTERLEAVED_KEPT,
+        ),
+        (
+            "rotate_half after 4 left out",
+            |x, c, s| <A as DecoderKernels>::rotate_tail_to_heads(x, c, s, HALF_LEFT_OUT),
+            |x, c, s| tail_reference::<A>(x, c, s, HALF_LEFT_OUT),
+            HALF_LEFT_OUT,
+        ),
+        (
+            "interleaved after 4 left out",
+            |x, c, s| <A as DecoderKernels>::rotate_tail_to_heads(x, c, s, INTERLEAVED_LEFT_OUT),
+            |x, c, s| tail_reference::<A>(x, c, s, INTERLEAVED_LEFT_OUT),
+            INTERLEAVED_LEFT_OUT,
         ),
     ];
-    for (name, node_op, composed, pass) in ops {
-        rotary_node_matches(name, node_op, composed, pass);
+    for (name, node_op, composed, form) in ops {
+        rotary_node_matches(name, node_op, composed, (form.skip, form.pass));
     }
 }

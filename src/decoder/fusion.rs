@@ -10,7 +10,7 @@
 use burn::tensor::ops::{BoolTensor, FloatTensor};
 use burn_fusion::{Fusion, FusionBackend};
 
-use super::DecoderKernels;
+use super::{DecoderKernels, TailRotation};
 use crate::exchange::fusion::{register, resolve};
 
 impl<B: FusionBackend + DecoderKernels> DecoderKernels for Fusion<B> {
@@ -83,17 +83,10 @@ impl<B: FusionBackend + DecoderKernels> DecoderKernels for Fusion<B> {
         x: FloatTensor<Self>,
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
-        interleaved: bool,
-        pass: usize,
+        form: TailRotation,
     ) -> FloatTensor<Self> {
         let device = x.client.device().clone();
-        let out = B::rotate_tail_to_heads(
-            resolve::<B>(x),
-            resolve::<B>(cos),
-            resolve::<B>(sin),
-            interleaved,
-            pass,
-        );
+        let out = B::rotate_tail_to_heads(resolve::<B>(x), resolve::<B>(cos), resolve::<B>(sin), form);
         register::<B>(out, &device)
     }
 
@@ -101,17 +94,11 @@ impl<B: FusionBackend + DecoderKernels> DecoderKernels for Fusion<B> {
         grad: FloatTensor<Self>,
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
-        interleaved: bool,
-        pass: usize,
+        form: TailRotation,
     ) -> FloatTensor<Self> {
         let device = grad.client.device().clone();
-        let dx = B::rotate_tail_to_heads_backward(
-            resolve::<B>(grad),
-            resolve::<B>(cos),
-            resolve::<B>(sin),
-            interleaved,
-            pass,
-        );
+        let dx =
+            B::rotate_tail_to_heads_backward(resolve::<B>(grad), resolve::<B>(cos), resolve::<B>(sin), form);
         register::<B>(dx, &device)
     }
 

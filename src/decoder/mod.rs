@@ -52,7 +52,7 @@ pub(crate) use gated::{gated_silu_pair_backward_composed, gated_silu_pair_compos
 #[cfg(any(feature = "cubecl", feature = "testkit"))]
 pub(crate) use latent::{latent_keys_backward_composed, latent_values_backward_composed};
 pub(crate) use latent::{latent_keys_composed, latent_values_composed};
-pub use rotary::rotate_half_rows;
+pub use rotary::{rotate_half_rows, TailRotation};
 pub(crate) use rotary::{
     rotate_half_seq_major_backward_composed, rotate_half_seq_major_composed,
     rotate_pairs_seq_major_backward_composed, rotate_pairs_seq_major_composed,
@@ -268,46 +268,46 @@ pub trait DecoderKernels: crate::experts::ActivationKernels {
         Self::float_swap_dims(rotated, 1, 2)
     }
 
-    /// Latent attention's queries (DeepSeek-V2 / V3): each head's first `pass` values (the part
-    /// without rotary embedding) as they are and the rest rotated, in the `rotate_half` form or
-    /// (`interleaved`) DeepSeek's, whose pairs `(x0, x1), (x2, x3), ...` are each rotated by
-    /// one angle (the tables' first half) and written as `[first values | second values]`
-    /// (transformers' `apply_rotary_pos_emb_interleave`), the output head-major as attention's
-    /// products read it. By default composed from slices, the rotation, a concatenation and
-    /// burn's swap (`decoder/rotary.rs`). Recorded as one node under `Autodiff` where
+    /// Latent attention's rotations (DeepSeek-V2 / V3): after the first `form.skip` values of
+    /// each head (left out: the keys' rotary part read where it lies after the latent), the
+    /// next `form.pass` (the query's part without rotary embedding) as they are and the rest
+    /// rotated, in the `rotate_half` form or (`form.interleaved`) DeepSeek's, whose pairs
+    /// `(x0, x1), (x2, x3), ...` are each rotated by one angle (the tables' first half) and
+    /// written as `[first values | second values]` (transformers'
+    /// `apply_rotary_pos_emb_interleave`), the output head-major as attention's products read
+    /// it. By default composed from slices, the rotation, a concatenation and burn's swap
+    /// (`decoder/rotary.rs`). Recorded as one node under `Autodiff` where
     /// [`rotary_node`](Self::rotary_node) says so, whose backward is
     /// [`rotate_tail_to_heads_backward`](Self::rotate_tail_to_heads_backward).
     ///
     /// # Shapes
-    /// - x: `[batch, seq, heads, pass + rotated]`
+    /// - x: `[batch, seq, heads, skip + pass + rotated]`
     /// - cos, sin: `[rows, seq, rotated]`, `rows` 1 or `batch` →
     ///   `[batch, heads, seq, pass + rotated]`
     fn rotate_tail_to_heads(
         x: FloatTensor<Self>,
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
-        interleaved: bool,
-        pass: usize,
+        form: TailRotation,
     ) -> FloatTensor<Self> {
-        rotate_tail_to_heads_composed::<Self>(x, cos, sin, interleaved, pass)
+        rotate_tail_to_heads_composed::<Self>(x, cos, sin, form)
     }
 
     /// `x`'s gradient of [`rotate_tail_to_heads`](Self::rotate_tail_to_heads) from the
-    /// output's: the first `pass` values as they are, the rest through the rotation's
-    /// transpose, sequence-major.
+    /// output's: zero in the `skip` values left out, the next `pass` as they are, the rest
+    /// through the rotation's transpose, sequence-major.
     ///
     /// # Shapes
     /// - grad: `[batch, heads, seq, pass + rotated]`
     /// - cos, sin: `[rows, seq, rotated]`, `rows` 1 or `batch` →
-    ///   `[batch, seq, heads, pass + rotated]`
+    ///   `[batch, seq, heads, skip + pass + rotated]`
     fn rotate_tail_to_heads_backward(
         grad: FloatTensor<Self>,
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
-        interleaved: bool,
-        pass: usize,
+        form: TailRotation,
     ) -> FloatTensor<Self> {
-        rotate_tail_to_heads_backward_composed::<Self>(grad, cos, sin, interleaved, pass)
+        rotate_tail_to_heads_backward_composed::<Self>(grad, cos, sin, form)
     }
 
     /// Whether latent attention's keys and values are one op each way

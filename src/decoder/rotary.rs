@@ -145,19 +145,42 @@ pub(crate) fn rotate_pairs_seq_major_backward_composed<B: Backend>(
     rotate_pairs_seq_major_composed::<B>(grad, cos, B::float_neg(sin))
 }
 
-/// [`DecoderKernels::rotate_tail_to_heads`]'s default: each head's first `pass` values and the
-/// rest apart (slices), the rest rotated (`rotate_half` as the backend runs it, or DeepSeek's
-/// interleaved pairs written out), joined again and seen head-major (burn's `swap_dims`, a
-/// view).
+/// Which values of each head latent attention's rotation
+/// ([`DecoderKernels::rotate_tail_to_heads`]) reads and how it rotates them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TailRotation {
+    /// DeepSeek's interleaved pairs, each rotated by one angle (the tables' first half) and
+    /// written `[first values | second values]`; else the `rotate_half` form.
+    pub interleaved: bool,
+    /// The first values of each head that are not the op's: left out forward, a zero gradient
+    /// backward (the keys' rotary part read where it lies after the latent).
+    pub skip: usize,
+    /// The values after them kept as they are (the query's part without rotary embedding).
+    pub pass: usize,
+}
+
+/// [`DecoderKernels::rotate_tail_to_heads`]'s default: each head's `skip` values left out, the
+/// next `pass` and the rest apart (slices), the rest rotated (`rotate_half` as the backend runs
+/// it, or DeepSeek's interleaved pairs written out), joined again and seen head-major (burn's
+/// `swap_dims`, a view).
 pub(crate) fn rotate_tail_to_heads_composed<B: DecoderKernels>(
     x: FloatTensor<B>,
     cos: FloatTensor<B>,
     sin: FloatTensor<B>,
-    interleaved: bool,
-    pass: usize,
+    form: TailRotation,
 ) -> FloatTensor<B> {
+    let TailRotation {
+        interleaved,
+        skip,
+        pass,
+    } = form;
     let x = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(x));
-    let [b, t, h, d] = x.dims();
+    let [b, t, h, width] = x.dims();
+    let x = match skip {
+        0 => x,
+        _ => x.slice([0..b, 0..t, 0..h, skip..width]),
+    };
+    let d = width - skip;
     let tail = x.clone().slice([0..b, 0..t, 0..h, pass..d]);
     let rotated = match interleaved {
         false => Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(B::rotate_half_seq_major(
@@ -186,14 +209,18 @@ pub(crate) fn rotate_tail_to_heads_composed<B: DecoderKernels>(
 
 /// [`DecoderKernels::rotate_tail_to_heads_backward`]'s default: the head-major gradient seen
 /// sequence-major, its first `pass` values as they are, the rest through the rotation's
-/// transpose, joined.
+/// transpose, joined after `skip` zeros.
 pub(crate) fn rotate_tail_to_heads_backward_composed<B: DecoderKernels>(
     grad: FloatTensor<B>,
     cos: FloatTensor<B>,
     sin: FloatTensor<B>,
-    interleaved: bool,
-    pass: usize,
+    form: TailRotation,
 ) -> FloatTensor<B> {
+    let TailRotation {
+        interleaved,
+        skip,
+        pass,
+    } = form;
     let grad = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(grad)).swap_dims(1, 2);
     let [b, t, h, d] = grad.dims();
     let tail = grad.clone().slice([0..b, 0..t, 0..h, pass..d]);
@@ -219,11 +246,23 @@ pub(crate) fn rotate_tail_to_heads_backward_composed<B: DecoderKernels>(
                 .reshape([b, t, h, 2 * half])
             }
         };
-    let out = match pass {
-        0 => rotated,
-        _ => Tensor::cat(vec![grad.slice([0..b, 0..t, 0..h, 0..pass]), rotated], 3),
-    };
-    out.into_primitive().tensor()
+    let mut parts = Vec::with_capacity(3);
+    if skip > 0 {
+        parts.push(Tensor::<B, 4>::zeros(
+            [b, t, h, skip],
+            (&grad.device(), grad.dtype()),
+        ));
+    }
+    if pass > 0 {
+        parts.push(grad.slice([0..b, 0..t, 0..h, 0..pass]));
+    }
+    parts.push(rotated);
+    match parts.len() {
+        1 => parts.remove(0),
+        _ => Tensor::cat(parts, 3),
+    }
+    .into_primitive()
+    .tensor()
 }
 
 /// A `[rows, seq, width]` table's first half (the pairs' angles, `cat(freqs, freqs)`), as

@@ -291,35 +291,37 @@ fn decoder_checks<B: MoeBackend>(device: &B::Device) -> Vec<KernelCheck> {
             B::rotate_pairs_seq_major_backward(grad.clone(), cos.clone(), sin.clone()),
             decoder::rotate_pairs_seq_major_backward_composed::<B>(grad, cos, sin),
         ));
-        // Latent attention's queries: the first `pass` values of each head kept, the rest
-        // rotated (the tables as wide as the rest), written head-major, and the transpose.
-        let pass = 6;
-        let cos = random::<B, 3>([rows, seq, head_dim - pass], 1.0, device);
-        let sin = random::<B, 3>([rows, seq, head_dim - pass], 1.0, device);
-        let grad = random::<B, 4>([batch, heads, seq, head_dim], 1.0, device);
-        for (form, interleaved) in [("half", false), ("interleaved", true)] {
-            checks.push(compare::<B>(
-                &what(&format!("rotate {form} after {pass} kept, to heads")),
-                B::rotate_tail_to_heads(x.clone(), cos.clone(), sin.clone(), interleaved, pass),
-                decoder::rotate_tail_to_heads_composed::<B>(
-                    x.clone(),
-                    cos.clone(),
-                    sin.clone(),
+        // Latent attention's rotations: the query's (the first `pass` values of each head kept,
+        // the rest rotated) and the keys' (the first `skip` left out), the tables as wide as
+        // the rotated part, written head-major, and the transposes.
+        for (skip, pass) in [(0, 6), (4, 0)] {
+            let rotated = head_dim - skip - pass;
+            let cos = random::<B, 3>([rows, seq, rotated], 1.0, device);
+            let sin = random::<B, 3>([rows, seq, rotated], 1.0, device);
+            let grad = random::<B, 4>([batch, heads, seq, head_dim - skip], 1.0, device);
+            for (name, interleaved) in [("half", false), ("interleaved", true)] {
+                let form = decoder::TailRotation {
                     interleaved,
+                    skip,
                     pass,
-                ),
-            ));
-            checks.push(compare::<B>(
-                &what(&format!("rotate {form} after {pass} kept, backward")),
-                B::rotate_tail_to_heads_backward(grad.clone(), cos.clone(), sin.clone(), interleaved, pass),
-                decoder::rotate_tail_to_heads_backward_composed::<B>(
-                    grad.clone(),
-                    cos.clone(),
-                    sin.clone(),
-                    interleaved,
-                    pass,
-                ),
-            ));
+                };
+                let label = format!("rotate {name} after {skip} left out and {pass} kept");
+                checks.push(compare::<B>(
+                    &what(&format!("{label}, to heads")),
+                    B::rotate_tail_to_heads(x.clone(), cos.clone(), sin.clone(), form),
+                    decoder::rotate_tail_to_heads_composed::<B>(x.clone(), cos.clone(), sin.clone(), form),
+                ));
+                checks.push(compare::<B>(
+                    &what(&format!("{label}, backward")),
+                    B::rotate_tail_to_heads_backward(grad.clone(), cos.clone(), sin.clone(), form),
+                    decoder::rotate_tail_to_heads_backward_composed::<B>(
+                        grad.clone(),
+                        cos.clone(),
+                        sin.clone(),
+                        form,
+                    ),
+                ));
+            }
         }
     }
     // Latent attention's keys and values, each way.
