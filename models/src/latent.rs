@@ -243,9 +243,8 @@ impl<B: MoeBackend> LatentAttention<B> {
             true => query,
             false => swap_dims_contiguous(query.swap_dims(1, 2)),
         };
-        let kv = self
-            .kv_a_norm
-            .forward(compressed.clone().slice([0..b, 0..t, 0..lora]));
+        // The latent: the compression's first `kv_lora_rank` values, normalised where they lie.
+        let kv = self.kv_a_norm.forward_columns(compressed.clone());
         // [batch, 1, seq, rope]: the keys' rotary part, one head shared by all, read from the
         // compression whole with the latent left out: where the rotation is one op, no slice
         // is copied forward, and its gradient is the whole compression's (zero where the latent

@@ -77,4 +77,24 @@ impl<B: DecoderKernels> RmsNorm<B> {
         );
         Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(y)).reshape(dims)
     }
+
+    /// Normalises the first `width` values of the last dimension of a wider `x`, `width` the
+    /// weight's (DeepSeek's latent, the front of its compression), read where they lie
+    /// ([`DecoderKernels::rms_norm_columns`]: on the CubeCL backends nothing is copied forward,
+    /// and `x`'s gradient is its whole width's rather than a slice's padded).
+    ///
+    /// # Shapes
+    /// - x: `[.., total]` → `[.., width]`
+    pub fn forward_columns<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let mut dims = x.dims();
+        let total = dims[D - 1];
+        let rows = dims[..D - 1].iter().product::<usize>();
+        let y = B::rms_norm_columns(
+            x.reshape([rows, total]).into_primitive().tensor(),
+            self.weight.val().into_primitive().tensor(),
+            self.eps,
+        );
+        dims[D - 1] = self.weight.dims()[0];
+        Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(y)).reshape(dims)
+    }
 }

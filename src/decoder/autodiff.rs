@@ -20,7 +20,7 @@ use burn::tensor::ops::{BoolTensor, FloatTensor};
 use super::gated::gated_silu_pair_composed;
 use super::softmax::{attention_softmax_composed, attention_softmax_sinks_composed};
 use super::TailRotation;
-use super::{latent_keys_composed, latent_values_composed};
+use super::{latent_keys_composed, latent_values_composed, rms_norm_columns_sliced};
 use super::{
     rms_norm_composed, rotate_half_seq_major_composed, rotate_pairs_seq_major_composed,
     rotate_tail_to_heads_composed, rotate_to_heads_composed, DecoderKernels,
@@ -50,6 +50,31 @@ impl<B: DecoderKernels> Backward<B, 2> for RmsNormBackward {
         }
         // An untracked weight (frozen, or a constant) gets no gradient, so none is computed.
         let (dx, dweight) = B::rms_norm_backward(x, weight, grad, eps, weight_parent.is_some());
+        if let Some(parent) = x_parent {
+            grads.register::<B>(parent.id, dx);
+        }
+        if let (Some(parent), Some(dweight)) = (weight_parent, dweight) {
+            grads.register::<B>(parent.id, dweight);
+        }
+    }
+}
+
+/// The backward of the norm of each row's first values ([`DecoderKernels::rms_norm_columns`]):
+/// `x`'s gradient over its whole width and the weight's.
+#[derive(Debug)]
+struct RmsNormColumnsBackward;
+
+impl<B: DecoderKernels> Backward<B, 2> for RmsNormColumnsBackward {
+    type State = RmsNormState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let RmsNormState { x, weight, eps } = ops.state;
+        let [x_parent, weight_parent] = ops.parents;
+        if x_parent.is_none() && weight_parent.is_none() {
+            return;
+        }
+        let (dx, dweight) = B::rms_norm_columns_backward(x, weight, grad, eps, weight_parent.is_some());
         if let Some(parent) = x_parent {
             grads.register::<B>(parent.id, dx);
         }
@@ -291,6 +316,30 @@ impl<B: DecoderKernels, C: CheckpointStrategy> DecoderKernels for Autodiff<B, C>
 
     fn rms_norm_node() -> bool {
         B::rms_norm_node()
+    }
+
+    /// As the norm: one node over `x` whole and the weight where the inner backend has a
+    /// kernel each way; the slice and the norm, recorded, elsewhere.
+    fn rms_norm_columns(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+        if !B::rms_norm_node() {
+            return rms_norm_columns_sliced::<Self>(x, weight, eps);
+        }
+        let out = B::rms_norm_columns(x.primitive.clone(), weight.primitive.clone(), eps);
+        match RmsNormColumnsBackward
+            .prepare::<C>([x.node.clone(), weight.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(
+                RmsNormState {
+                    x: x.primitive,
+                    weight: weight.primitive,
+                    eps,
+                },
+                out,
+            ),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
     }
 
     /// The inner backend's rotation as one node where it has a kernel each way and the tables

@@ -45,6 +45,24 @@ where
         }
     }
 
+    fn rms_norm_columns(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+        cubecl_norm::rms_norm_columns(&x, &weight, eps)
+            .unwrap_or_else(|| super::rms_norm_columns_sliced::<Self>(x, weight, eps))
+    }
+
+    fn rms_norm_columns_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        eps: f64,
+        weight_grad: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        match cubecl_norm::rms_norm_columns_backward(&x, &weight, &grad, eps, weight_grad) {
+            Some((dx, scaled)) => (dx, scaled.map(cubecl_norm::column_sums::<Self>)),
+            None => super::rms_norm_columns_backward_sliced::<Self>(x, weight, grad, eps, weight_grad),
+        }
+    }
+
     fn rotate_half_seq_major(
         x: FloatTensor<Self>,
         cos: FloatTensor<Self>,

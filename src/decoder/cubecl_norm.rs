@@ -75,6 +75,7 @@ fn rms_norm_backward_kernel<F: Float>(
     scaled: &mut Tensor<F>,
     n_rows: usize,
     width: usize,
+    dx_width: usize,
     eps: f32,
     #[comptime] threads: usize,
     #[comptime] weight_grad: bool,
@@ -106,10 +107,16 @@ fn rms_norm_backward_kernel<F: Float>(
         let v = f32::cast_from(x[xa + c * x.stride(1)]);
         let g = f32::cast_from(grad[ga + c * grad.stride(1)]);
         let u = g * f32::cast_from(weight[c * weight.stride(0)]);
-        dx[row * width + c] = F::cast_from(u * r - v * r3 * mean_ux);
+        dx[row * dx_width + c] = F::cast_from(u * r - v * r3 * mean_ux);
         if weight_grad {
             scaled[row * width + c] = F::cast_from(g * v * r);
         }
+        c += threads;
+    }
+    // A norm of a row's first `width` values of a wider `x`: the rest's gradient is zero.
+    let mut c = width + unit;
+    while c < dx_width {
+        dx[row * dx_width + c] = F::new(0.0);
         c += threads;
     }
 }
@@ -170,17 +177,77 @@ pub(crate) fn rms_norm_backward<R: CubeRuntime>(
     eps: f64,
     weight_grad: bool,
 ) -> Option<(CubeTensor<R>, Option<CubeTensor<R>>)> {
-    let dims @ [rows, width] = fits(x, weight)?;
-    if grad.dtype != x.dtype || grad.meta.shape().to_vec() != dims {
+    let [_, width] = fits(x, weight)?;
+    backward_into(x, weight, grad, (eps, weight_grad), width)
+}
+
+/// The norm of each row's first `weight`-width values of `x` (DeepSeek's latent, the front of
+/// its compression), read where they lie: a view of `x`'s buffer, nothing copied. `None` where
+/// the kernel does not read the tensors.
+///
+/// # Shapes
+/// - x: `[rows, total]`, weight: `[width]`, `width ≤ total` → `[rows, width]`
+pub(crate) fn rms_norm_columns<R: CubeRuntime>(
+    x: &CubeTensor<R>,
+    weight: &CubeTensor<R>,
+    eps: f64,
+) -> Option<CubeTensor<R>> {
+    rms_norm(&front(x, weight)?, weight, eps)
+}
+
+/// The backward of [`rms_norm_columns`]: `x`'s gradient over its whole width, zero after the
+/// first `width` values of each row, and the weight's products as [`rms_norm_backward`]'s, in
+/// one kernel. `None` where the kernel does not read the tensors.
+///
+/// # Shapes
+/// - x: `[rows, total]`, weight: `[width]`, grad: `[rows, width]` → (`[rows, total]`,
+///   `[rows, width]`)
+pub(crate) fn rms_norm_columns_backward<R: CubeRuntime>(
+    x: &CubeTensor<R>,
+    weight: &CubeTensor<R>,
+    grad: &CubeTensor<R>,
+    eps: f64,
+    weight_grad: bool,
+) -> Option<(CubeTensor<R>, Option<CubeTensor<R>>)> {
+    let total = *x.meta.shape().to_vec().get(1)?;
+    backward_into(&front(x, weight)?, weight, grad, (eps, weight_grad), total)
+}
+
+/// `x` `[rows, total]` seen as its first `weight`-width columns: the same buffer and strides,
+/// a narrower shape (the view starts where `x` does, so no binding offset is needed).
+fn front<R: CubeRuntime>(x: &CubeTensor<R>, weight: &CubeTensor<R>) -> Option<CubeTensor<R>> {
+    let [rows, total] = <[usize; 2]>::try_from(x.meta.shape().to_vec()).ok()?;
+    let width = *weight.meta.shape().to_vec().first()?;
+    if width == 0 || width > total {
         return None;
     }
-    let dx = output(x, dims);
+    let mut view = x.clone();
+    view.meta.shape_mut()[1] = width;
+    debug_assert_eq!(view.meta.shape().to_vec(), [rows, width]);
+    Some(view)
+}
+
+/// The backward kernel with `x`'s gradient written `dx_width` values a row (zero after the
+/// norm's `width`).
+fn backward_into<R: CubeRuntime>(
+    x: &CubeTensor<R>,
+    weight: &CubeTensor<R>,
+    grad: &CubeTensor<R>,
+    (eps, weight_grad): (f64, bool),
+    dx_width: usize,
+) -> Option<(CubeTensor<R>, Option<CubeTensor<R>>)> {
+    let dims @ [rows, width] = fits(x, weight)?;
+    if grad.dtype != x.dtype || grad.meta.shape().to_vec() != dims || dx_width < width {
+        return None;
+    }
+    let dx = output(x, [rows, dx_width]);
     // Without the weight's gradient the kernel writes no products: it is handed one element
     // it never touches (a binding the launch needs, as no output may alias another).
     let scaled = output(x, if weight_grad { dims } else { [1, 1] });
     let (count, dim) = cube_per_row(x, rows, THREADS);
-    // SAFETY: as in `rms_norm`, `grad` read at its strides within `[rows, width]`, both outputs
-    // `rows · width` contiguous elements, each row written by its cube.
+    // SAFETY: as in `rms_norm`, `grad` read at its strides within `[rows, width]`; `dx` holds
+    // `rows · dx_width` contiguous elements and `scaled` `rows · width` where it is written,
+    // each row written by its cube.
     unsafe {
         rms_norm_backward_kernel::launch_unchecked(
             &x.client,
@@ -193,6 +260,7 @@ pub(crate) fn rms_norm_backward<R: CubeRuntime>(
             scaled.clone().into_tensor_arg(),
             rows,
             width,
+            dx_width,
             eps as f32,
             THREADS,
             weight_grad,

@@ -736,3 +736,88 @@ fn the_tail_rotation_node_matches_burns_ops_recorded_one_by_one() {
         rotary_node_matches(name, node_op, composed, (form.skip, form.pass));
     }
 }
+
+/// The norm of each row's first columns (`rms_norm_columns`: DeepSeek's latent, read where it
+/// lies in its compression) against burn's slice and the composed norm: the output, `x`'s
+/// gradient over the whole width (zero after the norm's columns) and the weight's, for `x`
+/// contiguous and strided; and under `Autodiff<Wgpu>` (one node) against the slice and the
+/// composed norm recorded op by op. A kernel that read past the norm's columns, left the rest
+/// of the gradient unwritten or wrote the gradient at the narrower pitch fails.
+#[test]
+fn the_norm_of_the_first_columns_matches_the_slice_and_the_composed_norm() {
+    use burn::tensor::ops::FloatTensorOps;
+    let eps = 1e-6;
+    let slice = |x: burn::tensor::ops::FloatTensor<Wgpu>, rows: usize, width: usize| {
+        <Wgpu as FloatTensorOps<Wgpu>>::float_slice(x, &[(0..rows).into(), (0..width).into()])
+    };
+    for (rows, width, total) in [(37, 29, 33), (5, 1000, 1064)] {
+        let x = random([rows, total], 2.0);
+        let grad = random([rows, width], 1.0);
+        let w = weight(width).into_primitive().tensor();
+        for (layout, x) in [("contiguous", x.clone()), ("strided", strided(&x))] {
+            let what = format!("[{rows}, {width} of {total}], {layout}");
+            let want = rms_norm_composed::<Wgpu>(slice(p(&x), rows, width), w.clone(), eps);
+            let got = <Wgpu as DecoderKernels>::rms_norm_columns(p(&x), w.clone(), eps);
+            close_within(&what, got, want, 0.0);
+            let (front_dx, want_dw) =
+                rms_norm_backward_composed::<Wgpu>(slice(p(&x), rows, width), w.clone(), p(&grad), eps, true);
+            let zeros = Tensor::<Wgpu, 2>::zeros([rows, total - width], &Default::default());
+            let want_dx = Tensor::cat(
+                vec![
+                    Tensor::<Wgpu, 2>::from_primitive(TensorPrimitive::Float(front_dx)),
+                    zeros,
+                ],
+                1,
+            )
+            .into_primitive()
+            .tensor();
+            let (got_dx, got_dw) =
+                <Wgpu as DecoderKernels>::rms_norm_columns_backward(p(&x), w.clone(), p(&grad), eps, true);
+            close_within(&format!("{what}, dx"), got_dx, want_dx, 0.0);
+            close_within(
+                &format!("{what}, d weight"),
+                wide(got_dw.expect("asked for")),
+                wide(want_dw.expect("asked for")),
+                0.0,
+            );
+        }
+    }
+    type A = Autodiff<Wgpu>;
+    let (rows, width, total) = (11, 40, 52);
+    let x0 = Tensor::<A, 2>::from_inner(random([rows, total], 2.0));
+    let w0 = Tensor::<A, 1>::from_inner(weight(width));
+    let weigh = Tensor::<A, 2>::from_inner(random([rows, width], 1.0));
+    let run = |node: bool| {
+        let (x, w) = (x0.clone().require_grad(), w0.clone().require_grad());
+        let (xp, wp) = (
+            x.clone().into_primitive().tensor(),
+            w.clone().into_primitive().tensor(),
+        );
+        let y = match node {
+            true => <A as DecoderKernels>::rms_norm_columns(xp, wp, eps),
+            false => rms_norm_composed::<A>(
+                <A as FloatTensorOps<A>>::float_slice(xp, &[(0..rows).into(), (0..width).into()]),
+                wp,
+                eps,
+            ),
+        };
+        let y = Tensor::<A, 2>::from_primitive(TensorPrimitive::Float(y));
+        let grads = (y.clone() * weigh.clone()).sum().backward();
+        let dx = x.grad(&grads).expect("x's gradient").into_primitive().tensor();
+        let dw = wide(
+            w.grad(&grads)
+                .expect("the weight's gradient")
+                .into_primitive()
+                .tensor(),
+        );
+        [y.inner().into_primitive().tensor(), dx, dw]
+    };
+    let (got, want) = (run(true), run(false));
+    for ((name, got), want) in ["output", "x's gradient", "the weight's gradient"]
+        .into_iter()
+        .zip(got)
+        .zip(want)
+    {
+        close_within(&format!("node: {name}"), got, want, 0.0);
+    }
+}

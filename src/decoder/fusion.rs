@@ -44,6 +44,35 @@ impl<B: FusionBackend + DecoderKernels> DecoderKernels for Fusion<B> {
         )
     }
 
+    fn rms_norm_columns(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+        let device = x.client.device().clone();
+        register::<B>(
+            B::rms_norm_columns(resolve::<B>(x), resolve::<B>(weight), eps),
+            &device,
+        )
+    }
+
+    fn rms_norm_columns_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        eps: f64,
+        weight_grad: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        let device = x.client.device().clone();
+        let (dx, dweight) = B::rms_norm_columns_backward(
+            resolve::<B>(x),
+            resolve::<B>(weight),
+            resolve::<B>(grad),
+            eps,
+            weight_grad,
+        );
+        (
+            register::<B>(dx, &device),
+            dweight.map(|d| register::<B>(d, &device)),
+        )
+    }
+
     fn rotate_half_seq_major(
         x: FloatTensor<Self>,
         cos: FloatTensor<Self>,

@@ -44,7 +44,7 @@ mod tests;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{BoolTensor, FloatTensor};
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{Tensor, TensorMetadata, TensorPrimitive};
 
 pub use gated::{gated_silu, gated_silu_of};
 #[cfg(any(feature = "cubecl", feature = "testkit"))]
@@ -100,6 +100,34 @@ pub trait DecoderKernels: crate::experts::ActivationKernels {
         weight_grad: bool,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         rms_norm_backward_composed::<Self>(x, weight, grad, eps, weight_grad)
+    }
+
+    /// The norm ([`rms_norm`](Self::rms_norm)) of each row's first `width` values of a wider
+    /// `x`, `width` the weight's (DeepSeek's latent, the front of its compression). By default
+    /// the backend's norm of a slice of them.
+    ///
+    /// # Shapes
+    /// - x: `[rows, total]`, weight: `[width]`, `width ≤ total` → `[rows, width]`
+    fn rms_norm_columns(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+        rms_norm_columns_sliced::<Self>(x, weight, eps)
+    }
+
+    /// The gradients of [`rms_norm_columns`](Self::rms_norm_columns): `x`'s over its whole
+    /// width, zero after the first `width` values of each row, and the weight's as
+    /// [`rms_norm_backward`](Self::rms_norm_backward) makes it. By default that backward of
+    /// the slice, joined with zeros.
+    ///
+    /// # Shapes
+    /// - x: `[rows, total]`, weight: `[width]`, grad: `[rows, width]` → (`[rows, total]`,
+    ///   `[width]`)
+    fn rms_norm_columns_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        eps: f64,
+        weight_grad: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        rms_norm_columns_backward_sliced::<Self>(x, weight, grad, eps, weight_grad)
     }
 
     /// `x · cos + rotate_half(x) · sin` for every head of every position, the heads
@@ -462,6 +490,51 @@ pub(crate) fn rms_norm_composed<B: Backend>(
 }
 
 /// [`DecoderKernels::rms_norm_backward`]'s default: burn's ops.
+/// [`DecoderKernels::rms_norm_columns`]'s default: the backend's norm of a slice of `x`.
+pub(crate) fn rms_norm_columns_sliced<B: DecoderKernels>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    eps: f64,
+) -> FloatTensor<B> {
+    let front = front_columns::<B>(x, &weight);
+    B::rms_norm(front, weight, eps)
+}
+
+/// [`DecoderKernels::rms_norm_columns_backward`]'s default: the backend's norm backward of
+/// the slice, joined with zeros.
+pub(crate) fn rms_norm_columns_backward_sliced<B: DecoderKernels>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    eps: f64,
+    weight_grad: bool,
+) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
+    let total = x.shape()[1];
+    let front = front_columns::<B>(x, &weight);
+    let (dx, dweight) = B::rms_norm_backward(front, weight, grad, eps, weight_grad);
+    (pad_columns::<B>(dx, total), dweight)
+}
+
+/// `x` `[rows, total]`'s first `weight`-width columns (burn's slice).
+fn front_columns<B: Backend>(x: FloatTensor<B>, weight: &FloatTensor<B>) -> FloatTensor<B> {
+    let (rows, width) = (x.shape()[0], weight.shape()[0]);
+    B::float_slice(x, &[(0..rows).into(), (0..width).into()])
+}
+
+/// `dx` `[rows, width]` joined with zeros to `[rows, total]`.
+fn pad_columns<B: Backend>(dx: FloatTensor<B>, total: usize) -> FloatTensor<B> {
+    let [rows, width] = [dx.shape()[0], dx.shape()[1]];
+    if width == total {
+        return dx;
+    }
+    let zeros = B::float_zeros(
+        [rows, total - width].into(),
+        &B::float_device(&dx),
+        dx.dtype().into(),
+    );
+    B::float_cat(vec![dx, zeros], 1)
+}
+
 pub(crate) fn rms_norm_backward_composed<B: Backend>(
     x: FloatTensor<B>,
     weight: FloatTensor<B>,

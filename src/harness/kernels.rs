@@ -324,6 +324,34 @@ fn decoder_checks<B: MoeBackend>(device: &B::Device) -> Vec<KernelCheck> {
             }
         }
     }
+    // The norm of each row's first columns of a wider tensor (DeepSeek's latent), each way.
+    let (rows, width, total) = (37, 29, 35);
+    let x = random::<B, 2>([rows, total], 2.0, device);
+    let weight = Tensor::<B, 1>::random([width], Distribution::Uniform(0.5, 1.5), device)
+        .into_primitive()
+        .tensor();
+    let grad = random::<B, 2>([rows, width], 1.0, device);
+    let (eps, front) = (1e-6, |x: FloatTensor<B>| {
+        B::float_slice(x, &[(0..rows).into(), (0..width).into()])
+    });
+    checks.push(compare::<B>(
+        "rms norm of the first columns",
+        B::rms_norm_columns(x.clone(), weight.clone(), eps),
+        decoder::rms_norm_composed::<B>(front(x.clone()), weight.clone(), eps),
+    ));
+    let (dx, dw) = B::rms_norm_columns_backward(x.clone(), weight.clone(), grad.clone(), eps, true);
+    let (want_dx, want_dw) = decoder::rms_norm_backward_composed::<B>(front(x), weight, grad, eps, true);
+    let zeros = B::float_zeros([rows, total - width].into(), device, want_dx.dtype().into());
+    checks.push(compare::<B>(
+        "rms norm of the first columns backward, x",
+        dx,
+        B::float_cat(vec![want_dx, zeros], 1),
+    ));
+    checks.push(compare::<B>(
+        "rms norm of the first columns backward, weight",
+        dw.expect("asked for"),
+        want_dw.expect("asked for"),
+    ));
     // Latent attention's keys and values, each way.
     let (batch, seq, heads, nope, v, rope) = (2, 7, 3, 12, 10, 6);
     let kv = random::<B, 4>([batch, seq, heads, nope + v], 1.0, device);
