@@ -101,7 +101,7 @@ where
         sin: FloatTensor<Self>,
         form: TailRotation,
     ) -> FloatTensor<Self> {
-        cubecl_rotary::rotate_tail_to_heads(&x, &cos, &sin, form.interleaved, (form.skip, form.pass))
+        cubecl_rotary::rotate_tail_to_heads(&x, &cos, &sin, form)
             .unwrap_or_else(|| super::rotate_tail_to_heads_composed::<Self>(x, cos, sin, form))
     }
 
@@ -111,14 +111,8 @@ where
         sin: FloatTensor<Self>,
         form: TailRotation,
     ) -> FloatTensor<Self> {
-        cubecl_rotary::rotate_tail_to_heads_backward(
-            &grad,
-            &cos,
-            &sin,
-            form.interleaved,
-            (form.skip, form.pass),
-        )
-        .unwrap_or_else(|| super::rotate_tail_to_heads_backward_composed::<Self>(grad, cos, sin, form))
+        cubecl_rotary::rotate_tail_to_heads_backward(&grad, &cos, &sin, form)
+            .unwrap_or_else(|| super::rotate_tail_to_heads_backward_composed::<Self>(grad, cos, sin, form))
     }
 
     fn latent_node() -> bool {

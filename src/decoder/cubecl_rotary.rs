@@ -20,6 +20,7 @@ use burn_cubecl::cubecl::prelude::*;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 
+use super::TailRotation;
 use crate::cubecl_launch::{grid, kernel_float, output};
 
 #[cube(launch_unchecked)]
@@ -159,14 +160,14 @@ impl Form {
         }
     }
 
-    /// Latent attention's form: `rotate_half`, or (`interleaved`) DeepSeek's, after `skip`
-    /// values left out and `pass` kept.
-    fn tail(interleaved: bool, skip: usize, pass: usize) -> Self {
+    /// Latent attention's form: `rotate_half`, or DeepSeek's interleaved pairs, after the
+    /// values left out and those kept.
+    fn tail(form: TailRotation) -> Self {
         Self {
-            pairs: interleaved,
-            interleave: interleaved,
-            skip,
-            pass,
+            pairs: form.interleaved,
+            interleave: form.interleaved,
+            skip: form.skip,
+            pass: form.pass,
         }
     }
 }
@@ -254,9 +255,9 @@ pub(crate) fn rotate_to_heads<R: CubeRuntime>(
     into_heads(x, cos, sin, Form::new(pairs))
 }
 
-/// Latent attention's rotations (DeepSeek): each head's first `pass` values as they are and
-/// the rest rotated, `rotate_half` or (`interleaved`) DeepSeek's interleaved pairs written
-/// de-interleaved, all written head-major in one kernel, after `skip` values of `x` left out
+/// Latent attention's rotations (DeepSeek): each head's first `form.pass` values as they are and
+/// the rest rotated, `rotate_half` or (`form.interleaved`) DeepSeek's interleaved pairs written
+/// de-interleaved, all written head-major in one kernel, after `form.skip` values of `x` left out
 /// (the keys' rotary part read where it lies in the compression). Composed, the query's was
 /// the slices of the two parts, the rotation, a copy to de-interleave it, the concatenation
 /// and the swap to head-major (five launches), and in the backward as many more and the two
@@ -269,14 +270,13 @@ pub(crate) fn rotate_tail_to_heads<R: CubeRuntime>(
     x: &CubeTensor<R>,
     cos: &CubeTensor<R>,
     sin: &CubeTensor<R>,
-    interleaved: bool,
-    (skip, pass): (usize, usize),
+    form: TailRotation,
 ) -> Option<CubeTensor<R>> {
-    into_heads(x, cos, sin, Form::tail(interleaved, skip, pass))
+    into_heads(x, cos, sin, Form::tail(form))
 }
 
 /// The transpose of [`rotate_tail_to_heads`]: `x`'s gradient, sequence-major and contiguous
-/// (zero in the `skip` values left out), from the head-major gradient of the output, read
+/// (zero in the `form.skip` values left out), from the head-major gradient of the output, read
 /// where it lies. `None` where the kernel does not read the tensors.
 ///
 /// # Shapes
@@ -287,12 +287,11 @@ pub(crate) fn rotate_tail_to_heads_backward<R: CubeRuntime>(
     grad: &CubeTensor<R>,
     cos: &CubeTensor<R>,
     sin: &CubeTensor<R>,
-    interleaved: bool,
-    (skip, pass): (usize, usize),
+    form: TailRotation,
 ) -> Option<CubeTensor<R>> {
     let mut seen = grad.clone();
     seen.meta.swap(1, 2);
-    rotate(&seen, cos, sin, true, Form::tail(interleaved, skip, pass))
+    rotate(&seen, cos, sin, true, Form::tail(form))
 }
 
 /// The forward rotation in `form` written into a head-major buffer of its own.
