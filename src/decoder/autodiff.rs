@@ -26,8 +26,13 @@ use super::{
     rotate_tail_to_heads_composed, rotate_to_heads_composed, DecoderKernels,
 };
 
+/// The backward of the norm: of whole rows ([`DecoderKernels::rms_norm`]), or of each row's
+/// first values of a wider `x` (`columns`: [`DecoderKernels::rms_norm_columns`], `x`'s gradient
+/// then over its whole width).
 #[derive(Debug)]
-struct RmsNormBackward;
+struct RmsNormBackward {
+    columns: bool,
+}
 
 /// What the backward reads: the norm's input and weight (both gradients need both; the inverse
 /// root is recomputed from the input).
@@ -49,7 +54,11 @@ impl<B: DecoderKernels> Backward<B, 2> for RmsNormBackward {
             return;
         }
         // An untracked weight (frozen, or a constant) gets no gradient, so none is computed.
-        let (dx, dweight) = B::rms_norm_backward(x, weight, grad, eps, weight_parent.is_some());
+        let weight_grad = weight_parent.is_some();
+        let (dx, dweight) = match self.columns {
+            true => B::rms_norm_columns_backward(x, weight, grad, eps, weight_grad),
+            false => B::rms_norm_backward(x, weight, grad, eps, weight_grad),
+        };
         if let Some(parent) = x_parent {
             grads.register::<B>(parent.id, dx);
         }
@@ -59,28 +68,34 @@ impl<B: DecoderKernels> Backward<B, 2> for RmsNormBackward {
     }
 }
 
-/// The backward of the norm of each row's first values ([`DecoderKernels::rms_norm_columns`]):
-/// `x`'s gradient over its whole width and the weight's.
-#[derive(Debug)]
-struct RmsNormColumnsBackward;
-
-impl<B: DecoderKernels> Backward<B, 2> for RmsNormColumnsBackward {
-    type State = RmsNormState<B>;
-
-    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
-        let grad = grads.consume::<B>(&ops.node);
-        let RmsNormState { x, weight, eps } = ops.state;
-        let [x_parent, weight_parent] = ops.parents;
-        if x_parent.is_none() && weight_parent.is_none() {
-            return;
-        }
-        let (dx, dweight) = B::rms_norm_columns_backward(x, weight, grad, eps, weight_parent.is_some());
-        if let Some(parent) = x_parent {
-            grads.register::<B>(parent.id, dx);
-        }
-        if let (Some(parent), Some(dweight)) = (weight_parent, dweight) {
-            grads.register::<B>(parent.id, dweight);
-        }
+/// The norm (`columns`: of each row's first values) as one node over the inner backend's op,
+/// which the caller has checked has a kernel each way.
+fn norm_node<B: DecoderKernels, C: CheckpointStrategy>(
+    x: Tracked<B, C>,
+    weight: Tracked<B, C>,
+    eps: f64,
+    columns: bool,
+) -> Tracked<B, C> {
+    let (xp, wp) = (x.primitive.clone(), weight.primitive.clone());
+    let out = match columns {
+        true => B::rms_norm_columns(xp, wp, eps),
+        false => B::rms_norm(xp, wp, eps),
+    };
+    let node = RmsNormBackward { columns };
+    match node
+        .prepare::<C>([x.node.clone(), weight.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(
+            RmsNormState {
+                x: x.primitive,
+                weight: weight.primitive,
+                eps,
+            },
+            out,
+        ),
+        OpsKind::UnTracked(prep) => prep.finish(out),
     }
 }
 
@@ -293,24 +308,9 @@ impl<B: DecoderKernels, C: CheckpointStrategy> DecoderKernels for Autodiff<B, C>
     /// The inner backend's norm as one node where it has a kernel each way; burn's ops,
     /// recorded one by one, elsewhere.
     fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
-        if !B::rms_norm_node() {
-            return rms_norm_composed::<Self>(x, weight, eps);
-        }
-        let out = B::rms_norm(x.primitive.clone(), weight.primitive.clone(), eps);
-        match RmsNormBackward
-            .prepare::<C>([x.node.clone(), weight.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish(
-                RmsNormState {
-                    x: x.primitive,
-                    weight: weight.primitive,
-                    eps,
-                },
-                out,
-            ),
-            OpsKind::UnTracked(prep) => prep.finish(out),
+        match B::rms_norm_node() {
+            true => norm_node::<B, C>(x, weight, eps, false),
+            false => rms_norm_composed::<Self>(x, weight, eps),
         }
     }
 
@@ -321,24 +321,9 @@ impl<B: DecoderKernels, C: CheckpointStrategy> DecoderKernels for Autodiff<B, C>
     /// As the norm: one node over `x` whole and the weight where the inner backend has a
     /// kernel each way; the slice and the norm, recorded, elsewhere.
     fn rms_norm_columns(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
-        if !B::rms_norm_node() {
-            return rms_norm_columns_sliced::<Self>(x, weight, eps);
-        }
-        let out = B::rms_norm_columns(x.primitive.clone(), weight.primitive.clone(), eps);
-        match RmsNormColumnsBackward
-            .prepare::<C>([x.node.clone(), weight.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish(
-                RmsNormState {
-                    x: x.primitive,
-                    weight: weight.primitive,
-                    eps,
-                },
-                out,
-            ),
-            OpsKind::UnTracked(prep) => prep.finish(out),
+        match B::rms_norm_node() {
+            true => norm_node::<B, C>(x, weight, eps, true),
+            false => rms_norm_columns_sliced::<Self>(x, weight, eps),
         }
     }
 
