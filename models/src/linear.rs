@@ -18,6 +18,7 @@
 use std::sync::Arc;
 
 use burn::nn::Linear;
+use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 use mpipemoe::{Communicator, GemmPrecision, MoeBackend, Result};
@@ -143,11 +144,23 @@ impl DenseProducts {
         x: Tensor<B, D>,
     ) -> Result<Tensor<B, D>> {
         let y = self.matmul(x, layer.weight.val())?;
-        Ok(match &layer.bias {
-            Some(bias) => y + bias.val().unsqueeze::<D>(),
-            None => y,
-        })
+        Ok(with_bias(y, layer))
     }
+}
+
+/// `y + bias` where `layer` has a bias, with `y` seen as rows: the bias broadcast over one
+/// dimension, so that its gradient is one sum over the rows (one reduction launch on a GPU
+/// backend) rather than one sum per leading dimension of `y`.
+///
+/// # Shapes
+/// - y: `[..., d_out]` → the same
+pub(crate) fn with_bias<B: Backend, const D: usize>(y: Tensor<B, D>, layer: &Linear<B>) -> Tensor<B, D> {
+    let Some(bias) = &layer.bias else {
+        return y;
+    };
+    let dims = y.dims();
+    let rows = dims[..D - 1].iter().product::<usize>();
+    (y.reshape([rows, dims[D - 1]]) + bias.val().unsqueeze::<2>()).reshape(dims)
 }
 
 /// `x · w`, `x`'s leading dimensions kept.

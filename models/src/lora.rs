@@ -8,7 +8,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use mpipemoe::{seeded_uniform, ExpertLoraSpec, LoraScaling, MoeBackend, MoeError, Result};
 
-use crate::linear::DenseProducts;
+use crate::linear::{with_bias, DenseProducts};
 use crate::model::MoeCausalLm;
 
 /// An adapter on one projection `y = x · w + bias`: it adds `scale · (x · a) · b`.
@@ -151,10 +151,7 @@ pub(crate) fn project_all<B: MoeBackend, const D: usize>(
         .iter()
         .zip(bases)
         .map(|((linear, lora), y)| {
-            let y = match &linear.bias {
-                Some(bias) => y + bias.val().unsqueeze::<D>(),
-                None => y,
-            };
+            let y = with_bias(y, linear);
             match lora {
                 Some(lora) => {
                     y + ups
