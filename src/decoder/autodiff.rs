@@ -99,12 +99,20 @@ fn norm_node<B: DecoderKernels, C: CheckpointStrategy>(
     }
 }
 
-/// The backward of a rotation: its transpose, of the `rotate_half` form or (`pairs`) of Llama
-/// 4's pairs, of a gradient that is head-major where the forward wrote it so (`to_heads`).
+/// Which rotation a node records: sequence-major (`rotate_half`, or Llama 4's `pairs`),
+/// written head-major (`ToHeads`), or latent attention's ([`DecoderKernels::rotate_tail_to_heads`]).
+#[derive(Debug, Clone, Copy)]
+enum Rotation {
+    SeqMajor { pairs: bool },
+    ToHeads { pairs: bool },
+    Tail(TailRotation),
+}
+
+/// The backward of a rotation: its transpose, of a gradient that is head-major where the
+/// forward wrote it so.
 #[derive(Debug)]
 struct RotaryBackward {
-    pairs: bool,
-    to_heads: bool,
+    kind: Rotation,
 }
 
 impl<B: DecoderKernels> Backward<B, 1> for RotaryBackward {
@@ -114,40 +122,31 @@ impl<B: DecoderKernels> Backward<B, 1> for RotaryBackward {
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
         let grad = grads.consume::<B>(&ops.node);
         let (cos, sin) = ops.state;
-        if let [Some(parent)] = ops.parents {
+        let [Some(parent)] = ops.parents else {
+            return;
+        };
+        let dx = match self.kind {
+            Rotation::SeqMajor { pairs } => seq_major_transpose::<B>(grad, cos, sin, pairs),
             // A head-major gradient seen sequence-major: a view the kernels read at its strides.
-            let grad = match self.to_heads {
-                true => B::float_swap_dims(grad, 1, 2),
-                false => grad,
-            };
-            let dx = match self.pairs {
-                true => B::rotate_pairs_seq_major_backward(grad, cos, sin),
-                false => B::rotate_half_seq_major_backward(grad, cos, sin),
-            };
-            grads.register::<B>(parent.id, dx);
-        }
+            Rotation::ToHeads { pairs } => {
+                seq_major_transpose::<B>(B::float_swap_dims(grad, 1, 2), cos, sin, pairs)
+            }
+            Rotation::Tail(form) => B::rotate_tail_to_heads_backward(grad, cos, sin, form),
+        };
+        grads.register::<B>(parent.id, dx);
     }
 }
 
-/// The backward of latent attention's query rotation ([`DecoderKernels::rotate_tail_to_heads`]):
-/// its transpose of the head-major gradient, the first `pass` values of each head passed
-/// through after `skip` zeros.
-#[derive(Debug)]
-struct TailRotaryBackward {
-    form: TailRotation,
-}
-
-impl<B: DecoderKernels> Backward<B, 1> for TailRotaryBackward {
-    /// The tables: the transpose reads them and nothing else.
-    type State = (FloatTensor<B>, FloatTensor<B>);
-
-    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
-        let grad = grads.consume::<B>(&ops.node);
-        let (cos, sin) = ops.state;
-        if let [Some(parent)] = ops.parents {
-            let dx = B::rotate_tail_to_heads_backward(grad, cos, sin, self.form);
-            grads.register::<B>(parent.id, dx);
-        }
+/// The transpose of the sequence-major rotation (`pairs`: Llama 4's).
+fn seq_major_transpose<B: DecoderKernels>(
+    grad: FloatTensor<B>,
+    cos: FloatTensor<B>,
+    sin: FloatTensor<B>,
+    pairs: bool,
+) -> FloatTensor<B> {
+    match pairs {
+        true => B::rotate_pairs_seq_major_backward(grad, cos, sin),
+        false => B::rotate_half_seq_major_backward(grad, cos, sin),
     }
 }
 
@@ -239,27 +238,26 @@ impl<B: DecoderKernels> Backward<B, 1> for GatedSiluBackward {
 /// An autodiff tensor of `Autodiff<B, C>`.
 type Tracked<B, C> = FloatTensor<Autodiff<B, C>>;
 
-/// A rotation (`pairs`: Llama 4's; `to_heads`: written head-major) as one node over the inner
-/// backend's where it has a kernel each way and the tables are constants; the operands back
-/// where it should be recorded composed.
+/// A rotation as one node over the inner backend's where it has a kernel each way and the
+/// tables are constants; the operands back where it should be recorded composed.
 fn rotation<B: DecoderKernels, C: CheckpointStrategy>(
     x: Tracked<B, C>,
     cos: Tracked<B, C>,
     sin: Tracked<B, C>,
-    pairs: bool,
-    to_heads: bool,
+    kind: Rotation,
 ) -> Result<Tracked<B, C>, [Tracked<B, C>; 3]> {
     let tracked = |t: &Tracked<B, C>| !t.node.requirement.is_none();
     if !B::rotary_node() || tracked(&cos) || tracked(&sin) {
         return Err([x, cos, sin]);
     }
     let (c, s) = (cos.primitive.clone(), sin.primitive.clone());
-    let out = match (to_heads, pairs) {
-        (true, _) => B::rotate_seq_major_to_heads(x.primitive, c, s, pairs),
-        (false, true) => B::rotate_pairs_seq_major(x.primitive, c, s),
-        (false, false) => B::rotate_half_seq_major(x.primitive, c, s),
+    let out = match kind {
+        Rotation::SeqMajor { pairs: true } => B::rotate_pairs_seq_major(x.primitive, c, s),
+        Rotation::SeqMajor { pairs: false } => B::rotate_half_seq_major(x.primitive, c, s),
+        Rotation::ToHeads { pairs } => B::rotate_seq_major_to_heads(x.primitive, c, s, pairs),
+        Rotation::Tail(form) => B::rotate_tail_to_heads(x.primitive, c, s, form),
     };
-    let node = RotaryBackward { pairs, to_heads };
+    let node = RotaryBackward { kind };
     Ok(match node.prepare::<C>([x.node]).compute_bound().stateful() {
         OpsKind::Tracked(prep) => prep.finish((cos.primitive, sin.primitive), out),
         OpsKind::UnTracked(prep) => prep.finish(out),
@@ -334,7 +332,7 @@ impl<B: DecoderKernels, C: CheckpointStrategy> DecoderKernels for Autodiff<B, C>
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        rotation::<B, C>(x, cos, sin, false, false)
+        rotation::<B, C>(x, cos, sin, Rotation::SeqMajor { pairs: false })
             .unwrap_or_else(|[x, cos, sin]| rotate_half_seq_major_composed::<Self>(x, cos, sin))
     }
 
@@ -345,7 +343,7 @@ impl<B: DecoderKernels, C: CheckpointStrategy> DecoderKernels for Autodiff<B, C>
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        rotation::<B, C>(x, cos, sin, true, false)
+        rotation::<B, C>(x, cos, sin, Rotation::SeqMajor { pairs: true })
             .unwrap_or_else(|[x, cos, sin]| rotate_pairs_seq_major_composed::<Self>(x, cos, sin))
     }
 
@@ -361,7 +359,7 @@ impl<B: DecoderKernels, C: CheckpointStrategy> DecoderKernels for Autodiff<B, C>
         sin: FloatTensor<Self>,
         pairs: bool,
     ) -> FloatTensor<Self> {
-        rotation::<B, C>(x, cos, sin, pairs, true)
+        rotation::<B, C>(x, cos, sin, Rotation::ToHeads { pairs })
             .unwrap_or_else(|[x, cos, sin]| rotate_to_heads_composed::<Self>(x, cos, sin, pairs))
     }
 
@@ -373,16 +371,8 @@ impl<B: DecoderKernels, C: CheckpointStrategy> DecoderKernels for Autodiff<B, C>
         sin: FloatTensor<Self>,
         form: TailRotation,
     ) -> FloatTensor<Self> {
-        let tracked = |t: &FloatTensor<Self>| !t.node.requirement.is_none();
-        if !B::rotary_node() || tracked(&cos) || tracked(&sin) {
-            return rotate_tail_to_heads_composed::<Self>(x, cos, sin, form);
-        }
-        let out = B::rotate_tail_to_heads(x.primitive, cos.primitive.clone(), sin.primitive.clone(), form);
-        let node = TailRotaryBackward { form };
-        match node.prepare::<C>([x.node]).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => prep.finish((cos.primitive, sin.primitive), out),
-            OpsKind::UnTracked(prep) => prep.finish(out),
-        }
+        rotation::<B, C>(x, cos, sin, Rotation::Tail(form))
+            .unwrap_or_else(|[x, cos, sin]| rotate_tail_to_heads_composed::<Self>(x, cos, sin, form))
     }
 
     fn latent_node() -> bool {

@@ -189,13 +189,9 @@ pub(crate) fn rotate_tail_to_heads_composed<B: DecoderKernels>(
             sin,
         ))),
         true => {
-            let [cos, sin] = [cos, sin].map(|m| first_half_per_head::<B>(m, d - pass));
             let [even, odd] = pair_values(tail);
             Tensor::cat(
-                vec![
-                    even.clone() * cos.clone() - odd.clone() * sin.clone(),
-                    odd * cos + even * sin,
-                ],
+                rotate_pairs_by::<B>([even, odd], [cos, sin], d - pass, false).into(),
                 3,
             )
         }
@@ -233,17 +229,10 @@ pub(crate) fn rotate_tail_to_heads_backward_composed<B: DecoderKernels>(
                 // The forward wrote the pairs' first values, then their second values: each pair
                 // rotated back by its angle and interleaved again.
                 let half = (d - pass) / 2;
-                let [cos, sin] = [cos, sin].map(|m| first_half_per_head::<B>(m, d - pass));
                 let first = tail.clone().slice([0..b, 0..t, 0..h, 0..half]);
                 let second = tail.slice([0..b, 0..t, 0..h, half..2 * half]);
-                Tensor::stack::<5>(
-                    vec![
-                        first.clone() * cos.clone() + second.clone() * sin.clone(),
-                        second * cos - first * sin,
-                    ],
-                    4,
-                )
-                .reshape([b, t, h, 2 * half])
+                let back = rotate_pairs_by::<B>([first, second], [cos, sin], d - pass, true);
+                Tensor::stack::<5>(back.into(), 4).reshape([b, t, h, 2 * half])
             }
         };
     let mut parts = Vec::with_capacity(3);
@@ -263,6 +252,31 @@ pub(crate) fn rotate_tail_to_heads_backward_composed<B: DecoderKernels>(
     }
     .into_primitive()
     .tensor()
+}
+
+/// Each pair `(a, b)` rotated by its angle, `(a · cos − b · sin, b · cos + a · sin)`, or
+/// (`transpose`) by the opposite one, `(a · cos + b · sin, b · cos − a · sin)`; the angles the
+/// first half of `width`-wide tables, shared by the heads.
+///
+/// # Shapes
+/// - a, b: `[batch, seq, heads, width / 2]`; cos, sin: `[rows, seq, width]`
+fn rotate_pairs_by<B: Backend>(
+    [a, b]: [Tensor<B, 4>; 2],
+    [cos, sin]: [FloatTensor<B>; 2],
+    width: usize,
+    transpose: bool,
+) -> [Tensor<B, 4>; 2] {
+    let [cos, sin] = [cos, sin].map(|m| first_half_per_head::<B>(m, width));
+    match transpose {
+        false => [
+            a.clone() * cos.clone() - b.clone() * sin.clone(),
+            b * cos + a * sin,
+        ],
+        true => [
+            a.clone() * cos.clone() + b.clone() * sin.clone(),
+            b * cos - a * sin,
+        ],
+    }
 }
 
 /// A `[rows, seq, width]` table's first half (the pairs' angles, `cat(freqs, freqs)`), as
