@@ -17,7 +17,7 @@ use mpipemoe::harness::{
     agreement_error, check_case, expected, measure_layer_memory_with, Case, CheckOptions, CountingAllocator,
 };
 use mpipemoe::memory::Strategy;
-use mpipemoe::memory::{LayerShape, PaperTerms};
+use mpipemoe::memory::{ExpertRoute, LayerShape, PaperTerms};
 use mpipemoe::tuning::Profile;
 use mpipemoe::{LocalGroup, MemoryReuse, MoeError, MoeLayer, MoeLayerConfig, Partitions, Shadowing};
 
@@ -65,6 +65,7 @@ fn memory_model_host_bytes_and_the_budget_under_skew() {
     measure_layer_memory_with::<B>(&ALLOC, &warm, Some(&skewed(&warm)), None, 64, 2, true, &device).unwrap();
     model_tracks_every_rank(&device);
     model_tracks_gpt_oss_and_llama4_rules(&device);
+    model_tracks_experts_side_by_side(&device);
     budget_keeps_every_rank_under_it(&device);
     budget_below_the_floor_is_an_error_before_the_exchange(&device);
 }
@@ -78,16 +79,19 @@ fn memory_model_host_bytes_and_the_budget_under_skew() {
 /// past the budget's 10% headroom).
 fn model_tracks_gpt_oss_and_llama4_rules(device: &burn::tensor::Device<B>) {
     let clamped = mpipemoe::Activation::clamped_swiglu(1.702, 7.0).unwrap();
-    for (activation, weights_on_input) in [
-        (mpipemoe::Activation::Gelu, true),
-        (clamped, false),
-        (clamped, true),
+    // The last element: Flex's own experts, or the primitives (see `model_tracks_every_rank`).
+    for (activation, weights_on_input, own) in [
+        (mpipemoe::Activation::Gelu, true, true),
+        (clamped, false, true),
+        (clamped, true, true),
+        (clamped, true, false),
     ] {
         for n in [1, 4] {
             for strategy in Strategy::ALL {
                 let config = base(Partitions::Fixed(n), strategy.into())
                     .with_activation(activation)
                     .with_weights_on_input(weights_on_input)
+                    .with_backend_experts(own)
                     .with_memory_budget(Some(usize::MAX / 4));
                 let measured =
                     measure_layer_memory_with::<B>(&ALLOC, &config, None, None, TOKENS, 2, true, device)
@@ -103,7 +107,7 @@ fn model_tracks_gpt_oss_and_llama4_rules(device: &burn::tensor::Device<B>) {
                     // At most the budget's headroom above the model, so the budget holds.
                     assert!(
                         (0.85..=1.10).contains(&ratio),
-                        "{} weights_on_input={weights_on_input} n={n} {strategy} rank {rank}: measured/model {ratio:.2}",
+                        "{} weights_on_input={weights_on_input} own={own} n={n} {strategy} rank {rank}: measured/model {ratio:.2}",
                         activation.name()
                     );
                 }
@@ -116,18 +120,28 @@ fn model_tracks_every_rank(device: &burn::tensor::Device<B>) {
     let mut report = Vec::new();
     // The last: the hot expert shadowed (issue 45), so every rank holds its copy, computes
     // its own rows of it and returns the copy's gradients.
+    // The last element: whether the experts run on Flex's own path (as tasks, one at a time
+    // on a pool of one thread a rank) or, as on the backends without one and for experts with
+    // adapters everywhere, on the primitives, expert by expert. The model replays each.
     let runs = [
-        (false, None, Shadowing::Off),
-        (true, None, Shadowing::Off),
-        (true, Some(2 * M), Shadowing::Off),
-        (true, None, Shadowing::Fixed(1)),
+        (false, None, Shadowing::Off, true),
+        (true, None, Shadowing::Off, true),
+        (true, Some(2 * M), Shadowing::Off, true),
+        (true, None, Shadowing::Fixed(1), true),
+        (false, None, Shadowing::Off, false),
+        (true, None, Shadowing::Fixed(1), false),
     ];
-    for (skew, shared, shadowing) in runs {
+    for (skew, shared, shadowing, own) in runs {
+        let route = match own {
+            true => ExpertRoute::Tasks { concurrent: 1 },
+            false => ExpertRoute::ExpertByExpert,
+        };
         for n in [1, 4] {
             for strategy in Strategy::ALL {
                 let config = base(Partitions::Fixed(n), strategy.into())
                     .with_shared_expert(shared)
                     .with_shadowing(shadowing)
+                    .with_backend_experts(own)
                     .with_memory_budget(Some(usize::MAX / 4));
                 let weights = skew.then(|| skewed(&config));
                 let measured = measure_layer_memory_with::<B>(
@@ -144,8 +158,13 @@ fn model_tracks_every_rank(device: &burn::tensor::Device<B>) {
                 for (rank, r) in measured.ranks.iter().enumerate() {
                     let decision = r.stats.memory.as_ref().expect("a budget reports its decision");
                     assert_eq!((decision.n_partitions, decision.strategy), (n, strategy));
+                    assert_eq!(
+                        decision.route, route,
+                        "the route the model replays is the one measured"
+                    );
                     let label = format!(
-                        "skew={skew} shared={shared:?} {shadowing:?} n={n} {strategy} rank {rank} ({} rows)",
+                        "skew={skew} shared={shared:?} {shadowing:?} {} n={n} {strategy} rank {rank} ({} rows)",
+                        route.name(),
                         r.recv_rows
                     );
                     let modelled = decision.peak_bytes[rank];
@@ -182,6 +201,37 @@ fn model_tracks_every_rank(device: &burn::tensor::Device<B>) {
         }
     }
     assert!(!report.is_empty());
+}
+
+/// One rank on a pool of three threads: Flex runs a partition's experts side by side, three
+/// at once, each holding its own transients, and the model replays as many at once
+/// ([`ExpertRoute::Tasks`]). Within 15% of the measured peak, as on one thread a rank (with a
+/// route that replayed one expert at a time, the model was under the measurement).
+fn model_tracks_experts_side_by_side(device: &burn::tensor::Device<B>) {
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+    for n in [1, 4] {
+        for strategy in Strategy::ALL {
+            let config = base(Partitions::Fixed(n), strategy.into()).with_memory_budget(Some(usize::MAX / 4));
+            let measured = pool
+                .install(|| {
+                    measure_layer_memory_with::<B>(&ALLOC, &config, None, None, TOKENS, 1, true, device)
+                })
+                .unwrap();
+            let r = &measured.ranks[0];
+            let decision = r.stats.memory.as_ref().expect("a budget reports its decision");
+            assert_eq!(decision.route, ExpertRoute::Tasks { concurrent: 3 });
+            let ratio = r.peak_device_bytes as f64 / decision.peak_bytes[0];
+            eprintln!(
+                "side by side n={n} {strategy}: measured {:.2} MiB, model {:.2} MiB, {ratio:.2}",
+                r.peak_device_bytes as f64 / MIB,
+                decision.peak_bytes[0] / MIB
+            );
+            assert!(
+                (0.85..=1.15).contains(&ratio),
+                "side by side n={n} {strategy}: measured/model {ratio:.2}"
+            );
+        }
+    }
 }
 
 /// All tokens go to rank 0's experts. Without a budget, at n = 1 and no reuse, rank 0's peak

@@ -7,6 +7,9 @@
 //!
 //! As in §1, one expert per rank (the paper's E = N), here one rank on one card, top-1, every
 //! token routed to it, the exchange skipped (`SingleRank`), the experts on cuBLAS in IEEE f32.
+//! Then the same with eight experts on the rank (`--experts`), where the cuBLAS path's
+//! scratch for a whole partition (the model's `partition-scratch` route) differs from the
+//! primitives' one expert at a time: the rows that check the model's route on the device.
 //! After one warm-up pass (kernels compiled, autotuned), the measured pass builds its partition
 //! buffers afresh. Its peak is read from cubecl's device allocator
 //! (`mpipemoe::harness::DeviceMemoryMeter`): `in use` is the most bytes in use that a sampler
@@ -17,7 +20,7 @@
 //! (S1–S3) are in pinned host memory, reported apart.
 //!
 //! ```text
-//! gpu_memory [--quick] [--shape GPT3-S|BERT-L|GPT3-XL] [--json FILE]
+//! gpu_memory [--quick] [--shape GPT3-S|BERT-L|GPT3-XL] [--experts 1,8] [--json FILE]
 //! ```
 
 use std::sync::Arc;
@@ -45,6 +48,9 @@ const MIB: f64 = 1024.0 * 1024.0;
 #[derive(Serialize, Clone)]
 struct Row {
     shape: String,
+    experts: usize,
+    /// The route the memory model replayed (`partition-scratch`: the cuBLAS path).
+    route: String,
     tokens: usize,
     n: usize,
     /// `fastmoe` (n = 1, no reuse), `pipemoe` (no reuse) or the strategy.
@@ -63,6 +69,7 @@ struct Row {
 struct Args {
     quick: bool,
     shape: Option<String>,
+    experts: Vec<usize>,
     json: Option<String>,
 }
 
@@ -70,6 +77,7 @@ fn arguments() -> Result<Args, String> {
     let mut args = Args {
         quick: false,
         shape: None,
+        experts: vec![1, 8],
         json: None,
     };
     let mut it = std::env::args().skip(1);
@@ -77,6 +85,18 @@ fn arguments() -> Result<Args, String> {
         match a.as_str() {
             "--quick" => args.quick = true,
             "--json" => args.json = Some(it.next().ok_or("--json needs a file")?),
+            "--experts" => {
+                let v = it.next().ok_or("--experts needs a list, such as 1,8")?;
+                args.experts = v
+                    .split(',')
+                    .map(|e| match e.trim().parse::<usize>() {
+                        Ok(n) if (1..=256).contains(&n) => Ok(n),
+                        _ => Err(format!(
+                            "--experts {v:?}: expected counts from 1 to 256, such as 1,8"
+                        )),
+                    })
+                    .collect::<Result<_, _>>()?;
+            }
             "--shape" => {
                 let v = it.next().ok_or("--shape needs a name")?;
                 if !SHAPES.iter().any(|(name, _, _)| *name == v) {
@@ -109,12 +129,14 @@ fn main() {
     };
     let started = Instant::now();
     let mut rows: Vec<Row> = Vec::new();
-    let shapes = SHAPES
+    let shapes: Vec<_> = SHAPES
         .iter()
-        .filter(|(name, _, _)| args.shape.as_deref().is_none_or(|s| s == *name));
+        .filter(|(name, _, _)| args.shape.as_deref().is_none_or(|s| s == *name))
+        .collect();
     println!(
-        "{:8} {:>6} {:>2} {:8} {:>10} {:>10} {:>10} {:>8} {:>10} {:>9} {:>10} {:>8}",
+        "{:8} {:>3} {:>6} {:>2} {:8} {:>10} {:>10} {:>10} {:>8} {:>10} {:>9} {:>10} {:>8}  route",
         "shape",
+        "E",
         "tokens",
         "n",
         "what",
@@ -127,7 +149,11 @@ fn main() {
         "reuse MiB",
         "samples"
     );
-    for &(name, m, h) in shapes {
+    for (&experts, &&(name, m, h)) in args
+        .experts
+        .iter()
+        .flat_map(|e| shapes.iter().map(move |s| (e, s)))
+    {
         for &tokens in token_counts {
             let mut runs = vec![(1, None)];
             for &n in partitions {
@@ -138,7 +164,7 @@ fn main() {
             let mut pipemoe = std::collections::HashMap::new();
             for (n, strategy) in runs {
                 // §1's configuration at one rank (its router's bias included).
-                let config = MoeLayerConfig::new(m, h, 1, 1)
+                let config = MoeLayerConfig::new(m, h, experts, 1)
                     .with_seed(1)
                     .with_router_bias(true)
                     .with_partitions(Partitions::Fixed(n))
@@ -148,11 +174,15 @@ fn main() {
                 let measured =
                     measure_layer_peak::<B>(&meter, &config, None, None, tokens, 1, true, &device, &wrap)
                         .unwrap_or_else(|e| {
-                            fail(format!("{name} tokens={tokens} n={n} {strategy:?}: {e}"), 1)
+                            fail(
+                                format!("{name} experts={experts} tokens={tokens} n={n} {strategy:?}: {e}"),
+                                1,
+                            )
                         });
                 let rank = &measured.ranks[0];
                 let sample = meter.last(0).unwrap_or_default();
                 let model = rank.stats.memory.as_ref().map_or(f64::NAN, |d| d.peak_bytes[0]);
+                let route = rank.stats.memory.as_ref().map_or("-".into(), |d| d.route.name());
                 let in_use = rank.peak_device_bytes as i64;
                 let what = match strategy {
                     None => "fastmoe".to_string(),
@@ -171,6 +201,8 @@ fn main() {
                 };
                 let row = Row {
                     shape: name.to_string(),
+                    experts,
+                    route,
                     tokens,
                     n,
                     what,
@@ -185,8 +217,9 @@ fn main() {
                     reuse_saving_bytes: reuse,
                 };
                 println!(
-                    "{:8} {:>6} {:>2} {:8} {:>10.1} {:>10.1} {:>10.1} {:>8.2} {:>10.1} {:>8.1}% {:>10} {:>8}",
+                    "{:8} {:>3} {:>6} {:>2} {:8} {:>10.1} {:>10.1} {:>10.1} {:>8.2} {:>10.1} {:>8.1}% {:>10} {:>8}  {}",
                     row.shape,
+                    row.experts,
                     row.tokens,
                     row.n,
                     row.what,
@@ -198,7 +231,8 @@ fn main() {
                     row.cut_percent,
                     row.reuse_saving_bytes
                         .map_or("-".to_string(), |b| format!("{:.1}", b as f64 / MIB)),
-                    row.samples
+                    row.samples,
+                    row.route
                 );
                 rows.push(row);
             }

@@ -210,6 +210,10 @@ impl<B: MoeBackend, C: CheckpointStrategy> MoeBackend for Autodiff<B, C> {
         B::dense_library(comm)
     }
 
+    fn expert_route(comm: &dyn Communicator, own: bool) -> crate::memory::ExpertRoute {
+        B::expert_route(comm, own)
+    }
+
     /// The inner backend's product as one node, its backward products the inner's too.
     fn expert_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         super::dense::rows_autodiff::<B, C>(lhs, rhs)

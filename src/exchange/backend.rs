@@ -68,13 +68,20 @@ pub struct ExchangeRun {
     pub frozen: [bool; crate::experts::EXPERT_PARTS],
     /// Whether a partition's experts may run on the backend's own
     /// [`ExpertPath`](super::ExpertPath) ([`MoeBackend::expert_path`]; Flex's runs them side by
-    /// side over its pool) where the communicator offers none. That path builds whole
-    /// partition buffers and stacked gradient sums, not the expert-by-expert tensors the
-    /// implementation's memory model replays (`memory/implementation`), so the layer turns it
-    /// off under a `memory_budget`, whose promise rests on that model. Not a constructor
-    /// argument: set the field (off by default).
+    /// side over its pool) where the communicator offers none. The layer turns it on: the
+    /// implementation's memory model replays the path's route
+    /// ([`ExpertPath::route`](super::ExpertPath::route)). Not a constructor argument: set the
+    /// field (off by default).
     #[new(default)]
     pub backend_experts: bool,
+    /// Whether the primitives may run the experts' activation over a whole partition (one
+    /// kernel where the arena holds `T_M` in one buffer) instead of expert by expert. Its
+    /// partition-sized transient is not what the implementation's memory model replays for
+    /// the primitives (`memory/implementation`), so the layer turns it off under a
+    /// `memory_budget`, whose promise rests on that model. Not a constructor argument: set
+    /// the field (off by default).
+    #[new(default)]
+    pub partition_activation: bool,
 }
 
 impl ExchangeRun {
@@ -231,7 +238,7 @@ pub trait MoeBackend:
 
     /// The backend's own [`ExpertPath`](super::ExpertPath), which a partition's experts run
     /// on where the communicator offers no path for this backend and the run allows it
-    /// ([`ExchangeRun::backend_experts`]: the layer does without a `memory_budget`): the exchange hands each
+    /// ([`ExchangeRun::backend_experts`]: the layer always does): the exchange hands each
     /// partition's `C_i` and `C'_i` to it whole. `None` (the default) runs each expert on the
     /// primitives, one after another. Flex runs the experts side by side over its pool
     /// (`exchange/flex_experts.rs`).
@@ -382,6 +389,17 @@ pub trait MoeBackend:
     /// wrapper (`Autodiff<B>`, `Fusion<B>`), for the backend it wraps.
     fn dense_library(comm: &dyn Communicator) -> bool {
         super::dense::dense_path::<Self>(comm).is_some()
+    }
+
+    /// The route a partition's experts without adapters take in the exchange on `comm`
+    /// ([`ExpertRoute`](crate::memory::ExpertRoute), for the memory model): the path the
+    /// exchange would find (the communicator's for this backend, else, where `own`, the
+    /// backend's own), as it says its route; the primitives' without one. A wrapper
+    /// (`Autodiff<B>`, `Fusion<B>`) answers for the backend it wraps, whose exchange runs the
+    /// experts.
+    fn expert_route(comm: &dyn Communicator, own: bool) -> crate::memory::ExpertRoute {
+        super::ffn::path_for::<Self>(comm, own)
+            .map_or(crate::memory::ExpertRoute::ExpertByExpert, |path| path.route())
     }
 
     /// Step 4's gather: row `i` of the result is row `map.targets()[i]` of `x`, differentiable

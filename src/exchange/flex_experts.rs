@@ -21,10 +21,11 @@
 //! tests hold them to that.
 //!
 //! Memory: the partition's buffers and the stacked sums are whole from the start, and each
-//! running expert holds its own temporaries, so the peak is not the expert-by-expert one that
-//! the implementation's memory model replays (measured up to 1.38 times it on `tests/memory.rs`'s
-//! shapes, one thread a rank). The layer therefore takes this path only without a
-//! `memory_budget` ([`ExchangeRun::backend_experts`](super::ExchangeRun::backend_experts)).
+//! running expert holds its own temporaries, so the peak is not the expert-by-expert one of
+//! the primitives (measured up to 1.38 times that route's model on `tests/memory.rs`'s shapes,
+//! one thread a rank). The implementation's memory model replays this route
+//! ([`ExpertRoute::Tasks`](crate::memory::ExpertRoute::Tasks), `memory/implementation/library.rs`),
+//! so a `memory_budget` keeps it.
 
 use burn::backend::flex::{Flex, FlexTensor};
 use burn::tensor::ops::FloatTensorOps;
@@ -269,6 +270,18 @@ impl Sums {
 }
 
 impl ExpertPath<Flex> for FlexExperts {
+    /// Experts as tasks, as many at once as the calling thread's pool has threads where they
+    /// run side by side (see [`side_by_side`]), else one. Asked from the layer's thread: an
+    /// upper bound where the exchange's compute runs on a stream worker outside any pool
+    /// (the threaded executor), which runs them one after another.
+    fn route(&self) -> crate::memory::ExpertRoute {
+        let concurrent = match side_by_side() {
+            true => rayon::current_num_threads(),
+            false => 1,
+        };
+        crate::memory::ExpertRoute::Tasks { concurrent }
+    }
+
     fn forward(&self, job: ExpertForward<'_, Flex>) -> Result<(FlexTensor, FlexTensor)> {
         let groups: Vec<&FlexTensor> = job.experts.groups.iter().flat_map(tensors_of).collect();
         if !plain_f32(&[&[&job.x, &job.hidden, &job.out][..], &groups[..]].concat()) {

@@ -116,6 +116,10 @@ impl<B: FusionBackend + MoeBackend> MoeBackend for Fusion<B> {
         B::dense_library(comm)
     }
 
+    fn expert_route(comm: &dyn Communicator, own: bool) -> crate::memory::ExpertRoute {
+        B::expert_route(comm, own)
+    }
+
     /// On the inner backend where the communicator offers a library for it (paths are found by
     /// backend type); fusion's own matmul, which stays fusable, otherwise.
     fn dense_matmul(

@@ -172,6 +172,15 @@ pub struct MoeLayerConfig {
     /// so that a missing dependency between streams shows up there).
     #[config(default = "None")]
     pub executor: Option<StepExecutor>,
+    /// Whether a partition's experts may run on the backend's own expert path
+    /// ([`MoeBackend::expert_path`](crate::MoeBackend::expert_path): Flex's runs them side by
+    /// side over its pool and writes their weight gradients straight into the stacked sums)
+    /// where the communicator offers no device library. `false` keeps them on the primitives,
+    /// one expert after another, as on backends without a path of their own: to compare the
+    /// two, or as a way back. The memory model replays whichever runs
+    /// ([`MemoryDecision::route`](crate::memory::MemoryDecision::route)).
+    #[config(default = true)]
+    pub backend_experts: bool,
     /// Hot experts replicated on every rank of the expert-parallel group for a step
     /// (FasterMoE's shadowing): their rows are computed where they were routed instead of
     /// crossing the all-to-all. Changes the step's time and memory, never its result; nothing

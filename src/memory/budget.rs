@@ -5,7 +5,7 @@
 
 use serde::Serialize;
 
-use super::{ImplementationModel, LayerShape, RankRows, Strategy};
+use super::{ExpertRoute, ImplementationModel, LayerShape, RankRows, Strategy};
 
 /// The memory model's estimate is inflated by this factor before it is compared with the
 /// budget. The model follows the code's allocations and tracked a counting allocator within
@@ -54,9 +54,16 @@ pub fn fit_budget(
     (None, seen)
 }
 
-/// The modelled peak (bytes) of the rank described by `rows` under `strategy`.
-pub fn rank_peak_bytes(shape: &LayerShape, rows: &RankRows, strategy: Strategy, elem_bytes: usize) -> f64 {
-    ImplementationModel::for_rows(shape, rows, strategy).peak_device() * elem_bytes as f64
+/// The modelled peak (bytes) of the rank described by `rows` under `strategy`, its experts
+/// computed as `route` says.
+pub fn rank_peak_bytes(
+    shape: &LayerShape,
+    rows: &RankRows,
+    strategy: Strategy,
+    route: ExpertRoute,
+    elem_bytes: usize,
+) -> f64 {
+    ImplementationModel::for_route(shape, rows, strategy, route).peak_device() * elem_bytes as f64
 }
 
 /// What the budget decided for one batch, and why. In [`MoeStats::memory`](crate::MoeStats).
@@ -72,6 +79,8 @@ pub struct MemoryDecision {
     pub recv_rows: Vec<usize>,
     /// Each rank's modelled peak under the choice, bytes. `[n_ranks]`
     pub peak_bytes: Vec<f64>,
+    /// The route of the experts the model replayed: the one the exchange takes.
+    pub route: ExpertRoute,
     /// Why this partition count and strategy (what did not fit before them).
     pub reason: String,
 }

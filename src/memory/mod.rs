@@ -10,6 +10,7 @@ pub(crate) mod host_store;
 mod implementation;
 mod meter;
 mod model;
+mod route;
 mod rows;
 
 pub use budget::{fit_budget, rank_peak_bytes, BudgetCandidate, MemoryDecision, MODEL_HEADROOM};
@@ -17,6 +18,7 @@ pub(crate) use host_store::{HostBlock, HostStore};
 pub use implementation::{ImplementationModel, Phase, Term};
 pub use meter::{MemoryMeter, MemoryReport};
 pub use model::{ImplementationTerms, LayerShape, MemoryPlan, PaperTerms};
+pub use route::ExpertRoute;
 pub use rows::RankRows;
 
 pub use crate::pipeline::{MemoryReuse, Restore, Strategy};

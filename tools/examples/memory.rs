@@ -22,7 +22,7 @@
 //! - `reuse/2ΔM`: the saving against PipeMoE at the same `n` (the same pipeline without
 //!   reuse) over `2·ΔM`: what reuse itself saves here;
 //! - `model`: this implementation's modelled peak of the hot rank (`ImplementationModel` on
-//!   its rows), and `meas/model`.
+//!   its rows, the experts on Flex's own path as the layer runs them), and `meas/model`.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -34,7 +34,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use mpipemoe::format::TensorMap;
 use mpipemoe::harness::{measure_layer_memory_with, CountingAllocator, TokenSource};
 use mpipemoe::memory::Strategy;
-use mpipemoe::memory::{ImplementationModel, LayerShape, PaperTerms, RankRows};
+use mpipemoe::memory::{ExpertRoute, ImplementationModel, LayerShape, PaperTerms, RankRows};
 use mpipemoe::{MemoryReuse, MoeLayerConfig, Partitions};
 use mpipemoe_tools::inputs::{balanced_router, balanced_tokens};
 use mpipemoe_tools::report::{write_panels, Panel, Series};
@@ -238,8 +238,11 @@ fn main() -> mpipemoe::Result<()> {
             } else {
                 RankRows::balanced(&shape)
             };
+            // The layer runs without a budget on Flex's own expert path, one expert a rank
+            // here, so as many at once as threads changes nothing.
+            let route = ExpertRoute::Tasks { concurrent: 1 };
             let model_peak =
-                ImplementationModel::for_rows(&shape, &rank_rows, strategy.unwrap_or(Strategy::None))
+                ImplementationModel::for_route(&shape, &rank_rows, strategy.unwrap_or(Strategy::None), route)
                     .peak_device()
                     * 4.0;
             let cut = baseline as i64 - hot as i64;

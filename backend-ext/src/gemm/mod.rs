@@ -439,6 +439,13 @@ impl Inner {
 }
 
 impl ExpertPath<CudaMoe<f32>> for CublasExperts {
+    /// Scratch for every row of the partition (`forward.rs`'s activation; `backward.rs`'s
+    /// `dA`, activation, `dT_M` and recomputed `T_M`), f32 or, at bf16, half of it; the bf16
+    /// copies of the operands are not in it.
+    fn route(&self) -> mpipemoe::memory::ExpertRoute {
+        mpipemoe::memory::ExpertRoute::PartitionScratch
+    }
+
     /// One `cublasGemmEx` at `precision` into a new tensor (`dense.rs`).
     fn matmul(
         &self,

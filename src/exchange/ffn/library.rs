@@ -46,10 +46,7 @@ impl<B: MoeBackend> Library<B> {
         // The backend's own path computes every part's gradient; with frozen parts (base
         // weights under adapters elsewhere in the model) the primitives skip them instead.
         let own = run.backend_experts && !run.frozen.iter().any(|&f| f);
-        let path = comm
-            .row_paths()
-            .and_then(|p| p.experts::<B>())
-            .or_else(|| own.then(B::expert_path).flatten())?;
+        let path = path_for::<B>(comm, own)?;
         Some(Self {
             path,
             precision: run.precision,
@@ -61,6 +58,15 @@ impl<B: MoeBackend> Library<B> {
     pub(super) fn step(&self) -> &PassStore {
         &self.groups.step
     }
+}
+
+/// The communicator's expert path for `B` if it offers one, else, where `own`, the backend's
+/// own ([`MoeBackend::expert_path`]), if any: the path [`Library::find`] takes for experts
+/// without adapters, and whose route [`MoeBackend::expert_route`] reports.
+pub(crate) fn path_for<B: MoeBackend>(comm: &dyn Communicator, own: bool) -> Option<Arc<dyn ExpertPath<B>>> {
+    comm.row_paths()
+        .and_then(|p| p.experts::<B>())
+        .or_else(|| own.then(B::expert_path).flatten())
 }
 
 /// A slot's buffer for blocks laid out by `layout`: the arena's where `mem` is one, a fresh

@@ -31,6 +31,7 @@ mod value_first;
 
 pub(crate) use backward::{compute_backward, Restored};
 pub(crate) use grad_acc::ExpertGradAcc;
+pub(crate) use library::path_for;
 use library::{compute_backward_on, compute_on, Library};
 
 /// How one pass computes its experts, chosen once per pass: a device library's whole-partition
@@ -51,9 +52,9 @@ pub(crate) enum Scope {
     /// The whole partition where the arena holds `T_M` in one buffer: one kernel forward over
     /// the partition (its output a partition-sized transient, as on a device library), and
     /// backward each expert's value and derivative from one kernel (both held at once). Taken
-    /// only where the run allows the backend's own ways
-    /// ([`ExchangeRun::backend_experts`](crate::exchange::ExchangeRun::backend_experts): no
-    /// memory budget, whose promise rests on the model).
+    /// only where the run allows it
+    /// ([`ExchangeRun::partition_activation`](crate::exchange::ExchangeRun::partition_activation):
+    /// no memory budget, whose promise rests on the model).
     Partition,
 }
 
@@ -69,7 +70,7 @@ impl<B: MoeBackend> ExpertCompute<B> {
         match Library::find(comm, experts, run, step) {
             Some(library) => Self::Library(library),
             None => {
-                let scope = match run.backend_experts {
+                let scope = match run.partition_activation {
                     true => Scope::Partition,
                     false => Scope::ExpertByExpert,
                 };

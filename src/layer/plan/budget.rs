@@ -21,8 +21,9 @@ impl<B: MoeBackend> MoeLayer<B> {
         let n_ranks = counts.n_ranks();
         let shape = self.model_shape(counts.n_tokens_global(), n_ranks, scheme.n_partitions(n_ranks));
         let elem = std::mem::size_of::<B::FloatElem>();
+        let route = self.expert_route();
         (0..counts.n_ranks())
-            .map(|r| rank_peak_bytes(&shape, &counts.rank_rows(r, scheme), strategy, elem))
+            .map(|r| rank_peak_bytes(&shape, &counts.rank_rows(r, scheme), strategy, route, elem))
             .collect()
     }
 
@@ -121,6 +122,7 @@ impl<B: MoeBackend> MoeLayer<B> {
                         strategy,
                         recv_rows,
                         peak_bytes: peaks,
+                        route: self.expert_route(),
                         reason,
                     },
                 ));

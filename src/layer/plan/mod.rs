@@ -27,7 +27,7 @@ use crate::dispatch::{DispatchPlan, ExchangePlan, RoutingCounts, SplitScheme};
 use crate::error::Result;
 use crate::exchange::executor::StepExecutor;
 use crate::exchange::{ExchangeRun, MoeBackend};
-use crate::memory::{LayerShape, MemoryDecision, Strategy};
+use crate::memory::{ExpertRoute, LayerShape, MemoryDecision, Strategy};
 
 /// What step 3 decides for one batch.
 pub(super) struct BatchPlan {
@@ -153,10 +153,35 @@ impl<B: MoeBackend> MoeLayer<B> {
             .then_some(StepExecutor::InOrder));
         run.arena = Some(self.ctx.arena.clone());
         run.precision = self.ctx.config.gemm_precision;
-        // The backend's own expert path where no memory budget rests on the memory model of
-        // the expert-by-expert one (see the field).
-        run.backend_experts = self.ctx.config.memory_budget.is_none();
+        // The backend's own expert path unless the configuration says otherwise: the memory
+        // model replays its route (`expert_route`), so a memory budget keeps it.
+        run.backend_experts = self.ctx.config.backend_experts;
+        // The primitives' activation over a whole partition where no memory budget rests on
+        // the model, which replays the primitives expert by expert (see the field).
+        run.partition_activation = self.ctx.config.memory_budget.is_none();
         run
+    }
+
+    /// The route this layer's experts take in the exchange, for the memory model: found as
+    /// the exchange finds its expert compute (`exchange/ffn/library.rs`, `Library::find`).
+    /// Experts with adapters run on the primitives; otherwise the communicator's device
+    /// library's path if it offers one, else the backend's own unless the experts' weights
+    /// are frozen (the primitives then skip their gradients), each saying its route
+    /// ([`MoeBackend::expert_route`]), asked from the layer's thread.
+    pub(super) fn expert_route(&self) -> ExpertRoute {
+        let adapted = self
+            .adapters
+            .as_ref()
+            .is_some_and(|a| a.w_in.is_some() || a.w_out.is_some());
+        if adapted {
+            return ExpertRoute::ExpertByExpert;
+        }
+        // As the exchange's node marks them (`exchange/autodiff.rs`): only where autodiff
+        // tracks gradients can a weight be frozen.
+        let w_in = self.experts.w_in.val();
+        let frozen = B::ad_enabled(&w_in.device()) && !w_in.is_require_grad();
+        let own = self.ctx.config.backend_experts && !frozen;
+        B::expert_route(self.ctx.comm.as_ref(), own)
     }
 
     /// The layer's shape for the memory and cost models: `n_tokens_global` tokens over the

@@ -8,6 +8,9 @@ use crate::memory::Restore;
 impl Replay<'_> {
     /// `C_i`: every local expert's FFN on its rows.
     pub(super) fn compute(&mut self, i: usize) {
+        if self.route.whole_partition() {
+            return self.library_compute(i);
+        }
         let (m, h, f) = (self.m, self.h, self.f);
         let name = format!("C_{i}");
         let keeps_hidden =
@@ -59,9 +62,8 @@ impl Replay<'_> {
             }
         }
         let rows = self.recv(i);
-        let l = &mut self.ledger;
         if experts.iter().filter(|&&r| r > 0.0).count() > 1 {
-            l.at(
+            self.ledger.at(
                 &name,
                 &[
                     ("outputs so far", outs),
@@ -70,9 +72,17 @@ impl Replay<'_> {
                 ],
             );
         }
+        self.after_compute(&name, i, rows);
+    }
+
+    /// The end of `C_i` on every route: `T_M` kept, staged for its offload or dropped as the
+    /// strategy says, `T_DI` kept or dropped likewise, and `T_DO` made.
+    pub(super) fn after_compute(&mut self, name: &str, i: usize, rows: f64) {
+        let (m, f) = (self.m, self.f);
+        let l = &mut self.ledger;
         match self.strategy.hidden() {
-            Restore::Keep => l.alloc(&name, format!("saved T_M[{i}]"), rows * f),
-            Restore::Offload => l.alloc(&name, "T_M buffer", rows * f),
+            Restore::Keep => l.alloc(name, format!("saved T_M[{i}]"), rows * f),
+            Restore::Offload => l.alloc(name, "T_M buffer", rows * f),
             _ => {}
         }
         let di = format!("T_DI[{i}]");
@@ -81,12 +91,15 @@ impl Replay<'_> {
         } else {
             l.free(&di);
         }
-        l.alloc(&name, format!("T_DO[{i}]"), rows * m);
+        l.alloc(name, format!("T_DO[{i}]"), rows * m);
     }
 
     /// `C'_i`: every local expert's FFN backward on its rows (recomputing `T_M` where it was
     /// dropped), accumulating the weight gradients.
     pub(super) fn compute_backward(&mut self, i: usize) {
+        if self.route.whole_partition() {
+            return self.library_compute_backward(i);
+        }
         let m = self.m;
         let name = format!("C'_{i}");
         let experts: Vec<f64> = self.rows.recv[i].iter().map(|&r| r as f64).collect();
@@ -219,6 +232,9 @@ impl Replay<'_> {
     /// more than one local expert the concatenation copies a role's gradients while its
     /// per-expert parts are still held.
     pub(super) fn stack_weight_gradients(&mut self) {
+        if self.route.whole_partition() {
+            return self.library_finish();
+        }
         let (m, h, f) = (self.m, self.h, self.f);
         let experts = self.grads_seen.len() as f64;
         let unseen = self.grads_seen.iter().filter(|&&seen| !seen).count() as f64;

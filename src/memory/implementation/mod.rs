@@ -12,12 +12,13 @@
 
 mod experts;
 mod ledger;
+mod library;
 mod replay;
 mod steps;
 
 use serde::Serialize;
 
-use super::{LayerShape, RankRows, Strategy};
+use super::{ExpertRoute, LayerShape, RankRows, Strategy};
 use replay::Replay;
 
 /// One named tensor (or group of tensors) of the model, in elements.
@@ -67,9 +68,15 @@ impl ImplementationModel {
         Self::for_rows(shape, &RankRows::balanced(shape), strategy)
     }
 
-    /// The model for one rank that handles `rows` (its routing of a real batch).
+    /// The model for one rank that handles `rows` (its routing of a real batch), its experts
+    /// on the primitives, one after another.
     pub fn for_rows(shape: &LayerShape, rows: &RankRows, strategy: Strategy) -> Self {
-        Replay::new(shape, rows, strategy).run()
+        Self::for_route(shape, rows, strategy, ExpertRoute::ExpertByExpert)
+    }
+
+    /// The model for one rank that handles `rows`, its experts computed as `route` says.
+    pub fn for_route(shape: &LayerShape, rows: &RankRows, strategy: Strategy, route: ExpertRoute) -> Self {
+        Replay::new(shape, rows, strategy, route).run()
     }
 
     /// Device elements at the peak of forward + backward.

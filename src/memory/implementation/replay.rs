@@ -4,12 +4,14 @@
 use super::ledger::Ledger;
 use super::{ImplementationModel, Term};
 use crate::experts::Activation;
-use crate::memory::{LayerShape, RankRows, Restore, Strategy};
+use crate::memory::{ExpertRoute, LayerShape, RankRows, Restore, Strategy};
 
 /// A replay in progress: the shape's widths, this rank's rows, and the ledger.
 pub(super) struct Replay<'a> {
     pub(super) rows: &'a RankRows,
     pub(super) strategy: Strategy,
+    /// Who computes the experts (`experts.rs` and `library.rs` replay each route's steps).
+    pub(super) route: ExpertRoute,
     pub(super) m: f64,
     pub(super) h: f64,
     pub(super) f: f64,
@@ -23,11 +25,14 @@ pub(super) struct Replay<'a> {
     pub(super) permuted: bool,
     /// Whether each expert slot's weight gradients exist yet.
     pub(super) grads_seen: Vec<bool>,
+    /// The backward's first `C'` step has run (a whole-partition route's job is then no
+    /// longer `fresh`: it adds its products to the running sums).
+    pub(super) backward_started: bool,
     /// Shadowed experts: slots beyond the local experts (see `dispatch::RoutingCounts::
     /// with_shadows`), whose copies arrive before the exchange.
-    shadows: f64,
+    pub(super) shadows: f64,
     /// One expert's parameters, elements.
-    params: f64,
+    pub(super) params: f64,
     n_ranks: f64,
     n_local: f64,
     pub(super) ledger: Ledger,
@@ -35,7 +40,12 @@ pub(super) struct Replay<'a> {
 }
 
 impl<'a> Replay<'a> {
-    pub(super) fn new(shape: &LayerShape, rows: &'a RankRows, strategy: Strategy) -> Self {
+    pub(super) fn new(
+        shape: &LayerShape,
+        rows: &'a RankRows,
+        strategy: Strategy,
+        route: ExpertRoute,
+    ) -> Self {
         let identity = shape.n_ranks <= 1;
         // The rows say how many expert slots the rank runs: its local experts, and a copy of
         // each shadowed expert beyond them.
@@ -48,6 +58,7 @@ impl<'a> Replay<'a> {
         Self {
             rows,
             strategy,
+            route,
             m: shape.d_model as f64,
             h: shape.d_hidden as f64,
             f: shape.d_inner() as f64,
@@ -57,6 +68,7 @@ impl<'a> Replay<'a> {
             identity,
             permuted: !identity && slots > 1,
             grads_seen: vec![false; slots],
+            backward_started: false,
             shadows: slots.saturating_sub(shape.local_experts()) as f64,
             params: m * f + h * m,
             n_ranks: shape.n_ranks as f64,

@@ -4,10 +4,11 @@
 
 use std::process::ExitCode;
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 use mpipemoe::memory::Strategy;
 use mpipemoe::memory::{
-    fit_budget, rank_peak_bytes, BudgetCandidate, LayerShape, MemoryPlan, RankRows, MODEL_HEADROOM,
+    fit_budget, rank_peak_bytes, BudgetCandidate, ExpertRoute, LayerShape, MemoryPlan, RankRows,
+    MODEL_HEADROOM,
 };
 use mpipemoe::tuning::CostModel;
 use mpipemoe::MAX_PARTITIONS;
@@ -37,9 +38,38 @@ pub struct PlanArgs {
     /// The profile that ranks strategies by cost for --budget (a preset or a JSON file).
     #[arg(long, default_value = "a100-cluster")]
     profile: String,
+    /// Who computes the experts, for --budget: a device library with scratch for a whole
+    /// partition (cuBLAS), the backend's own experts as tasks (Flex,
+    /// --concurrent of them at once) or the primitives, expert by expert (WGPU and NdArray,
+    /// and experts with adapters on every backend).
+    #[arg(long, value_enum, default_value_t = Route::PartitionScratch)]
+    route: Route,
+    /// Experts running at once on `--route tasks` (Flex: its pool's threads).
+    #[arg(long, default_value_t = 1, value_parser = count(1, 4096))]
+    concurrent: usize,
     /// Print JSON (`paper` and `implementation` objects, elements; `budget` with --budget).
     #[arg(long)]
     json: bool,
+}
+
+/// `--route`'s values.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Route {
+    PartitionScratch,
+    Tasks,
+    ExpertByExpert,
+}
+
+impl PlanArgs {
+    fn route(&self) -> ExpertRoute {
+        match self.route {
+            Route::PartitionScratch => ExpertRoute::PartitionScratch,
+            Route::Tasks => ExpertRoute::Tasks {
+                concurrent: self.concurrent,
+            },
+            Route::ExpertByExpert => ExpertRoute::ExpertByExpert,
+        }
+    }
 }
 
 /// The budget's answer, as `--json` prints it.
@@ -47,6 +77,7 @@ pub struct PlanArgs {
 struct BudgetAnswer {
     bytes: usize,
     imbalance: f64,
+    route: ExpertRoute,
     fits: bool,
     n: Option<usize>,
     strategy: Option<Strategy>,
@@ -92,7 +123,8 @@ fn budget_answer(
     };
     let mut peak = |n: usize, strategy: Strategy| {
         let shape = at(n);
-        rank_peak_bytes(&shape, &RankRows::skewed(&shape, args.imbalance), strategy, bytes)
+        let rows = RankRows::skewed(&shape, args.imbalance);
+        rank_peak_bytes(&shape, &rows, strategy, args.route(), bytes)
     };
     // Every (n, strategy), for the table; the rule's choice is the first that fits.
     let (choice, _) = fit_budget(budget, &partitions, &mut by_cost, &mut peak);
@@ -112,6 +144,7 @@ fn budget_answer(
     Ok(BudgetAnswer {
         bytes: budget,
         imbalance: args.imbalance,
+        route: args.route(),
         fits: choice.is_some(),
         n: choice.map(|c| c.n_partitions),
         strategy: choice.map(|c| c.strategy),
@@ -219,8 +252,9 @@ fn print_plan(plan: &MemoryPlan, shape: &LayerShape, bytes: usize) {
 
 fn print_budget(b: &BudgetAnswer) {
     println!(
-        "\nworst rank receiving {:.2}x the mean rows, budget {:.1} MiB (the model's peak x {:.2} must fit):",
+        "\nworst rank receiving {:.2}x the mean rows, experts {}, budget {:.1} MiB (the model's peak x {:.2} must fit):",
         b.imbalance,
+        b.route.name(),
         mib(b.bytes as f64),
         b.headroom
     );

@@ -1,0 +1,206 @@
+//! The experts' steps in the replay where a path's job takes the whole partition
+//! ([`ExpertRoute::Tasks`], [`ExpertRoute::PartitionScratch`]): the partition buffers that
+//! `exchange/ffn/library.rs` hands the job, the path's own transients, and the stacked weight
+//! gradients, whole from the backward's first job.
+
+use super::replay::Replay;
+use crate::experts::Activation;
+use crate::memory::{ExpertRoute, Restore};
+
+impl Replay<'_> {
+    /// Partition `i`'s experts with rows, largest first: `(expert, rows)`.
+    fn experts_by_size(&self, i: usize) -> Vec<(usize, f64)> {
+        let mut experts: Vec<(usize, f64)> = self.rows.recv[i]
+            .iter()
+            .enumerate()
+            .filter(|(_, &r)| r > 0)
+            .map(|(e, &r)| (e, r as f64))
+            .collect();
+        experts.sort_by(|a, b| b.1.total_cmp(&a.1));
+        experts
+    }
+
+    /// The most that the `concurrent` largest experts of partition `i` hold at once, if
+    /// each holds `per_expert(rows)`.
+    fn largest_at_once(&self, i: usize, concurrent: usize, per_expert: impl Fn(f64) -> f64) -> f64 {
+        self.experts_by_size(i)
+            .iter()
+            .take(concurrent.max(1))
+            .map(|&(_, r)| per_expert(r))
+            .sum()
+    }
+
+    /// `C_i` as one job over the partition (`exchange/ffn/library.rs`, `compute_on`): `T_M`'s
+    /// and `T_DO`'s buffers, whole, then the path's transients.
+    pub(super) fn library_compute(&mut self, i: usize) {
+        let (m, h, f) = (self.m, self.h, self.f);
+        let name = format!("C_{i}");
+        let rows = self.recv(i);
+        let transient = match self.route {
+            // Flex (`flex_experts.rs`, `forward`): each running expert's `z` in a vector of
+            // its own, then its activation (Flex's activation kernels hold nothing besides
+            // their result, `experts/flex_swiglu.rs`); its second product is written into
+            // `T_DO`.
+            ExpertRoute::Tasks { concurrent } => self.largest_at_once(i, concurrent, |r| r * f + r * h),
+            // cuBLAS (`gemm/forward.rs`): the activation of every row in one scratch buffer;
+            // both GEMMs write into the partition buffers.
+            _ => rows * h,
+        };
+        self.ledger.at(
+            &name,
+            &[
+                ("T_M (partition buffer)", rows * f),
+                ("T_DO (partition buffer)", rows * m),
+                ("path transients", transient),
+            ],
+        );
+        self.after_compute(&name, i, rows);
+    }
+
+    /// `C'_i` as one job over the partition (`compute_backward_on`): `dT_DI`'s buffer, the
+    /// stacked running sums (made whole by the backward's first job), then the path's
+    /// transients.
+    pub(super) fn library_compute_backward(&mut self, i: usize) {
+        let (m, h, f) = (self.m, self.h, self.f);
+        let name = format!("C'_{i}");
+        let rows = self.recv(i);
+        self.ledger.alloc(&name, format!("dT_DI[{i}]"), rows * m);
+        let fresh = !self.backward_started;
+        self.backward_started = true;
+        if fresh {
+            // Every slot's sums at once (`ExpertGradAcc::take_stacked`), written whole by
+            // this first job.
+            let slots = self.grads_seen.len() as f64;
+            self.grads_seen.iter_mut().for_each(|seen| *seen = true);
+            self.ledger
+                .grow(&name, "expert weight gradients", slots * self.params);
+        }
+        let hidden = self.strategy.hidden();
+        let recompute = hidden == Restore::Recompute;
+        // The width of the activation's backward result besides `dA` (Flex's kernels hold
+        // nothing else): SwiGLU's `[r, 2H]`, ReLU's `[r, H]`; none for GELU, whose
+        // derivative is written over `dA` (as `experts.rs` counts it).
+        let grad_width = match self.activation {
+            Activation::SwiGlu | Activation::ClampedSwiGlu { .. } => f,
+            Activation::Relu => h,
+            Activation::Gelu => 0.0,
+        };
+        // `dT_M`, what the first GEMM's gradient reads: the backward's result, or `dA` where
+        // the derivative was written over it.
+        let grad_z = if grad_width > 0.0 { grad_width } else { h };
+        let transient = match self.route {
+            // Flex (`flex_experts.rs`, `backward`), one running expert's moments: `dW_out`'s
+            // product (into a temporary of a slot's size when the sums are not fresh), then
+            // `dA` and the activation's backward, then `dW_in`'s product likewise; its `dX`
+            // is written into `dT_DI`.
+            ExpertRoute::Tasks { concurrent } => {
+                let slot_temp = |size: f64| if fresh { 0.0 } else { size };
+                let per_expert = |r: f64| {
+                    let z = if recompute { r * f } else { 0.0 };
+                    // The activation's value, recomputed.
+                    let a = r * h;
+                    let w_out = z + a + slot_temp(h * m);
+                    let grad = z + a + r * h + r * grad_width;
+                    let w_in = z + a + r * grad_z + slot_temp(m * f);
+                    w_out.max(grad).max(w_in)
+                };
+                self.largest_at_once(i, concurrent, per_expert)
+            }
+            // cuBLAS (`gemm/backward.rs`): `dA`, `A` and `dT_M` for every row, and `T_M`
+            // recomputed into scratch where it was dropped; the weight GEMMs add into the
+            // sums in place.
+            _ => {
+                let z = if recompute { rows * f } else { 0.0 };
+                z + rows * (2.0 * h + f)
+            }
+        };
+        self.ledger.at(&name, &[("path transients", transient)]);
+        let hidden_name = if hidden == Restore::Keep {
+            format!("saved T_M[{i}]")
+        } else {
+            format!("T_M[{i}]")
+        };
+        let l = &mut self.ledger;
+        l.free(&hidden_name);
+        l.free(&format!("dT_DO[{i}]"));
+        l.free(&format!("T_DI[{i}]"));
+        l.free(&format!("saved T_DI[{i}]"));
+    }
+
+    /// The backward's end on a whole-partition route (`ExpertGradAcc::finish` and
+    /// `finish_on_caller`): the stacked sums are the gradients as they stand, but with
+    /// shadows (whose slots are unstacked, folded and stacked again: the new stack made while
+    /// the sums are held), and with the threaded executor, which every rank count above one
+    /// runs by default (the gradients handed back are a copy made on the caller's stream
+    /// while the sums are still held).
+    pub(super) fn library_finish(&mut self) {
+        let own = self.grads_seen.len() as f64 * self.params;
+        let restack = if self.shadows > 0.0 { own } else { 0.0 };
+        let threaded = if self.identity { 0.0 } else { own };
+        self.ledger.at(
+            "stack weight gradients",
+            &[
+                ("stacked again", restack),
+                ("copy on the caller's stream", threaded),
+            ],
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::memory::{ExpertRoute, ImplementationModel, LayerShape, RankRows, Strategy};
+
+    /// `experts` experts on one rank (GELU, 1,024 tokens, `M = 128`, `H = 512`), balanced.
+    fn model(experts: usize, n: usize, strategy: Strategy, route: ExpertRoute) -> ImplementationModel {
+        let shape = LayerShape {
+            n_experts: experts,
+            ..LayerShape::paper(1024, 128, 512, 1, n)
+        };
+        ImplementationModel::for_route(&shape, &RankRows::balanced(&shape), strategy, route)
+    }
+
+    fn term(model: &ImplementationModel, name: &str) -> f64 {
+        let live = |p: &super::super::Phase| {
+            p.terms
+                .iter()
+                .filter(|t| t.name == name)
+                .map(|t| t.elements)
+                .sum::<f64>()
+        };
+        live(&model.forward).max(live(&model.backward))
+    }
+
+    /// Experts as tasks: as many transients at once as experts run at once, never more than
+    /// the partition has experts; the stacked sums of every slot; the partition's scratch on a
+    /// library. A route that ignored its concurrency, counted more running experts than there
+    /// are, left slots out of the sums or sized the scratch by one expert fails it. (Each
+    /// check reads the terms live at a pass's peak.)
+    #[test]
+    fn each_route_holds_what_its_code_holds() {
+        let tasks =
+            |experts, concurrent| model(experts, 1, Strategy::None, ExpertRoute::Tasks { concurrent });
+        let transients = |m: &ImplementationModel| term(m, "path transients");
+        // Four experts of 256 rows: two at once hold twice one's transients.
+        let (one, two, four) = (tasks(4, 1), tasks(4, 2), tasks(4, 4));
+        assert!(transients(&one) > 0.0);
+        assert_eq!(transients(&two), 2.0 * transients(&one));
+        assert_eq!(transients(&four), 4.0 * transients(&one));
+        // One expert: more threads than experts change nothing.
+        assert_eq!(tasks(1, 8).peak_device(), tasks(1, 1).peak_device());
+        // The sums: every slot's parameters, made at once by the backward's first job.
+        let params = 4.0 * 2.0 * 128.0 * 512.0;
+        assert_eq!(term(&one, "expert weight gradients"), params);
+        // A library's scratch: the whole partition's activation forward (1,024 rows of H),
+        // backward `dA`, the activation and `dT_M`, and `T_M` again where S4 recomputes it.
+        let scratch = |strategy| model(4, 1, strategy, ExpertRoute::PartitionScratch);
+        assert_eq!(
+            term(&scratch(Strategy::None), "path transients"),
+            1024.0 * 3.0 * 512.0
+        );
+        assert_eq!(
+            term(&scratch(Strategy::S4), "path transients"),
+            1024.0 * 4.0 * 512.0
+        );
+    }
+}
