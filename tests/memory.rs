@@ -79,12 +79,12 @@ fn memory_model_host_bytes_and_the_budget_under_skew() {
 /// past the budget's 10% headroom).
 fn model_tracks_gpt_oss_and_llama4_rules(device: &burn::tensor::Device<B>) {
     let clamped = mpipemoe::Activation::clamped_swiglu(1.702, 7.0).unwrap();
-    // The last element: Flex's own experts, or the primitives (see `model_tracks_every_rank`).
+    // The last element: Flex's own experts (the primitives' route is measured in
+    // `model_tracks_every_rank`).
     for (activation, weights_on_input, own) in [
         (mpipemoe::Activation::Gelu, true, true),
         (clamped, false, true),
         (clamped, true, true),
-        (clamped, true, false),
     ] {
         for n in [1, 4] {
             for strategy in Strategy::ALL {
@@ -128,8 +128,7 @@ fn model_tracks_every_rank(device: &burn::tensor::Device<B>) {
         (true, None, Shadowing::Off, true),
         (true, Some(2 * M), Shadowing::Off, true),
         (true, None, Shadowing::Fixed(1), true),
-        (false, None, Shadowing::Off, false),
-        (true, None, Shadowing::Fixed(1), false),
+        (true, None, Shadowing::Off, false),
     ];
     for (skew, shared, shadowing, own) in runs {
         let route = match own {
@@ -210,7 +209,7 @@ fn model_tracks_every_rank(device: &burn::tensor::Device<B>) {
 fn model_tracks_experts_side_by_side(device: &burn::tensor::Device<B>) {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
     for n in [1, 4] {
-        for strategy in Strategy::ALL {
+        for strategy in [Strategy::None, Strategy::S1, Strategy::S4] {
             let config = base(Partitions::Fixed(n), strategy.into()).with_memory_budget(Some(usize::MAX / 4));
             let measured = pool
                 .install(|| {

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 use serde::Serialize;
 
@@ -63,6 +63,13 @@ pub trait PeakMeter: Sync {
     /// The most bytes `rank` held at once since [`start`](Self::start), read on the rank's
     /// thread after its pass, with every rank idle.
     fn peak(&self, rank: usize) -> usize;
+
+    /// Whether what each thread of the rank's pool allocates counts against the rank (the
+    /// counting allocator): the warm-up then has every thread of the pool make what it keeps
+    /// between calls. The default: no.
+    fn counts_pool_threads(&self) -> bool {
+        false
+    }
 }
 
 impl PeakMeter for CountingAllocator {
@@ -78,6 +85,10 @@ impl PeakMeter for CountingAllocator {
 
     fn peak(&self, rank: usize) -> usize {
         self.rank_peak(rank)
+    }
+
+    fn counts_pool_threads(&self) -> bool {
+        true
     }
 }
 
@@ -147,6 +158,12 @@ where
     )
 }
 
+/// One product large enough for gemm to pack its operands, on the calling thread.
+fn warm_thread<B: Backend>(device: &B::Device) {
+    let a = Tensor::<B, 2>::ones([256, 256], device);
+    let _ = a.clone().matmul(a).into_data();
+}
+
 /// A rank's communicator passed through a wrapper first (e.g. one that adds a device library's
 /// expert path, `mpipemoe_cuda::with_cublas`).
 pub type WrapComm<'a> = &'a (dyn Fn(Arc<dyn Communicator>) -> Arc<dyn Communicator> + Sync);
@@ -201,6 +218,14 @@ where
             Ok(out.stats)
         };
         if warm_up {
+            // What each thread of the rank's pool allocates once and keeps (gemm's packing
+            // slab, a thread-local the size of the L2 cache, gemm-common 0.19 `gemm.rs`
+            // `L2_SLAB`) is made on every thread here: the warm-up pass may leave a thread
+            // that takes no product in it, and that thread's first product in the measured
+            // pass would count its slab as the layer's.
+            if meter.counts_pool_threads() {
+                rayon::broadcast(|_| warm_thread::<B>(device));
+            }
             pass(&layer)?;
         }
         let arena = crate::backend::PartitionArena::new();
