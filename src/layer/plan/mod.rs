@@ -176,10 +176,14 @@ impl<B: MoeBackend> MoeLayer<B> {
         if adapted {
             return ExpertRoute::ExpertByExpert;
         }
-        // As the exchange's node marks them (`exchange/autodiff.rs`): only where autodiff
-        // tracks gradients can a weight be frozen.
-        let w_in = self.experts.w_in.val();
-        let frozen = B::ad_enabled(&w_in.device()) && !w_in.is_require_grad();
+        // As the exchange's node marks them (`exchange/autodiff.rs`): a part is frozen where
+        // autodiff tracks gradients but not the part's.
+        let e = &self.experts;
+        let mut tracked = [e.w_in.val().is_require_grad(), e.w_out.val().is_require_grad()]
+            .into_iter()
+            .chain(e.b_in.iter().map(|b| b.val().is_require_grad()))
+            .chain(e.b_out.iter().map(|b| b.val().is_require_grad()));
+        let frozen = B::ad_enabled(&e.w_in.val().device()) && !tracked.all(|t| t);
         let own = self.ctx.config.backend_experts && !frozen;
         B::expert_route(self.ctx.comm.as_ref(), own)
     }
@@ -234,5 +238,54 @@ mod tests {
         })
         .unwrap();
         assert_eq!(two, vec![None, None]);
+    }
+
+    /// The route the memory model replays is the one the exchange takes: Flex's own path
+    /// (with or without autodiff), but the primitives where the configuration turns it off,
+    /// where the experts have adapters, where autodiff leaves their weights untracked (the
+    /// primitives then skip those gradients), and on a backend without a path of its own.
+    #[cfg(feature = "flex")]
+    #[test]
+    fn the_models_route_is_the_exchanges() {
+        use burn::backend::{Autodiff, Flex};
+        use burn::module::Module;
+
+        use crate::experts::LoraScaling;
+        use crate::layer::ExpertLoraSpec;
+        use crate::memory::ExpertRoute;
+
+        let config = MoeLayerConfig::new(8, 4, 2, 1).with_memory_budget(Some(1 << 30));
+        let device = Default::default();
+        let own = |route: ExpertRoute| matches!(route, ExpertRoute::Tasks { .. });
+        let layer = config.init::<Autodiff<Flex>>(&device);
+        assert!(own(layer.expert_route()));
+        assert!(
+            own(config.init::<Flex>(&device).expert_route()),
+            "no autodiff: nothing frozen"
+        );
+        let off = config.clone().with_backend_experts(false);
+        assert_eq!(
+            off.init::<Autodiff<Flex>>(&device).expert_route(),
+            ExpertRoute::ExpertByExpert
+        );
+        assert_eq!(
+            layer.clone().no_grad().expert_route(),
+            ExpertRoute::ExpertByExpert
+        );
+        let spec = ExpertLoraSpec {
+            rank: 2,
+            alpha: 4.0,
+            scaling: LoraScaling::Standard,
+            w_in: true,
+            w_out: false,
+        };
+        let adapted = layer.no_grad().with_adapters(&spec, 1).unwrap();
+        assert_eq!(adapted.expert_route(), ExpertRoute::ExpertByExpert);
+        assert_eq!(
+            config
+                .init::<Autodiff<NdArray>>(&Default::default())
+                .expert_route(),
+            ExpertRoute::ExpertByExpert
+        );
     }
 }
