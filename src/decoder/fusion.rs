@@ -13,6 +13,18 @@ use burn_fusion::{Fusion, FusionBackend};
 use super::{DecoderKernels, TailRotation};
 use crate::exchange::fusion::{register, resolve};
 
+/// A norm's gradients (`x`'s, and the weight's where asked) registered with fusion, as
+/// [`register`] registers one tensor.
+fn register_norm_grads<B: FusionBackend>(
+    (dx, dweight): (FloatTensor<B>, Option<FloatTensor<B>>),
+    device: &B::Device,
+) -> (FloatTensor<Fusion<B>>, Option<FloatTensor<Fusion<B>>>) {
+    (
+        register::<B>(dx, device),
+        dweight.map(|d| register::<B>(d, device)),
+    )
+}
+
 impl<B: FusionBackend + DecoderKernels> DecoderKernels for Fusion<B> {
     fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
         let device = x.client.device().clone();
@@ -31,17 +43,14 @@ impl<B: FusionBackend + DecoderKernels> DecoderKernels for Fusion<B> {
         weight_grad: bool,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         let device = x.client.device().clone();
-        let (dx, dweight) = B::rms_norm_backward(
+        let grads = B::rms_norm_backward(
             resolve::<B>(x),
             resolve::<B>(weight),
             resolve::<B>(grad),
             eps,
             weight_grad,
         );
-        (
-            register::<B>(dx, &device),
-            dweight.map(|d| register::<B>(d, &device)),
-        )
+        register_norm_grads::<B>(grads, &device)
     }
 
     fn rms_norm_columns(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
@@ -60,17 +69,14 @@ impl<B: FusionBackend + DecoderKernels> DecoderKernels for Fusion<B> {
         weight_grad: bool,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         let device = x.client.device().clone();
-        let (dx, dweight) = B::rms_norm_columns_backward(
+        let grads = B::rms_norm_columns_backward(
             resolve::<B>(x),
             resolve::<B>(weight),
             resolve::<B>(grad),
             eps,
             weight_grad,
         );
-        (
-            register::<B>(dx, &device),
-            dweight.map(|d| register::<B>(d, &device)),
-        )
+        register_norm_grads::<B>(grads, &device)
     }
 
     fn rotate_half_seq_major(

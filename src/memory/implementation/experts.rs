@@ -75,6 +75,15 @@ impl Replay<'_> {
         self.after_compute(&name, i, rows);
     }
 
+    /// The name of partition `i`'s `T_M` as the backward finds it: kept since the forward,
+    /// or restored (prefetched, re-communicated or recomputed).
+    pub(super) fn hidden_name(&self, i: usize) -> String {
+        match self.strategy.hidden() {
+            Restore::Keep => format!("saved T_M[{i}]"),
+            _ => format!("T_M[{i}]"),
+        }
+    }
+
     /// The end of `C_i` on every route: `T_M` kept, staged for its offload or dropped as the
     /// strategy says, `T_DI` kept or dropped likewise, and `T_DO` made.
     pub(super) fn after_compute(&mut self, name: &str, i: usize, rows: f64) {
@@ -105,11 +114,7 @@ impl Replay<'_> {
         let experts: Vec<f64> = self.rows.recv[i].iter().map(|&r| r as f64).collect();
         let mut grads_x = 0.0;
         // The partition's T_M is freed expert by expert as each expert's z is consumed.
-        let hidden_name = if self.strategy.hidden() == Restore::Keep {
-            format!("saved T_M[{i}]")
-        } else {
-            format!("T_M[{i}]")
-        };
+        let hidden_name = self.hidden_name(i);
         for (e, &r) in experts.iter().enumerate().filter(|(_, &r)| r > 0.0) {
             self.expert_backward(&name, e, r, &hidden_name, grads_x);
             grads_x += r * m;

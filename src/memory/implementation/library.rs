@@ -75,8 +75,7 @@ impl Replay<'_> {
             self.ledger
                 .grow(&name, "expert weight gradients", slots * self.params);
         }
-        let hidden = self.strategy.hidden();
-        let recompute = hidden == Restore::Recompute;
+        let recompute = self.strategy.hidden() == Restore::Recompute;
         // The width of the activation's backward result besides `dA` (Flex's kernels hold
         // nothing else): SwiGLU's `[r, 2H]`, ReLU's `[r, H]`; none for GELU, whose
         // derivative is written over `dA` (as `experts.rs` counts it).
@@ -115,11 +114,7 @@ impl Replay<'_> {
             }
         };
         self.ledger.at(&name, &[("path transients", transient)]);
-        let hidden_name = if hidden == Restore::Keep {
-            format!("saved T_M[{i}]")
-        } else {
-            format!("T_M[{i}]")
-        };
+        let hidden_name = self.hidden_name(i);
         let l = &mut self.ledger;
         l.free(&hidden_name);
         l.free(&format!("dT_DO[{i}]"));
