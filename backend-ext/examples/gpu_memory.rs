@@ -10,6 +10,9 @@
 //! Then the same with eight experts on the rank (`--experts`), where the cuBLAS path's
 //! scratch for a whole partition (the model's `partition-scratch` route) differs from the
 //! primitives' one expert at a time: the rows that check the model's route on the device.
+//! `--precision f32,bf16` runs each row at each GEMM precision: at bf16 the path also holds
+//! bf16 copies of its operands (the route `partition-scratch bf16`), the experts' matrices
+//! among them, which is most of the rank's peak at eight experts.
 //! After one warm-up pass (kernels compiled, autotuned), the measured pass builds its partition
 //! buffers afresh. Its peak is read from cubecl's device allocator
 //! (`mpipemoe::harness::DeviceMemoryMeter`): `in use` is the most bytes in use that a sampler
@@ -20,7 +23,8 @@
 //! (S1–S3) are in pinned host memory, reported apart.
 //!
 //! ```text
-//! gpu_memory [--quick] [--shape GPT3-S|BERT-L|GPT3-XL] [--experts 1,8] [--json FILE]
+//! gpu_memory [--quick] [--shape GPT3-S|BERT-L|GPT3-XL] [--experts 1,8] [--precision f32,bf16]
+//!            [--json FILE]
 //! ```
 
 use std::sync::Arc;
@@ -30,7 +34,7 @@ use burn::backend::Autodiff;
 use burn_cubecl::cubecl::cuda::CudaRuntime;
 use mpipemoe::harness::{measure_layer_peak, DeviceMemoryMeter};
 use mpipemoe::memory::Strategy;
-use mpipemoe::{Communicator, MemoryReuse, MoeLayerConfig, Partitions};
+use mpipemoe::{Communicator, GemmPrecision, MemoryReuse, MoeLayerConfig, Partitions};
 use mpipemoe_cuda::{cuda_available, with_cublas, CudaMoe};
 use serde::Serialize;
 
@@ -49,6 +53,8 @@ const MIB: f64 = 1024.0 * 1024.0;
 struct Row {
     shape: String,
     experts: usize,
+    /// The experts' GEMM precision (`f32` or `bf16`).
+    precision: String,
     /// The route the memory model replayed (`partition-scratch`: the cuBLAS path).
     route: String,
     tokens: usize,
@@ -70,6 +76,7 @@ struct Args {
     quick: bool,
     shape: Option<String>,
     experts: Vec<usize>,
+    precisions: Vec<GemmPrecision>,
     json: Option<String>,
 }
 
@@ -78,6 +85,7 @@ fn arguments() -> Result<Args, String> {
         quick: false,
         shape: None,
         experts: vec![1, 8],
+        precisions: vec![GemmPrecision::F32],
         json: None,
     };
     let mut it = std::env::args().skip(1);
@@ -94,6 +102,17 @@ fn arguments() -> Result<Args, String> {
                         _ => Err(format!(
                             "--experts {v:?}: expected counts from 1 to 256, such as 1,8"
                         )),
+                    })
+                    .collect::<Result<_, _>>()?;
+            }
+            "--precision" => {
+                let v = it.next().ok_or("--precision needs a list, such as f32,bf16")?;
+                args.precisions = v
+                    .split(',')
+                    .map(|p| {
+                        GemmPrecision::parse(p.trim()).ok_or_else(|| {
+                            format!("--precision {v:?}: expected f32, tf32 or bf16, such as f32,bf16")
+                        })
                     })
                     .collect::<Result<_, _>>()?;
             }
@@ -149,11 +168,13 @@ fn main() {
         "reuse MiB",
         "samples"
     );
-    for (&experts, &&(name, m, h)) in args
-        .experts
-        .iter()
-        .flat_map(|e| shapes.iter().map(move |s| (e, s)))
-    {
+    let mut grid = Vec::new();
+    for &precision in &args.precisions {
+        for &experts in &args.experts {
+            grid.extend(shapes.iter().map(|&&shape| (precision, experts, shape)));
+        }
+    }
+    for (precision, experts, (name, m, h)) in grid {
         for &tokens in token_counts {
             let mut runs = vec![(1, None)];
             for &n in partitions {
@@ -168,17 +189,21 @@ fn main() {
                     .with_seed(1)
                     .with_router_bias(true)
                     .with_partitions(Partitions::Fixed(n))
+                    .with_gemm_precision(precision)
                     .with_memory_reuse(MemoryReuse::from(strategy.unwrap_or(Strategy::None)))
                     // A budget no pass reaches: the layer reports the model's peak for its rows.
                     .with_memory_budget(Some(usize::MAX / 4));
-                let measured =
-                    measure_layer_peak::<B>(&meter, &config, None, None, tokens, 1, true, &device, &wrap)
-                        .unwrap_or_else(|e| {
-                            fail(
-                                format!("{name} experts={experts} tokens={tokens} n={n} {strategy:?}: {e}"),
-                                1,
-                            )
-                        });
+                let measured = measure_layer_peak::<B>(
+                    &meter, &config, None, None, tokens, 1, true, &device, &wrap,
+                )
+                .unwrap_or_else(|e| {
+                    fail(
+                        format!(
+                            "{name} experts={experts} {precision} tokens={tokens} n={n} {strategy:?}: {e}"
+                        ),
+                        1,
+                    )
+                });
                 let rank = &measured.ranks[0];
                 let sample = meter.last(0).unwrap_or_default();
                 let model = rank.stats.memory.as_ref().map_or(f64::NAN, |d| d.peak_bytes[0]);
@@ -202,6 +227,7 @@ fn main() {
                 let row = Row {
                     shape: name.to_string(),
                     experts,
+                    precision: precision.name().to_string(),
                     route,
                     tokens,
                     n,

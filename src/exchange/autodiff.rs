@@ -210,8 +210,12 @@ impl<B: MoeBackend, C: CheckpointStrategy> MoeBackend for Autodiff<B, C> {
         B::dense_library(comm)
     }
 
-    fn expert_route(comm: &dyn Communicator, own: bool) -> crate::memory::ExpertRoute {
-        B::expert_route(comm, own)
+    fn expert_route(
+        comm: &dyn Communicator,
+        own: bool,
+        precision: crate::GemmPrecision,
+    ) -> crate::memory::ExpertRoute {
+        B::expert_route(comm, own, precision)
     }
 
     /// The inner backend's product as one node, its backward products the inner's too.

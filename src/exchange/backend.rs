@@ -391,15 +391,20 @@ pub trait MoeBackend:
         super::dense::dense_path::<Self>(comm).is_some()
     }
 
-    /// The route a partition's experts without adapters take in the exchange on `comm`
-    /// ([`ExpertRoute`](crate::memory::ExpertRoute), for the memory model): the path the
-    /// exchange would find (the communicator's for this backend, else, where `own`, the
-    /// backend's own), as it says its route; the primitives' without one. A wrapper
+    /// The route a partition's experts without adapters take in the exchange on `comm` at
+    /// `precision` ([`ExpertRoute`](crate::memory::ExpertRoute), for the memory model): the
+    /// path the exchange would find (the communicator's for this backend, else, where `own`,
+    /// the backend's own), as it says its route; the primitives' without one. A wrapper
     /// (`Autodiff<B>`, `Fusion<B>`) answers for the backend it wraps, whose exchange runs the
     /// experts.
-    fn expert_route(comm: &dyn Communicator, own: bool) -> crate::memory::ExpertRoute {
-        super::ffn::path_for::<Self>(comm, own)
-            .map_or(crate::memory::ExpertRoute::ExpertByExpert, |path| path.route())
+    fn expert_route(
+        comm: &dyn Communicator,
+        own: bool,
+        precision: crate::GemmPrecision,
+    ) -> crate::memory::ExpertRoute {
+        super::ffn::path_for::<Self>(comm, own).map_or(crate::memory::ExpertRoute::ExpertByExpert, |path| {
+            path.route(precision)
+        })
     }
 
     /// Step 4's gather: row `i` of the result is row `map.targets()[i]` of `x`, differentiable

@@ -245,13 +245,15 @@ pub trait ExpertPath<B: MoeBackend>: Send + Sync + Debug {
     /// [`MoeError::Backend`](crate::MoeError::Backend) if the library fails.
     fn backward(&self, job: ExpertBackward<'_, B>) -> Result<ExpertBackwardOut<B>>;
 
-    /// What the path holds while its jobs run, for the implementation's memory model
-    /// ([`ExpertRoute`](crate::memory::ExpertRoute)), asked from the layer's thread before a
-    /// batch's exchange under a memory budget. The default,
-    /// [`PartitionScratch`](crate::memory::ExpertRoute::PartitionScratch) (scratch for every
-    /// row of the partition), assumes every transient as large as the partition.
-    fn route(&self) -> crate::memory::ExpertRoute {
-        crate::memory::ExpertRoute::PartitionScratch
+    /// What the path holds while its jobs run at `precision` (the layer's
+    /// [`gemm_precision`](crate::MoeLayerConfig::gemm_precision)), for the implementation's
+    /// memory model ([`ExpertRoute`](crate::memory::ExpertRoute)), asked from the layer's
+    /// thread before a batch's exchange under a memory budget. The default,
+    /// [`partition_scratch`](crate::memory::ExpertRoute::partition_scratch) (scratch for every
+    /// row of the partition, and at bf16 copies of the operands), assumes every transient as
+    /// large as the partition.
+    fn route(&self, precision: GemmPrecision) -> crate::memory::ExpertRoute {
+        crate::memory::ExpertRoute::partition_scratch(precision)
     }
 
     /// A dense `lhs · rhs` at `precision` (the router's logits, the shared expert, and their

@@ -274,7 +274,7 @@ impl ExpertPath<Flex> for FlexExperts {
     /// run side by side (see [`side_by_side`]), else one. Asked from the layer's thread: an
     /// upper bound where the exchange's compute runs on a stream worker outside any pool
     /// (the threaded executor), which runs them one after another.
-    fn route(&self) -> crate::memory::ExpertRoute {
+    fn route(&self, _: crate::GemmPrecision) -> crate::memory::ExpertRoute {
         let concurrent = match side_by_side() {
             true => rayon::current_num_threads(),
             false => 1,

@@ -116,8 +116,12 @@ impl<B: FusionBackend + MoeBackend> MoeBackend for Fusion<B> {
         B::dense_library(comm)
     }
 
-    fn expert_route(comm: &dyn Communicator, own: bool) -> crate::memory::ExpertRoute {
-        B::expert_route(comm, own)
+    fn expert_route(
+        comm: &dyn Communicator,
+        own: bool,
+        precision: crate::GemmPrecision,
+    ) -> crate::memory::ExpertRoute {
+        B::expert_route(comm, own, precision)
     }
 
     /// On the inner backend where the communicator offers a library for it (paths are found by

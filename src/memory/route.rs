@@ -3,6 +3,8 @@
 
 use serde::Serialize;
 
+use crate::GemmPrecision;
+
 /// Who computes a partition's experts, and so what `C_i` and `C'_i` hold besides the
 /// partition buffers: what the implementation's memory model
 /// ([`ImplementationModel::for_route`](super::ImplementationModel::for_route)) replays for
@@ -33,7 +35,42 @@ pub enum ExpertRoute {
     /// cuBLAS path, `mpipemoe-cuda`'s `gemm/forward.rs` and `gemm/backward.rs`), beside
     /// the whole buffers and the stacked weight gradients. The route assumed for a path that
     /// does not say its own, since it takes every transient as large as the partition.
-    PartitionScratch,
+    PartitionScratch {
+        /// What the path's GEMMs read: the f32 tensors, or bf16 copies of them.
+        operands: GemmOperands,
+    },
+}
+
+/// What a [`PartitionScratch`](ExpertRoute::PartitionScratch) path's GEMMs read, as far as
+/// memory goes: at [`GemmPrecision::Bf16`] the cuBLAS path multiplies bf16 copies of its
+/// operands, which it makes in buffers of its own (`mpipemoe-cuda`'s `gemm/operands.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
+pub enum GemmOperands {
+    /// The f32 tensors themselves (IEEE f32 and TF32): the path's scratch is f32.
+    #[default]
+    F32,
+    /// bf16 copies, each half an f32 element: of every job's row inputs (`T_DI`; backward
+    /// `T_DI` and `dT_DO`) in the job's scratch, where the scratch that a GEMM reads (the
+    /// activation, `dT_M`) is bf16 too; and of every expert slot's two matrices, made by a
+    /// pass's first job and kept to the pass's end, or, where `weights_for_step`, kept from
+    /// the forward's first job to the backward's end (`CublasOptions::bf16_weights_per_step`).
+    Bf16 {
+        /// The weights' copies are the step's, not each pass's.
+        weights_for_step: bool,
+    },
+}
+
+impl GemmOperands {
+    /// What a path that multiplies as the precision says reads: bf16 copies kept for each
+    /// pass at [`GemmPrecision::Bf16`], the f32 tensors otherwise.
+    pub fn at(precision: GemmPrecision) -> Self {
+        match precision {
+            GemmPrecision::Bf16 => Self::Bf16 {
+                weights_for_step: false,
+            },
+            GemmPrecision::F32 | GemmPrecision::Tf32 => Self::F32,
+        }
+    }
 }
 
 impl ExpertRoute {
@@ -42,12 +79,29 @@ impl ExpertRoute {
         self != Self::ExpertByExpert
     }
 
-    /// The route's name in reports (`expert-by-expert`, `tasks x2`, `partition-scratch`).
+    /// The partition-scratch route of a path that multiplies at `precision`
+    /// ([`GemmOperands::at`]): what a path that does not say its own route is taken to hold.
+    pub fn partition_scratch(precision: GemmPrecision) -> Self {
+        Self::PartitionScratch {
+            operands: GemmOperands::at(precision),
+        }
+    }
+
+    /// The route's name in reports (`expert-by-expert`, `tasks x2`, `partition-scratch`,
+    /// `partition-scratch bf16`, `partition-scratch bf16, weights per step`).
     pub fn name(self) -> String {
         match self {
             Self::ExpertByExpert => "expert-by-expert".into(),
             Self::Tasks { concurrent } => format!("tasks x{concurrent}"),
-            Self::PartitionScratch => "partition-scratch".into(),
+            Self::PartitionScratch {
+                operands: GemmOperands::F32,
+            } => "partition-scratch".into(),
+            Self::PartitionScratch {
+                operands: GemmOperands::Bf16 { weights_for_step },
+            } => match weights_for_step {
+                false => "partition-scratch bf16".into(),
+                true => "partition-scratch bf16, weights per step".into(),
+            },
         }
     }
 }

@@ -188,7 +188,10 @@ fn plan_with_a_budget_answers_fits_or_not() {
         }
     }
     assert!(n > 1, "400 MiB should not fit at n = 1 with 3x skew: {answer}");
-    assert_eq!(answer["route"], "PartitionScratch", "the default route: {answer}");
+    assert_eq!(
+        answer["route"]["PartitionScratch"]["operands"], "F32",
+        "the default route: {answer}"
+    );
     // The experts' route is the model's: each gives its own peaks.
     let peak_on = |route: &[&str]| -> f64 {
         let out = mpipemoe(&[&base[..], &["--budget", "1000"], route].concat());
@@ -203,6 +206,27 @@ fn plan_with_a_budget_answers_fits_or_not() {
         scratch != tasks && scratch != primitives && tasks != primitives,
         "{scratch} {tasks} {primitives}"
     );
+    // At bf16 the cuBLAS route holds its operands' copies besides half its scratch; a step's
+    // copies live through the forward's peak and the backward's.
+    let bf16 = peak_on(&["--gemm-precision", "bf16"]);
+    let for_step = peak_on(&["--gemm-precision", "bf16", "--bf16-weights-per-step"]);
+    assert!(bf16 != scratch && for_step >= bf16, "{scratch} {bf16} {for_step}");
+    for (flags, says) in [
+        (&["--bf16-weights-per-step"][..], "--gemm-precision bf16"),
+        (
+            &["--route", "tasks", "--gemm-precision", "bf16"][..],
+            "partition-scratch only",
+        ),
+        (
+            &["--gemm-precision", "bf16", "--dtype", "bf16"][..],
+            "--dtype f32",
+        ),
+    ] {
+        let out = mpipemoe(&[&base[..], &["--budget", "1000"], flags].concat());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {err}");
+        assert!(err.contains(says), "{flags:?}: {err}");
+    }
     let none = run("1000");
     assert_eq!(none["fits"], false);
     assert!(none["n"].is_null() && none["strategy"].is_null() && none["worst_rank_peak_bytes"].is_null());

@@ -41,6 +41,7 @@ use mpipemoe::backend::{
     ExpertBackward, ExpertBackwardOut, ExpertForward, ExpertGroups, ExpertPath, PassStore,
 };
 use mpipemoe::comm::{RowPaths, WithRowPaths};
+use mpipemoe::memory::GemmOperands;
 use mpipemoe::{Communicator, GemmPrecision, MoeError, Result};
 
 use crate::batches::Addressing;
@@ -440,10 +441,17 @@ impl Inner {
 
 impl ExpertPath<CudaMoe<f32>> for CublasExperts {
     /// Scratch for every row of the partition (`forward.rs`'s activation; `backward.rs`'s
-    /// `dA`, activation, `dT_M` and recomputed `T_M`), f32 or, at bf16, half of it; the bf16
-    /// copies of the operands are not in it.
-    fn route(&self) -> mpipemoe::memory::ExpertRoute {
-        mpipemoe::memory::ExpertRoute::PartitionScratch
+    /// `dA`, activation, `dT_M` and recomputed `T_M`); at bf16, the operands' copies
+    /// (`operands.rs`), the weights' kept for the pass or, with
+    /// [`CublasOptions::bf16_weights_per_step`], for the step.
+    fn route(&self, precision: GemmPrecision) -> mpipemoe::memory::ExpertRoute {
+        let operands = match precision {
+            GemmPrecision::Bf16 => GemmOperands::Bf16 {
+                weights_for_step: self.inner.options.bf16_weights_per_step,
+            },
+            GemmPrecision::F32 | GemmPrecision::Tf32 => GemmOperands::F32,
+        };
+        mpipemoe::memory::ExpertRoute::PartitionScratch { operands }
     }
 
     /// One `cublasGemmEx` at `precision` into a new tensor (`dense.rs`).

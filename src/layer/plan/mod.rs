@@ -166,8 +166,8 @@ impl<B: MoeBackend> MoeLayer<B> {
     /// the exchange finds its expert compute (`exchange/ffn/library.rs`, `Library::find`).
     /// Experts with adapters run on the primitives; otherwise the communicator's device
     /// library's path if it offers one, else the backend's own unless the experts' weights
-    /// are frozen (the primitives then skip their gradients), each saying its route
-    /// ([`MoeBackend::expert_route`]), asked from the layer's thread.
+    /// are frozen (the primitives then skip their gradients), each saying its route at the
+    /// config's GEMM precision ([`MoeBackend::expert_route`]), asked from the layer's thread.
     pub(super) fn expert_route(&self) -> ExpertRoute {
         let adapted = self
             .adapters
@@ -185,7 +185,7 @@ impl<B: MoeBackend> MoeLayer<B> {
             .chain(e.b_out.iter().map(|b| b.val().is_require_grad()));
         let frozen = B::ad_enabled(&e.w_in.val().device()) && !tracked.all(|t| t);
         let own = self.ctx.config.backend_experts && !frozen;
-        B::expert_route(self.ctx.comm.as_ref(), own)
+        B::expert_route(self.ctx.comm.as_ref(), own, self.ctx.config.gemm_precision)
     }
 
     /// The layer's shape for the memory and cost models: `n_tokens_global` tokens over the
@@ -250,9 +250,13 @@ mod tests {
         use burn::backend::{Autodiff, Flex};
         use burn::module::Module;
 
+        use crate::comm::{RowPaths, SingleRank, WithRowPaths};
+        use crate::exchange::ComposedExperts;
         use crate::experts::LoraScaling;
         use crate::layer::ExpertLoraSpec;
-        use crate::memory::ExpertRoute;
+        use crate::memory::{ExpertRoute, GemmOperands};
+        use crate::{Communicator, GemmPrecision};
+        use std::sync::Arc;
 
         let config = MoeLayerConfig::new(8, 4, 2, 1).with_memory_budget(Some(1 << 30));
         let device = Default::default();
@@ -286,6 +290,32 @@ mod tests {
                 .init::<Autodiff<NdArray>>(&Default::default())
                 .expert_route(),
             ExpertRoute::ExpertByExpert
+        );
+        // A device library's path says its route at the config's precision: a path that says
+        // nothing holds partition scratch, with bf16 copies of its operands at bf16.
+        let paths = RowPaths::new().with_experts::<NdArray>(Arc::new(ComposedExperts));
+        let comm: Arc<dyn Communicator> = Arc::new(WithRowPaths::adding(Arc::new(SingleRank), paths));
+        let on_library = |precision| {
+            config
+                .clone()
+                .with_gemm_precision(precision)
+                .init_rank::<Autodiff<NdArray>>(&Default::default(), comm.clone())
+                .unwrap()
+                .expert_route()
+        };
+        assert_eq!(
+            on_library(GemmPrecision::Tf32),
+            ExpertRoute::PartitionScratch {
+                operands: GemmOperands::F32
+            }
+        );
+        assert_eq!(
+            on_library(GemmPrecision::Bf16),
+            ExpertRoute::PartitionScratch {
+                operands: GemmOperands::Bf16 {
+                    weights_for_step: false
+                }
+            }
         );
     }
 }

@@ -5,7 +5,10 @@
 
 use super::replay::Replay;
 use crate::experts::Activation;
-use crate::memory::{ExpertRoute, Restore};
+use crate::memory::{ExpertRoute, GemmOperands, Restore};
+
+/// The live name of the bf16 copies of the experts' matrices that a pass's jobs read.
+pub(super) const WEIGHT_COPIES: &str = "bf16 weight copies";
 
 impl Replay<'_> {
     /// Partition `i`'s experts with rows, largest first: `(expert, rows)`.
@@ -30,12 +33,66 @@ impl Replay<'_> {
             .sum()
     }
 
+    /// The operands of a partition-scratch route's GEMMs (f32 for the other routes).
+    fn operands(&self) -> GemmOperands {
+        match self.route {
+            ExpertRoute::PartitionScratch { operands } => operands,
+            _ => GemmOperands::F32,
+        }
+    }
+
+    /// The bf16 copies of every slot's two matrices (half an element each), made by a pass's
+    /// first job that converts (`gemm/operands.rs`, `PassHalves::copies`: once per lane and
+    /// pass or step, the shadows' copies among the slots) unless the pass already holds
+    /// them: this pass's, or the forward's kept for the step.
+    pub(super) fn make_weight_copies(&mut self, step: &str) {
+        let GemmOperands::Bf16 { weights_for_step } = self.operands() else {
+            return;
+        };
+        let held = self.ledger.live.iter().any(|t| t.name == WEIGHT_COPIES)
+            || (weights_for_step
+                && self
+                    .ledger
+                    .live
+                    .iter()
+                    .any(|t| t.name == self.saved_weight_copies()));
+        if !held {
+            let slots = self.grads_seen.len() as f64;
+            self.ledger.alloc(step, WEIGHT_COPIES, 0.5 * slots * self.params);
+        }
+    }
+
+    /// The name of the weights' copies kept from the forward for the backward.
+    pub(super) fn saved_weight_copies(&self) -> String {
+        format!("saved: {WEIGHT_COPIES}")
+    }
+
+    /// The end of the forward's exchange: its pass store goes with it (`ExpertGroups::pass`),
+    /// while the step's is handed to the backward (`ExpertGroups::step`).
+    pub(super) fn forward_weight_copies_end(&mut self) {
+        match self.operands() {
+            GemmOperands::Bf16 {
+                weights_for_step: true,
+            } => {
+                let saved = self.saved_weight_copies();
+                self.ledger.rename(WEIGHT_COPIES, saved);
+            }
+            _ => {
+                self.ledger.free(WEIGHT_COPIES);
+            }
+        }
+    }
+
     /// `C_i` as one job over the partition (`exchange/ffn/library.rs`, `compute_on`): `T_M`'s
     /// and `T_DO`'s buffers, whole, then the path's transients.
     pub(super) fn library_compute(&mut self, i: usize) {
         let (m, h, f) = (self.m, self.h, self.f);
         let name = format!("C_{i}");
         let rows = self.recv(i);
+        // A job without rows returns before it converts anything (`gemm/forward.rs`).
+        if rows > 0.0 {
+            self.make_weight_copies(&name);
+        }
         let transient = match self.route {
             // Flex (`flex_experts.rs`, `forward`): each running expert's `z` in a vector of
             // its own, then its activation (Flex's activation kernels hold nothing besides
@@ -43,8 +100,12 @@ impl Replay<'_> {
             // `T_DO`.
             ExpertRoute::Tasks { concurrent } => self.largest_at_once(i, concurrent, |r| r * f + r * h),
             // cuBLAS (`gemm/forward.rs`): the activation of every row in one scratch buffer;
-            // both GEMMs write into the partition buffers.
-            _ => rows * h,
+            // both GEMMs write into the partition buffers. At bf16 the activation is bf16
+            // (the second GEMM reads it) beside a bf16 copy of `T_DI`.
+            _ => match self.operands() {
+                GemmOperands::F32 => rows * h,
+                GemmOperands::Bf16 { .. } => 0.5 * rows * (h + m),
+            },
         };
         self.ledger.at(
             &name,
@@ -67,6 +128,11 @@ impl Replay<'_> {
         self.ledger.alloc(&name, format!("dT_DI[{i}]"), rows * m);
         let fresh = !self.backward_started;
         self.backward_started = true;
+        // The backward's first job converts even without rows, since it zeroes the fresh
+        // sums of every slot (`gemm/backward.rs`); a later one without rows returns first.
+        if fresh || rows > 0.0 {
+            self.make_weight_copies(&name);
+        }
         if fresh {
             // Every slot's sums at once (`ExpertGradAcc::take_stacked`), written whole by
             // this first job.
@@ -106,11 +172,16 @@ impl Replay<'_> {
                 self.largest_at_once(i, concurrent, per_expert)
             }
             // cuBLAS (`gemm/backward.rs`): `dA`, `A` and `dT_M` for every row, and `T_M`
-            // recomputed into scratch where it was dropped; the weight GEMMs add into the
-            // sums in place.
+            // recomputed into scratch where it was dropped (f32: the path writes it as the
+            // forward does); the weight GEMMs add into the sums in place. At bf16, `A` and
+            // `dT_M` (which GEMMs read) are bf16, `dA` (which one writes) f32, and `T_DI` and
+            // `dT_DO` have bf16 copies.
             _ => {
                 let z = if recompute { rows * f } else { 0.0 };
-                z + rows * (2.0 * h + f)
+                match self.operands() {
+                    GemmOperands::F32 => z + rows * (2.0 * h + f),
+                    GemmOperands::Bf16 { .. } => z + rows * (m + 1.5 * h + 0.5 * f),
+                }
             }
         };
         self.ledger.at(&name, &[("path transients", transient)]);
@@ -144,7 +215,8 @@ impl Replay<'_> {
 
 #[cfg(test)]
 mod tests {
-    use crate::memory::{ExpertRoute, ImplementationModel, LayerShape, RankRows, Strategy};
+    use crate::memory::{ExpertRoute, GemmOperands, ImplementationModel, LayerShape, RankRows, Strategy};
+    use crate::GemmPrecision;
 
     /// `experts` experts on one rank (GELU, 1,024 tokens, `M = 128`, `H = 512`), balanced.
     fn model(experts: usize, n: usize, strategy: Strategy, route: ExpertRoute) -> ImplementationModel {
@@ -188,7 +260,7 @@ mod tests {
         assert_eq!(term(&one, "expert weight gradients"), params);
         // A library's scratch: the whole partition's activation forward (1,024 rows of H),
         // backward `dA`, the activation and `dT_M`, and `T_M` again where S4 recomputes it.
-        let scratch = |strategy| model(4, 1, strategy, ExpertRoute::PartitionScratch);
+        let scratch = |strategy| model(4, 1, strategy, ExpertRoute::partition_scratch(GemmPrecision::F32));
         assert_eq!(
             term(&scratch(Strategy::None), "path transients"),
             1024.0 * 3.0 * 512.0
@@ -197,5 +269,72 @@ mod tests {
             term(&scratch(Strategy::S4), "path transients"),
             1024.0 * 4.0 * 512.0
         );
+    }
+
+    /// The bf16 operands of the cuBLAS route: half an element for each copy and for the
+    /// scratch a GEMM reads, and the copies of every slot's matrices, held through each pass
+    /// (made again by the backward), or from the forward through the backward once where
+    /// they are the step's. A model that ignored the copies, counted them whole, made them
+    /// twice a step where the step keeps them, or saved a pass's for the backward fails it.
+    #[test]
+    fn bf16_operands_hold_their_copies() {
+        let bf16 = |weights_for_step| ExpertRoute::PartitionScratch {
+            operands: GemmOperands::Bf16 { weights_for_step },
+        };
+        let f32 = model(
+            4,
+            4,
+            Strategy::None,
+            ExpertRoute::partition_scratch(GemmPrecision::F32),
+        );
+        let pass = model(4, 4, Strategy::None, bf16(false));
+        let step = model(4, 4, Strategy::None, bf16(true));
+        // Four slots' two 128 × 512 matrices, half an element each.
+        let copies = 0.5 * 4.0 * 2.0 * 128.0 * 512.0;
+        let live = |phase: &super::super::Phase, name: &str| {
+            phase
+                .terms
+                .iter()
+                .filter(|t| t.name == name)
+                .map(|t| t.elements)
+                .sum::<f64>()
+        };
+        for (m, name) in [
+            (&pass, "bf16 weight copies"),
+            (&step, "saved: bf16 weight copies"),
+        ] {
+            assert_eq!(live(&m.backward, name), copies, "{name} at the backward's peak");
+        }
+        assert_eq!(live(&pass.forward, "bf16 weight copies"), copies);
+        // The step's copies are the forward's, kept for the backward: once, and saved.
+        assert_eq!(live(&step.backward, "bf16 weight copies"), 0.0);
+        assert!(step.saved.iter().any(|t| t.name == "saved: bf16 weight copies"));
+        assert!(!pass.saved.iter().any(|t| t.name.contains("bf16")));
+        // A pass's copies go with it: nothing of them is saved, and the pass store of the
+        // forward is not live at the backward's peak besides the backward's own.
+        assert_eq!(live(&pass.backward, "saved: bf16 weight copies"), 0.0);
+        // The scratch of a partition of 256 rows: forward the bf16 activation and `T_DI`'s
+        // copy; backward `dA` in f32, the activation and `dT_M` in bf16, the copies of
+        // `T_DI` and `dT_DO` (GELU: the inner width is the hidden one).
+        let rows = 256.0;
+        let backward = rows * (128.0 + 1.5 * 512.0 + 0.5 * 512.0);
+        assert_eq!(term(&pass, "path transients"), backward);
+        assert_eq!(term(&f32, "path transients"), rows * 3.0 * 512.0);
+        let forward_at = |m: &ImplementationModel| {
+            m.forward
+                .terms
+                .iter()
+                .filter(|t| t.name == "path transients")
+                .map(|t| t.elements)
+                .sum::<f64>()
+        };
+        assert_eq!(
+            forward_at(&pass),
+            rows * 0.5 * (512.0 + 128.0),
+            "{:?}",
+            pass.forward
+        );
+        // Where the copies dominate (these small partitions), bf16 peaks above f32.
+        assert!(pass.peak_device() > f32.peak_device());
     }
 }

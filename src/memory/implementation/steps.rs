@@ -15,6 +15,7 @@ impl Replay<'_> {
             self.ledger.alloc("exchange", "T_O", s_rows * m);
         }
         self.replay_schedule(&Schedule::forward(n, self.strategy), n);
+        self.forward_weight_copies_end();
     }
 
     /// The fused exchange's backward: `dT_I` is assembled likewise, and the experts' weight
@@ -28,6 +29,10 @@ impl Replay<'_> {
         self.replay_schedule(&Schedule::backward(n, self.strategy), n);
         self.fold_shadow_gradients();
         self.stack_weight_gradients();
+        // The backward's pass store, and the step's, go when the exchange's backward returns.
+        self.ledger.free(super::library::WEIGHT_COPIES);
+        let saved = self.saved_weight_copies();
+        self.ledger.free(&saved);
     }
 
     /// Replays the steps of `schedule` (of `n` partitions) in issue order, then adds what the other streams may hold

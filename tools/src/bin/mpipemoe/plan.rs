@@ -7,11 +7,12 @@ use std::process::ExitCode;
 use clap::{Args, ValueEnum};
 use mpipemoe::memory::Strategy;
 use mpipemoe::memory::{
-    fit_budget, rank_peak_bytes, BudgetCandidate, ExpertRoute, LayerShape, MemoryPlan, RankRows,
-    MODEL_HEADROOM,
+    fit_budget, rank_peak_bytes, BudgetCandidate, ExpertRoute, GemmOperands, LayerShape, MemoryPlan,
+    RankRows, MODEL_HEADROOM,
 };
 use mpipemoe::tuning::CostModel;
-use mpipemoe::MAX_PARTITIONS;
+use mpipemoe::{GemmPrecision, MAX_PARTITIONS};
+use mpipemoe_tools::backends::PrecisionArg;
 use mpipemoe_tools::flags::count;
 use serde::Serialize;
 
@@ -47,6 +48,15 @@ pub struct PlanArgs {
     /// Experts running at once on `--route tasks` (Flex: its pool's threads).
     #[arg(long, default_value_t = 1, value_parser = count(1, 4096))]
     concurrent: usize,
+    /// The experts' GEMM precision on `--route partition-scratch`: at `bf16` the path holds
+    /// bf16 copies of its operands (each partition's rows, and every expert's matrices for
+    /// the pass) and bf16 scratch where a GEMM reads it.
+    #[arg(long, value_enum, default_value_t = PrecisionArg::F32)]
+    gemm_precision: PrecisionArg,
+    /// With `--gemm-precision bf16`: the experts' bf16 copies kept from the forward to the
+    /// backward, not made in each pass (`CublasOptions::bf16_weights_per_step`).
+    #[arg(long)]
+    bf16_weights_per_step: bool,
     /// Print JSON (`paper` and `implementation` objects, elements; `budget` with --budget).
     #[arg(long)]
     json: bool,
@@ -61,9 +71,38 @@ enum Route {
 }
 
 impl PlanArgs {
+    /// The precision flags describe the partition-scratch route of f32 tensors (the cuBLAS
+    /// path multiplies f32 tensors only, through bf16 copies at bf16); elsewhere they would
+    /// change nothing, so they are refused rather than ignored.
+    fn check_precision(&self, bytes: usize) -> Result<(), String> {
+        let bf16 = self.gemm_precision == PrecisionArg::Bf16;
+        if self.bf16_weights_per_step && !bf16 {
+            return Err("--bf16-weights-per-step needs --gemm-precision bf16".into());
+        }
+        if self.gemm_precision != PrecisionArg::F32 && !matches!(self.route, Route::PartitionScratch) {
+            return Err(format!(
+                "--gemm-precision {} applies to --route partition-scratch only (the other routes multiply the tensors as they are)",
+                self.gemm_precision.precision()
+            ));
+        }
+        if bf16 && bytes != 4 {
+            return Err(
+                "--gemm-precision bf16 describes f32 tensors (the cuBLAS path's): use --dtype f32".into(),
+            );
+        }
+        Ok(())
+    }
+
     fn route(&self) -> ExpertRoute {
         match self.route {
-            Route::PartitionScratch => ExpertRoute::PartitionScratch,
+            Route::PartitionScratch => ExpertRoute::PartitionScratch {
+                operands: match self.gemm_precision.precision() {
+                    GemmPrecision::Bf16 => GemmOperands::Bf16 {
+                        weights_for_step: self.bf16_weights_per_step,
+                    },
+                    GemmPrecision::F32 | GemmPrecision::Tf32 => GemmOperands::F32,
+                },
+            },
             Route::Tasks => ExpertRoute::Tasks {
                 concurrent: self.concurrent,
             },
@@ -106,6 +145,7 @@ fn budget_answer(
             args.imbalance
         ));
     }
+    args.check_precision(bytes)?;
     let profile = load_profile(&args.profile, shape.n_ranks)?;
     let cost = CostModel::new(profile);
     let partitions: Vec<usize> = args.partitions.map_or(CANDIDATES.to_vec(), |n| vec![n]);
