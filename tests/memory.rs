@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::{Tensor, TensorData};
+use mpipemoe::backend::StepExecutor;
 use mpipemoe::comm::GroupOptions;
 use mpipemoe::format::TensorMap;
 use mpipemoe::harness::{
@@ -120,17 +121,21 @@ fn model_tracks_every_rank(device: &burn::tensor::Device<B>) {
     let mut report = Vec::new();
     // The last: the hot expert shadowed (issue 45), so every rank holds its copy, computes
     // its own rows of it and returns the copy's gradients.
-    // The last element: whether the experts run on Flex's own path (as tasks, one at a time
-    // on a pool of one thread a rank) or, as on the backends without one and for experts with
-    // adapters everywhere, on the primitives, expert by expert. The model replays each.
+    // The fourth element: whether the experts run on Flex's own path (as tasks, one at a
+    // time on a pool of one thread a rank) or, as on the backends without one and for experts
+    // with adapters everywhere, on the primitives, expert by expert. The model replays each.
+    // The last: the threaded executor, CUDA's above one rank (a worker per stream; the
+    // assembled rows in a buffer of their own, what a step read held to its end, the
+    // gradients handed back as copies), here on the primitives, which it holds the most for.
     let runs = [
-        (false, None, Shadowing::Off, true),
-        (true, None, Shadowing::Off, true),
-        (true, Some(2 * M), Shadowing::Off, true),
-        (true, None, Shadowing::Fixed(1), true),
-        (true, None, Shadowing::Off, false),
+        (false, None, Shadowing::Off, true, false),
+        (true, None, Shadowing::Off, true, false),
+        (true, Some(2 * M), Shadowing::Off, true, false),
+        (true, None, Shadowing::Fixed(1), true, false),
+        (true, None, Shadowing::Off, false, false),
+        (true, None, Shadowing::Off, false, true),
     ];
-    for (skew, shared, shadowing, own) in runs {
+    for (skew, shared, shadowing, own, threaded) in runs {
         let route = match own {
             true => ExpertRoute::Tasks { concurrent: 1 },
             false => ExpertRoute::ExpertByExpert,
@@ -141,6 +146,7 @@ fn model_tracks_every_rank(device: &burn::tensor::Device<B>) {
                     .with_shared_expert(shared)
                     .with_shadowing(shadowing)
                     .with_backend_experts(own)
+                    .with_executor(threaded.then_some(StepExecutor::StreamThreads))
                     .with_memory_budget(Some(usize::MAX / 4));
                 let weights = skew.then(|| skewed(&config));
                 let measured = measure_layer_memory_with::<B>(
@@ -161,9 +167,11 @@ fn model_tracks_every_rank(device: &burn::tensor::Device<B>) {
                         decision.route, route,
                         "the route the model replays is the one measured"
                     );
+                    assert_eq!(decision.threaded, threaded, "the executor the model replays");
                     let label = format!(
-                        "skew={skew} shared={shared:?} {shadowing:?} {} n={n} {strategy} rank {rank} ({} rows)",
+                        "skew={skew} shared={shared:?} {shadowing:?} {}{} n={n} {strategy} rank {rank} ({} rows)",
                         route.name(),
+                        if threaded { ", threaded" } else { "" },
                         r.recv_rows
                     );
                     let modelled = decision.peak_bytes[rank];
@@ -230,6 +238,32 @@ fn model_tracks_experts_side_by_side(device: &burn::tensor::Device<B>) {
                 "side by side n={n} {strategy}: measured/model {ratio:.2}"
             );
         }
+    }
+    // The threaded executor computes on the calling thread too (the experts side by side on
+    // its pool), assembles every pass's rows in a buffer of its own and hands the gradients
+    // back as copies made while the sums are held: the model replays that
+    // (`MoeLayer::model_execution`).
+    for n in [1, 4] {
+        let config = base(Partitions::Fixed(n), MemoryReuse::Off)
+            .with_executor(Some(StepExecutor::StreamThreads))
+            .with_memory_budget(Some(usize::MAX / 4));
+        let measured = pool
+            .install(|| measure_layer_memory_with::<B>(&ALLOC, &config, None, None, TOKENS, 1, true, device))
+            .unwrap();
+        let r = &measured.ranks[0];
+        let decision = r.stats.memory.as_ref().expect("a budget reports its decision");
+        assert_eq!(decision.route, ExpertRoute::Tasks { concurrent: 3 });
+        assert!(decision.threaded);
+        let ratio = r.peak_device_bytes as f64 / decision.peak_bytes[0];
+        eprintln!(
+            "threaded executor n={n}: measured {:.2} MiB, model {:.2} MiB, {ratio:.2}",
+            r.peak_device_bytes as f64 / MIB,
+            decision.peak_bytes[0] / MIB
+        );
+        assert!(
+            (0.85..=1.15).contains(&ratio),
+            "threaded executor n={n}: measured/model {ratio:.2}"
+        );
     }
 }
 

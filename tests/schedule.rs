@@ -198,6 +198,36 @@ fn a_failing_step_stops_every_stream() {
     assert!(err.to_string().contains("copy engine exploded"), "{err}");
 }
 
+/// The threaded executor runs the compute stream on the calling thread and each other stream
+/// on a thread of its own: one start fewer a pass, and the experts computed where the caller
+/// computes (on the CPU, its pool). A compute step that panics stops the other streams too.
+#[test]
+fn the_threaded_executor_computes_on_the_calling_thread() {
+    let schedule = Schedule::forward(3, Strategy::S1);
+    let caller = std::thread::current().id();
+    let seen = std::sync::Mutex::new(Vec::new());
+    execute_on_threads(&schedule, &|_, step| {
+        seen.lock()
+            .unwrap()
+            .push((step.stream(), std::thread::current().id()));
+        Ok(())
+    })
+    .unwrap();
+    let seen = seen.into_inner().unwrap();
+    for stream in [Stream::Compute, Stream::Comm, Stream::Copy] {
+        let threads: std::collections::HashSet<_> =
+            seen.iter().filter(|s| s.0 == stream).map(|s| s.1).collect();
+        assert_eq!(threads.len(), 1, "{stream:?} on one thread: {seen:?}");
+        assert_eq!(threads.contains(&caller), stream == Stream::Compute, "{stream:?}");
+    }
+    let err = execute_on_threads(&schedule, &|_, step| match step.op {
+        Op::Compute(1) => panic!("the experts exploded"),
+        _ => Ok(()),
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("the experts exploded"), "{err}");
+}
+
 /// The in-order executor (asynchronous device backends) runs every step once, in an order
 /// the hazard check accepts, and stops at the first failing step without running later ones.
 #[test]

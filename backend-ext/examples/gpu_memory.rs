@@ -193,17 +193,16 @@ fn main() {
                     .with_memory_reuse(MemoryReuse::from(strategy.unwrap_or(Strategy::None)))
                     // A budget no pass reaches: the layer reports the model's peak for its rows.
                     .with_memory_budget(Some(usize::MAX / 4));
-                let measured = measure_layer_peak::<B>(
-                    &meter, &config, None, None, tokens, 1, true, &device, &wrap,
-                )
-                .unwrap_or_else(|e| {
-                    fail(
-                        format!(
+                let measured =
+                    measure_layer_peak::<B>(&meter, &config, None, None, tokens, 1, true, &device, &wrap)
+                        .unwrap_or_else(|e| {
+                            fail(
+                                format!(
                             "{name} experts={experts} {precision} tokens={tokens} n={n} {strategy:?}: {e}"
                         ),
-                        1,
-                    )
-                });
+                                1,
+                            )
+                        });
                 let rank = &measured.ranks[0];
                 let sample = meter.last(0).unwrap_or_default();
                 let model = rank.stats.memory.as_ref().map_or(f64::NAN, |d| d.peak_bytes[0]);

@@ -23,7 +23,8 @@ use crate::error::{MoeError, Result};
 /// the CPU and how a regression on a device has a way back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum StepExecutor {
-    /// One OS thread per stream, with real waits between streams ([`execute`]): for backends
+    /// A thread per stream (the calling thread takes the compute stream), with real waits
+    /// between streams ([`execute`]): for backends
     /// whose streams run concurrently, and on the CPU backends (which finish each op on the
     /// calling thread) to exercise that concurrency in tests.
     StreamThreads,
@@ -107,8 +108,9 @@ struct Progress {
     failed: bool,
 }
 
-/// Runs every step of `schedule` with `run`, each stream on its own thread, and returns when
-/// all have finished, with the span of every step. The first error (or panic) of any step
+/// Runs every step of `schedule` with `run`, each stream on a thread of its own (the compute
+/// stream on the calling thread), and returns when all have finished, with the span of every
+/// step. The first error (or panic) of any step
 /// stops the other workers at their next wait and is returned. No device streams: see
 /// [`execute_on`].
 pub fn execute(schedule: &Schedule, run: &(dyn Fn(usize, &Step) -> Result<()> + Sync)) -> Result<Vec<Span>> {
@@ -197,8 +199,14 @@ pub fn execute_on(
         .into_iter()
         .filter(|&s| schedule.steps.iter().any(|step| step.stream() == s))
         .collect();
+    // The compute stream's worker is the calling thread, which would otherwise wait in the
+    // join: one thread fewer to start each pass, and the experts computed where the caller
+    // computes everything else (on the CPU, its thread pool, whose threads keep gemm's
+    // packing buffers between passes: a worker started for each pass made its own, an
+    // allocation of about an L2 cache a pass that held for the pass, `tests/memory.rs`).
+    let (inline, spawned): (Vec<Stream>, Vec<Stream>) = streams.iter().partition(|&&s| s == Stream::Compute);
     let results: Vec<Result<()>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = streams
+        let handles: Vec<_> = spawned
             .iter()
             .map(|&s| {
                 std::thread::Builder::new()
@@ -211,6 +219,16 @@ pub fn execute_on(
             lock_progress(&progress).failed = true;
             wake.notify_all();
         }
+        // A panic here outside a step (the steps' own are caught) would leave the scope
+        // waiting for workers that wait for this stream: stop them first.
+        let own = inline.iter().map(|&s| {
+            catch_unwind(AssertUnwindSafe(|| worker(s))).unwrap_or_else(|_| {
+                lock_progress(&progress).failed = true;
+                wake.notify_all();
+                Err(MoeError::Backend("the exchange's compute stream panicked".into()))
+            })
+        });
+        let own: Vec<Result<()>> = own.collect();
         handles
             .into_iter()
             .map(|h| match h {
@@ -221,6 +239,7 @@ pub fn execute_on(
                 }),
                 Err(e) => Err(MoeError::Backend(format!("cannot start a stream worker: {e}"))),
             })
+            .chain(own)
             .collect()
     });
     // A root cause over a peer's echo, as LocalGroup does.

@@ -5,7 +5,7 @@
 
 use serde::Serialize;
 
-use super::{ExpertRoute, ImplementationModel, LayerShape, RankRows, Strategy};
+use super::{Execution, ExpertRoute, ImplementationModel, LayerShape, RankRows, Strategy};
 
 /// The memory model's estimate is inflated by this factor before it is compared with the
 /// budget. The model follows the code's allocations and tracked a counting allocator within
@@ -54,16 +54,16 @@ pub fn fit_budget(
     (None, seen)
 }
 
-/// The modelled peak (bytes) of the rank described by `rows` under `strategy`, its experts
-/// computed as `route` says.
+/// The modelled peak (bytes) of the rank described by `rows` under `strategy`, the pass run
+/// as `execution` says.
 pub fn rank_peak_bytes(
     shape: &LayerShape,
     rows: &RankRows,
     strategy: Strategy,
-    route: ExpertRoute,
+    execution: Execution,
     elem_bytes: usize,
 ) -> f64 {
-    ImplementationModel::for_route(shape, rows, strategy, route).peak_device() * elem_bytes as f64
+    ImplementationModel::for_execution(shape, rows, strategy, execution).peak_device() * elem_bytes as f64
 }
 
 /// What the budget decided for one batch, and why. In [`MoeStats::memory`](crate::MoeStats).
@@ -81,6 +81,8 @@ pub struct MemoryDecision {
     pub peak_bytes: Vec<f64>,
     /// The route of the experts the model replayed: the one the exchange takes.
     pub route: ExpertRoute,
+    /// Whether the model replayed the threaded executor (the exchange's for this layer).
+    pub threaded: bool,
     /// Why this partition count and strategy (what did not fit before them).
     pub reason: String,
 }

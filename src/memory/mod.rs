@@ -18,7 +18,7 @@ pub(crate) use host_store::{HostBlock, HostStore};
 pub use implementation::{ImplementationModel, Phase, Term};
 pub use meter::{MemoryMeter, MemoryReport};
 pub use model::{ImplementationTerms, LayerShape, MemoryPlan, PaperTerms};
-pub use route::{ExpertRoute, GemmOperands};
+pub use route::{Execution, ExpertRoute, GemmOperands};
 pub use rows::RankRows;
 
 pub use crate::pipeline::{MemoryReuse, Restore, Strategy};

@@ -105,3 +105,46 @@ impl ExpertRoute {
         }
     }
 }
+
+/// How a pass runs, as far as the implementation's memory model goes: who computes the
+/// experts, and whether the schedule's streams run at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Execution {
+    /// Who computes the experts.
+    pub route: ExpertRoute,
+    /// The threaded executor (`StepExecutor::StreamThreads`): the experts' gradients are
+    /// handed back as copies made on the caller's stream while the running sums are still
+    /// held (`exchange/fused/`, `ExpertGradAcc::finish_on_caller`), and the assembled rows
+    /// of every pass have a buffer of their own, one partition too (`RowAssembler`). In
+    /// issue order (`StepExecutor::InOrder`) the gradients are the sums as they stand.
+    pub threaded: bool,
+}
+
+impl Execution {
+    /// `route` in issue order.
+    pub fn in_order(route: ExpertRoute) -> Self {
+        Self {
+            route,
+            threaded: false,
+        }
+    }
+
+    /// `route` on the threaded executor.
+    pub fn threaded(route: ExpertRoute) -> Self {
+        Self {
+            route,
+            threaded: true,
+        }
+    }
+
+    /// `route` as the layer runs it on `n_ranks` ranks where the backend's streams overlap
+    /// (CUDA): in issue order at one rank, where nothing is exchanged
+    /// (`MoeLayer`'s exchange run), threaded above it. The CPU backends and WGPU run in issue
+    /// order at every rank count, which holds less.
+    pub fn on_gpu(route: ExpertRoute, n_ranks: usize) -> Self {
+        Self {
+            route,
+            threaded: n_ranks > 1,
+        }
+    }
+}

@@ -34,7 +34,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use mpipemoe::format::TensorMap;
 use mpipemoe::harness::{measure_layer_memory_with, CountingAllocator, TokenSource};
 use mpipemoe::memory::Strategy;
-use mpipemoe::memory::{ExpertRoute, ImplementationModel, LayerShape, PaperTerms, RankRows};
+use mpipemoe::memory::{Execution, ExpertRoute, ImplementationModel, LayerShape, PaperTerms, RankRows};
 use mpipemoe::{MemoryReuse, MoeLayerConfig, Partitions};
 use mpipemoe_tools::inputs::{balanced_router, balanced_tokens};
 use mpipemoe_tools::report::{write_panels, Panel, Series};
@@ -239,12 +239,13 @@ fn main() -> mpipemoe::Result<()> {
                 RankRows::balanced(&shape)
             };
             // The layer runs without a budget on Flex's own expert path, one expert a rank
-            // here, so as many at once as threads changes nothing.
-            let route = ExpertRoute::Tasks { concurrent: 1 };
-            let model_peak =
-                ImplementationModel::for_route(&shape, &rank_rows, strategy.unwrap_or(Strategy::None), route)
-                    .peak_device()
-                    * 4.0;
+            // here, so as many at once as threads changes nothing; in issue order, Flex's
+            // executor at every rank count.
+            let execution = Execution::in_order(ExpertRoute::Tasks { concurrent: 1 });
+            let strategy_run = strategy.unwrap_or(Strategy::None);
+            let model_peak = ImplementationModel::for_execution(&shape, &rank_rows, strategy_run, execution)
+                .peak_device()
+                * 4.0;
             let cut = baseline as i64 - hot as i64;
             let reuse = match strategy {
                 Some(s) if s != Strategy::None => pipemoe.get(&n).map(|&p| p as i64 - hot as i64),

@@ -206,6 +206,13 @@ fn plan_with_a_budget_answers_fits_or_not() {
         scratch != tasks && scratch != primitives && tasks != primitives,
         "{scratch} {tasks} {primitives}"
     );
+    // Eight GPUs: the threaded executor by default on the cuBLAS route (CUDA's above one
+    // rank), which holds more than issue order (the assembled rows from the start, the
+    // gradients handed back as copies).
+    assert_eq!(answer["threaded"], true, "{answer}");
+    let in_order = peak_on(&["--executor", "in-order"]);
+    assert!(in_order < scratch, "{in_order} {scratch}");
+    assert_eq!(peak_on(&["--executor", "threads"]), scratch);
     // At bf16 the cuBLAS route holds its operands' copies besides half its scratch; a step's
     // copies live through the forward's peak and the backward's.
     let bf16 = peak_on(&["--gemm-precision", "bf16"]);

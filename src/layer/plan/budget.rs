@@ -13,22 +13,23 @@ use super::super::{MoeLayer, Partitions};
 use crate::dispatch::{RoutingCounts, SplitScheme};
 use crate::error::{MoeError, Result};
 use crate::exchange::MoeBackend;
-use crate::memory::{fit_budget, rank_peak_bytes, ExpertRoute, MemoryDecision, Strategy, MODEL_HEADROOM};
+use crate::memory::{fit_budget, rank_peak_bytes, Execution, MemoryDecision, Strategy, MODEL_HEADROOM};
 
 impl<B: MoeBackend> MoeLayer<B> {
-    /// Every rank's modelled peak (bytes) at `scheme` under `strategy`, the experts on `route`.
+    /// Every rank's modelled peak (bytes) at `scheme` under `strategy`, the pass run as
+    /// `execution` says.
     fn rank_peaks(
         &self,
         counts: &RoutingCounts,
         scheme: SplitScheme,
         strategy: Strategy,
-        route: ExpertRoute,
+        execution: Execution,
     ) -> Vec<f64> {
         let n_ranks = counts.n_ranks();
         let shape = self.model_shape(counts.n_tokens_global(), n_ranks, scheme.n_partitions(n_ranks));
         let elem = std::mem::size_of::<B::FloatElem>();
         (0..counts.n_ranks())
-            .map(|r| rank_peak_bytes(&shape, &counts.rank_rows(r, scheme), strategy, route, elem))
+            .map(|r| rank_peak_bytes(&shape, &counts.rank_rows(r, scheme), strategy, execution, elem))
             .collect()
     }
 
@@ -48,20 +49,21 @@ impl<B: MoeBackend> MoeLayer<B> {
     }
 
     /// The cheapest allowed strategy that fits the budget on every rank at `scheme`, the
-    /// experts on `route` ([`expert_route`](Self::expert_route)), with the ranks' peaks;
+    /// pass run as `execution` says ([`model_execution`](Self::model_execution)), with the
+    /// ranks' peaks;
     /// `None` if none fits.
     pub(super) fn fit_at(
         &self,
         counts: &RoutingCounts,
         scheme: SplitScheme,
         budget: usize,
-        route: ExpertRoute,
+        execution: Execution,
     ) -> Result<Option<(Strategy, Vec<f64>)>> {
         let n = scheme.n_partitions(counts.n_ranks());
         let order = self.strategies_by_cost(counts, n)?;
         let mut peaks = std::collections::HashMap::new();
         let (choice, _) = fit_budget(budget, &[n], &mut |_| order.clone(), &mut |_, strategy| {
-            let p = self.rank_peaks(counts, scheme, strategy, route);
+            let p = self.rank_peaks(counts, scheme, strategy, execution);
             let worst = p.iter().cloned().fold(0.0, f64::max);
             peaks.insert(strategy, p);
             worst
@@ -107,10 +109,10 @@ impl<B: MoeBackend> MoeLayer<B> {
         let n_ranks = counts.n_ranks();
         let recv_rows: Vec<usize> = (0..n_ranks).map(|r| counts.recv_rows_of(r)).collect();
         let schemes = self.budget_schemes(chosen);
-        let route = self.expert_route();
+        let execution = self.model_execution();
         let mut rejected = Vec::new();
         for &scheme in &schemes {
-            if let Some((strategy, peaks)) = self.fit_at(counts, scheme, budget, route)? {
+            if let Some((strategy, peaks)) = self.fit_at(counts, scheme, budget, execution)? {
                 let n = scheme.n_partitions(n_ranks);
                 let worst = peaks.iter().cloned().fold(0.0, f64::max);
                 let reason = if rejected.is_empty() {
@@ -130,7 +132,8 @@ impl<B: MoeBackend> MoeLayer<B> {
                         strategy,
                         recv_rows,
                         peak_bytes: peaks,
-                        route,
+                        route: execution.route,
+                        threaded: execution.threaded,
                         reason,
                     },
                 ));
@@ -139,7 +142,7 @@ impl<B: MoeBackend> MoeLayer<B> {
         }
         // Nothing fits: report the rank that needs the most at the largest n with S4.
         let last = *schemes.last().expect("at least the chosen scheme");
-        let peaks = self.rank_peaks(counts, last, Strategy::S4, route);
+        let peaks = self.rank_peaks(counts, last, Strategy::S4, execution);
         let (rank, need) = peaks
             .iter()
             .copied()

@@ -27,7 +27,7 @@ use crate::dispatch::{DispatchPlan, ExchangePlan, RoutingCounts, SplitScheme};
 use crate::error::Result;
 use crate::exchange::executor::StepExecutor;
 use crate::exchange::{ExchangeRun, MoeBackend};
-use crate::memory::{ExpertRoute, LayerShape, MemoryDecision, Strategy};
+use crate::memory::{Execution, ExpertRoute, LayerShape, MemoryDecision, Strategy};
 
 /// What step 3 decides for one batch.
 pub(super) struct BatchPlan {
@@ -162,6 +162,22 @@ impl<B: MoeBackend> MoeLayer<B> {
         run
     }
 
+    /// How this layer's exchange runs a pass, for the memory model: the executor its run
+    /// takes ([`exchange_run`](Self::exchange_run): the config's, in issue order at one rank,
+    /// else the backend's), and the route its experts take there
+    /// ([`expert_route`](Self::expert_route)). Both executors compute the experts on the
+    /// calling thread (the threaded one runs the compute stream there), so a path's answer
+    /// asked here holds for either.
+    pub(super) fn model_execution(&self) -> Execution {
+        let device = self.experts.w_in.val().device();
+        let threaded =
+            self.exchange_run(Strategy::None).executor_for::<B>(&device) == StepExecutor::StreamThreads;
+        Execution {
+            route: self.expert_route(),
+            threaded,
+        }
+    }
+
     /// The route this layer's experts take in the exchange, for the memory model: found as
     /// the exchange finds its expert compute (`exchange/ffn/library.rs`, `Library::find`).
     /// Experts with adapters run on the primitives; otherwise the communicator's device
@@ -254,7 +270,7 @@ mod tests {
         use crate::exchange::ComposedExperts;
         use crate::experts::LoraScaling;
         use crate::layer::ExpertLoraSpec;
-        use crate::memory::{ExpertRoute, GemmOperands};
+        use crate::memory::{Execution, ExpertRoute, GemmOperands};
         use crate::{Communicator, GemmPrecision};
         use std::sync::Arc;
 
@@ -263,6 +279,22 @@ mod tests {
         let own = |route: ExpertRoute| matches!(route, ExpertRoute::Tasks { .. });
         let layer = config.init::<Autodiff<Flex>>(&device);
         assert!(own(layer.expert_route()));
+        // The executor the model replays is the run's: in order at one rank, unless the
+        // config asks for threads; the experts' route is asked where both compute (the
+        // calling thread's pool: three experts side by side on three threads).
+        assert!(!layer.model_execution().threaded);
+        let threads = config
+            .clone()
+            .with_executor(Some(StepExecutor::StreamThreads))
+            .init::<Autodiff<Flex>>(&device);
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        assert_eq!(
+            pool.install(|| threads.model_execution()),
+            Execution {
+                route: ExpertRoute::Tasks { concurrent: 3 },
+                threaded: true
+            }
+        );
         assert!(
             own(config.init::<Flex>(&device).expert_route()),
             "no autodiff: nothing frozen"

@@ -53,9 +53,9 @@ impl<B: MoeBackend> MoeLayer<B> {
         let mut strategies = std::collections::HashMap::new();
         if let Some(budget) = config.memory_budget {
             let mut fitting = Vec::new();
-            let route = self.expert_route();
+            let execution = self.model_execution();
             for n in candidates {
-                if let Some((strategy, _)) = self.fit_at(counts, SplitScheme::Tokens(n), budget, route)? {
+                if let Some((strategy, _)) = self.fit_at(counts, SplitScheme::Tokens(n), budget, execution)? {
                     strategies.insert(n, strategy);
                     fitting.push(n);
                 }

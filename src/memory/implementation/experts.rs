@@ -205,10 +205,14 @@ impl Replay<'_> {
                 ("activation backward temporaries", r * (grad_temp + grad_width)),
             ],
         );
-        // z is consumed by the activation's backward.
-        let consumed = r * f;
-        if let Some(t) = l.live.iter_mut().find(|t| t.name == hidden_name) {
-            t.elements = (t.elements - consumed).max(0.0);
+        // z is consumed by the activation's backward: let go here in issue order, but held to
+        // the step's end by the threaded executor, which keeps what a step read until it has
+        // fenced the step's stream (`fused/slots.rs`, `Slots::hold`).
+        if !self.threaded {
+            let consumed = r * f;
+            if let Some(t) = l.live.iter_mut().find(|t| t.name == hidden_name) {
+                t.elements = (t.elements - consumed).max(0.0);
+            }
         }
         let dz = if grad_width > 0.0 { r * grad_width } else { r * h };
         l.at(
@@ -235,7 +239,8 @@ impl Replay<'_> {
     /// The end of the backward: the weight gradients are stacked role by role
     /// (`ffn/grad_acc.rs`, `ExpertGradAcc::finish`). An expert that received no rows gets zeros, and with
     /// more than one local expert the concatenation copies a role's gradients while its
-    /// per-expert parts are still held.
+    /// per-expert parts are still held; with the threaded executor every role's, since the
+    /// parts are held until the caller's stream has read them (`finish_on_caller`).
     pub(super) fn stack_weight_gradients(&mut self) {
         if self.route.whole_partition() {
             return self.library_finish();
@@ -252,7 +257,14 @@ impl Replay<'_> {
                 unseen * (h * m + m * f),
             );
         }
-        if experts > 1.0 {
+        if self.threaded {
+            // `ExpertGradAcc::finish_on_caller`: every role stacked (or, one expert, copied)
+            // while the running sums are held until the caller's stream has read them.
+            l.at(
+                "stack weight gradients",
+                &[("stacked copies of every role", experts * (h * m + m * f))],
+            );
+        } else if experts > 1.0 {
             l.at(
                 "stack weight gradients",
                 &[("stacked copy of one role", experts * (m * f).max(h * m))],

@@ -196,13 +196,12 @@ impl Replay<'_> {
     /// The backward's end on a whole-partition route (`ExpertGradAcc::finish` and
     /// `finish_on_caller`): the stacked sums are the gradients as they stand, but with
     /// shadows (whose slots are unstacked, folded and stacked again: the new stack made while
-    /// the sums are held), and with the threaded executor, which every rank count above one
-    /// runs by default (the gradients handed back are a copy made on the caller's stream
-    /// while the sums are still held).
+    /// the sums are held), and with the threaded executor (the gradients handed back are a
+    /// copy made on the caller's stream while the sums are still held).
     pub(super) fn library_finish(&mut self) {
         let own = self.grads_seen.len() as f64 * self.params;
         let restack = if self.shadows > 0.0 { own } else { 0.0 };
-        let threaded = if self.identity { 0.0 } else { own };
+        let threaded = if self.threaded { own } else { 0.0 };
         self.ledger.at(
             "stack weight gradients",
             &[
@@ -215,7 +214,9 @@ impl Replay<'_> {
 
 #[cfg(test)]
 mod tests {
-    use crate::memory::{ExpertRoute, GemmOperands, ImplementationModel, LayerShape, RankRows, Strategy};
+    use crate::memory::{
+        Execution, ExpertRoute, GemmOperands, ImplementationModel, LayerShape, RankRows, Strategy,
+    };
     use crate::GemmPrecision;
 
     /// `experts` experts on one rank (GELU, 1,024 tokens, `M = 128`, `H = 512`), balanced.
@@ -224,7 +225,12 @@ mod tests {
             n_experts: experts,
             ..LayerShape::paper(1024, 128, 512, 1, n)
         };
-        ImplementationModel::for_route(&shape, &RankRows::balanced(&shape), strategy, route)
+        ImplementationModel::for_execution(
+            &shape,
+            &RankRows::balanced(&shape),
+            strategy,
+            Execution::in_order(route),
+        )
     }
 
     fn term(model: &ImplementationModel, name: &str) -> f64 {
@@ -336,5 +342,63 @@ mod tests {
         );
         // Where the copies dominate (these small partitions), bf16 peaks above f32.
         assert!(pass.peak_device() > f32.peak_device());
+    }
+
+    /// The threaded executor: the assembled rows in a buffer made before the first step
+    /// (one partition too), what a step read held to the step's end (the primitives' `z`,
+    /// which issue order lets go expert by expert), and the gradients handed back as copies
+    /// made while the running sums are held (every role at once on the primitives; the
+    /// stacked sums on a library). A replay that ignored any of the four fails it.
+    #[test]
+    fn the_threaded_executor_holds_what_its_code_holds() {
+        let run = |tokens, route, threaded| {
+            let shape = LayerShape {
+                n_experts: 4,
+                ..LayerShape::paper(tokens, 128, 512, 1, 1)
+            };
+            let execution = Execution { route, threaded };
+            ImplementationModel::for_execution(&shape, &RankRows::balanced(&shape), Strategy::None, execution)
+        };
+        let live = |phase: &super::super::Phase, name: &str| {
+            phase
+                .terms
+                .iter()
+                .filter(|t| t.name == name)
+                .map(|t| t.elements)
+                .sum::<f64>()
+        };
+        let tasks = ExpertRoute::Tasks { concurrent: 1 };
+        let (in_order, threaded) = (run(1024, tasks, false), run(1024, tasks, true));
+        // `dT_I` at the backward's peak (`C'_0`): assembled from the start, or not yet made.
+        assert_eq!(threaded.backward.step, "C'_0");
+        assert_eq!(live(&threaded.backward, "dT_I"), 1024.0 * 128.0);
+        assert_eq!(live(&in_order.backward, "dT_I"), 0.0);
+        // The primitives' `z`: whole at the end of `C'_0` where the step holds it.
+        let primitives = ExpertRoute::ExpertByExpert;
+        let (in_order, threaded) = (run(1024, primitives, false), run(1024, primitives, true));
+        let z = 1024.0 * 512.0;
+        assert_eq!(
+            live(&threaded.backward, "saved T_M[0]"),
+            z,
+            "{:?}",
+            threaded.backward
+        );
+        assert!(
+            live(&in_order.backward, "saved T_M[0]") < z,
+            "{:?}",
+            in_order.backward
+        );
+        // Few tokens: the gradients' hand-back is the peak. Four experts' parameters.
+        let params = 4.0 * 2.0 * 128.0 * 512.0;
+        let scratch = ExpertRoute::partition_scratch(GemmPrecision::F32);
+        let (in_order, threaded) = (run(16, scratch, false), run(16, scratch, true));
+        assert_eq!(live(&threaded.backward, "copy on the caller's stream"), params);
+        assert_eq!(live(&in_order.backward, "copy on the caller's stream"), 0.0);
+        let (in_order, threaded) = (run(16, primitives, false), run(16, primitives, true));
+        assert_eq!(live(&threaded.backward, "stacked copies of every role"), params);
+        assert_eq!(
+            live(&in_order.backward, "stacked copy of one role"),
+            params / 8.0 * 4.0
+        );
     }
 }

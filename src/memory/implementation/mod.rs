@@ -18,7 +18,7 @@ mod steps;
 
 use serde::Serialize;
 
-use super::{ExpertRoute, LayerShape, RankRows, Strategy};
+use super::{Execution, ExpertRoute, LayerShape, RankRows, Strategy};
 use replay::Replay;
 
 /// One named tensor (or group of tensors) of the model, in elements.
@@ -69,14 +69,21 @@ impl ImplementationModel {
     }
 
     /// The model for one rank that handles `rows` (its routing of a real batch), its experts
-    /// on the primitives, one after another.
+    /// on the primitives, one after another, as the layer runs them on a GPU
+    /// ([`Execution::on_gpu`]: in issue order at one rank, threaded above).
     pub fn for_rows(shape: &LayerShape, rows: &RankRows, strategy: Strategy) -> Self {
-        Self::for_route(shape, rows, strategy, ExpertRoute::ExpertByExpert)
+        let execution = Execution::on_gpu(ExpertRoute::ExpertByExpert, shape.n_ranks);
+        Self::for_execution(shape, rows, strategy, execution)
     }
 
-    /// The model for one rank that handles `rows`, its experts computed as `route` says.
-    pub fn for_route(shape: &LayerShape, rows: &RankRows, strategy: Strategy, route: ExpertRoute) -> Self {
-        Replay::new(shape, rows, strategy, route).run()
+    /// The model for one rank that handles `rows`, the pass run as `execution` says.
+    pub fn for_execution(
+        shape: &LayerShape,
+        rows: &RankRows,
+        strategy: Strategy,
+        execution: Execution,
+    ) -> Self {
+        Replay::new(shape, rows, strategy, execution).run()
     }
 
     /// Device elements at the peak of forward + backward.

@@ -4,7 +4,7 @@
 use super::ledger::Ledger;
 use super::{ImplementationModel, Term};
 use crate::experts::Activation;
-use crate::memory::{ExpertRoute, LayerShape, RankRows, Restore, Strategy};
+use crate::memory::{Execution, ExpertRoute, LayerShape, RankRows, Restore, Strategy};
 
 /// A replay in progress: the shape's widths, this rank's rows, and the ledger.
 pub(super) struct Replay<'a> {
@@ -12,6 +12,9 @@ pub(super) struct Replay<'a> {
     pub(super) strategy: Strategy,
     /// Who computes the experts (`experts.rs` and `library.rs` replay each route's steps).
     pub(super) route: ExpertRoute,
+    /// The threaded executor: the experts' gradients are handed back as copies made while
+    /// the running sums are held (`stack_weight_gradients`, `library_finish`).
+    pub(super) threaded: bool,
     pub(super) m: f64,
     pub(super) h: f64,
     pub(super) f: f64,
@@ -44,7 +47,7 @@ impl<'a> Replay<'a> {
         shape: &LayerShape,
         rows: &'a RankRows,
         strategy: Strategy,
-        route: ExpertRoute,
+        execution: Execution,
     ) -> Self {
         let identity = shape.n_ranks <= 1;
         // The rows say how many expert slots the rank runs: its local experts, and a copy of
@@ -58,7 +61,8 @@ impl<'a> Replay<'a> {
         Self {
             rows,
             strategy,
-            route,
+            route: execution.route,
+            threaded: execution.threaded,
             m: shape.d_model as f64,
             h: shape.d_hidden as f64,
             f: shape.d_inner() as f64,

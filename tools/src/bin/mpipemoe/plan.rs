@@ -7,8 +7,8 @@ use std::process::ExitCode;
 use clap::{Args, ValueEnum};
 use mpipemoe::memory::Strategy;
 use mpipemoe::memory::{
-    fit_budget, rank_peak_bytes, BudgetCandidate, ExpertRoute, GemmOperands, LayerShape, MemoryPlan,
-    RankRows, MODEL_HEADROOM,
+    fit_budget, rank_peak_bytes, BudgetCandidate, Execution, ExpertRoute, GemmOperands, LayerShape,
+    MemoryPlan, RankRows, MODEL_HEADROOM,
 };
 use mpipemoe::tuning::CostModel;
 use mpipemoe::{GemmPrecision, MAX_PARTITIONS};
@@ -57,9 +57,23 @@ pub struct PlanArgs {
     /// backward, not made in each pass (`CublasOptions::bf16_weights_per_step`).
     #[arg(long)]
     bf16_weights_per_step: bool,
+    /// How the exchange runs its steps, for --budget: `threads` (a worker per stream, the
+    /// streams at once: CUDA's above one rank), `in-order`, or `auto`: the layer's choice for
+    /// the route's backend (in order at one GPU and on `--route tasks`, Flex's; threaded
+    /// otherwise, which holds more).
+    #[arg(long, value_enum, default_value_t = ExecutorArg::Auto)]
+    executor: ExecutorArg,
     /// Print JSON (`paper` and `implementation` objects, elements; `budget` with --budget).
     #[arg(long)]
     json: bool,
+}
+
+/// `--executor`'s values.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum ExecutorArg {
+    Auto,
+    Threads,
+    InOrder,
 }
 
 /// `--route`'s values.
@@ -93,6 +107,16 @@ impl PlanArgs {
         Ok(())
     }
 
+    /// The route run as `--executor` says on `n_ranks` ranks.
+    fn execution(&self, n_ranks: usize) -> Execution {
+        let route = self.route();
+        match (self.executor, self.route) {
+            (ExecutorArg::Threads, _) => Execution::threaded(route),
+            (ExecutorArg::InOrder, _) | (ExecutorArg::Auto, Route::Tasks) => Execution::in_order(route),
+            (ExecutorArg::Auto, _) => Execution::on_gpu(route, n_ranks),
+        }
+    }
+
     fn route(&self) -> ExpertRoute {
         match self.route {
             Route::PartitionScratch => ExpertRoute::PartitionScratch {
@@ -117,6 +141,7 @@ struct BudgetAnswer {
     bytes: usize,
     imbalance: f64,
     route: ExpertRoute,
+    threaded: bool,
     fits: bool,
     n: Option<usize>,
     strategy: Option<Strategy>,
@@ -164,7 +189,7 @@ fn budget_answer(
     let mut peak = |n: usize, strategy: Strategy| {
         let shape = at(n);
         let rows = RankRows::skewed(&shape, args.imbalance);
-        rank_peak_bytes(&shape, &rows, strategy, args.route(), bytes)
+        rank_peak_bytes(&shape, &rows, strategy, args.execution(shape.n_ranks), bytes)
     };
     // Every (n, strategy), for the table; the rule's choice is the first that fits.
     let (choice, _) = fit_budget(budget, &partitions, &mut by_cost, &mut peak);
@@ -185,6 +210,7 @@ fn budget_answer(
         bytes: budget,
         imbalance: args.imbalance,
         route: args.route(),
+        threaded: args.execution(shape.n_ranks).threaded,
         fits: choice.is_some(),
         n: choice.map(|c| c.n_partitions),
         strategy: choice.map(|c| c.strategy),
@@ -292,9 +318,10 @@ fn print_plan(plan: &MemoryPlan, shape: &LayerShape, bytes: usize) {
 
 fn print_budget(b: &BudgetAnswer) {
     println!(
-        "\nworst rank receiving {:.2}x the mean rows, experts {}, budget {:.1} MiB (the model's peak x {:.2} must fit):",
+        "\nworst rank receiving {:.2}x the mean rows, experts {}, {}, budget {:.1} MiB (the model's peak x {:.2} must fit):",
         b.imbalance,
         b.route.name(),
+        if b.threaded { "threaded" } else { "in order" },
         mib(b.bytes as f64),
         b.headroom
     );
