@@ -216,36 +216,17 @@ fn model_tracks_every_rank(device: &burn::tensor::Device<B>) {
 /// route that replayed one expert at a time, the model was under the measurement).
 fn model_tracks_experts_side_by_side(device: &burn::tensor::Device<B>) {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
-    for n in [1, 4] {
-        for strategy in [Strategy::None, Strategy::S1, Strategy::S4] {
-            let config = base(Partitions::Fixed(n), strategy.into()).with_memory_budget(Some(usize::MAX / 4));
-            let measured = pool
-                .install(|| {
-                    measure_layer_memory_with::<B>(&ALLOC, &config, None, None, TOKENS, 1, true, device)
-                })
-                .unwrap();
-            let r = &measured.ranks[0];
-            let decision = r.stats.memory.as_ref().expect("a budget reports its decision");
-            assert_eq!(decision.route, ExpertRoute::Tasks { concurrent: 3 });
-            let ratio = r.peak_device_bytes as f64 / decision.peak_bytes[0];
-            eprintln!(
-                "side by side n={n} {strategy}: measured {:.2} MiB, model {:.2} MiB, {ratio:.2}",
-                r.peak_device_bytes as f64 / MIB,
-                decision.peak_bytes[0] / MIB
-            );
-            assert!(
-                (0.85..=1.15).contains(&ratio),
-                "side by side n={n} {strategy}: measured/model {ratio:.2}"
-            );
-        }
-    }
-    // The threaded executor computes on the calling thread too (the experts side by side on
-    // its pool), assembles every pass's rows in a buffer of its own and hands the gradients
-    // back as copies made while the sums are held: the model replays that
+    // Then the threaded executor, which computes on the calling thread too (the experts side
+    // by side on its pool), assembles every pass's rows in a buffer of its own and hands the
+    // gradients back as copies made while the sums are held: the model replays that
     // (`MoeLayer::model_execution`).
-    for n in [1, 4] {
-        let config = base(Partitions::Fixed(n), MemoryReuse::Off)
-            .with_executor(Some(StepExecutor::StreamThreads))
+    let in_order = [1, 4]
+        .into_iter()
+        .flat_map(|n| [Strategy::None, Strategy::S1, Strategy::S4].map(|s| (n, s, false)));
+    let threaded = [1, 4].map(|n| (n, Strategy::None, true));
+    for (n, strategy, threads) in in_order.chain(threaded) {
+        let config = base(Partitions::Fixed(n), strategy.into())
+            .with_executor(threads.then_some(StepExecutor::StreamThreads))
             .with_memory_budget(Some(usize::MAX / 4));
         let measured = pool
             .install(|| measure_layer_memory_with::<B>(&ALLOC, &config, None, None, TOKENS, 1, true, device))
@@ -253,16 +234,20 @@ fn model_tracks_experts_side_by_side(device: &burn::tensor::Device<B>) {
         let r = &measured.ranks[0];
         let decision = r.stats.memory.as_ref().expect("a budget reports its decision");
         assert_eq!(decision.route, ExpertRoute::Tasks { concurrent: 3 });
-        assert!(decision.threaded);
+        assert_eq!(decision.threaded, threads);
         let ratio = r.peak_device_bytes as f64 / decision.peak_bytes[0];
+        let label = format!(
+            "side by side{} n={n} {strategy}",
+            if threads { ", threaded" } else { "" }
+        );
         eprintln!(
-            "threaded executor n={n}: measured {:.2} MiB, model {:.2} MiB, {ratio:.2}",
+            "{label}: measured {:.2} MiB, model {:.2} MiB, {ratio:.2}",
             r.peak_device_bytes as f64 / MIB,
             decision.peak_bytes[0] / MIB
         );
         assert!(
             (0.85..=1.15).contains(&ratio),
-            "threaded executor n={n}: measured/model {ratio:.2}"
+            "{label}: measured/model {ratio:.2}"
         );
     }
 }

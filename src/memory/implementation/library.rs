@@ -233,15 +233,19 @@ mod tests {
         )
     }
 
+    /// The elements of `name` live at `phase`.
+    fn live(phase: &super::super::Phase, name: &str) -> f64 {
+        phase
+            .terms
+            .iter()
+            .filter(|t| t.name == name)
+            .map(|t| t.elements)
+            .sum()
+    }
+
+    /// The elements of `name` live at the higher of the two passes' peaks.
     fn term(model: &ImplementationModel, name: &str) -> f64 {
-        let live = |p: &super::super::Phase| {
-            p.terms
-                .iter()
-                .filter(|t| t.name == name)
-                .map(|t| t.elements)
-                .sum::<f64>()
-        };
-        live(&model.forward).max(live(&model.backward))
+        live(&model.forward, name).max(live(&model.backward, name))
     }
 
     /// Experts as tasks: as many transients at once as experts run at once, never more than
@@ -297,14 +301,6 @@ mod tests {
         let step = model(4, 4, Strategy::None, bf16(true));
         // Four slots' two 128 × 512 matrices, half an element each.
         let copies = 0.5 * 4.0 * 2.0 * 128.0 * 512.0;
-        let live = |phase: &super::super::Phase, name: &str| {
-            phase
-                .terms
-                .iter()
-                .filter(|t| t.name == name)
-                .map(|t| t.elements)
-                .sum::<f64>()
-        };
         for (m, name) in [
             (&pass, "bf16 weight copies"),
             (&step, "saved: bf16 weight copies"),
@@ -326,16 +322,8 @@ mod tests {
         let backward = rows * (128.0 + 1.5 * 512.0 + 0.5 * 512.0);
         assert_eq!(term(&pass, "path transients"), backward);
         assert_eq!(term(&f32, "path transients"), rows * 3.0 * 512.0);
-        let forward_at = |m: &ImplementationModel| {
-            m.forward
-                .terms
-                .iter()
-                .filter(|t| t.name == "path transients")
-                .map(|t| t.elements)
-                .sum::<f64>()
-        };
         assert_eq!(
-            forward_at(&pass),
+            live(&pass.forward, "path transients"),
             rows * 0.5 * (512.0 + 128.0),
             "{:?}",
             pass.forward
@@ -358,14 +346,6 @@ mod tests {
             };
             let execution = Execution { route, threaded };
             ImplementationModel::for_execution(&shape, &RankRows::balanced(&shape), Strategy::None, execution)
-        };
-        let live = |phase: &super::super::Phase, name: &str| {
-            phase
-                .terms
-                .iter()
-                .filter(|t| t.name == name)
-                .map(|t| t.elements)
-                .sum::<f64>()
         };
         let tasks = ExpertRoute::Tasks { concurrent: 1 };
         let (in_order, threaded) = (run(1024, tasks, false), run(1024, tasks, true));
