@@ -7,7 +7,7 @@ use crate::GemmPrecision;
 
 /// Who computes a partition's experts, and so what `C_i` and `C'_i` hold besides the
 /// partition buffers: what the implementation's memory model
-/// ([`ImplementationModel::for_route`](super::ImplementationModel::for_route)) replays for
+/// ([`ImplementationModel::for_execution`](super::ImplementationModel::for_execution)) replays for
 /// those steps.
 ///
 /// The layer finds the route the way the exchange finds its expert compute (a device
@@ -107,16 +107,17 @@ impl ExpertRoute {
 }
 
 /// How a pass runs, as far as the implementation's memory model goes: who computes the
-/// experts, and whether the schedule's streams run at once.
+/// experts, and which executor runs the schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct Execution {
     /// Who computes the experts.
     pub route: ExpertRoute,
-    /// The threaded executor (`StepExecutor::StreamThreads`): the experts' gradients are
-    /// handed back as copies made on the caller's stream while the running sums are still
-    /// held (`exchange/fused/`, `ExpertGradAcc::finish_on_caller`), and the assembled rows
-    /// of every pass have a buffer of their own, one partition too (`RowAssembler`). In
-    /// issue order (`StepExecutor::InOrder`) the gradients are the sums as they stand.
+    /// The threaded executor (`StepExecutor::StreamThreads`): the assembled rows of every
+    /// pass have a buffer of their own, one partition too (`RowAssembler`); what a step read
+    /// is held to the step's end (`Slots::hold`); and the experts' gradients are handed back
+    /// as copies made on the caller's stream while the running sums are still held
+    /// (`ExpertGradAcc::finish_on_caller`). In issue order (`StepExecutor::InOrder`) none of
+    /// the three.
     pub threaded: bool,
 }
 

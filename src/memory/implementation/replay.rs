@@ -12,8 +12,10 @@ pub(super) struct Replay<'a> {
     pub(super) strategy: Strategy,
     /// Who computes the experts (`experts.rs` and `library.rs` replay each route's steps).
     pub(super) route: ExpertRoute,
-    /// The threaded executor: the experts' gradients are handed back as copies made while
-    /// the running sums are held (`stack_weight_gradients`, `library_finish`).
+    /// The threaded executor ([`Execution::threaded`](crate::memory::Execution)): the
+    /// assembled rows from the start (`steps.rs`, `assembles`), a step's reads held to its
+    /// end (`experts.rs`), the gradients handed back as copies (`stack_weight_gradients`,
+    /// `library_finish`).
     pub(super) threaded: bool,
     pub(super) m: f64,
     pub(super) h: f64,
