@@ -45,6 +45,13 @@ cp tests/data/hf/*.safetensors .gpu/cases/
 # The repository's copy is the maintained one (its CUDA_PATH rule is tested by
 # backend-ext/tests/device_env.rs).
 cp scripts/gpu/device-env.sh .gpu/
+# The commit the binaries were built at, and whether the tree had changes besides it, so that a
+# later session can tell whether .gpu is current before it spends device time on it.
+{
+  git rev-parse HEAD
+  git status --porcelain --untracked-files=no | grep -q . && echo "with uncommitted changes" || true
+} >.gpu/BUILT_AT
+cat .gpu/BUILT_AT
 du -sh .gpu
 ls -l .gpu
 size=$(du -sb .gpu | cut -f1)
