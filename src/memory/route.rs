@@ -61,13 +61,12 @@ pub enum GemmOperands {
 }
 
 impl GemmOperands {
-    /// What a path that multiplies as the precision says reads: bf16 copies kept for each
-    /// pass at [`GemmPrecision::Bf16`], the f32 tensors otherwise.
-    pub fn at(precision: GemmPrecision) -> Self {
+    /// What a path that multiplies at `precision` reads: at [`GemmPrecision::Bf16`] bf16
+    /// copies, the weights' kept for the step where `weights_for_step` (else for each pass);
+    /// the f32 tensors otherwise.
+    pub fn at(precision: GemmPrecision, weights_for_step: bool) -> Self {
         match precision {
-            GemmPrecision::Bf16 => Self::Bf16 {
-                weights_for_step: false,
-            },
+            GemmPrecision::Bf16 => Self::Bf16 { weights_for_step },
             GemmPrecision::F32 | GemmPrecision::Tf32 => Self::F32,
         }
     }
@@ -79,11 +78,12 @@ impl ExpertRoute {
         self != Self::ExpertByExpert
     }
 
-    /// The partition-scratch route of a path that multiplies at `precision`
-    /// ([`GemmOperands::at`]): what a path that does not say its own route is taken to hold.
+    /// The partition-scratch route of a path that multiplies at `precision`, its bf16
+    /// weights kept for each pass ([`GemmOperands::at`]): what a path that does not say its
+    /// own route is taken to hold.
     pub fn partition_scratch(precision: GemmPrecision) -> Self {
         Self::PartitionScratch {
-            operands: GemmOperands::at(precision),
+            operands: GemmOperands::at(precision, false),
         }
     }
 

@@ -17,6 +17,8 @@ use mpipemoe_tools::backends::{run_on, BackendArg};
 use mpipemoe_tools::bench_ranks::{RankSetup, StartRanks};
 use mpipemoe_tools::inputs::Skew;
 
+mod common;
+
 /// The systems compared: name, budget, experts on the backend's own path.
 const SYSTEMS: [(&str, Option<usize>, bool); 3] = [
     ("budget, primitives", Some(usize::MAX / 4), false),
@@ -65,15 +67,9 @@ fn budget(c: &mut Criterion) {
     }
 }
 
-fn criterion() -> Criterion {
-    // As the layer bench: freed memory kept for the next step, criterion's plots off.
-    mpipemoe::heap::keep_freed_memory();
-    Criterion::default().without_plots()
-}
-
 criterion_group! {
     name = benches;
-    config = criterion();
+    config = common::criterion();
     targets = budget
 }
 criterion_main!(benches);

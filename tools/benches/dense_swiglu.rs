@@ -15,6 +15,8 @@ use burn::tensor::{Distribution, Tensor};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use mpipemoe::decoder::gated_silu_of;
 
+mod common;
+
 type A = Autodiff<Flex>;
 
 /// One forward and backward; returns the gate's gradient's first value so that nothing is
@@ -47,15 +49,9 @@ fn dense_swiglu(c: &mut Criterion) {
     group.finish();
 }
 
-fn criterion() -> Criterion {
-    // As the training example runs: freed memory kept for the next step.
-    mpipemoe::heap::keep_freed_memory();
-    Criterion::default().without_plots()
-}
-
 criterion_group! {
     name = benches;
-    config = criterion();
+    config = common::criterion();
     targets = dense_swiglu
 }
 criterion_main!(benches);

@@ -22,6 +22,8 @@ use mpipemoe_tools::inputs::Skew;
 use mpipemoe_tools::report::{write_panels, Panel, Series};
 use serde::Serialize;
 
+mod common;
+
 #[derive(Debug, Clone, Serialize)]
 struct Row {
     shape: String,
@@ -179,16 +181,9 @@ fn report(rows: &[Row], backend: BackendArg) {
     }
 }
 
-fn criterion() -> Criterion {
-    // The layer's steps as the training example runs them: freed memory kept for the next.
-    mpipemoe::heap::keep_freed_memory();
-    // Criterion's own plots need a system font; this bench draws its chart itself.
-    Criterion::default().without_plots()
-}
-
 criterion_group! {
     name = benches;
-    config = criterion();
+    config = common::criterion();
     targets = layer
 }
 criterion_main!(benches);

@@ -24,6 +24,8 @@ use mpipemoe_tools::bench_ranks::{RankSetup, StartRanks};
 use mpipemoe_tools::inputs::Skew;
 use serde::Serialize;
 
+mod common;
+
 #[derive(Debug, Clone, Serialize)]
 struct Row {
     shape: String,
@@ -191,15 +193,9 @@ fn report(rows: &[Row], backend: BackendArg, threads: usize) {
     std::fs::write(dir.join("skew.json"), serde_json::to_string_pretty(rows).unwrap()).unwrap();
 }
 
-fn criterion() -> Criterion {
-    // The layer's steps as the training example runs them: freed memory kept for the next.
-    mpipemoe::heap::keep_freed_memory();
-    Criterion::default().without_plots()
-}
-
 criterion_group! {
     name = benches;
-    config = criterion();
+    config = common::criterion();
     targets = skew
 }
 criterion_main!(benches);

@@ -445,12 +445,7 @@ impl ExpertPath<CudaMoe<f32>> for CublasExperts {
     /// (`operands.rs`), the weights' kept for the pass or, with
     /// [`CublasOptions::bf16_weights_per_step`], for the step.
     fn route(&self, precision: GemmPrecision) -> mpipemoe::memory::ExpertRoute {
-        let operands = match precision {
-            GemmPrecision::Bf16 => GemmOperands::Bf16 {
-                weights_for_step: self.inner.options.bf16_weights_per_step,
-            },
-            GemmPrecision::F32 | GemmPrecision::Tf32 => GemmOperands::F32,
-        };
+        let operands = GemmOperands::at(precision, self.inner.options.bf16_weights_per_step);
         mpipemoe::memory::ExpertRoute::PartitionScratch { operands }
     }
 

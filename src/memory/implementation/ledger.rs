@@ -78,6 +78,11 @@ impl Ledger {
         self.at(step, &[]);
     }
 
+    /// Whether the tensor `name` is live.
+    pub(super) fn holds(&self, name: &str) -> bool {
+        self.live.iter().any(|t| t.name == name)
+    }
+
     pub(super) fn free(&mut self, name: &str) -> f64 {
         match self.live.iter().position(|t| t.name == name) {
             Some(i) => self.live.remove(i).elements,

@@ -10,6 +10,9 @@ use crate::memory::{ExpertRoute, GemmOperands, Restore};
 /// The live name of the bf16 copies of the experts' matrices that a pass's jobs read.
 pub(super) const WEIGHT_COPIES: &str = "bf16 weight copies";
 
+/// The same copies kept from the forward for the backward (the step's).
+pub(super) const SAVED_WEIGHT_COPIES: &str = "saved: bf16 weight copies";
+
 impl Replay<'_> {
     /// Partition `i`'s experts with rows, largest first: `(expert, rows)`.
     fn experts_by_size(&self, i: usize) -> Vec<(usize, f64)> {
@@ -49,22 +52,12 @@ impl Replay<'_> {
         let GemmOperands::Bf16 { weights_for_step } = self.operands() else {
             return;
         };
-        let held = self.ledger.live.iter().any(|t| t.name == WEIGHT_COPIES)
-            || (weights_for_step
-                && self
-                    .ledger
-                    .live
-                    .iter()
-                    .any(|t| t.name == self.saved_weight_copies()));
+        let held =
+            self.ledger.holds(WEIGHT_COPIES) || (weights_for_step && self.ledger.holds(SAVED_WEIGHT_COPIES));
         if !held {
             let slots = self.grads_seen.len() as f64;
             self.ledger.alloc(step, WEIGHT_COPIES, 0.5 * slots * self.params);
         }
-    }
-
-    /// The name of the weights' copies kept from the forward for the backward.
-    pub(super) fn saved_weight_copies(&self) -> String {
-        format!("saved: {WEIGHT_COPIES}")
     }
 
     /// The end of the forward's exchange: its pass store goes with it (`ExpertGroups::pass`),
@@ -73,10 +66,7 @@ impl Replay<'_> {
         match self.operands() {
             GemmOperands::Bf16 {
                 weights_for_step: true,
-            } => {
-                let saved = self.saved_weight_copies();
-                self.ledger.rename(WEIGHT_COPIES, saved);
-            }
+            } => self.ledger.rename(WEIGHT_COPIES, SAVED_WEIGHT_COPIES),
             _ => {
                 self.ledger.free(WEIGHT_COPIES);
             }

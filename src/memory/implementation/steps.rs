@@ -33,8 +33,7 @@ impl Replay<'_> {
         self.stack_weight_gradients();
         // The backward's pass store, and the step's, go when the exchange's backward returns.
         self.ledger.free(super::library::WEIGHT_COPIES);
-        let saved = self.saved_weight_copies();
-        self.ledger.free(&saved);
+        self.ledger.free(super::library::SAVED_WEIGHT_COPIES);
     }
 
     /// Replays the steps of `schedule` (of `n` partitions) in issue order, then adds what the other streams may hold

@@ -11,7 +11,7 @@ use mpipemoe::memory::{
     MemoryPlan, RankRows, MODEL_HEADROOM,
 };
 use mpipemoe::tuning::CostModel;
-use mpipemoe::{GemmPrecision, MAX_PARTITIONS};
+use mpipemoe::MAX_PARTITIONS;
 use mpipemoe_tools::backends::PrecisionArg;
 use mpipemoe_tools::flags::count;
 use serde::Serialize;
@@ -120,12 +120,7 @@ impl PlanArgs {
     fn route(&self) -> ExpertRoute {
         match self.route {
             Route::PartitionScratch => ExpertRoute::PartitionScratch {
-                operands: match self.gemm_precision.precision() {
-                    GemmPrecision::Bf16 => GemmOperands::Bf16 {
-                        weights_for_step: self.bf16_weights_per_step,
-                    },
-                    GemmPrecision::F32 | GemmPrecision::Tf32 => GemmOperands::F32,
-                },
+                operands: GemmOperands::at(self.gemm_precision.precision(), self.bf16_weights_per_step),
             },
             Route::Tasks => ExpertRoute::Tasks {
                 concurrent: self.concurrent,
