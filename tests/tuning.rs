@@ -8,13 +8,18 @@ use std::time::Duration;
 
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{Distribution, Tensor};
-use mpipemoe::memory::LayerShape;
-use mpipemoe::memory::Strategy;
+use mpipemoe::memory::{Execution, ExpertRoute, LayerShape, Strategy, MODEL_HEADROOM};
 use mpipemoe::sim::{simulate, sweep};
 use mpipemoe::tuning::{search_best_gran, CostModel, GranularityTable, Lookup, Profile, TrialTimer};
 use mpipemoe::{LocalGroup, MemoryReuse, MoeError, MoeLayerConfig, Partitions};
 
 type B = Autodiff<NdArray>;
+
+/// A GPU's default execution at one rank: the experts on the primitives, in issue order.
+const GPUS: Execution = Execution {
+    route: ExpertRoute::ExpertByExpert,
+    threaded: false,
+};
 
 /// A timer that runs nothing: a trial of `n` partitions for `B` tokens "takes"
 /// `B / n + cost_per_partition · n` (minimised at `n = sqrt(B / cost_per_partition)`, so the
@@ -228,7 +233,7 @@ fn table_iii_q_vectors_for_the_papers_shapes() {
 #[test]
 fn compute_bound_makes_recomputation_lose_and_comm_bound_makes_recommunication_lose() {
     let s = shape(4096, 1024, 4096, 8, 4);
-    let cost = |profile: Profile, strategy| CostModel::new(profile).cost(strategy, &s, 4).cost;
+    let cost = |profile: Profile, strategy| CostModel::new(profile).cost(strategy, &s, 4, GPUS).cost;
     // Compute-bound: GEMMs are slow, links and copies are fast.
     let compute_bound = synthetic(1e9, 1e15, 1e15);
     for recompute in [Strategy::S3, Strategy::S4] {
@@ -257,8 +262,8 @@ fn the_choice_changes_exactly_where_the_max_terms_cross() {
     let copy_rate_for = |beta: f64| (m * 4) as f64 / (beta * gemm_unit);
     let pick = |beta: f64| {
         let model = CostModel::new(synthetic(1e12, 1e18, copy_rate_for(beta)));
-        let s1 = model.cost(Strategy::S1, &s, 4).cost;
-        let s4 = model.cost(Strategy::S4, &s, 4).cost;
+        let s1 = model.cost(Strategy::S1, &s, 4, GPUS).cost;
+        let s4 = model.cost(Strategy::S4, &s, 4, GPUS).cost;
         if s1 < s4 {
             Strategy::S1
         } else {
@@ -276,28 +281,156 @@ fn auto_picks_the_cheapest_strategy_that_fits_the_budget() {
     let s = shape(4096, 1024, 4096, 8, 4);
     let model = CostModel::new(Profile::a100_cluster(64));
     // No budget: no reuse is cheapest.
-    assert_eq!(model.choose(&s, 4, None).unwrap().best, Strategy::None);
+    assert_eq!(model.choose(&s, 4, None, GPUS).unwrap().best, Strategy::None);
     // A budget below no-reuse's peak forces a reuse strategy whose peak fits.
-    let none_peak = model.cost(Strategy::None, &s, 4).peak_bytes;
-    let choice = model.choose(&s, 4, Some(none_peak * 0.9)).unwrap();
+    let none_peak = model.cost(Strategy::None, &s, 4, GPUS).peak_bytes;
+    let budget = none_peak * 0.9;
+    let choice = model.choose(&s, 4, Some(budget), GPUS).unwrap();
     assert_ne!(choice.best, Strategy::None);
     let chosen = choice
         .candidates
         .iter()
         .find(|c| c.strategy == choice.best)
         .unwrap();
-    assert!(chosen.peak_bytes <= none_peak * 0.9);
+    assert!(chosen.peak_bytes * MODEL_HEADROOM <= budget);
     assert!(choice
         .candidates
         .iter()
         .filter(|c| c.fits)
         .all(|c| c.cost >= chosen.cost));
     assert!(choice.explain().contains("chosen:"));
+    // A budget the peak fits but not with the model's headroom: as the layer's budget
+    // decides, no reuse does not fit.
+    let bare = model.choose(&s, 4, Some(none_peak * 1.05), GPUS).unwrap();
+    assert!(!bare.candidates[0].fits);
+    assert_ne!(bare.best, Strategy::None);
+    assert!(
+        model
+            .choose(&s, 4, Some(none_peak * MODEL_HEADROOM), GPUS)
+            .unwrap()
+            .candidates[0]
+            .fits
+    );
     // Nothing fits a tiny budget: a memory error that says what would.
-    match model.choose(&s, 4, Some(1.0)) {
+    match model.choose(&s, 4, Some(1.0), GPUS) {
         Err(MoeError::Memory(msg)) => assert!(msg.contains("smallest modelled peak"), "{msg}"),
         other => panic!("expected a memory error, got {other:?}"),
     }
+}
+
+/// `MoeLayer::strategy_choice` under a budget answers what the layer's budget decides for a
+/// batch with balanced routing: the same strategy, each candidate's peak the decision's on
+/// the layer's own route and executor (Flex runs its experts as tasks, which hold otherwise
+/// than the primitives' expert by expert), and `fits` with the model's headroom.
+#[test]
+fn the_layers_strategy_choice_is_what_its_budget_decides() {
+    use burn::backend::Flex;
+    use burn::tensor::TensorData;
+    use mpipemoe::memory::rank_peak_bytes;
+    type F = Autodiff<Flex>;
+
+    const M: usize = 16;
+    const TOKENS: usize = 64;
+    let device = Default::default();
+    let config = MoeLayerConfig::new(M, 64, 4, 1)
+        .with_seed(4)
+        .with_partitions(Partitions::Fixed(4))
+        .with_memory_reuse(MemoryReuse::Auto);
+    // Token t goes to expert t mod 4: its router logit there is 10, elsewhere 0 (the router
+    // reads the first four columns only), so every expert gets a quarter of every partition,
+    // as the balanced model assumes.
+    let mut weights = config
+        .init::<NdArray>(&Default::default())
+        .gather_tensor_map()
+        .unwrap()
+        .unwrap();
+    let router: Vec<f32> = (0..4 * M).map(|i| f32::from(i / M == i % M)).collect();
+    weights.insert("router.weight".into(), TensorData::new(router, [4, M]));
+    let x: Vec<f32> = (0..TOKENS * M)
+        .map(|i| match (i / M, i % M) {
+            (t, c) if c == t % 4 => 10.0,
+            (_, c) if c < 4 => 0.0,
+            (t, c) => ((t * 7 + c * 3) % 11) as f32 / 11.0 - 0.5,
+        })
+        .collect();
+    let x = Tensor::<F, 2>::from_data(TensorData::new(x, [TOKENS, M]), &device);
+    let layer = |budget: Option<usize>| {
+        let layer = mpipemoe::MoeLayer::<F>::from_tensor_map(
+            &config.clone().with_memory_budget(budget),
+            &weights,
+            std::path::Path::new("test"),
+            &device,
+            Arc::new(mpipemoe::comm::SingleRank),
+        )
+        .unwrap();
+        layer.context().set_profile(Profile::a100_cluster(1));
+        layer
+    };
+    let none = layer(None).strategy_choice(TOKENS, 4).unwrap();
+    let none_peak = none.candidates[0].peak_bytes;
+    // On the tasks' route, which the primitives' peak does not describe.
+    let shape = LayerShape {
+        tokens: TOKENS,
+        top_k: 1,
+        d_model: M,
+        d_hidden: 64,
+        activation: mpipemoe::Activation::Gelu,
+        shared_expert: None,
+        weights_on_input: false,
+        n_experts: 4,
+        n_ranks: 1,
+        n_partitions: 4,
+    };
+    let primitives = rank_peak_bytes(
+        &shape,
+        &mpipemoe::memory::RankRows::balanced(&shape),
+        Strategy::None,
+        GPUS,
+        4,
+    );
+    assert!(
+        (none_peak - primitives).abs() > 0.01 * primitives,
+        "the layer's route: {none_peak} against the primitives' {primitives}"
+    );
+    // Each candidate's peak with 5% to spare, which the headroom refuses, and with the
+    // headroom, which it takes: a refusal where nothing fits, the same choice elsewhere.
+    let budgets = none
+        .candidates
+        .iter()
+        .flat_map(|c| [c.peak_bytes * 1.05, c.peak_bytes * MODEL_HEADROOM + 1.0]);
+    let mut chosen_by_memory = std::collections::BTreeSet::new();
+    for budget in budgets {
+        let budget = budget as usize;
+        let layer = layer(Some(budget));
+        let (choice, out) = (layer.strategy_choice(TOKENS, 4), layer.try_forward(x.clone()));
+        let (choice, out) = match (choice, out) {
+            (Err(MoeError::Memory(_)), Err(MoeError::Memory(_))) => continue,
+            (Ok(choice), Ok(out)) => (choice, out),
+            (choice, out) => panic!(
+                "budget {budget}: the choice {choice:?}, the layer {:?}",
+                out.map(|o| o.stats)
+            ),
+        };
+        let decision = out.stats.memory.expect("a budget reports its decision");
+        assert_eq!(decision.n_partitions, 4);
+        assert_eq!(
+            choice.best,
+            decision.strategy,
+            "budget {budget}: {}",
+            choice.explain()
+        );
+        assert_eq!(choice.execution.route, decision.route);
+        let chosen = choice
+            .candidates
+            .iter()
+            .find(|c| c.strategy == choice.best)
+            .unwrap();
+        assert_eq!(chosen.peak_bytes, decision.peak_bytes[0], "budget {budget}");
+        assert!(chosen.fits);
+        chosen_by_memory.insert(choice.best.name());
+    }
+    // The budgets reached more than one choice (else they tested little).
+    assert!(chosen_by_memory.len() >= 2, "{chosen_by_memory:?}");
 }
 
 #[test]

@@ -54,6 +54,8 @@ pub enum GemmOperands {
     /// activation, `dT_M`) is bf16 too; and of every expert slot's two matrices, made by a
     /// pass's first job and kept to the pass's end, or, where `weights_for_step`, kept from
     /// the forward's first job to the backward's end (`CublasOptions::bf16_weights_per_step`).
+    /// The layer's dense products go through the same library at the same precision: the
+    /// shared expert's products each convert their operands for their own section.
     Bf16 {
         /// The weights' copies are the step's, not each pass's.
         weights_for_step: bool,

@@ -4,7 +4,7 @@ use serde::Serialize;
 
 use super::Profile;
 use crate::error::{MoeError, Result};
-use crate::memory::{ImplementationModel, LayerShape, Strategy};
+use crate::memory::{rank_peak_bytes, Execution, LayerShape, RankRows, Strategy, MODEL_HEADROOM};
 
 /// One strategy's cost, stream by stream.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -25,9 +25,11 @@ pub struct StrategyCost {
     pub backward: [f64; 3],
     /// `C = max(forward) + max(backward)` (seconds).
     pub cost: f64,
-    /// Device bytes this implementation holds at its peak under the strategy.
+    /// Device bytes this implementation holds at its peak under the strategy, with balanced
+    /// routing, the pass run as [`StrategyChoice::execution`] says.
     pub peak_bytes: f64,
-    /// Whether `peak_bytes` fits the budget.
+    /// Whether `peak_bytes` with the model's headroom ([`MODEL_HEADROOM`]) fits the budget:
+    /// the test the layer's own budget applies.
     pub fits: bool,
 }
 
@@ -40,6 +42,9 @@ pub struct StrategyChoice {
     pub candidates: Vec<StrategyCost>,
     /// The memory budget it was chosen under, bytes.
     pub budget_bytes: Option<f64>,
+    /// How the modelled pass runs (the experts' route and the executor): the peaks are this
+    /// execution's.
+    pub execution: Execution,
 }
 
 impl StrategyChoice {
@@ -67,7 +72,11 @@ impl StrategyChoice {
             ));
         }
         let budget = self.budget_bytes.map_or("no memory budget".to_string(), |b| {
-            format!("a budget of {:.1} MiB", b / (1024.0 * 1024.0))
+            format!(
+                "a budget of {:.1} MiB with the model's {:.0}% headroom",
+                b / (1024.0 * 1024.0),
+                (MODEL_HEADROOM - 1.0) * 100.0
+            )
         });
         out.push_str(&format!("chosen: {} (cheapest that fits {budget})\n", self.best));
         out
@@ -103,8 +112,16 @@ impl CostModel {
 
     /// Eq. 13 for one strategy: `C = max(q1·v_comp / (σ·W_comp), q2·v_comm / (μ·W_comm),
     /// q3·v_mem / (η·W_mem))` for forward and for backward, with `v_comp = 2·B·M·H` FLOPs (one
-    /// expert GEMM), `v_comm = v_mem = B·M` elements of `elem_bytes`.
-    pub fn cost(&self, strategy: Strategy, shape: &LayerShape, elem_bytes: usize) -> StrategyCost {
+    /// expert GEMM), `v_comm = v_mem = B·M` elements of `elem_bytes`. The peak is the
+    /// implementation's model with balanced routing, the pass run as `execution` says (the
+    /// layer's is `MoeLayer::strategy_choice`'s; `Execution::on_gpu` is a GPU's default).
+    pub fn cost(
+        &self,
+        strategy: Strategy,
+        shape: &LayerShape,
+        elem_bytes: usize,
+        execution: Execution,
+    ) -> StrategyCost {
         let p = &self.profile;
         let b = shape.rows();
         let v_comp = 2.0 * b * shape.d_model as f64 * shape.d_hidden as f64;
@@ -125,7 +142,7 @@ impl CostModel {
         };
         let (forward, backward) = (terms(q_fw), terms(q_bw));
         let max = |t: [f64; 3]| t.into_iter().fold(0.0, f64::max);
-        let peak_bytes = ImplementationModel::new(shape, strategy).peak_device() * elem_bytes as f64;
+        let peak_bytes = rank_peak_bytes(shape, &RankRows::balanced(shape), strategy, execution, elem_bytes);
         StrategyCost {
             strategy,
             q_fw,
@@ -140,8 +157,9 @@ impl CostModel {
         }
     }
 
-    /// `MemoryReuse::Auto`: the cheapest strategy whose modelled peak fits `budget_bytes`
-    /// (every strategy fits without a budget, and then no reuse is cheapest).
+    /// `MemoryReuse::Auto`: the cheapest strategy whose modelled peak, with the model's
+    /// headroom, fits `budget_bytes` as the layer's budget tests it (every strategy fits
+    /// without a budget, and then no reuse is cheapest); the pass run as `execution` says.
     ///
     /// # Errors
     /// [`MoeError::Memory`] if no strategy fits, naming the smallest peak.
@@ -150,12 +168,13 @@ impl CostModel {
         shape: &LayerShape,
         elem_bytes: usize,
         budget_bytes: Option<f64>,
+        execution: Execution,
     ) -> Result<StrategyChoice> {
         let candidates: Vec<StrategyCost> = Strategy::ALL
             .into_iter()
             .map(|s| {
-                let mut c = self.cost(s, shape, elem_bytes);
-                c.fits = budget_bytes.is_none_or(|b| c.peak_bytes <= b);
+                let mut c = self.cost(s, shape, elem_bytes, execution);
+                c.fits = budget_bytes.is_none_or(|b| c.peak_bytes * MODEL_HEADROOM <= b);
                 c
             })
             .collect();
@@ -169,6 +188,7 @@ impl CostModel {
                 best,
                 candidates,
                 budget_bytes,
+                execution,
             }),
             None => {
                 let smallest = candidates
@@ -176,9 +196,11 @@ impl CostModel {
                     .map(|c| c.peak_bytes)
                     .fold(f64::INFINITY, f64::min);
                 Err(MoeError::Memory(format!(
-                    "no strategy fits the budget of {:.1} MiB; the smallest modelled peak is {:.1} MiB (try more partitions)",
+                    "no strategy fits the budget of {:.1} MiB; the smallest modelled peak is {:.1} MiB, {:.1} MiB with the model's {:.0}% headroom (try more partitions)",
                     budget_bytes.unwrap_or(0.0) / (1024.0 * 1024.0),
-                    smallest / (1024.0 * 1024.0)
+                    smallest / (1024.0 * 1024.0),
+                    smallest * MODEL_HEADROOM / (1024.0 * 1024.0),
+                    (MODEL_HEADROOM - 1.0) * 100.0
                 )))
             }
         }

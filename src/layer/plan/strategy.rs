@@ -20,6 +20,12 @@ impl<B: MoeBackend> MoeLayer<B> {
     /// What `MemoryReuse::Auto` chooses for `n_tokens_global` tokens over the group and
     /// `n_partitions`, with every candidate's three stream terms ([`StrategyChoice::explain`]).
     ///
+    /// Under a `memory_budget` a candidate fits as the layer's own budget tests it: its
+    /// modelled peak, with the model's headroom, on this layer's route and executor (the
+    /// memory model the batch's decision replays), with balanced routing. A batch's decision
+    /// models each rank's own rows, so under skew it may pick another strategy or more
+    /// partitions ([`MemoryDecision`](crate::memory::MemoryDecision) says which and why).
+    ///
     /// Uses the layer's profile; without one, measures one on first use at the layer's own
     /// shapes (a few seconds) and averages it over the ranks so that all ranks decide alike.
     /// A collective in that case: every rank must call it.
@@ -45,7 +51,12 @@ impl<B: MoeBackend> MoeLayer<B> {
         let profile = self.profile_or_measure()?;
         let shape = self.model_shape(n_tokens_global, self.ctx.comm.n_ranks(), n_partitions);
         let elem_bytes = std::mem::size_of::<B::FloatElem>();
-        CostModel::new(profile).choose(&shape, elem_bytes, budget.map(|b| b as f64))
+        CostModel::new(profile).choose(
+            &shape,
+            elem_bytes,
+            budget.map(|b| b as f64),
+            self.model_execution(),
+        )
     }
 
     pub(super) fn profile_or_measure(&self) -> Result<Profile> {

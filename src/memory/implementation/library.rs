@@ -322,6 +322,48 @@ mod tests {
         assert!(pass.peak_device() > f32.peak_device());
     }
 
+    /// The shared expert's products on a bf16 library: each converts its operands for its
+    /// section. A shape where they are the passes' peaks (a wide shared expert, tiny routed
+    /// experts, `M` above half the tokens): the forward's at the first product (x and
+    /// `w_in`), the backward's at the first product's backward (the SwiGLU's gradient,
+    /// `w_in` and x). A replay that ignored the copies, or counted them whole, fails it.
+    #[test]
+    fn the_shared_experts_bf16_products_hold_their_copies() {
+        let (t, m, hs) = (256.0, 1024.0, 8192.0);
+        let shape = LayerShape {
+            n_experts: 2,
+            shared_expert: Some(8192),
+            ..LayerShape::paper(256, 1024, 16, 1, 1)
+        };
+        let run = |precision| {
+            ImplementationModel::for_execution(
+                &shape,
+                &RankRows::balanced(&shape),
+                Strategy::None,
+                Execution::in_order(ExpertRoute::partition_scratch(precision)),
+            )
+        };
+        let (f32, bf16) = (run(GemmPrecision::F32), run(GemmPrecision::Bf16));
+        assert_eq!(bf16.forward.step, "shared expert", "{:?}", bf16.forward);
+        assert_eq!(
+            live(&bf16.forward, "bf16 operand copies"),
+            0.5 * (t * m + 2.0 * m * hs)
+        );
+        assert_eq!(
+            bf16.backward.step, "shared expert backward",
+            "{:?}",
+            bf16.backward
+        );
+        assert_eq!(
+            live(&bf16.backward, "bf16 operand copies"),
+            0.5 * (2.0 * t * hs + 2.0 * m * hs + t * m)
+        );
+        for pass in [&f32.forward, &f32.backward] {
+            assert_eq!(live(pass, "bf16 operand copies"), 0.0);
+        }
+        assert!(bf16.peak_device() > f32.peak_device());
+    }
+
     /// The threaded executor: the assembled rows in a buffer made before the first step
     /// (one partition too), what a step read held to the step's end (the primitives' `z`,
     /// which issue order lets go expert by expert), and the gradients handed back as copies

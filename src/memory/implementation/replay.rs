@@ -4,7 +4,7 @@
 use super::ledger::Ledger;
 use super::{ImplementationModel, Term};
 use crate::experts::Activation;
-use crate::memory::{Execution, ExpertRoute, LayerShape, RankRows, Restore, Strategy};
+use crate::memory::{Execution, ExpertRoute, GemmOperands, LayerShape, RankRows, Restore, Strategy};
 
 /// A replay in progress: the shape's widths, this rank's rows, and the ledger.
 pub(super) struct Replay<'a> {
@@ -146,10 +146,17 @@ impl<'a> Replay<'a> {
             // product [T, Hs] (the second GEMM's input) and the output before the gate [T, M].
             // (Where the SwiGLU is recorded composed, on NdArray, autodiff also keeps the
             // gate's sigmoid and silu, 2·Hs more.)
+            // On a bf16 library each product converts its operands into bf16 copies for its
+            // section: x and w_in, then the hidden rows and w_out.
+            let half = self.dense_half();
+            let l = &mut self.ledger;
             l.alloc("shared expert", "shared expert SwiGLU input", t * 2.0 * hs);
+            copies(l, "shared expert", half * (t * m + 2.0 * m * hs));
             l.alloc("shared expert", "shared expert products", t * (hs + m));
+            copies(l, "shared expert", half * (t * hs + hs * m));
             l.at("shared expert", &[("gated output", t * m)]);
         }
+        let l = &mut self.ledger;
         // The caller's loss reads y; autodiff keeps T_O (and the weights) for backward.
         l.at("loss", &[("y · probe", t * m)]);
         l.free("y");
@@ -158,6 +165,20 @@ impl<'a> Replay<'a> {
             .filter(|x| x.name.starts_with("saved") || x.name.starts_with("T_I, kept"))
             .cloned()
             .collect()
+    }
+
+    /// Half an element per operand element where the layer's dense products (the shared
+    /// expert's) multiply bf16 copies, 0 otherwise: they go through the experts' library at
+    /// the layer's precision (`MoeBackend::dense_matmul`), so a bf16 partition-scratch route
+    /// says they do. Each product converts its operands in its own section
+    /// (`mpipemoe-cuda`'s `gemm/dense.rs`) and lets the copies go at its end.
+    fn dense_half(&self) -> f64 {
+        match self.route {
+            ExpertRoute::PartitionScratch {
+                operands: GemmOperands::Bf16 { .. },
+            } => 0.5,
+            _ => 0.0,
+        }
     }
 
     /// The shadows' parameters, broadcast by their owners inside the exchange before its
@@ -224,8 +245,22 @@ impl<'a> Replay<'a> {
     /// The layer's backward from the loss, through the exchange, to the gradient of `x`.
     fn layer_backward(&mut self, n: usize) {
         let (t, s, m) = (self.rows.tokens as f64, self.rows.send_rows() as f64, self.m);
+        let half = self.dense_half();
         let l = &mut self.ledger;
         if let Some(hs) = self.shared {
+            // On a bf16 library the second product's backward (both its products in one
+            // section) holds its gradients, of the hidden rows and of w_out, beside the bf16
+            // copies of the distinct operands it reads: dy, w_out and the hidden rows.
+            if half > 0.0 {
+                l.at(
+                    "shared expert backward",
+                    &[
+                        ("dy", t * m),
+                        ("second product's gradients", t * hs + hs * m),
+                        ("bf16 operand copies", half * (t * m + hs * m + t * hs)),
+                    ],
+                );
+            }
             // The shared branch was recorded last, so autodiff runs its backward first. The
             // gate's and the second GEMM's backwards free the products; the SwiGLU's then
             // holds dy, its input's gradient [T, Hs] and the one it makes [T, 2Hs] on top of
@@ -243,6 +278,20 @@ impl<'a> Replay<'a> {
                 "shared expert gradients (dx parts, weights)",
                 3.0 * t * m + 3.0 * hs * m + m,
             );
+            // And the first's, with the SwiGLU's gradient [T, 2Hs] it reads, beside the copies
+            // of that gradient, w_in and x.
+            if half > 0.0 {
+                l.at(
+                    "shared expert backward",
+                    &[
+                        ("SwiGLU input gradient", t * 2.0 * hs),
+                        (
+                            "bf16 operand copies",
+                            half * (2.0 * t * hs + 2.0 * m * hs + t * m),
+                        ),
+                    ],
+                );
+            }
         }
         // Backward into the exchange: dy, the gradient of the weighted rows, then dT_O.
         l.at(
@@ -274,5 +323,12 @@ impl<'a> Replay<'a> {
                 ("dx", t * m),
             ],
         );
+    }
+}
+
+/// A dense product's bf16 operand copies for its section, where there are any.
+fn copies(l: &mut Ledger, step: &str, elements: f64) {
+    if elements > 0.0 {
+        l.at(step, &[("bf16 operand copies", elements)]);
     }
 }

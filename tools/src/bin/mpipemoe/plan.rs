@@ -176,7 +176,7 @@ fn budget_answer(
     let mut by_cost = |n: usize| {
         let mut costs: Vec<(f64, Strategy)> = Strategy::ALL
             .into_iter()
-            .map(|s| (cost.cost(s, &at(n), bytes).cost, s))
+            .map(|s| (cost.cost(s, &at(n), bytes, args.execution(shape.n_ranks)).cost, s))
             .collect();
         costs.sort_by(|a, b| a.0.total_cmp(&b.0));
         costs.into_iter().map(|c| c.1).collect()

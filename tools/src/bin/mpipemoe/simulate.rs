@@ -4,7 +4,7 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use clap::Args;
-use mpipemoe::memory::Strategy;
+use mpipemoe::memory::{Execution, ExpertRoute, Strategy};
 use mpipemoe::sim::{predict_shadowing, sweep, ShadowingPrediction, SimResult};
 use mpipemoe::tuning::{CostModel, Profile};
 use serde::Serialize;
@@ -106,8 +106,11 @@ pub fn run(args: SimulateArgs) -> ExitCode {
         n_partitions: best.n_partitions,
         ..shape
     };
+    // No budget: the choice is the cheapest by time, and the peaks (of the simulated GPUs'
+    // default execution) only fill the table.
+    let gpus = Execution::on_gpu(ExpertRoute::ExpertByExpert, shape.n_ranks);
     let choice = CostModel::new(profile.clone())
-        .choose(&shape_n, bytes, None)
+        .choose(&shape_n, bytes, None, gpus)
         .map(|c| c.best)
         .unwrap_or(Strategy::None);
     let shadowing = match &args.skew {
