@@ -13,6 +13,7 @@ mod meta;
 mod module;
 mod output;
 mod plan;
+mod route;
 mod shadows;
 
 pub use adapters::ExpertLoraSpec;

@@ -11,7 +11,7 @@ use super::plan::Route;
 use super::{ExchangePath, MoeContext, MoeLayerConfig, MoeOutput, MoeStats};
 use crate::dispatch::{CombineMap, DispatchPlan, ExchangePlan, RowMap};
 use crate::error::{MoeError, Result};
-use crate::exchange::{exchange_reference, row_weights, GemmPrecision, MoeBackend};
+use crate::exchange::{exchange_reference, row_weights, MoeBackend};
 use crate::experts::{ExpertAdapters, ExpertTensors, Experts, ExpertsSpec, SharedExpert};
 use crate::memory::Strategy;
 use crate::router::Router;
@@ -198,48 +198,9 @@ impl<B: MoeBackend> MoeLayer<B> {
         let x = self.flatten(input)?;
         let n_tokens = x.dims()[0];
 
-        // 2. Route: top-k experts and their weights per token. The layer's dense products (here
-        //    and in the shared expert) go through the device library at the GEMM precision
-        //    where the communicator offers one. The finite check (step 1's) is made on the
-        //    router's choice values, which come back to the host: one transfer, one host wait.
-        let comm = &self.ctx.comm;
-        let dense =
-            |a: Tensor<B, 2>, b: Tensor<B, 2>| crate::exchange::dense(a, b, comm, config.gemm_precision);
-        // The router's logits stay f32 where the experts multiply in bf16: the choice of
-        // experts is discrete, and bf16 logits turn near-ties into different experts (the
-        // Qwen2-MoE case on the H100: one token's top-4 changed, a 9e-2 error in the router's
-        // gradient). Megatron-Core's `moe_router_dtype` keeps routing in f32 for the same reason.
-        let router_precision = match config.gemm_precision {
-            GemmPrecision::Bf16 => GemmPrecision::F32,
-            other => other,
-        };
-        let route_dense =
-            |a: Tensor<B, 2>, b: Tensor<B, 2>| crate::exchange::dense(a, b, comm, router_precision);
-        // The finite check. A router without a score bias chooses by its logits, which come to
-        // the host for the choice anyway, and a NaN or an infinity anywhere in a token's input
-        // makes every logit of that token NaN or infinite (a product with either is NaN or
-        // infinite, and so is a sum with such a term): the host checks the values it read,
-        // and looks at the input itself only where one is not finite (an input that is not,
-        // or logits that overflowed from one that is). That costs the device nothing, where
-        // the check on the device had taken five launches. A score bias chooses by scores,
-        // which a logit of -inf leaves finite (softmax and sigmoid take it to 0), so there the
-        // input's own check is read with the choice values (`input_is_finite`).
-        let check = config.check_finite && n_tokens > 0;
-        let by_logits = self.router.chooses_by_logits();
-        let on_device = (check && !by_logits).then(|| non_finite_sum(&x));
-        let (routing, read) =
-            self.router
-                .route_reading(x.clone(), &config.routing_rule(), &route_dense, on_device)?;
-        let finite = match (check, by_logits) {
-            (false, _) => true,
-            (true, true) => read.choice_finite || input_is_finite(&x),
-            (true, false) => read.also.first().is_some_and(|&sum| sum == 0.0),
-        };
-        if !finite {
-            return Err(MoeError::Input(format!(
-                "input {shape:?} contains NaN or infinite values"
-            )));
-        }
+        // 2. Route: top-k experts and their weights per token, the input checked on the values
+        //    the routing reads to the host (one transfer, one host wait; `route.rs`).
+        let routing = self.route_checked(&x, &shape)?;
 
         // 3. Plan: count with the other ranks, apply capacity; choose n and the strategy. A few
         //    tokens at inference on one rank take the decode path: the counts alone, no
@@ -278,9 +239,10 @@ impl<B: MoeBackend> MoeLayer<B> {
         // 6. Unpermute: y[t] += w[t, j] · T_O[row(t, j)] (unweighted where step 4 weighted).
         let mut y = unpermute(t_o, combine_weights, &combine);
 
-        // 7. Shared expert.
+        // 7. Shared expert, its products at the GEMM precision (through the device library
+        //    where the communicator offers one).
         if let (Some(shared), true) = (&self.shared, n_tokens > 0) {
-            y = y + shared.forward_with(x, &dense)?;
+            y = y + shared.forward_with(x, &|a, b| self.dense(a, b, config.gemm_precision))?;
         }
 
         // 8. Auxiliary losses (this rank's shares of the global-batch losses).
@@ -363,25 +325,6 @@ impl<B: MoeBackend> MoeLayer<B> {
             None => experts,
         }
     }
-}
-
-/// `Σ x · 0` over the detached input: 0 exactly when every value is finite (a finite value
-/// times zero is zero, a NaN or an infinity times zero is NaN). Two kernels and a fill on the
-/// CubeCL backends, where burn 0.21's `is_finite().bool_not().any()` launches ten (a NaN
-/// test, an infinity test, two negations and an `and` in burn-tensor `api/float.rs`, and a
-/// cast, a fill and a sum for `any`).
-///
-/// # Shapes
-/// - `x`: `[n_tokens, d_model]` → `[1]`
-fn non_finite_sum<B: Backend>(x: &Tensor<B, 2>) -> Tensor<B, 1> {
-    x.clone().detach().mul_scalar(0.0).sum()
-}
-
-/// Whether every value of `x` is finite, read to the host: a host wait of its own, which the
-/// layer takes only where the values read with the routing were not all finite.
-fn input_is_finite<B: Backend>(x: &Tensor<B, 2>) -> bool {
-    let sum = non_finite_sum(x).into_data().convert::<f32>();
-    sum.as_slice::<f32>().is_ok_and(|v| v.first() == Some(&0.0))
 }
 
 /// Step 4: the rows of `x` in the plan's order, one per kept (token, expert) assignment
