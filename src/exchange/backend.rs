@@ -74,14 +74,16 @@ pub struct ExchangeRun {
     /// field (off by default).
     #[new(default)]
     pub backend_experts: bool,
-    /// Whether the primitives may run the experts' activation over a whole partition (one
-    /// kernel where the arena holds `T_M` in one buffer) instead of expert by expert. Its
-    /// partition-sized transient is not what the implementation's memory model replays for
-    /// the primitives (`memory/implementation`), so the layer turns it off under a
-    /// `memory_budget`, whose promise rests on that model. Not a constructor argument: set
-    /// the field (off by default).
+    /// Whether the primitives may hold a whole partition's transients at once: run the
+    /// experts' activation over the whole partition (one kernel where the arena holds `T_M`
+    /// in one buffer) instead of expert by expert, and, through a device library, take every
+    /// expert's products of a step in one call (one cuBLAS section on CUDA) instead of one
+    /// expert a round. Those partition-sized transients are not what the implementation's
+    /// memory model replays for the primitives (`memory/implementation`), so the layer turns
+    /// this off under a `memory_budget`, whose promise rests on that model. Not a constructor
+    /// argument: set the field (off by default).
     #[new(default)]
-    pub partition_activation: bool,
+    pub partition_transients: bool,
 }
 
 impl ExchangeRun {

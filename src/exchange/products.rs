@@ -24,17 +24,23 @@ use crate::error::Result;
 #[derive(Clone)]
 pub(crate) struct Products<B: MoeBackend> {
     library: Option<(Arc<dyn ExpertPath<B>>, GemmPrecision)>,
+    /// A library may take every expert of a partition in one round (see
+    /// [`experts_per_round`](Self::experts_per_round)).
+    whole_rounds: bool,
 }
 
 impl<B: MoeBackend> Products<B> {
     /// The device library `comm` offers for `B`, at `precision`, where it offers one; the
-    /// backend's own product otherwise.
-    pub(crate) fn of(comm: &dyn Communicator, precision: GemmPrecision) -> Self {
+    /// backend's own product otherwise. `whole_rounds`: a library may take every expert's
+    /// products of a step in one round (the run's
+    /// [`partition_transients`](crate::exchange::ExchangeRun::partition_transients)).
+    pub(crate) fn of(comm: &dyn Communicator, precision: GemmPrecision, whole_rounds: bool) -> Self {
         Self {
             library: comm
                 .row_paths()
                 .and_then(|p| p.experts::<B>())
                 .map(|path| (path, precision)),
+            whole_rounds,
         }
     }
 
@@ -44,14 +50,16 @@ impl<B: MoeBackend> Products<B> {
     }
 
     /// How many experts the primitives take through one round of products: every expert of
-    /// the partition where a device library multiplies (each of its calls is a section with a
-    /// hand-over and a trip to the device thread, so the products of all experts go in one),
-    /// one at a time otherwise (the backend's products cost a launch each, and one expert's
-    /// temporaries at a time keep the peak where the memory model puts it).
+    /// the partition where a device library multiplies and the run allows a partition's
+    /// transients at once (each library call is a section with a hand-over and a trip to the
+    /// device thread, so the products of all experts go in one), one at a time otherwise (the
+    /// backend's products cost a launch each, and one expert's temporaries at a time keep the
+    /// peak where the memory model puts it: a round of every expert holds every expert's
+    /// activation at once, which a memory budget's model does not replay).
     pub(crate) fn experts_per_round(&self, n_experts: usize) -> usize {
-        match self.library {
-            Some(_) => n_experts.max(1),
-            None => 1,
+        match (&self.library, self.whole_rounds) {
+            (Some(_), true) => n_experts.max(1),
+            _ => 1,
         }
     }
 

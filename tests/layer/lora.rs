@@ -503,3 +503,41 @@ fn adapter_experts_take_one_library_call_per_step_of_a_partition_whatever_the_ex
         }
     }
 }
+
+/// Under a memory budget the primitives take one expert a round through the library too: a
+/// round of every expert holds every expert's activation and products at once, which the
+/// memory model the budget rests on does not replay (it replays one expert at a time). So the
+/// library's calls grow with the experts (one round per expert with rows, each step), where
+/// without a budget they do not, and every value stays the primitives' own, bit for bit. With
+/// every expert in one round whatever the budget, the two counts are equal and it fails.
+#[test]
+fn under_a_memory_budget_adapter_experts_take_one_library_round_per_expert() {
+    for reuse in [Reuse::S4, Reuse::Off] {
+        let mut calls = Vec::new();
+        for n_experts in [4, 8] {
+            let config = config_with(n_experts).with_memory_budget(Some(1 << 40));
+            let (through, own, library) = with_and_without_library(config, reuse, 1, false);
+            let what = format!("{reuse:?}, {n_experts} experts, under a budget");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&through.output), bits(&own.output), "{what}: output");
+            for (k, (a, b)) in through.grads.iter().zip(&own.grads).enumerate() {
+                assert_eq!(bits(a), bits(b), "{what}: adapter gradient {k}");
+            }
+            let (batches, products) = (
+                library.batches.load(Ordering::Relaxed),
+                library.products.load(Ordering::Relaxed),
+            );
+            // One expert's products a call: the few of one expert's step (without a budget,
+            // every expert's: more than three a call, the test above).
+            assert!(
+                products < 3 * batches,
+                "{what}: {products} products in {batches} calls"
+            );
+            calls.push(batches);
+        }
+        assert!(
+            calls[1] > calls[0],
+            "{reuse:?}: calls for 4 and 8 experts {calls:?}"
+        );
+    }
+}

@@ -53,7 +53,7 @@ pub(crate) enum Scope {
     /// the partition (its output a partition-sized transient, as on a device library), and
     /// backward each expert's value and derivative from one kernel (both held at once). Taken
     /// only where the run allows it
-    /// ([`ExchangeRun::partition_activation`](crate::exchange::ExchangeRun::partition_activation):
+    /// ([`ExchangeRun::partition_transients`](crate::exchange::ExchangeRun::partition_transients):
     /// no memory budget, whose promise rests on the model).
     Partition,
 }
@@ -70,11 +70,12 @@ impl<B: MoeBackend> ExpertCompute<B> {
         match Library::find(comm, experts, run, step) {
             Some(library) => Self::Library(library),
             None => {
-                let scope = match run.partition_activation {
+                let scope = match run.partition_transients {
                     true => Scope::Partition,
                     false => Scope::ExpertByExpert,
                 };
-                Self::Primitives(Products::of(comm, run.precision), scope)
+                let products = Products::of(comm, run.precision, run.partition_transients);
+                Self::Primitives(products, scope)
             }
         }
     }
@@ -93,8 +94,8 @@ impl<B: MoeBackend> ExpertCompute<B> {
 pub(crate) type PerExpert<B> = Vec<Option<FloatTensor<B>>>;
 
 /// The experts with rows, `(e, rows)`, in rounds that take their products together
-/// ([`Products::experts_per_round`]): all of them in one round through a device library, one
-/// expert a round otherwise.
+/// ([`Products::experts_per_round`]): all of them in one round through a device library where
+/// the run allows a partition's transients, one expert a round otherwise.
 fn rounds<B: MoeBackend>(rows_per_expert: &[usize], products: &Products<B>) -> Vec<Vec<(usize, usize)>> {
     let with_rows: Vec<(usize, usize)> = rows_per_expert
         .iter()

@@ -156,9 +156,10 @@ impl<B: MoeBackend> MoeLayer<B> {
         // The backend's own expert path unless the configuration says otherwise: the memory
         // model replays its route (`expert_route`), so a memory budget keeps it.
         run.backend_experts = self.ctx.config.backend_experts;
-        // The primitives' activation over a whole partition where no memory budget rests on
-        // the model, which replays the primitives expert by expert (see the field).
-        run.partition_activation = self.ctx.config.memory_budget.is_none();
+        // The primitives' activation over a whole partition, and every expert's products in
+        // one library call, where no memory budget rests on the model, which replays the
+        // primitives expert by expert (see the field).
+        run.partition_transients = self.ctx.config.memory_budget.is_none();
         run
     }
 
