@@ -218,6 +218,18 @@ fn plan_with_a_budget_answers_fits_or_not() {
     let bf16 = peak_on(&["--gemm-precision", "bf16"]);
     let for_step = peak_on(&["--gemm-precision", "bf16", "--bf16-weights-per-step"]);
     assert!(bf16 != scratch && for_step >= bf16, "{scratch} {bf16} {for_step}");
+    // A shared expert on every token holds its products, its SwiGLU's state and its
+    // gradients besides the routed experts': at least its weights' gradients (3 · M · Hs).
+    let shared = peak_on(&["--shared-expert", "3072"]);
+    assert!(
+        shared >= scratch + 3.0 * 768.0 * 3072.0 * 4.0,
+        "{scratch} {shared}"
+    );
+    // The simulator times no shared expert, so it refuses one by name.
+    let out = mpipemoe(&["simulate", "--preset", "gpt3-s", "--shared-expert", "3072"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--shared-expert"), "{err}");
     for (flags, says) in [
         (&["--bf16-weights-per-step"][..], "--gemm-precision bf16"),
         (
@@ -239,6 +251,28 @@ fn plan_with_a_budget_answers_fits_or_not() {
     assert!(none["n"].is_null() && none["strategy"].is_null() && none["worst_rank_peak_bytes"].is_null());
     assert_eq!(none["bytes"], 1000);
     assert_eq!(none["imbalance"], 3.0);
+}
+
+/// A reader that goes away (`mpipemoe plan | head -1`) ends the command quietly with the
+/// status of a process ended by SIGPIPE (141), not with a panic's message and backtrace;
+/// output the reader takes is printed as before. Without the handling, std's print macro
+/// panics ("failed printing to stdout") and the test fails on the status and the message.
+#[test]
+fn a_closed_stdout_ends_the_command_quietly() {
+    let (reader, writer) = std::io::pipe().unwrap();
+    // The pipe has no reader before the command writes its first line.
+    drop(reader);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mpipemoe"))
+        .args(["plan", "--preset", "gpt3-s"])
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(141), "{err}");
+    assert!(err.is_empty(), "{err}");
+    let out = mpipemoe(&["plan", "--preset", "gpt3-s"]);
+    assert!(out.status.success() && out.stdout.starts_with(b"B=8192 tokens/GPU"));
 }
 
 /// `--backend wgpu` runs the cases on burn's WGPU backend when the tool is built with the

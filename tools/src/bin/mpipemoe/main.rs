@@ -1,6 +1,7 @@
 //! The `mpipemoe` command-line tool.
 
 mod check;
+mod closed_stdout;
 mod convert;
 mod finetune;
 mod inspect;
@@ -56,7 +57,11 @@ fn main() -> ExitCode {
     // before the first large block.
     let cli = Cli::parse();
     cli.heap.apply();
-    match cli.command {
+    closed_stdout::ends_quietly(|| run(cli.command))
+}
+
+fn run(command: Command) -> ExitCode {
+    match command {
         Command::Check(args) => check::run(args),
         Command::Convert(args) => convert::run(args),
         Command::Inspect(args) => inspect::run(args),

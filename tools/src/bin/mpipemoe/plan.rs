@@ -275,6 +275,9 @@ fn print_plan(plan: &MemoryPlan, shape: &LayerShape, bytes: usize) {
         shape.n_partitions,
         bytes
     );
+    if let Some(hs) = shape.shared_expert {
+        println!("shared expert: SwiGLU of hidden width {hs} on every token (in the peaks below, not in the paper's terms)");
+    }
     println!(
         "{:<13} {:>16} {:>12}   {:>16} {:>12}",
         "term", "paper elements", "paper MiB", "impl elements", "impl MiB"

@@ -60,6 +60,11 @@ pub struct ShapeArgs {
     /// The experts' activation (SwiGLU doubles the first GEMM's width).
     #[arg(long, value_parser = parse_activation, default_value = "gelu")]
     pub activation: Activation,
+    /// The shared expert's hidden width: a SwiGLU on every token beside the routed experts,
+    /// as DeepSeek's and Qwen2-MoE's layers have (1..=4194304). The implementation's peaks
+    /// count it; the paper's terms, which have none, do not.
+    #[arg(long, value_parser = count(1, 1 << 22))]
+    pub shared_expert: Option<usize>,
 }
 
 fn parse_activation(s: &str) -> Result<Activation, String> {
@@ -109,7 +114,7 @@ impl ShapeArgs {
             d_model: m,
             d_hidden: h,
             activation: self.activation,
-            shared_expert: None,
+            shared_expert: self.shared_expert,
             weights_on_input: false,
             n_experts: e,
             n_ranks: self.gpus,

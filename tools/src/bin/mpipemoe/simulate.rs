@@ -84,6 +84,14 @@ pub fn load_profile(name: &str, gpus: usize) -> Result<Profile, String> {
 }
 
 pub fn run(args: SimulateArgs) -> ExitCode {
+    // The simulator's streams time the routed experts and the exchange only: a shared expert
+    // would be in its peaks and not in its times, so it is refused rather than half-modelled.
+    if args.shape.shared_expert.is_some() {
+        eprintln!(
+            "error: --shared-expert: the simulator's time model has no shared expert (`mpipemoe plan` counts its memory)"
+        );
+        return ExitCode::from(2);
+    }
     let (shape, profile) = match args
         .shape
         .shape(1)
