@@ -126,6 +126,49 @@ fn absurd_flags_are_usage_errors_naming_the_flag() {
         2,
         &["--rows × --d-hidden"],
     );
+    // Experts per GPU and partitions each in range, together a replay of 4G (partition,
+    // expert) pairs (32 GB of row counts before this bound): refused, naming both flags.
+    for command in ["plan", "simulate"] {
+        let mut args = vec![command];
+        args.extend([
+            "--d-model",
+            "1",
+            "--d-hidden",
+            "1",
+            "--experts",
+            "1048576",
+            "--gpus",
+            "1",
+        ]);
+        if command == "plan" {
+            args.extend(["--partitions", "4096"]);
+        }
+        refused(&args, 2, &["--experts", "--partitions"]);
+    }
+    // The simulator's shadowing prediction over 2,048 experts and as many GPUs, in range: the
+    // search recounted every rank and expert for every candidate, work that grows with the
+    // cube of the count (4,096 of each took 4.5 minutes in a release build, so this eighth of
+    // it past the bound's minute in the tests' debug build); now it ends in about a second.
+    let run = bounded(
+        &[
+            "simulate",
+            "--d-model",
+            "1",
+            "--d-hidden",
+            "1",
+            "--experts",
+            "4096",
+            "--gpus",
+            "4096",
+            "--tokens",
+            "100",
+            "--skew",
+            "zipf:1.2",
+            "--json",
+        ],
+        Duration::from_secs(60),
+    );
+    assert_eq!(run.code, Some(0), "{}", run.stderr);
     // More experts per token than experts.
     for command in ["plan", "simulate"] {
         let shape = [

@@ -16,11 +16,8 @@ use mpipemoe_tools::backends::PrecisionArg;
 use mpipemoe_tools::flags::count;
 use serde::Serialize;
 
-use crate::shape::ShapeArgs;
+use crate::shape::{ShapeArgs, PARTITION_CANDIDATES};
 use crate::simulate::load_profile;
-
-/// Partition counts the budget may choose from when `--partitions` is not given.
-const CANDIDATES: [usize; 5] = [1, 2, 4, 8, 16];
 
 #[derive(Args, Debug)]
 pub struct PlanArgs {
@@ -168,7 +165,7 @@ fn budget_answer(
     args.check_precision(bytes)?;
     let profile = load_profile(&args.profile, shape.n_ranks)?;
     let cost = CostModel::new(profile);
-    let partitions: Vec<usize> = args.partitions.map_or(CANDIDATES.to_vec(), |n| vec![n]);
+    let partitions: Vec<usize> = args.partitions.map_or(PARTITION_CANDIDATES.to_vec(), |n| vec![n]);
     let at = |n: usize| LayerShape {
         n_partitions: n,
         ..*shape

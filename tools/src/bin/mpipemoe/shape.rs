@@ -67,6 +67,13 @@ pub struct ShapeArgs {
     pub shared_expert: Option<usize>,
 }
 
+/// The partition counts `plan --budget` chooses from when `--partitions` is not given, and
+/// `simulate` sweeps.
+pub const PARTITION_CANDIDATES: [usize; 5] = [1, 2, 4, 8, 16];
+
+/// The most (partition, expert of a GPU) pairs a shape may ask the models to replay.
+const MAX_PAIRS: usize = 1 << 20;
+
 fn parse_activation(s: &str) -> Result<Activation, String> {
     Activation::parse(s).ok_or_else(|| format!("{s:?} is not gelu, relu or swiglu"))
 }
@@ -105,6 +112,18 @@ impl ShapeArgs {
         if !e.is_multiple_of(self.gpus) {
             return Err(format!(
                 "--experts {e} cannot be split evenly over --gpus {}",
+                self.gpus
+            ));
+        }
+        // The models replay each partition's rows expert by expert: one entry, and a few
+        // steps, per (partition, expert of a GPU). Bounded at the larger of the given count
+        // and the largest candidate the budget and the simulator choose among, before anything
+        // is built from it: 1M experts over 4,096 partitions asked for 32 GB.
+        let local = e / self.gpus;
+        let largest_n = n_partitions.max(PARTITION_CANDIDATES[PARTITION_CANDIDATES.len() - 1]);
+        if local.saturating_mul(largest_n) > MAX_PAIRS {
+            return Err(format!(
+                "--experts {e} over --gpus {} is {local} experts per GPU, which at {largest_n} partitions is more than the {MAX_PAIRS} (partition, expert) pairs the models replay: give fewer experts per GPU (or plan fewer --partitions)",
                 self.gpus
             ));
         }

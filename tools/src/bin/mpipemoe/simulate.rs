@@ -11,7 +11,7 @@ use serde::Serialize;
 
 use mpipemoe_tools::inputs::Skew;
 
-use crate::shape::ShapeArgs;
+use crate::shape::{ShapeArgs, PARTITION_CANDIDATES};
 
 #[derive(Args, Debug)]
 pub struct SimulateArgs {
@@ -104,7 +104,7 @@ pub fn run(args: SimulateArgs) -> ExitCode {
         }
     };
     let bytes = args.shape.dtype.bytes();
-    let results = sweep(&shape, &[1, 2, 4, 8, 16], &Strategy::ALL, &profile, bytes);
+    let results = sweep(&shape, &PARTITION_CANDIDATES, &Strategy::ALL, &profile, bytes);
     let best = &results[0];
     let best_per_strategy: Vec<&SimResult> = Strategy::ALL
         .iter()
