@@ -54,7 +54,9 @@ mod tokenizer;
 pub use attention::{Attention, QkNorm};
 pub use cache::{KvCache, LayerCache};
 pub use config::{AttnRules, DecoderConfig, FfnKind, LayerSpec};
-pub use finetune::{finetune_rank, window_starts, FinetuneOptions, FinetuneReport, FinetuneStep};
+pub use finetune::{
+    attention_weights_bytes, finetune_rank, window_starts, FinetuneOptions, FinetuneReport, FinetuneStep,
+};
 pub use generation::{GenerateOptions, GenerationDefaults, GENERATION_CONFIG};
 pub use latent::{LatentAttention, LatentConfig};
 pub use layer::DecoderLayer;

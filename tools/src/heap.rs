@@ -24,6 +24,46 @@ impl Heap {
     }
 }
 
+/// The memory the machine can give the process now without swapping, bytes: Linux's
+/// `MemAvailable` (`/proc/meminfo`, read no further than its first 64 KiB). `None` where it is
+/// not known (another system, a kernel without the field).
+pub fn available_host_bytes() -> Option<u64> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open("/proc/meminfo")
+        .ok()?
+        .take(64 << 10)
+        .read_to_string(&mut text)
+        .ok()?;
+    mem_available(&text)
+}
+
+/// `MemAvailable` of a `/proc/meminfo` text, bytes.
+fn mem_available(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let mut fields = line["MemAvailable:".len()..].split_whitespace();
+    let value: u64 = fields.next()?.parse().ok()?;
+    match fields.next() {
+        Some("kB") => value.checked_mul(1024),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod meminfo_tests {
+    use super::mem_available;
+
+    #[test]
+    fn mem_available_reads_the_field_in_bytes_or_nothing() {
+        let text = "MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   20971520 kB\n";
+        assert_eq!(mem_available(text), Some(20 << 30));
+        assert_eq!(mem_available("MemTotal: 1 kB\n"), None);
+        assert_eq!(mem_available("MemAvailable: lots kB\n"), None);
+        assert_eq!(mem_available("MemAvailable: 5 MB\n"), None);
+        assert_eq!(mem_available("MemAvailable: 18446744073709551615 kB\n"), None);
+    }
+}
+
 #[cfg(all(test, target_os = "linux", target_env = "gnu"))]
 mod tests {
     use super::*;

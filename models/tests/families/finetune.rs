@@ -186,6 +186,62 @@ fn finetune_error(ranks: usize, tokens: &[u32], options: FinetuneOptions, out: O
     .unwrap_err()
 }
 
+/// A step whose attention weights alone exceed the host memory given to a rank is refused by
+/// name before any step, on every rank alike; at exactly the floor it trains. mixtral-tiny
+/// (its `config.json`: 3 layers, 4 heads) at 2 ranks, batch 2, seq_len 12: each rank keeps
+/// 3 × 1 row × 4 heads × 12² f32 values. A floor with the rows of the whole batch, the key
+/// length left out or the layers not counted moves the edge and fails it.
+#[test]
+fn a_step_past_the_host_memory_given_is_refused_before_it_runs() {
+    let tokens = stream();
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(data().join("mixtral-tiny/config.json")).unwrap()).unwrap();
+    let (layers, heads) = (
+        config["num_hidden_layers"].as_u64().unwrap(),
+        config["num_attention_heads"].as_u64().unwrap(),
+    );
+    let floor = layers * heads * 12 * 12 * 4;
+    let err = finetune_error(
+        2,
+        &tokens,
+        FinetuneOptions {
+            host_bytes: Some(floor - 1),
+            ..options(None)
+        },
+        None,
+    );
+    assert!(matches!(err, MoeError::Memory(_)), "{err}");
+    let message = err.to_string();
+    assert!(
+        message.contains("batch 2 × seq_len 12") && message.contains("lower the batch"),
+        "{message}"
+    );
+    let src = data().join("mixtral-tiny");
+    let steps = LocalGroup::run(2, |ctx| {
+        let options = FinetuneOptions {
+            host_bytes: Some(floor),
+            steps: 1,
+            ..options(None)
+        };
+        let steps = std::sync::atomic::AtomicUsize::new(0);
+        finetune_rank::<B>(
+            ctx.comm,
+            &src,
+            &tokens,
+            &options,
+            &|c| c,
+            None,
+            &Default::default(),
+            &|_| {
+                steps.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            },
+        )?;
+        Ok(steps.into_inner())
+    })
+    .unwrap();
+    assert_eq!(steps, vec![1, 1]);
+}
+
 #[test]
 fn bad_fine_tuning_options_data_or_output_are_errors_naming_them_before_any_step() {
     let tokens = stream();
