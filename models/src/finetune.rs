@@ -16,14 +16,14 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use burn::optim::{GradientsParams, Optimizer};
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use mpipemoe::hf::ExportOptions;
 use mpipemoe::optim::AdamWConfig;
 use mpipemoe::parallel::ParallelGroups;
 use mpipemoe::{Communicator, MoeBackend, MoeError, MoeLayerConfig, Result};
 
-use crate::config::DecoderConfig;
+use crate::host_memory::{attention_weights_bytes, check_host_bytes, gib};
 use crate::lora::LoraSpec;
 use crate::model::MoeCausalLm;
 use crate::peft::PeftAdapter;
@@ -66,7 +66,8 @@ pub struct FinetuneOptions {
     /// Host bytes this rank's step may hold, where its tensors live in host memory (the CPU
     /// backends; the caller's share of what the machine has available): a step whose
     /// attention weights alone exceed it is refused before the model trains
-    /// ([`attention_weights_bytes`]). `None` checks nothing (a device's memory is its own).
+    /// ([`attention_weights_bytes`](crate::attention_weights_bytes)). `None` checks nothing (a
+    /// device's memory is its own).
     pub host_bytes: Option<u64>,
 }
 
@@ -198,7 +199,20 @@ where
     // rather than in the first step.
     model.check_ids(&[0], o.seq_len)?;
     // Every rank decides alike: the same options, the same model, the same share of rows.
-    check_host_memory::<B>(model.config(), o, o.batch / n_ranks)?;
+    let elem = std::mem::size_of::<B::FloatElem>();
+    let floor = attention_weights_bytes(model.config(), o.batch / n_ranks, o.seq_len, elem);
+    check_host_bytes(floor, o.host_bytes, || {
+        format!(
+            "a step of batch {} × seq_len {} keeps at least {} of attention weights per rank for its backward ({} layers × {} rows × {} heads × {}² values)",
+            o.batch,
+            o.seq_len,
+            gib(floor),
+            model.config().layers.len(),
+            o.batch / n_ranks,
+            model.config().n_heads,
+            o.seq_len
+        )
+    })?;
     // Ranks load their checkpoints at different speeds (another disk, another node): they
     // meet here under the arrival bound, not the first step's transfer timeout.
     world.arrival_barrier()?;
@@ -341,50 +355,6 @@ where
         world.arrival_barrier()?;
     }
     Ok((model, report))
-}
-
-/// Bytes of the attention weights one step of `rows` windows of `seq_len` tokens keeps for its
-/// backward: every layer's softmax output `[rows, n_heads, seq_len, seq_len]` of `elem_bytes`
-/// each (held by the product with the values until the backward reaches it). A floor of what
-/// the step holds, not an estimate: the hidden states, the MoE layers and the gradients come
-/// on top.
-pub fn attention_weights_bytes(
-    config: &DecoderConfig,
-    rows: usize,
-    seq_len: usize,
-    elem_bytes: usize,
-) -> u128 {
-    let per_layer = rows as u128 * config.n_heads as u128 * (seq_len as u128).pow(2) * elem_bytes as u128;
-    config.layers.len() as u128 * per_layer
-}
-
-/// Refuses a step whose attention weights alone exceed `options.host_bytes` (see the field),
-/// naming `batch` and `seq_len`: the step would otherwise end the process when an allocation
-/// fails, after the model has loaded.
-fn check_host_memory<B: Backend>(
-    config: &DecoderConfig,
-    options: &FinetuneOptions,
-    rows: usize,
-) -> Result<()> {
-    let Some(available) = options.host_bytes else {
-        return Ok(());
-    };
-    let elem = std::mem::size_of::<B::FloatElem>();
-    let floor = attention_weights_bytes(config, rows, options.seq_len, elem);
-    if floor <= available as u128 {
-        return Ok(());
-    }
-    let gib = |b: u128| b as f64 / (1u64 << 30) as f64;
-    Err(MoeError::Memory(format!(
-        "a step of batch {} × seq_len {} keeps at least {:.1} GiB of attention weights per rank for its backward ({} layers × {rows} rows × {} heads × {}² values), more than the {:.1} GiB available to it; lower the batch or the sequence length",
-        options.batch,
-        options.seq_len,
-        gib(floor),
-        config.layers.len(),
-        config.n_heads,
-        options.seq_len,
-        gib(available as u128)
-    )))
 }
 
 /// Where the `batch` windows of `step` start in a stream with `span` possible starts: a

@@ -36,6 +36,7 @@ pub mod family;
 mod finetune;
 mod generate;
 mod generation;
+mod host_memory;
 mod latent;
 mod layer;
 mod linear;
@@ -54,10 +55,9 @@ mod tokenizer;
 pub use attention::{Attention, QkNorm};
 pub use cache::{KvCache, LayerCache};
 pub use config::{AttnRules, DecoderConfig, FfnKind, LayerSpec};
-pub use finetune::{
-    attention_weights_bytes, finetune_rank, window_starts, FinetuneOptions, FinetuneReport, FinetuneStep,
-};
+pub use finetune::{finetune_rank, window_starts, FinetuneOptions, FinetuneReport, FinetuneStep};
 pub use generation::{GenerateOptions, GenerationDefaults, GENERATION_CONFIG};
+pub use host_memory::{attention_weights_bytes, check_host_bytes, forward_floor_bytes};
 pub use latent::{LatentAttention, LatentConfig};
 pub use layer::DecoderLayer;
 pub use linear::DenseProducts;

@@ -161,7 +161,7 @@ pub fn shadowed_step_time(
 /// ranks, whose rows cross both ways until both are shadowed). Every rank computes the same
 /// answer from the same gathered counts. Returned in decreasing load.
 ///
-/// Each `k` adds one expert to the ranks' loads of `k - 1` ([`RankLoads::shadow`], one pass
+/// Each `k` adds one expert to the ranks' loads of `k - 1` (`RankLoads::shadow`, one pass
 /// over the ranks), so the search costs `n_ranks · (n_experts + limit)`, not the
 /// `n_ranks · n_experts · limit` of recounting every `k` (4,096 experts over 4,096 ranks: 4.5
 /// minutes recounted).

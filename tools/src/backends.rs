@@ -38,6 +38,19 @@ pub type WgpuFusion =
 pub type CudaFusion = mpipemoe_cuda::CudaMoeFusion;
 
 impl BackendArg {
+    /// Each of `ranks` ranks' share of the memory the machine has available now, where this
+    /// backend keeps its tensors in this process's memory (the CPU backends); `None` on a
+    /// device, whose memory is its own, or where the available memory is not known. What the
+    /// models' host-memory floors are checked against (`mpipemoe_models::check_host_bytes`).
+    pub fn host_bytes_per_rank(self, ranks: usize) -> Option<u64> {
+        match self {
+            BackendArg::Flex | BackendArg::Ndarray => {
+                crate::heap::available_host_bytes().map(|b| b / ranks.max(1) as u64)
+            }
+            _ => None,
+        }
+    }
+
     /// Reads `MPIPEMOE_BACKEND` (for the benches, whose arguments belong to criterion); Flex
     /// when it is unset.
     pub fn from_env() -> Result<Self, String> {

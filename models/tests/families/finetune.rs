@@ -242,6 +242,47 @@ fn a_step_past_the_host_memory_given_is_refused_before_it_runs() {
     assert_eq!(steps, vec![1, 1]);
 }
 
+/// The floor a forward without a backward is checked against (`logits`, a generation's
+/// prefill): the larger of one layer's attention weights `[rows, heads, t, t]` and, with the
+/// logits, `[rows · t, vocab]`, from mixtral-tiny's `config.json`; a byte under it is refused
+/// naming the pass, at it nothing is.
+#[test]
+fn a_forwards_floor_is_its_largest_tensor() {
+    let model = MoeCausalLm::<B>::from_hf(
+        data().join("mixtral-tiny"),
+        &Default::default(),
+        Arc::new(SingleRank),
+    )
+    .unwrap();
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(data().join("mixtral-tiny/config.json")).unwrap()).unwrap();
+    let (heads, vocab) = (
+        config["num_attention_heads"].as_u64().unwrap() as u128,
+        config["vocab_size"].as_u64().unwrap() as u128,
+    );
+    let floor = |rows: usize, t: usize, logits| {
+        mpipemoe_models::forward_floor_bytes(model.config(), rows, t, logits, 4)
+    };
+    // Few tokens: the logits are the larger; many: the weights, quadratic in t.
+    assert_eq!(floor(2, 8, true), (2 * 8 * vocab * 4).max(2 * heads * 64 * 4));
+    assert_eq!(floor(2, 8, false), 2 * heads * 64 * 4);
+    assert_eq!(
+        floor(1, 4096, true),
+        (heads * 4096 * 4096 * 4).max(4096 * vocab * 4)
+    );
+    let at = floor(3, 100, true);
+    let what = || "this forward".to_string();
+    assert!(mpipemoe_models::check_host_bytes(at, Some(at as u64), what).is_ok());
+    assert!(mpipemoe_models::check_host_bytes(at, None, what).is_ok());
+    match mpipemoe_models::check_host_bytes(at, Some(at as u64 - 1), what) {
+        Err(MoeError::Memory(m)) => assert!(
+            m.starts_with("this forward") && m.contains("lower the batch"),
+            "{m}"
+        ),
+        other => panic!("expected a memory error, got {other:?}"),
+    }
+}
+
 #[test]
 fn bad_fine_tuning_options_data_or_output_are_errors_naming_them_before_any_step() {
     let tokens = stream();

@@ -15,9 +15,8 @@ use mpipemoe_models::family::decoder_config;
 use mpipemoe_models::{
     finetune_rank, FinetuneOptions, FinetuneReport, FinetuneStep, LoraSpec, PeftAdapter, TextTokenizer,
 };
-use mpipemoe_tools::backends::{run_on, BackendArg, BackendJob};
+use mpipemoe_tools::backends::{run_on, BackendJob};
 use mpipemoe_tools::flags::{count, non_negative};
-use mpipemoe_tools::heap::available_host_bytes;
 use serde::Serialize;
 
 use crate::lm::RunFlags;
@@ -330,12 +329,7 @@ pub fn run(args: FinetuneArgs) -> ExitCode {
         // On the CPU backends every rank's step lives in this process's memory: each gets its
         // share of what the machine has available, and a step whose attention weights alone
         // exceed it is refused before the first step rather than ended by a failed allocation.
-        host_bytes: match args.run.backend {
-            BackendArg::Flex | BackendArg::Ndarray => {
-                available_host_bytes().map(|b| b / args.run.ranks.max(1) as u64)
-            }
-            _ => None,
-        },
+        host_bytes: args.run.backend.host_bytes_per_rank(args.run.ranks),
     };
     let bar = ProgressBar::new(args.steps as u64);
     if let Ok(style) = ProgressStyle::with_template("{elapsed_precise} [{bar:25}] {pos}/{len} {msg}") {

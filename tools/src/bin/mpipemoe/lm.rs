@@ -13,7 +13,8 @@ use mpipemoe::format::TensorMap;
 use mpipemoe::memory::Strategy;
 use mpipemoe::{LocalGroup, MemoryReuse, MoeBackend, MoeError, MoeLayerConfig, Partitions, MAX_PARTITIONS};
 use mpipemoe_models::{
-    GenerateOptions, GenerationDefaults, MoeCausalLm, PeftAdapter, Sampling, TextTokenizer,
+    check_host_bytes, forward_floor_bytes, GenerateOptions, GenerationDefaults, MoeCausalLm, PeftAdapter,
+    Sampling, TextTokenizer,
 };
 use mpipemoe_tools::backends::{
     device_paths, run_on, AddPaths, BackendArg, BackendJob, GemmArg, PrecisionArg,
@@ -301,6 +302,9 @@ impl BackendJob for LmJob<'_> {
         // Each rank on a pool of its own: a decode step's products split over the threads, and
         // from a pool's worker those hand-offs are cheap (`GroupOptions::pool_per_rank`).
         let options = GroupOptions::pool_per_rank(self.run.ranks);
+        // What a forward may hold on the host, each rank's share (the CPU backends).
+        let host = self.run.backend.host_bytes_per_rank(self.run.ranks);
+        let elem = std::mem::size_of::<B::FloatElem>();
         let answers = LocalGroup::run_with(options, self.run.ranks, |ctx| {
             let device = Default::default();
             let model = MoeCausalLm::<B::InnerBackend>::from_hf(self.dir, &device, paths(ctx.comm.clone()))?;
@@ -325,6 +329,10 @@ impl BackendJob for LmJob<'_> {
                 Task::Logits(ids) => {
                     model.check_ids(ids, 0)?;
                     let t = ids.len();
+                    let floor = forward_floor_bytes(model.config(), 1, t, true, elem);
+                    check_host_bytes(floor, host, || {
+                        format!("logits of {t} ids hold at least {} at once (one layer's attention weights or the logits)", gib(floor))
+                    })?;
                     let tensor = Tensor::<B::InnerBackend, 2, Int>::from_data(
                         TensorData::new(ids.iter().map(|&i| i as i64).collect::<Vec<_>>(), [1, t]),
                         &device,
@@ -366,6 +374,14 @@ impl BackendJob for LmJob<'_> {
                             prompts.len()
                         )));
                     }
+                    let floor = forward_floor_bytes(model.config(), prompts.len(), width, false, elem);
+                    check_host_bytes(floor, host, || {
+                        format!(
+                            "the prefill of {} prompts padded to {width} tokens holds at least {} of one layer's attention weights",
+                            prompts.len(),
+                            gib(floor)
+                        )
+                    })?;
                     let options = GenerateOptions {
                         max_new_tokens: *max_new_tokens,
                         sampling: pick.sampling(&model.config().generation),
@@ -442,6 +458,11 @@ fn generate_runs<B: MoeBackend>(
         last = Some(rows);
     }
     Ok(last.expect("--repeats is at least 1"))
+}
+
+/// `bytes` as GiB with one decimal, for messages.
+fn gib(bytes: u128) -> String {
+    format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
 }
 
 fn check_ids(ids: &[usize]) -> Result<(), String> {
