@@ -36,7 +36,7 @@ use burn::tensor::backend::AutodiffBackend;
 use clap::Parser;
 use mpipemoe::{MemoryReuse, MoeBackend, Partitions, RankContext};
 use mpipemoe_tools::backends::{run_on_gpu, BackendArg, BackendJob};
-use mpipemoe_tools::flags::count;
+use mpipemoe_tools::flags::{count, non_negative};
 use mpipemoe_tools::ranks::{check_comm, run_ranks, CommArg};
 
 use data::Corpus;
@@ -67,8 +67,8 @@ struct Args {
     /// Sequences per step over all ranks (1..=4096).
     #[arg(long, default_value_t = 16, value_parser = count(1, 4096))]
     batch: usize,
-    /// Learning rate.
-    #[arg(long, default_value_t = 3e-3)]
+    /// Learning rate (a finite number >= 0: NaN would train a model of NaNs).
+    #[arg(long, default_value_t = 3e-3, value_parser = non_negative)]
     lr: f64,
     /// Seed of the weights and the batches.
     #[arg(long, default_value_t = 7)]

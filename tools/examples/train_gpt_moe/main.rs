@@ -46,7 +46,7 @@ use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use mpipemoe::{MemoryReuse, MoeBackend, Partitions, RankContext};
 use mpipemoe_tools::backends::{device_paths, run_on_gpu, BackendArg, BackendJob, GemmArg, PrecisionArg};
-use mpipemoe_tools::flags::{count, shadowing, ExecutorArg};
+use mpipemoe_tools::flags::{count, non_negative, shadowing, ExecutorArg};
 use mpipemoe_tools::heap::Heap;
 use mpipemoe_tools::ranks::{check_comm, run_ranks, CommArg};
 use serde::Serialize;
@@ -135,8 +135,8 @@ struct Args {
     /// Sequences per step over all ranks (1..=4096).
     #[arg(long, default_value_t = 16, value_parser = count(1, 4096))]
     batch: usize,
-    /// Learning rate.
-    #[arg(long, default_value_t = 3e-3)]
+    /// Learning rate (a finite number >= 0: NaN would train a model of NaNs).
+    #[arg(long, default_value_t = 3e-3, value_parser = non_negative)]
     lr: f64,
     /// Seed of weights, batches and sampling.
     #[arg(long, default_value_t = 7)]
