@@ -42,13 +42,14 @@ fn one_layers_weights(config: &DecoderConfig, rows: usize, t: usize, elem_bytes:
     rows as u128 * config.n_heads as u128 * (t as u128).pow(2) * elem_bytes as u128
 }
 
-/// `floor` bytes against `available` (`None`: nothing to check): a [`MoeError::Memory`]
-/// saying `what` needs them where they do not fit.
+/// `floor` bytes against `available` (`None`: nothing to check): where they do not fit, a
+/// [`MoeError::Memory`] saying that `what` holds at least `floor`.
 pub fn check_host_bytes(floor: u128, available: Option<u64>, what: impl FnOnce() -> String) -> Result<()> {
     match available {
         Some(available) if floor > available as u128 => Err(MoeError::Memory(format!(
-            "{}, more than the {} available to it; lower the batch or the sequence length",
+            "{} holds at least {}, more than the {} available to it; lower the batch or the sequence length",
             what(),
+            gib(floor),
             gib(available as u128)
         ))),
         _ => Ok(()),
@@ -56,6 +57,6 @@ pub fn check_host_bytes(floor: u128, available: Option<u64>, what: impl FnOnce()
 }
 
 /// `bytes` as GiB with one decimal, for messages.
-pub(crate) fn gib(bytes: u128) -> String {
+fn gib(bytes: u128) -> String {
     format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
 }

@@ -122,6 +122,25 @@ impl CostModel {
         elem_bytes: usize,
         execution: Execution,
     ) -> StrategyCost {
+        StrategyCost {
+            peak_bytes: rank_peak_bytes(shape, &RankRows::balanced(shape), strategy, execution, elem_bytes),
+            ..self.timed(strategy, shape, elem_bytes)
+        }
+    }
+
+    /// Every strategy, cheapest first by Eq. 13 alone (ties in Table III's order): the order
+    /// in which a memory budget tries them. No memory model is replayed for it.
+    pub fn cheapest_first(&self, shape: &LayerShape, elem_bytes: usize) -> Vec<Strategy> {
+        let mut costs: Vec<(f64, Strategy)> = Strategy::ALL
+            .into_iter()
+            .map(|s| (self.timed(s, shape, elem_bytes).cost, s))
+            .collect();
+        costs.sort_by(|a, b| a.0.total_cmp(&b.0));
+        costs.into_iter().map(|c| c.1).collect()
+    }
+
+    /// [`cost`](Self::cost)'s stream terms, without the peak (0).
+    fn timed(&self, strategy: Strategy, shape: &LayerShape, elem_bytes: usize) -> StrategyCost {
         let p = &self.profile;
         let b = shape.rows();
         let v_comp = 2.0 * b * shape.d_model as f64 * shape.d_hidden as f64;
@@ -142,7 +161,6 @@ impl CostModel {
         };
         let (forward, backward) = (terms(q_fw), terms(q_bw));
         let max = |t: [f64; 3]| t.into_iter().fold(0.0, f64::max);
-        let peak_bytes = rank_peak_bytes(shape, &RankRows::balanced(shape), strategy, execution, elem_bytes);
         StrategyCost {
             strategy,
             q_fw,
@@ -152,7 +170,7 @@ impl CostModel {
             forward,
             backward,
             cost: max(forward) + max(backward),
-            peak_bytes,
+            peak_bytes: 0.0,
             fits: true,
         }
     }

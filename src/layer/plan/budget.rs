@@ -14,6 +14,7 @@ use crate::dispatch::{RoutingCounts, SplitScheme};
 use crate::error::{MoeError, Result};
 use crate::exchange::MoeBackend;
 use crate::memory::{fit_budget, rank_peak_bytes, Execution, MemoryDecision, Strategy, MODEL_HEADROOM};
+use crate::tuning::CostModel;
 
 impl<B: MoeBackend> MoeLayer<B> {
     /// Every rank's modelled peak (bytes) at `scheme` under `strategy`, the pass run as
@@ -35,15 +36,17 @@ impl<B: MoeBackend> MoeLayer<B> {
 
     /// The strategies the configuration allows, cheapest first by the cost model (a fixed
     /// strategy alone; every strategy for `MemoryReuse::Auto`).
-    fn strategies_by_cost(&self, counts: &RoutingCounts, n_partitions: usize) -> Result<Vec<Strategy>> {
+    pub(super) fn strategies_by_cost(
+        &self,
+        counts: &RoutingCounts,
+        n_partitions: usize,
+    ) -> Result<Vec<Strategy>> {
         match self.ctx.config.memory_reuse.fixed() {
             Some(strategy) => Ok(vec![strategy]),
             None => {
-                let choice = self.strategy_choice_unbounded(counts.n_tokens_global(), n_partitions)?;
-                let mut costs: Vec<(f64, Strategy)> =
-                    choice.candidates.iter().map(|c| (c.cost, c.strategy)).collect();
-                costs.sort_by(|a, b| a.0.total_cmp(&b.0));
-                Ok(costs.into_iter().map(|c| c.1).collect())
+                let shape = self.model_shape(counts.n_tokens_global(), counts.n_ranks(), n_partitions);
+                let elem = std::mem::size_of::<B::FloatElem>();
+                Ok(CostModel::new(self.profile_or_measure()?).cheapest_first(&shape, elem))
             }
         }
     }

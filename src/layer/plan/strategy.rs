@@ -9,12 +9,11 @@ use crate::memory::Strategy;
 use crate::tuning::{measure_profile, CostModel, Profile, ProfileOptions, StrategyChoice};
 
 impl<B: MoeBackend> MoeLayer<B> {
-    /// The memory strategy for this batch: the configured one, or the cost model's choice.
+    /// The memory strategy for this batch without a memory budget: the configured one, or
+    /// the cost model's cheapest (every strategy fits without a budget, so no peak is
+    /// modelled for the choice).
     pub(super) fn resolve_strategy(&self, counts: &RoutingCounts, n_partitions: usize) -> Result<Strategy> {
-        match self.ctx.config.memory_reuse.fixed() {
-            Some(strategy) => Ok(strategy),
-            None => Ok(self.strategy_choice(counts.n_tokens_global(), n_partitions)?.best),
-        }
+        Ok(self.strategies_by_cost(counts, n_partitions)?[0])
     }
 
     /// What `MemoryReuse::Auto` chooses for `n_tokens_global` tokens over the group and
@@ -30,24 +29,7 @@ impl<B: MoeBackend> MoeLayer<B> {
     /// shapes (a few seconds) and averages it over the ranks so that all ranks decide alike.
     /// A collective in that case: every rank must call it.
     pub fn strategy_choice(&self, n_tokens_global: usize, n_partitions: usize) -> Result<StrategyChoice> {
-        self.choose_strategy(n_tokens_global, n_partitions, self.ctx.config.memory_budget)
-    }
-
-    /// [`strategy_choice`](Self::strategy_choice) without the budget: every candidate's cost.
-    pub(super) fn strategy_choice_unbounded(
-        &self,
-        n_tokens_global: usize,
-        n_partitions: usize,
-    ) -> Result<StrategyChoice> {
-        self.choose_strategy(n_tokens_global, n_partitions, None)
-    }
-
-    fn choose_strategy(
-        &self,
-        n_tokens_global: usize,
-        n_partitions: usize,
-        budget: Option<usize>,
-    ) -> Result<StrategyChoice> {
+        let budget = self.ctx.config.memory_budget;
         let profile = self.profile_or_measure()?;
         let shape = self.model_shape(n_tokens_global, self.ctx.comm.n_ranks(), n_partitions);
         let elem_bytes = std::mem::size_of::<B::FloatElem>();

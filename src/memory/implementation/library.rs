@@ -37,7 +37,7 @@ impl Replay<'_> {
     }
 
     /// The operands of a partition-scratch route's GEMMs (f32 for the other routes).
-    fn operands(&self) -> GemmOperands {
+    pub(super) fn operands(&self) -> GemmOperands {
         match self.route {
             ExpertRoute::PartitionScratch { operands } => operands,
             _ => GemmOperands::F32,

@@ -173,11 +173,9 @@ impl<'a> Replay<'a> {
     /// says they do. Each product converts its operands in its own section
     /// (`mpipemoe-cuda`'s `gemm/dense.rs`) and lets the copies go at its end.
     fn dense_half(&self) -> f64 {
-        match self.route {
-            ExpertRoute::PartitionScratch {
-                operands: GemmOperands::Bf16 { .. },
-            } => 0.5,
-            _ => 0.0,
+        match self.operands() {
+            GemmOperands::Bf16 { .. } => 0.5,
+            GemmOperands::F32 => 0.0,
         }
     }
 

@@ -331,7 +331,7 @@ impl BackendJob for LmJob<'_> {
                     let t = ids.len();
                     let floor = forward_floor_bytes(model.config(), 1, t, true, elem);
                     check_host_bytes(floor, host, || {
-                        format!("logits of {t} ids hold at least {} at once (one layer's attention weights or the logits)", gib(floor))
+                        format!("the logits of {t} ids, in one layer's attention weights or the logits,")
                     })?;
                     let tensor = Tensor::<B::InnerBackend, 2, Int>::from_data(
                         TensorData::new(ids.iter().map(|&i| i as i64).collect::<Vec<_>>(), [1, t]),
@@ -377,9 +377,8 @@ impl BackendJob for LmJob<'_> {
                     let floor = forward_floor_bytes(model.config(), prompts.len(), width, false, elem);
                     check_host_bytes(floor, host, || {
                         format!(
-                            "the prefill of {} prompts padded to {width} tokens holds at least {} of one layer's attention weights",
-                            prompts.len(),
-                            gib(floor)
+                            "the prefill of {} prompts padded to {width} tokens, in one layer's attention weights,",
+                            prompts.len()
                         )
                     })?;
                     let options = GenerateOptions {
@@ -458,11 +457,6 @@ fn generate_runs<B: MoeBackend>(
         last = Some(rows);
     }
     Ok(last.expect("--repeats is at least 1"))
-}
-
-/// `bytes` as GiB with one decimal, for messages.
-fn gib(bytes: u128) -> String {
-    format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
 }
 
 fn check_ids(ids: &[usize]) -> Result<(), String> {

@@ -170,14 +170,7 @@ fn budget_answer(
         n_partitions: n,
         ..*shape
     };
-    let mut by_cost = |n: usize| {
-        let mut costs: Vec<(f64, Strategy)> = Strategy::ALL
-            .into_iter()
-            .map(|s| (cost.cost(s, &at(n), bytes, args.execution(shape.n_ranks)).cost, s))
-            .collect();
-        costs.sort_by(|a, b| a.0.total_cmp(&b.0));
-        costs.into_iter().map(|c| c.1).collect()
-    };
+    let mut by_cost = |n: usize| cost.cheapest_first(&at(n), bytes);
     let mut peak = |n: usize, strategy: Strategy| {
         let shape = at(n);
         let rows = RankRows::skewed(&shape, args.imbalance);
