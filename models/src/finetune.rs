@@ -26,7 +26,7 @@ use mpipemoe::{Communicator, MoeBackend, MoeError, MoeLayerConfig, Result};
 use crate::host_memory::{attention_weights_bytes, check_host_bytes};
 use crate::lora::LoraSpec;
 use crate::model::MoeCausalLm;
-use crate::peft::PeftAdapter;
+use crate::peft_config::PeftAdapter;
 
 /// How to fine-tune. Every rank must pass the same options.
 #[derive(Debug, Clone)]

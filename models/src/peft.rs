@@ -16,18 +16,15 @@ use std::path::Path;
 
 use burn::module::Module;
 use burn::tensor::{Tensor, TensorData};
-use mpipemoe::files::{check_apart, file_in, read_text, StagedDir};
-use mpipemoe::format::{read_safetensors, write_safetensors, TensorMap};
+use mpipemoe::files::{check_apart, StagedDir};
+use mpipemoe::format::{write_safetensors, TensorMap};
 use mpipemoe::{LoraScaling, MoeBackend, MoeError, Result};
 use serde_json::{json, Value};
 
 use crate::lora::{LoraLinear, LoraSpec};
 use crate::model::MoeCausalLm;
+use crate::peft_config::{PeftAdapter, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
 
-/// The adapter folder's configuration file.
-pub const ADAPTER_CONFIG: &str = "adapter_config.json";
-/// The adapter folder's tensors.
-pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
 /// PEFT's prefix of every key.
 const PREFIX: &str = "base_model.model.";
 
@@ -57,124 +54,14 @@ impl ExpertLayout {
 }
 
 /// A LoRA adapter read from a PEFT folder, before it is put on a model.
-#[derive(Debug, Clone)]
-pub struct PeftAdapter {
-    /// Rank, alpha, scaling, targets and dropout as the folder's config gives them.
-    pub spec: LoraSpec,
-    tensors: TensorMap,
-}
-
-fn bad(dir: &Path, reason: impl Into<String>) -> MoeError {
-    MoeError::file(dir, reason.into())
-}
-
-impl PeftAdapter {
-    /// Reads `dir/adapter_config.json` and `dir/adapter_model.safetensors`.
-    ///
-    /// # Errors
-    /// [`MoeError::File`] naming the file and the field when the config is not a LoRA config
-    /// this crate runs (`peft_type`, `r`, `lora_alpha`, `use_dora`, `lora_bias`, `bias`,
-    /// `fan_in_fan_out`, `rank_pattern`, `alpha_pattern`, `modules_to_save`), or a file is
-    /// missing or malformed.
-    pub fn read(dir: impl AsRef<Path>) -> Result<Self> {
-        let dir = dir.as_ref();
-        let config_path = file_in(dir, ADAPTER_CONFIG, dir)?;
-        let text = read_text(&config_path)?;
-        let config: Value =
-            serde_json::from_str(&text).map_err(|e| bad(&config_path, format!("is not JSON: {e}")))?;
-        let field = |name: &str| config.get(name).filter(|v| !v.is_null());
-        let refuse = |name: &str, why: &str| bad(&config_path, format!("`{name}`: {why}"));
-        match field("peft_type").and_then(Value::as_str) {
-            Some("LORA") => {}
-            other => return Err(refuse("peft_type", &format!("{other:?} is not \"LORA\""))),
-        }
-        let rank = field("r")
-            .and_then(Value::as_u64)
-            .filter(|r| (1..=1 << 16).contains(r))
-            .ok_or_else(|| refuse("r", "is not an integer in 1..=65536"))? as usize;
-        let alpha = field("lora_alpha")
-            .and_then(Value::as_f64)
-            .filter(|a| a.is_finite())
-            .ok_or_else(|| refuse("lora_alpha", "is not a finite number"))?;
-        let flag = |name: &str| field(name).and_then(Value::as_bool).unwrap_or(false);
-        for name in [
-            "use_dora",
-            "lora_bias",
-            "fan_in_fan_out",
-            "use_qalora",
-            "use_bdlora",
-        ] {
-            if flag(name) {
-                return Err(refuse(name, "is true; only plain LoRA adapters are supported"));
-            }
-        }
-        if let Some(b) = field("bias").and_then(Value::as_str).filter(|b| *b != "none") {
-            return Err(refuse("bias", &format!("\"{b}\": only \"none\" is supported")));
-        }
-        for name in ["rank_pattern", "alpha_pattern"] {
-            if field(name)
-                .and_then(Value::as_object)
-                .is_some_and(|m| !m.is_empty())
-            {
-                return Err(refuse(name, "per-module ranks or alphas are not supported"));
-            }
-        }
-        if field("modules_to_save")
-            .and_then(Value::as_array)
-            .is_some_and(|m| !m.is_empty())
-        {
-            return Err(refuse(
-                "modules_to_save",
-                "fully trained module copies are not supported",
-            ));
-        }
-        let dropout = field("lora_dropout").and_then(Value::as_f64).unwrap_or(0.0);
-        if !(0.0..1.0).contains(&dropout) {
-            return Err(refuse("lora_dropout", "is not in [0, 1)"));
-        }
-        let names = |name: &str| -> Result<Vec<String>> {
-            match field(name) {
-                None => Ok(Vec::new()),
-                Some(Value::Array(items)) => items
-                    .iter()
-                    .map(|v| {
-                        v.as_str()
-                            .map(str::to_string)
-                            .ok_or_else(|| refuse(name, "holds a non-string"))
-                    })
-                    .collect(),
-                Some(Value::String(_)) => Err(refuse(
-                    name,
-                    "a regular expression is not supported; list the names",
-                )),
-                Some(_) => Err(refuse(name, "is not a list of names")),
-            }
-        };
-        let mut targets = names("target_modules")?;
-        for p in names("target_parameters")? {
-            let name = p.rsplit('.').next().unwrap_or(&p).to_string();
-            if !matches!(name.as_str(), "gate_up_proj" | "down_proj") {
-                return Err(refuse(
-                    "target_parameters",
-                    &format!("`{p}` is not an expert parameter"),
-                ));
-            }
-            targets.push(name);
-        }
-        let spec = LoraSpec {
-            rank,
-            alpha,
-            scaling: match flag("use_rslora") {
-                true => LoraScaling::RsLora,
-                false => LoraScaling::Standard,
-            },
-            targets,
-            dropout,
-        };
-        spec.validate().map_err(|e| bad(&config_path, e.to_string()))?;
-        let (tensors, _) = read_safetensors(&file_in(dir, ADAPTER_WEIGHTS, dir)?)?;
-        Ok(Self { spec, tensors })
-    }
+/// The error for a tensor whose module or parameter `path` the adapter's config does not
+/// target: PEFT would leave it out, so applying it would compute what PEFT does not.
+fn untargeted(key: &str, path: &str) -> MoeError {
+    MoeError::Input(format!(
+        "adapter tensor `{key}`: the adapter's config does not target `{path}` \
+         (`target_modules`, `target_parameters`, `exclude_modules`, `layers_to_transform`), \
+         so PEFT would leave the tensor out; the config and the tensors disagree"
+    ))
 }
 
 /// Where a key of the adapter file points in the model.
@@ -243,7 +130,8 @@ impl<B: MoeBackend> MoeCausalLm<B> {
     /// # Errors
     /// [`MoeError::Input`] naming the key: a tensor for a module this model lacks (another
     /// model's adapter), a rank that disagrees with `r`, a shape that does not fit the base
-    /// weight, an `A` without its `B`; and naming a target of the config this model lacks.
+    /// weight, an `A` without its `B`, a tensor for a module or parameter the config does not
+    /// target (PEFT would leave it out); and naming a target of the config this model lacks.
     pub fn with_adapter(self, adapter: &PeftAdapter) -> Result<Self> {
         let mut model = self.no_grad();
         let spec = &adapter.spec;
@@ -286,6 +174,10 @@ impl<B: MoeBackend> MoeCausalLm<B> {
                 expert_pairs.entry(layer).or_default().push((key("A"), [a, b]));
                 continue;
             }
+            let path = format!("{root}layers.{layer}.self_attn.{name}");
+            if !adapter.targeting.adapts_module(&path, layer) {
+                return Err(untargeted(&key("A"), &path));
+            }
             let device = model.layers[layer].attn_norm.weight.device();
             let target = &mut model.layers[layer];
             let dims = target.projection_dims(&name);
@@ -315,6 +207,7 @@ impl<B: MoeBackend> MoeCausalLm<B> {
             });
         }
         let layout = ExpertLayout::of(&model.config().model_type);
+        let mlp_name = model.config().mlp_name.clone();
         for (layer, found) in expert_pairs {
             let Some(moe) = model.layers[layer].moe.as_mut() else {
                 return Err(MoeError::Input(format!(
@@ -337,6 +230,11 @@ impl<B: MoeBackend> MoeCausalLm<B> {
                          (r = {r}, {e} experts, d_model {m}, d_hidden {h})"
                     ))
                 })?;
+                let param = if role { "gate_up_proj" } else { "down_proj" };
+                let path = format!("{root}layers.{layer}.{mlp_name}.experts.{param}");
+                if !adapter.targeting.adapts_parameter(&path) {
+                    return Err(untargeted(&key, &path));
+                }
                 let (rows, cols) = if role { (m, f) } else { (h, m) };
                 let device = moe.experts.w_in.device();
                 let (fa, fb) = expert_factors(layout, &values(&a), &values(&b), r, e, rows, cols, role);

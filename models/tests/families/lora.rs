@@ -263,6 +263,101 @@ fn bad_adapters_are_refused_by_name() {
         edit_config(d, |c| c["rank_pattern"] = serde_json::json!({"q_proj": 4}))
     });
     assert!(e.contains("rank_pattern"), "{e}");
+    // Variants whatever their type (PEFT's `use_bdlora` is a config object), and fields that
+    // choose the scaling or the layers by a type PEFT would not read that way.
+    for (field, value) in [
+        ("use_bdlora", serde_json::json!({"nblocks": 2})),
+        ("kasa_config", serde_json::json!({"beta": 0.1})),
+        ("alora_invocation_tokens", serde_json::json!([5, 9])),
+        ("layer_replication", serde_json::json!([[0, 2], [1, 3]])),
+        ("trainable_token_indices", serde_json::json!([1, 2])),
+        ("use_rslora", serde_json::json!("yes")),
+        ("target_modules", serde_json::json!(["q_proj", "down_proj"])),
+        ("layers_to_transform", serde_json::json!([0, "1"])),
+    ] {
+        let e = adapter_error("mixtral-tiny", |d| edit_config(d, |c| c[field] = value.clone()));
+        assert!(e.contains(field), "{field}: {e}");
+    }
+    let e = adapter_error("mixtral-tiny", |d| {
+        edit_config(d, |c| {
+            c["layers_to_transform"] = serde_json::json!([0, 1, 2]);
+            c["layers_pattern"] = serde_json::json!("h");
+        })
+    });
+    assert!(e.contains("layers_pattern"), "{e}");
+    // Tensors the config does not target: PEFT leaves them out, so they are refused, each
+    // naming the module the config misses.
+    for (edit, module) in [
+        (
+            serde_json::json!({"exclude_modules": ["k_proj"]}),
+            "model.layers.0.self_attn.k_proj",
+        ),
+        (
+            serde_json::json!({"layers_to_transform": [0, 2]}),
+            "model.layers.1.self_attn",
+        ),
+        (
+            serde_json::json!({"target_modules": ["q_proj", "k_proj", "v_proj"]}),
+            "model.layers.0.self_attn.o_proj",
+        ),
+        (
+            serde_json::json!({"target_parameters": ["experts.down_proj"]}),
+            "model.layers.0.mlp.experts.gate_up_proj",
+        ),
+    ] {
+        let e = adapter_error("mixtral-tiny", |d| {
+            edit_config(d, |c| {
+                for (k, v) in edit.as_object().unwrap() {
+                    c[k] = v.clone();
+                }
+            })
+        });
+        assert!(e.contains("does not target") && e.contains(module), "{edit}: {e}");
+    }
+}
+
+/// What PEFT reads as the same targets (module paths' tails, every layer listed, an
+/// exclusion that matches nothing, the stack's own pattern) is accepted, with the same logits.
+#[test]
+fn configs_peft_reads_as_the_same_targets_give_the_same_logits() {
+    let device = Default::default();
+    let family = "mixtral-tiny";
+    let exp = lora_expected(family);
+    let t = exp.floats["logits"].0[1];
+    let ids = ids_tensor(&exp.ints["ids"][..t], [1, t]);
+    let logits = |dir: &Path| {
+        let adapter = PeftAdapter::read(dir).unwrap();
+        let model = MoeCausalLm::<B>::from_hf(data().join(family), &device, Arc::new(SingleRank))
+            .unwrap()
+            .with_adapter(&adapter)
+            .unwrap();
+        values(model.forward(ids.clone(), None).logits)
+    };
+    let want = logits(&lora_dir(family));
+    let dir = std::env::temp_dir().join(format!("mpipemoe-same-lora-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for file in [ADAPTER_CONFIG, ADAPTER_WEIGHTS] {
+        std::fs::copy(lora_dir(family).join(file), dir.join(file)).unwrap();
+    }
+    edit_config(&dir, |c| {
+        c["target_modules"] = serde_json::json!([
+            "self_attn.q_proj",
+            "k_proj",
+            "model.layers.0.self_attn.v_proj",
+            "v_proj",
+            "o_proj"
+        ]);
+        c["target_parameters"] = serde_json::json!(["mlp.experts.gate_up_proj", "down_proj"]);
+        c["layers_to_transform"] = serde_json::json!([2, 0, 1]);
+        c["layers_pattern"] = serde_json::json!(["layers"]);
+        c["exclude_modules"] = serde_json::json!(["model.layers.9.self_attn.q_proj", "gate"]);
+        c["use_bdlora"] = serde_json::Value::Null;
+        c["loftq_config"] = serde_json::json!({});
+    });
+    let got = logits(&dir);
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(got, want);
 }
 
 /// Fresh adapters on every target: they start as no change, only they train, and the spec's
