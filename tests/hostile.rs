@@ -571,6 +571,35 @@ fn a_config_that_disagrees_with_the_tensors_on_layer_kinds_is_refused() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// `hidden_act` names the experts' activation: anything but "silu" (or its absence, which is
+/// transformers' default) is refused by name, a non-string too, rather than read as SwiGLU.
+#[test]
+fn an_expert_activation_other_than_silu_is_refused_by_name() {
+    let dir = scratch_dir("hostile-hidden-act");
+    for (i, (value, needle)) in [
+        (serde_json::json!("gelu"), "\"gelu\""),
+        (serde_json::json!(0), "is 0"),
+        (serde_json::json!(["silu"]), "not an activation's name"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let ckpt = with_config(&dir.join(i.to_string()), "mixtral-tiny", |c| {
+            c["hidden_act"] = value.clone()
+        });
+        let err = error_of(hf::read_layer(&ckpt, 1, 0..1));
+        assert!(
+            err.contains("hidden_act") && err.contains(needle),
+            "{value}: {err}"
+        );
+    }
+    let ckpt = with_config(&dir.join("absent"), "mixtral-tiny", |c| {
+        c.as_object_mut().unwrap().remove("hidden_act");
+    });
+    hf::read_layer(&ckpt, 1, 0..1).unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// Every file of `dir` and its bytes.
 fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
     let mut files: Vec<_> = std::fs::read_dir(dir)

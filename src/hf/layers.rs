@@ -157,13 +157,19 @@ impl HfConfig {
                 self.moe_layers()?
             )));
         }
-        let act = self.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
-        // GPT-OSS's experts use their own clamped SwiGLU whatever `hidden_act` says.
-        if act != "silu" && self.family != Family::GptOss {
-            return Err(self.error(format!(
-                "`hidden_act` is {act:?}; the experts of {} are SwiGLU, which needs \"silu\"",
-                self.family.model_type()
-            )));
+        // Absent, it is transformers' default for every family, "silu". GPT-OSS's experts use
+        // their own clamped SwiGLU whatever `hidden_act` says.
+        match self.get("hidden_act") {
+            None => {}
+            Some(_) if self.family == Family::GptOss => {}
+            Some(Value::String(act)) if act == "silu" => {}
+            Some(Value::String(act)) => {
+                return Err(self.error(format!(
+                    "`hidden_act` is {act:?}; the experts of {} are SwiGLU, which needs \"silu\"",
+                    self.family.model_type()
+                )))
+            }
+            Some(act) => return Err(self.error(format!("`hidden_act` is {act}, not an activation's name"))),
         }
         let m = self.usize("hidden_size")?;
         let k = self.usize("num_experts_per_tok")?;
