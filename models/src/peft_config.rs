@@ -190,6 +190,13 @@ impl PeftAdapter {
                             .ok_or_else(|| refuse(name, "holds a non-string"))
                     })
                     .collect(),
+                // PEFT's shorthand for every linear layer but the head: the dense MLPs' and
+                // the shared experts' too, which this crate does not adapt.
+                Some(Value::String(s)) if s == "all-linear" => Err(refuse(
+                    name,
+                    "\"all-linear\" adapts the MLPs' linear layers too, which this crate does not; \
+                     list the attention projections",
+                )),
                 Some(Value::String(_)) => Err(refuse(
                     name,
                     "a regular expression is not supported; list the names",

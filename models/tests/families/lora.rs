@@ -274,6 +274,8 @@ fn bad_adapters_are_refused_by_name() {
         ("use_rslora", serde_json::json!("yes")),
         ("target_modules", serde_json::json!(["q_proj", "down_proj"])),
         ("layers_to_transform", serde_json::json!([0, "1"])),
+        ("target_modules", serde_json::json!("all-linear")),
+        ("exclude_modules", serde_json::json!(".*q_proj")),
     ] {
         let e = adapter_error("mixtral-tiny", |d| edit_config(d, |c| c[field] = value.clone()));
         assert!(e.contains(field), "{field}: {e}");
