@@ -47,6 +47,7 @@ mod model;
 mod norm;
 mod peft;
 mod peft_config;
+mod peft_layout;
 mod places;
 mod rotary;
 mod sampling;
