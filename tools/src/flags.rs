@@ -23,6 +23,62 @@ pub fn count(lo: usize, hi: usize) -> impl Fn(&str) -> Result<usize, String> + C
     }
 }
 
+/// A `clap` value parser for a byte count: a whole number of bytes, or a number (a decimal
+/// fraction allowed) with a unit, `kB`, `MB`, `GB`, `TB` in powers of 1000 or `KiB`, `MiB`,
+/// `GiB`, `TiB` in powers of 1024 (the unit's case does not matter; `B` alone is bytes). A
+/// fraction of a byte is dropped; more than the address space holds is refused.
+///
+/// ```
+/// let parse = mpipemoe_tools::flags::bytes;
+/// assert_eq!(parse("85899345920"), Ok(85_899_345_920));
+/// assert_eq!(parse("80GiB"), Ok(80 << 30));
+/// assert_eq!(parse("1.5 GB"), Ok(1_500_000_000));
+/// assert_eq!(parse("512mib"), Ok(512 << 20));
+/// assert!(parse("80 GiB of it").unwrap_err().contains("unit"));
+/// assert!(parse("-1GB").is_err() && parse("NaN").is_err() && parse("1e3GB").is_err());
+/// assert!(parse("99999999TiB").unwrap_err().contains("more than"));
+/// ```
+pub fn bytes(text: &str) -> Result<usize, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    let (number, unit) = (&text[..split], text[split..].trim());
+    const FORMS: &str = "a byte count: a whole number of bytes, or a number with a unit \
+                         (kB, MB, GB, TB; KiB, MiB, GiB, TiB), e.g. 80GiB";
+    let scale: u64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        "tib" => 1 << 40,
+        _ => return Err(format!("`{unit}` is not a unit; give {FORMS}")),
+    };
+    let too_many = || format!("{text} is more than this machine can address");
+    let value = match number.split_once('.') {
+        None => number
+            .parse::<u128>()
+            .map_err(|_| format!("must be {FORMS}"))?
+            .checked_mul(scale as u128)
+            .ok_or_else(too_many)?,
+        Some((whole, frac)) if !(whole.is_empty() && frac.is_empty()) && !frac.contains('.') => {
+            // Whole bytes of a fraction: the number is parsed whole, then scaled and cut.
+            let v: f64 = number.parse().map_err(|_| format!("must be {FORMS}"))?;
+            let scaled = v * scale as f64;
+            if !scaled.is_finite() || scaled >= u128::MAX as f64 {
+                return Err(too_many());
+            }
+            scaled.floor() as u128
+        }
+        Some(_) => return Err(format!("must be {FORMS}")),
+    };
+    usize::try_from(value).map_err(|_| too_many())
+}
+
 /// A `clap` value parser for a finite number ≥ 0 (a rate, a speed, a weight).
 ///
 /// ```

@@ -246,6 +246,34 @@ fn plan_with_a_budget_answers_fits_or_not() {
         assert_eq!(out.status.code(), Some(2), "{flags:?}: {err}");
         assert!(err.contains(says), "{flags:?}: {err}");
     }
+    // A budget with a unit is the same bytes; the paper's spelling of a preset is the preset.
+    assert_eq!(run("400MiB"), answer);
+    assert_eq!(run("0.390625 GiB"), answer);
+    let paper_base = base.map(|a| if a == "gpt3-s" { "GPT3-S" } else { a });
+    let paper = mpipemoe(&[&paper_base[..], &["--budget", "400MiB"]].concat());
+    assert!(
+        paper.status.success(),
+        "{}",
+        String::from_utf8_lossy(&paper.stderr)
+    );
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&paper.stdout).unwrap()["budget"],
+        answer
+    );
+    // The worst rank receives at least the mean and at most all 8 GPUs' rows; a budget is
+    // bytes, with a unit or without.
+    for (flags, says) in [
+        (&["--budget", "1000", "--imbalance", "0.5"][..], "[1, 8]"),
+        (&["--budget", "1000", "--imbalance", "9"][..], "[1, 8]"),
+        (&["--budget", "80 parsecs"][..], "not a unit"),
+        (&["--budget", "99999999TiB"][..], "more than"),
+    ] {
+        // The base without its own `--imbalance 3`.
+        let out = mpipemoe(&[&base[..7], &base[9..], flags].concat());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {err}");
+        assert!(err.contains(says), "{flags:?}: {err}");
+    }
     let none = run("1000");
     assert_eq!(none["fits"], false);
     assert!(none["n"].is_null() && none["strategy"].is_null() && none["worst_rank_peak_bytes"].is_null());

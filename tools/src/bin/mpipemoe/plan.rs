@@ -13,7 +13,7 @@ use mpipemoe::memory::{
 use mpipemoe::tuning::CostModel;
 use mpipemoe::MAX_PARTITIONS;
 use mpipemoe_tools::backends::PrecisionArg;
-use mpipemoe_tools::flags::count;
+use mpipemoe_tools::flags::{self, count};
 use serde::Serialize;
 
 use crate::shape::{ShapeArgs, PARTITION_CANDIDATES};
@@ -26,11 +26,12 @@ pub struct PlanArgs {
     /// Partitions n (default 4; with --budget, the budget chooses among 1, 2, 4, 8, 16).
     #[arg(long, value_parser = count(1, MAX_PARTITIONS))]
     partitions: Option<usize>,
-    /// A per-rank memory budget in bytes: report the cheapest (n, strategy) whose modelled
-    /// peak on the worst rank fits it.
-    #[arg(long)]
+    /// A per-rank memory budget in bytes (or with a unit: 80GiB, 1.5GB): report the cheapest
+    /// (n, strategy) whose modelled peak on the worst rank fits it.
+    #[arg(long, value_parser = flags::bytes)]
     budget: Option<usize>,
-    /// Routing skew for --budget: the worst rank receives this many times the mean rows.
+    /// Routing skew for --budget: the worst rank receives this many times the mean rows
+    /// (from 1, every rank the mean, to --gpus, every GPU's rows on one).
     #[arg(long, default_value_t = 1.0)]
     imbalance: f64,
     /// The profile that ranks strategies by cost for --budget (a preset or a JSON file).
@@ -156,9 +157,12 @@ fn budget_answer(
     bytes: usize,
     budget: usize,
 ) -> Result<BudgetAnswer, String> {
-    if !(args.imbalance.is_finite() && args.imbalance >= 0.0) {
+    // The worst rank receives at least the mean and at most every GPU's rows.
+    let most = shape.n_ranks as f64;
+    if !(args.imbalance.is_finite() && (1.0..=most).contains(&args.imbalance)) {
         return Err(format!(
-            "--imbalance {} must be a finite number >= 0",
+            "--imbalance {} must be a number in [1, {most}] (--gpus): the worst rank receives \
+             at least the mean rows and at most every GPU's",
             args.imbalance
         ));
     }

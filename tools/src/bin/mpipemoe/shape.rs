@@ -5,7 +5,7 @@ use mpipemoe::memory::LayerShape;
 use mpipemoe::Activation;
 use mpipemoe_tools::flags::count;
 
-/// The paper's Table I shapes (64 experts each).
+/// The paper's Table I shapes (64 experts each), in any case (`GPT3-S` as the paper writes it).
 #[derive(ValueEnum, Clone, Copy, Debug)]
 pub enum Preset {
     /// MoE-GPT3-S: d_model 768, d_hidden 3072.
@@ -34,7 +34,7 @@ impl Dtype {
 #[derive(Args, Debug, Clone)]
 pub struct ShapeArgs {
     /// A Table I model (sets d-model, d-hidden and 64 experts).
-    #[arg(long, value_enum)]
+    #[arg(long, value_enum, ignore_case = true)]
     pub preset: Option<Preset>,
     /// Token width M (without --preset; 1..=1048576).
     #[arg(long, value_parser = count(1, 1 << 20))]
