@@ -6,7 +6,7 @@ pub use mpipemoe::heap::keep_freed_memory;
 /// The `--heap` flag of the binaries that train, so that a benchmark can compare both.
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Heap {
-    /// Keep freed memory in the process for the next step ([`keep_freed_memory`]).
+    /// Keep freed memory in the process for the next step (`mpipemoe::heap::keep_freed_memory`).
     #[default]
     Keep,
     /// glibc's defaults: large blocks are mapped and unmapped one by one.

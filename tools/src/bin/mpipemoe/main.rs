@@ -39,7 +39,7 @@ enum Command {
     Inspect(inspect::InspectArgs),
     /// A Hugging Face MoE model's logits for token ids, written to a safetensors file.
     Logits(lm::LogitsArgs),
-    /// A Hugging Face MoE model's greedy continuation of token ids or text (KV cache), printed as ids (and text).
+    /// A Hugging Face MoE model's continuation of token ids or text, greedy or sampled, one prompt or a batch (KV cache), printed as ids (and text).
     Generate(lm::GenerateArgs),
     /// Fine-tune a Hugging Face MoE model on a text file with expert parallelism; write it back as a folder.
     Finetune(finetune::FinetuneArgs),
