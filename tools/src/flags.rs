@@ -23,6 +23,22 @@ pub fn count(lo: usize, hi: usize) -> impl Fn(&str) -> Result<usize, String> + C
     }
 }
 
+/// A `clap` value parser for one token id of a comma-separated list (`--ids 1, 5, 9` as
+/// well as `--ids 1,5,9`): a whole number, spaces around it ignored. Whether the model has
+/// the id is the model's check.
+///
+/// ```
+/// let parse = mpipemoe_tools::flags::token_id;
+/// assert_eq!(parse(" 5"), Ok(5));
+/// assert!(parse("").unwrap_err().contains("token id"));
+/// assert!(parse("-1").is_err() && parse("1.5").is_err());
+/// ```
+pub fn token_id(text: &str) -> Result<usize, String> {
+    text.trim()
+        .parse()
+        .map_err(|_| format!("`{text}` is not a token id (a whole number >= 0)"))
+}
+
 /// A `clap` value parser for a byte count: a whole number of bytes, or a number (a decimal
 /// fraction allowed) with a unit, `kB`, `MB`, `GB`, `TB` in powers of 1000 or `KiB`, `MiB`,
 /// `GiB`, `TiB` in powers of 1024 (the unit's case does not matter; `B` alone is bytes). A

@@ -609,6 +609,34 @@ fn logits_and_generate_refuse_ids_and_lengths_the_model_cannot_take() {
         &["max_position_embeddings", "128"],
     );
     assert!(!out.exists());
+    // Ids as people type them, with spaces after the commas, are the same ids; what is not
+    // an id is named.
+    refused(
+        &["logits", s(&model), "--ids", "1,x", "--out", s(&out)],
+        2,
+        &["`x` is not a token id"],
+    );
+    let spaced = bounded(
+        &["logits", s(&model), "--ids", "1, 5,9 ", "--out", s(&out)],
+        Duration::from_secs(60),
+    );
+    assert_eq!(spaced.code, Some(0), "{}", spaced.stderr);
+    let with_spaces = std::fs::read(&out).unwrap();
+    let plain = bounded(
+        &[
+            "logits",
+            s(&model),
+            "--ids",
+            "1,5,9",
+            "--out",
+            s(&out),
+            "--overwrite",
+        ],
+        Duration::from_secs(60),
+    );
+    assert_eq!(plain.code, Some(0), "{}", plain.stderr);
+    assert_eq!(std::fs::read(&out).unwrap(), with_spaces);
+    std::fs::remove_file(&out).unwrap();
     let start = Instant::now();
     refused(
         &[

@@ -19,7 +19,7 @@ use mpipemoe_models::{
 use mpipemoe_tools::backends::{
     device_paths, run_on, AddPaths, BackendArg, BackendJob, GemmArg, PrecisionArg,
 };
-use mpipemoe_tools::flags::{count, mass, may_write, positive};
+use mpipemoe_tools::flags::{self, count, mass, may_write, positive};
 
 use crate::check::StrategyArg;
 
@@ -69,7 +69,7 @@ pub struct LogitsArgs {
     /// A Hugging Face model folder (config.json, safetensors).
     dir: PathBuf,
     /// Token ids, comma-separated (e.g. `1,5,9`).
-    #[arg(long, required = true, value_delimiter = ',')]
+    #[arg(long, required = true, value_delimiter = ',', value_parser = flags::token_id)]
     ids: Vec<usize>,
     /// Where to write the logits: a safetensors file with `logits` `[T, vocab]` in f32.
     #[arg(long)]
@@ -94,6 +94,7 @@ pub struct GenerateArgs {
     #[arg(
         long,
         value_delimiter = ',',
+        value_parser = flags::token_id,
         required_unless_present_any = ["prompt", "prompts_file", "ids_file"],
         conflicts_with_all = ["prompt", "prompts_file", "ids_file"]
     )]
