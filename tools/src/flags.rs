@@ -39,6 +39,21 @@ pub fn token_id(text: &str) -> Result<usize, String> {
         .map_err(|_| format!("`{text}` is not a token id (a whole number >= 0)"))
 }
 
+/// A `clap` value parser for one name of a comma-separated list (`--lora-targets q_proj,
+/// v_proj`): spaces around it ignored, an empty one refused.
+///
+/// ```
+/// let parse = mpipemoe_tools::flags::name;
+/// assert_eq!(parse(" v_proj"), Ok("v_proj".to_string()));
+/// assert!(parse(" ").unwrap_err().contains("empty"));
+/// ```
+pub fn name(text: &str) -> Result<String, String> {
+    match text.trim() {
+        "" => Err("an empty name in the list".into()),
+        name => Ok(name.to_string()),
+    }
+}
+
 /// A `clap` value parser for a byte count: a whole number of bytes, or a number (a decimal
 /// fraction allowed) with a unit, `kB`, `MB`, `GB`, `TB` in powers of 1000 or `KiB`, `MiB`,
 /// `GiB`, `TiB` in powers of 1024 (the unit's case does not matter; `B` alone is bytes). A

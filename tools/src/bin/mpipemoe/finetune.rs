@@ -16,7 +16,7 @@ use mpipemoe_models::{
     finetune_rank, FinetuneOptions, FinetuneReport, FinetuneStep, LoraSpec, PeftAdapter, TextTokenizer,
 };
 use mpipemoe_tools::backends::{run_on, BackendJob};
-use mpipemoe_tools::flags::{count, non_negative};
+use mpipemoe_tools::flags::{self, count, non_negative};
 use serde::Serialize;
 
 use crate::lm::RunFlags;
@@ -98,6 +98,7 @@ pub struct FinetuneArgs {
     #[arg(
         long,
         value_delimiter = ',',
+        value_parser = flags::name,
         default_value = "attention,experts",
         requires = "lora_rank"
     )]
