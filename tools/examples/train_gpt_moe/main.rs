@@ -252,8 +252,16 @@ fn main() -> ExitCode {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }
+    // Flags that disagree with their range or with each other are usage errors too.
+    let options = match train_options(&args) {
+        Ok(options) => options,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
     args.heap.apply();
-    match run(&args, started) {
+    match run(&args, options, started) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
@@ -262,7 +270,8 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(args: &Args, started: Instant) -> Result<(), String> {
+/// The training options the flags give, or the usage error that names the flag.
+fn train_options(args: &Args) -> Result<TrainOptions, String> {
     if args.threads_per_rank.is_some() && args.comm == CommArg::Nccl {
         return Err(
             "--threads-per-rank sizes thread ranks' pools; with --comm nccl each rank is a GPU".into(),
@@ -276,10 +285,6 @@ fn run(args: &Args, started: Instant) -> Result<(), String> {
             args.batch, args.ranks
         ));
     }
-    let corpus = match &args.data {
-        Some(path) => Corpus::from_file(path)?,
-        None => Corpus::builtin()?,
-    };
     let router = match args.router {
         RouterArg::Softmax => RouterChoice::Softmax,
         RouterArg::Deepseek => RouterChoice::DeepSeek {
@@ -307,7 +312,7 @@ fn run(args: &Args, started: Instant) -> Result<(), String> {
     if args.grad_sync == GradSyncArg::HostF64 && expert_parallel != args.ranks {
         return Err("--grad-sync host-f64 sums replicated gradients only: it cannot run with --expert-parallel below --ranks".into());
     }
-    let options = TrainOptions {
+    Ok(TrainOptions {
         model,
         steps: args.steps,
         batch: args.batch,
@@ -334,6 +339,13 @@ fn run(args: &Args, started: Instant) -> Result<(), String> {
             GradSyncArg::HostF64 => GradSync::HostF64,
         },
         shadowing: args.shadowing,
+    })
+}
+
+fn run(args: &Args, options: TrainOptions, started: Instant) -> Result<(), String> {
+    let corpus = match &args.data {
+        Some(path) => Corpus::from_file(path)?,
+        None => Corpus::builtin()?,
     };
     // The outputs this run promises are checked before the first step, so a bad `--out` or a
     // machine without a font for the chart's text costs nothing; the chart itself is written
@@ -474,7 +486,7 @@ fn run(args: &Args, started: Instant) -> Result<(), String> {
             load_imbalance_first: imbalance_first,
             load_imbalance_last: imbalance_last,
             early_routing: load::early_routing(&report.load),
-            expert_parallel,
+            expert_parallel: args.expert_parallel.unwrap_or(args.ranks),
             grad_sync: format!("{:?}", args.grad_sync).to_lowercase(),
             sync_s_median: median(&report.sync_seconds),
             losses: &report.losses,
