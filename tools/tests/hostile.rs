@@ -552,6 +552,28 @@ fn finetune_refuses_a_bad_learning_rate_and_saves_nothing_from_a_diverged_run() 
         args.extend(["--steps", "1", lr]);
         refused(&args, 2, &["--lr"]);
     }
+    // Flags that disagree with their range or each other are usage errors naming the flags,
+    // said before the model or the data is read.
+    for (flags, says) in [
+        (
+            &["--lora-rank", "2", "--lora-targets", "q_proj, bogus"][..],
+            &["--lora-targets", "`bogus`"][..],
+        ),
+        (
+            &["--lora-rank", "2", "--lora-dropout", "0.5"][..],
+            &["--lora-dropout"][..],
+        ),
+        (&["--ranks", "3"][..], &["--batch 2", "--ranks 3"][..]),
+        (
+            &["--ranks", "2", "--expert-parallel", "3"][..],
+            &["--expert-parallel 3"][..],
+        ),
+    ] {
+        let mut args = base.to_vec();
+        args.extend(["--steps", "1"]);
+        args.extend(flags);
+        refused(&args, 2, says);
+    }
     // More positions than the model has, refused before loading it for training.
     let args = [
         "finetune",

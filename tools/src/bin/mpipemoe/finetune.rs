@@ -261,6 +261,53 @@ fn median_after_warm_up(seconds: &[f64]) -> f64 {
     }
 }
 
+/// The adapters' spec the flags give, checked before the model and the data are read, and
+/// the flags' split of the batch over the ranks: a mistake in them is a usage error naming
+/// the flag (the model-dependent checks, a target this model lacks, come with the model).
+fn lora_spec(args: &FinetuneArgs) -> Result<Option<LoraSpec>, String> {
+    let ranks = args.run.ranks;
+    if ranks == 0 || !args.batch.is_multiple_of(ranks) {
+        return Err(format!(
+            "--batch {} sequences do not split evenly over --ranks {ranks}",
+            args.batch
+        ));
+    }
+    if let Some(ep) = args
+        .expert_parallel
+        .filter(|&ep| ep == 0 || !ranks.is_multiple_of(ep))
+    {
+        return Err(format!("--expert-parallel {ep} does not divide --ranks {ranks}"));
+    }
+    let Some(rank) = args.lora_rank else {
+        return Ok(None);
+    };
+    let spec = LoraSpec {
+        rank,
+        alpha: args.lora_alpha,
+        scaling: if args.rslora {
+            LoraScaling::RsLora
+        } else {
+            LoraScaling::Standard
+        },
+        targets: args.lora_targets.clone(),
+        dropout: args.lora_dropout,
+    };
+    spec.validate().map_err(|e| match e {
+        MoeError::Config { field, reason } => {
+            let flag = match field {
+                "rank" => "--lora-rank",
+                "alpha" => "--lora-alpha",
+                "targets" => "--lora-targets",
+                "lora_dropout" => "--lora-dropout",
+                other => other,
+            };
+            format!("{flag}: {reason}")
+        }
+        other => other.to_string(),
+    })?;
+    Ok(Some(spec))
+}
+
 pub fn run(args: FinetuneArgs) -> ExitCode {
     if let Err(message) = args.run.backend.available() {
         eprintln!("error: {message}");
@@ -281,6 +328,13 @@ pub fn run(args: FinetuneArgs) -> ExitCode {
         eprintln!("error: --in-place with adapters writes the merged model over DIR: add --merge, or give --out for the adapter folder");
         return ExitCode::from(2);
     }
+    let lora = match lora_spec(&args) {
+        Ok(lora) => lora,
+        Err(message) => {
+            eprintln!("error: {message}");
+            return ExitCode::from(2);
+        }
+    };
     let adapter = match args.adapter.as_deref().map(PeftAdapter::read).transpose() {
         Ok(adapter) => adapter,
         Err(e) => {
@@ -314,17 +368,7 @@ pub fn run(args: FinetuneArgs) -> ExitCode {
         seed: args.seed,
         expert_parallel: args.expert_parallel,
         bias_update_speed: args.bias_update_speed,
-        lora: args.lora_rank.map(|rank| LoraSpec {
-            rank,
-            alpha: args.lora_alpha,
-            scaling: if args.rslora {
-                LoraScaling::RsLora
-            } else {
-                LoraScaling::Standard
-            },
-            targets: args.lora_targets.clone(),
-            dropout: args.lora_dropout,
-        }),
+        lora,
         adapter,
         merge: args.merge,
         // On the CPU backends every rank's step lives in this process's memory: each gets its
