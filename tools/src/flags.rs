@@ -96,7 +96,7 @@ pub fn bytes(text: &str) -> Result<usize, String> {
             .map_err(|_| format!("must be {FORMS}"))?
             .checked_mul(scale as u128)
             .ok_or_else(too_many)?,
-        Some((whole, frac)) if !(whole.is_empty() && frac.is_empty()) && !frac.contains('.') => {
+        Some((_, frac)) if number != "." && !frac.contains('.') => {
             // Whole bytes of a fraction: the number is parsed whole, then scaled and cut.
             let v: f64 = number.parse().map_err(|_| format!("must be {FORMS}"))?;
             let scaled = v * scale as f64;
