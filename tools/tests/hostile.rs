@@ -97,6 +97,11 @@ fn absurd_flags_are_usage_errors_naming_the_flag() {
             "--partitions",
         ),
         (vec!["check", "--ranks", "1000000", s(&case)], "--ranks"),
+        // A missing flag one direction needs (exit 1, "invalid config", before).
+        (
+            vec!["convert", "--from-hf", s(&case), "--out", "/nonexistent/x"],
+            "--layer",
+        ),
         (
             vec!["plan", "--preset", "gpt3-s", "--partitions", "1000000000"],
             "--partitions",

@@ -14,7 +14,7 @@ use mpipemoe_tools::flags::may_write;
 pub struct ConvertArgs {
     /// Read MoE layer --layer of this checkpoint folder and write it to --out as a canonical
     /// float32 layer file (the cases' names and meta, plus kind and hf_layer).
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, value_name = "DIR", requires = "layer")]
     from_hf: Option<PathBuf>,
     /// Write the canonical layer file --input back into MoE layer --layer of this checkpoint
     /// folder (its names, dtypes and shards), as a complete checkpoint in --out.
@@ -66,13 +66,14 @@ pub fn run(args: ConvertArgs) -> ExitCode {
 }
 
 fn from_hf(dir: &Path, args: &ConvertArgs) -> Result<(), MoeError> {
+    // clap makes --from-hf require --layer.
     let layer = args
         .layer
-        .ok_or_else(|| MoeError::config("layer", "--from-hf needs --layer (see `mpipemoe inspect DIR`)"))?;
+        .ok_or_else(|| MoeError::Input("--from-hf needs --layer (see `mpipemoe inspect DIR`)".into()))?;
     let out = args
         .out
         .as_deref()
-        .ok_or_else(|| MoeError::config("out", "--from-hf needs --out FILE"))?;
+        .ok_or_else(|| MoeError::Input("--from-hf needs --out FILE".into()))?;
     // A file written into the checkpoint's folder would replace one of its files or sit among
     // its shards.
     mpipemoe::files::check_apart(dir, out, "--out")?;
