@@ -850,10 +850,20 @@ fn lora_finetune_logits_and_merge_on_a_tiny_model() {
         assert!(stderr.contains(names), "{args:?}: {stderr}");
         assert!(!tmp.join("refused").exists(), "{args:?}: nothing written");
     };
+    // A target this model lacks is the model's to say (exit 1); a name no model has, and the
+    // dropout's rules, are the flags' (usage errors, before the model is read).
     bad(&["--lora-rank", "2", "--lora-targets", "q_a_proj"], 1, "q_a_proj");
-    bad(&["--lora-rank", "2", "--lora-targets", "mlp"], 1, "mlp");
+    bad(
+        &["--lora-rank", "2", "--lora-targets", "mlp"],
+        2,
+        "--lora-targets: `mlp`",
+    );
     // Dropout with expert targets, as PEFT refuses it; outside [0, 1).
-    bad(&["--lora-rank", "2", "--lora-dropout", "0.1"], 1, "lora_dropout");
+    bad(
+        &["--lora-rank", "2", "--lora-dropout", "0.1"],
+        2,
+        "--lora-dropout",
+    );
     bad(
         &[
             "--lora-rank",
@@ -863,8 +873,8 @@ fn lora_finetune_logits_and_merge_on_a_tiny_model() {
             "--lora-dropout",
             "1",
         ],
-        1,
-        "lora_dropout",
+        2,
+        "--lora-dropout",
     );
     bad(&["--merge"], 2, "--merge");
     bad(&["--lora-alpha", "4"], 2, "--lora-rank");
