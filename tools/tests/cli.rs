@@ -274,6 +274,17 @@ fn plan_with_a_budget_answers_fits_or_not() {
         assert_eq!(out.status.code(), Some(2), "{flags:?}: {err}");
         assert!(err.contains(says), "{flags:?}: {err}");
     }
+    // The flags that shape the budget's answer are refused without one (they were ignored).
+    for flag in [
+        &["--route", "tasks"][..],
+        &["--imbalance", "2"],
+        &["--executor", "threads"],
+    ] {
+        let out = mpipemoe(&[&["plan", "--preset", "gpt3-s"][..], flag].concat());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag:?}: {err}");
+        assert!(err.contains("--budget"), "{flag:?}: {err}");
+    }
     let none = run("1000");
     assert_eq!(none["fits"], false);
     assert!(none["n"].is_null() && none["strategy"].is_null() && none["worst_rank_peak_bytes"].is_null());

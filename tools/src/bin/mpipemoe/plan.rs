@@ -32,34 +32,34 @@ pub struct PlanArgs {
     budget: Option<usize>,
     /// Routing skew for --budget: the worst rank receives this many times the mean rows
     /// (from 1, every rank the mean, to --gpus, every GPU's rows on one).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, requires = "budget")]
     imbalance: f64,
     /// The profile that ranks strategies by cost for --budget (a preset or a JSON file).
-    #[arg(long, default_value = "a100-cluster")]
+    #[arg(long, default_value = "a100-cluster", requires = "budget")]
     profile: String,
     /// Who computes the experts, for --budget: a device library with scratch for a whole
     /// partition (cuBLAS), the backend's own experts as tasks (Flex,
     /// --concurrent of them at once) or the primitives, expert by expert (WGPU and NdArray,
     /// and experts with adapters on every backend).
-    #[arg(long, value_enum, default_value_t = Route::PartitionScratch)]
+    #[arg(long, value_enum, default_value_t = Route::PartitionScratch, requires = "budget")]
     route: Route,
     /// Experts running at once on `--route tasks` (Flex: its pool's threads).
-    #[arg(long, default_value_t = 1, value_parser = count(1, 4096))]
+    #[arg(long, default_value_t = 1, value_parser = count(1, 4096), requires = "budget")]
     concurrent: usize,
-    /// The experts' GEMM precision on `--route partition-scratch`: at `bf16` the path holds
-    /// bf16 copies of its operands (each partition's rows, and every expert's matrices for
-    /// the pass) and bf16 scratch where a GEMM reads it.
-    #[arg(long, value_enum, default_value_t = PrecisionArg::F32)]
+    /// The experts' GEMM precision on `--route partition-scratch`, for --budget: at `bf16`
+    /// the path holds bf16 copies of its operands (each partition's rows, and every expert's
+    /// matrices for the pass) and bf16 scratch where a GEMM reads it.
+    #[arg(long, value_enum, default_value_t = PrecisionArg::F32, requires = "budget")]
     gemm_precision: PrecisionArg,
     /// With `--gemm-precision bf16`: the experts' bf16 copies kept from the forward to the
     /// backward, not made in each pass (`CublasOptions::bf16_weights_per_step`).
-    #[arg(long)]
+    #[arg(long, requires = "budget")]
     bf16_weights_per_step: bool,
     /// How the exchange runs its steps, for --budget: `threads` (a worker per stream, the
     /// streams at once: CUDA's above one rank), `in-order`, or `auto`: the layer's choice for
     /// the route's backend (in order at one GPU and on `--route tasks`, Flex's; threaded
     /// otherwise, which holds more).
-    #[arg(long, value_enum, default_value_t = ExecutorArg::Auto)]
+    #[arg(long, value_enum, default_value_t = ExecutorArg::Auto, requires = "budget")]
     executor: ExecutorArg,
     /// Print JSON (`paper` and `implementation` objects, elements; `budget` with --budget).
     #[arg(long)]
