@@ -96,6 +96,63 @@ impl FinetuneOptions {
     fn lora_spec(&self) -> Option<&LoraSpec> {
         self.adapter.as_ref().map(|a| &a.spec).or(self.lora.as_ref())
     }
+
+    /// The options' own checks, which need neither the model nor the data, for a world of
+    /// `n_ranks`: [`finetune_rank`] runs them first, and a caller may run them before it
+    /// reads either (the `mpipemoe` tool, for its usage errors).
+    ///
+    /// # Errors
+    /// [`MoeError::Config`] naming the field: `steps`, `batch` or `seq_len` of 0; `lr`,
+    /// `weight_decay` or `epsilon` not a finite number >= 0; a `batch` that does not split
+    /// evenly over the ranks; an `expert_parallel` that does not divide them; what
+    /// [`LoraSpec::validate`] refuses of `lora`; `merge` without adapters.
+    pub fn validate(&self, n_ranks: usize) -> Result<()> {
+        for (field, value) in [
+            ("steps", self.steps),
+            ("batch", self.batch),
+            ("seq_len", self.seq_len),
+        ] {
+            if value == 0 {
+                return Err(MoeError::config(field, "must be at least 1"));
+            }
+        }
+        // PyTorch's AdamW refuses these too (`Invalid learning rate`, ...): NaN trains a model
+        // of NaNs, and a negative rate trains uphill, both without a word.
+        for (field, value) in [
+            ("lr", self.lr),
+            ("weight_decay", f64::from(self.weight_decay)),
+            ("epsilon", f64::from(self.epsilon)),
+        ] {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(MoeError::config(
+                    field,
+                    format!("is {value}: a finite number >= 0"),
+                ));
+            }
+        }
+        if n_ranks == 0 || !self.batch.is_multiple_of(n_ranks) {
+            return Err(MoeError::config(
+                "batch",
+                format!(
+                    "{} sequences do not split evenly over {n_ranks} ranks",
+                    self.batch
+                ),
+            ));
+        }
+        if let Some(ep) = self.expert_parallel {
+            ParallelGroups::check_sizes(n_ranks, ep)?;
+        }
+        if let Some(spec) = &self.lora {
+            spec.validate()?;
+        }
+        if self.merge && self.lora_spec().is_none() {
+            return Err(MoeError::config(
+                "merge",
+                "needs adapters (lora or adapter) to merge",
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// What one step did, the same on every rank.
@@ -154,31 +211,7 @@ where
 {
     let o = options;
     let n_ranks = world.n_ranks();
-    for (field, value) in [("steps", o.steps), ("batch", o.batch), ("seq_len", o.seq_len)] {
-        if value == 0 {
-            return Err(MoeError::config(field, "must be at least 1"));
-        }
-    }
-    // PyTorch's AdamW refuses these too (`Invalid learning rate`, ...): NaN trains a model
-    // of NaNs, and a negative rate trains uphill, both without a word.
-    for (field, value) in [
-        ("lr", o.lr),
-        ("weight_decay", f64::from(o.weight_decay)),
-        ("epsilon", f64::from(o.epsilon)),
-    ] {
-        if !(value.is_finite() && value >= 0.0) {
-            return Err(MoeError::config(
-                field,
-                format!("is {value}: a finite number >= 0"),
-            ));
-        }
-    }
-    if !o.batch.is_multiple_of(n_ranks) {
-        return Err(MoeError::config(
-            "batch",
-            format!("{} sequences do not split evenly over {n_ranks} ranks", o.batch),
-        ));
-    }
+    o.validate(n_ranks)?;
     if tokens.len() <= o.seq_len {
         return Err(MoeError::Input(format!(
             "the data holds {} tokens, fewer than one window of seq_len + 1 = {}",
@@ -223,12 +256,6 @@ where
     let model = model.map_moe_configs(moe)?;
     // With adapters the base is frozen: it takes no gradient and the optimizer no state for
     // it; the adapters of each rank's experts are that rank's, synchronised as experts.
-    if o.merge && o.lora_spec().is_none() {
-        return Err(MoeError::config(
-            "merge",
-            "needs adapters (lora or adapter) to merge",
-        ));
-    }
     let mut model = match (&o.adapter, &o.lora) {
         (Some(adapter), _) => model.with_adapter(adapter)?,
         (None, Some(spec)) => model.with_lora(spec, o.seed)?,

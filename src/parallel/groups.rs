@@ -45,6 +45,22 @@ impl ParallelGroups {
         }
     }
 
+    /// Whether a world of `n_ranks` cuts into expert-parallel groups of `expert_parallel`:
+    /// what [`new`](Self::new) checks first, for a caller that checks its options before it
+    /// has a communicator.
+    ///
+    /// # Errors
+    /// [`MoeError::Config`] naming `expert_parallel` if it is 0 or does not divide `n_ranks`.
+    pub fn check_sizes(n_ranks: usize, expert_parallel: usize) -> Result<()> {
+        if expert_parallel == 0 || !n_ranks.is_multiple_of(expert_parallel) {
+            return Err(MoeError::config(
+                "expert_parallel",
+                format!("{expert_parallel} does not divide the {n_ranks} ranks of the world"),
+            ));
+        }
+        Ok(())
+    }
+
     /// Cuts `world` into expert-parallel groups of `expert_parallel` consecutive ranks and
     /// their data-parallel replicas (see the module docs). Collective: every rank of `world`
     /// calls it with the same `expert_parallel`.
@@ -54,12 +70,7 @@ impl ParallelGroups {
     /// size; [`MoeError::Comm`] if the communicator cannot form sub-groups or a peer fails.
     pub fn new(world: Arc<dyn Communicator>, expert_parallel: usize) -> Result<Self> {
         let n = world.n_ranks();
-        if expert_parallel == 0 || !n.is_multiple_of(expert_parallel) {
-            return Err(MoeError::config(
-                "expert_parallel",
-                format!("{expert_parallel} does not divide the {n} ranks of the world"),
-            ));
-        }
+        Self::check_sizes(n, expert_parallel)?;
         if expert_parallel == n {
             return Ok(Self::expert_parallel(world));
         }

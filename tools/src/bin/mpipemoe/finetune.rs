@@ -261,27 +261,9 @@ fn median_after_warm_up(seconds: &[f64]) -> f64 {
     }
 }
 
-/// The adapters' spec the flags give, checked before the model and the data are read, and
-/// the flags' split of the batch over the ranks: a mistake in them is a usage error naming
-/// the flag (the model-dependent checks, a target this model lacks, come with the model).
-fn lora_spec(args: &FinetuneArgs) -> Result<Option<LoraSpec>, String> {
-    let ranks = args.run.ranks;
-    if ranks == 0 || !args.batch.is_multiple_of(ranks) {
-        return Err(format!(
-            "--batch {} sequences do not split evenly over --ranks {ranks}",
-            args.batch
-        ));
-    }
-    if let Some(ep) = args
-        .expert_parallel
-        .filter(|&ep| ep == 0 || !ranks.is_multiple_of(ep))
-    {
-        return Err(format!("--expert-parallel {ep} does not divide --ranks {ranks}"));
-    }
-    let Some(rank) = args.lora_rank else {
-        return Ok(None);
-    };
-    let spec = LoraSpec {
+/// The adapters' spec the flags give, if they ask for fresh adapters.
+fn lora_spec(args: &FinetuneArgs) -> Option<LoraSpec> {
+    args.lora_rank.map(|rank| LoraSpec {
         rank,
         alpha: args.lora_alpha,
         scaling: if args.rslora {
@@ -291,21 +273,34 @@ fn lora_spec(args: &FinetuneArgs) -> Result<Option<LoraSpec>, String> {
         },
         targets: args.lora_targets.clone(),
         dropout: args.lora_dropout,
+    })
+}
+
+/// An error of [`FinetuneOptions::validate`] as a usage error: the flag that gave the field,
+/// with its value, and the reason.
+fn usage_error(e: MoeError, args: &FinetuneArgs) -> String {
+    let MoeError::Config { field, reason } = e else {
+        return e.to_string();
     };
-    spec.validate().map_err(|e| match e {
-        MoeError::Config { field, reason } => {
-            let flag = match field {
-                "rank" => "--lora-rank",
-                "alpha" => "--lora-alpha",
-                "targets" => "--lora-targets",
-                "lora_dropout" => "--lora-dropout",
-                other => other,
-            };
-            format!("{flag}: {reason}")
-        }
-        other => other.to_string(),
-    })?;
-    Ok(Some(spec))
+    let ranks = args.run.ranks;
+    let flag = match field {
+        "steps" => format!("--steps {}", args.steps),
+        "batch" => format!("--batch {} (--ranks {ranks})", args.batch),
+        "seq_len" => format!("--seq-len {}", args.seq_len),
+        "lr" => format!("--lr {}", args.lr),
+        "weight_decay" => format!("--weight-decay {}", args.weight_decay),
+        "expert_parallel" => format!(
+            "--expert-parallel {} (--ranks {ranks})",
+            args.expert_parallel.unwrap_or(ranks)
+        ),
+        "rank" => "--lora-rank".into(),
+        "alpha" => "--lora-alpha".into(),
+        "targets" => "--lora-targets".into(),
+        "lora_dropout" => "--lora-dropout".into(),
+        "merge" => "--merge".into(),
+        other => format!("`{other}`"),
+    };
+    format!("{flag}: {reason}")
 }
 
 pub fn run(args: FinetuneArgs) -> ExitCode {
@@ -320,21 +315,10 @@ pub fn run(args: FinetuneArgs) -> ExitCode {
         return ExitCode::from(2);
     }
     let adapters = args.lora_rank.is_some() || args.adapter.is_some();
-    if args.merge && !adapters {
-        eprintln!("error: --merge needs adapters: --lora-rank or --adapter");
-        return ExitCode::from(2);
-    }
     if args.in_place && adapters && !args.merge {
         eprintln!("error: --in-place with adapters writes the merged model over DIR: add --merge, or give --out for the adapter folder");
         return ExitCode::from(2);
     }
-    let lora = match lora_spec(&args) {
-        Ok(lora) => lora,
-        Err(message) => {
-            eprintln!("error: {message}");
-            return ExitCode::from(2);
-        }
-    };
     let adapter = match args.adapter.as_deref().map(PeftAdapter::read).transpose() {
         Ok(adapter) => adapter,
         Err(e) => {
@@ -342,6 +326,30 @@ pub fn run(args: FinetuneArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let options = FinetuneOptions {
+        steps: args.steps,
+        batch: args.batch,
+        seq_len: args.seq_len,
+        lr: args.lr,
+        weight_decay: args.weight_decay,
+        epsilon: 1e-8,
+        seed: args.seed,
+        expert_parallel: args.expert_parallel,
+        bias_update_speed: args.bias_update_speed,
+        lora: lora_spec(&args),
+        adapter,
+        merge: args.merge,
+        // On the CPU backends every rank's step lives in this process's memory: each gets its
+        // share of what the machine has available, and a step whose attention weights alone
+        // exceed it is refused before the first step rather than ended by a failed allocation.
+        host_bytes: args.run.backend.host_bytes_per_rank(args.run.ranks),
+    };
+    // The options' own checks before the model or the data is read: a mistake in them is a
+    // usage error naming the flag.
+    if let Err(e) = options.validate(args.run.ranks) {
+        eprintln!("error: {}", usage_error(e, &args));
+        return ExitCode::from(2);
+    }
     let tokens = match tokens(&args) {
         Ok(tokens) => tokens,
         Err(e) => {
@@ -358,24 +366,6 @@ pub fn run(args: FinetuneArgs) -> ExitCode {
         args.batch,
         args.seq_len
     );
-    let options = FinetuneOptions {
-        steps: args.steps,
-        batch: args.batch,
-        seq_len: args.seq_len,
-        lr: args.lr,
-        weight_decay: args.weight_decay,
-        epsilon: 1e-8,
-        seed: args.seed,
-        expert_parallel: args.expert_parallel,
-        bias_update_speed: args.bias_update_speed,
-        lora,
-        adapter,
-        merge: args.merge,
-        // On the CPU backends every rank's step lives in this process's memory: each gets its
-        // share of what the machine has available, and a step whose attention weights alone
-        // exceed it is refused before the first step rather than ended by a failed allocation.
-        host_bytes: args.run.backend.host_bytes_per_rank(args.run.ranks),
-    };
     let bar = ProgressBar::new(args.steps as u64);
     if let Ok(style) = ProgressStyle::with_template("{elapsed_precise} [{bar:25}] {pos}/{len} {msg}") {
         bar.set_style(style);
