@@ -18,7 +18,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{FloatDType, Shape, Slice, TensorData, TensorMetadata};
+use burn::tensor::{ElementConversion, FloatDType, Shape, Slice, TensorData, TensorMetadata};
 
 use super::MoeBackend;
 use crate::comm::{Communicator, HostRows, RowExchange};
@@ -49,10 +49,18 @@ pub(crate) fn float_dtype<B: Backend>(x: &FloatTensor<B>) -> FloatDType {
     x.dtype().into()
 }
 
-/// An int index tensor from host indices.
+/// An int index tensor from host indices, written in the backend's integer type in one pass:
+/// through `i64` and burn's `convert` it was two passes and two allocations (the conversion
+/// allocates again where the types differ in size, as `i64` and the CubeCL and Flex backends'
+/// `i32` do), on the host between the routing read and the dispatch.
 pub(crate) fn index<B: Backend>(idx: &[usize], device: &B::Device) -> IntTensor<B> {
-    let data = TensorData::new(idx.iter().map(|&i| i as i64).collect::<Vec<_>>(), [idx.len()]);
-    B::int_from_data(data.convert::<B::IntElem>(), device)
+    let data = TensorData::new(
+        idx.iter()
+            .map(|&i| (i as i64).elem::<B::IntElem>())
+            .collect::<Vec<_>>(),
+        [idx.len()],
+    );
+    B::int_from_data(data, device)
 }
 
 /// `[rows, width]` zeros with `x`'s dtype and device; without a kernel where that is no

@@ -28,6 +28,10 @@ pub(crate) use module::buffer;
 pub use module::{Router, Routing};
 pub use rule::{RoutingRule, Scoring};
 pub(crate) use topk::group_limited_top_k;
+/// The choice and its definition, for the benchmark (`harness`).
+pub(crate) mod choice {
+    pub use super::topk::{group_limited_top_k, group_limited_top_k_reference};
+}
 
 #[cfg(feature = "cubecl")]
 use burn::tensor::ops::FloatTensor;

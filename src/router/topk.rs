@@ -28,6 +28,51 @@ pub fn group_limited_top_k(
         k <= if limited { topk_group * per_group } else { n_cols },
         "top_k {k} too large"
     );
+    let n_rows = values.len() / n_cols;
+    let mut out = vec![0usize; n_rows * k];
+    if k == 0 {
+        return out;
+    }
+    let rows = |values: &[f32], out: &mut [usize]| {
+        let mut chooser = RowChooser::new(k, n_group, topk_group);
+        for (row, chosen) in values.chunks_exact(n_cols).zip(out.chunks_exact_mut(k)) {
+            chooser.choose(row, chosen);
+        }
+    };
+    // The rows are independent. A large batch of many experts (DeepSeek-V3's 256 at 4,096
+    // tokens is a million values) is split over the cores, in blocks large enough that a
+    // task's work outweighs handing it to a thread; a small one stays on the calling thread.
+    const PER_TASK: usize = 1 << 15;
+    let rows_per_task = PER_TASK.div_ceil(n_cols);
+    if n_rows >= 2 * rows_per_task {
+        use rayon::prelude::*;
+        values
+            .par_chunks(rows_per_task * n_cols)
+            .zip(out.par_chunks_mut(rows_per_task * k))
+            .for_each(|(values, out)| rows(values, out));
+    } else {
+        rows(values, &mut out);
+    }
+    out
+}
+
+/// [`group_limited_top_k`] by its definition: for each row, the best groups by their top-two
+/// sums, then `k` scans for the largest remaining allowed value, the lower index on a tie (the
+/// implementation before the one-pass choice, its buffers reused from row to row). The twin
+/// the tests and the `routing` benchmark compare the choice with, and the choice for a row
+/// with a NaN.
+///
+/// # Panics
+/// As [`group_limited_top_k`].
+pub fn group_limited_top_k_reference(
+    values: &[f32],
+    n_cols: usize,
+    k: usize,
+    n_group: usize,
+    topk_group: usize,
+) -> Vec<usize> {
+    let per_group = n_cols / n_group;
+    let limited = topk_group < n_group;
     let mut out = Vec::with_capacity(values.len() / n_cols * k);
     let mut allowed = vec![true; n_cols];
     let mut picked = vec![false; n_cols];
@@ -38,8 +83,7 @@ pub fn group_limited_top_k(
                 *score = top_two_sum(&row[g * per_group..(g + 1) * per_group]);
             }
             allowed.iter_mut().for_each(|a| *a = false);
-            let best_groups = best_indices(&group_scores, topk_group, |_| true);
-            for g in best_groups {
+            for g in best_indices(&group_scores, topk_group, |_| true) {
                 allowed[g * per_group..(g + 1) * per_group]
                     .iter_mut()
                     .for_each(|a| *a = true);
@@ -53,6 +97,106 @@ pub fn group_limited_top_k(
         }
     }
     out
+}
+
+/// One row's choice at a time, in one pass over the row where it holds no NaN, with the
+/// buffers of one row kept for the next.
+///
+/// The host makes this choice between the routing read and the plan, while a GPU waits for
+/// the next launch. The definition ([`group_limited_top_k_reference`]) scans a row once per
+/// chosen expert, so its cost grows with `k · n_experts` a token: milliseconds a step for
+/// the fine-grained routers at a few thousand tokens (the `routing` benchmark).
+struct RowChooser {
+    k: usize,
+    n_group: usize,
+    topk_group: usize,
+    /// The row's best experts, as (value, column), best first.
+    best: Vec<(f32, usize)>,
+    /// The groups' scores (the sums of their two largest values), as (score, group).
+    groups: Vec<(f32, usize)>,
+    /// The row's best groups, as (score, group).
+    kept: Vec<(f32, usize)>,
+}
+
+impl RowChooser {
+    fn new(k: usize, n_group: usize, topk_group: usize) -> Self {
+        Self {
+            k,
+            n_group,
+            topk_group,
+            best: vec![(0.0, 0); k],
+            groups: Vec::with_capacity(n_group),
+            kept: vec![(0.0, 0); topk_group],
+        }
+    }
+
+    /// Writes `row`'s `k` chosen columns into `chosen`, best first.
+    fn choose(&mut self, row: &[f32], chosen: &mut [usize]) {
+        // A NaN compares false both ways, so a one-pass choice could order it differently
+        // from the definition's repeated scans; such a row (which the layer's finite check
+        // refuses where it is on) takes the definition. A group of an infinity of each sign
+        // sums to NaN, so its scores are checked too.
+        let per_group = row.len() / self.n_group;
+        let limited = self.topk_group < self.n_group;
+        // Folded without an early exit, so that the test vectorises.
+        let mut finite_order = !row.iter().fold(false, |nan, v| nan | v.is_nan());
+        if finite_order && limited {
+            self.groups.clear();
+            let scores = row.chunks_exact(per_group).map(top_two_sum);
+            self.groups.extend(scores.zip(0..));
+            finite_order = !self.groups.iter().any(|(v, _)| v.is_nan());
+        }
+        if !finite_order {
+            let reference =
+                group_limited_top_k_reference(row, row.len(), self.k, self.n_group, self.topk_group);
+            chosen.copy_from_slice(&reference);
+            return;
+        }
+        let len = match limited {
+            true => {
+                largest(self.groups.iter().copied(), &mut self.kept);
+                // The kept groups' columns in increasing order, so that a tie still goes to
+                // the lower column.
+                self.kept.sort_unstable_by_key(|&(_, g)| g);
+                let columns = self.kept.iter().flat_map(|&(_, g)| {
+                    let start = g * per_group;
+                    (start..start + per_group).map(move |c| (row[c], c))
+                });
+                largest(columns, &mut self.best)
+            }
+            false => largest(row.iter().copied().zip(0..), &mut self.best),
+        };
+        assert_eq!(len, self.k, "enough experts are allowed");
+        for (c, &(_, col)) in chosen.iter_mut().zip(&self.best) {
+            *c = col;
+        }
+    }
+}
+
+/// The `best.len()` largest of `values`, (value, index) pairs without NaN in increasing
+/// index, into `best` by value, descending, the lower index first among equal values: what
+/// repeated scans for the largest remaining value choose. Returns how many were filled (fewer
+/// than `best.len()` only where `values` has fewer).
+///
+/// A new pair has the largest index so far, so it goes after every kept value it does not
+/// exceed, and a full list takes it only where it beats the last kept value: after the
+/// first few values of a row, one comparison a value.
+fn largest(values: impl Iterator<Item = (f32, usize)>, best: &mut [(f32, usize)]) -> usize {
+    let k = best.len();
+    let mut len = 0;
+    for (v, c) in values {
+        if len == k && v <= best[k - 1].0 {
+            continue;
+        }
+        let mut at = if len == k { k - 1 } else { len };
+        while at > 0 && v > best[at - 1].0 {
+            best[at] = best[at - 1];
+            at -= 1;
+        }
+        best[at] = (v, c);
+        len = (len + 1).min(k);
+    }
+    len
 }
 
 /// The sum of the two largest values (the only value of a one-element slice).
@@ -118,6 +262,69 @@ mod tests {
         // Without the limit, the plain top-3.
         assert_eq!(group_limited_top_k(&v, 8, 3, 4, 4), vec![4, 0, 2]);
         assert_eq!(group_limited_top_k(&v, 8, 3, 1, 1), vec![4, 0, 2]);
+    }
+
+    proptest::proptest! {
+        /// The one-pass choice against its twin, row by row: the same experts in the same
+        /// order for any values, groups and `k`. The values come from a small set (ties in
+        /// most rows, both zeros, both infinities, and NaN in some rows, which take the twin),
+        /// so a one-pass choice that broke a tie toward the higher index, dropped an equal
+        /// value, kept a disallowed expert or mishandled -inf chooses differently here.
+        #[test]
+        fn the_one_pass_choice_is_the_reference_choice(
+            n_group in 1usize..5,
+            per_group in 1usize..6,
+            group_cut in 0usize..4,
+            k_seed in 0usize..64,
+            picks in proptest::collection::vec(0usize..9, 1..240),
+        ) {
+            const VALUES: [f32; 9] =
+                [-1.5, 0.0, -0.0, 0.25, 0.25, 2.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN];
+            let n_cols = n_group * per_group;
+            let topk_group = n_group - group_cut.min(n_group - 1);
+            let allowed = match topk_group < n_group {
+                true => topk_group * per_group,
+                false => n_cols,
+            };
+            let k = k_seed % (allowed + 1);
+            let rows = picks.len().div_ceil(n_cols);
+            let values: Vec<f32> = (0..rows * n_cols)
+                .map(|i| match VALUES[picks[i % picks.len()]] {
+                    // NaN in every third row only: the others take the one-pass choice.
+                    v if v.is_nan() && (i / n_cols) % 3 != 0 => 1.0,
+                    v => v,
+                })
+                .collect();
+            let chosen = group_limited_top_k(&values, n_cols, k, n_group, topk_group);
+            let twin = group_limited_top_k_reference(&values, n_cols, k, n_group, topk_group);
+            proptest::prop_assert_eq!(chosen, twin);
+        }
+    }
+
+    /// A batch large enough to be split over threads chooses what the definition chooses,
+    /// row by row, with blocks of rows that do not divide the batch: a block written to the
+    /// wrong rows of the output, or a last block left out, fails here. (The property test
+    /// above stays under the split's size.)
+    #[test]
+    fn a_batch_split_over_threads_is_the_reference_choice() {
+        let (n_rows, n_cols) = (5_003, 16);
+        let mut state = 7u64;
+        let values: Vec<f32> = (0..n_rows * n_cols)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                // 64 levels: ties in most rows.
+                (state >> 58) as f32 / 8.0 - 4.0
+            })
+            .collect();
+        for (k, n_group, topk_group) in [(1, 1, 1), (3, 1, 1), (4, 4, 2)] {
+            assert_eq!(
+                group_limited_top_k(&values, n_cols, k, n_group, topk_group),
+                group_limited_top_k_reference(&values, n_cols, k, n_group, topk_group),
+                "k {k}, {topk_group} of {n_group} groups"
+            );
+        }
     }
 
     #[test]

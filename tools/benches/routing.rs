@@ -1,0 +1,59 @@
+//! The router's choice of experts on the host (`harness::group_limited_top_k`: one pass a row,
+//! the rows split over the cores where the batch is large) against its definition
+//! (`harness::group_limited_top_k_reference`: a scan of the row for each expert chosen, the
+//! twin the tests compare it with), side by side in one run, on the same values and threads.
+//!
+//! The layer makes this choice between reading the router's values and planning the
+//! exchange; on a GPU the device waits for the host meanwhile. Shapes: 4,096 tokens at the
+//! routers of the paper's shapes (8 experts, top-1 and top-2), Mixtral-like (8, top-2 is the
+//! same), Qwen-style fine-grained experts (64 experts top-6, 128 top-8) and DeepSeek-V3's
+//! group-limited routing (256 experts in 8 groups, top-8 of the best 4 groups).
+//!
+//! `cargo bench -p mpipemoe-tools --bench routing`.
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use mpipemoe::harness::{group_limited_top_k, group_limited_top_k_reference};
+use mpipemoe::rng::SplitMix64;
+
+mod common;
+
+/// (label, experts, top_k, groups, groups kept)
+const ROUTERS: [(&str, usize, usize, usize, usize); 6] = [
+    ("8e-top1", 8, 1, 1, 1),
+    ("8e-top2", 8, 2, 1, 1),
+    ("32e-top4", 32, 4, 1, 1),
+    ("64e-top6", 64, 6, 1, 1),
+    ("128e-top8", 128, 8, 1, 1),
+    ("256e-top8-g4of8", 256, 8, 8, 4),
+];
+
+fn routing(c: &mut Criterion) {
+    let tokens = 4096;
+    let mut group = c.benchmark_group("expert_choice/4096tok");
+    for (label, n_experts, top_k, n_group, topk_group) in ROUTERS {
+        // Logit-like values: uniform in [-2, 2), as distinct as f32 makes them.
+        let mut rng = SplitMix64::new(n_experts as u64);
+        let values: Vec<f32> = (0..tokens * n_experts)
+            .map(|_| (rng.next_f64() * 4.0 - 2.0) as f32)
+            .collect();
+        assert_eq!(
+            group_limited_top_k(&values, n_experts, top_k, n_group, topk_group),
+            group_limited_top_k_reference(&values, n_experts, top_k, n_group, topk_group),
+            "{label}: the two choices differ"
+        );
+        group.bench_with_input(BenchmarkId::new("definition", label), &values, |b, v| {
+            b.iter(|| group_limited_top_k_reference(v, n_experts, top_k, n_group, topk_group))
+        });
+        group.bench_with_input(BenchmarkId::new("one pass", label), &values, |b, v| {
+            b.iter(|| group_limited_top_k(v, n_experts, top_k, n_group, topk_group))
+        });
+    }
+    group.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = common::criterion();
+    targets = routing
+}
+criterion_main!(benches);
