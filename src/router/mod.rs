@@ -16,7 +16,8 @@ mod module;
 mod rule;
 #[cfg(all(test, feature = "flex", feature = "ndarray"))]
 mod tests;
-mod topk;
+// The choice and its definition are re-exported for the benchmark by `harness`.
+pub(crate) mod topk;
 
 pub(crate) use balance::score_bias_step;
 pub use kernels::{
@@ -28,10 +29,6 @@ pub(crate) use module::buffer;
 pub use module::{Router, Routing};
 pub use rule::{RoutingRule, Scoring};
 pub(crate) use topk::group_limited_top_k;
-/// The choice and its definition, for the benchmark (`harness`).
-pub(crate) mod choice {
-    pub use super::topk::{group_limited_top_k, group_limited_top_k_reference};
-}
 
 #[cfg(feature = "cubecl")]
 use burn::tensor::ops::FloatTensor;

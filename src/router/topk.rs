@@ -112,8 +112,8 @@ struct RowChooser {
     topk_group: usize,
     /// The row's best experts, as (value, column), best first.
     best: Vec<(f32, usize)>,
-    /// The groups' scores (the sums of their two largest values), as (score, group).
-    groups: Vec<(f32, usize)>,
+    /// The groups' scores (the sums of their two largest values), by group.
+    groups: Vec<f32>,
     /// The row's best groups, as (score, group).
     kept: Vec<(f32, usize)>,
 }
@@ -142,9 +142,8 @@ impl RowChooser {
         let mut finite_order = !row.iter().fold(false, |nan, v| nan | v.is_nan());
         if finite_order && limited {
             self.groups.clear();
-            let scores = row.chunks_exact(per_group).map(top_two_sum);
-            self.groups.extend(scores.zip(0..));
-            finite_order = !self.groups.iter().any(|(v, _)| v.is_nan());
+            self.groups.extend(row.chunks_exact(per_group).map(top_two_sum));
+            finite_order = !self.groups.iter().any(|v| v.is_nan());
         }
         if !finite_order {
             let reference =
@@ -154,7 +153,7 @@ impl RowChooser {
         }
         let len = match limited {
             true => {
-                largest(self.groups.iter().copied(), &mut self.kept);
+                largest(self.groups.iter().copied().zip(0..), &mut self.kept);
                 // The kept groups' columns in increasing order, so that a tie still goes to
                 // the lower column.
                 self.kept.sort_unstable_by_key(|&(_, g)| g);
