@@ -4,6 +4,7 @@
 
 #[cfg(feature = "cubecl")]
 mod device_memory;
+mod host_plan;
 mod kernels;
 mod memory;
 mod synthetic;
@@ -16,6 +17,7 @@ pub use crate::memory::alloc::CountingAllocator;
 pub use crate::router::topk::{group_limited_top_k, group_limited_top_k_reference};
 #[cfg(feature = "cubecl")]
 pub use device_memory::{DeviceMemoryMeter, DeviceSample};
+pub use host_plan::plan_on_host;
 pub use kernels::{kernel_checks, KernelCheck};
 pub use memory::{
     measure_layer_memory, measure_layer_memory_with, measure_layer_peak, MemoryMeasurement, PeakMeter,

@@ -9,10 +9,14 @@
 //! same), Qwen-style fine-grained experts (64 experts top-6, 128 top-8) and DeepSeek-V3's
 //! group-limited routing (256 experts in 8 groups, top-8 of the best 4 groups).
 //!
+//! A second group times what the host does next at one rank, before the exchange's first
+//! launch (`harness::plan_on_host`): the counts and capacity, the plans, and the row maps of
+//! steps 4 and 6, on the same routers' choices.
+//!
 //! `cargo bench -p mpipemoe-tools --bench routing`.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use mpipemoe::harness::{group_limited_top_k, group_limited_top_k_reference};
+use mpipemoe::harness::{group_limited_top_k, group_limited_top_k_reference, plan_on_host};
 use mpipemoe::rng::SplitMix64;
 
 mod common;
@@ -51,9 +55,36 @@ fn routing(c: &mut Criterion) {
     group.finish();
 }
 
+/// (label, experts, top_k, capacity factor, partitions)
+const PLANS: [(&str, usize, usize, Option<f64>, usize); 6] = [
+    ("8e-top1", 8, 1, None, 1),
+    ("8e-top2", 8, 2, None, 1),
+    ("8e-top2-n4", 8, 2, None, 4),
+    ("8e-top2-cap1", 8, 2, Some(1.0), 1),
+    ("64e-top6", 64, 6, None, 1),
+    ("128e-top8", 128, 8, None, 1),
+];
+
+fn host_plan(c: &mut Criterion) {
+    let tokens = 4096;
+    let mut group = c.benchmark_group("host_plan/4096tok");
+    for (label, n_experts, top_k, capacity, n_partitions) in PLANS {
+        // The choices the router makes on logit-like values, as in the group above.
+        let mut rng = SplitMix64::new(n_experts as u64);
+        let values: Vec<f32> = (0..tokens * n_experts)
+            .map(|_| (rng.next_f64() * 4.0 - 2.0) as f32)
+            .collect();
+        let indices = group_limited_top_k(&values, n_experts, top_k, 1, 1);
+        group.bench_with_input(BenchmarkId::new("plan", label), &indices, |b, idx| {
+            b.iter(|| plan_on_host(idx, tokens, top_k, n_experts, capacity, n_partitions).unwrap())
+        });
+    }
+    group.finish();
+}
+
 criterion_group! {
     name = benches;
     config = common::criterion();
-    targets = routing
+    targets = routing, host_plan
 }
 criterion_main!(benches);
