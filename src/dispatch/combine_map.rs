@@ -36,17 +36,17 @@ impl CombineMap {
             row_slot.len(),
             tokens.n_rows()
         );
+        // A slot's token is `slot / top_k`; checked by a product, as a division a row costs
+        // more than the rest of the check.
         for (row, (&slot, &token)) in row_slot.iter().zip(tokens.targets()).enumerate() {
-            assert_eq!(
-                slot / top_k,
-                token,
+            assert!(
+                slot.checked_sub(token * top_k).is_some_and(|j| j < top_k),
                 "CombineMap: row {row}'s slot {slot} is not its token {token}'s"
             );
         }
-        let slots = RowMap::new(row_slot, tokens.n_targets() * top_k);
-        for s in 0..slots.n_targets() {
-            assert!(slots.rows_of(s).len() <= 1, "CombineMap: slot {s} has two rows");
-        }
+        let n_slots = tokens.n_targets() * top_k;
+        let slots = RowMap::with_distinct_targets(row_slot, n_slots)
+            .unwrap_or_else(|s| panic!("CombineMap: slot {s} has two rows"));
         Self {
             tokens,
             slots: Arc::new(slots),

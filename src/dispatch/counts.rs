@@ -1,9 +1,7 @@
 //! The counts collective: what every rank routed where, gathered once per forward, and the
 //! plans for any split as pure functions of it.
 
-use super::{
-    chunk_len, chunk_range, CapacityDecision, DispatchPlan, ExchangePlan, RoutingStats, SplitScheme,
-};
+use super::{chunk_len, chunk_range, DispatchPlan, ExchangePlan, ExpertRows, RoutingStats, SplitScheme};
 use crate::comm::Communicator;
 use crate::error::{MoeError, Result};
 use crate::memory::RankRows;
@@ -18,8 +16,9 @@ pub struct RoutingCounts {
     pub(super) n_local: usize,
     pub(super) n_tokens: usize,
     pub(super) top_k: usize,
-    /// Kept assignment slots (`t * top_k + j`) per global expert, in token order.
-    pub(super) rows_of_expert: Vec<Vec<usize>>,
+    /// Kept assignments (slots `t * top_k + j` and their tokens) per global expert, in token
+    /// order.
+    pub(super) expert_rows: ExpertRows,
     /// Kept assignments of every rank to every expert: `[n_ranks][n_experts]`. Every rank
     /// knows them after the counts exchange, so every rank can model every rank's memory.
     pub(super) kept_by_rank: Vec<Vec<usize>>,
@@ -31,21 +30,14 @@ pub struct RoutingCounts {
     pub(super) stats: RoutingStats,
 }
 
-/// Every expert's routed rows over the group, and those of the ranks before `rank` (where
-/// this rank's rows queue for capacity), from the gathered counts (`[n_tokens, per-expert
-/// counts...]` per rank).
-fn expert_totals(per_rank: &[&[usize]], rank: usize, n_experts: usize) -> (Vec<usize>, Vec<usize>) {
-    let mut before = vec![0usize; n_experts];
+/// Every expert's routed rows over the group, from the gathered counts (`[n_tokens,
+/// per-expert counts...]` per rank).
+fn expert_totals(per_rank: &[&[usize]], n_experts: usize) -> Vec<usize> {
     let mut global = vec![0usize; n_experts];
-    for (r, counts) in per_rank.iter().enumerate() {
-        for e in 0..n_experts {
-            global[e] += counts[e + 1];
-            if r < rank {
-                before[e] += counts[e + 1];
-            }
-        }
+    for counts in per_rank {
+        global.iter_mut().zip(&counts[1..]).for_each(|(g, c)| *g += c);
     }
-    (global, before)
+    global
 }
 
 /// Every rank's kept rows per expert. Capacity is first come, first served in rank order, so
@@ -120,36 +112,45 @@ impl RoutingCounts {
         }
         let gathered = comm.all_gather_counts(&local)?;
         let per_rank: Vec<&[usize]> = gathered.chunks_exact(n_experts + 1).collect();
+        // This rank's kept rows are read back from the gathered counts below: a communicator
+        // that gathered anything else is refused here, not trusted with the plan.
+        if per_rank.len() != n_ranks || per_rank[rank] != local.as_slice() {
+            return Err(MoeError::comm(
+                "all_gather_counts",
+                rank,
+                format!(
+                    "gathered {} values where {n_ranks} ranks of {} counts, this rank's own among them, were expected",
+                    gathered.len(),
+                    n_experts + 1
+                ),
+            ));
+        }
         let n_tokens_global: usize = per_rank.iter().map(|c| c[0]).sum();
-        let (global, before) = expert_totals(&per_rank, rank, n_experts);
+        let global = expert_totals(&per_rank, n_experts);
 
         let capacity = capacity_factor.map(|f| super::capacity_for(f, n_tokens_global, top_k, n_experts));
-        let decision = CapacityDecision::decide(indices, n_experts, capacity, &before);
         let kept_by_rank = kept_by_rank(&per_rank, n_experts, capacity);
         let tokens_by_rank = per_rank.iter().map(|c| c[0]).collect();
         let tokens_per_expert: Vec<usize> =
             global.iter().map(|&g| capacity.map_or(g, |c| g.min(c))).collect();
         let dropped = global.iter().sum::<usize>() - tokens_per_expert.iter().sum::<usize>();
-        let local_dropped = decision.kept.iter().filter(|&&k| !k).count();
         let (n_tokens_world, routed) = over_replicas(replicas, n_tokens_global, &global)?;
         let assignments = (n_tokens_world * top_k).max(1) as f64;
         let expert_fraction: Vec<f64> = routed.iter().map(|&g| g as f64 / assignments).collect();
 
-        let send_counts = decision.kept_per_expert.clone();
+        // This rank's kept counts are its share of the first come, first served order in
+        // `kept_by_rank`; each expert keeps its first assignments in token order.
+        let send_counts = kept_by_rank[rank].clone();
+        let local_dropped = indices.len() - send_counts.iter().sum::<usize>();
         let recv_counts = comm.all_to_all_counts(&send_counts, n_local)?;
-        let mut rows_of_expert: Vec<Vec<usize>> = vec![Vec::new(); n_experts];
-        for (slot, (&e, &keep)) in indices.iter().zip(&decision.kept).enumerate() {
-            if keep {
-                rows_of_expert[e].push(slot);
-            }
-        }
+        let expert_rows = ExpertRows::new(indices, top_k, &send_counts);
         Ok(Self {
             rank,
             n_ranks,
             n_local,
             n_tokens,
             top_k,
-            rows_of_expert,
+            expert_rows,
             kept_by_rank,
             tokens_by_rank,
             send_counts,
@@ -255,21 +256,23 @@ impl RoutingCounts {
     /// token (pure).
     pub fn plans(&self, scheme: SplitScheme) -> (DispatchPlan, ExchangePlan) {
         let exchange = self.exchange_plan(scheme);
+        let rows = &self.expert_rows;
         let mut row_slot = Vec::with_capacity(exchange.send_rows());
+        let mut row_token = Vec::with_capacity(exchange.send_rows());
         for i in 0..exchange.n_partitions() {
-            for (e, slots) in self.rows_of_expert.iter().enumerate() {
+            for e in 0..rows.n_experts() {
+                let n_rows = rows.slots_of(e).len();
                 let range = match scheme {
-                    SplitScheme::Tokens(n) => chunk_range(slots.len(), n, i),
-                    SplitScheme::Ranks if e / self.n_local == (self.rank + i) % self.n_ranks => {
-                        0..slots.len()
-                    }
+                    SplitScheme::Tokens(n) => chunk_range(n_rows, n, i),
+                    SplitScheme::Ranks if e / self.n_local == (self.rank + i) % self.n_ranks => 0..n_rows,
                     SplitScheme::Ranks => 0..0,
                 };
-                row_slot.extend_from_slice(&slots[range]);
+                row_slot.extend_from_slice(&rows.slots_of(e)[range.clone()]);
+                row_token.extend_from_slice(&rows.tokens_of(e)[range]);
             }
         }
         debug_assert_eq!(row_slot.len(), exchange.send_rows());
-        (self.dispatch_of(row_slot), exchange)
+        (self.dispatch_of(row_slot, row_token), exchange)
     }
 
     /// `T_I`'s rows in one block, by expert, then by token (the order [`plans`](Self::plans)
@@ -277,7 +280,8 @@ impl RoutingCounts {
     /// rank's few tokens go straight to its experts. Expert `e`'s rows are
     /// [`kept_per_expert`](Self::kept_per_expert)`()[e]` (pure).
     pub fn dispatch_plan(&self) -> DispatchPlan {
-        self.dispatch_of(self.rows_of_expert.concat())
+        let rows = &self.expert_rows;
+        self.dispatch_of(rows.slots().to_vec(), rows.tokens().to_vec())
     }
 
     /// This rank's kept assignments to each expert of the group, after capacity. `[n_experts]`
@@ -285,8 +289,7 @@ impl RoutingCounts {
         &self.send_counts
     }
 
-    fn dispatch_of(&self, row_slot: Vec<usize>) -> DispatchPlan {
-        let row_token = row_slot.iter().map(|&s| s / self.top_k).collect();
+    fn dispatch_of(&self, row_slot: Vec<usize>, row_token: Vec<usize>) -> DispatchPlan {
         DispatchPlan {
             n_tokens: self.n_tokens,
             top_k: self.top_k,
@@ -325,5 +328,96 @@ mod tests {
         // A capacity of 1.0 × 6 × 2 / 4 = 3 rows an expert drops two of expert 1's five.
         let capped = RoutingCounts::gather(&indices, 6, 2, 4, Some(1.0), &SingleRank, &SingleRank).unwrap();
         assert_eq!(capped.kept_per_expert(), &[3, 3, 2, 2]);
+    }
+
+    /// A peer that echoes this rank's own counts changed: the gathered counts no longer say
+    /// what this rank routed, and the plan that reads its kept rows from them is refused.
+    #[test]
+    fn a_gather_that_changes_this_ranks_counts_is_a_comm_error() {
+        use crate::comm::{Communicator, Payload};
+        #[derive(Debug)]
+        struct Garbling;
+        impl Communicator for Garbling {
+            fn rank(&self) -> usize {
+                0
+            }
+            fn n_ranks(&self) -> usize {
+                2
+            }
+            fn exchange(&self, _: &'static str, mut outgoing: Vec<Payload>) -> crate::Result<Vec<Payload>> {
+                if let Payload::Counts(own) = &mut outgoing[0] {
+                    own[1] += 1;
+                }
+                Ok(outgoing)
+            }
+            fn split(&self, _: usize) -> crate::Result<std::sync::Arc<dyn Communicator>> {
+                unreachable!("the counts step splits nothing")
+            }
+        }
+        let err = RoutingCounts::gather(&[0, 1, 1, 0], 4, 1, 2, None, &Garbling, &SingleRank).unwrap_err();
+        assert!(
+            matches!(&err, MoeError::Comm { op, .. } if op == "all_gather_counts"),
+            "{err}"
+        );
+    }
+
+    /// `T_I`'s rows by their definition: partition by partition, expert by expert, the slots
+    /// of that expert the capacity keeps, ascending, cut into `n` near-equal chunks; the
+    /// capacity counted in slot order from zero (one rank).
+    fn rows_by_definition(
+        indices: &[usize],
+        n_experts: usize,
+        capacity: Option<usize>,
+        n: usize,
+    ) -> Vec<usize> {
+        let mut seen = vec![0; n_experts];
+        let kept: Vec<bool> = indices
+            .iter()
+            .map(|&e| {
+                seen[e] += 1;
+                capacity.is_none_or(|c| seen[e] <= c)
+            })
+            .collect();
+        let mut rows = Vec::new();
+        for i in 0..n {
+            for e in 0..n_experts {
+                let slots: Vec<usize> = (0..indices.len())
+                    .filter(|&s| indices[s] == e && kept[s])
+                    .collect();
+                rows.extend_from_slice(&slots[chunk_range(slots.len(), n, i)]);
+            }
+        }
+        rows
+    }
+
+    proptest::proptest! {
+        /// The plans' rows, their tokens and the decode path's block follow the definition,
+        /// with and without capacity, at any number of partitions.
+        #[test]
+        fn the_plans_rows_are_the_definitions(
+            n_experts in 1usize..7,
+            top_k in 1usize..4,
+            picks in proptest::collection::vec(0usize..64, 0..90),
+            factor in proptest::option::of(0.25f64..1.5),
+            n in 1usize..5,
+        ) {
+            let n_tokens = picks.len() / top_k;
+            let indices: Vec<usize> = picks[..n_tokens * top_k].iter().map(|p| p % n_experts).collect();
+            let counts =
+                RoutingCounts::gather(&indices, n_tokens, top_k, n_experts, factor, &SingleRank, &SingleRank)
+                    .unwrap();
+            let capacity = factor.map(|f| super::super::capacity_for(f, n_tokens, top_k, n_experts));
+            let want = rows_by_definition(&indices, n_experts, capacity, n);
+            let (plan, exchange) = counts.plans(SplitScheme::Tokens(n));
+            proptest::prop_assert_eq!(&plan.row_slot, &want);
+            let tokens: Vec<usize> = want.iter().map(|s| s / top_k).collect();
+            proptest::prop_assert_eq!(&plan.row_token, &tokens);
+            proptest::prop_assert_eq!(exchange.send_rows(), want.len());
+            // At one rank every drop is this rank's.
+            proptest::prop_assert_eq!(plan.stats.local_dropped, indices.len() - want.len());
+            proptest::prop_assert_eq!(plan.stats.dropped, indices.len() - want.len());
+            let block = rows_by_definition(&indices, n_experts, capacity, 1);
+            proptest::prop_assert_eq!(counts.dispatch_plan().row_slot, block);
+        }
     }
 }

@@ -8,6 +8,7 @@
 mod capacity;
 mod combine_map;
 mod counts;
+mod expert_rows;
 mod partition;
 mod plan;
 mod row_map;
@@ -17,6 +18,7 @@ pub use crate::pipeline::{chunk_len, chunk_range};
 pub use capacity::{capacity_for, CapacityDecision};
 pub use combine_map::CombineMap;
 pub use counts::RoutingCounts;
+pub use expert_rows::ExpertRows;
 pub use partition::{PartitionPlan, SplitScheme};
 pub use plan::{DispatchPlan, ExchangePlan, RoutingStats};
 pub use row_map::RowMap;

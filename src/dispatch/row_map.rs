@@ -55,6 +55,46 @@ impl RowMap {
         }
     }
 
+    /// The map of rows whose targets are distinct (a combine's slots: each has at most one
+    /// row), the same as [`new`](Self::new) gives for them, in one pass over the rows and one
+    /// over the targets instead of a counting sort.
+    ///
+    /// # Errors
+    /// The first target, in row order, that a second row maps to.
+    ///
+    /// # Panics
+    /// If a target is `n_targets` or more (a contract violation, as for [`new`](Self::new)).
+    pub fn with_distinct_targets(targets: Vec<usize>, n_targets: usize) -> Result<Self, usize> {
+        const NO_ROW: usize = usize::MAX;
+        let mut row_of = vec![NO_ROW; n_targets];
+        for (row, &t) in targets.iter().enumerate() {
+            assert!(
+                t < n_targets,
+                "RowMap: target {t} of a tensor of {n_targets} rows"
+            );
+            if row_of[t] != NO_ROW {
+                return Err(t);
+            }
+            row_of[t] = row;
+        }
+        // Two tight passes over the targets rather than one with two pushes a target.
+        let mut offsets = Vec::with_capacity(n_targets + 1);
+        offsets.push(0);
+        let mut n_rows = 0;
+        offsets.extend(row_of.iter().map(|&row| {
+            n_rows += usize::from(row != NO_ROW);
+            n_rows
+        }));
+        let mut order = Vec::with_capacity(targets.len());
+        order.extend(row_of.into_iter().filter(|&row| row != NO_ROW));
+        Ok(Self {
+            targets,
+            n_targets,
+            offsets,
+            order,
+        })
+    }
+
     /// The target of each row. `[n_rows]`
     pub fn targets(&self) -> &[usize] {
         &self.targets
@@ -106,6 +146,34 @@ mod tests {
                 assert_eq!(map.targets()[r], t);
             }
         }
+    }
+
+    /// The distinct-target map is the counting sort's: the same offsets and order, on rows
+    /// that leave some targets empty, at sizes around the small ones the tests use.
+    #[test]
+    fn distinct_targets_map_as_the_counting_sort_does() {
+        let mut rng = crate::rng::SplitMix64::new(11);
+        for n_targets in [0, 1, 2, 7, 64, 1000] {
+            // A random permutation of the targets, cut short: distinct, some left out.
+            let mut targets: Vec<usize> = (0..n_targets).collect();
+            for i in (1..n_targets).rev() {
+                targets.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+            }
+            targets.truncate(n_targets * 2 / 3);
+            let sorted = RowMap::new(targets.clone(), n_targets);
+            assert_eq!(
+                RowMap::with_distinct_targets(targets, n_targets),
+                Ok(sorted),
+                "{n_targets}"
+            );
+        }
+        assert_eq!(RowMap::with_distinct_targets(vec![2, 0, 2, 0], 3), Err(2));
+    }
+
+    #[test]
+    #[should_panic(expected = "target 3 of a tensor of 3 rows")]
+    fn a_distinct_target_past_the_end_is_refused() {
+        let _ = RowMap::with_distinct_targets(vec![0, 3], 3);
     }
 
     #[test]

@@ -58,10 +58,7 @@ impl RoutingCounts {
             }
             out
         };
-        let mut rows_of_expert = vec![Vec::new(); n_ranks * slots];
-        for (e, rows) in self.rows_of_expert.iter().enumerate() {
-            rows_of_expert[target(rank, e)] = rows.clone();
-        }
+        let expert_rows = self.expert_rows.regrouped(n_ranks * slots, |e| target(rank, e));
         // What this rank receives per (source rank, slot): its own experts' rows from every
         // source except those of shadowed experts, and its own rows of each shadowed expert.
         let mut recv_counts = vec![0usize; n_ranks * slots];
@@ -77,7 +74,7 @@ impl RoutingCounts {
         }
         RoutingCounts {
             n_local: slots,
-            rows_of_expert,
+            expert_rows,
             kept_by_rank: (0..n_ranks)
                 .map(|src| remap(src, &self.kept_by_rank[src]))
                 .collect(),
@@ -90,19 +87,17 @@ impl RoutingCounts {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{RoutingStats, SplitScheme};
+    use super::super::{ExpertRows, RoutingStats, SplitScheme};
     use super::*;
 
     /// Rank `rank` of two with two experts each, its counts as `gather` would leave them
     /// when `kept[src][e]` rows of rank `src` go to expert `e` (one slot per row, in order).
     fn counts(rank: usize, kept: &[Vec<usize>]) -> RoutingCounts {
         let (n_ranks, n_local) = (2, 2);
-        let mut rows_of_expert = Vec::new();
-        let mut next = 0;
-        for &c in &kept[rank] {
-            rows_of_expert.push((next..next + c).collect::<Vec<_>>());
-            next += c;
-        }
+        let indices: Vec<usize> = (0..4)
+            .flat_map(|e| std::iter::repeat_n(e, kept[rank][e]))
+            .collect();
+        let next = indices.len();
         let recv_counts = (0..n_ranks)
             .flat_map(|src| (0..n_local).map(move |v| (src, v)))
             .map(|(src, v)| kept[src][rank * n_local + v])
@@ -113,7 +108,7 @@ mod tests {
             n_local,
             n_tokens: next,
             top_k: 1,
-            rows_of_expert,
+            expert_rows: ExpertRows::new(&indices, 1, &kept[rank]),
             kept_by_rank: kept.to_vec(),
             tokens_by_rank: kept.iter().map(|k| k.iter().sum()).collect(),
             send_counts: kept[rank].clone(),
@@ -138,8 +133,8 @@ mod tests {
             vec![vec![1, 0, 5, 0, 2, 0], vec![0, 3, 0, 0, 1, 4]]
         );
         // The five rows of e2 keep their slots and move to the copy.
-        assert_eq!(rank0.rows_of_expert[2], (1..6).collect::<Vec<_>>());
-        assert!(rank0.rows_of_expert[3].is_empty());
+        assert_eq!(rank0.expert_rows.slots_of(2), (1..6).collect::<Vec<_>>());
+        assert!(rank0.expert_rows.slots_of(3).is_empty());
 
         let rank1 = counts(1, &kept).with_shadows(&[2]);
         // Rank 1 receives e3 from both ranks, nothing for its own slot of e2, and its own 4

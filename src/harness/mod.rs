@@ -14,7 +14,7 @@ pub use crate::cases::{
     CheckReport, TensorError,
 };
 pub use crate::memory::alloc::CountingAllocator;
-pub use crate::router::topk::{group_limited_top_k, group_limited_top_k_reference};
+pub use crate::router::topk::{all_finite, group_limited_top_k, group_limited_top_k_reference};
 #[cfg(feature = "cubecl")]
 pub use device_memory::{DeviceMemoryMeter, DeviceSample};
 pub use host_plan::plan_on_host;

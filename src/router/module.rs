@@ -147,7 +147,7 @@ impl<B: RouterKernels> Router<B> {
         ));
         let (choice, also) = self.choice_scores(&logits, &scores, also);
         let read = HostRead {
-            choice_finite: choice.iter().all(|v| v.is_finite()),
+            choice_finite: super::topk::all_finite(&choice),
             also,
         };
         let indices = if n_tokens == 0 {

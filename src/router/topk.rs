@@ -239,9 +239,32 @@ fn best_indices(values: &[f32], count: usize, eligible: impl Fn(usize) -> bool) 
         .collect()
 }
 
+/// Whether every value is finite: the finite check on the values the choice reads. A fold
+/// without an early exit vectorises where `Iterator::all` cannot, so blocks of 256 values
+/// are folded whole and the scan stops at the first block with a value that is not.
+pub fn all_finite(values: &[f32]) -> bool {
+    values
+        .chunks(256)
+        .all(|block| block.iter().fold(true, |finite, v| finite & v.is_finite()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_value_that_is_not_finite_is_found_in_any_block() {
+        assert!(all_finite(&[]));
+        let mut values = vec![1.5f32; 1000];
+        assert!(all_finite(&values));
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            for at in [0, 255, 256, 999] {
+                values[at] = bad;
+                assert!(!all_finite(&values), "{bad} at {at}");
+                values[at] = -0.0;
+            }
+        }
+    }
 
     #[test]
     fn picks_largest_best_first_and_breaks_ties_by_index() {

@@ -9,14 +9,17 @@
 //! same), Qwen-style fine-grained experts (64 experts top-6, 128 top-8) and DeepSeek-V3's
 //! group-limited routing (256 experts in 8 groups, top-8 of the best 4 groups).
 //!
-//! A second group times what the host does next at one rank, before the exchange's first
+//! A second group times the finite check on the same values (`harness::all_finite`, a fold
+//! in blocks) against `Iterator::all`, which the layer ran before.
+//!
+//! A third group times what the host does next at one rank, before the exchange's first
 //! launch (`harness::plan_on_host`): the counts and capacity, the plans, and the row maps of
 //! steps 4 and 6, on the same routers' choices.
 //!
 //! `cargo bench -p mpipemoe-tools --bench routing`.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use mpipemoe::harness::{group_limited_top_k, group_limited_top_k_reference, plan_on_host};
+use mpipemoe::harness::{all_finite, group_limited_top_k, group_limited_top_k_reference, plan_on_host};
 use mpipemoe::rng::SplitMix64;
 
 mod common;
@@ -55,6 +58,25 @@ fn routing(c: &mut Criterion) {
     group.finish();
 }
 
+fn finite_check(c: &mut Criterion) {
+    let tokens = 4096;
+    let mut group = c.benchmark_group("finite_check/4096tok");
+    for n_experts in [8, 128] {
+        let mut rng = SplitMix64::new(n_experts as u64);
+        let values: Vec<f32> = (0..tokens * n_experts)
+            .map(|_| (rng.next_f64() * 4.0 - 2.0) as f32)
+            .collect();
+        let label = format!("{n_experts}e");
+        group.bench_with_input(BenchmarkId::new("Iterator::all", &label), &values, |b, v| {
+            b.iter(|| v.iter().all(|x| x.is_finite()))
+        });
+        group.bench_with_input(BenchmarkId::new("blocks", &label), &values, |b, v| {
+            b.iter(|| all_finite(v))
+        });
+    }
+    group.finish();
+}
+
 /// (label, experts, top_k, capacity factor, partitions)
 const PLANS: [(&str, usize, usize, Option<f64>, usize); 6] = [
     ("8e-top1", 8, 1, None, 1),
@@ -85,6 +107,6 @@ fn host_plan(c: &mut Criterion) {
 criterion_group! {
     name = benches;
     config = common::criterion();
-    targets = routing, host_plan
+    targets = routing, finite_check, host_plan
 }
 criterion_main!(benches);
