@@ -57,8 +57,8 @@ pub(crate) fn combine<R: CubeRuntime>(rows: &CubeTensor<R>, map: &RowMap) -> Opt
         // Nothing to launch over (CUDA refuses an empty grid); the caller's zeros are exact.
         return None;
     }
-    let offsets = upload_u32(rows, map.offsets())?;
-    let order = upload_u32(rows, map.order())?;
+    let offsets = upload_u32(rows, map.offsets().iter().copied())?;
+    let order = upload_u32(rows, map.order().iter().copied())?;
     let out = output(rows, [map.n_targets(), width]);
     let (count, dim) = grid(rows, units);
     // SAFETY: `offsets` has `n_targets + 1` entries and `order` `n_rows`, every entry of
@@ -202,15 +202,14 @@ pub(crate) fn combine_weighted<R: CubeRuntime>(
     }
     let [n_rows, width] = dims2(rows)?;
     let tokens = map.tokens();
-    let slots = map.slots().targets();
-    let packed: Vec<usize> = tokens
-        .offsets()
-        .iter()
-        .copied()
+    let (slots, top_k) = (map.slots().targets(), map.top_k());
+    // A row's choice is its slot less its token's first slot: a product, where a remainder
+    // would divide once a row.
+    let choices = (tokens.order().iter()).map(|&r| slots[r] - tokens.targets()[r] * top_k);
+    let packed = (tokens.offsets().iter().copied())
         .chain(tokens.order().iter().copied())
-        .chain(tokens.order().iter().map(|&r| slots[r] % map.top_k()))
-        .collect();
-    let packed = upload_u32(rows, &packed)?;
+        .chain(choices);
+    let packed = upload_u32(rows, packed)?;
     let units = map.n_tokens() * width;
     let out = output(rows, [map.n_tokens(), width]);
     let (count, dim) = grid(rows, units);
@@ -255,10 +254,13 @@ pub(crate) fn combine_weighted_backward<R: CubeRuntime>(
         return None;
     }
     let n_slots = map.n_tokens() * map.top_k();
-    let row_of_slot: Vec<usize> = (0..n_slots)
-        .map(|s| map.row_of_slot(s).map_or(0, |r| r + 1))
-        .collect();
-    let row_of_slot = upload_u32(rows, &row_of_slot)?;
+    // Each slot's row plus one, 0 for none, read off the slot map's offsets in one pass.
+    let slot_map = map.slots();
+    let row_of_slot = slot_map.offsets().windows(2).map(|w| match w[1] > w[0] {
+        true => slot_map.order()[w[0]] + 1,
+        false => 0,
+    });
+    let row_of_slot = upload_u32(rows, row_of_slot)?;
     let d_rows = output(rows, [n_rows, width]);
     let d_weights = output(rows, [map.n_tokens(), map.top_k()]);
     let dim = CubeDim::new_1d(BACKWARD_THREADS as u32);

@@ -229,7 +229,7 @@ fn upload<R: CubeRuntime>(
     if indices.len() != n_tokens.checked_mul(top_k)? || indices.iter().any(|&e| e >= n_experts) {
         return None;
     }
-    upload_u32(like, indices)
+    upload_u32(like, indices.iter().copied())
 }
 
 fn flag(rule: &PickRule) -> u32 {

@@ -34,15 +34,20 @@ const ROUTERS: [(&str, usize, usize, usize, usize); 6] = [
     ("256e-top8-g4of8", 256, 8, 8, 4),
 ];
 
+/// Logit-like router values, `[n_tokens, n_experts]`: uniform in [-2, 2), as distinct as f32
+/// makes them, seeded by the expert count so that every group reads the same values.
+fn logit_like(n_tokens: usize, n_experts: usize) -> Vec<f32> {
+    let mut rng = SplitMix64::new(n_experts as u64);
+    (0..n_tokens * n_experts)
+        .map(|_| (rng.next_f64() * 4.0 - 2.0) as f32)
+        .collect()
+}
+
 fn routing(c: &mut Criterion) {
     let tokens = 4096;
     let mut group = c.benchmark_group("expert_choice/4096tok");
     for (label, n_experts, top_k, n_group, topk_group) in ROUTERS {
-        // Logit-like values: uniform in [-2, 2), as distinct as f32 makes them.
-        let mut rng = SplitMix64::new(n_experts as u64);
-        let values: Vec<f32> = (0..tokens * n_experts)
-            .map(|_| (rng.next_f64() * 4.0 - 2.0) as f32)
-            .collect();
+        let values = logit_like(tokens, n_experts);
         assert_eq!(
             group_limited_top_k(&values, n_experts, top_k, n_group, topk_group),
             group_limited_top_k_reference(&values, n_experts, top_k, n_group, topk_group),
@@ -62,10 +67,7 @@ fn finite_check(c: &mut Criterion) {
     let tokens = 4096;
     let mut group = c.benchmark_group("finite_check/4096tok");
     for n_experts in [8, 128] {
-        let mut rng = SplitMix64::new(n_experts as u64);
-        let values: Vec<f32> = (0..tokens * n_experts)
-            .map(|_| (rng.next_f64() * 4.0 - 2.0) as f32)
-            .collect();
+        let values = logit_like(tokens, n_experts);
         let label = format!("{n_experts}e");
         group.bench_with_input(BenchmarkId::new("Iterator::all", &label), &values, |b, v| {
             b.iter(|| v.iter().all(|x| x.is_finite()))
@@ -91,12 +93,8 @@ fn host_plan(c: &mut Criterion) {
     let tokens = 4096;
     let mut group = c.benchmark_group("host_plan/4096tok");
     for (label, n_experts, top_k, capacity, n_partitions) in PLANS {
-        // The choices the router makes on logit-like values, as in the group above.
-        let mut rng = SplitMix64::new(n_experts as u64);
-        let values: Vec<f32> = (0..tokens * n_experts)
-            .map(|_| (rng.next_f64() * 4.0 - 2.0) as f32)
-            .collect();
-        let indices = group_limited_top_k(&values, n_experts, top_k, 1, 1);
+        // The choices the router makes on the values the groups above read.
+        let indices = group_limited_top_k(&logit_like(tokens, n_experts), n_experts, top_k, 1, 1);
         group.bench_with_input(BenchmarkId::new("plan", label), &indices, |b, idx| {
             b.iter(|| plan_on_host(idx, tokens, top_k, n_experts, capacity, n_partitions).unwrap())
         });
