@@ -163,6 +163,15 @@ impl RowChooser {
                 });
                 largest(columns, &mut self.best)
             }
+            // The goal shapes' routers (top-1 and top-2 of a few experts) take passes that
+            // vectorise, without the mispredicted branch a new best costs the general scan.
+            false if self.k <= 2 => {
+                match self.k {
+                    1 => chosen[0] = argmax(row),
+                    _ => chosen.copy_from_slice(&top_two(row)),
+                }
+                return;
+            }
             false => largest(row.iter().copied().zip(0..), &mut self.best),
         };
         assert_eq!(len, self.k, "enough experts are allowed");
@@ -196,6 +205,38 @@ fn largest(values: impl Iterator<Item = (f32, usize)>, best: &mut [(f32, usize)]
         len = (len + 1).min(k);
     }
     len
+}
+
+/// The column of `row`'s largest value, the lower column among equal values: the maximum by
+/// a fold, then the first column that holds it. `row` is not empty and has no NaN.
+fn argmax(row: &[f32]) -> usize {
+    let max = row.iter().fold(f32::NEG_INFINITY, |max, &v| max.max(v));
+    row.iter()
+        .position(|&v| v == max)
+        .expect("a row without NaN holds its maximum")
+}
+
+/// The columns of `row`'s two largest values, best first, the lower column first among equal
+/// values: one pass whose updates are selects rather than branches. `row` has at least two
+/// values and no NaN.
+fn top_two(row: &[f32]) -> [usize; 2] {
+    let (mut first, mut second) = match row[1] > row[0] {
+        true => ((row[1], 1), (row[0], 0)),
+        false => ((row[0], 0), (row[1], 1)),
+    };
+    for (c, &v) in row.iter().enumerate().skip(2) {
+        // A value equal to a kept one ranks after it: it came later.
+        let (beats_first, beats_second) = (v > first.0, v > second.0);
+        second = if beats_first {
+            first
+        } else if beats_second {
+            (v, c)
+        } else {
+            second
+        };
+        first = if beats_first { (v, c) } else { first };
+    }
+    [first.1, second.1]
 }
 
 /// The sum of the two largest values (the only value of a one-element slice).
