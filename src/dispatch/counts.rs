@@ -305,6 +305,7 @@ impl RoutingCounts {
 mod tests {
     use super::*;
     use crate::comm::SingleRank;
+    use crate::dispatch::CapacityDecision;
 
     /// The decode path's plan is the one-partition plan without its exchange plan: the same
     /// rows in the same order, the same counts, with and without capacity drops; and each
@@ -363,21 +364,14 @@ mod tests {
 
     /// `T_I`'s rows by their definition: partition by partition, expert by expert, the slots
     /// of that expert the capacity keeps, ascending, cut into `n` near-equal chunks; the
-    /// capacity counted in slot order from zero (one rank).
+    /// capacity decided slot by slot from zero (one rank, `CapacityDecision`).
     fn rows_by_definition(
         indices: &[usize],
         n_experts: usize,
         capacity: Option<usize>,
         n: usize,
     ) -> Vec<usize> {
-        let mut seen = vec![0; n_experts];
-        let kept: Vec<bool> = indices
-            .iter()
-            .map(|&e| {
-                seen[e] += 1;
-                capacity.is_none_or(|c| seen[e] <= c)
-            })
-            .collect();
+        let kept = CapacityDecision::decide(indices, n_experts, capacity, &vec![0; n_experts]).kept;
         let mut rows = Vec::new();
         for i in 0..n {
             for e in 0..n_experts {

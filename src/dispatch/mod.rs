@@ -15,7 +15,9 @@ mod row_map;
 mod shadows;
 
 pub use crate::pipeline::{chunk_len, chunk_range};
-pub use capacity::{capacity_for, CapacityDecision};
+pub use capacity::capacity_for;
+#[cfg(any(test, feature = "testkit"))]
+pub use capacity::CapacityDecision;
 pub use combine_map::CombineMap;
 pub use counts::RoutingCounts;
 pub use expert_rows::ExpertRows;

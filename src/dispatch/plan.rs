@@ -1,7 +1,9 @@
 //! The dispatch plan (token → row of `T_I`) and the exchange plan (row counts per rank and
 //! expert, cut into partitions).
 
-use super::{chunk_len, PartitionPlan, SplitScheme};
+use std::sync::Arc;
+
+use super::{chunk_len, CombineMap, PartitionPlan, RowMap, SplitScheme};
 
 /// What the router did with a batch, over all ranks.
 #[derive(Debug, Clone, PartialEq, Default, serde::Serialize)]
@@ -63,6 +65,17 @@ impl DispatchPlan {
     /// Rows of `T_I` (kept assignments on this rank).
     pub fn n_rows(&self) -> usize {
         self.row_token.len()
+    }
+
+    /// The map of `T_I`'s rows to their tokens: step 4 gathers by it, step 6 sums back by it.
+    pub fn token_map(&self) -> Arc<RowMap> {
+        Arc::new(RowMap::new(self.row_token.clone(), self.n_tokens))
+    }
+
+    /// Step 6's map: `tokens` (this plan's [`token_map`](Self::token_map)) with each row's
+    /// combine-weight slot.
+    pub fn combine_map(&self, tokens: Arc<RowMap>) -> Arc<CombineMap> {
+        Arc::new(CombineMap::new(tokens, self.row_slot.clone(), self.top_k))
     }
 }
 

@@ -3,10 +3,8 @@
 //! for `n` partitions, and the two maps steps 4 and 6 move rows by. On a GPU the device waits
 //! for this after the routing read, so the routing bench times it beside the choice.
 
-use std::sync::Arc;
-
 use crate::comm::SingleRank;
-use crate::dispatch::{CombineMap, RoutingCounts, RowMap, SplitScheme};
+use crate::dispatch::{RoutingCounts, SplitScheme};
 use crate::error::Result;
 
 /// Plans one rank's batch from its choices and builds its row maps; returns the rows of `T_I`.
@@ -47,8 +45,7 @@ pub fn plan_on_host(
         &SingleRank,
     )?;
     let (dispatch, exchange) = counts.plans(SplitScheme::Tokens(n_partitions));
-    let tokens = Arc::new(RowMap::new(dispatch.row_token.clone(), dispatch.n_tokens));
-    let combine = CombineMap::new(tokens, dispatch.row_slot, dispatch.top_k);
+    let combine = dispatch.combine_map(dispatch.token_map());
     debug_assert_eq!(combine.n_rows(), exchange.send_rows());
     Ok(combine.n_rows())
 }

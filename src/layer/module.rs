@@ -9,7 +9,7 @@ use burn::tensor::{Tensor, TensorPrimitive};
 use super::losses::RouterLosses;
 use super::plan::Route;
 use super::{ExchangePath, MoeContext, MoeLayerConfig, MoeOutput, MoeStats};
-use crate::dispatch::{CombineMap, DispatchPlan, ExchangePlan, RowMap};
+use crate::dispatch::{CombineMap, ExchangePlan, RowMap};
 use crate::error::{MoeError, Result};
 use crate::exchange::{exchange_reference, row_weights, MoeBackend};
 use crate::experts::{ExpertAdapters, ExpertTensors, Experts, ExpertsSpec, SharedExpert};
@@ -212,12 +212,8 @@ impl<B: MoeBackend> MoeLayer<B> {
 
         // 4. Permute: T_I = the input rows in plan order (scaled by their combine weights
         //    where the weights go on the experts' input, as in Llama 4).
-        let tokens = token_map(&plan.dispatch);
-        let combine = Arc::new(CombineMap::new(
-            tokens.clone(),
-            plan.dispatch.row_slot.clone(),
-            plan.dispatch.top_k,
-        ));
+        let tokens = plan.dispatch.token_map();
+        let combine = plan.dispatch.combine_map(tokens.clone());
         let (t_i, combine_weights) = match config.weights_on_input {
             true => (
                 permute(&x, &tokens) * row_weights(routing.weights.into_primitive().tensor(), &combine),
@@ -328,18 +324,13 @@ impl<B: MoeBackend> MoeLayer<B> {
 }
 
 /// Step 4: the rows of `x` in the plan's order, one per kept (token, expert) assignment
-/// ([`token_map`]).
+/// ([`DispatchPlan::token_map`](crate::dispatch::DispatchPlan::token_map)).
 ///
 /// # Shapes
 /// - `x`: `[n_tokens, d_model]`
 /// - returns `T_I`: `[n_rows, d_model]`, `n_rows = tokens.n_rows()`
 pub(super) fn permute<B: MoeBackend>(x: &Tensor<B, 2>, tokens: &Arc<RowMap>) -> Tensor<B, 2> {
     float(B::gather_rows(x.clone().into_primitive().tensor(), tokens))
-}
-
-/// The map of step 4's rows to their tokens (`plan.row_token`), which step 6 sums back by.
-pub(super) fn token_map(plan: &DispatchPlan) -> Arc<RowMap> {
-    Arc::new(RowMap::new(plan.row_token.clone(), plan.n_tokens))
 }
 
 fn float<B: Backend>(x: burn::tensor::ops::FloatTensor<B>) -> Tensor<B, 2> {

@@ -4,7 +4,7 @@
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorMetadata};
 
-use super::super::module::{permute, token_map};
+use super::super::module::permute;
 use super::super::{ExchangePath, MoeLayer, Partitions};
 use crate::dispatch::{RoutingCounts, SplitScheme};
 use crate::error::Result;
@@ -69,7 +69,7 @@ impl<B: MoeBackend> MoeLayer<B> {
             candidates = fitting;
         }
         let (dispatch, _) = counts.plans(SplitScheme::Tokens(1));
-        let input: FloatTensor<B> = permute(x, &token_map(&dispatch)).into_primitive().tensor();
+        let input: FloatTensor<B> = permute(x, &dispatch.token_map()).into_primitive().tensor();
         let experts = self.experts.tensors();
         let mut trial = |n: usize| -> Result<()> {
             let run = self.exchange_run(strategies.get(&n).copied().unwrap_or(Strategy::None));
