@@ -17,7 +17,8 @@ layer without an exchange at TF32 and exchange the four round trips alone (the g
 where the experts' and the layer's section time goes: each piece's device ms a step, its share,
 and the host ms its calls took. Where the layer rows carry the CUPTI census's counts (host
 waits, frees, launches through the driver and the runtime, per step), a last table lists them
-beside the goal of at most two host waits per step at one rank.
+beside the goal of at most two host waits per step at one rank. Where it has the router's
+choice rows (`what` = `choice`), a table of the choice made on the device against the host's.
 """
 import json
 import sys
@@ -37,7 +38,7 @@ def main():
                 return r["median_ms"]
         return None
 
-    keys = sorted({(r["shape"], r["tokens"], r["top_k"]) for r in ours},
+    keys = sorted({(r["shape"], r["tokens"], r["top_k"]) for r in ours if r["what"] != "choice"},
                   key=lambda k: (["GPT3-S", "BERT-L", "GPT3-XL"].index(k[0]), k[1], k[2]))
     cell = lambda v: f"{v:.2f}" if v else "-"
     ratio = lambda a, b: f"{a / b:.2f}×" if a and b else "-"
@@ -90,6 +91,25 @@ def main():
     pipeline(ours, keys)
     pieces(ours, keys)
     calls(ours, keys)
+    choices(ours)
+
+
+def choices(ours):
+    """The router's choice made on the device and read, against the values read and chosen on
+    the host (what the layer ran before), each router's medians measured alternately."""
+    rows = [r for r in ours if r["what"] == "choice"]
+    if not rows:
+        return
+    print()
+    print("| router | tokens | device ms (kernel + read of the choice) | host ms (read of the values + choice) | host / device |")
+    print("|---|---|---|---|---|")
+    for label in dict.fromkeys(r["shape"] for r in rows):
+        side = lambda path: next((r["median_ms"] for r in rows if (r["shape"], r["path"]) == (label, path)), None)
+        device, host = side("device"), side("host")
+        tokens = next(r["tokens"] for r in rows if r["shape"] == label)
+        ratio = f"{host / device:.2f}×" if device and host else "-"
+        cell = lambda v: f"{v:.3f}" if v else "-"
+        print(f"| {label} | {tokens} | {cell(device)} | {cell(host)} | {ratio} |")
 
 
 def pipeline(ours, keys):

@@ -1,6 +1,7 @@
 //! The backend ops a layer and a model run beside their GEMMs (the experts' activations, the
 //! decoder blocks' norm, rotations, attention weights and dense SwiGLU, the token loss), each against its
-//! composed default on the same backend and the same inputs, forward and backward: what the
+//! composed default on the same backend and the same inputs, forward and backward, and the
+//! router's choice on the device against the host's (`choice.rs`): what the
 //! GPU check runs on CUDA, raw and under fusion, where the CubeCL kernels are compiled for a
 //! GPU (the crate's tests run the same list on WGPU).
 //!
@@ -28,6 +29,7 @@ pub fn kernel_checks<B: MoeBackend>(device: &B::Device) -> Vec<KernelCheck> {
     let mut checks = activation_checks::<B>(device);
     checks.extend(decoder_checks::<B>(device));
     checks.extend(loss_checks::<B>(device));
+    checks.extend(super::choice::choice_checks::<B>(device));
     checks
 }
 

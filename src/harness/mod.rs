@@ -2,6 +2,7 @@
 //! `mpipemoe` command-line tool, the tests and the benchmarks share. Nothing here is covered by
 //! semantic versioning.
 
+mod choice;
 #[cfg(feature = "cubecl")]
 mod device_memory;
 mod host_plan;

@@ -26,8 +26,10 @@ impl<B: MoeBackend> MoeLayer<B> {
     }
 
     /// The top-k experts and their weights for each token of `x`, and the input's finite
-    /// check where the config asks for it. One transfer to the host, one host wait: the
-    /// router's choice values, which the check reads too.
+    /// check where the config asks for it. One transfer to the host, one host wait: on the
+    /// CubeCL backends the choice made on the device, which checked every logit and choice
+    /// value finite as it chose (finite logits mean a finite input: see below); elsewhere, or
+    /// where a value was not finite there, the router's choice values, which the check reads.
     ///
     /// A router without a score bias chooses by its logits, which come to the host for the
     /// choice anyway, and a NaN or an infinity anywhere in a token's input makes every logit
@@ -56,15 +58,15 @@ impl<B: MoeBackend> MoeLayer<B> {
         };
         let check = config.check_finite && x.dims()[0] > 0;
         let by_logits = self.router.chooses_by_logits();
-        let on_device = (check && !by_logits).then(|| non_finite_sum(x));
         let (routing, read) = self.router.route_reading(
             x.clone(),
             &config.routing_rule(),
             &|a, b| self.dense(a, b, router_precision),
-            on_device,
+            &|| (check && !by_logits).then(|| non_finite_sum(x)),
         )?;
         let finite = match (check, by_logits) {
             (false, _) => true,
+            _ if read.device_checked => true,
             (true, true) => read.choice_finite || input_is_finite(x),
             (true, false) => read.also.first().is_some_and(|&sum| sum == 0.0),
         };

@@ -11,8 +11,8 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::Autodiff;
 use burn::tensor::ops::FloatTensor;
 
-use super::kernels::{PickRule, RouterKernels};
-use super::Scoring;
+use super::kernels::{DeviceChoice, PickRule, RouterKernels};
+use super::{RoutingRule, Scoring};
 
 #[derive(Debug)]
 struct ScoresBackward;
@@ -137,6 +137,15 @@ impl<B: RouterKernels, C: CheckpointStrategy> RouterKernels for Autodiff<B, C> {
             ),
             OpsKind::UnTracked(prep) => prep.finish(weights),
         }
+    }
+
+    /// The inner backend's choice: an integer choice has no gradient, so nothing is recorded.
+    fn router_choose(
+        values: FloatTensor<Self>,
+        logits: FloatTensor<Self>,
+        rule: &RoutingRule,
+    ) -> Option<DeviceChoice> {
+        B::router_choose(values.primitive, logits.primitive, rule)
     }
 
     /// The inner backend's z-loss, recorded as one node that keeps the logits for its

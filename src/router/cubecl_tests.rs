@@ -1,7 +1,10 @@
 //! The router's kernels (`cubecl_router.rs`, `cubecl_z_loss.rs`) against their composed twins
 //! on WGPU: scores, weights, the z-loss and their backwards, from contiguous tensors and from
-//! transposed views, for both scorings and every normalisation. Every reference case also
-//! runs through them in the layer (`tests/wgpu.rs`).
+//! transposed views, for both scorings and every normalisation; and the choice kernel
+//! (`cubecl_choice.rs`): its flags for values that are not finite and the rules it leaves to
+//! the host (its choice is held to the host's by `harness::kernel_checks`, which
+//! `tests/wgpu.rs` runs on WGPU and the GPU check on CUDA). Every reference case also runs
+//! through them in the layer (`tests/wgpu.rs`).
 
 use burn::backend::Wgpu;
 use burn::tensor::ops::FloatTensor;
@@ -189,4 +192,53 @@ fn the_z_loss_kernels_match_the_composed_forms() {
             );
         }
     }
+}
+
+fn tensor(values: &[f32], shape: [usize; 2]) -> Tensor<Wgpu, 2> {
+    Tensor::from_data(
+        burn::tensor::TensorData::new(values.to_vec(), shape),
+        &Default::default(),
+    )
+}
+
+/// A NaN or an infinity in one token's values, or in its logits alone, is flagged for the
+/// host, wherever it lies in the row; a batch of finite values is chosen; and a rule the host
+/// refuses (more experts than allowed) is not launched.
+#[test]
+fn the_choice_kernel_flags_values_that_are_not_finite() {
+    use super::{DeviceChoice, RoutingRule};
+    let (n_tokens, n_experts) = (9, 8);
+    let rule = RoutingRule::top_k(2, true);
+    let fine = super::topk::tied_values(n_tokens * n_experts, 7);
+    let finite = tensor(&fine, [n_tokens, n_experts]);
+    assert!(matches!(
+        super::cubecl_choice::choose(&p(&finite), &p(&finite), &rule),
+        Some(DeviceChoice::Chosen(_))
+    ));
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        for at in [0, 4 * n_experts + 3, n_tokens * n_experts - 1] {
+            let mut values = fine.clone();
+            values[at] = bad;
+            let broken = tensor(&values, [n_tokens, n_experts]);
+            for (what, values, logits) in [("values", &broken, &broken), ("logits", &finite, &broken)] {
+                assert_eq!(
+                    super::cubecl_choice::choose(&p(values), &p(logits), &rule),
+                    Some(DeviceChoice::NotFinite),
+                    "{bad} at {at} in the {what}"
+                );
+            }
+        }
+    }
+    let too_many = RoutingRule {
+        n_group: 4,
+        topk_group: 1,
+        ..RoutingRule::top_k(3, true)
+    };
+    assert_eq!(
+        super::cubecl_choice::choose(&p(&finite), &p(&finite), &too_many),
+        None
+    );
+    // Columns past 2^16 would meet the tag that marks what the kernel wrote.
+    let wide = tensor(&vec![0.5; 1 << 16], [1, 1 << 16]);
+    assert_eq!(super::cubecl_choice::choose(&p(&wide), &p(&wide), &rule), None);
 }

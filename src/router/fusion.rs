@@ -11,7 +11,7 @@
 use burn::tensor::ops::FloatTensor;
 use burn_fusion::{Fusion, FusionBackend};
 
-use super::{PickRule, RouterKernels, Scoring};
+use super::{DeviceChoice, PickRule, RouterKernels, RoutingRule, Scoring};
 use crate::exchange::fusion::{register, resolve};
 
 impl<B: FusionBackend + RouterKernels> RouterKernels for Fusion<B> {
@@ -53,6 +53,14 @@ impl<B: FusionBackend + RouterKernels> RouterKernels for Fusion<B> {
         let device = scores.client.device().clone();
         let out = B::router_pick_backward(resolve::<B>(scores), indices, top_k, resolve::<B>(grad), rule);
         register::<B>(out, &device)
+    }
+
+    fn router_choose(
+        values: FloatTensor<Self>,
+        logits: FloatTensor<Self>,
+        rule: &RoutingRule,
+    ) -> Option<DeviceChoice> {
+        B::router_choose(resolve::<B>(values), resolve::<B>(logits), rule)
     }
 
     fn router_z_loss(logits: FloatTensor<Self>, scale: f64) -> FloatTensor<Self> {

@@ -7,7 +7,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Int, Tensor, TensorData, TensorPrimitive};
 
-use super::Scoring;
+use super::{RoutingRule, Scoring};
 
 /// How the chosen scores become combine weights: each token's `top_k` chosen scores divided by
 /// their sum plus `eps` when `normalize` is set, then multiplied by `scaling`.
@@ -20,6 +20,18 @@ pub struct PickRule {
     pub eps: f64,
     /// Factor on every weight, after the division.
     pub scaling: f64,
+}
+
+/// A choice of experts made on the device and read to the host
+/// ([`RouterKernels::router_choose`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeviceChoice {
+    /// Each token's `top_k` experts, best first: `n_tokens · top_k` columns, each below
+    /// `n_experts`, the host's choice exactly.
+    Chosen(Vec<usize>),
+    /// Some token had a value or a logit that is not finite; the caller chooses on the host,
+    /// where NaNs have their own rule and the input's finite check lives.
+    NotFinite,
 }
 
 /// The router's scores and combine weights on the backend that runs them (the inner backend
@@ -91,6 +103,25 @@ pub trait RouterKernels: Backend {
         rule: PickRule,
     ) -> FloatTensor<Self> {
         pick_backward_composed::<Self>(scores, indices, top_k, grad, rule)
+    }
+
+    /// Each token's `rule.top_k` experts by `values` (its `n_group` / `topk_group` limit
+    /// included), chosen on the device so that only the choice comes to the host; `logits`
+    /// is checked for values that are not finite with `values` (the same tensor where a router
+    /// chooses by its logits). `None` where the backend chooses on the host (the default: the
+    /// CPU backends, where the values are already in memory) or cannot read the tensors; the
+    /// caller then reads `values` and chooses on the host. The CubeCL backends run
+    /// one kernel and one read (`router/cubecl_choice.rs`).
+    ///
+    /// # Shapes
+    /// - values, logits: `[n_tokens, n_experts]`
+    fn router_choose(
+        values: FloatTensor<Self>,
+        logits: FloatTensor<Self>,
+        rule: &RoutingRule,
+    ) -> Option<DeviceChoice> {
+        let _ = (values, logits, rule);
+        None
     }
 
     /// The router z-loss (ST-MoE): `scale · Σ_t logsumexp(logits_t)²`, `scale` being the

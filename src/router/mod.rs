@@ -3,6 +3,8 @@
 mod autodiff;
 mod balance;
 #[cfg(feature = "cubecl")]
+mod cubecl_choice;
+#[cfg(feature = "cubecl")]
 mod cubecl_router;
 #[cfg(all(test, feature = "wgpu"))]
 mod cubecl_tests;
@@ -22,7 +24,7 @@ pub(crate) mod topk;
 pub(crate) use balance::score_bias_step;
 pub use kernels::{
     pick_backward_composed, pick_composed, scores_backward_composed, scores_composed,
-    z_loss_backward_composed, z_loss_composed, PickRule, RouterKernels,
+    z_loss_backward_composed, z_loss_composed, DeviceChoice, PickRule, RouterKernels,
 };
 pub(crate) use losses::{load_balancing_loss, z_loss};
 pub(crate) use module::buffer;
@@ -85,6 +87,14 @@ where
     ) -> FloatTensor<Self> {
         cubecl_router::pick_backward(&scores, indices, top_k, &grad, rule)
             .unwrap_or_else(|| pick_backward_composed::<Self>(scores, indices, top_k, grad, rule))
+    }
+
+    fn router_choose(
+        values: FloatTensor<Self>,
+        logits: FloatTensor<Self>,
+        rule: &RoutingRule,
+    ) -> Option<DeviceChoice> {
+        cubecl_choice::choose(&values, &logits, rule)
     }
 
     fn router_z_loss(logits: FloatTensor<Self>, scale: f64) -> FloatTensor<Self> {

@@ -5,7 +5,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
 use super::kernels::float;
-use super::{group_limited_top_k, PickRule, RouterKernels, RoutingRule, Scoring};
+use super::{group_limited_top_k, DeviceChoice, PickRule, RouterKernels, RoutingRule, Scoring};
 use crate::experts::HostInit;
 
 /// The gate: `logits = x · weight^T (+ bias)`, scores (softmax over all experts, or a sigmoid
@@ -104,7 +104,7 @@ impl<B: RouterKernels> Router<B> {
         rule: &RoutingRule,
         matmul: &dyn Fn(Tensor<B, 2>, Tensor<B, 2>) -> crate::Result<Tensor<B, 2>>,
     ) -> crate::Result<Routing<B>> {
-        self.route_reading(x, rule, matmul, None)
+        self.route_reading(x, rule, matmul, &|| None)
             .map(|(routing, _)| routing)
     }
 
@@ -115,9 +115,11 @@ impl<B: RouterKernels> Router<B> {
         self.score_bias.is_none()
     }
 
-    /// [`route_with`](Self::route_with), reading `also` (a few values the caller needs on the
-    /// host, such as the layer's finite check) in the same transfer as the choice values: one
-    /// host wait instead of two.
+    /// [`route_with`](Self::route_with), with what the choice read: on a backend that
+    /// chooses on the device ([`RouterKernels::router_choose`]), the choice alone, its values
+    /// and logits checked finite there; otherwise the choice values, with `also` (a few values
+    /// the caller needs on the host, such as the layer's finite check, made only on this path)
+    /// in the same transfer: one host wait either way.
     ///
     /// # Errors
     /// What `matmul` returns.
@@ -126,7 +128,7 @@ impl<B: RouterKernels> Router<B> {
         x: Tensor<B, 2>,
         rule: &RoutingRule,
         matmul: &dyn Fn(Tensor<B, 2>, Tensor<B, 2>) -> crate::Result<Tensor<B, 2>>,
-        also: Option<Tensor<B, 1>>,
+        also: &dyn Fn() -> Option<Tensor<B, 1>>,
     ) -> crate::Result<(Routing<B>, HostRead)> {
         let [n_tokens, _] = x.dims();
         let n_experts = self.n_experts();
@@ -145,16 +147,7 @@ impl<B: RouterKernels> Router<B> {
             logits.clone().into_primitive().tensor(),
             rule.scoring,
         ));
-        let (choice, also) = self.choice_scores(&logits, &scores, also);
-        let read = HostRead {
-            choice_finite: super::topk::all_finite(&choice),
-            also,
-        };
-        let indices = if n_tokens == 0 {
-            Vec::new()
-        } else {
-            group_limited_top_k(&choice, n_experts, rule.top_k, rule.n_group, rule.topk_group)
-        };
+        let (indices, read) = self.choose(&logits, &scores, rule, also);
         let weights = if n_tokens == 0 {
             Tensor::zeros([0, rule.top_k], &device)
         } else {
@@ -184,41 +177,58 @@ impl<B: RouterKernels> Router<B> {
         ))
     }
 
-    /// What experts are chosen by, on the host: the scores plus the score bias where there is
-    /// one. A router without one chooses by its logits, which order the experts as the
-    /// softmax or the sigmoid does without their rounding: a sigmoid rounds every logit above
-    /// about 17 to 1.0 in f32, which would turn a clear choice into a tie (Llama 4 chooses
-    /// by the logits). The bias is added on the device (in f32, as the host did), so that the
-    /// choice is one transfer, with `also`'s values after it (returned second).
-    fn choice_scores(
+    /// Each token's experts, best first, and what was read for them. Experts are chosen by
+    /// the scores plus the score bias where there is one. A router without one chooses by its
+    /// logits, which order the experts as the softmax or the sigmoid does without their
+    /// rounding: a sigmoid rounds every logit above about 17 to 1.0 in f32, which would turn
+    /// a clear choice into a tie (Llama 4 chooses by the logits). The bias is added on the
+    /// device (in f32, as the host did).
+    ///
+    /// The device chooses where the backend can ([`RouterKernels::router_choose`]: the CubeCL
+    /// backends), and only the choice is read. Where it cannot, or a token's values are not
+    /// all finite there, the values come to the host with `also`'s after them (one transfer)
+    /// and the host chooses: its rule for a NaN is the definition's, and the caller's finite
+    /// check reads what came back.
+    fn choose(
         &self,
         logits: &Tensor<B, 2>,
         scores: &Tensor<B, 2>,
-        also: Option<Tensor<B, 1>>,
-    ) -> (Vec<f32>, Vec<f32>) {
+        rule: &RoutingRule,
+        also: &dyn Fn() -> Option<Tensor<B, 1>>,
+    ) -> (Vec<usize>, HostRead) {
         let values = match &self.score_bias {
             None => logits.clone(),
             Some(bias) => scores.clone() + bias.val().unsqueeze::<2>(),
         };
         let [n_tokens, n_experts] = values.dims();
+        if n_tokens == 0 {
+            return (Vec::new(), HostRead::host(true, Vec::new()));
+        }
+        let on_device = B::router_choose(
+            values.clone().into_primitive().tensor(),
+            logits.clone().into_primitive().tensor(),
+            rule,
+        );
+        if let Some(DeviceChoice::Chosen(indices)) = on_device {
+            return (indices, HostRead::device());
+        }
         let flat = values.reshape([n_tokens * n_experts]);
-        let (flat, extra) = match also {
+        let (flat, extra) = match also() {
             Some(also) => {
                 let extra = also.dims()[0];
                 (Tensor::cat(vec![flat, also], 0), extra)
             }
             None => (flat, 0),
         };
-        if flat.dims()[0] == 0 {
-            return (Vec::new(), Vec::new());
-        }
         let mut host: Vec<f32> = flat
             .into_data()
             .convert::<f32>()
             .into_vec()
             .expect("router values convert to f32");
         let also = host.split_off(host.len() - extra);
-        (host, also)
+        let finite = super::topk::all_finite(&host);
+        let indices = group_limited_top_k(&host, n_experts, rule.top_k, rule.n_group, rule.topk_group);
+        (indices, HostRead::host(finite, also))
     }
 }
 
@@ -227,8 +237,30 @@ impl<B: RouterKernels> Router<B> {
 pub(crate) struct HostRead {
     /// Whether every value the experts were chosen by is finite.
     pub choice_finite: bool,
-    /// The values of the caller's `also` (empty without it).
+    /// The device chose, having found every choice value and every logit finite: then the
+    /// router's input was finite too (a NaN or an infinity in a token's input makes each of
+    /// its logits NaN or infinite), and `also` was not made.
+    pub device_checked: bool,
+    /// The values of the caller's `also` (empty without it, or where the device chose).
     pub also: Vec<f32>,
+}
+
+impl HostRead {
+    fn host(choice_finite: bool, also: Vec<f32>) -> Self {
+        Self {
+            choice_finite,
+            device_checked: false,
+            also,
+        }
+    }
+
+    fn device() -> Self {
+        Self {
+            choice_finite: true,
+            device_checked: true,
+            also: Vec::new(),
+        }
+    }
 }
 
 /// A parameter that is saved and loaded with the module but receives no gradient.

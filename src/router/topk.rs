@@ -289,6 +289,24 @@ pub fn all_finite(values: &[f32]) -> bool {
         .all(|block| block.iter().fold(true, |finite, v| finite & v.is_finite()))
 }
 
+/// Router values with many ties: drawn from a few levels, a signed zero and two subnormals
+/// among them, so that many rows hold equal values at their top and the tie rule decides;
+/// `seed` varies them. What the device's choice is held to the host's on
+/// (`harness::kernel_checks`, `router/cubecl_tests.rs`).
+#[cfg(any(test, feature = "testkit"))]
+pub(crate) fn tied_values(n_values: usize, seed: u64) -> Vec<f32> {
+    const LEVELS: [f32; 8] = [-1.5, -0.0, 0.0, 0.25, 0.25, 1.0, 1e-40, 2e-40];
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n_values)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            LEVELS[(state >> 32) as usize % LEVELS.len()]
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

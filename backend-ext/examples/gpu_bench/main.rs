@@ -26,7 +26,11 @@
 //!   TF32 and bf16 again on a timed path (`CublasOptions::timed`), each section's pieces (the
 //!   weights' bf16 conversion, each GEMM role, the activation kernels, the hand-overs) with
 //!   their device and host ms a step (`CublasExperts::breakdown`): where the experts' time goes
-//!   against `dense`.
+//!   against `dense`;
+//! - `choice`: the router's choice of experts at 4,096 tokens, made on the device and read
+//!   (`device`, what the layer runs) against the values read and chosen on the host (`host`),
+//!   for the routers of BENCHMARKS §15, after a check that both choose alike (`choice.rs`; the
+//!   row's `shape` names the router, `d_model` and `d_hidden` are 0).
 //!
 //! Routing is balanced as in `scripts/bench/torch_gpu_peer.py` (one-hot router rows, tokens that
 //! send every expert the same rows), so both sides run the same GEMM shapes. Every figure is the
@@ -49,6 +53,8 @@
 //! gpu_bench [--quick] [--repeats N] [--pipeline] [--json FILE]
 //!           [--shape GPT3-S|BERT-L|GPT3-XL] [--top-k 1|2] [--layer-only] [--no-census]
 //! ```
+
+mod choice;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -89,7 +95,7 @@ struct Row {
     d_hidden: usize,
     tokens: usize,
     top_k: usize,
-    /// `dense`, `experts`, `layer`, `pipeline`, `experts piece` or `layer piece`.
+    /// `dense`, `experts`, `layer`, `pipeline`, `experts piece`, `layer piece` or `choice`.
     what: String,
     /// `cublas` (device hand-over), `cublas host-waits`, `cubecl`, the pipeline's executor
     /// (`cublas threads`, `cublas in-order`; `n` its partitions), or
@@ -240,13 +246,19 @@ fn arguments() -> Result<Args, String> {
 fn timed(repeats: usize, mut f: impl FnMut()) -> (f64, f64, f64) {
     f();
     f();
-    let mut times: Vec<f64> = (0..repeats)
-        .map(|_| {
-            let start = Instant::now();
-            f();
-            start.elapsed().as_secs_f64() * 1e3
-        })
-        .collect();
+    median(
+        (0..repeats)
+            .map(|_| {
+                let start = Instant::now();
+                f();
+                start.elapsed().as_secs_f64() * 1e3
+            })
+            .collect(),
+    )
+}
+
+/// (median, min, max) of `times`, which are not empty.
+fn median(mut times: Vec<f64>) -> (f64, f64, f64) {
     times.sort_by(f64::total_cmp);
     (times[times.len() / 2], times[0], times[times.len() - 1])
 }
@@ -927,6 +939,38 @@ fn main() {
         }
     }
     rows.extend(pieces);
+    // The router's choice on the device and on the host (`choice.rs`), once a run.
+    if !args.layer_only {
+        let times = choice::choice_times(4096, args.repeats).unwrap_or_else(|e| {
+            eprintln!("error: router choice: {e}");
+            std::process::exit(1)
+        });
+        for t in times {
+            for (path, (median, min, max)) in [("device", t.device), ("host", t.host)] {
+                eprintln!("router {} choice on the {path}: {median:.3} ms", t.label);
+                rows.push(Row {
+                    shape: t.label.into(),
+                    d_model: 0,
+                    d_hidden: 0,
+                    tokens: 4096,
+                    top_k: t.top_k,
+                    what: "choice".into(),
+                    path: path.into(),
+                    precision: "f32".into(),
+                    median_ms: median,
+                    min_ms: min,
+                    max_ms: max,
+                    tflops: 0.0,
+                    n: 1,
+                    host_ms: None,
+                    host_waits: None,
+                    frees: None,
+                    driver_launches: None,
+                    runtime_launches: None,
+                });
+            }
+        }
+    }
     if let Err(e) = device_path
         .check(&client(&device))
         .and(host_path.check(&client(&device)))
