@@ -51,5 +51,5 @@ pub use crate::optim::OptimizerKernels;
 pub use crate::pipeline::schedule::{Op, Role, Schedule, Slot, Span, Step, Stream};
 pub use crate::router::{
     pick_backward_composed, pick_composed, scores_backward_composed, scores_composed,
-    z_loss_backward_composed, z_loss_composed, DeviceChoice, PickRule, RouterKernels,
+    z_loss_backward_composed, z_loss_composed, ChoiceRead, DeviceChoice, PickRule, RouterKernels,
 };

@@ -30,6 +30,10 @@ mod decode;
 #[path = "layer/lora.rs"]
 mod lora;
 
+/// The shared expert issued while the routing read is in flight.
+#[path = "layer/shared_overlap.rs"]
+mod shared_overlap;
+
 fn config_error(config: MoeLayerConfig) -> String {
     match config.validate() {
         Err(MoeError::Config { field, reason }) => format!("{field}: {reason}"),

@@ -119,23 +119,29 @@ fn model_tracks_gpt_oss_and_llama4_rules(device: &burn::tensor::Device<B>) {
 
 fn model_tracks_every_rank(device: &burn::tensor::Device<B>) {
     let mut report = Vec::new();
-    // The last: the hot expert shadowed (issue 45), so every rank holds its copy, computes
-    // its own rows of it and returns the copy's gradients.
-    // The fourth element: whether the experts run on Flex's own path (as tasks, one at a
-    // time on a pool of one thread a rank) or, as on the backends without one and for experts
-    // with adapters everywhere, on the primitives, expert by expert. The model replays each.
-    // The last: the threaded executor, CUDA's above one rank (a worker per stream; the
-    // assembled rows in a buffer of their own, what a step read held to its end, the
-    // gradients handed back as copies), here on the primitives, which it holds the most for.
+    // Each run: (skewed routing, the shared expert's width, `shared_expert_overlap`,
+    // shadowing, Flex's own experts, the threaded executor).
+    // - The overlap issues the shared expert before the exchange, so what autodiff keeps of
+    //   it is live through the exchange; measured on both routes.
+    // - Shadowing: the hot expert shadowed (issue 45), so every rank holds its copy, computes
+    //   its own rows of it and returns the copy's gradients.
+    // - Flex's own experts run as tasks, one at a time on a pool of one thread a rank; without
+    //   them, as on the backends without such a path and for experts with adapters
+    //   everywhere, the primitives run expert by expert. The model replays each.
+    // - The threaded executor, CUDA's above one rank (a worker per stream; the assembled rows
+    //   in a buffer of their own, what a step read held to its end, the gradients handed back
+    //   as copies), here on the primitives, which it holds the most for.
     let runs = [
-        (false, None, Shadowing::Off, true, false),
-        (true, None, Shadowing::Off, true, false),
-        (true, Some(2 * M), Shadowing::Off, true, false),
-        (true, None, Shadowing::Fixed(1), true, false),
-        (true, None, Shadowing::Off, false, false),
-        (true, None, Shadowing::Off, false, true),
+        (false, None, false, Shadowing::Off, true, false),
+        (true, None, false, Shadowing::Off, true, false),
+        (true, Some(2 * M), false, Shadowing::Off, true, false),
+        (true, Some(2 * M), true, Shadowing::Off, true, false),
+        (true, Some(2 * M), true, Shadowing::Off, false, false),
+        (true, None, false, Shadowing::Fixed(1), true, false),
+        (true, None, false, Shadowing::Off, false, false),
+        (true, None, false, Shadowing::Off, false, true),
     ];
-    for (skew, shared, shadowing, own, threaded) in runs {
+    for (skew, shared, overlap, shadowing, own, threaded) in runs {
         let route = match own {
             true => ExpertRoute::Tasks { concurrent: 1 },
             false => ExpertRoute::ExpertByExpert,
@@ -144,6 +150,7 @@ fn model_tracks_every_rank(device: &burn::tensor::Device<B>) {
             for strategy in Strategy::ALL {
                 let config = base(Partitions::Fixed(n), strategy.into())
                     .with_shared_expert(shared)
+                    .with_shared_expert_overlap(overlap)
                     .with_shadowing(shadowing)
                     .with_backend_experts(own)
                     .with_executor(threaded.then_some(StepExecutor::StreamThreads))
@@ -169,7 +176,8 @@ fn model_tracks_every_rank(device: &burn::tensor::Device<B>) {
                     );
                     assert_eq!(decision.threaded, threaded, "the executor the model replays");
                     let label = format!(
-                        "skew={skew} shared={shared:?} {shadowing:?} {}{} n={n} {strategy} rank {rank} ({} rows)",
+                        "skew={skew} shared={shared:?}{} {shadowing:?} {}{} n={n} {strategy} rank {rank} ({} rows)",
+                        if overlap { " overlapped" } else { "" },
                         route.name(),
                         if threaded { ", threaded" } else { "" },
                         r.recv_rows

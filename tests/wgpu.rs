@@ -1216,3 +1216,43 @@ fn row_moves_on_wgpu_match_burns_select_ops() {
         );
     }
 }
+
+/// `shared_expert_overlap` on the GPU backend, where the routing read is in flight while the
+/// shared expert is issued: every case with a shared expert gives the same bits with it as
+/// without, raw and under burn's fusion, within 1e-4 of the case.
+#[test]
+fn the_shared_expert_overlap_on_wgpu_changes_no_bit() {
+    let _device = shared();
+    let mut seen = 0;
+    for file in case_files() {
+        let case = Case::load(&file).unwrap_or_else(|e| panic!("{e}"));
+        if case.config.shared_expert.is_none() {
+            continue;
+        }
+        seen += 1;
+        let mut overlapped = case.clone();
+        overlapped.config.shared_expert_overlap = true;
+        let options = CheckOptions {
+            partitions: Partitions::Fixed(3),
+            strategy: Strategy::S2,
+            ..CheckOptions::default()
+        };
+        for backend in ["raw", "fused"] {
+            let run = |case: &Case| match backend {
+                "raw" => check_case::<B>(case, &options, &Default::default()).unwrap(),
+                _ => check_case::<fusion::F>(case, &options, &Default::default()).unwrap(),
+            };
+            let (plain, overlap) = (run(&case), run(&overlapped));
+            let what = format!("{} {backend}", case.name);
+            assert!(overlap.passed(1e-4), "{what}: {:?}", overlap.errors);
+            for (name, values) in &plain.tensors {
+                let same = values
+                    .iter()
+                    .zip(&overlap.tensors[name])
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{what}: {name} differs with the overlap");
+            }
+        }
+    }
+    assert!(seen >= 2, "{seen} cases with a shared expert");
+}

@@ -18,7 +18,9 @@ where the experts' and the layer's section time goes: each piece's device ms a s
 and the host ms its calls took. Where the layer rows carry the CUPTI census's counts (host
 waits, frees, launches through the driver and the runtime, per step), a last table lists them
 beside the goal of at most two host waits per step at one rank. Where it has the router's
-choice rows (`what` = `choice`), a table of the choice made on the device against the host's.
+choice rows (`what` = `choice`), a table of the choice made on the device against the host's;
+where it has the shared expert's layer rows, a table of the layer with it after the combine and
+overlapped with the routing read.
 """
 import json
 import sys
@@ -89,9 +91,28 @@ def main():
             print(f"| {shape} | {k} | {p} | {cell(default)} | {cell(unbatched)} | {cell(looped)} | {cell(skewed)} | {cell(dense)} | {eff(default)} | {eff(skewed)} |")
 
     pipeline(ours, keys)
+    shared(ours, keys)
     pieces(ours, keys)
     calls(ours, keys)
     choices(ours)
+
+
+def shared(ours, keys):
+    """The layer with a shared expert, issued after the combine and while the routing read is in
+    flight (`shared_expert_overlap`), TF32, in the same call."""
+    rows = [r for r in ours if r["what"] == "layer" and r["path"] in ("cublas shared", "cublas shared overlap")]
+    if not rows:
+        return
+    print()
+    print("| shape | k | with a shared expert, after the combine ms | overlapped with the routing read ms | overlapped / after |")
+    print("|---|---|---|---|---|")
+    for shape, tokens, k in keys:
+        side = lambda path: next((r["median_ms"] for r in rows if (r["shape"], r["tokens"], r["top_k"], r["path"]) == (shape, tokens, k, path)), None)
+        after, overlap = side("cublas shared"), side("cublas shared overlap")
+        if after or overlap:
+            cell = lambda v: f"{v:.2f}" if v else "-"
+            ratio = f"{overlap / after:.2f}×" if after and overlap else "-"
+            print(f"| {shape} | {k} | {cell(after)} | {cell(overlap)} | {ratio} |")
 
 
 def choices(ours):

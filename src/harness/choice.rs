@@ -60,7 +60,7 @@ pub(super) fn choice_checks<B: MoeBackend>(device: &B::Device) -> Vec<KernelChec
                 let want = group_limited_top_k(values, n_experts, top_k, n_group, topk_group);
                 for (layout, tensor) in layouts::<B>(values, n_experts, device) {
                     let what = format!("{kind} values, {layout}");
-                    match B::router_choose(tensor.clone(), tensor, &rule) {
+                    match B::router_choose(tensor.clone(), tensor, &rule).and_then(|read| read.wait()) {
                         Some(DeviceChoice::Chosen(got)) => {
                             if let Some(at) = (0..want.len()).find(|&j| got.get(j) != Some(&want[j])) {
                                 return Err(format!(

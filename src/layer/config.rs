@@ -128,6 +128,16 @@ pub struct MoeLayerConfig {
     /// (Qwen2-MoE); DeepSeek's shared experts are ungated.
     #[config(default = true)]
     pub shared_expert_gate: bool,
+    /// Issue the shared expert's products while the routing read is in flight, before the
+    /// plan and the exchange, rather than after the combine (Megatron-Core's
+    /// `moe_shared_expert_overlap`). On a GPU the device then runs them while the host waits
+    /// for the router's choice and plans the batch; outputs and gradients are the same bits.
+    /// The cost is memory: what autodiff keeps of the shared expert and its output (about
+    /// `n_tokens · (3 · shared_expert + 2 · d_model)` values) are then live through the
+    /// exchange's forward, whose peak the memory model and a `memory_budget` count them in.
+    /// Needs `shared_expert`.
+    #[config(default = false)]
+    pub shared_expert_overlap: bool,
     /// Weight of the Switch load-balancing loss (0 turns it off).
     #[config(default = 0.0)]
     pub aux_loss_coef: f64,
@@ -292,6 +302,12 @@ impl MoeLayerConfig {
             return Err(MoeError::config(
                 "shared_expert",
                 "hidden width must be at least 1",
+            ));
+        }
+        if self.shared_expert_overlap && self.shared_expert.is_none() {
+            return Err(MoeError::config(
+                "shared_expert_overlap",
+                "is set, but the layer has no shared expert to overlap (shared_expert is None)",
             ));
         }
         for (field, value) in [

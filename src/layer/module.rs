@@ -198,9 +198,16 @@ impl<B: MoeBackend> MoeLayer<B> {
         let x = self.flatten(input)?;
         let n_tokens = x.dims()[0];
 
-        // 2. Route: top-k experts and their weights per token, the input checked on the values
-        //    the routing reads to the host (one transfer, one host wait; `route.rs`).
-        let routing = self.route_checked(&x, &shape)?;
+        // 2. Route: top-k experts and their weights per token, the input checked on what the
+        //    routing reads to the host (one transfer, one host wait; `route.rs`). The read is
+        //    in flight between the halves: with `shared_expert_overlap` the shared expert
+        //    (step 7) is issued there, and a GPU runs it while the host waits and plans.
+        let pending = self.route_start(&x)?;
+        let overlapped = match config.shared_expert_overlap {
+            true => self.shared_expert(&x)?,
+            false => None,
+        };
+        let routing = self.route_finish(pending, &x, &shape)?;
 
         // 3. Plan: count with the other ranks, apply capacity; choose n and the strategy. A few
         //    tokens at inference on one rank take the decode path: the counts alone, no
@@ -236,9 +243,13 @@ impl<B: MoeBackend> MoeLayer<B> {
         let mut y = unpermute(t_o, combine_weights, &combine);
 
         // 7. Shared expert, its products at the GEMM precision (through the device library
-        //    where the communicator offers one).
-        if let (Some(shared), true) = (&self.shared, n_tokens > 0) {
-            y = y + shared.forward_with(x, &|a, b| self.dense(a, b, config.gemm_precision))?;
+        //    where the communicator offers one); issued in step 2 under the overlap.
+        let shared = match config.shared_expert_overlap {
+            true => overlapped,
+            false => self.shared_expert(&x)?,
+        };
+        if let Some(shared) = shared {
+            y = y + shared;
         }
 
         // 8. Auxiliary losses (this rank's shares of the global-batch losses).

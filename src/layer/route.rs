@@ -1,5 +1,7 @@
-//! Step 2 of the forward: the router's choice, with the input's finite check made on the
-//! values the routing reads to the host, and the layer's dense products at their precision.
+//! Step 2 of the forward in two halves, so that work can be issued while the choice is read
+//! (the shared expert under `shared_expert_overlap`): the router's choice, with the input's
+//! finite check made on what the routing reads to the host, and the layer's dense products at
+//! their precision.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
@@ -7,7 +9,7 @@ use burn::tensor::Tensor;
 use super::MoeLayer;
 use crate::error::{MoeError, Result};
 use crate::exchange::{GemmPrecision, MoeBackend};
-use crate::router::Routing;
+use crate::router::{PendingRoute, Routing};
 
 impl<B: MoeBackend> MoeLayer<B> {
     /// `a · b` at `precision` through the communicator's device library where it offers one
@@ -25,11 +27,56 @@ impl<B: MoeBackend> MoeLayer<B> {
         crate::exchange::dense(a, b, &self.ctx.comm, precision)
     }
 
-    /// The top-k experts and their weights for each token of `x`, and the input's finite
-    /// check where the config asks for it. One transfer to the host, one host wait: on the
-    /// CubeCL backends the choice made on the device, which checked every logit and choice
-    /// value finite as it chose (finite logits mean a finite input: see below); elsewhere, or
-    /// where a value was not finite there, the router's choice values, which the check reads.
+    /// The shared expert's output for `x`, its products at the config's GEMM precision
+    /// (step 7, or step 2 under `shared_expert_overlap`); `None` without a shared expert or
+    /// without tokens.
+    ///
+    /// # Shapes
+    /// - x: `[n_tokens, d_model]` → `[n_tokens, d_model]`
+    ///
+    /// # Errors
+    /// What the device library's products return.
+    pub(super) fn shared_expert(&self, x: &Tensor<B, 2>) -> Result<Option<Tensor<B, 2>>> {
+        let precision = self.ctx.config.gemm_precision;
+        match (&self.shared, x.dims()[0] > 0) {
+            (Some(shared), true) => shared
+                .forward_with(x.clone(), &|a, b| self.dense(a, b, precision))
+                .map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// Step 2's first half: the router's products and, on the CubeCL backends, its choice
+    /// on the device, whose read is then in flight ([`Router::route_start`](crate::Router::route_start)). Nothing waits
+    /// for the device here.
+    ///
+    /// # Shapes
+    /// - x: `[n_tokens, d_model]`
+    ///
+    /// # Errors
+    /// What the router's products return.
+    pub(super) fn route_start(&self, x: &Tensor<B, 2>) -> Result<PendingRoute<B>> {
+        let config = &self.ctx.config;
+        // The router's logits stay f32 where the experts multiply in bf16: the choice of
+        // experts is discrete, and bf16 logits turn near-ties into different experts (the
+        // Qwen2-MoE case on the H100: one token's top-4 changed, a 9e-2 error in the router's
+        // gradient). Megatron-Core's `moe_router_dtype` keeps routing in f32 for the same reason.
+        let router_precision = match config.gemm_precision {
+            GemmPrecision::Bf16 => GemmPrecision::F32,
+            other => other,
+        };
+        self.router
+            .route_start(x.clone(), &config.routing_rule(), &|a, b| {
+                self.dense(a, b, router_precision)
+            })
+    }
+
+    /// Step 2's second half: the top-k experts and their weights for each token of `x`, and
+    /// the input's finite check where the config asks for it. One transfer to the host, one
+    /// host wait: on the CubeCL backends the choice made on the device, which checked every
+    /// logit and choice value finite as it chose (finite logits mean a finite input: see
+    /// below); elsewhere, or where a value was not finite there, the router's choice values,
+    /// which the check reads.
     ///
     /// A router without a score bias chooses by its logits, which come to the host for the
     /// choice anyway, and a NaN or an infinity anywhere in a token's input makes every logit
@@ -45,25 +92,16 @@ impl<B: MoeBackend> MoeLayer<B> {
     /// - x: `[n_tokens, d_model]`; `shape` is the caller's input shape, for the error
     ///
     /// # Errors
-    /// [`MoeError::Input`] where a value is not finite; what the router's products return.
-    pub(super) fn route_checked(&self, x: &Tensor<B, 2>, shape: &[usize]) -> Result<Routing<B>> {
-        let config = &self.ctx.config;
-        // The router's logits stay f32 where the experts multiply in bf16: the choice of
-        // experts is discrete, and bf16 logits turn near-ties into different experts (the
-        // Qwen2-MoE case on the H100: one token's top-4 changed, a 9e-2 error in the router's
-        // gradient). Megatron-Core's `moe_router_dtype` keeps routing in f32 for the same reason.
-        let router_precision = match config.gemm_precision {
-            GemmPrecision::Bf16 => GemmPrecision::F32,
-            other => other,
-        };
-        let check = config.check_finite && x.dims()[0] > 0;
+    /// [`MoeError::Input`] where a value is not finite.
+    pub(super) fn route_finish(
+        &self,
+        pending: PendingRoute<B>,
+        x: &Tensor<B, 2>,
+        shape: &[usize],
+    ) -> Result<Routing<B>> {
+        let check = self.ctx.config.check_finite && x.dims()[0] > 0;
         let by_logits = self.router.chooses_by_logits();
-        let (routing, read) = self.router.route_reading(
-            x.clone(),
-            &config.routing_rule(),
-            &|a, b| self.dense(a, b, router_precision),
-            &|| (check && !by_logits).then(|| non_finite_sum(x)),
-        )?;
+        let (routing, read) = pending.finish(&|| (check && !by_logits).then(|| non_finite_sum(x)));
         let finite = match (check, by_logits) {
             (false, _) => true,
             _ if read.device_checked => true,

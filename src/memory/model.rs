@@ -22,6 +22,10 @@ pub struct LayerShape {
     /// Hidden width of the shared expert, if the layer has one (it runs on every token, beside
     /// the exchange).
     pub shared_expert: Option<usize>,
+    /// Whether the shared expert runs before the exchange, while the routing read is in flight
+    /// ([`MoeLayerConfig::shared_expert_overlap`](crate::MoeLayerConfig::shared_expert_overlap)):
+    /// what autodiff keeps of it is then live through the exchange's forward.
+    pub shared_expert_overlap: bool,
     /// Whether the combine weights multiply the experts' input rows (Llama 4,
     /// [`MoeLayerConfig::weights_on_input`](crate::MoeLayerConfig::weights_on_input)): autodiff
     /// then keeps the unweighted rows besides the weighted ones.
@@ -50,6 +54,7 @@ impl LayerShape {
             d_hidden,
             activation: Activation::Gelu,
             shared_expert: None,
+            shared_expert_overlap: false,
             weights_on_input: false,
             n_experts: n_ranks,
             n_ranks,

@@ -11,7 +11,7 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::Autodiff;
 use burn::tensor::ops::FloatTensor;
 
-use super::kernels::{DeviceChoice, PickRule, RouterKernels};
+use super::kernels::{ChoiceRead, PickRule, RouterKernels};
 use super::{RoutingRule, Scoring};
 
 #[derive(Debug)]
@@ -144,7 +144,7 @@ impl<B: RouterKernels, C: CheckpointStrategy> RouterKernels for Autodiff<B, C> {
         values: FloatTensor<Self>,
         logits: FloatTensor<Self>,
         rule: &RoutingRule,
-    ) -> Option<DeviceChoice> {
+    ) -> Option<ChoiceRead> {
         B::router_choose(values.primitive, logits.primitive, rule)
     }
 

@@ -19,12 +19,18 @@
 //! lives. The tests hold the kernel to the host's choice on WGPU, ties and groups included
 //! (`router/cubecl_tests.rs`).
 
+use std::future::Future;
+use std::pin::Pin;
+
 use burn_cubecl::cubecl;
+use burn_cubecl::cubecl::bytes::Bytes;
+use burn_cubecl::cubecl::client::ComputeClient;
 use burn_cubecl::cubecl::prelude::*;
+use burn_cubecl::cubecl::server::{Handle, ServerError};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 
-use super::kernels::DeviceChoice;
+use super::kernels::{ChoiceRead, DeviceChoice};
 use super::RoutingRule;
 use crate::cubecl_launch::{grid, kernel_float};
 
@@ -172,19 +178,20 @@ fn dims<R: CubeRuntime>(t: &CubeTensor<R>) -> Option<[usize; 2]> {
     kernel_float(t).then_some(dims)
 }
 
-/// Each token's `rule.top_k` experts by `values` (best first), chosen on the device and read;
-/// `NotFinite` where a value or a logit of some token is not finite. `None` where the kernel
-/// does not apply: a tensor it does not read, no token, a rule the host would refuse (the
-/// host's choice then holds the contract and panics as it does), 2^16 experts or more (see
-/// [`TAG`]), or a read that is not what the kernel writes.
+/// Each token's `rule.top_k` experts by `values` (best first), chosen on the device, the
+/// read in flight: its `wait` gives the choice, `NotFinite` where a value or a logit of some
+/// token is not finite, or `None` where the read is not what the kernel writes. `None` here
+/// where the kernel does not apply: a tensor it does not read, no token, a rule the host would
+/// refuse (the host's choice then holds the contract and panics as it does), or 2^16 experts
+/// or more (see [`TAG`]).
 ///
 /// # Shapes
-/// - values, logits: `[n_tokens, n_experts]`; returns `n_tokens · top_k` columns
+/// - values, logits: `[n_tokens, n_experts]`; the choice holds `n_tokens · top_k` columns
 pub(crate) fn choose<R: CubeRuntime>(
     values: &CubeTensor<R>,
     logits: &CubeTensor<R>,
     rule: &RoutingRule,
-) -> Option<DeviceChoice> {
+) -> Option<ChoiceRead> {
     let shape @ [n_tokens, width] = dims(values)?;
     let (k, groups, kept) = (rule.top_k, rule.n_group, rule.topk_group);
     let allowed = match kept < groups {
@@ -224,8 +231,58 @@ pub(crate) fn choose<R: CubeRuntime>(
             values.dtype.into(),
         )
     };
-    let bytes = values.client.read_one(out).ok()?;
-    let read = u32::from_bytes(&bytes);
+    // The read is issued now, behind the kernel: cubecl's `read_async` submits the copy to
+    // the device thread at once (cubecl-runtime 0.10 `client.rs`, `do_read`), and on CUDA its
+    // future waits on an event recorded right after the copy (cubecl-cuda `compute/command.rs`,
+    // `read_async`, and `compute/sync/fence.rs`), not on the stream: what the caller issues
+    // before `wait` runs on the device while the host waits.
+    let read = InFlight::new(values.client.clone(), out);
+    Some(ChoiceRead::new(move || {
+        let bytes = read.wait()?;
+        decode(u32::from_bytes(&bytes), len, width)
+    }))
+}
+
+/// What cubecl's `read_async` returns: a future of the read's bytes.
+type ReadFuture<'a> = Pin<Box<dyn Future<Output = Result<Vec<Bytes>, ServerError>> + Send + 'a>>;
+
+/// A read issued and not yet waited for, with the client its future was made from.
+///
+/// `ComputeClient::read_async` takes `&self` and, in cubecl-runtime 0.10's edition 2024,
+/// its returned future may hold that borrow, so the future cannot outlive the client it was
+/// called on. The client is kept here, boxed (its address fixed however the struct moves),
+/// and the future is dropped before it (fields drop in declaration order).
+struct InFlight<R: CubeRuntime> {
+    /// Dropped first: it may borrow `*client`.
+    read: ReadFuture<'static>,
+    /// Never moved out of its box or dropped while `read` lives.
+    client: Box<ComputeClient<R>>,
+}
+
+impl<R: CubeRuntime> InFlight<R> {
+    /// Issues the read of `handle`'s bytes at once.
+    fn new(client: ComputeClient<R>, handle: Handle) -> Self {
+        let client = Box::new(client);
+        let read: ReadFuture<'_> = Box::pin(client.read_async(vec![handle]));
+        // SAFETY: the future borrows at most `*client`, which lives on the heap at a fixed
+        // address inside `Self` and is dropped after `read` (declaration order); nothing moves
+        // the client out of its box or touches it mutably while `read` lives. So extending
+        // the borrow to the struct's lifetime never lets it dangle.
+        let read = unsafe { std::mem::transmute::<ReadFuture<'_>, ReadFuture<'static>>(read) };
+        Self { read, client }
+    }
+
+    /// Waits for the read; `None` if it failed.
+    fn wait(self) -> Option<Bytes> {
+        let Self { read, client } = self;
+        let bytes = burn_cubecl::cubecl::future::block_on(read);
+        drop(client);
+        bytes.ok()?.into_iter().next()
+    }
+}
+
+/// The kernel's `len` columns, untagged; `None` where they are not what it writes.
+fn decode(read: &[u32], len: usize, width: usize) -> Option<DeviceChoice> {
     if read.len() < len {
         return None;
     }
@@ -244,5 +301,29 @@ pub(crate) fn choose<R: CubeRuntime>(
         std::cmp::Ordering::Less => Some(DeviceChoice::Chosen(indices)),
         std::cmp::Ordering::Equal => Some(DeviceChoice::NotFinite),
         std::cmp::Ordering::Greater => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What the host makes of a read: the kernel's tagged columns, its flag, and memory it did
+    /// not write (zeros, untagged columns, a short read).
+    #[test]
+    fn a_read_is_a_choice_only_where_the_kernel_wrote_it() {
+        let tagged = |columns: &[u32]| columns.iter().map(|c| c ^ TAG).collect::<Vec<_>>();
+        assert_eq!(
+            decode(&tagged(&[3, 0, 7, 2]), 4, 8),
+            Some(DeviceChoice::Chosen(vec![3, 0, 7, 2]))
+        );
+        assert_eq!(
+            decode(&tagged(&[3, 0, 8, 8]), 4, 8),
+            Some(DeviceChoice::NotFinite)
+        );
+        assert_eq!(decode(&[0; 4], 4, 8), None, "zeros: a kernel that did not run");
+        assert_eq!(decode(&[3, 0, 7, 2], 4, 8), None, "untagged columns");
+        assert_eq!(decode(&tagged(&[3, 0, 7]), 4, 8), None, "a short read");
+        assert_eq!(decode(&tagged(&[3, 0, 9, 2]), 4, 8), None, "past the flag");
     }
 }

@@ -11,7 +11,7 @@
 use burn::tensor::ops::FloatTensor;
 use burn_fusion::{Fusion, FusionBackend};
 
-use super::{DeviceChoice, PickRule, RouterKernels, RoutingRule, Scoring};
+use super::{ChoiceRead, PickRule, RouterKernels, RoutingRule, Scoring};
 use crate::exchange::fusion::{register, resolve};
 
 impl<B: FusionBackend + RouterKernels> RouterKernels for Fusion<B> {
@@ -59,7 +59,7 @@ impl<B: FusionBackend + RouterKernels> RouterKernels for Fusion<B> {
         values: FloatTensor<Self>,
         logits: FloatTensor<Self>,
         rule: &RoutingRule,
-    ) -> Option<DeviceChoice> {
+    ) -> Option<ChoiceRead> {
         B::router_choose(resolve::<B>(values), resolve::<B>(logits), rule)
     }
 

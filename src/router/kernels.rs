@@ -34,6 +34,32 @@ pub enum DeviceChoice {
     NotFinite,
 }
 
+/// A choice of experts launched on the device with its read to the host in flight
+/// ([`RouterKernels::router_choose`]). What the caller issues before [`wait`](Self::wait)
+/// queues behind the read, and the read does not wait for it: the device runs it while the
+/// host waits (the layer issues its shared expert there under
+/// [`shared_expert_overlap`](crate::MoeLayerConfig::shared_expert_overlap)).
+pub struct ChoiceRead(Box<dyn FnOnce() -> Option<DeviceChoice> + Send>);
+
+impl ChoiceRead {
+    /// A read whose `wait` blocks until the choice is on the host and decodes it (`None`:
+    /// what came back is not what the kernel writes, and the caller chooses on the host).
+    pub fn new(wait: impl FnOnce() -> Option<DeviceChoice> + Send + 'static) -> Self {
+        Self(Box::new(wait))
+    }
+
+    /// Waits for the read and returns the choice.
+    pub fn wait(self) -> Option<DeviceChoice> {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for ChoiceRead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ChoiceRead(..)")
+    }
+}
+
 /// The router's scores and combine weights on the backend that runs them (the inner backend
 /// of `Autodiff`, which records each as one node: `router/autodiff.rs`).
 ///
@@ -108,10 +134,11 @@ pub trait RouterKernels: Backend {
     /// Each token's `rule.top_k` experts by `values` (its `n_group` / `topk_group` limit
     /// included), chosen on the device so that only the choice comes to the host; `logits`
     /// is checked for values that are not finite with `values` (the same tensor where a router
-    /// chooses by its logits). `None` where the backend chooses on the host (the default: the
-    /// CPU backends, where the values are already in memory) or cannot read the tensors; the
-    /// caller then reads `values` and chooses on the host. The CubeCL backends run
-    /// one kernel and one read (`router/cubecl_choice.rs`).
+    /// chooses by its logits). The kernel and the read are issued at once and the read is
+    /// waited for in [`ChoiceRead::wait`]. `None` where the backend chooses on the host (the
+    /// default: the CPU backends, where the values are already in memory) or cannot read the
+    /// tensors; the caller then reads `values` and chooses on the host. The CubeCL backends
+    /// run one kernel and one read (`router/cubecl_choice.rs`).
     ///
     /// # Shapes
     /// - values, logits: `[n_tokens, n_experts]`
@@ -119,7 +146,7 @@ pub trait RouterKernels: Backend {
         values: FloatTensor<Self>,
         logits: FloatTensor<Self>,
         rule: &RoutingRule,
-    ) -> Option<DeviceChoice> {
+    ) -> Option<ChoiceRead> {
         let _ = (values, logits, rule);
         None
     }

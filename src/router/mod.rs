@@ -24,10 +24,11 @@ pub(crate) mod topk;
 pub(crate) use balance::score_bias_step;
 pub use kernels::{
     pick_backward_composed, pick_composed, scores_backward_composed, scores_composed,
-    z_loss_backward_composed, z_loss_composed, DeviceChoice, PickRule, RouterKernels,
+    z_loss_backward_composed, z_loss_composed, ChoiceRead, DeviceChoice, PickRule, RouterKernels,
 };
 pub(crate) use losses::{load_balancing_loss, z_loss};
 pub(crate) use module::buffer;
+pub(crate) use module::PendingRoute;
 pub use module::{Router, Routing};
 pub use rule::{RoutingRule, Scoring};
 pub(crate) use topk::group_limited_top_k;
@@ -93,7 +94,7 @@ where
         values: FloatTensor<Self>,
         logits: FloatTensor<Self>,
         rule: &RoutingRule,
-    ) -> Option<DeviceChoice> {
+    ) -> Option<ChoiceRead> {
         cubecl_choice::choose(&values, &logits, rule)
     }
 

@@ -5,7 +5,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
 use super::kernels::float;
-use super::{group_limited_top_k, DeviceChoice, PickRule, RouterKernels, RoutingRule, Scoring};
+use super::{group_limited_top_k, ChoiceRead, DeviceChoice, PickRule, RouterKernels, RoutingRule, Scoring};
 use crate::experts::HostInit;
 
 /// The gate: `logits = x · weight^T (+ bias)`, scores (softmax over all experts, or a sigmoid
@@ -104,8 +104,7 @@ impl<B: RouterKernels> Router<B> {
         rule: &RoutingRule,
         matmul: &dyn Fn(Tensor<B, 2>, Tensor<B, 2>) -> crate::Result<Tensor<B, 2>>,
     ) -> crate::Result<Routing<B>> {
-        self.route_reading(x, rule, matmul, &|| None)
-            .map(|(routing, _)| routing)
+        Ok(self.route_start(x, rule, matmul)?.finish(&|| None).0)
     }
 
     /// Whether experts are chosen by the logits themselves (a router without a score bias):
@@ -115,21 +114,19 @@ impl<B: RouterKernels> Router<B> {
         self.score_bias.is_none()
     }
 
-    /// [`route_with`](Self::route_with), with what the choice read: on a backend that
-    /// chooses on the device ([`RouterKernels::router_choose`]), the choice alone, its values
-    /// and logits checked finite there; otherwise the choice values, with `also` (a few values
-    /// the caller needs on the host, such as the layer's finite check, made only on this path)
-    /// in the same transfer: one host wait either way.
+    /// The first half of [`route_with`](Self::route_with): the router's products and scores,
+    /// and on a backend that chooses on the device ([`RouterKernels::router_choose`]) the
+    /// choice, its read in flight. Nothing here waits for the device, so what the caller
+    /// issues before [`PendingRoute::finish`] runs on the device while the host waits there.
     ///
     /// # Errors
     /// What `matmul` returns.
-    pub(crate) fn route_reading(
+    pub(crate) fn route_start(
         &self,
         x: Tensor<B, 2>,
         rule: &RoutingRule,
         matmul: &dyn Fn(Tensor<B, 2>, Tensor<B, 2>) -> crate::Result<Tensor<B, 2>>,
-        also: &dyn Fn() -> Option<Tensor<B, 1>>,
-    ) -> crate::Result<(Routing<B>, HostRead)> {
+    ) -> crate::Result<PendingRoute<B>> {
         let [n_tokens, _] = x.dims();
         let n_experts = self.n_experts();
         let device = x.device();
@@ -147,7 +144,68 @@ impl<B: RouterKernels> Router<B> {
             logits.clone().into_primitive().tensor(),
             rule.scoring,
         ));
-        let (indices, read) = self.choose(&logits, &scores, rule, also);
+        // Experts are chosen by the scores plus the score bias where there is one. A router
+        // without one chooses by its logits, which order the experts as the softmax or the
+        // sigmoid does without their rounding: a sigmoid rounds every logit above about 17 to
+        // 1.0 in f32, which would turn a clear choice into a tie (Llama 4 chooses by the
+        // logits). The bias is added on the device (in f32, as the host did).
+        let values = match &self.score_bias {
+            None => logits.clone(),
+            Some(bias) => scores.clone() + bias.val().unsqueeze::<2>(),
+        };
+        let read = (n_tokens > 0)
+            .then(|| {
+                B::router_choose(
+                    values.clone().into_primitive().tensor(),
+                    logits.clone().into_primitive().tensor(),
+                    rule,
+                )
+            })
+            .flatten();
+        Ok(PendingRoute {
+            rule: *rule,
+            logits,
+            scores,
+            values,
+            read,
+        })
+    }
+}
+
+/// A routing whose choice is still on its way to the host ([`Router::route_start`]).
+#[derive(Debug)]
+pub(crate) struct PendingRoute<B: Backend> {
+    rule: RoutingRule,
+    logits: Tensor<B, 2>,
+    scores: Tensor<B, 2>,
+    /// What the experts are chosen by: the logits, or the scores plus the score bias.
+    values: Tensor<B, 2>,
+    /// The device's choice, read in flight; `None` where the host chooses.
+    read: Option<ChoiceRead>,
+}
+
+impl<B: RouterKernels> PendingRoute<B> {
+    /// The choice on the host, the combine weights picked and the probabilities, with what
+    /// was read. Where the device chose, the wait for its read; where it could not, or a
+    /// token's values were not all finite there, the values come to the host with `also`'s
+    /// after them (one transfer: `also` is a few values the caller needs on the host, such as
+    /// the layer's finite check, made only on this path) and the host chooses: its rule for a
+    /// NaN is the definition's, and the caller's finite check reads what came back.
+    pub(crate) fn finish(self, also: &dyn Fn() -> Option<Tensor<B, 1>>) -> (Routing<B>, HostRead) {
+        let Self {
+            rule,
+            logits,
+            scores,
+            values,
+            read,
+        } = self;
+        let [n_tokens, n_experts] = values.dims();
+        let device = values.device();
+        let (indices, read) = match read.and_then(ChoiceRead::wait) {
+            Some(DeviceChoice::Chosen(indices)) => (indices, HostRead::device()),
+            _ if n_tokens == 0 => (Vec::new(), HostRead::host(true, Vec::new())),
+            _ => host_choice(values, n_experts, &rule, also),
+        };
         let weights = if n_tokens == 0 {
             Tensor::zeros([0, rule.top_k], &device)
         } else {
@@ -166,7 +224,7 @@ impl<B: RouterKernels> Router<B> {
             Scoring::Softmax => scores,
             Scoring::Sigmoid => scores.clone() / scores.sum_dim(1),
         };
-        Ok((
+        (
             Routing {
                 logits,
                 probs,
@@ -174,65 +232,42 @@ impl<B: RouterKernels> Router<B> {
                 indices,
             },
             read,
-        ))
-    }
-
-    /// Each token's experts, best first, and what was read for them. Experts are chosen by
-    /// the scores plus the score bias where there is one. A router without one chooses by its
-    /// logits, which order the experts as the softmax or the sigmoid does without their
-    /// rounding: a sigmoid rounds every logit above about 17 to 1.0 in f32, which would turn
-    /// a clear choice into a tie (Llama 4 chooses by the logits). The bias is added on the
-    /// device (in f32, as the host did).
-    ///
-    /// The device chooses where the backend can ([`RouterKernels::router_choose`]: the CubeCL
-    /// backends), and only the choice is read. Where it cannot, or a token's values are not
-    /// all finite there, the values come to the host with `also`'s after them (one transfer)
-    /// and the host chooses: its rule for a NaN is the definition's, and the caller's finite
-    /// check reads what came back.
-    fn choose(
-        &self,
-        logits: &Tensor<B, 2>,
-        scores: &Tensor<B, 2>,
-        rule: &RoutingRule,
-        also: &dyn Fn() -> Option<Tensor<B, 1>>,
-    ) -> (Vec<usize>, HostRead) {
-        let values = match &self.score_bias {
-            None => logits.clone(),
-            Some(bias) => scores.clone() + bias.val().unsqueeze::<2>(),
-        };
-        let [n_tokens, n_experts] = values.dims();
-        if n_tokens == 0 {
-            return (Vec::new(), HostRead::host(true, Vec::new()));
-        }
-        let on_device = B::router_choose(
-            values.clone().into_primitive().tensor(),
-            logits.clone().into_primitive().tensor(),
-            rule,
-        );
-        if let Some(DeviceChoice::Chosen(indices)) = on_device {
-            return (indices, HostRead::device());
-        }
-        let flat = values.reshape([n_tokens * n_experts]);
-        let (flat, extra) = match also() {
-            Some(also) => {
-                let extra = also.dims()[0];
-                (Tensor::cat(vec![flat, also], 0), extra)
-            }
-            None => (flat, 0),
-        };
-        let mut host: Vec<f32> = flat
-            .into_data()
-            .convert::<f32>()
-            .into_vec()
-            .expect("router values convert to f32");
-        let also = host.split_off(host.len() - extra);
-        let finite = super::topk::all_finite(&host);
-        let indices = group_limited_top_k(&host, n_experts, rule.top_k, rule.n_group, rule.topk_group);
-        (indices, HostRead::host(finite, also))
+        )
     }
 }
 
-/// What [`Router::route_reading`] read to the host besides the choice.
+/// The choice made on the host: `values` read with `also`'s values after them (one
+/// transfer), checked finite, chosen.
+///
+/// # Shapes
+/// - values: `[n_tokens, n_experts]`, `n_tokens > 0`
+fn host_choice<B: Backend>(
+    values: Tensor<B, 2>,
+    n_experts: usize,
+    rule: &RoutingRule,
+    also: &dyn Fn() -> Option<Tensor<B, 1>>,
+) -> (Vec<usize>, HostRead) {
+    let [n_tokens, _] = values.dims();
+    let flat = values.reshape([n_tokens * n_experts]);
+    let (flat, extra) = match also() {
+        Some(also) => {
+            let extra = also.dims()[0];
+            (Tensor::cat(vec![flat, also], 0), extra)
+        }
+        None => (flat, 0),
+    };
+    let mut host: Vec<f32> = flat
+        .into_data()
+        .convert::<f32>()
+        .into_vec()
+        .expect("router values convert to f32");
+    let also = host.split_off(host.len() - extra);
+    let finite = super::topk::all_finite(&host);
+    let indices = group_limited_top_k(&host, n_experts, rule.top_k, rule.n_group, rule.topk_group);
+    (indices, HostRead::host(finite, also))
+}
+
+/// What [`PendingRoute::finish`] read to the host besides the choice.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct HostRead {
     /// Whether every value the experts were chosen by is finite.

@@ -54,7 +54,7 @@ pub(super) fn choice_times(tokens: usize, repeats: usize) -> Result<Vec<ChoiceTi
             };
             let on_device = || {
                 let p = primitive(values.clone());
-                Inner::router_choose(p.clone(), p, &rule)
+                Inner::router_choose(p.clone(), p, &rule).and_then(|read| read.wait())
             };
             let on_host = || {
                 let host = values

@@ -19,7 +19,9 @@
 //!   experts, base frozen, whose products go one cuBLAS section a step of a partition; TF32
 //!   also with the router's products left on cubecl's kernels, `cublas experts only`: two
 //!   sections a step fewer, each a cubecl product instead; bf16 also with the weights'
-//!   copies made once a step, `cublas weights per step`), and
+//!   copies made once a step, `cublas weights per step`; TF32 also with a shared expert of
+//!   the experts' width, issued after the combine, `cublas shared`, and while the routing read
+//!   is in flight, `cublas shared overlap`), and
 //!   without it (cubecl's GEMMs, which multiply f32 in TF32: the twin the GPU check compares the
 //!   path with); `forward` is the layer's forward alone (cuBLAS, TF32);
 //! - `experts piece` and `layer piece`: the `experts` runs at each precision and the layer at
@@ -885,6 +887,16 @@ fn main() {
                         - before.looped)
                         / run.steps,
                 );
+                // A shared expert of the routed experts' width, issued after the combine and,
+                // with `shared_expert_overlap`, while the routing read is in flight.
+                for (path, overlap) in [("cublas shared", false), ("cublas shared overlap", true)] {
+                    let config = tf32
+                        .clone()
+                        .with_shared_expert(Some(h))
+                        .with_shared_expert_overlap(overlap);
+                    let run = layer_ms::<B>(&config, with(device_path), tokens, &bench, false);
+                    push("layer", path, "tf32", (&run).into());
+                }
                 let run = layer_ms::<B>(&tf32, with(host_path), tokens, &bench, false);
                 push("layer", "cublas host-waits", "tf32", (&run).into());
                 let run = layer_ms::<B>(&tf32, with(experts_only_path), tokens, &bench, false);

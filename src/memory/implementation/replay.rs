@@ -22,6 +22,8 @@ pub(super) struct Replay<'a> {
     pub(super) f: f64,
     pub(super) activation: Activation,
     shared: Option<f64>,
+    /// The shared expert runs before the exchange (`shared_expert_overlap`).
+    shared_overlap: bool,
     /// The combine weights multiply `T_I` (Llama 4).
     weights_on_input: bool,
     /// One rank: all-to-alls return their input, dispatched rows are views of `T_I`.
@@ -70,6 +72,7 @@ impl<'a> Replay<'a> {
             f: shape.d_inner() as f64,
             activation: shape.activation,
             shared: shape.shared_expert.map(|h| h as f64),
+            shared_overlap: shape.shared_expert_overlap && shape.shared_expert.is_some(),
             weights_on_input: shape.weights_on_input,
             identity,
             permuted: !identity && slots > 1,
@@ -115,6 +118,12 @@ impl<'a> Replay<'a> {
         // Layer forward: the finite check (a float and a bool temporary), the router's
         // scores (small, kept by autodiff), the permuted rows T_I.
         l.at("input check", &[("is_finite temporaries", t * m * 1.25)]);
+        // Under the overlap the shared expert runs here, while the routing read is in flight,
+        // and its output waits for the combine: all of it is live through the exchange.
+        if self.shared_overlap {
+            self.shared_forward(true);
+        }
+        let l = &mut self.ledger;
         l.alloc("permute", "T_I", s * m);
         if self.weights_on_input {
             // T_I · weights is what the exchange takes; autodiff keeps the unweighted T_I
@@ -140,21 +149,10 @@ impl<'a> Replay<'a> {
             &[("T_O · weights", s * m), ("zeros", t * m), ("y", t * m)],
         );
         l.alloc("unpermute", "y", t * m);
-        if let Some(hs) = self.shared {
-            // The shared SwiGLU expert on every token, and what autodiff keeps for its
-            // backward: the first GEMM's output [T, 2Hs] (the SwiGLU node's state), the hidden
-            // product [T, Hs] (the second GEMM's input) and the output before the gate [T, M].
-            // (Where the SwiGLU is recorded composed, on NdArray, autodiff also keeps the
-            // gate's sigmoid and silu, 2·Hs more.)
-            // On a bf16 library each product converts its operands into bf16 copies for its
-            // section: x and w_in, then the hidden rows and w_out.
-            let half = self.dense_half();
-            let l = &mut self.ledger;
-            l.alloc("shared expert", "shared expert SwiGLU input", t * 2.0 * hs);
-            copies(l, "shared expert", half * (t * m + 2.0 * m * hs));
-            l.alloc("shared expert", "shared expert products", t * (hs + m));
-            copies(l, "shared expert", half * (t * hs + hs * m));
-            l.at("shared expert", &[("gated output", t * m)]);
+        if self.shared_overlap {
+            self.ledger.free("shared expert output");
+        } else {
+            self.shared_forward(false);
         }
         let l = &mut self.ledger;
         // The caller's loss reads y; autodiff keeps T_O (and the weights) for backward.
@@ -165,6 +163,32 @@ impl<'a> Replay<'a> {
             .filter(|x| x.name.starts_with("saved") || x.name.starts_with("T_I, kept"))
             .cloned()
             .collect()
+    }
+
+    /// The shared SwiGLU expert on every token, and what autodiff keeps for its backward: the
+    /// first GEMM's output [T, 2Hs] (the SwiGLU node's state), the hidden product [T, Hs] (the
+    /// second GEMM's input) and the output before the gate [T, M]. (Where the SwiGLU is
+    /// recorded composed, on NdArray, autodiff also keeps the gate's sigmoid and silu, 2·Hs
+    /// more.) On a bf16 library each product converts its operands into bf16 copies for its
+    /// section: x and w_in, then the hidden rows and w_out. Its gated output [T, M] is added
+    /// to `y` at once, or under the overlap (`held`) kept until the combine. The model takes
+    /// the expert gated, as the config's default and Qwen2-MoE are; an ungated one (DeepSeek)
+    /// keeps `T · M` less.
+    fn shared_forward(&mut self, held: bool) {
+        let Some(hs) = self.shared else {
+            return;
+        };
+        let (t, m) = (self.rows.tokens as f64, self.m);
+        let half = self.dense_half();
+        let l = &mut self.ledger;
+        l.alloc("shared expert", "shared expert SwiGLU input", t * 2.0 * hs);
+        copies(l, "shared expert", half * (t * m + 2.0 * m * hs));
+        l.alloc("shared expert", "shared expert products", t * (hs + m));
+        copies(l, "shared expert", half * (t * hs + hs * m));
+        match held {
+            true => l.alloc("shared expert", "shared expert output", t * m),
+            false => l.at("shared expert", &[("gated output", t * m)]),
+        }
     }
 
     /// Half an element per operand element where the layer's dense products (the shared
@@ -328,5 +352,51 @@ impl<'a> Replay<'a> {
 fn copies(l: &mut Ledger, step: &str, elements: f64) {
     if elements > 0.0 {
         l.at(step, &[("bf16 operand copies", elements)]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::memory::{Execution, ExpertRoute, ImplementationModel, LayerShape, RankRows, Strategy};
+
+    /// Under `shared_expert_overlap` what autodiff keeps of the shared expert, and its output,
+    /// are live through the exchange. At a shape whose forward peaks inside the exchange (a
+    /// narrow shared expert beside wide routed experts) the forward's peak grows by exactly
+    /// them, `T · (3·Hs + 2·M)`, at the same step, and the backward, which burn's autodiff
+    /// runs by depth whatever the order of issue, does not move. A replay that ran the shared
+    /// expert after the exchange either way fails it.
+    #[test]
+    fn the_overlap_holds_the_shared_expert_through_the_exchange() {
+        let (t, m, hs) = (512.0, 128.0, 64.0);
+        let shape = LayerShape {
+            n_experts: 2,
+            shared_expert: Some(64),
+            ..LayerShape::paper(512, 128, 1024, 1, 1)
+        };
+        let run = |overlap| {
+            let shape = LayerShape {
+                shared_expert_overlap: overlap,
+                ..shape
+            };
+            ImplementationModel::for_execution(
+                &shape,
+                &RankRows::balanced(&shape),
+                Strategy::None,
+                Execution::in_order(ExpertRoute::ExpertByExpert),
+            )
+        };
+        let (plain, overlap) = (run(false), run(true));
+        assert!(
+            !plain.forward.step.contains("shared") && !plain.forward.step.contains("permute"),
+            "the forward's peak is the exchange's: {:?}",
+            plain.forward
+        );
+        assert_eq!(plain.forward.step, overlap.forward.step);
+        assert_eq!(
+            overlap.forward.elements - plain.forward.elements,
+            t * (3.0 * hs + 2.0 * m)
+        );
+        assert_eq!(plain.backward, overlap.backward);
+        assert_eq!(plain.saved, overlap.saved);
     }
 }

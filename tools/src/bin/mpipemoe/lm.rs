@@ -46,15 +46,23 @@ pub struct RunFlags {
     /// Which library runs the MoE layers' GEMMs on the CUDA backends: `cublas` or `cubecl`.
     #[arg(long, value_enum, default_value_t = GemmArg::Cublas)]
     pub(crate) gemm: GemmArg,
+    /// Issue each MoE layer's shared expert while its routing read is in flight (a GPU runs
+    /// it while the host waits and plans), for what it keeps live through the exchange;
+    /// layers without a shared expert are unchanged.
+    #[arg(long)]
+    pub(crate) shared_expert_overlap: bool,
 }
 
 impl RunFlags {
-    /// Every MoE layer's configuration with these flags' partitions, strategy and precision.
+    /// Every MoE layer's configuration with these flags' partitions, strategy, precision and
+    /// shared-expert overlap (where the layer has a shared expert).
     pub(crate) fn moe(&self, config: MoeLayerConfig) -> MoeLayerConfig {
+        let overlap = self.shared_expert_overlap && config.shared_expert.is_some();
         config
             .with_partitions(Partitions::Fixed(self.partitions))
             .with_memory_reuse(MemoryReuse::from(self.strategy.strategy()))
             .with_gemm_precision(self.gemm_precision.precision())
+            .with_shared_expert_overlap(overlap)
     }
 
     /// The communicator wrapper that adds the device library these flags ask for (cuBLAS on

@@ -65,6 +65,10 @@ pub struct ShapeArgs {
     /// count it; the paper's terms, which have none, do not.
     #[arg(long, value_parser = count(1, 1 << 22))]
     pub shared_expert: Option<usize>,
+    /// The shared expert issued while the routing read is in flight
+    /// (`shared_expert_overlap`): what it keeps is then live through the exchange's forward.
+    #[arg(long, requires = "shared_expert")]
+    pub shared_expert_overlap: bool,
 }
 
 /// The partition counts `plan --budget` chooses from when `--partitions` is not given, and
@@ -134,6 +138,7 @@ impl ShapeArgs {
             d_hidden: h,
             activation: self.activation,
             shared_expert: self.shared_expert,
+            shared_expert_overlap: self.shared_expert_overlap,
             weights_on_input: false,
             n_experts: e,
             n_ranks: self.gpus,
