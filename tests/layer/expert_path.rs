@@ -89,12 +89,8 @@ impl ExpertPath<NdArray> for Counted {
         pairs: Vec<(FloatTensor<NdArray>, FloatTensor<NdArray>)>,
         _precision: GemmPrecision,
     ) -> Result<Vec<FloatTensor<NdArray>>> {
-        use burn::tensor::ops::FloatTensorOps;
         self.batches.lock().unwrap().push(pairs.len());
-        Ok(pairs
-            .into_iter()
-            .map(|(lhs, rhs)| <NdArray as FloatTensorOps<NdArray>>::float_matmul(lhs, rhs))
-            .collect())
+        Ok(products(pairs))
     }
 
     fn multiplies_dense(&self) -> bool {
@@ -114,8 +110,19 @@ fn options(n_ranks: usize, n: usize, strategy: Strategy, shadowing: Shadowing) -
     }
 }
 
+/// Each pair's product on NdArray, in order: a recording library's `matmuls`.
+pub(super) fn products(
+    pairs: Vec<(FloatTensor<NdArray>, FloatTensor<NdArray>)>,
+) -> Vec<FloatTensor<NdArray>> {
+    use burn::tensor::ops::FloatTensorOps;
+    pairs
+        .into_iter()
+        .map(|(lhs, rhs)| <NdArray as FloatTensorOps<NdArray>>::float_matmul(lhs, rhs))
+        .collect()
+}
+
 /// Every tensor of `a` bit for bit the same in `b`.
-fn assert_same_bits(a: &CheckReport, b: &CheckReport, what: &str) {
+pub(super) fn assert_same_bits(a: &CheckReport, b: &CheckReport, what: &str) {
     for (name, values) in &a.tensors {
         let same = values
             .iter()

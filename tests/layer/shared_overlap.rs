@@ -9,9 +9,11 @@ use burn::backend::{Autodiff, Flex, NdArray};
 use burn::tensor::ops::FloatTensor;
 use mpipemoe::backend::{ComposedExperts, ExpertBackward, ExpertBackwardOut, ExpertForward, ExpertPath};
 use mpipemoe::comm::{RowPaths, WithRowPaths};
-use mpipemoe::harness::{check_case, check_case_through, Case, CheckOptions, CheckReport};
+use mpipemoe::harness::{check_case, check_case_through, Case, CheckOptions};
 use mpipemoe::memory::Strategy;
 use mpipemoe::{Communicator, GemmPrecision, MoeLayerConfig, Partitions, Result};
+
+use super::expert_path::assert_same_bits;
 
 /// The project's copies of the Hugging Face layers with a shared expert: DeepSeek-V3's
 /// (ungated) and Qwen2-MoE's (gated).
@@ -39,18 +41,6 @@ fn overlapped(case: &Case) -> Case {
     let mut case = case.clone();
     case.config.shared_expert_overlap = true;
     case
-}
-
-/// Every tensor of `a` bit for bit the same in `b`.
-fn assert_same_bits(a: &CheckReport, b: &CheckReport, what: &str) {
-    assert_eq!(a.tensors.len(), b.tensors.len(), "{what}");
-    for (name, values) in &a.tensors {
-        let same = values
-            .iter()
-            .zip(&b.tensors[name])
-            .all(|(x, y)| x.to_bits() == y.to_bits());
-        assert!(same, "{what}: {name} differs");
-    }
 }
 
 /// With the overlap the output and every gradient are the same bits as without it, and within
@@ -119,12 +109,8 @@ impl ExpertPath<NdArray> for Recorder {
         pairs: Vec<(FloatTensor<NdArray>, FloatTensor<NdArray>)>,
         _precision: GemmPrecision,
     ) -> Result<Vec<FloatTensor<NdArray>>> {
-        use burn::tensor::ops::FloatTensorOps;
         self.calls.lock().unwrap().push("dense backward");
-        Ok(pairs
-            .into_iter()
-            .map(|(lhs, rhs)| <NdArray as FloatTensorOps<NdArray>>::float_matmul(lhs, rhs))
-            .collect())
+        Ok(super::expert_path::products(pairs))
     }
 }
 
