@@ -7,6 +7,19 @@ use crate::comm::SingleRank;
 use crate::dispatch::{RoutingCounts, SplitScheme};
 use crate::error::Result;
 
+/// The routers BENCHMARKS §15 times the choice for, as (label, `n_experts`, `top_k`,
+/// `n_group`, `topk_group`): the goal shapes' 8 experts at top-1 and top-2, and the
+/// fine-grained ones up to DeepSeek-V3's 256 in groups. The CPU routing bench and the GPU
+/// bench's choice rows both run these.
+pub const BENCH_ROUTERS: [(&str, usize, usize, usize, usize); 6] = [
+    ("8e-top1", 8, 1, 1, 1),
+    ("8e-top2", 8, 2, 1, 1),
+    ("32e-top4", 32, 4, 1, 1),
+    ("64e-top6", 64, 6, 1, 1),
+    ("128e-top8", 128, 8, 1, 1),
+    ("256e-top8-g4of8", 256, 8, 8, 4),
+];
+
 /// Plans one rank's batch from its choices and builds its row maps; returns the rows of `T_I`.
 ///
 /// # Shapes

@@ -18,7 +18,7 @@ pub use crate::memory::alloc::CountingAllocator;
 pub use crate::router::topk::{all_finite, group_limited_top_k, group_limited_top_k_reference};
 #[cfg(feature = "cubecl")]
 pub use device_memory::{DeviceMemoryMeter, DeviceSample};
-pub use host_plan::plan_on_host;
+pub use host_plan::{plan_on_host, BENCH_ROUTERS};
 pub use kernels::{kernel_checks, KernelCheck};
 pub use memory::{
     measure_layer_memory, measure_layer_memory_with, measure_layer_peak, MemoryMeasurement, PeakMeter,

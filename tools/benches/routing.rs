@@ -19,20 +19,12 @@
 //! `cargo bench -p mpipemoe-tools --bench routing`.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use mpipemoe::harness::{all_finite, group_limited_top_k, group_limited_top_k_reference, plan_on_host};
+use mpipemoe::harness::{
+    all_finite, group_limited_top_k, group_limited_top_k_reference, plan_on_host, BENCH_ROUTERS,
+};
 use mpipemoe::rng::SplitMix64;
 
 mod common;
-
-/// (label, experts, top_k, groups, groups kept)
-const ROUTERS: [(&str, usize, usize, usize, usize); 6] = [
-    ("8e-top1", 8, 1, 1, 1),
-    ("8e-top2", 8, 2, 1, 1),
-    ("32e-top4", 32, 4, 1, 1),
-    ("64e-top6", 64, 6, 1, 1),
-    ("128e-top8", 128, 8, 1, 1),
-    ("256e-top8-g4of8", 256, 8, 8, 4),
-];
 
 /// Logit-like router values, `[n_tokens, n_experts]`: uniform in [-2, 2), as distinct as f32
 /// makes them, seeded by the expert count so that every group reads the same values.
@@ -46,7 +38,7 @@ fn logit_like(n_tokens: usize, n_experts: usize) -> Vec<f32> {
 fn routing(c: &mut Criterion) {
     let tokens = 4096;
     let mut group = c.benchmark_group("expert_choice/4096tok");
-    for (label, n_experts, top_k, n_group, topk_group) in ROUTERS {
+    for (label, n_experts, top_k, n_group, topk_group) in BENCH_ROUTERS {
         let values = logit_like(tokens, n_experts);
         assert_eq!(
             group_limited_top_k(&values, n_experts, top_k, n_group, topk_group),

@@ -13,21 +13,11 @@
 
 use burn::tensor::{Distribution, Tensor};
 use mpipemoe::backend::{DeviceChoice, RouterKernels};
-use mpipemoe::harness::group_limited_top_k;
+use mpipemoe::harness::{group_limited_top_k, BENCH_ROUTERS};
 use mpipemoe::RoutingRule;
 
 use super::{median, primitive, Inner};
 use std::time::Instant;
-
-/// `(label, n_experts, top_k, n_group, topk_group)`: §15's routers.
-const ROUTERS: [(&str, usize, usize, usize, usize); 6] = [
-    ("8e top-1", 8, 1, 1, 1),
-    ("8e top-2", 8, 2, 1, 1),
-    ("32e top-4", 32, 4, 1, 1),
-    ("64e top-6", 64, 6, 1, 1),
-    ("128e top-8", 128, 8, 1, 1),
-    ("256e top-8 of 4/8 groups", 256, 8, 8, 4),
-];
 
 /// One router's figures: its label, `top_k`, and (median, min, max) ms of each side.
 pub(super) struct ChoiceTimes {
@@ -41,7 +31,7 @@ pub(super) struct ChoiceTimes {
 /// choose or chooses otherwise than the host.
 pub(super) fn choice_times(tokens: usize, repeats: usize) -> Result<Vec<ChoiceTimes>, String> {
     let device = Default::default();
-    ROUTERS
+    BENCH_ROUTERS
         .iter()
         .map(|&(label, n_experts, top_k, n_group, topk_group)| {
             // The routing bench's values: uniform in [-2, 2), no ties to speak of.
