@@ -65,6 +65,7 @@ fn memory_model_host_bytes_and_the_budget_under_skew() {
     let warm = base(Partitions::Fixed(1), MemoryReuse::Off);
     measure_layer_memory_with::<B>(&ALLOC, &warm, Some(&skewed(&warm)), None, 64, 2, true, &device).unwrap();
     model_tracks_every_rank(&device);
+    model_follows_the_shared_expert_gate(&device);
     model_tracks_gpt_oss_and_llama4_rules(&device);
     model_tracks_experts_side_by_side(&device);
     budget_keeps_every_rank_under_it(&device);
@@ -216,6 +217,52 @@ fn model_tracks_every_rank(device: &burn::tensor::Device<B>) {
         }
     }
     assert!(!report.is_empty());
+}
+
+/// The shared expert with and without its gate (Qwen2-MoE's, and DeepSeek's): the gated one
+/// keeps its output before the gate and the gate's scores for the gate's gradient,
+/// `T · (M + 1)` values. Where they are live at the peak (the overlap holds them through the
+/// exchange's forward, S4's peak) the measured peaks are that far apart; where the peak is in
+/// the backward after the shared expert's (S1 without the overlap), they are not. In both the
+/// model's difference must be the measured one within a quarter of `T · (M + 1)`: a model
+/// that took every shared expert as gated, as it did, is the whole of it off in the first,
+/// and one that counted the gate's gradients of x apart from the rest, 2 · T · M off in the
+/// second. (Under `none` with the overlap the measured forward and backward peaks are close,
+/// and the difference is what lies between them: not a measure of the gate.)
+fn model_follows_the_shared_expert_gate(device: &burn::tensor::Device<B>) {
+    let kept = (TOKENS * (M + 1) * 4) as f64;
+    for (overlap, strategy) in [(true, Strategy::S4), (false, Strategy::S1)] {
+        let run = |gated: bool| {
+            let config = base(Partitions::Fixed(1), strategy.into())
+                .with_shared_expert(Some(2 * M))
+                .with_shared_expert_gate(gated)
+                .with_shared_expert_overlap(overlap)
+                .with_memory_budget(Some(usize::MAX / 4));
+            let measured =
+                measure_layer_memory_with::<B>(&ALLOC, &config, None, None, TOKENS, 2, true, device).unwrap();
+            measured
+                .ranks
+                .iter()
+                .enumerate()
+                .map(|(rank, r)| {
+                    let decision = r.stats.memory.as_ref().expect("a budget reports its decision");
+                    (r.peak_device_bytes as f64, decision.peak_bytes[rank])
+                })
+                .collect::<Vec<_>>()
+        };
+        let (gated, ungated) = (run(true), run(false));
+        for (rank, (g, u)) in gated.iter().zip(&ungated).enumerate() {
+            let (measured, modelled) = (g.0 - u.0, g.1 - u.1);
+            let line = format!(
+                "shared expert gate, overlap={overlap} {strategy} rank {rank}: gated minus ungated measured {:.3} MiB, model {:.3} MiB (T·(M+1) is {:.3} MiB)",
+                measured / MIB,
+                modelled / MIB,
+                kept / MIB
+            );
+            eprintln!("{line}");
+            assert!((measured - modelled).abs() <= 0.25 * kept, "{line}");
+        }
+    }
 }
 
 /// One rank on a pool of three threads: Flex runs a partition's experts side by side, three

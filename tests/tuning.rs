@@ -376,6 +376,7 @@ fn the_layers_strategy_choice_is_what_its_budget_decides() {
         d_hidden: 64,
         activation: mpipemoe::Activation::Gelu,
         shared_expert: None,
+        shared_expert_gate: false,
         shared_expert_overlap: false,
         weights_on_input: false,
         n_experts: 4,

@@ -133,8 +133,9 @@ pub struct MoeLayerConfig {
     /// `moe_shared_expert_overlap`). On a GPU the device then runs them while the host waits
     /// for the router's choice and plans the batch; outputs and gradients are the same bits.
     /// The cost is memory: what autodiff keeps of the shared expert and its output (about
-    /// `n_tokens · (3 · shared_expert + 2 · d_model)` values) are then live through the
-    /// exchange's forward, whose peak the memory model and a `memory_budget` count them in.
+    /// `n_tokens · (3 · shared_expert + 2 · d_model)` values gated, `d_model` fewer ungated)
+    /// are then live through the exchange's forward, whose peak the memory model and a
+    /// `memory_budget` count them in.
     /// Needs `shared_expert`.
     #[config(default = false)]
     pub shared_expert_overlap: bool,

@@ -22,6 +22,11 @@ pub struct LayerShape {
     /// Hidden width of the shared expert, if the layer has one (it runs on every token, beside
     /// the exchange).
     pub shared_expert: Option<usize>,
+    /// Whether a sigmoid gate scales the shared expert's output
+    /// ([`MoeLayerConfig::shared_expert_gate`](crate::MoeLayerConfig::shared_expert_gate), as
+    /// in Qwen2-MoE): autodiff then keeps the output before the gate and the gate's scores
+    /// (`n_tokens · (d_model + 1)` values) for the gate's gradient. DeepSeek's is ungated.
+    pub shared_expert_gate: bool,
     /// Whether the shared expert runs before the exchange, while the routing read is in flight
     /// ([`MoeLayerConfig::shared_expert_overlap`](crate::MoeLayerConfig::shared_expert_overlap)):
     /// what autodiff keeps of it is then live through the exchange's forward.
@@ -54,6 +59,7 @@ impl LayerShape {
             d_hidden,
             activation: Activation::Gelu,
             shared_expert: None,
+            shared_expert_gate: false,
             shared_expert_overlap: false,
             weights_on_input: false,
             n_experts: n_ranks,

@@ -110,6 +110,7 @@ mod tests {
             d_hidden: 4096,
             activation: Activation::Gelu,
             shared_expert: None,
+            shared_expert_gate: false,
             shared_expert_overlap: false,
             weights_on_input: false,
             n_experts: n_ranks,

@@ -11,11 +11,12 @@ use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::{Distribution, Tensor};
 use burn_cubecl::CubeBackend;
 use burn_fusion::Fusion;
+use mpipemoe::backend::RouterKernels;
 use mpipemoe::harness::{agreement_error, check_case, expected, Case, CheckOptions, CheckReport};
 use mpipemoe::memory::Strategy;
-use mpipemoe::{ExchangePath, MoeBackend, MoeLayer, MoeLayerConfig};
+use mpipemoe::{ExchangePath, MoeBackend, MoeLayer, MoeLayerConfig, RoutingRule};
 
-use super::shared;
+use super::{alone, shared};
 
 /// burn's `Wgpu` with its default features.
 pub(super) type FusedWgpu = Fusion<CubeBackend<WgpuRuntime, f32, i32, u32>>;
@@ -119,4 +120,47 @@ fn buckets_are_summed_over_ranks_under_fusion() {
     .unwrap();
     let want: Vec<f32> = (0..5).map(|i| 2.0 * (2 * i * 10 + 1) as f32 + 1.0).collect();
     assert_eq!(sums, vec![want.clone(), want]);
+}
+
+/// The routing read under fusion hands fusion's queue to the device before the host waits:
+/// an element-wise chain registered after `router_choose` (fusion holds it open for more
+/// operations to fuse) has its output allocated on the device by the time `wait` returns,
+/// where before the wait it had none. That is what lets `shared_expert_overlap` overlap under
+/// fusion: without the drain the shared expert's open tail ran only at the next resolve,
+/// after the wait. Alone on the device: the measure is the device's bytes in use.
+#[test]
+fn the_choice_read_launches_what_fusion_holds_before_it_waits() {
+    let _device = alone();
+    let device = burn::backend::wgpu::WgpuDevice::default();
+    let client = <WgpuRuntime as burn_cubecl::cubecl::Runtime>::client(&device);
+    let in_use = || client.memory_usage().expect("memory usage").bytes_in_use;
+    let logits = Tensor::<FusedWgpu, 2>::random([256, 8], Distribution::Normal(0.0, 1.0), &device);
+    let x = Tensor::<FusedWgpu, 2>::random([1024, 1024], Distribution::Default, &device);
+    // The choice resolves the logits, which drains the stream: `x` is on the device from here.
+    let logits = logits.into_primitive().tensor();
+    let read = FusedWgpu::router_choose(logits.clone(), logits, &RoutingRule::top_k(2, true))
+        .expect("WGPU chooses on the device");
+    let before = in_use();
+    let y = x.clone() * 2.0 + 1.0;
+    let held = in_use();
+    assert_eq!(
+        held, before,
+        "fusion ran the chain at once: this test cannot tell a drain from none"
+    );
+    assert!(matches!(
+        read.wait(),
+        Some(mpipemoe::backend::DeviceChoice::Chosen(_))
+    ));
+    let after = in_use();
+    let output = (1024 * 1024 * 4) as u64;
+    assert!(
+        after >= before + output,
+        "{before} bytes in use before the wait and {after} after: the chain's {output}-byte output was not allocated"
+    );
+    let want = x.into_data().to_vec::<f32>().unwrap();
+    let got = y.into_data().to_vec::<f32>().unwrap();
+    assert!(want
+        .iter()
+        .zip(&got)
+        .all(|(a, b)| (a * 2.0 + 1.0 - b).abs() <= 1e-6));
 }

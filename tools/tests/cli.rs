@@ -225,6 +225,51 @@ fn plan_with_a_budget_answers_fits_or_not() {
         shared >= scratch + 3.0 * 768.0 * 3072.0 * 4.0,
         "{scratch} {shared}"
     );
+    // Under the overlap the shared expert's state is live through the exchange's forward,
+    // where S1 peaks at this shape: the gated one (the default, Qwen2-MoE's) keeps its output
+    // before the gate and the gate's scores, `T · (M + 1)` values, which the ungated one
+    // (DeepSeek's) does not; the flag's shape says which it took.
+    let s1_forward = |flags: &[&str]| -> (f64, serde_json::Value) {
+        let shape = [
+            "plan",
+            "--tokens",
+            "16384",
+            "--d-model",
+            "1024",
+            "--d-hidden",
+            "4096",
+            "--experts",
+            "8",
+            "--gpus",
+            "1",
+            "--top-k",
+            "2",
+            "--shared-expert",
+            "4096",
+            "--partitions",
+            "1",
+            "--shared-expert-overlap",
+            "--json",
+        ];
+        let out = mpipemoe(&[&shape[..], flags].concat());
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let json = serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap();
+        let s1 = json["strategies"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s[0] == "S1")
+            .expect("an S1 entry")[1]["forward"]["elements"]
+            .as_f64()
+            .unwrap();
+        (s1, json["shape"]["shared_expert_gate"].clone())
+    };
+    let (gated, says_gated) = s1_forward(&[]);
+    let (ungated, says_ungated) = s1_forward(&["--shared-expert-ungated"]);
+    assert_eq!((says_gated, says_ungated), (true.into(), false.into()));
+    assert_eq!(gated - ungated, 16384.0 * 1025.0, "{gated} {ungated}");
+    let out = mpipemoe(&["plan", "--preset", "gpt3-s", "--shared-expert-ungated"]);
+    assert_eq!(out.status.code(), Some(2), "the flag needs --shared-expert");
     // The simulator times no shared expert, so it refuses one by name.
     let out = mpipemoe(&["simulate", "--preset", "gpt3-s", "--shared-expert", "3072"]);
     let err = String::from_utf8_lossy(&out.stderr);

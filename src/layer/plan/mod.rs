@@ -216,6 +216,7 @@ impl<B: MoeBackend> MoeLayer<B> {
             d_hidden: c.d_hidden,
             activation: c.activation,
             shared_expert: c.shared_expert,
+            shared_expert_gate: c.shared_expert_gate,
             shared_expert_overlap: c.shared_expert_overlap,
             weights_on_input: c.weights_on_input,
             n_experts: c.n_experts,

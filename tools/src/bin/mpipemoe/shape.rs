@@ -69,6 +69,11 @@ pub struct ShapeArgs {
     /// (`shared_expert_overlap`): what it keeps is then live through the exchange's forward.
     #[arg(long, requires = "shared_expert")]
     pub shared_expert_overlap: bool,
+    /// The shared expert without a sigmoid gate on its output, as DeepSeek's are (Qwen2-MoE's
+    /// is gated, the layer's default): autodiff then keeps neither the output before the gate
+    /// nor the gate's scores, `tokens · (d_model + 1)` values less.
+    #[arg(long, requires = "shared_expert")]
+    pub shared_expert_ungated: bool,
 }
 
 /// The partition counts `plan --budget` chooses from when `--partitions` is not given, and
@@ -138,6 +143,7 @@ impl ShapeArgs {
             d_hidden: h,
             activation: self.activation,
             shared_expert: self.shared_expert,
+            shared_expert_gate: !self.shared_expert_ungated,
             shared_expert_overlap: self.shared_expert_overlap,
             weights_on_input: false,
             n_experts: e,
