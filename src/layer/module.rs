@@ -202,9 +202,13 @@ impl<B: MoeBackend> MoeLayer<B> {
         //    routing reads to the host (one transfer, one host wait; `route.rs`). The read is
         //    in flight between the halves: with `shared_expert_overlap` the shared expert
         //    (step 7) is issued there, and a GPU runs it while the host waits and plans.
-        let pending = self.route_start(&x)?;
+        let mut pending = self.route_start(&x)?;
         let overlapped = match config.shared_expert_overlap {
-            true => self.shared_expert(&x)?,
+            true => {
+                let shared = self.shared_expert(&x)?;
+                pending.launch_issued();
+                shared
+            }
             false => None,
         };
         let routing = self.route_finish(pending, &x, &shape)?;

@@ -55,15 +55,16 @@ impl<B: FusionBackend + RouterKernels> RouterKernels for Fusion<B> {
         register::<B>(out, &device)
     }
 
-    /// The inner backend's choice, with one step before its wait: what the caller registered
-    /// with fusion after this call (the shared expert under `shared_expert_overlap`) is
-    /// executed on the inner backend, so that the device runs it while the host waits.
+    /// The inner backend's choice, whose [`ChoiceRead::launch_issued`] executes on the inner
+    /// backend what the caller registered with fusion after this call (the shared expert
+    /// under `shared_expert_overlap`), so that the device runs it while the host waits.
     /// Without that step fusion would hold the open tail of it (an element-wise chain waits
     /// for more operations to fuse) until the next resolve, which comes after the wait:
     /// burn-fusion 0.21 executes a stream's queue only when a block closes or when a read or a
     /// resolve drains it (`server.rs` `read_float`, `client.rs` `resolve_tensor_float`).
     /// `sync` drains the calling thread's stream (`client.rs` line 128) and waits for no
-    /// kernel: the inner backend launches what fusion hands it asynchronously.
+    /// kernel: the inner backend launches what fusion hands it asynchronously. It is a
+    /// blocking call to fusion's thread, which a caller with nothing issued does not make.
     fn router_choose(
         values: FloatTensor<Self>,
         logits: FloatTensor<Self>,
@@ -71,10 +72,7 @@ impl<B: FusionBackend + RouterKernels> RouterKernels for Fusion<B> {
     ) -> Option<ChoiceRead> {
         let client = values.client.clone();
         let read = B::router_choose(resolve::<B>(values), resolve::<B>(logits), rule)?;
-        Some(ChoiceRead::new(move || {
-            client.sync(|| ());
-            read.wait()
-        }))
+        Some(read.with_launch(move || client.sync(|| ())))
     }
 
     fn router_z_loss(logits: FloatTensor<Self>, scale: f64) -> FloatTensor<Self> {

@@ -38,19 +38,42 @@ pub enum DeviceChoice {
 /// ([`RouterKernels::router_choose`]). What the caller issues before [`wait`](Self::wait)
 /// queues behind the read, and the read does not wait for it: the device runs it while the
 /// host waits (the layer issues its shared expert there under
-/// [`shared_expert_overlap`](crate::MoeLayerConfig::shared_expert_overlap)).
-pub struct ChoiceRead(Box<dyn FnOnce() -> Option<DeviceChoice> + Send>);
+/// [`shared_expert_overlap`](crate::MoeLayerConfig::shared_expert_overlap)). A backend that
+/// holds issued work back (burn's fusion) hands it to the device in
+/// [`launch_issued`](Self::launch_issued), which the caller calls after issuing it.
+pub struct ChoiceRead {
+    wait: Box<dyn FnOnce() -> Option<DeviceChoice> + Send>,
+    launch: Option<Box<dyn FnOnce() + Send>>,
+}
 
 impl ChoiceRead {
     /// A read whose `wait` blocks until the choice is on the host and decodes it (`None`:
     /// what came back is not what the kernel writes, and the caller chooses on the host).
     pub fn new(wait: impl FnOnce() -> Option<DeviceChoice> + Send + 'static) -> Self {
-        Self(Box::new(wait))
+        Self {
+            wait: Box::new(wait),
+            launch: None,
+        }
+    }
+
+    /// This read, with `launch` as what [`launch_issued`](Self::launch_issued) does.
+    pub fn with_launch(mut self, launch: impl FnOnce() + Send + 'static) -> Self {
+        self.launch = Some(Box::new(launch));
+        self
+    }
+
+    /// Hands what the caller issued since the read to the device, without waiting for it:
+    /// nothing to do on a backend that launches each op as it is issued. Once; later calls
+    /// do nothing.
+    pub fn launch_issued(&mut self) {
+        if let Some(launch) = self.launch.take() {
+            launch();
+        }
     }
 
     /// Waits for the read and returns the choice.
     pub fn wait(self) -> Option<DeviceChoice> {
-        (self.0)()
+        (self.wait)()
     }
 }
 

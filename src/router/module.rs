@@ -185,6 +185,14 @@ pub(crate) struct PendingRoute<B: Backend> {
 }
 
 impl<B: RouterKernels> PendingRoute<B> {
+    /// Hands what the caller issued since [`Router::route_start`] to the device before the
+    /// wait ([`ChoiceRead::launch_issued`]).
+    pub(crate) fn launch_issued(&mut self) {
+        if let Some(read) = &mut self.read {
+            read.launch_issued();
+        }
+    }
+
     /// The choice on the host, the combine weights picked and the probabilities, with what
     /// was read. Where the device chose, the wait for its read; where it could not, or a
     /// token's values were not all finite there, the values come to the host with `also`'s

@@ -122,8 +122,9 @@ fn buckets_are_summed_over_ranks_under_fusion() {
     assert_eq!(sums, vec![want.clone(), want]);
 }
 
-/// The routing read under fusion hands fusion's queue to the device before the host waits:
-/// an element-wise chain registered after `router_choose` (fusion holds it open for more
+/// The routing read under fusion hands fusion's queue to the device before the host waits
+/// (`ChoiceRead::launch_issued`, which the layer calls after issuing its shared expert): an
+/// element-wise chain registered after `router_choose` (fusion holds it open for more
 /// operations to fuse) has its output allocated on the device by the time `wait` returns,
 /// where before the wait it had none. That is what lets `shared_expert_overlap` overlap under
 /// fusion: without the drain the shared expert's open tail ran only at the next resolve,
@@ -138,7 +139,7 @@ fn the_choice_read_launches_what_fusion_holds_before_it_waits() {
     let x = Tensor::<FusedWgpu, 2>::random([1024, 1024], Distribution::Default, &device);
     // The choice resolves the logits, which drains the stream: `x` is on the device from here.
     let logits = logits.into_primitive().tensor();
-    let read = FusedWgpu::router_choose(logits.clone(), logits, &RoutingRule::top_k(2, true))
+    let mut read = FusedWgpu::router_choose(logits.clone(), logits, &RoutingRule::top_k(2, true))
         .expect("WGPU chooses on the device");
     let before = in_use();
     let y = x.clone() * 2.0 + 1.0;
@@ -147,6 +148,8 @@ fn the_choice_read_launches_what_fusion_holds_before_it_waits() {
         held, before,
         "fusion ran the chain at once: this test cannot tell a drain from none"
     );
+    // As the layer does after issuing its shared expert under the overlap.
+    read.launch_issued();
     assert!(matches!(
         read.wait(),
         Some(mpipemoe::backend::DeviceChoice::Chosen(_))
