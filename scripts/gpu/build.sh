@@ -2,6 +2,10 @@
 # Build the GPU binaries here (no GPU needed) and stage them in .gpu/ for the device machine.
 #   scripts/gpu/build.sh          # AUTOTUNE=1 for burn's matmul autotuning; TOOLS=0 for the
 #                                 # check and the benchmark alone (no toy, no CLI: a shorter build)
+#   ALT_REV=REV scripts/gpu/build.sh
+#                                 # also gpu_bench built at commit REV (a branch), as gpu_bench-alt,
+#                                 # for run.sh's `ab` phase: both builds timed alternately in one
+#                                 # call; ALT_TOOLS=1 adds that commit's CLI (mpipemoe-alt)
 # Then, with the device tool: run with carry [".gpu"] and the command
 #   . .gpu/device-env.sh && .gpu/run.sh 2>&1 | tee $OUT/log.txt
 set -euo pipefail
@@ -11,6 +15,10 @@ export CUDARC_CUDA_VERSION=13000
 # default: on a fresh H200 the toy with it finished no step in 240 s (each new GEMM shape
 # compiles and times about seven kernels with NVRTC), without it the toy's first step came at
 # 12.5 s (docs/design-notes.md, "CUDA's first minutes").
+if [ "${ALT_TOOLS:-0}" = 1 ] && [ "${TOOLS:-1}" != 1 ]; then
+  echo "error: ALT_TOOLS=1 compares the alt CLI with this build's, which TOOLS=0 leaves out" >&2
+  exit 2
+fi
 cuda_features=cuda
 tools_features=cuda
 if [ "${AUTOTUNE:-0}" = 1 ]; then
@@ -30,13 +38,46 @@ rm -rf .gpu
 mkdir -p .gpu/cases .gpu/bin
 # Four stripped binaries are over 100 MB, over what a run can carry; gzip brings them to about
 # a third, and run.sh unpacks them into a temporary folder on the GPU machine.
-for path in "${binaries[@]}"; do
-  name=$(basename "$path")
-  cp "$path" ".gpu/bin/$name"
+# Usage: stage PATH [NAME]
+stage() {
+  local name=${2:-$(basename "$1")}
+  cp "$1" ".gpu/bin/$name"
   strip ".gpu/bin/$name"
   gzip -9 ".gpu/bin/$name"
+}
+for path in "${binaries[@]}"; do
+  stage "$path"
 done
+# The other side of an A/B, built from REV's sources in a worktree of its own. It shares this
+# target folder: the dependencies' artifacts are the same, and cargo rebuilds only the
+# workspace's crates, whose sources (at another path) it fingerprints again; the next plain
+# build rebuilds them back. This build's binaries are staged above before they are
+# overwritten.
+if [ -n "${ALT_REV:-}" ]; then
+  alt_rev=$(git rev-parse --verify "$ALT_REV^{commit}")
+  alt_src="$PWD/target/alt-src"
+  git worktree remove --force "$alt_src" 2>/dev/null || rm -rf "$alt_src"
+  git worktree prune
+  git worktree add --detach "$alt_src" "$alt_rev"
+  alt_bins=(examples/gpu_bench)
+  [ "${ALT_TOOLS:-0}" != 1 ] || alt_bins+=(mpipemoe)
+  target_dir="$PWD/target"
+  (
+    cd "$alt_src"
+    export CARGO_TARGET_DIR="$target_dir"
+    cargo build --release -p mpipemoe-cuda --features "$cuda_features" --example gpu_bench
+    if [ "${ALT_TOOLS:-0}" = 1 ]; then
+      cargo build --release -p mpipemoe-tools --features "$tools_features" --bin mpipemoe
+    fi
+  )
+  for path in "${alt_bins[@]}"; do
+    stage "target/release/$path" "$(basename "$path")-alt"
+  done
+  git worktree remove --force "$alt_src"
+  echo "$alt_rev ($ALT_REV)" >.gpu/ALT_BUILT_AT
+fi
 cp scripts/gpu/run.sh scripts/gpu/first_minutes.sh scripts/gpu/unpack.sh scripts/gpu/models.py .gpu/
+cp scripts/bench/ab_table.py .gpu/
 # The PyTorch eager peer (run when the GPU machine has PyTorch with CUDA).
 cp scripts/bench/torch_peer.py scripts/bench/torch_gpu_peer.py .gpu/
 cp tests/data/cases/*.safetensors .gpu/cases/
@@ -52,6 +93,7 @@ cp scripts/gpu/device-env.sh .gpu/
   git status --porcelain --untracked-files=no | grep -q . && echo "with uncommitted changes" || true
 } >.gpu/BUILT_AT
 cat .gpu/BUILT_AT
+[ ! -f .gpu/ALT_BUILT_AT ] || echo "alt: $(cat .gpu/ALT_BUILT_AT)"
 du -sh .gpu
 ls -l .gpu
 size=$(du -sb .gpu | cut -f1)

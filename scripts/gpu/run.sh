@@ -18,7 +18,12 @@
 # "generate-peer", off by default: the 163 M model's greedy generation, one prompt and a batch of 8, ours on
 # cuBLAS and on cubecl beside transformers, GENPEER_ARGS to scripts/bench/generate_gpu_peer.py), MEMORY_S (240; phase "memory", off by default: gpu_memory,
 # MEMORY_ARGS e.g. "--quick"), PROFILE_S (60 per profiled process; phase "profile", off by default:
-# PROFILE_SHAPES, PROFILE_REPEATS); CHECK_ARGS (e.g. --plan cublas) goes to the check, BENCH_ARGS (e.g. --quick)
+# PROFILE_SHAPES, PROFILE_REPEATS), AB_S (120 per process; phase "ab", off by default: this
+# build's gpu_bench and the one `ALT_REV=REV scripts/gpu/build.sh` staged as gpu_bench-alt,
+# alternately, AB_ROUNDS rounds (2) in the order ABBA, with AB_ARGS (default "--quick
+# --fusion-pair --repeats 10"); where the alt CLI was staged too (ALT_TOOLS=1), the tiny
+# Qwen3-MoE fine-tuned by both CLIs alike, AB_FINETUNE_ARGS (default: 40 steps on
+# cuda-fusion); the table from ab_table.py); CHECK_ARGS (e.g. --plan cublas) goes to the check, BENCH_ARGS (e.g. --quick)
 # to the benchmark, PEER_ARGS (e.g. --quick --repeats 10) to the PyTorch peer, which runs once
 # before the benchmark and once after it (its figures are the two runs' mean, so both sides are
 # measured alternately). A phase cut by its limit reports exit 124. PHASES picks the phases
@@ -203,6 +208,40 @@ if (( bench_rc > 128 )) && [[ ! -s $out/gpu_bench.json ]]; then
     timeout "$left" "$bin/gpu_bench" $BENCH_ARGS --no-census --json "$out/gpu_bench.json" | tee "$out/gpu_bench.txt"
   fi
 fi
+fi
+if [[ $PHASES == *" ab "* ]]; then
+  # Two builds side by side in one call (the only fair comparison of two commits' GPU times):
+  # each round runs both, the second round in the other order, so that a drift of the card's
+  # clocks over the phase weighs on both sides alike.
+  echo "== A/B: this build ($(head -1 "$dir/BUILT_AT")) against $(cat "$dir/ALT_BUILT_AT" 2>/dev/null || echo "no alt build")"
+  rm -f cubecl.toml
+  if [ ! -x "$bin/gpu_bench-alt" ]; then
+    echo "no gpu_bench-alt: build with ALT_REV=REV scripts/gpu/build.sh"
+    check=1
+  else
+    ab_args=${AB_ARGS:---quick --fusion-pair --repeats 10}
+    ft_args=${AB_FINETUNE_ARGS:---steps 40 --batch 2 --seq-len 32 --backend cuda-fusion}
+    for round in $(seq 1 "${AB_ROUNDS:-2}"); do
+      sides=(main alt)
+      (( round % 2 == 1 )) || sides=(alt main)
+      for side in "${sides[@]}"; do
+        suffix=""
+        [ "$side" = main ] || suffix="-alt"
+        # shellcheck disable=SC2086 # the arguments split into words on purpose
+        timeout "${AB_S:-120}" "$bin/gpu_bench$suffix" $ab_args --json "$out/ab-bench-$side-$round.json" \
+          >"$out/ab-bench-$side-$round.txt" 2>&1 || { check=1; tail -5 "$out/ab-bench-$side-$round.txt"; }
+        if [ -x "$bin/mpipemoe-alt" ] && [ -x "$bin/mpipemoe" ]; then
+          # shellcheck disable=SC2086
+          timeout "${AB_S:-120}" "$bin/mpipemoe$suffix" finetune tests/data/models/qwen3-moe-tiny \
+            --data docs/architecture.md $ft_args --out "$(mktemp -d)/tuned" --json \
+            >"$out/ab-finetune-$side-$round.json" 2>"$out/ab-finetune-$side-$round.err" \
+            || { check=1; tail -5 "$out/ab-finetune-$side-$round.err"; }
+        fi
+      done
+    done
+    python3 "$dir/ab_table.py" "$out" | tee "$out/ab.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || check=1
+  fi
 fi
 if [[ $PHASES == *" profile "* ]]; then
   # One configuration per process (the layer at TF32 through cuBLAS, 2 warm-up steps and

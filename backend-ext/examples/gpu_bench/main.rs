@@ -52,8 +52,14 @@
 //! `--no-census`, the rows carry no counts.
 //!
 //! ```text
+//! `--fusion-pair` runs only the layer at TF32 on the cuBLAS path, raw and under burn's fusion:
+//! the pair that an A/B of two builds compares (`scripts/gpu/run.sh`'s `ab` phase), the raw row
+//! being the control, which a change to fusion's delegates should not move.
+//!
+//! ```text
 //! gpu_bench [--quick] [--repeats N] [--pipeline] [--json FILE]
-//!           [--shape GPT3-S|BERT-L|GPT3-XL] [--top-k 1|2] [--layer-only] [--no-census]
+//!           [--shape GPT3-S|BERT-L|GPT3-XL] [--top-k 1|2] [--layer-only | --fusion-pair]
+//!           [--no-census]
 //! ```
 
 mod choice;
@@ -191,6 +197,8 @@ struct Args {
     top_k: Option<usize>,
     /// Only the layer at TF32 through the cuBLAS path (what a profiled run looks at).
     layer_only: bool,
+    /// Only the layer at TF32 through the cuBLAS path, raw and under fusion (`--fusion-pair`).
+    fusion_pair: bool,
     /// No CUPTI census of the layer rows' calls (`--no-census`).
     no_census: bool,
 }
@@ -204,6 +212,7 @@ fn arguments() -> Result<Args, String> {
         shape: None,
         top_k: None,
         layer_only: false,
+        fusion_pair: false,
         no_census: false,
     };
     let mut it = std::env::args().skip(1);
@@ -221,6 +230,7 @@ fn arguments() -> Result<Args, String> {
             }
             "--json" => args.json = Some(it.next().ok_or("--json needs a file")?),
             "--layer-only" => args.layer_only = true,
+            "--fusion-pair" => args.fusion_pair = true,
             "--no-census" => args.no_census = true,
             "--shape" => {
                 let v = it.next().ok_or("--shape needs a name")?;
@@ -240,6 +250,9 @@ fn arguments() -> Result<Args, String> {
             }
             other => return Err(format!("unexpected argument {other:?}")),
         }
+    }
+    if args.layer_only && args.fusion_pair {
+        return Err("--layer-only and --fusion-pair each pick the rows: give one".into());
     }
     Ok(args)
 }
@@ -752,9 +765,19 @@ fn main() {
                     .with_check_finite(false)
                     .with_executor(Some(StepExecutor::InOrder));
                 let tf32 = base.clone().with_gemm_precision(GemmPrecision::Tf32);
-                if args.layer_only {
+                if args.layer_only || args.fusion_pair {
                     let run = layer_ms::<B>(&tf32, with(device_path), tokens, &bench, false);
                     push("layer", "cublas", "tf32", (&run).into());
+                    if args.fusion_pair {
+                        let run = layer_ms::<Autodiff<mpipemoe_cuda::CudaMoeFusion<f32>>>(
+                            &tf32,
+                            with(device_path),
+                            tokens,
+                            &bench,
+                            false,
+                        );
+                        push("layer", "cublas fusion", "tf32", (&run).into());
+                    }
                     continue;
                 }
                 for precision in GemmPrecision::ALL {
@@ -952,7 +975,7 @@ fn main() {
     }
     rows.extend(pieces);
     // The router's choice on the device and on the host (`choice.rs`), once a run.
-    if !args.layer_only {
+    if !(args.layer_only || args.fusion_pair) {
         let times = choice::choice_times(4096, args.repeats).unwrap_or_else(|e| {
             eprintln!("error: router choice: {e}");
             std::process::exit(1)
