@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Build the GPU binaries here (no GPU needed) and stage them in .gpu/ for the device machine.
 #   scripts/gpu/build.sh          # AUTOTUNE=1 for burn's matmul autotuning; TOOLS=0 for the
-#                                 # check and the benchmark alone (no toy, no CLI: a shorter build)
+#                                 # check and the benchmark alone (no toy, no CLI: a shorter build);
+#                                 # TOY=0 for the CLI without the toy
 #   ALT_REV=REV scripts/gpu/build.sh
 #                                 # also gpu_bench built at commit REV (a branch), as gpu_bench-alt,
 #                                 # for run.sh's `ab` phase: both builds timed alternately in one
-#                                 # call; ALT_TOOLS=1 adds that commit's CLI (mpipemoe-alt)
+#                                 # call; ALT_TOOLS=1 adds that commit's CLI (mpipemoe-alt), which
+#                                 # fits beside the others with TOY=0
 # Then, with the device tool: run with carry [".gpu"] and the command
 #   . .gpu/device-env.sh && .gpu/run.sh 2>&1 | tee $OUT/log.txt
 set -euo pipefail
@@ -30,9 +32,16 @@ cargo build --release -p mpipemoe-cuda --features "$cuda_features" --example gpu
 # The toy GPT-MoE with `--backend cuda|cuda-fusion` and `--comm nccl` (tools' `cuda` feature), and
 # the `mpipemoe` CLI, whose `logits` / `generate` run the whole models of tests/data/models there.
 binaries=(target/release/examples/gpu_check target/release/examples/gpu_bench target/release/examples/gpu_memory)
+# TOY=0 leaves the toy out and keeps the CLI: the room an A/B's second CLI needs (ALT_TOOLS=1;
+# the seven binaries together are over what a run can carry).
 if [ "${TOOLS:-1}" = 1 ]; then
-  cargo build --release -p mpipemoe-tools --features "$tools_features" --example train_gpt_moe --bin mpipemoe
-  binaries+=(target/release/examples/train_gpt_moe target/release/mpipemoe)
+  if [ "${TOY:-1}" = 1 ]; then
+    cargo build --release -p mpipemoe-tools --features "$tools_features" --example train_gpt_moe --bin mpipemoe
+    binaries+=(target/release/examples/train_gpt_moe)
+  else
+    cargo build --release -p mpipemoe-tools --features "$tools_features" --bin mpipemoe
+  fi
+  binaries+=(target/release/mpipemoe)
 fi
 rm -rf .gpu
 mkdir -p .gpu/cases .gpu/bin
@@ -98,6 +107,6 @@ du -sh .gpu
 ls -l .gpu
 size=$(du -sb .gpu | cut -f1)
 if [ "$size" -gt $((64 * 1024 * 1024)) ]; then
-  echo "error: .gpu is $size bytes, over the 64 MiB that can be carried" >&2
+  echo "error: .gpu is $size bytes, over the 64 MiB that can be carried (TOY=0 leaves the toy out, TOOLS=0 the toy and the CLI)" >&2
   exit 1
 fi

@@ -163,6 +163,11 @@ runs=("cuda threads 1" "cuda-fusion threads 1" "cuda threads 2")
 [ "$gpus" -ge 2 ] && runs+=("cuda nccl 2" "cuda-fusion nccl 2")
 [ -z "${TRAIN_RUNS:-}" ] || IFS=";" read -r -a runs <<<"$TRAIN_RUNS"
 [[ $PHASES == *" train "* ]] || runs=()
+if (( ${#runs[@]} > 0 )) && [ ! -x "$bin/train_gpt_moe" ]; then
+  echo "no toy staged (built with TOY=0 or TOOLS=0): the train phase has nothing to run"
+  check=1
+  runs=()
+fi
 for run in "${runs[@]}"; do
   read -r backend comm ranks <<<"$run"
   name="train-$backend-$comm-$ranks"

@@ -638,6 +638,14 @@ where
 }
 
 fn main() {
+    // The arguments first, so that a usage error says so on any machine, CUDA or not.
+    let args = match arguments() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+    };
     if let Err(e) = cuda_available() {
         eprintln!("error: {e}");
         std::process::exit(2);
@@ -648,13 +656,6 @@ fn main() {
         eprintln!("error: {info}");
         std::process::exit(1);
     }));
-    let args = match arguments() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("error: {e}");
-            std::process::exit(2);
-        }
-    };
     let d = CublasOptions::default();
     let paths = [
         d,
