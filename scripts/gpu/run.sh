@@ -18,7 +18,8 @@
 # "generate-peer", off by default: the 163 M model's greedy generation, one prompt and a batch of 8, ours on
 # cuBLAS and on cubecl beside transformers, GENPEER_ARGS to scripts/bench/generate_gpu_peer.py), MEMORY_S (240; phase "memory", off by default: gpu_memory,
 # MEMORY_ARGS e.g. "--quick"), PROFILE_S (60 per profiled process; phase "profile", off by default:
-# PROFILE_SHAPES, PROFILE_REPEATS), AB_S (120 per process; phase "ab", off by default: this
+# PROFILE_SHAPES, PROFILE_REPEATS), WAKE_S (60; phase "wake", off by default: `gpu_bench
+# --wake`, a blocking call to cubecl's device thread after idle gaps, raw and under fusion), AB_S (120 per process; phase "ab", off by default: this
 # build's gpu_bench and the one `ALT_REV=REV scripts/gpu/build.sh` staged as gpu_bench-alt,
 # alternately, AB_ROUNDS rounds (2) in the order ABBA, with AB_ARGS (default "--quick
 # --fusion-pair --repeats 10"); where the alt CLI was staged too (ALT_TOOLS=1), the tiny
@@ -213,6 +214,14 @@ if (( bench_rc > 128 )) && [[ ! -s $out/gpu_bench.json ]]; then
     timeout "$left" "$bin/gpu_bench" $BENCH_ARGS --no-census --json "$out/gpu_bench.json" | tee "$out/gpu_bench.txt"
   fi
 fi
+fi
+if [[ $PHASES == *" wake "* ]]; then
+  # Whether cubecl's device thread (and fusion's) sleeps between a step's blocking calls on
+  # this machine's CPU, and what waking it costs (`gpu_bench/wake.rs`).
+  echo "== device thread wake-up after idle gaps (gpu_bench --wake)"
+  rm -f cubecl.toml
+  timeout "${WAKE_S:-60}" "$bin/gpu_bench" --wake --json "$out/wake.json" | tee "$out/wake.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || check=1
 fi
 if [[ $PHASES == *" ab "* ]]; then
   # Two builds side by side in one call (the only fair comparison of two commits' GPU times):

@@ -8,6 +8,7 @@ mod device_memory;
 mod host_plan;
 mod kernels;
 mod memory;
+mod runner_wake;
 mod synthetic;
 
 pub use crate::cases::{
@@ -24,4 +25,5 @@ pub use memory::{
     measure_layer_memory, measure_layer_memory_with, measure_layer_peak, MemoryMeasurement, PeakMeter,
     RankMemory, TokenSource, WrapComm,
 };
+pub use runner_wake::{quantile, runner_wake_latencies};
 pub use synthetic::{write_synthetic_checkpoint, SyntheticCheckpoint, SyntheticFamily};

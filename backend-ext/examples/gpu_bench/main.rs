@@ -52,6 +52,10 @@
 //! `--no-census`, the rows carry no counts.
 //!
 //! ```text
+//! `--wake` runs only the table of `wake.rs`: a blocking call to cubecl's device thread after
+//! idle gaps of the host, raw and under fusion (whether the thread sleeps between a step's
+//! blocking calls on the lent machine's CPU).
+//!
 //! `--fusion-pair` runs only the layer at TF32 on the cuBLAS path, raw and under burn's fusion:
 //! the pair that an A/B of two builds compares (`scripts/gpu/run.sh`'s `ab` phase), the raw row
 //! being the control, which a change to fusion's delegates should not move.
@@ -59,10 +63,11 @@
 //! ```text
 //! gpu_bench [--quick] [--repeats N] [--pipeline] [--json FILE]
 //!           [--shape GPT3-S|BERT-L|GPT3-XL] [--top-k 1|2] [--layer-only | --fusion-pair]
-//!           [--no-census]
+//!           [--no-census] [--wake]
 //! ```
 
 mod choice;
+mod wake;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -201,6 +206,8 @@ struct Args {
     fusion_pair: bool,
     /// No CUPTI census of the layer rows' calls (`--no-census`).
     no_census: bool,
+    /// Only the device thread's wake-up table (`wake.rs`).
+    wake: bool,
 }
 
 fn arguments() -> Result<Args, String> {
@@ -214,6 +221,7 @@ fn arguments() -> Result<Args, String> {
         layer_only: false,
         fusion_pair: false,
         no_census: false,
+        wake: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -231,6 +239,7 @@ fn arguments() -> Result<Args, String> {
             "--json" => args.json = Some(it.next().ok_or("--json needs a file")?),
             "--layer-only" => args.layer_only = true,
             "--fusion-pair" => args.fusion_pair = true,
+            "--wake" => args.wake = true,
             "--no-census" => args.no_census = true,
             "--shape" => {
                 let v = it.next().ok_or("--shape needs a name")?;
@@ -270,6 +279,16 @@ fn timed(repeats: usize, mut f: impl FnMut()) -> (f64, f64, f64) {
             })
             .collect(),
     )
+}
+
+/// `rows` as JSON at `path` (where one is given), written whole or not at all.
+fn write_json<T: Serialize>(path: Option<&str>, rows: &[T]) {
+    let Some(path) = path else { return };
+    let text = serde_json::to_string_pretty(rows).expect("rows serialize");
+    let tmp = format!("{path}.tmp");
+    if let Err(e) = std::fs::write(&tmp, text).and_then(|_| std::fs::rename(&tmp, path)) {
+        eprintln!("error: cannot write {path}: {e}");
+    }
 }
 
 /// (median, min, max) of `times`, which are not empty.
@@ -656,6 +675,14 @@ fn main() {
         eprintln!("error: {info}");
         std::process::exit(1);
     }));
+    if args.wake {
+        let rows = wake::wake_rows().unwrap_or_else(|e| {
+            eprintln!("error: {e}");
+            std::process::exit(1)
+        });
+        write_json(args.json.as_deref(), &rows);
+        return;
+    }
     let d = CublasOptions::default();
     let paths = [
         d,
@@ -1017,13 +1044,7 @@ fn main() {
         eprintln!("error: {e}");
         std::process::exit(1);
     }
-    if let Some(path) = &args.json {
-        let text = serde_json::to_string_pretty(&rows).expect("rows serialize");
-        let tmp = format!("{path}.tmp");
-        if let Err(e) = std::fs::write(&tmp, text).and_then(|_| std::fs::rename(&tmp, path)) {
-            eprintln!("error: cannot write {path}: {e}");
-        }
-    }
+    write_json(args.json.as_deref(), &rows);
     println!(
         "{:<8} {:>6} {:>2} {:<9} {:<18} {:<5} {:>9} {:>9} {:>9} {:>8} {:>3} {:>9}",
         "shape", "tokens", "k", "what", "path", "prec", "ms", "min", "max", "TFLOP/s", "n", "host ms"
