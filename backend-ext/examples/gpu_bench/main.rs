@@ -91,6 +91,8 @@ use serde::Serialize;
 
 type Inner = CudaMoe<f32>;
 type B = Autodiff<Inner>;
+/// burn's default CUDA backend (`cuda-fusion`) with this crate's ops on the inner one.
+type Fused = Autodiff<mpipemoe_cuda::CudaMoeFusion<f32>>;
 
 const EXPERTS: usize = 8;
 
@@ -797,13 +799,7 @@ fn main() {
                     let run = layer_ms::<B>(&tf32, with(device_path), tokens, &bench, false);
                     push("layer", "cublas", "tf32", (&run).into());
                     if args.fusion_pair {
-                        let run = layer_ms::<Autodiff<mpipemoe_cuda::CudaMoeFusion<f32>>>(
-                            &tf32,
-                            with(device_path),
-                            tokens,
-                            &bench,
-                            false,
-                        );
+                        let run = layer_ms::<Fused>(&tf32, with(device_path), tokens, &bench, false);
                         push("layer", "cublas fusion", "tf32", (&run).into());
                     }
                     continue;
@@ -952,13 +948,7 @@ fn main() {
                 push("layer", "cublas host-waits", "tf32", (&run).into());
                 let run = layer_ms::<B>(&tf32, with(experts_only_path), tokens, &bench, false);
                 push("layer", "cublas experts only", "tf32", (&run).into());
-                let run = layer_ms::<Autodiff<mpipemoe_cuda::CudaMoeFusion<f32>>>(
-                    &tf32,
-                    with(device_path),
-                    tokens,
-                    &bench,
-                    false,
-                );
+                let run = layer_ms::<Fused>(&tf32, with(device_path), tokens, &bench, false);
                 push("layer", "cublas fusion", "tf32", (&run).into());
                 let run = layer_ms::<B>(&base, Arc::new(SingleRank), tokens, &bench, false);
                 push("layer", "cubecl", "tf32", (&run).into());
