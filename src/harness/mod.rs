@@ -25,5 +25,5 @@ pub use memory::{
     measure_layer_memory, measure_layer_memory_with, measure_layer_peak, MemoryMeasurement, PeakMeter,
     RankMemory, TokenSource, WrapComm,
 };
-pub use runner_wake::{quantile, runner_wake_latencies};
+pub use runner_wake::{process_cpu_s, quantile, runner_wake_latencies, RunnerKeeper};
 pub use synthetic::{write_synthetic_checkpoint, SyntheticCheckpoint, SyntheticFamily};

@@ -13,13 +13,21 @@
 //! backend's runner; under fusion fusion's runner drains its empty queue, then the backend's
 //! syncs. It prints each gap's median and 90th percentile. Where a runner sleeps, the medians
 //! step up by about a sleep step.
+//!
+//! `--keeper-us N` runs a helper thread beside the calls that touches both runners about
+//! every N µs (fusion's with burn-fusion's non-blocking `FusionClient::flush_queue`, the
+//! backend's with a blocking `memory_usage`), so that neither runs out of its spin budget: the
+//! mitigation the design notes weigh, and what it costs in CPU time.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use burn::backend::wgpu::{WgpuDevice, WgpuRuntime};
 use burn::backend::Wgpu;
 use burn::tensor::backend::Backend;
+use burn_cubecl::cubecl::Runtime;
 use clap::Parser;
-use mpipemoe::harness::{quantile, runner_wake_latencies};
+use mpipemoe::harness::{process_cpu_s, quantile, runner_wake_latencies, RunnerKeeper};
+use mpipemoe_tools::backends::WgpuFusion;
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -29,19 +37,47 @@ struct Args {
     /// Idle gaps before each call, µs.
     #[arg(long, value_delimiter = ',', default_value = "0,50,100,150,200,300,500,1000")]
     gaps_us: Vec<u64>,
+    /// A helper touches both runners about every N µs while the calls run (0: none).
+    #[arg(long, default_value_t = 0)]
+    keeper_us: u64,
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
+    let keeper = (args.keeper_us > 0).then(|| {
+        let device = WgpuDevice::default();
+        let fusion = burn_fusion::get_client::<<WgpuFusion as FusionInner>::Inner>(&device);
+        let cube = WgpuRuntime::client(&device);
+        RunnerKeeper::start(Duration::from_micros(args.keeper_us), move || {
+            fusion.flush_queue();
+            let _ = cube.memory_usage();
+        })
+    });
+    let (start, cpu) = (Instant::now(), process_cpu_s());
     println!("blocking device sync after an idle gap: median / 90th percentile, µs");
     println!("| gap µs | raw WGPU | WGPU under fusion |");
     println!("|---|---|---|");
     for &gap in &args.gaps_us {
         let raw = summary::<Wgpu>(gap, args.calls)?;
-        let fused = summary::<mpipemoe_tools::backends::WgpuFusion>(gap, args.calls)?;
+        let fused = summary::<WgpuFusion>(gap, args.calls)?;
         println!("| {gap} | {raw} | {fused} |");
     }
+    let touches = keeper.map_or(0, RunnerKeeper::stop);
+    println!(
+        "{:.1} s wall, {:.1} s CPU of the process; the keeper touched the runners {touches} times",
+        start.elapsed().as_secs_f64(),
+        process_cpu_s() - cpu
+    );
     Ok(())
+}
+
+/// The backend inside a `Fusion` backend.
+trait FusionInner {
+    type Inner: burn_fusion::FusionBackend;
+}
+
+impl<B: burn_fusion::FusionBackend> FusionInner for burn_fusion::Fusion<B> {
+    type Inner = B;
 }
 
 fn summary<B: Backend>(gap_us: u64, calls: usize) -> mpipemoe::Result<String> {

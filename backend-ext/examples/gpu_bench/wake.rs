@@ -5,14 +5,21 @@
 //! A layer step makes a few blocking calls (the routing read, each cuBLAS section's call on the
 //! device thread, and under fusion every resolve), with host work between them. Where the
 //! device thread has gone to sleep by then, each such call waits for the rest of a 150 µs sleep
-//! step; this table says from which idle gap on, on the lent machine's CPU.
+//! step; this table says from which idle gap on, on the lent machine's CPU. The last two
+//! columns are the same calls with a `RunnerKeeper` touching both runners every 20 µs (plus the
+//! sleep's slack): whether keeping them busy removes the wait on that machine, and what it
+//! costs (the process's CPU seconds, printed at the end).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use mpipemoe::harness::{quantile, runner_wake_latencies};
+use burn_cubecl::cubecl::cuda::CudaRuntime;
+use burn_cubecl::cubecl::Runtime;
+use mpipemoe::harness::{process_cpu_s, quantile, runner_wake_latencies, RunnerKeeper};
 use serde::Serialize;
 
 use super::Inner;
+
+type Fusion = mpipemoe_cuda::CudaMoeFusion<f32>;
 
 /// Idle gaps before each call, µs.
 const GAPS_US: [u64; 9] = [0, 50, 100, 150, 200, 300, 500, 1000, 3000];
@@ -29,25 +36,46 @@ pub(super) struct WakeRow {
     max_us: f64,
 }
 
-/// Every gap on the raw backend and under fusion, printed as a table as it goes.
+/// Every gap on the raw backend and under fusion, without and with a keeper, printed as a
+/// table as it goes.
 pub(super) fn wake_rows() -> mpipemoe::Result<Vec<WakeRow>> {
     let device = Default::default();
     println!("blocking device sync after an idle gap, CUDA: median / 90th percentile, µs");
-    println!("| gap µs | raw | under fusion |");
-    println!("|---|---|---|");
+    println!("| gap µs | raw | under fusion | raw, runners kept busy | under fusion, kept busy |");
+    println!("|---|---|---|---|---|");
+    let (start, cpu) = (Instant::now(), process_cpu_s());
+    let mut keeper_cpu = 0.0;
     let mut rows = Vec::new();
     for gap_us in GAPS_US {
         let gap = Duration::from_micros(gap_us);
         let raw = runner_wake_latencies::<Inner>(&device, gap, CALLS)?;
-        let fused = runner_wake_latencies::<mpipemoe_cuda::CudaMoeFusion<f32>>(&device, gap, CALLS)?;
+        let fused = runner_wake_latencies::<Fusion>(&device, gap, CALLS)?;
+        let kept_from = process_cpu_s();
+        let fusion = burn_fusion::get_client::<Inner>(&device);
+        let cube = CudaRuntime::client(&device);
+        let keeper = RunnerKeeper::start(Duration::from_micros(20), move || {
+            fusion.flush_queue();
+            let _ = cube.memory_usage();
+        });
+        let raw_kept = runner_wake_latencies::<Inner>(&device, gap, CALLS);
+        let fused_kept = runner_wake_latencies::<Fusion>(&device, gap, CALLS);
+        keeper.stop();
+        keeper_cpu += process_cpu_s() - kept_from;
+        let (raw_kept, fused_kept) = (raw_kept?, fused_kept?);
+        let cell = |t: &[f64]| format!("{:.1} / {:.1}", quantile(t, 0.5), quantile(t, 0.9));
         println!(
-            "| {gap_us} | {:.1} / {:.1} | {:.1} / {:.1} |",
-            quantile(&raw, 0.5),
-            quantile(&raw, 0.9),
-            quantile(&fused, 0.5),
-            quantile(&fused, 0.9)
+            "| {gap_us} | {} | {} | {} | {} |",
+            cell(&raw),
+            cell(&fused),
+            cell(&raw_kept),
+            cell(&fused_kept)
         );
-        for (backend, times) in [("raw", raw), ("fusion", fused)] {
+        for (backend, times) in [
+            ("raw", raw),
+            ("fusion", fused),
+            ("raw kept", raw_kept),
+            ("fusion kept", fused_kept),
+        ] {
             rows.push(WakeRow {
                 gap_us,
                 backend,
@@ -58,5 +86,10 @@ pub(super) fn wake_rows() -> mpipemoe::Result<Vec<WakeRow>> {
             });
         }
     }
+    println!(
+        "{:.1} s wall, {:.1} s CPU of the process, {keeper_cpu:.1} s of it while a keeper ran",
+        start.elapsed().as_secs_f64(),
+        process_cpu_s() - cpu
+    );
     Ok(rows)
 }
