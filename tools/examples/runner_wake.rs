@@ -27,7 +27,7 @@ use burn::tensor::backend::Backend;
 use burn_cubecl::cubecl::Runtime;
 use clap::Parser;
 use mpipemoe::harness::{process_cpu_s, quantile, runner_wake_latencies, RunnerKeeper};
-use mpipemoe_tools::backends::WgpuFusion;
+use mpipemoe_tools::backends::{WgpuFusion, WgpuInner};
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -46,7 +46,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let keeper = (args.keeper_us > 0).then(|| {
         let device = WgpuDevice::default();
-        let fusion = burn_fusion::get_client::<<WgpuFusion as FusionInner>::Inner>(&device);
+        let fusion = burn_fusion::get_client::<WgpuInner>(&device);
         let cube = WgpuRuntime::client(&device);
         RunnerKeeper::start(Duration::from_micros(args.keeper_us), move || {
             fusion.flush_queue();
@@ -69,15 +69,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         process_cpu_s() - cpu
     );
     Ok(())
-}
-
-/// The backend inside a `Fusion` backend.
-trait FusionInner {
-    type Inner: burn_fusion::FusionBackend;
-}
-
-impl<B: burn_fusion::FusionBackend> FusionInner for burn_fusion::Fusion<B> {
-    type Inner = B;
 }
 
 fn summary<B: Backend>(gap_us: u64, calls: usize) -> mpipemoe::Result<String> {

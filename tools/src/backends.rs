@@ -28,10 +28,13 @@ pub enum BackendArg {
     CudaFusion,
 }
 
+/// The CubeCL WGPU backend that burn's default `Wgpu` puts inside fusion.
+#[cfg(feature = "wgpu")]
+pub type WgpuInner = burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
+
 /// burn's `Wgpu` with burn's default features: the CubeCL WGPU backend inside fusion.
 #[cfg(feature = "wgpu")]
-pub type WgpuFusion =
-    burn_fusion::Fusion<burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>>;
+pub type WgpuFusion = burn_fusion::Fusion<WgpuInner>;
 
 /// burn's `Cuda` with burn's default features: the CubeCL CUDA backend inside fusion.
 #[cfg(feature = "cuda")]

@@ -51,10 +51,9 @@
 //! Issue 56's goal is at most two host waits per layer step at one rank. Without CUPTI, or with
 //! `--no-census`, the rows carry no counts.
 //!
-//! ```text
 //! `--wake` runs only the table of `wake.rs`: a blocking call to cubecl's device thread after
 //! idle gaps of the host, raw and under fusion (whether the thread sleeps between a step's
-//! blocking calls on the lent machine's CPU).
+//! blocking calls on the lent machine's CPU, and whether a helper that keeps it busy helps).
 //!
 //! `--fusion-pair` runs only the layer at TF32 on the cuBLAS path, raw and under burn's fusion:
 //! the pair that an A/B of two builds compares (`scripts/gpu/run.sh`'s `ab` phase), the raw row
