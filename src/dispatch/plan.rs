@@ -68,8 +68,20 @@ impl DispatchPlan {
     }
 
     /// The map of `T_I`'s rows to their tokens: step 4 gathers by it, step 6 sums back by it.
+    ///
+    /// # Panics
+    /// If a row's token is `n_tokens` or more, or, where there are `n_tokens · top_k` rows,
+    /// a token does not have `top_k` of them (a contract violation: a token has a row for
+    /// each of its kept choices).
     pub fn token_map(&self) -> Arc<RowMap> {
-        Arc::new(RowMap::new(self.row_token.clone(), self.n_tokens))
+        let tokens = self.row_token.clone();
+        // Nothing dropped: every token has its `top_k` rows, and their offsets are known.
+        Arc::new(
+            match self.n_tokens.checked_mul(self.top_k) == Some(self.n_rows()) {
+                true => RowMap::with_uniform_counts(tokens, self.n_tokens, self.top_k),
+                false => RowMap::new(tokens, self.n_tokens),
+            },
+        )
     }
 
     /// Step 6's map: `tokens` (this plan's [`token_map`](Self::token_map)) with each row's

@@ -77,6 +77,16 @@ impl RowMap {
             }
             row_of[t] = row;
         }
+        // Every target has its row (a batch without drops): `row_of` is the order as it is and
+        // each target's rows start at the target, so the two passes below would copy it.
+        if targets.len() == n_targets {
+            return Ok(Self {
+                targets,
+                n_targets,
+                offsets: (0..=n_targets).collect(),
+                order: row_of,
+            });
+        }
         // Two tight passes over the targets rather than one with two pushes a target.
         let mut offsets = Vec::with_capacity(n_targets + 1);
         offsets.push(0);
@@ -93,6 +103,47 @@ impl RowMap {
             offsets,
             order,
         })
+    }
+
+    /// The map of rows onto targets that each have `per_target` rows (a batch's tokens where
+    /// capacity dropped none of their `top_k` choices), the same as [`new`](Self::new) gives
+    /// for them: each target's rows start at `t · per_target`, known before the rows are read,
+    /// so the counting sort's pass that counts them is left out.
+    ///
+    /// # Panics
+    /// If there are not `n_targets · per_target` rows, a target is `n_targets` or more, or a
+    /// target has another number of rows (a contract violation: the dispatch plan takes this
+    /// path only where no assignment was dropped).
+    pub fn with_uniform_counts(targets: Vec<usize>, n_targets: usize, per_target: usize) -> Self {
+        assert_eq!(
+            Some(targets.len()),
+            n_targets.checked_mul(per_target),
+            "RowMap: {} rows are not {per_target} for each of {n_targets} targets",
+            targets.len()
+        );
+        let offsets: Vec<usize> = (0..=n_targets).map(|t| t * per_target).collect();
+        let mut next = offsets[..n_targets].to_vec();
+        let mut order = vec![0usize; targets.len()];
+        for (row, &t) in targets.iter().enumerate() {
+            assert!(
+                t < n_targets,
+                "RowMap: target {t} of a tensor of {n_targets} rows"
+            );
+            // A target with more rows than its share writes into the next target's (caught
+            // below) or past the end (caught by the index).
+            order[next[t]] = row;
+            next[t] += 1;
+        }
+        assert!(
+            next.iter().zip(&offsets[1..]).all(|(n, end)| n == end),
+            "RowMap: a target does not have {per_target} rows"
+        );
+        Self {
+            targets,
+            n_targets,
+            offsets,
+            order,
+        }
     }
 
     /// The target of each row. `[n_rows]`
@@ -159,15 +210,47 @@ mod tests {
             for i in (1..n_targets).rev() {
                 targets.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
             }
-            targets.truncate(n_targets * 2 / 3);
+            // Every target (a batch without drops, the map's shortcut) and two thirds of them.
+            for kept in [n_targets, n_targets * 2 / 3] {
+                let targets = targets[..kept].to_vec();
+                let sorted = RowMap::new(targets.clone(), n_targets);
+                assert_eq!(
+                    RowMap::with_distinct_targets(targets, n_targets),
+                    Ok(sorted),
+                    "{n_targets} targets, {kept} rows"
+                );
+            }
+        }
+        // A duplicate among as many rows as targets leaves one target without a row.
+        assert_eq!(RowMap::with_distinct_targets(vec![1, 0, 1], 3), Err(1));
+        assert_eq!(RowMap::with_distinct_targets(vec![2, 0, 2, 0], 3), Err(2));
+    }
+
+    /// With every target's rows counted in advance, the map is the counting sort's: tokens
+    /// of a top-k batch without drops, their rows in the plan's order (by expert, not by
+    /// token), at sizes around the tests'.
+    #[test]
+    fn uniform_counts_map_as_the_counting_sort_does() {
+        let mut rng = crate::rng::SplitMix64::new(5);
+        for (n_targets, per_target) in [(0, 2), (1, 1), (3, 2), (64, 1), (257, 4), (1000, 8)] {
+            let mut targets: Vec<usize> = (0..n_targets * per_target).map(|s| s / per_target).collect();
+            for i in (1..targets.len()).rev() {
+                targets.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+            }
             let sorted = RowMap::new(targets.clone(), n_targets);
             assert_eq!(
-                RowMap::with_distinct_targets(targets, n_targets),
-                Ok(sorted),
-                "{n_targets}"
+                RowMap::with_uniform_counts(targets, n_targets, per_target),
+                sorted,
+                "{n_targets} × {per_target}"
             );
         }
-        assert_eq!(RowMap::with_distinct_targets(vec![2, 0, 2, 0], 3), Err(2));
+    }
+
+    #[test]
+    #[should_panic(expected = "a target does not have 2 rows")]
+    fn uneven_counts_are_refused_where_uniform_ones_are_promised() {
+        // Target 0 has three rows and target 1 one: the right total, the wrong split.
+        RowMap::with_uniform_counts(vec![0, 1, 0, 0], 2, 2);
     }
 
     #[test]
