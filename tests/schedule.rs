@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use burn::backend::{Autodiff, Flex, NdArray};
 use mpipemoe::backend::{
-    execute_in_order, execute_on_threads, ExchangeRun, HostStore, Op, Role, Schedule, Span, Step,
-    StepExecutor, Stream,
+    execute_in_order, execute_on, execute_on_threads, ExchangeRun, HostStore, Op, Role, Schedule, Span, Step,
+    StepExecutor, StepHold, Stream, WorkerStreams,
 };
 use mpipemoe::comm::SingleRank;
 use mpipemoe::memory::MemoryMeter;
@@ -226,6 +226,117 @@ fn the_threaded_executor_computes_on_the_calling_thread() {
     })
     .unwrap_err();
     assert!(err.to_string().contains("the experts exploded"), "{err}");
+}
+
+/// Device streams kept as a ledger: which steps each stream has run since its last fence,
+/// the fences, and what went wrong. A step on another stream must find each step it waits for
+/// fenced, and what a step held must be let go only after its stream was fenced since it ran.
+#[derive(Default)]
+struct Ledger {
+    unfenced: std::collections::HashMap<Option<Stream>, Vec<usize>>,
+    fences: usize,
+    wrong: Vec<String>,
+}
+
+#[derive(Default)]
+struct LedgerStreams(std::sync::Mutex<Ledger>);
+
+thread_local! {
+    static ON: std::cell::Cell<Option<Stream>> = const { std::cell::Cell::new(None) };
+}
+
+impl WorkerStreams for LedgerStreams {
+    fn run_on(&self, stream: Stream, work: &mut dyn FnMut() -> mpipemoe::Result<()>) -> mpipemoe::Result<()> {
+        ON.with(|on| on.set(Some(stream)));
+        let out = work();
+        ON.with(|on| on.set(None));
+        out
+    }
+
+    fn fence(&self) -> mpipemoe::Result<()> {
+        let mut ledger = self.0.lock().unwrap();
+        ledger.fences += 1;
+        ledger.unfenced.remove(&ON.with(|on| on.get()));
+        Ok(())
+    }
+}
+
+/// Let go after the executor says its stream was fenced: checks that it was.
+struct Held<'a>(&'a LedgerStreams, usize);
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        let mut ledger = self.0 .0.lock().unwrap();
+        if ledger.unfenced.values().flatten().any(|&i| i == self.1) {
+            ledger
+                .wrong
+                .push(format!("step {}'s hold let go before its stream's fence", self.1));
+        }
+    }
+}
+
+/// Runs `schedule` on the ledger; returns the fences and the faults found.
+fn fences_of(schedule: &Schedule) -> (usize, Vec<String>) {
+    let streams = LedgerStreams::default();
+    // `Held` borrows the ledger, which outlives the run; the executor wants `'static` holds.
+    let streams: &'static LedgerStreams = Box::leak(Box::new(streams));
+    execute_on(streams, schedule, &|index, step| {
+        let mut ledger = streams.0.lock().unwrap();
+        for &d in &step.deps {
+            if ledger.unfenced.values().flatten().any(|&i| i == d) {
+                ledger.wrong.push(format!(
+                    "{:?} ran before {:?} was fenced",
+                    step.op, schedule.steps[d].op
+                ));
+            }
+        }
+        ledger
+            .unfenced
+            .entry(Some(step.stream()))
+            .or_default()
+            .push(index);
+        let hold: StepHold = vec![Box::new(Held(streams, index))];
+        Ok(hold)
+    })
+    .unwrap();
+    let mut ledger = streams.0.lock().unwrap();
+    if ledger.unfenced.values().any(|steps| !steps.is_empty()) {
+        let left = format!("unfenced at the end: {:?}", ledger.unfenced);
+        ledger.wrong.push(left);
+    }
+    (ledger.fences, std::mem::take(&mut ledger.wrong))
+}
+
+/// The threaded executor fences a stream only where a step on another stream waits for its
+/// last step, and at the end where something ran since: at n partitions without offloads the
+/// entry fence, every dispatch and compute, the combines that a later compute waits for (all
+/// but the last two), and the comm stream's end fence, where it fenced every step before
+/// (it fenced every step and both workers' ends: 3n + 3, 9 at n = 2, where now 6). Every
+/// strategy, both passes, n up to 5: no step runs before what it waits for is fenced, no hold
+/// is let go unfenced, nothing is left unfenced.
+#[test]
+fn the_threaded_executor_fences_only_what_another_stream_waits_for() {
+    for n in 1..6 {
+        for strategy in Strategy::ALL {
+            for schedule in [Schedule::forward(n, strategy), Schedule::backward(n, strategy)] {
+                let (fences, wrong) = fences_of(&schedule);
+                assert!(wrong.is_empty(), "n = {n}, {strategy:?}: {wrong:?}");
+                // Never more than the entry fence, one a step and one a worker.
+                assert!(
+                    fences <= 1 + schedule.steps.len() + 3,
+                    "n = {n}, {strategy:?}: {fences}"
+                );
+            }
+        }
+    }
+    let counts: Vec<usize> = (1..=4)
+        .map(|n| fences_of(&Schedule::forward(n, Strategy::None)).0)
+        .collect();
+    assert_eq!(counts, [4, 6, 9, 12], "forward, no offload, n = 1..4");
+    let counts: Vec<usize> = (1..=4)
+        .map(|n| fences_of(&Schedule::backward(n, Strategy::None)).0)
+        .collect();
+    assert_eq!(counts, [4, 6, 9, 12], "backward, no offload, n = 1..4");
 }
 
 /// The in-order executor (asynchronous device backends) runs every step once, in an order

@@ -55,7 +55,7 @@ pub(crate) fn slice_assign_along<B: MoeBackend>(
 /// Where the result goes back to a caller whose streams the blocks did not come from (the
 /// threaded executor), the output is allocated by the calling thread, on its stream, before the
 /// workers start, and every block is written from the comm worker, whose writes the executor
-/// fences after each step: the tensor handed back then lives in the caller's memory pool, so
+/// fences before it returns: the tensor handed back then lives in the caller's memory pool, so
 /// when the caller drops it (with reads of it still queued on its stream) no worker stream can
 /// hand its memory out again (the rule in `exchange/streams.rs`). A debug check at every write
 /// holds the backend to it: the destination was allocated on the writing stream, or handed

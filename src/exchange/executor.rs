@@ -40,9 +40,9 @@ impl StepExecutor {
     /// The executor for a CubeCL runtime, by the name cubecl gives it (`Runtime::name`): a
     /// worker per stream on CUDA, where the streams run concurrently; in issue order on every
     /// other runtime (WGPU submits every stream to one queue; ROCm is not measured yet).
-    /// Correctness on CUDA rests on the executor's own fence after every step
-    /// ([`execute_on`]), not on cubecl's cross-stream events, which key a buffer to the
-    /// stream that allocated it (`exchange/streams.rs`).
+    /// Correctness on CUDA rests on the executor's own fences, after every step another stream
+    /// waits for ([`execute_on`]), not on cubecl's cross-stream events, which key a buffer to
+    /// the stream that allocated it (`exchange/streams.rs`).
     pub fn for_cubecl_runtime(name: &str) -> Self {
         if name == "cuda" {
             StepExecutor::StreamThreads
@@ -63,9 +63,9 @@ impl StepExecutor {
     }
 
     /// Runs `schedule` with this executor on `streams`: the threaded executor runs each
-    /// schedule stream's worker on its device stream and fences every step (see
-    /// [`execute_on`]); in order, every step runs on the calling thread's stream and what it
-    /// holds is dropped at once.
+    /// schedule stream's worker on its device stream and fences the steps other streams wait
+    /// for (see [`execute_on`]); in order, every step runs on the calling thread's stream and
+    /// what it holds is dropped at once.
     pub fn run_on(
         self,
         streams: &dyn WorkerStreams,
@@ -120,13 +120,23 @@ pub fn execute(schedule: &Schedule, run: &(dyn Fn(usize, &Step) -> Result<()> + 
 }
 
 /// [`execute`] on device streams: each worker issues on its schedule stream's device stream
-/// ([`WorkerStreams::run_on`]), and after each step fences that stream before the step counts
-/// as done, so a step on another stream that waits for it reads finished writes; what the step
-/// returned ([`StepHold`]) is dropped after the fence, so no buffer it read goes back to a pool
-/// while its kernels may still read it. The calling thread's stream is fenced before the
-/// workers start (they read what it wrote), and every worker fences its stream once more when
-/// it ends, on success or error, so nothing a pass issued is still running when this returns.
-/// The rule behind it is in [`WorkerStreams`]' module docs (`exchange/streams.rs`).
+/// ([`WorkerStreams::run_on`]). After a step that a step on another stream waits for (a
+/// dependency of some step: the schedule's dependencies are those across streams), the worker
+/// fences its stream before the step counts as done, so the waiting step reads finished
+/// writes. What a step returned ([`StepHold`]) is dropped only after a fence of its stream, so
+/// no buffer it read goes back to a pool while its kernels may still read it: at once for an
+/// awaited step, at the stream's next fence for the others. The calling thread's stream is
+/// fenced before the workers start (they read what it wrote), and a worker fences its stream
+/// once more when it ends if anything was issued after its last fence, on success or error,
+/// so nothing a pass issued is still running when this returns. The rule behind it is in
+/// [`WorkerStreams`]' module docs (`exchange/streams.rs`).
+///
+/// A step nothing on another stream waits for is the last use of its stream's work in the
+/// pass or is followed on its stream by one that is fenced, so its fence would be a host wait
+/// that orders nothing; in the S → C → R schedules those are the combines of the last two
+/// partitions (their outputs go to the caller, whose read the end fence orders), and the end
+/// fence of a worker whose last step was fenced is one too. Skipping them takes the host waits
+/// of a forward at n = 2 from 9 to 6 (`tests` below count them).
 ///
 /// The entry fence covers the calling thread's stream only: what the workers read must have
 /// no writes pending on any other thread's stream (the precondition of
@@ -145,10 +155,15 @@ pub fn execute_on(
     let clock = AtomicU64::new(0);
     let spans: Mutex<Vec<Span>> = Mutex::new(vec![Span { start: 0, end: 0 }; n]);
     let enter_worker = inherit_allocation_tag();
+    // The steps some step on another stream waits for: each is fenced before it counts as done.
+    let mut awaited = vec![false; n];
+    for &d in schedule.steps.iter().flat_map(|step| &step.deps) {
+        awaited[d] = true;
+    }
     // The workers read what the calling thread's stream wrote (T_I, the experts, dT_O).
     streams.fence()?;
 
-    let steps = |stream: Stream| -> Result<()> {
+    let steps = |stream: Stream, unfenced: &mut Unfenced| -> Result<()> {
         for index in schedule.stream_order(stream) {
             let step = &schedule.steps[index];
             {
@@ -161,14 +176,18 @@ pub fn execute_on(
                 }
             }
             let start = clock.fetch_add(1, Ordering::SeqCst);
+            unfenced.issued = true;
             let result = catch_unwind(AssertUnwindSafe(|| run(index, step)))
                 .unwrap_or_else(|payload| Err(panic_error(payload, step)))
                 .and_then(|hold| {
-                    // The step's writes are finished before a step on another stream may read
-                    // them, and its reads before what it held may be reused.
-                    streams.fence()?;
-                    drop(hold);
-                    Ok(())
+                    unfenced.holds.push(hold);
+                    // An awaited step's writes are finished before a step on another stream
+                    // may read them; every read before it, on this stream, is finished before
+                    // what those steps held may be reused.
+                    match awaited[index] {
+                        true => unfenced.fence(streams),
+                        false => Ok(()),
+                    }
                 });
             let end = clock.fetch_add(1, Ordering::SeqCst);
             crate::sync::lock(&spans)[index] = Span { start, end };
@@ -188,9 +207,13 @@ pub fn execute_on(
     let worker = |stream: Stream| -> Result<()> {
         enter_worker();
         streams.run_on(stream, &mut || {
-            let outcome = steps(stream);
+            let mut unfenced = Unfenced::default();
+            let outcome = steps(stream, &mut unfenced);
             // Whatever happened, nothing this worker issued may still run after the pass.
-            let fenced = streams.fence();
+            let fenced = match unfenced.issued {
+                true => unfenced.fence(streams),
+                false => Ok(()),
+            };
             outcome.and(fenced)
         })
     };
@@ -251,6 +274,23 @@ pub fn execute_on(
         return Err(e);
     }
     Ok(crate::sync::into_inner(spans))
+}
+
+/// A worker's steps since its stream's last fence: whether any ran, and what they held.
+#[derive(Default)]
+struct Unfenced {
+    issued: bool,
+    holds: Vec<StepHold>,
+}
+
+impl Unfenced {
+    /// Fences the calling thread's stream, then lets go of what the steps before it held.
+    fn fence(&mut self, streams: &dyn WorkerStreams) -> Result<()> {
+        streams.fence()?;
+        self.issued = false;
+        self.holds.clear();
+        Ok(())
+    }
 }
 
 /// What a stream worker runs first: with the test kit, it takes over the counting
