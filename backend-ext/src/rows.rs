@@ -4,8 +4,8 @@
 //!
 //! Ordering with cubecl's streams: the exchange step runs on one of the schedule's worker
 //! threads, and the rows it sends were written either on that worker's stream or on another
-//! worker's stream that the executor fenced after that step (mpipemoe's `execute_on`: every
-//! step's stream is synchronised before a step on another stream may read what it wrote);
+//! worker's stream that the executor fenced after that step (mpipemoe's `execute_on`: a step's
+//! stream is synchronised after it before a step on another stream that waits for it runs);
 //! cubecl's own cross-stream events are not what makes this correct, since they key a buffer
 //! to the stream that allocated it (mpipemoe's `exchange/streams.rs`). `client.sync()` then
 //! waits until the writes queued on this worker's stream are done, the NCCL group runs on
