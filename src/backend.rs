@@ -18,8 +18,8 @@
 //! stream (the CPU executor), [`execute_in_order`] on the calling thread (a backend picks with
 //! [`MoeBackend::step_executor`]); [`execute_on`] is the threaded executor on a backend's
 //! device streams ([`MoeBackend::worker_streams`]), with a fence after every step another
-//! stream waits for: the rule for
-//! tensors that cross streams is in [`WorkerStreams`]' module docs and docs/design-notes.md.
+//! stream waits for: the rule for tensors that cross streams is in [`WorkerStreams`]' module
+//! docs and docs/design-notes.md.
 //!
 //! Where a backend has a partition arena ([`MoeBackend::slot_memory`], the CubeCL backends),
 //! the generic implementation builds every partition buffer in it: one device buffer per

@@ -38,9 +38,9 @@ where
     /// A worker per stream on CUDA, in issue order elsewhere.
     ///
     /// On CUDA each schedule stream is a CUDA stream of its own (`CubeStreams`), so the
-    /// threaded executor is the overlap of S, C and R; the executor fences the steps another stream waits for itself
-    /// (cubecl's own cross-stream fences key a buffer to the stream that allocated it; see
-    /// `exchange/streams.rs`). WGPU submits every stream to one queue, so threads buy no
+    /// threaded executor is the overlap of S, C and R; the executor itself fences the steps
+    /// another stream waits for (cubecl's own cross-stream fences key a buffer to the stream
+    /// that allocated it; see `exchange/streams.rs`). WGPU submits every stream to one queue, so threads buy no
     /// overlap there; they are correct there too (the tests run every case through them), and
     /// a config can ask for them. Other runtimes (ROCm) run in order until measured.
     fn step_executor(device: &R::Device) -> StepExecutor {

@@ -136,7 +136,7 @@ pub fn execute(schedule: &Schedule, run: &(dyn Fn(usize, &Step) -> Result<()> + 
 /// that orders nothing; in the S → C → R schedules those are the combines of the last two
 /// partitions (their outputs go to the caller, whose read the end fence orders), and the end
 /// fence of a worker whose last step was fenced is one too. Skipping them takes the host waits
-/// of a forward at n = 2 from 9 to 6 (`tests` below count them).
+/// of a forward at n = 2 from 9 to 6 (`tests/schedule.rs` counts them).
 ///
 /// The entry fence covers the calling thread's stream only: what the workers read must have
 /// no writes pending on any other thread's stream (the precondition of

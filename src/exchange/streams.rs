@@ -5,9 +5,9 @@
 //! A tensor written on a stream is created on that stream, or handed to another stream only
 //! after an explicit fence: here a worker synchronises its stream after each step that a step
 //! on another stream waits for, before the step counts as done, and before anything a step
-//! read is let go (at the stream's next fence, for a step nothing else waits for). Nothing relies on the
-//! runtime's own cross-stream bookkeeping, because in cubecl 0.10 that bookkeeping keys a buffer
-//! to the stream that *allocated* it, at the cursor of its allocation
+//! read is let go (at the stream's next fence, for a step nothing else waits for). Nothing
+//! relies on the runtime's own cross-stream bookkeeping, because in cubecl 0.10 that
+//! bookkeeping keys a buffer to the stream that *allocated* it, at the cursor of its allocation
 //! (`cubecl-runtime` `stream/event.rs`, `update_shared_bindings`: bindings whose `handle.stream`
 //! is the current stream are skipped, and a stream that synced with the allocating stream once
 //! after the allocation is never fenced again), so a write from another stream, or a later
