@@ -6,8 +6,7 @@
 #   ALT_REV=REV scripts/gpu/build.sh
 #                                 # also gpu_bench built at commit REV (a branch), as gpu_bench-alt,
 #                                 # for run.sh's `ab` phase: both builds timed alternately in one
-#                                 # call; ALT_TOOLS=1 adds that commit's CLI (mpipemoe-alt), which
-#                                 # fits beside the others with TOY=0
+#                                 # call; ALT_TOOLS=1 adds that commit's CLI (mpipemoe-alt)
 # Then, with the device tool: run with carry [".gpu"] and the command
 #   . .gpu/device-env.sh && .gpu/run.sh 2>&1 | tee $OUT/log.txt
 set -euo pipefail
@@ -32,8 +31,8 @@ cargo build --release -p mpipemoe-cuda --features "$cuda_features" --example gpu
 # The toy GPT-MoE with `--backend cuda|cuda-fusion` and `--comm nccl` (tools' `cuda` feature), and
 # the `mpipemoe` CLI, whose `logits` / `generate` run the whole models of tests/data/models there.
 binaries=(target/release/examples/gpu_check target/release/examples/gpu_bench target/release/examples/gpu_memory)
-# TOY=0 leaves the toy out and keeps the CLI: the room an A/B's second CLI needs (ALT_TOOLS=1;
-# the seven binaries together are over what a run can carry).
+# TOY=0 leaves the toy out and keeps the CLI (a shorter build; before the binaries were
+# packed with xz, the room an A/B's second CLI needed).
 if [ "${TOOLS:-1}" = 1 ]; then
   if [ "${TOY:-1}" = 1 ]; then
     cargo build --release -p mpipemoe-tools --features "$tools_features" --example train_gpt_moe --bin mpipemoe
@@ -45,14 +44,16 @@ if [ "${TOOLS:-1}" = 1 ]; then
 fi
 rm -rf .gpu
 mkdir -p .gpu/cases .gpu/bin
-# Four stripped binaries are over 100 MB, over what a run can carry; gzip brings them to about
-# a third, and run.sh unpacks them into a temporary folder on the GPU machine.
+# Four stripped binaries are over 100 MB, over what a run can carry; xz brings them to about a
+# sixth (gzip -9 to about a quarter: the seven binaries of an A/B with the toy were 77.7 MB
+# gzipped, 49 MB with xz, within the carry), and run.sh unpacks them into a temporary folder
+# on the GPU machine (with xz, or with Python's lzma where the machine has no xz).
 # Usage: stage PATH [NAME]
 stage() {
   local name=${2:-$(basename "$1")}
   cp "$1" ".gpu/bin/$name"
   strip ".gpu/bin/$name"
-  gzip -9 ".gpu/bin/$name"
+  xz -9e -T2 ".gpu/bin/$name"
 }
 for path in "${binaries[@]}"; do
   stage "$path"
