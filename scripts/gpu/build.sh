@@ -76,8 +76,13 @@ if [ -n "${ALT_REV:-}" ]; then
     cd "$alt_src"
     export CARGO_TARGET_DIR="$target_dir"
     cargo build --release -p mpipemoe-cuda --features "$cuda_features" --example gpu_bench
+    # With the toy's example in the same command as this side's, so that the dependencies'
+    # features unify as they did there and only the workspace's crates compile again (the CLI
+    # alone rebuilt burn's crates: the example's dev-dependencies change their features).
     if [ "${ALT_TOOLS:-0}" = 1 ]; then
-      cargo build --release -p mpipemoe-tools --features "$tools_features" --bin mpipemoe
+      toy=()
+      [ "${TOY:-1}" != 1 ] || toy=(--example train_gpt_moe)
+      cargo build --release -p mpipemoe-tools --features "$tools_features" "${toy[@]}" --bin mpipemoe
     fi
   )
   for path in "${alt_bins[@]}"; do
