@@ -21,6 +21,18 @@ pub enum ExpertRoute {
     /// the backward's end stacks them (`exchange/ffn/`).
     #[default]
     ExpertByExpert,
+    /// The primitives, as [`ExpertByExpert`](Self::ExpertByExpert), with every batch of their
+    /// products through a device library at the layer's precision, one section a batch
+    /// (`exchange/products.rs`): experts with low-rank adapters where the communicator has a
+    /// library (cuBLAS on CUDA), since no library job takes them. At bf16 each section holds
+    /// bf16 copies of both operands of each of its products, made for the section and let go
+    /// after it (`mpipemoe-cuda`'s `gemm/dense.rs`); the layer's dense products (the shared
+    /// expert's) go through the same library.
+    LibraryProducts {
+        /// What the products read: the f32 tensors, or bf16 copies of them (their
+        /// `weights_for_step` is never set: each section converts its own operands).
+        operands: GemmOperands,
+    },
     /// A path's job over the whole partition that runs its experts as tasks, `concurrent` at
     /// once, each holding its own transients: the partition's `T_M`, `T_DO` and `dT_DI`
     /// buffers and the stacked weight gradients exist whole from the job's start (Flex's own
@@ -77,7 +89,16 @@ impl GemmOperands {
 impl ExpertRoute {
     /// Whether the partition's experts run as one job (every route but the primitives').
     pub fn whole_partition(self) -> bool {
-        self != Self::ExpertByExpert
+        !matches!(self, Self::ExpertByExpert | Self::LibraryProducts { .. })
+    }
+
+    /// What the route's GEMMs read: bf16 copies on a library at bf16, the f32 tensors
+    /// elsewhere.
+    pub fn operands(self) -> GemmOperands {
+        match self {
+            Self::PartitionScratch { operands } | Self::LibraryProducts { operands } => operands,
+            Self::ExpertByExpert | Self::Tasks { .. } => GemmOperands::F32,
+        }
     }
 
     /// The partition-scratch route of a path that multiplies at `precision`, its bf16
@@ -89,11 +110,16 @@ impl ExpertRoute {
         }
     }
 
-    /// The route's name in reports (`expert-by-expert`, `tasks x2`, `partition-scratch`,
-    /// `partition-scratch bf16`, `partition-scratch bf16, weights per step`).
+    /// The route's name in reports (`expert-by-expert`, `expert-by-expert on a library, bf16`,
+    /// `tasks x2`, `partition-scratch`, `partition-scratch bf16`, `partition-scratch bf16,
+    /// weights per step`).
     pub fn name(self) -> String {
         match self {
             Self::ExpertByExpert => "expert-by-expert".into(),
+            Self::LibraryProducts { operands } => match operands {
+                GemmOperands::F32 => "expert-by-expert on a library".into(),
+                GemmOperands::Bf16 { .. } => "expert-by-expert on a library, bf16".into(),
+            },
             Self::Tasks { concurrent } => format!("tasks x{concurrent}"),
             Self::PartitionScratch {
                 operands: GemmOperands::F32,
@@ -116,7 +142,8 @@ pub struct Execution {
     pub route: ExpertRoute,
     /// The threaded executor (`StepExecutor::StreamThreads`): the assembled rows of every
     /// pass have a buffer of their own, one partition too (`RowAssembler`); what a step read
-    /// is held to the step's end (`Slots::hold`); and the experts' gradients are handed back
+    /// is held to its stream's next fence, the step's end for the experts' steps, which the
+    /// combines wait for (`Slots::hold`, `execute_on`); and the experts' gradients are handed back
     /// as copies made on the caller's stream while the running sums are still held
     /// (`ExpertGradAcc::finish_on_caller`). In issue order (`StepExecutor::InOrder`) none of
     /// the three.

@@ -206,6 +206,11 @@ fn plan_with_a_budget_answers_fits_or_not() {
         scratch != tasks && scratch != primitives && tasks != primitives,
         "{scratch} {tasks} {primitives}"
     );
+    // The primitives with their products on a library: as the primitives in f32; at bf16
+    // each product's section holds copies of its operands besides.
+    let on_library = |precision| peak_on(&["--route", "library-products", "--gemm-precision", precision]);
+    assert_eq!(on_library("f32"), primitives);
+    assert!(on_library("bf16") >= primitives, "{primitives}");
     // Eight GPUs: the threaded executor by default on the cuBLAS route (CUDA's above one
     // rank), which holds more than issue order (the assembled rows from the start, the
     // gradients handed back as copies).
@@ -279,6 +284,16 @@ fn plan_with_a_budget_answers_fits_or_not() {
         (&["--bf16-weights-per-step"][..], "--gemm-precision bf16"),
         (
             &["--route", "tasks", "--gemm-precision", "bf16"][..],
+            "partition-scratch or library-products only",
+        ),
+        (
+            &[
+                "--route",
+                "library-products",
+                "--gemm-precision",
+                "bf16",
+                "--bf16-weights-per-step",
+            ][..],
             "partition-scratch only",
         ),
         (

@@ -27,7 +27,7 @@ use crate::dispatch::{DispatchPlan, ExchangePlan, RoutingCounts, SplitScheme};
 use crate::error::Result;
 use crate::exchange::executor::StepExecutor;
 use crate::exchange::{ExchangeRun, MoeBackend};
-use crate::memory::{Execution, ExpertRoute, LayerShape, MemoryDecision, Strategy};
+use crate::memory::{Execution, ExpertRoute, GemmOperands, LayerShape, MemoryDecision, Strategy};
 
 /// What step 3 decides for one batch.
 pub(super) struct BatchPlan {
@@ -181,7 +181,8 @@ impl<B: MoeBackend> MoeLayer<B> {
 
     /// The route this layer's experts take in the exchange, for the memory model: found as
     /// the exchange finds its expert compute (`exchange/ffn/library.rs`, `Library::find`).
-    /// Experts with adapters run on the primitives; otherwise the communicator's device
+    /// Experts with adapters run on the primitives (their products on the communicator's
+    /// device library where it has one, [`ExpertRoute::LibraryProducts`]); otherwise the communicator's device
     /// library's path if it offers one, else the backend's own unless the experts' weights
     /// are frozen (the primitives then skip their gradients), each saying its route at the
     /// config's GEMM precision ([`MoeBackend::expert_route`]), asked from the layer's thread.
@@ -191,7 +192,17 @@ impl<B: MoeBackend> MoeLayer<B> {
             .as_ref()
             .is_some_and(|a| a.w_in.is_some() || a.w_out.is_some());
         if adapted {
-            return ExpertRoute::ExpertByExpert;
+            // No library job takes experts with adapters: the primitives run them, with their
+            // products on the communicator's library where it has one (`Products::of`, on the
+            // backend that runs the exchange: the route without the backend's own path is a
+            // library's exactly where there is one).
+            let precision = self.ctx.config.gemm_precision;
+            return match B::expert_route(self.ctx.comm.as_ref(), false, precision) {
+                ExpertRoute::ExpertByExpert => ExpertRoute::ExpertByExpert,
+                _ => ExpertRoute::LibraryProducts {
+                    operands: GemmOperands::at(precision, false),
+                },
+            };
         }
         // As the exchange's node marks them (`exchange/autodiff.rs`): a part is frozen where
         // autodiff tracks gradients but not the part's.
@@ -318,7 +329,7 @@ mod tests {
             w_in: true,
             w_out: false,
         };
-        let adapted = layer.no_grad().with_adapters(&spec, 1).unwrap();
+        let adapted = layer.clone().no_grad().with_adapters(&spec, 1).unwrap();
         assert_eq!(adapted.expert_route(), ExpertRoute::ExpertByExpert);
         assert_eq!(
             config
@@ -350,6 +361,32 @@ mod tests {
                 operands: GemmOperands::Bf16 {
                     weights_for_step: false
                 }
+            }
+        );
+        // Experts with adapters on the same library: the primitives, their products through
+        // it, which converts their operands at bf16.
+        let adapted_on_library = |precision| {
+            config
+                .clone()
+                .with_gemm_precision(precision)
+                .init_rank::<Autodiff<NdArray>>(&Default::default(), comm.clone())
+                .unwrap()
+                .with_adapters(&spec, 1)
+                .unwrap()
+                .expert_route()
+        };
+        assert_eq!(
+            adapted_on_library(GemmPrecision::Bf16),
+            ExpertRoute::LibraryProducts {
+                operands: GemmOperands::Bf16 {
+                    weights_for_step: false
+                }
+            }
+        );
+        assert_eq!(
+            adapted_on_library(GemmPrecision::F32),
+            ExpertRoute::LibraryProducts {
+                operands: GemmOperands::F32
             }
         );
     }

@@ -3,7 +3,10 @@
 
 use super::replay::Replay;
 use crate::experts::Activation;
-use crate::memory::Restore;
+use crate::memory::{ExpertRoute, GemmOperands, Restore};
+
+/// The name of a library section's bf16 copies of its products' operands.
+const COPIES: &str = "bf16 operand copies";
 
 impl Replay<'_> {
     /// `C_i`: every local expert's FFN on its rows.
@@ -25,6 +28,7 @@ impl Replay<'_> {
             _ => 0.0,
         };
         let (mut outs, mut zs) = (0.0, 0.0);
+        let copies = self.copies_per_element();
         let experts: Vec<f64> = self.rows.recv[i].iter().map(|&r| r as f64).collect();
         for &r in experts.iter().filter(|&&r| r > 0.0) {
             let l = &mut self.ledger;
@@ -34,6 +38,7 @@ impl Replay<'_> {
                     ("outputs so far", outs),
                     ("T_M so far", zs),
                     ("z GEMM", 2.0 * r * f),
+                    (COPIES, copies * (r * m + m * f)),
                 ],
             );
             l.at(
@@ -54,6 +59,7 @@ impl Replay<'_> {
                     ("z", r * f),
                     ("activation", r * h),
                     ("output GEMM", 2.0 * r * m),
+                    (COPIES, copies * (r * h + h * m)),
                 ],
             );
             outs += r * m;
@@ -73,6 +79,18 @@ impl Replay<'_> {
             );
         }
         self.after_compute(&name, i, rows);
+    }
+
+    /// Half an element per operand element where the primitives' products go through a
+    /// library at bf16 ([`ExpertRoute::LibraryProducts`]), whose sections multiply bf16 copies
+    /// of both operands of each product and let them go at the section's end; 0 elsewhere.
+    fn copies_per_element(&self) -> f64 {
+        match self.route {
+            ExpertRoute::LibraryProducts {
+                operands: GemmOperands::Bf16 { .. },
+            } => 0.5,
+            _ => 0.0,
+        }
     }
 
     /// The name of partition `i`'s `T_M` as the backward finds it: kept since the forward,
@@ -150,6 +168,12 @@ impl Replay<'_> {
             // Measured like SwiGLU's, as above.
             Activation::ClampedSwiGlu { .. } => (h, 2.0 * h, f),
         };
+        // On a bf16 library a batch's products hold their operands' copies together: the
+        // second GEMM's weight and input gradients are one batch, the first GEMM's likewise
+        // (`exchange/ffn/backward.rs`).
+        let copies = self.copies_per_element();
+        let second_batch = copies * ((r * h + r * m) + (r * m + h * m));
+        let first_batch = copies * ((r * m + r * f) + (r * f + m * f));
         // An expert's weight gradients are allocated by its first backward GEMMs and
         // added to in place by later partitions.
         let first = !self.grads_seen[e];
@@ -161,6 +185,7 @@ impl Replay<'_> {
                 &[
                     ("input gradients so far", grads_x),
                     ("z GEMM (recompute)", 2.0 * r * f),
+                    (COPIES, copies * (r * m + m * f)),
                 ],
             );
             r * f
@@ -183,6 +208,7 @@ impl Replay<'_> {
                 ("z (recomputed)", z),
                 ("activation", r * h),
                 ("dW_out GEMM", 2.0 * h * m),
+                (COPIES, second_batch),
             ],
         );
         if first {
@@ -194,6 +220,7 @@ impl Replay<'_> {
                 ("input gradients so far", grads_x),
                 ("z (recomputed)", z),
                 ("dA GEMM", 2.0 * r * h),
+                (COPIES, second_batch),
             ],
         );
         l.at(
@@ -221,6 +248,7 @@ impl Replay<'_> {
                 ("input gradients so far", grads_x),
                 ("dZ", dz),
                 ("dW_in GEMM", 2.0 * m * f),
+                (COPIES, first_batch),
             ],
         );
         if first {
@@ -232,6 +260,7 @@ impl Replay<'_> {
                 ("input gradients so far", grads_x),
                 ("dZ", dz),
                 ("dX GEMM", 2.0 * r * m),
+                (COPIES, first_batch),
             ],
         );
     }

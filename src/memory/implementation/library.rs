@@ -38,10 +38,7 @@ impl Replay<'_> {
 
     /// The operands of a partition-scratch route's GEMMs (f32 for the other routes).
     pub(super) fn operands(&self) -> GemmOperands {
-        match self.route {
-            ExpertRoute::PartitionScratch { operands } => operands,
-            _ => GemmOperands::F32,
-        }
+        self.route.operands()
     }
 
     /// The bf16 copies of every slot's two matrices (half an element each), made by a pass's
@@ -320,6 +317,48 @@ mod tests {
         );
         // Where the copies dominate (these small partitions), bf16 peaks above f32.
         assert!(pass.peak_device() > f32.peak_device());
+    }
+
+    /// The primitives' products on a bf16 library (experts with adapters on CUDA): each
+    /// batch's section holds half an element for each element of its products' operands,
+    /// both products of a backward batch at once. At the test shape (64 rows an expert and
+    /// partition) the backward's peak is at `dW_out`'s batch with `aᵀ · g` and `g · w_outᵀ`:
+    /// a, g, g and w_out. With wide experts and few rows (32 rows, `M` 1,024, `H` 4,096), the
+    /// output GEMM's copy of `w_out` sets the forward's peak: 4.6 times the primitives' own.
+    /// On f32 operands the route replays as the primitives do. A replay that ignored the
+    /// copies, counted them whole, or counted one product of a batch fails it.
+    #[test]
+    fn the_primitives_products_on_a_bf16_library_hold_their_copies() {
+        let route = |precision| ExpertRoute::LibraryProducts {
+            operands: GemmOperands::at(precision, false),
+        };
+        let plain = model(4, 4, Strategy::None, ExpertRoute::ExpertByExpert);
+        assert_eq!(model(4, 4, Strategy::None, route(GemmPrecision::F32)), plain);
+        let bf16 = model(4, 4, Strategy::None, route(GemmPrecision::Bf16));
+        let (r, m, h) = (64.0, 128.0, 512.0);
+        let batch = 0.5 * ((r * h + r * m) + (r * m + h * m));
+        assert_eq!(live(&bf16.backward, "bf16 operand copies"), batch);
+        assert_eq!(bf16.backward.elements, plain.backward.elements + batch);
+        // Wide experts, few rows: 64 tokens on 2 experts, one partition.
+        let shape = LayerShape {
+            n_experts: 2,
+            ..LayerShape::paper(64, 1024, 4096, 1, 1)
+        };
+        let wide = |route| {
+            ImplementationModel::for_execution(
+                &shape,
+                &RankRows::balanced(&shape),
+                Strategy::None,
+                Execution::in_order(route),
+            )
+        };
+        let (plain, bf16) = (
+            wide(ExpertRoute::ExpertByExpert),
+            wide(route(GemmPrecision::Bf16)),
+        );
+        let (r, m, h) = (32.0, 1024.0, 4096.0);
+        assert_eq!(live(&bf16.forward, "bf16 operand copies"), 0.5 * (r * h + h * m));
+        assert!(bf16.forward.elements > 4.5 * plain.forward.elements);
     }
 
     /// The shared expert's products on a bf16 library: each converts its operands for its

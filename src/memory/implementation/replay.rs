@@ -198,8 +198,8 @@ impl<'a> Replay<'a> {
 
     /// Half an element per operand element where the layer's dense products (the shared
     /// expert's) multiply bf16 copies, 0 otherwise: they go through the experts' library at
-    /// the layer's precision (`MoeBackend::dense_matmul`), so a bf16 partition-scratch route
-    /// says they do. Each product converts its operands in its own section
+    /// the layer's precision (`MoeBackend::dense_matmul`), so a bf16 route on a library
+    /// (partition scratch, or the primitives' products) says they do. Each product converts its operands in its own section
     /// (`mpipemoe-cuda`'s `gemm/dense.rs`) and lets the copies go at its end.
     fn dense_half(&self) -> f64 {
         match self.operands() {

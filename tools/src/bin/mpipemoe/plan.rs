@@ -39,16 +39,18 @@ pub struct PlanArgs {
     profile: String,
     /// Who computes the experts, for --budget: a device library with scratch for a whole
     /// partition (cuBLAS), the backend's own experts as tasks (Flex,
-    /// --concurrent of them at once) or the primitives, expert by expert (WGPU and NdArray,
-    /// and experts with adapters on every backend).
+    /// --concurrent of them at once), the primitives, expert by expert (WGPU and NdArray,
+    /// and experts with adapters where there is no library), or the primitives with their
+    /// products on a library (experts with adapters on CUDA).
     #[arg(long, value_enum, default_value_t = Route::PartitionScratch, requires = "budget")]
     route: Route,
     /// Experts running at once on `--route tasks` (Flex: its pool's threads).
     #[arg(long, default_value_t = 1, value_parser = count(1, 4096), requires = "budget")]
     concurrent: usize,
-    /// The experts' GEMM precision on `--route partition-scratch`, for --budget: at `bf16`
-    /// the path holds bf16 copies of its operands (each partition's rows, and every expert's
-    /// matrices for the pass) and bf16 scratch where a GEMM reads it.
+    /// The experts' GEMM precision on a library's routes, for --budget: at `bf16` the
+    /// partition-scratch path holds bf16 copies of its operands (each partition's rows, and
+    /// every expert's matrices for the pass) and bf16 scratch where a GEMM reads it; on
+    /// `--route library-products` each product's section holds copies of both its operands.
     #[arg(long, value_enum, default_value_t = PrecisionArg::F32, requires = "budget")]
     gemm_precision: PrecisionArg,
     /// With `--gemm-precision bf16`: the experts' bf16 copies kept from the forward to the
@@ -80,22 +82,29 @@ enum Route {
     PartitionScratch,
     Tasks,
     ExpertByExpert,
+    LibraryProducts,
 }
 
 impl PlanArgs {
-    /// The precision flags describe the partition-scratch route of f32 tensors (the cuBLAS
-    /// path multiplies f32 tensors only, through bf16 copies at bf16); elsewhere they would
-    /// change nothing, so they are refused rather than ignored.
+    /// The precision flags describe a library's routes over f32 tensors (the cuBLAS path
+    /// multiplies f32 tensors only, through bf16 copies at bf16); elsewhere they would change
+    /// nothing, so they are refused rather than ignored. The weights' copies kept for the step
+    /// are the partition-scratch path's alone.
     fn check_precision(&self, bytes: usize) -> Result<(), String> {
         let bf16 = self.gemm_precision == PrecisionArg::Bf16;
         if self.bf16_weights_per_step && !bf16 {
             return Err("--bf16-weights-per-step needs --gemm-precision bf16".into());
         }
-        if self.gemm_precision != PrecisionArg::F32 && !matches!(self.route, Route::PartitionScratch) {
+        if self.gemm_precision != PrecisionArg::F32
+            && !matches!(self.route, Route::PartitionScratch | Route::LibraryProducts)
+        {
             return Err(format!(
-                "--gemm-precision {} applies to --route partition-scratch only (the other routes multiply the tensors as they are)",
+                "--gemm-precision {} applies to --route partition-scratch or library-products only (the other routes multiply the tensors as they are)",
                 self.gemm_precision.precision()
             ));
+        }
+        if self.bf16_weights_per_step && !matches!(self.route, Route::PartitionScratch) {
+            return Err("--bf16-weights-per-step applies to --route partition-scratch only (library-products converts each product's operands in its section)".into());
         }
         if bf16 && bytes != 4 {
             return Err(
@@ -124,6 +133,9 @@ impl PlanArgs {
                 concurrent: self.concurrent,
             },
             Route::ExpertByExpert => ExpertRoute::ExpertByExpert,
+            Route::LibraryProducts => ExpertRoute::LibraryProducts {
+                operands: GemmOperands::at(self.gemm_precision.precision(), false),
+            },
         }
     }
 }
