@@ -262,9 +262,9 @@ impl WorkerStreams for LedgerStreams {
 }
 
 /// Let go after the executor says its stream was fenced: checks that it was.
-struct Held<'a>(&'a LedgerStreams, usize);
+struct Held(std::sync::Arc<LedgerStreams>, usize);
 
-impl Drop for Held<'_> {
+impl Drop for Held {
     fn drop(&mut self) {
         let mut ledger = self.0 .0.lock().unwrap();
         if ledger.unfenced.values().flatten().any(|&i| i == self.1) {
@@ -277,10 +277,9 @@ impl Drop for Held<'_> {
 
 /// Runs `schedule` on the ledger; returns the fences and the faults found.
 fn fences_of(schedule: &Schedule) -> (usize, Vec<String>) {
-    let streams = LedgerStreams::default();
-    // `Held` borrows the ledger, which outlives the run; the executor wants `'static` holds.
-    let streams: &'static LedgerStreams = Box::leak(Box::new(streams));
-    execute_on(streams, schedule, &|index, step| {
+    // Shared with every hold, which the executor wants `'static`.
+    let streams = std::sync::Arc::new(LedgerStreams::default());
+    execute_on(&*streams, schedule, &|index, step| {
         let mut ledger = streams.0.lock().unwrap();
         for &d in &step.deps {
             if ledger.unfenced.values().flatten().any(|&i| i == d) {
@@ -295,7 +294,7 @@ fn fences_of(schedule: &Schedule) -> (usize, Vec<String>) {
             .entry(Some(step.stream()))
             .or_default()
             .push(index);
-        let hold: StepHold = vec![Box::new(Held(streams, index))];
+        let hold: StepHold = vec![Box::new(Held(streams.clone(), index))];
         Ok(hold)
     })
     .unwrap();

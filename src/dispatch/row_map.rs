@@ -40,13 +40,7 @@ impl RowMap {
         for t in 0..n_targets {
             offsets[t + 1] += offsets[t];
         }
-        // A stable counting sort: each target's rows stay ascending.
-        let mut next = offsets.clone();
-        let mut order = vec![0usize; targets.len()];
-        for (row, &t) in targets.iter().enumerate() {
-            order[next[t]] = row;
-            next[t] += 1;
-        }
+        let (order, _) = place_rows(&targets, &offsets);
         Self {
             targets,
             n_targets,
@@ -122,18 +116,10 @@ impl RowMap {
             targets.len()
         );
         let offsets: Vec<usize> = (0..=n_targets).map(|t| t * per_target).collect();
-        let mut next = offsets[..n_targets].to_vec();
-        let mut order = vec![0usize; targets.len()];
-        for (row, &t) in targets.iter().enumerate() {
-            assert!(
-                t < n_targets,
-                "RowMap: target {t} of a tensor of {n_targets} rows"
-            );
-            // A target with more rows than its share writes into the next target's (caught
-            // below) or past the end (caught by the index).
-            order[next[t]] = row;
-            next[t] += 1;
-        }
+        // A target past the end is refused as the rows are placed; one with more rows than its
+        // share writes into the next target's (caught below) or past the end (caught by the
+        // index).
+        let (order, next) = place_rows(&targets, &offsets);
         assert!(
             next.iter().zip(&offsets[1..]).all(|(n, end)| n == end),
             "RowMap: a target does not have {per_target} rows"
@@ -175,6 +161,27 @@ impl RowMap {
     pub fn rows_of(&self, t: usize) -> &[usize] {
         &self.order[self.offsets[t]..self.offsets[t + 1]]
     }
+}
+
+/// The second pass of a stable counting sort: each row placed at its target's next free
+/// position from `offsets` (`[n_targets + 1]`), so each target's rows stay ascending. Returns
+/// the order and each target's position after its last row (`offsets[t + 1]` where the
+/// offsets counted the rows).
+///
+/// # Panics
+/// If a target is `n_targets` or more (the lookup of its position checks it at no extra cost).
+fn place_rows(targets: &[usize], offsets: &[usize]) -> (Vec<usize>, Vec<usize>) {
+    let n_targets = offsets.len() - 1;
+    let mut next = offsets[..n_targets].to_vec();
+    let mut order = vec![0usize; targets.len()];
+    for (row, &t) in targets.iter().enumerate() {
+        let Some(at) = next.get_mut(t) else {
+            panic!("RowMap: target {t} of a tensor of {n_targets} rows");
+        };
+        order[*at] = row;
+        *at += 1;
+    }
+    (order, next)
 }
 
 #[cfg(test)]
@@ -244,6 +251,12 @@ mod tests {
                 "{n_targets} × {per_target}"
             );
         }
+    }
+
+    #[test]
+    #[should_panic(expected = "target 2 of a tensor of 2 rows")]
+    fn a_uniform_target_past_the_end_is_refused() {
+        RowMap::with_uniform_counts(vec![0, 2], 2, 1);
     }
 
     #[test]

@@ -329,7 +329,7 @@ mod tests {
             w_in: true,
             w_out: false,
         };
-        let adapted = layer.clone().no_grad().with_adapters(&spec, 1).unwrap();
+        let adapted = layer.no_grad().with_adapters(&spec, 1).unwrap();
         assert_eq!(adapted.expert_route(), ExpertRoute::ExpertByExpert);
         assert_eq!(
             config
@@ -341,22 +341,25 @@ mod tests {
         // nothing holds partition scratch, with bf16 copies of its operands at bf16.
         let paths = RowPaths::new().with_experts::<NdArray>(Arc::new(ComposedExperts));
         let comm: Arc<dyn Communicator> = Arc::new(WithRowPaths::adding(Arc::new(SingleRank), paths));
-        let on_library = |precision| {
-            config
+        let on_library = |precision, adapters: Option<&ExpertLoraSpec>| {
+            let layer = config
                 .clone()
                 .with_gemm_precision(precision)
                 .init_rank::<Autodiff<NdArray>>(&Default::default(), comm.clone())
-                .unwrap()
-                .expert_route()
+                .unwrap();
+            match adapters {
+                Some(spec) => layer.with_adapters(spec, 1).unwrap().expert_route(),
+                None => layer.expert_route(),
+            }
         };
         assert_eq!(
-            on_library(GemmPrecision::Tf32),
+            on_library(GemmPrecision::Tf32, None),
             ExpertRoute::PartitionScratch {
                 operands: GemmOperands::F32
             }
         );
         assert_eq!(
-            on_library(GemmPrecision::Bf16),
+            on_library(GemmPrecision::Bf16, None),
             ExpertRoute::PartitionScratch {
                 operands: GemmOperands::Bf16 {
                     weights_for_step: false
@@ -365,18 +368,8 @@ mod tests {
         );
         // Experts with adapters on the same library: the primitives, their products through
         // it, which converts their operands at bf16.
-        let adapted_on_library = |precision| {
-            config
-                .clone()
-                .with_gemm_precision(precision)
-                .init_rank::<Autodiff<NdArray>>(&Default::default(), comm.clone())
-                .unwrap()
-                .with_adapters(&spec, 1)
-                .unwrap()
-                .expert_route()
-        };
         assert_eq!(
-            adapted_on_library(GemmPrecision::Bf16),
+            on_library(GemmPrecision::Bf16, Some(&spec)),
             ExpertRoute::LibraryProducts {
                 operands: GemmOperands::Bf16 {
                     weights_for_step: false
@@ -384,7 +377,7 @@ mod tests {
             }
         );
         assert_eq!(
-            adapted_on_library(GemmPrecision::F32),
+            on_library(GemmPrecision::F32, Some(&spec)),
             ExpertRoute::LibraryProducts {
                 operands: GemmOperands::F32
             }

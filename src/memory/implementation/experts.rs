@@ -3,7 +3,7 @@
 
 use super::replay::Replay;
 use crate::experts::Activation;
-use crate::memory::{ExpertRoute, GemmOperands, Restore};
+use crate::memory::Restore;
 
 /// The name of a library section's bf16 copies of its products' operands.
 const COPIES: &str = "bf16 operand copies";
@@ -28,7 +28,7 @@ impl Replay<'_> {
             _ => 0.0,
         };
         let (mut outs, mut zs) = (0.0, 0.0);
-        let copies = self.copies_per_element();
+        let copies = self.library_half();
         let experts: Vec<f64> = self.rows.recv[i].iter().map(|&r| r as f64).collect();
         for &r in experts.iter().filter(|&&r| r > 0.0) {
             let l = &mut self.ledger;
@@ -79,18 +79,6 @@ impl Replay<'_> {
             );
         }
         self.after_compute(&name, i, rows);
-    }
-
-    /// Half an element per operand element where the primitives' products go through a
-    /// library at bf16 ([`ExpertRoute::LibraryProducts`]), whose sections multiply bf16 copies
-    /// of both operands of each product and let them go at the section's end; 0 elsewhere.
-    fn copies_per_element(&self) -> f64 {
-        match self.route {
-            ExpertRoute::LibraryProducts {
-                operands: GemmOperands::Bf16 { .. },
-            } => 0.5,
-            _ => 0.0,
-        }
     }
 
     /// The name of partition `i`'s `T_M` as the backward finds it: kept since the forward,
@@ -171,7 +159,7 @@ impl Replay<'_> {
         // On a bf16 library a batch's products hold their operands' copies together: the
         // second GEMM's weight and input gradients are one batch, the first GEMM's likewise
         // (`exchange/ffn/backward.rs`).
-        let copies = self.copies_per_element();
+        let copies = self.library_half();
         let second_batch = copies * ((r * h + r * m) + (r * m + h * m));
         let first_batch = copies * ((r * m + r * f) + (r * f + m * f));
         // An expert's weight gradients are allocated by its first backward GEMMs and

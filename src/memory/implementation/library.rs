@@ -212,9 +212,14 @@ mod tests {
             n_experts: experts,
             ..LayerShape::paper(1024, 128, 512, 1, n)
         };
+        model_of(&shape, strategy, route)
+    }
+
+    /// `shape` on one rank, balanced, in issue order.
+    fn model_of(shape: &LayerShape, strategy: Strategy, route: ExpertRoute) -> ImplementationModel {
         ImplementationModel::for_execution(
-            &shape,
-            &RankRows::balanced(&shape),
+            shape,
+            &RankRows::balanced(shape),
             strategy,
             Execution::in_order(route),
         )
@@ -344,14 +349,7 @@ mod tests {
             n_experts: 2,
             ..LayerShape::paper(64, 1024, 4096, 1, 1)
         };
-        let wide = |route| {
-            ImplementationModel::for_execution(
-                &shape,
-                &RankRows::balanced(&shape),
-                Strategy::None,
-                Execution::in_order(route),
-            )
-        };
+        let wide = |route| model_of(&shape, Strategy::None, route);
         let (plain, bf16) = (
             wide(ExpertRoute::ExpertByExpert),
             wide(route(GemmPrecision::Bf16)),
@@ -374,14 +372,7 @@ mod tests {
             shared_expert: Some(8192),
             ..LayerShape::paper(256, 1024, 16, 1, 1)
         };
-        let run = |precision| {
-            ImplementationModel::for_execution(
-                &shape,
-                &RankRows::balanced(&shape),
-                Strategy::None,
-                Execution::in_order(ExpertRoute::partition_scratch(precision)),
-            )
-        };
+        let run = |precision| model_of(&shape, Strategy::None, ExpertRoute::partition_scratch(precision));
         let (f32, bf16) = (run(GemmPrecision::F32), run(GemmPrecision::Bf16));
         assert_eq!(bf16.forward.step, "shared expert", "{:?}", bf16.forward);
         assert_eq!(

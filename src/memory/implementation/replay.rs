@@ -184,7 +184,7 @@ impl<'a> Replay<'a> {
         };
         let (t, m) = (self.rows.tokens as f64, self.m);
         let gate_kept = if self.shared_gate { t * (m + 1.0) } else { 0.0 };
-        let half = self.dense_half();
+        let half = self.library_half();
         let l = &mut self.ledger;
         l.alloc("shared expert", "shared expert SwiGLU input", t * 2.0 * hs);
         copies(l, "shared expert", half * (t * m + 2.0 * m * hs));
@@ -196,12 +196,14 @@ impl<'a> Replay<'a> {
         }
     }
 
-    /// Half an element per operand element where the layer's dense products (the shared
-    /// expert's) multiply bf16 copies, 0 otherwise: they go through the experts' library at
-    /// the layer's precision (`MoeBackend::dense_matmul`), so a bf16 route on a library
-    /// (partition scratch, or the primitives' products) says they do. Each product converts its operands in its own section
-    /// (`mpipemoe-cuda`'s `gemm/dense.rs`) and lets the copies go at its end.
-    fn dense_half(&self) -> f64 {
+    /// Half an element per operand element where a product through the library multiplies
+    /// bf16 copies, 0 otherwise: the layer's dense products (the shared expert's) go through
+    /// the experts' library at the layer's precision (`MoeBackend::dense_matmul`), so a bf16
+    /// route on a library (partition scratch, or the primitives' products) says they do; on
+    /// the second, so do the primitives' own products (`experts.rs`). Each product converts
+    /// its operands in its own section (`mpipemoe-cuda`'s `gemm/dense.rs`) and lets the copies
+    /// go at its end.
+    pub(super) fn library_half(&self) -> f64 {
         match self.operands() {
             GemmOperands::Bf16 { .. } => 0.5,
             GemmOperands::F32 => 0.0,
@@ -272,7 +274,7 @@ impl<'a> Replay<'a> {
     /// The layer's backward from the loss, through the exchange, to the gradient of `x`.
     fn layer_backward(&mut self, n: usize) {
         let (t, s, m) = (self.rows.tokens as f64, self.rows.send_rows() as f64, self.m);
-        let half = self.dense_half();
+        let half = self.library_half();
         let l = &mut self.ledger;
         if let Some(hs) = self.shared {
             // On a bf16 library the second product's backward (both its products in one
