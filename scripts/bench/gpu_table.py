@@ -20,7 +20,9 @@ waits, frees, launches through the driver and the runtime, per step), a last tab
 beside the goal of at most two host waits per step at one rank. Where it has the router's
 choice rows (`what` = `choice`), a table of the choice made on the device against the host's;
 where it has the shared expert's layer rows, a table of the layer with it after the combine and
-overlapped with the routing read.
+overlapped with the routing read; where it has the rows run beside a helper that keeps the
+device runners from sleeping (`cublas kept busy`), a table of each against the same step
+without it, raw and under fusion.
 """
 import json
 import sys
@@ -92,6 +94,7 @@ def main():
 
     pipeline(ours, keys)
     shared(ours, keys)
+    kept(ours, keys)
     pieces(ours, keys)
     calls(ours, keys)
     choices(ours)
@@ -113,6 +116,26 @@ def shared(ours, keys):
             cell = lambda v: f"{v:.2f}" if v else "-"
             ratio = f"{overlap / after:.2f}×" if after and overlap else "-"
             print(f"| {shape} | {k} | {cell(after)} | {cell(overlap)} | {ratio} |")
+
+
+def kept(ours, keys):
+    """The layer at TF32, raw and under fusion, with and without a helper that keeps cubecl's
+    and fusion's runner threads from sleeping between the step's blocking calls (`gpu_bench`'s
+    `cublas kept busy` rows, same call): below 1.00× the runners' sleep costs the step time."""
+    paths = ("cublas", "cublas kept busy", "cublas fusion", "cublas fusion kept busy")
+    rows = [r for r in ours if r["what"] == "layer" and r["precision"] == "tf32" and r["path"] in paths]
+    if not any(r["path"].endswith("kept busy") for r in rows):
+        return
+    print()
+    print("| shape | k | raw ms | raw, runners kept busy ms | kept / raw | fusion ms | fusion, kept busy ms | kept / fusion |")
+    print("|---|---|---|---|---|---|---|---|")
+    cell = lambda v: f"{v:.2f}" if v else "-"
+    ratio = lambda a, b: f"{a / b:.2f}×" if a and b else "-"
+    for shape, tokens, k in keys:
+        side = lambda path: next((r["median_ms"] for r in rows if (r["shape"], r["tokens"], r["top_k"], r["path"]) == (shape, tokens, k, path)), None)
+        raw, raw_kept, fused, fused_kept = (side(p) for p in paths)
+        if raw_kept or fused_kept:
+            print(f"| {shape} | {k} | {cell(raw)} | {cell(raw_kept)} | {ratio(raw_kept, raw)} | {cell(fused)} | {cell(fused_kept)} | {ratio(fused_kept, fused)} |")
 
 
 def choices(ours):

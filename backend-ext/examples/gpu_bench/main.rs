@@ -21,7 +21,10 @@
 //!   sections a step fewer, each a cubecl product instead; bf16 also with the weights'
 //!   copies made once a step, `cublas weights per step`; TF32 also with a shared expert of
 //!   the experts' width, issued after the combine, `cublas shared`, and while the routing read
-//!   is in flight, `cublas shared overlap`), and
+//!   is in flight, `cublas shared overlap`; TF32 raw and under fusion also with a helper that
+//!   keeps cubecl's and fusion's runner threads from sleeping between the step's blocking
+//!   calls, `cublas kept busy` and `cublas fusion kept busy`, whose census is off: the
+//!   helper's own calls would count), and
 //!   without it (cubecl's GEMMs, which multiply f32 in TF32: the twin the GPU check compares the
 //!   path with); `forward` is the layer's forward alone (cuBLAS, TF32);
 //! - `experts piece` and `layer piece`: the `experts` runs at each precision and the layer at
@@ -82,6 +85,7 @@ use mpipemoe::backend::{
     StepExecutor,
 };
 use mpipemoe::comm::{HostLoopback, SingleRank, WithRowPaths};
+use mpipemoe::harness::process_cpu_s;
 use mpipemoe::{Activation, Communicator, GemmPrecision, MoeLayer, MoeLayerConfig, Partitions};
 use mpipemoe_cuda::{
     cuda_available, CallCounts, CallKind, Census, CublasExperts, CublasOptions, CudaMoe, Handover,
@@ -949,6 +953,23 @@ fn main() {
                 push("layer", "cublas experts only", "tf32", (&run).into());
                 let run = layer_ms::<Fused>(&tf32, with(device_path), tokens, &bench, false);
                 push("layer", "cublas fusion", "tf32", (&run).into());
+                // The raw and fused steps again with a helper that keeps the runners from
+                // sleeping between the step's blocking calls (`wake.rs`): whether the waits
+                // `--wake` finds cost a step anything, and the CPU the helper burns for it.
+                for (path, fused) in [("cublas kept busy", false), ("cublas fusion kept busy", true)] {
+                    let keeper = wake::keeper(&device, fused);
+                    let cpu = process_cpu_s();
+                    let run = match fused {
+                        false => layer_ms::<B>(&tf32, with(device_path), tokens, &quiet, false),
+                        true => layer_ms::<Fused>(&tf32, with(device_path), tokens, &quiet, false),
+                    };
+                    let (cpu, touches) = (process_cpu_s() - cpu, keeper.stop());
+                    eprintln!(
+                        "           {:.2} s CPU of the process over {} steps, {touches} touches",
+                        cpu, run.steps
+                    );
+                    push("layer", path, "tf32", (&run).into());
+                }
                 let run = layer_ms::<B>(&base, Arc::new(SingleRank), tokens, &bench, false);
                 push("layer", "cubecl", "tf32", (&run).into());
                 // The pipeline at top-1 only: the paper's shapes, and top-2's exchange doubles

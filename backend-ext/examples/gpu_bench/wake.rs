@@ -36,6 +36,21 @@ pub(super) struct WakeRow {
     max_us: f64,
 }
 
+/// A keeper of the runners of `device` (fusion's too where `fusion`): every 20 µs, plus the
+/// sleep's slack, a non-blocking flush of fusion's queue (burn-fusion 0.21 `client.rs`,
+/// `flush_queue`) and a blocking memory-use call to cubecl's runner, so that neither runs out
+/// of its spin budget while it runs.
+pub(super) fn keeper(device: &burn::tensor::Device<Inner>, fusion: bool) -> RunnerKeeper {
+    let fusion = fusion.then(|| burn_fusion::get_client::<Inner>(device));
+    let cube = CudaRuntime::client(device);
+    RunnerKeeper::start(Duration::from_micros(20), move || {
+        if let Some(fusion) = &fusion {
+            fusion.flush_queue();
+        }
+        let _ = cube.memory_usage();
+    })
+}
+
 /// Every gap on the raw backend and under fusion, without and with a keeper, printed as a
 /// table as it goes.
 pub(super) fn wake_rows() -> mpipemoe::Result<Vec<WakeRow>> {
@@ -51,12 +66,7 @@ pub(super) fn wake_rows() -> mpipemoe::Result<Vec<WakeRow>> {
         let raw = runner_wake_latencies::<Inner>(&device, gap, CALLS)?;
         let fused = runner_wake_latencies::<Fusion>(&device, gap, CALLS)?;
         let kept_from = process_cpu_s();
-        let fusion = burn_fusion::get_client::<Inner>(&device);
-        let cube = CudaRuntime::client(&device);
-        let keeper = RunnerKeeper::start(Duration::from_micros(20), move || {
-            fusion.flush_queue();
-            let _ = cube.memory_usage();
-        });
+        let keeper = keeper(&device, true);
         let raw_kept = runner_wake_latencies::<Inner>(&device, gap, CALLS);
         let fused_kept = runner_wake_latencies::<Fusion>(&device, gap, CALLS);
         keeper.stop();
