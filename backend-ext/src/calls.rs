@@ -4,7 +4,11 @@
 //!
 //! Why: issue 56 asks for at most two host waits per layer step at one rank and a launch count
 //! that can be explained, and both were read from the code until now. A step's time cannot tell
-//! a host wait from a slow kernel; a count of the calls that block the host can. The kinds are
+//! a host wait from a slow kernel; a count of the calls that block the host can. The time spent
+//! inside the driver's calls, by the thread that made them ([`Spent`]), says which of them
+//! held the step: the H200 runs of BENCHMARKS §14b had the cuBLAS layer's host time at 0.94–0.98
+//! of its step at GPT3-XL (the cubecl layer's at 0.14), so some thread waits for the device
+//! inside the step, and a count alone cannot say which thread or for how long. The kinds are
 //! read from the call's name, so the same rule holds for the driver's names (`cuEventSynchronize`,
 //! `cuLaunchKernel_ptsz`) and the runtime's (`cudaStreamSynchronize_v3020`), whatever CUDA
 //! version numbers its callbacks.
@@ -109,13 +113,46 @@ fn base_name(name: &str) -> &str {
     }
 }
 
+/// Time spent inside the driver's calls of one name on one thread: how many returned, and
+/// their nanoseconds from entry to exit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Spent {
+    /// Calls that returned.
+    pub calls: u64,
+    /// Nanoseconds inside them, in all.
+    pub ns: u64,
+}
+
+impl Spent {
+    fn less(self, earlier: Spent) -> Spent {
+        Spent {
+            calls: self.calls.saturating_sub(earlier.calls),
+            ns: self.ns.saturating_sub(earlier.ns),
+        }
+    }
+
+    fn add(&mut self, other: Spent) {
+        self.calls += other.calls;
+        self.ns += other.ns;
+    }
+}
+
+/// [`Spent`] by thread name, then by driver call name.
+type Times = BTreeMap<String, BTreeMap<String, Spent>>;
+
 /// Calls by name: the driver's, the runtime's, and the kernels the driver launched, over some
-/// stretch of work of `steps` steps (1 until [`CallCounts::per`] says otherwise).
+/// stretch of work of `steps` steps (1 until [`CallCounts::per`] says otherwise); and, where
+/// the census timed them, the time each thread spent inside the driver's calls.
+///
+/// Only the driver's calls are timed: a runtime call (cuBLAS's) enters the driver for its
+/// device work, so the driver's times hold every wait once, where the runtime's would count
+/// each twice.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CallCounts {
     driver: BTreeMap<String, u64>,
     runtime: BTreeMap<String, u64>,
     kernels: BTreeMap<String, u64>,
+    times: Times,
     steps: u64,
 }
 
@@ -125,6 +162,7 @@ impl Default for CallCounts {
             driver: BTreeMap::new(),
             runtime: BTreeMap::new(),
             kernels: BTreeMap::new(),
+            times: BTreeMap::new(),
             steps: 1,
         }
     }
@@ -149,8 +187,26 @@ impl CallCounts {
             driver: collect(&mut driver.into_iter()),
             runtime: collect(&mut runtime.into_iter()),
             kernels: collect(&mut kernels.into_iter()),
+            times: BTreeMap::new(),
             steps: 1,
         }
+    }
+
+    /// These counts with the time spent in the driver's calls, from `(thread, call, spent)`
+    /// triples (a pair given twice adds up; calls that never returned are left out).
+    pub fn with_times<'a>(
+        mut self,
+        times: impl IntoIterator<Item = (&'a str, &'a str, Spent)>,
+    ) -> CallCounts {
+        for (thread, name, spent) in times.into_iter().filter(|(_, _, s)| s.calls > 0) {
+            self.times
+                .entry(thread.to_string())
+                .or_default()
+                .entry(name.to_string())
+                .or_default()
+                .add(spent);
+        }
+        self
     }
 
     /// The calls made since `earlier` was read from the same census: every count less
@@ -162,10 +218,26 @@ impl CallCounts {
                 .filter(|(_, c)| *c > 0)
                 .collect()
         };
+        let mut times = Times::new();
+        for (thread, calls) in &self.times {
+            let then = earlier.times.get(thread);
+            let spent: BTreeMap<String, Spent> = calls
+                .iter()
+                .map(|(name, s)| {
+                    let before = then.and_then(|t| t.get(name)).copied().unwrap_or_default();
+                    (name.clone(), s.less(before))
+                })
+                .filter(|(_, s)| s.calls > 0)
+                .collect();
+            if !spent.is_empty() {
+                times.insert(thread.clone(), spent);
+            }
+        }
         CallCounts {
             driver: less(&self.driver, &earlier.driver),
             runtime: less(&self.runtime, &earlier.runtime),
             kernels: less(&self.kernels, &earlier.kernels),
+            times,
             steps: 1,
         }
     }
@@ -204,6 +276,34 @@ impl CallCounts {
     /// Runtime calls of `kind`, in all.
     pub fn runtime_of(&self, kind: CallKind) -> u64 {
         of_kind(&self.runtime, kind)
+    }
+
+    /// The threads that made timed driver calls, by name (`unnamed` for a thread without one).
+    pub fn threads(&self) -> impl Iterator<Item = &str> {
+        self.times.keys().map(String::as_str)
+    }
+
+    /// The timed driver calls of `kind`, every thread's together, in all (not per step).
+    pub fn spent_of(&self, kind: CallKind) -> Spent {
+        let mut total = Spent::default();
+        self.times
+            .values()
+            .flat_map(|calls| calls.iter())
+            .filter(|(name, _)| CallKind::of(name) == kind)
+            .for_each(|(_, s)| total.add(*s));
+        total
+    }
+
+    /// Milliseconds per step that `thread` spent inside driver calls of `kind`.
+    pub fn ms_per_step(&self, thread: &str, kind: CallKind) -> f64 {
+        let ns: u64 = self.times.get(thread).map_or(0, |calls| {
+            calls
+                .iter()
+                .filter(|(name, _)| CallKind::of(name) == kind)
+                .map(|(_, s)| s.ns)
+                .sum()
+        });
+        ns as f64 / 1e6 / self.steps as f64
     }
 
     /// Driver and runtime calls of `kind` per step. Where CUPTI reports a runtime call and the
@@ -258,6 +358,7 @@ impl fmt::Display for CallCounts {
         for (name, &c) in blocking.iter().take(SHOWN) {
             writeln!(f, "  wait or free: {name} {}", per_step_text(c, steps))?;
         }
+        self.fmt_times(f)?;
         let mut kernels: Vec<(&String, &u64)> = self.kernels.iter().collect();
         kernels.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
         for (name, &c) in kernels.iter().take(SHOWN) {
@@ -267,6 +368,46 @@ impl fmt::Display for CallCounts {
         }
         if kernels.len() > SHOWN {
             writeln!(f, "  ... {} kernels more", kernels.len() - SHOWN)?;
+        }
+        Ok(())
+    }
+}
+
+impl CallCounts {
+    /// Per step: each thread's milliseconds inside the driver's calls of each kind (with how
+    /// many), then the waits and frees by thread and name, longest first, `SHOWN` at most.
+    fn fmt_times(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.times.is_empty() {
+            return Ok(());
+        }
+        let steps = self.steps;
+        let ms = |ns: u64| format!("{:.3}", ns as f64 / 1e6 / steps as f64);
+        writeln!(f, "  time in driver calls, per step, by thread:")?;
+        for (thread, calls) in &self.times {
+            let mut line = format!("    {thread:<14}");
+            for kind in CallKind::ALL {
+                let mut total = Spent::default();
+                calls
+                    .iter()
+                    .filter(|(name, _)| CallKind::of(name) == kind)
+                    .for_each(|(_, s)| total.add(*s));
+                if total.calls > 0 {
+                    let n = per_step_text(total.calls, steps);
+                    line.push_str(&format!("  {} {} ms ({n})", kind.name(), ms(total.ns)));
+                }
+            }
+            writeln!(f, "{line}")?;
+        }
+        let mut blocking: Vec<(&String, &String, &Spent)> = self
+            .times
+            .iter()
+            .flat_map(|(thread, calls)| calls.iter().map(move |(name, s)| (thread, name, s)))
+            .filter(|(_, name, _)| matches!(CallKind::of(name), CallKind::Wait | CallKind::Free))
+            .collect();
+        blocking.sort_by(|a, b| b.2.ns.cmp(&a.2.ns).then(a.0.cmp(b.0)).then(a.1.cmp(b.1)));
+        for (thread, name, s) in blocking.iter().take(SHOWN) {
+            let n = per_step_text(s.calls, steps);
+            writeln!(f, "  waited: {thread} {name} {} ms ({n})", ms(s.ns))?;
         }
         Ok(())
     }
@@ -420,5 +561,60 @@ mod tests {
             text.contains(&format!("kernel: 1 {}\n", "k".repeat(72))),
             "{text}"
         );
+    }
+
+    #[test]
+    fn times_are_per_thread_and_step_and_subtract_pair_by_pair() {
+        let spent = |calls, ns| Spent { calls, ns };
+        let earlier = CallCounts::new([], [], []).with_times([
+            ("main", "cuEventSynchronize", spent(1, 1_000_000)),
+            ("DSD-0-0", "cuLaunchKernel", spent(10, 50_000)),
+        ]);
+        let later = CallCounts::new([], [], []).with_times([
+            ("main", "cuEventSynchronize", spent(5, 3_000_000)),
+            // A pair given twice adds up.
+            ("main", "cuEventSynchronize", spent(1, 1_000_000)),
+            // Unchanged since `earlier`: no entry is left behind.
+            ("DSD-0-0", "cuLaunchKernel", spent(10, 50_000)),
+            ("DSD-0-0", "cuEventSynchronize", spent(2, 8_000_000)),
+            ("DSD-0-0", "cuLaunchKernel_ptsz", spent(4, 20_000)),
+            // A call that never returned is left out.
+            ("unnamed", "cuMemFree_v2", spent(0, 5)),
+        ]);
+        let step = later.since(&earlier).per(2);
+        assert_eq!(step.threads().collect::<Vec<_>>(), ["DSD-0-0", "main"]);
+        // main: 6 calls and 4 ms less 1 call and 1 ms, over two steps.
+        assert_eq!(step.ms_per_step("main", CallKind::Wait), 1.5);
+        assert_eq!(step.ms_per_step("DSD-0-0", CallKind::Wait), 4.0);
+        assert_eq!(step.ms_per_step("DSD-0-0", CallKind::Launch), 0.01);
+        assert_eq!(step.ms_per_step("main", CallKind::Launch), 0.0);
+        assert_eq!(step.ms_per_step("nobody", CallKind::Wait), 0.0);
+        // Every thread's together, not per step.
+        assert_eq!(step.spent_of(CallKind::Wait), spent(7, 11_000_000));
+        assert_eq!(step.spent_of(CallKind::Free), spent(0, 0));
+        let text = step.to_string();
+        assert!(
+            text.contains("time in driver calls, per step, by thread:"),
+            "{text}"
+        );
+        assert!(
+            text.contains("    DSD-0-0         host waits 4.000 ms (1)  launches 0.010 ms (2)\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("    main            host waits 1.500 ms (2.50)\n"),
+            "{text}"
+        );
+        // Longest first, whichever thread made it.
+        let runner = text
+            .find("waited: DSD-0-0 cuEventSynchronize 4.000 ms (1)")
+            .expect("{text}");
+        let caller = text
+            .find("waited: main cuEventSynchronize 1.500 ms (2.50)")
+            .expect("{text}");
+        assert!(runner < caller, "{text}");
+        assert!(!text.contains("waited: DSD-0-0 cuLaunchKernel"), "{text}");
+        // Counts without times print no time lines.
+        assert!(!sample().to_string().contains("time in driver calls"));
     }
 }

@@ -2,9 +2,13 @@
 //! benchmark's host waits and launches per step ([`CallCounts`], `calls.rs`).
 //!
 //! CUPTI calls [`on_call`] on the thread that makes each call, before the call runs
-//! (`CUPTI_API_ENTER`), with the counters this census owns as its user data: no global state,
-//! and the counting is a relaxed atomic add per call. Kernel names are taken from launch calls
-//! only, where CUPTI documents `symbolName` as valid (CUPTI's `CUpti_CallbackData`).
+//! (`CUPTI_API_ENTER`) and after it returns (`CUPTI_API_EXIT`), with the counters this census
+//! owns as its user data: no global state, and the counting is a relaxed atomic add per call.
+//! Kernel names are taken from launch calls only, where CUPTI documents `symbolName` as valid
+//! (CUPTI's `CUpti_CallbackData`). A driver call's entry also writes its start into the call's
+//! `correlationData`, which CUPTI keeps for that call's exit callback (zeroed before the
+//! entry), so the exit adds the call's duration to its thread's [`Spent`] under a lock: the
+//! time each thread spends inside the driver, waits above all (`calls.rs`).
 //!
 //! CUPTI allows one subscriber per process: a second census, or a profiler attached to the
 //! process, makes [`Census::start`] fail with CUPTI's error.
@@ -13,13 +17,14 @@ use std::collections::HashMap;
 use std::ffi::{c_void, CStr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::time::Instant;
 
 use cudarc::cupti::result::{enable_domain, get_callback_name, subscribe, unsubscribe};
 use cudarc::cupti::sys::{
     CUpti_ApiCallbackSite, CUpti_CallbackData, CUpti_CallbackDomain, CUpti_CallbackId, CUpti_SubscriberHandle,
 };
 
-use crate::calls::{CallCounts, CallKind};
+use crate::calls::{CallCounts, CallKind, Spent};
 use crate::driver::CudaError;
 
 /// Callback ids looked up per domain: every CUDA 13 driver and runtime function has one below
@@ -65,6 +70,45 @@ struct Tally {
     beyond: AtomicU64,
     /// Kernels launched through the driver, by name.
     kernels: Mutex<HashMap<String, u64>>,
+    /// What a call's start is measured from.
+    epoch: Instant,
+    /// Time inside the driver's calls, by thread name, then by callback id.
+    times: Mutex<HashMap<String, HashMap<u32, Spent>>>,
+}
+
+impl Tally {
+    /// Nanoseconds since the census started, at least 1 (0 marks a call whose entry this
+    /// census did not see).
+    fn now_ns(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_nanos())
+            .unwrap_or(u64::MAX)
+            .max(1)
+    }
+
+    /// Adds a driver call of `id` that took `ns` to the calling thread's time.
+    fn spent(&self, id: u32, ns: u64) {
+        // A poisoned lock (a panic while timing) loses this call's time, never the call; and
+        // a thread being torn down, whose name is gone, is not timed.
+        let Ok(mut times) = self.times.lock() else {
+            return;
+        };
+        let _ = THREAD.try_with(|thread| {
+            if !times.contains_key(thread.as_str()) {
+                times.insert(thread.clone(), HashMap::new());
+            }
+            if let Some(calls) = times.get_mut(thread.as_str()) {
+                let spent = calls.entry(id).or_default();
+                spent.calls += 1;
+                spent.ns += ns;
+            }
+        });
+    }
+}
+
+thread_local! {
+    /// The calling thread's name, read once a thread (cubecl's device threads are `DSD-…`,
+    /// burn-fusion's `DSU-…`, the executor's workers `moe-…`).
+    static THREAD: String = std::thread::current().name().unwrap_or("unnamed").to_string();
 }
 
 /// CUPTI's name for `id` in `domain`, where it has one.
@@ -81,7 +125,8 @@ fn callback_name(domain: CUpti_CallbackDomain, id: u32) -> Option<String> {
 }
 
 /// Counts one call. CUPTI calls this on the calling thread, before the call (`ENTER`) and after
-/// it (`EXIT`); only `ENTER` counts.
+/// it (`EXIT`); `ENTER` counts, and for a driver call marks its start, whose `EXIT` adds its
+/// duration to the thread's time.
 ///
 /// # Safety
 /// `userdata` is the [`Tally`] of a live [`Census`] (it unsubscribes before the tally is
@@ -102,8 +147,24 @@ unsafe extern "C" fn on_call(
             &*(data as *const CUpti_CallbackData),
         )
     };
+    let driver = domain == CUpti_CallbackDomain::CUPTI_CB_DOMAIN_DRIVER_API;
+    if data.callbackSite == CUpti_ApiCallbackSite::CUPTI_API_EXIT {
+        if driver && !data.correlationData.is_null() {
+            // SAFETY: CUPTI's slot for this call, written at its entry (or 0 where the window
+            // opened during the call).
+            let start = unsafe { *data.correlationData };
+            if start > 0 {
+                tally.spent(id, tally.now_ns().saturating_sub(start));
+            }
+        }
+        return;
+    }
     if data.callbackSite != CUpti_ApiCallbackSite::CUPTI_API_ENTER {
         return;
+    }
+    if driver && !data.correlationData.is_null() {
+        // SAFETY: CUPTI's slot for this call, kept for its exit callback.
+        unsafe { *data.correlationData = tally.now_ns() };
     }
     let counters = match domain {
         CUpti_CallbackDomain::CUPTI_CB_DOMAIN_DRIVER_API => &tally.driver,
@@ -119,8 +180,7 @@ unsafe extern "C" fn on_call(
         return;
     };
     count.fetch_add(1, Ordering::Relaxed);
-    let is_driver_launch =
-        domain == CUpti_CallbackDomain::CUPTI_CB_DOMAIN_DRIVER_API && counters.launches[id as usize];
+    let is_driver_launch = driver && counters.launches[id as usize];
     if is_driver_launch && !data.symbolName.is_null() {
         // SAFETY: valid for launch callbacks (CUPTI's `CUpti_CallbackData::symbolName`).
         let name = unsafe { CStr::from_ptr(data.symbolName) }.to_string_lossy();
@@ -161,6 +221,8 @@ impl Census {
             runtime: Domain::new(CUpti_CallbackDomain::CUPTI_CB_DOMAIN_RUNTIME_API),
             beyond: AtomicU64::new(0),
             kernels: Mutex::new(HashMap::new()),
+            epoch: Instant::now(),
+            times: Mutex::new(HashMap::new()),
         }));
         let mut subscriber: CUpti_SubscriberHandle = std::ptr::null_mut();
         let userdata = tally as *const Tally as *mut c_void;
@@ -201,11 +263,23 @@ impl Census {
             Ok(k) => k.clone(),
             Err(poisoned) => poisoned.into_inner().clone(),
         };
+        let times = match self.tally.times.lock() {
+            Ok(t) => t.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        };
+        let names = &self.tally.driver.names;
+        let timed = times.iter().flat_map(|(thread, calls)| {
+            calls.iter().filter_map(move |(&id, &spent)| {
+                let name = names.get(id as usize)?.as_deref()?;
+                Some((thread.as_str(), name, spent))
+            })
+        });
         CallCounts::new(
             self.tally.driver.pairs(),
             self.tally.runtime.pairs(),
             kernels.iter().map(|(name, &c)| (name.as_str(), c)),
         )
+        .with_times(timed)
     }
 
     /// Calls CUPTI reported with an id this census has no name for: 0 unless CUPTI grew.

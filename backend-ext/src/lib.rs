@@ -30,7 +30,8 @@
 //!   (`CublasOptions::timed`, `CublasExperts::breakdown`), for the benchmark.
 //! - [`Census`] and [`CallCounts`]: every CUDA driver and runtime call of the process counted
 //!   through CUPTI's callbacks, by name and kind (host waits, launches, polls, frees), so the
-//!   benchmark counts a step's host waits and launches instead of reading them from the code.
+//!   benchmark counts a step's host waits and launches instead of reading them from the code;
+//!   with [`Spent`], the time each thread spent inside the driver's calls.
 //! - [`group`]: the waits on NCCL (a group's end, a non-blocking initialisation, split or
 //!   finalize), bounded by the timeout, aborting the communicator on every error path.
 //! - [`check_plan`]: what `examples/gpu_check.rs` checks, single-GPU checks first.
@@ -74,7 +75,7 @@ mod rows;
 mod spans;
 
 pub use breakdown::{Breakdown, PieceTime};
-pub use calls::{CallCounts, CallKind};
+pub use calls::{CallCounts, CallKind, Spent};
 #[cfg(feature = "cuda")]
 pub use census::Census;
 #[cfg(feature = "cuda")]

@@ -16,8 +16,9 @@ layer without an exchange at TF32 and exchange the four round trips alone (the g
 1.10). Where the file has a timed path's pieces (`experts piece`, `layer piece`), a third table says
 where the experts' and the layer's section time goes: each piece's device ms a step, its share,
 and the host ms its calls took. Where the layer rows carry the CUPTI census's counts (host
-waits, frees, launches through the driver and the runtime, per step), a last table lists them
-beside the goal of at most two host waits per step at one rank. Where it has the router's
+waits, frees, launches through the driver and the runtime, per step, and the ms each thread
+spent inside the driver's waits and launches), a last table lists them beside the goal of at
+most two host waits per step at one rank. Where it has the router's
 choice rows (`what` = `choice`), a table of the choice made on the device against the host's;
 where it has the shared expert's layer rows, a table of the layer with it after the combine and
 overlapped with the routing read; where it has the rows run beside a helper that keeps the
@@ -199,19 +200,25 @@ def pieces(ours, keys):
 
 
 def calls(ours, keys):
-    """The census's calls per layer step: host waits (goal: at most 2), frees, launches."""
+    """The census's calls per layer step: host waits (goal: at most 2) and the time each thread
+    spent in them (the thread that holds the step: `main` is the caller, `DSD-…` cubecl's device
+    thread, `DSU-…` fusion's, `unnamed` cubecl's collector of cross-stream events among
+    others), frees, launches."""
     rows = [r for r in ours if r.get("host_waits") is not None]
     if not rows:
         return
     print()
-    print("| shape | k | what | path | precision | host waits a step | frees | launches (driver) | launches (runtime) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| shape | k | what | path | precision | step ms | host ms | host waits a step | ms in waits a step, by thread | ms in launches a step, by thread | frees | launches (driver) | launches (runtime) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     num = lambda v: f"{v:.2f}".rstrip("0").rstrip(".") if v is not None else "-"
+    # Older files have no times; a thread that spent nothing is left out of the file.
+    by_thread = lambda m: ", ".join(f"{t} {ms:.3f}" for t, ms in sorted(m.items(), key=lambda x: -x[1])) if m else "-"
     for shape, tokens, k in keys:
         for r in rows:
             if (r["shape"], r["tokens"], r["top_k"]) != (shape, tokens, k):
                 continue
-            print(f"| {shape} | {k} | {r['what']} | {r['path']} | {r['precision']} | {num(r['host_waits'])} | {num(r.get('frees'))} | {num(r.get('driver_launches'))} | {num(r.get('runtime_launches'))} |")
+            host = f"{r['host_ms']:.3f}" if r.get("host_ms") is not None else "-"
+            print(f"| {shape} | {k} | {r['what']} | {r['path']} | {r['precision']} | {r['median_ms']:.3f} | {host} | {num(r['host_waits'])} | {by_thread(r.get('wait_ms'))} | {by_thread(r.get('launch_ms'))} | {num(r.get('frees'))} | {num(r.get('driver_launches'))} | {num(r.get('runtime_launches'))} |")
 
 
 if __name__ == "__main__":

@@ -49,8 +49,10 @@
 //!
 //! Every layer row also counts the CUDA driver and runtime calls of three more steps, run after
 //! its timed ones, through CUPTI's callbacks (`Census`; off while anything is timed): host
-//! waits, frees and launches per step, the waits by name and the kernels by name, printed under
-//! the row and kept in its JSON (`host_waits`, `frees`, `driver_launches`, `runtime_launches`).
+//! waits, frees and launches per step, the waits by name and the kernels by name, and the time
+//! each thread spent inside the driver's waits and launches, printed under the row and kept in
+//! its JSON (`host_waits`, `frees`, `driver_launches`, `runtime_launches`, `wait_ms`,
+//! `launch_ms`: which thread waited for the device in a step, and for how long).
 //! Issue 56's goal is at most two host waits per layer step at one rank. Without CUPTI, or with
 //! `--no-census`, the rows carry no counts.
 //!
@@ -71,6 +73,7 @@
 mod choice;
 mod wake;
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -142,6 +145,11 @@ struct Row {
     frees: Option<f64>,
     driver_launches: Option<f64>,
     runtime_launches: Option<f64>,
+    /// Layer rows with a census: ms per step that each thread (by name: `main`, cubecl's
+    /// device thread `DSD-…`, fusion's `DSU-…`, an executor worker `moe-…`, `unnamed`) spent
+    /// inside the driver's waits and inside its launches, where it spent any.
+    wait_ms: Option<BTreeMap<String, f64>>,
+    launch_ms: Option<BTreeMap<String, f64>>,
 }
 
 /// One row's figures as `push` takes them.
@@ -177,6 +185,16 @@ impl<'a> From<&'a LayerRun> for Measured<'a> {
             calls: run.calls.as_ref(),
         }
     }
+}
+
+/// Milliseconds per step each thread spent inside the driver's calls of `kind`, for the threads
+/// that spent any.
+fn ms_by_thread(calls: &CallCounts, kind: CallKind) -> BTreeMap<String, f64> {
+    calls
+        .threads()
+        .map(|thread| (thread.to_string(), calls.ms_per_step(thread, kind)))
+        .filter(|(_, ms)| *ms > 0.0)
+        .collect()
 }
 
 /// Steps counted by the census after a layer row's timed ones.
@@ -522,6 +540,8 @@ fn piece_rows(
             frees: None,
             driver_launches: None,
             runtime_launches: None,
+            wait_ms: None,
+            launch_ms: None,
         })
         .collect()
 }
@@ -792,6 +812,8 @@ fn main() {
                         frees: per_step(CallKind::Free),
                         driver_launches: calls.map(|c| c.driver_of(CallKind::Launch) as f64 / steps),
                         runtime_launches: calls.map(|c| c.runtime_of(CallKind::Launch) as f64 / steps),
+                        wait_ms: calls.map(|c| ms_by_thread(c, CallKind::Wait)),
+                        launch_ms: calls.map(|c| ms_by_thread(c, CallKind::Launch)),
                     });
                 };
                 let base = MoeLayerConfig::new(m, h, EXPERTS, top_k)
@@ -1040,6 +1062,8 @@ fn main() {
                     frees: None,
                     driver_launches: None,
                     runtime_launches: None,
+                    wait_ms: None,
+                    launch_ms: None,
                 });
             }
         }

@@ -5,6 +5,9 @@
 //!   `compute/command.rs` `read_async` records a fence that `compute/sync/fence.rs` `wait_sync`
 //!   waits for with `cuEventSynchronize`), and at most one more wait for the drop queue's fence
 //!   (the read flushes: cubecl-runtime 0.10 `memory_management/drop_queue/queue.rs`);
+//!   Each of those waits returned inside the window, so each must also have its time (the
+//!   census's entry and exit callbacks paired through CUPTI's `correlationData`), and all of
+//!   them together no more than the window's wall time (one thread reads);
 //! - a cuBLAS product: the GEMM's launch must be seen, through the driver (a kernel named like
 //!   a GEMM) or the runtime, or the benchmark's launch counts leave cuBLAS out. Which of the two
 //!   is printed, so the benchmark's rows can be read without double counting.
@@ -47,6 +50,7 @@ fn reads(census: &Census) -> Result<String, String> {
     let x = Tensor::<Inner, 1>::random([1024], Distribution::Default, &device);
     // The kernel compiled and the pools warm outside the window.
     let _ = (x.clone() + 1.0).into_data();
+    let window = std::time::Instant::now();
     let ((), calls) = census
         .count(|| {
             for _ in 0..READS {
@@ -54,13 +58,24 @@ fn reads(census: &Census) -> Result<String, String> {
             }
         })
         .map_err(|e| e.to_string())?;
+    let window_ns = window.elapsed().as_nanos() as u64;
     let waits_seen = calls.driver_of(CallKind::Wait) + calls.runtime_of(CallKind::Wait);
     let launches = calls.driver_of(CallKind::Launch);
     let named: u64 = calls.kernels().values().sum();
+    let timed = calls.spent_of(CallKind::Wait);
     let note = format!(
-        "{waits_seen} host waits ({}), {launches} driver launches, {named} named",
-        waits(&calls)
+        "{waits_seen} host waits ({}), {launches} driver launches, {named} named; {} driver waits timed, {:.3} ms in all, on {}",
+        waits(&calls),
+        timed.calls,
+        timed.ns as f64 / 1e6,
+        calls.threads().collect::<Vec<_>>().join(", ")
     );
+    if timed.calls != calls.driver_of(CallKind::Wait) || timed.ns > window_ns {
+        return Err(format!(
+            "expected every driver wait timed, within the window's {:.3} ms: {note}",
+            window_ns as f64 / 1e6
+        ));
+    }
     if !(READS..=2 * READS + 1).contains(&waits_seen) {
         return Err(format!(
             "expected {READS} to {} host waits: {note}",
