@@ -375,7 +375,8 @@ impl fmt::Display for CallCounts {
 
 impl CallCounts {
     /// Per step: each thread's milliseconds inside the driver's calls of each kind (with how
-    /// many), then the waits and frees by thread and name, longest first, `SHOWN` at most.
+    /// many), then the calls by thread and name, longest first, `SHOWN` at most: any kind, since
+    /// a launch or an allocation can hold a thread too (a full launch queue, memory mapped in).
     fn fmt_times(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.times.is_empty() {
             return Ok(());
@@ -398,16 +399,15 @@ impl CallCounts {
             }
             writeln!(f, "{line}")?;
         }
-        let mut blocking: Vec<(&String, &String, &Spent)> = self
+        let mut longest: Vec<(&String, &String, &Spent)> = self
             .times
             .iter()
             .flat_map(|(thread, calls)| calls.iter().map(move |(name, s)| (thread, name, s)))
-            .filter(|(_, name, _)| matches!(CallKind::of(name), CallKind::Wait | CallKind::Free))
             .collect();
-        blocking.sort_by(|a, b| b.2.ns.cmp(&a.2.ns).then(a.0.cmp(b.0)).then(a.1.cmp(b.1)));
-        for (thread, name, s) in blocking.iter().take(SHOWN) {
+        longest.sort_by(|a, b| b.2.ns.cmp(&a.2.ns).then(a.0.cmp(b.0)).then(a.1.cmp(b.1)));
+        for (thread, name, s) in longest.iter().take(SHOWN) {
             let n = per_step_text(s.calls, steps);
-            writeln!(f, "  waited: {thread} {name} {} ms ({n})", ms(s.ns))?;
+            writeln!(f, "  in calls: {thread} {name} {} ms ({n})", ms(s.ns))?;
         }
         Ok(())
     }
@@ -605,15 +605,12 @@ mod tests {
             text.contains("    main            host waits 1.500 ms (2.50)\n"),
             "{text}"
         );
-        // Longest first, whichever thread made it.
-        let runner = text
-            .find("waited: DSD-0-0 cuEventSynchronize 4.000 ms (1)")
-            .expect("{text}");
-        let caller = text
-            .find("waited: main cuEventSynchronize 1.500 ms (2.50)")
-            .expect("{text}");
-        assert!(runner < caller, "{text}");
-        assert!(!text.contains("waited: DSD-0-0 cuLaunchKernel"), "{text}");
+        // Longest first, whichever thread made it and whatever its kind.
+        let at = |line: &str| text.find(line).unwrap_or_else(|| panic!("{line}: {text}"));
+        let runner = at("in calls: DSD-0-0 cuEventSynchronize 4.000 ms (1)");
+        let caller = at("in calls: main cuEventSynchronize 1.500 ms (2.50)");
+        let launch = at("in calls: DSD-0-0 cuLaunchKernel_ptsz 0.010 ms (2)");
+        assert!(runner < caller && caller < launch, "{text}");
         // Counts without times print no time lines.
         assert!(!sample().to_string().contains("time in driver calls"));
     }

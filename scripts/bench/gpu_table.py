@@ -17,7 +17,7 @@ layer without an exchange at TF32 and exchange the four round trips alone (the g
 where the experts' and the layer's section time goes: each piece's device ms a step, its share,
 and the host ms its calls took. Where the layer rows carry the CUPTI census's counts (host
 waits, frees, launches through the driver and the runtime, per step, and the ms each thread
-spent inside the driver's waits and launches), a last table lists them beside the goal of at
+spent inside the driver's waits and inside all its calls), a last table lists them beside the goal of at
 most two host waits per step at one rank. Where it has the router's
 choice rows (`what` = `choice`), a table of the choice made on the device against the host's;
 where it has the shared expert's layer rows, a table of the layer with it after the combine and
@@ -208,7 +208,7 @@ def calls(ours, keys):
     if not rows:
         return
     print()
-    print("| shape | k | what | path | precision | step ms | host ms | host waits a step | ms in waits a step, by thread | ms in launches a step, by thread | frees | launches (driver) | launches (runtime) |")
+    print("| shape | k | what | path | precision | step ms | host ms | host waits a step | ms in waits a step, by thread | ms in all driver calls a step, by thread | frees | launches (driver) | launches (runtime) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     num = lambda v: f"{v:.2f}".rstrip("0").rstrip(".") if v is not None else "-"
     # Older files have no times; a thread that spent nothing is left out of the file.
@@ -218,7 +218,7 @@ def calls(ours, keys):
             if (r["shape"], r["tokens"], r["top_k"]) != (shape, tokens, k):
                 continue
             host = f"{r['host_ms']:.3f}" if r.get("host_ms") is not None else "-"
-            print(f"| {shape} | {k} | {r['what']} | {r['path']} | {r['precision']} | {r['median_ms']:.3f} | {host} | {num(r['host_waits'])} | {by_thread(r.get('wait_ms'))} | {by_thread(r.get('launch_ms'))} | {num(r.get('frees'))} | {num(r.get('driver_launches'))} | {num(r.get('runtime_launches'))} |")
+            print(f"| {shape} | {k} | {r['what']} | {r['path']} | {r['precision']} | {r['median_ms']:.3f} | {host} | {num(r['host_waits'])} | {by_thread(r.get('wait_ms'))} | {by_thread(r.get('driver_ms'))} | {num(r.get('frees'))} | {num(r.get('driver_launches'))} | {num(r.get('runtime_launches'))} |")
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@
 //! waits, frees and launches per step, the waits by name and the kernels by name, and the time
 //! each thread spent inside the driver's waits and launches, printed under the row and kept in
 //! its JSON (`host_waits`, `frees`, `driver_launches`, `runtime_launches`, `wait_ms`,
-//! `launch_ms`: which thread waited for the device in a step, and for how long).
+//! `driver_ms`: which thread waited for the device in a step, and for how long).
 //! Issue 56's goal is at most two host waits per layer step at one rank. Without CUPTI, or with
 //! `--no-census`, the rows carry no counts.
 //!
@@ -147,9 +147,10 @@ struct Row {
     runtime_launches: Option<f64>,
     /// Layer rows with a census: ms per step that each thread (by name: `main`, cubecl's
     /// device thread `DSD-…`, fusion's `DSU-…`, an executor worker `moe-…`, `unnamed`) spent
-    /// inside the driver's waits and inside its launches, where it spent any.
+    /// inside the driver's waits, and inside all its calls (launches, allocations, frees and
+    /// copies too), where it spent any.
     wait_ms: Option<BTreeMap<String, f64>>,
-    launch_ms: Option<BTreeMap<String, f64>>,
+    driver_ms: Option<BTreeMap<String, f64>>,
 }
 
 /// One row's figures as `push` takes them.
@@ -187,12 +188,15 @@ impl<'a> From<&'a LayerRun> for Measured<'a> {
     }
 }
 
-/// Milliseconds per step each thread spent inside the driver's calls of `kind`, for the threads
+/// Milliseconds per step each thread spent inside the driver's calls of `kinds`, for the threads
 /// that spent any.
-fn ms_by_thread(calls: &CallCounts, kind: CallKind) -> BTreeMap<String, f64> {
+fn ms_by_thread(calls: &CallCounts, kinds: &[CallKind]) -> BTreeMap<String, f64> {
     calls
         .threads()
-        .map(|thread| (thread.to_string(), calls.ms_per_step(thread, kind)))
+        .map(|thread| {
+            let ms = kinds.iter().map(|&kind| calls.ms_per_step(thread, kind)).sum();
+            (thread.to_string(), ms)
+        })
         .filter(|(_, ms)| *ms > 0.0)
         .collect()
 }
@@ -541,7 +545,7 @@ fn piece_rows(
             driver_launches: None,
             runtime_launches: None,
             wait_ms: None,
-            launch_ms: None,
+            driver_ms: None,
         })
         .collect()
 }
@@ -812,8 +816,8 @@ fn main() {
                         frees: per_step(CallKind::Free),
                         driver_launches: calls.map(|c| c.driver_of(CallKind::Launch) as f64 / steps),
                         runtime_launches: calls.map(|c| c.runtime_of(CallKind::Launch) as f64 / steps),
-                        wait_ms: calls.map(|c| ms_by_thread(c, CallKind::Wait)),
-                        launch_ms: calls.map(|c| ms_by_thread(c, CallKind::Launch)),
+                        wait_ms: calls.map(|c| ms_by_thread(c, &[CallKind::Wait])),
+                        driver_ms: calls.map(|c| ms_by_thread(c, &CallKind::ALL)),
                     });
                 };
                 let base = MoeLayerConfig::new(m, h, EXPERTS, top_k)
@@ -1063,7 +1067,7 @@ fn main() {
                     driver_launches: None,
                     runtime_launches: None,
                     wait_ms: None,
-                    launch_ms: None,
+                    driver_ms: None,
                 });
             }
         }
