@@ -5,9 +5,9 @@
 //!   `compute/command.rs` `read_async` records a fence that `compute/sync/fence.rs` `wait_sync`
 //!   waits for with `cuEventSynchronize`), and at most one more wait for the drop queue's fence
 //!   (the read flushes: cubecl-runtime 0.10 `memory_management/drop_queue/queue.rs`);
-//!   Each of those waits returned inside the window, so each must also have its time (the
-//!   census's entry and exit callbacks paired through CUPTI's `correlationData`), and all of
-//!   them together no more than the window's wall time (one thread reads);
+//!   Each read's wait returns inside the window, so it must also have its time (the census's
+//!   entry and exit callbacks paired through CUPTI's `correlationData`), and each thread's
+//!   waits together no more than the window's wall time;
 //! - a cuBLAS product: the GEMM's launch must be seen, through the driver (a kernel named like
 //!   a GEMM) or the runtime, or the benchmark's launch counts leave cuBLAS out. Which of the two
 //!   is printed, so the benchmark's rows can be read without double counting.
@@ -70,9 +70,13 @@ fn reads(census: &Census) -> Result<String, String> {
         timed.ns as f64 / 1e6,
         calls.threads().collect::<Vec<_>>().join(", ")
     );
-    if timed.calls != calls.driver_of(CallKind::Wait) || timed.ns > window_ns {
+    // A wait that another thread began in the window may end after it (counted, not timed);
+    // the reads' own end inside it. Each thread's waits follow one another.
+    let threads = calls.threads().count().max(1) as u64;
+    if timed.calls < READS || timed.calls > calls.driver_of(CallKind::Wait) || timed.ns > window_ns * threads
+    {
         return Err(format!(
-            "expected every driver wait timed, within the window's {:.3} ms: {note}",
+            "expected the reads' driver waits timed, within the window's {:.3} ms a thread: {note}",
             window_ns as f64 / 1e6
         ));
     }
