@@ -137,6 +137,24 @@ unsafe extern "C" fn on_call(
     id: CUpti_CallbackId,
     data: *const c_void,
 ) {
+    // A panic may not unwind into the driver (it would abort the process): one that escapes
+    // the count (a thread's name read while the thread is torn down) loses that call alone.
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: the function's contract, passed on.
+        unsafe { count_call(userdata, domain, id, data) }
+    }));
+}
+
+/// [`on_call`]'s work.
+///
+/// # Safety
+/// As [`on_call`].
+unsafe fn count_call(
+    userdata: *mut c_void,
+    domain: CUpti_CallbackDomain,
+    id: CUpti_CallbackId,
+    data: *const c_void,
+) {
     if userdata.is_null() || data.is_null() {
         return;
     }
