@@ -50,7 +50,7 @@
 //! Every layer row also counts the CUDA driver and runtime calls of three more steps, run after
 //! its timed ones, through CUPTI's callbacks (`Census`; off while anything is timed): host
 //! waits, frees and launches per step, the waits by name and the kernels by name, and the time
-//! each thread spent inside the driver's waits and launches, printed under the row and kept in
+//! each thread spent inside the driver's waits and all its calls, printed under the row and kept in
 //! its JSON (`host_waits`, `frees`, `driver_launches`, `runtime_launches`, `wait_ms`,
 //! `driver_ms`: which thread waited for the device in a step, and for how long).
 //! Issue 56's goal is at most two host waits per layer step at one rank. Without CUPTI, or with

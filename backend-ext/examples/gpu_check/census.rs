@@ -4,7 +4,7 @@
 //! - reads: each `into_data` of a fresh sum is one launch and one host wait (cubecl-cuda 0.10
 //!   `compute/command.rs` `read_async` records a fence that `compute/sync/fence.rs` `wait_sync`
 //!   waits for with `cuEventSynchronize`), and at most one more wait for the drop queue's fence
-//!   (the read flushes: cubecl-runtime 0.10 `memory_management/drop_queue/queue.rs`);
+//!   (the read flushes: cubecl-runtime 0.10 `memory_management/drop_queue/queue.rs`).
 //!   Each read's wait returns inside the window, so it must also have its time (the census's
 //!   entry and exit callbacks paired through CUPTI's `correlationData`), and each thread's
 //!   waits together no more than the window's wall time;
