@@ -294,16 +294,21 @@ impl CallCounts {
         total
     }
 
-    /// Milliseconds per step that `thread` spent inside driver calls of `kind`.
-    pub fn ms_per_step(&self, thread: &str, kind: CallKind) -> f64 {
-        let ns: u64 = self.times.get(thread).map_or(0, |calls| {
+    /// The timed driver calls of `kind` that `thread` made, in all (not per step).
+    pub fn spent_on(&self, thread: &str, kind: CallKind) -> Spent {
+        let mut total = Spent::default();
+        if let Some(calls) = self.times.get(thread) {
             calls
                 .iter()
                 .filter(|(name, _)| CallKind::of(name) == kind)
-                .map(|(_, s)| s.ns)
-                .sum()
-        });
-        ns as f64 / 1e6 / self.steps as f64
+                .for_each(|(_, s)| total.add(*s));
+        }
+        total
+    }
+
+    /// Milliseconds per step that `thread` spent inside driver calls of `kind`.
+    pub fn ms_per_step(&self, thread: &str, kind: CallKind) -> f64 {
+        self.spent_on(thread, kind).ns as f64 / 1e6 / self.steps as f64
     }
 
     /// Driver and runtime calls of `kind` per step. Where CUPTI reports a runtime call and the
@@ -589,6 +594,9 @@ mod tests {
         assert_eq!(step.ms_per_step("DSD-0-0", CallKind::Launch), 0.01);
         assert_eq!(step.ms_per_step("main", CallKind::Launch), 0.0);
         assert_eq!(step.ms_per_step("nobody", CallKind::Wait), 0.0);
+        // The caller's own waits, apart from the device thread's (not per step).
+        assert_eq!(step.spent_on("main", CallKind::Wait), spent(5, 3_000_000));
+        assert_eq!(step.spent_on("main", CallKind::Launch), spent(0, 0));
         // Every thread's together, not per step.
         assert_eq!(step.spent_of(CallKind::Wait), spent(7, 11_000_000));
         assert_eq!(step.spent_of(CallKind::Free), spent(0, 0));

@@ -208,17 +208,18 @@ def calls(ours, keys):
     if not rows:
         return
     print()
-    print("| shape | k | what | path | precision | step ms | host ms | host waits a step | ms in waits a step, by thread | ms in all driver calls a step, by thread | frees | launches (driver) | launches (runtime) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| shape | k | what | path | precision | step ms | host ms | host waits a step | by thread | ms in waits a step, by thread | ms in all driver calls a step, by thread | frees | launches (driver) | launches (runtime) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     num = lambda v: f"{v:.2f}".rstrip("0").rstrip(".") if v is not None else "-"
     # Older files have no times; a thread that spent nothing is left out of the file.
     by_thread = lambda m: ", ".join(f"{t} {ms:.3f}" for t, ms in sorted(m.items(), key=lambda x: -x[1])) if m else "-"
+    counts = lambda m: ", ".join(f"{t} {num(c)}" for t, c in sorted(m.items(), key=lambda x: -x[1])) if m else "-"
     for shape, tokens, k in keys:
         for r in rows:
             if (r["shape"], r["tokens"], r["top_k"]) != (shape, tokens, k):
                 continue
             host = f"{r['host_ms']:.3f}" if r.get("host_ms") is not None else "-"
-            print(f"| {shape} | {k} | {r['what']} | {r['path']} | {r['precision']} | {r['median_ms']:.3f} | {host} | {num(r['host_waits'])} | {by_thread(r.get('wait_ms'))} | {by_thread(r.get('driver_ms'))} | {num(r.get('frees'))} | {num(r.get('driver_launches'))} | {num(r.get('runtime_launches'))} |")
+            print(f"| {shape} | {k} | {r['what']} | {r['path']} | {r['precision']} | {r['median_ms']:.3f} | {host} | {num(r['host_waits'])} | {counts(r.get('waits_by_thread'))} | {by_thread(r.get('wait_ms'))} | {by_thread(r.get('driver_ms'))} | {num(r.get('frees'))} | {num(r.get('driver_launches'))} | {num(r.get('runtime_launches'))} |")
 
 
 if __name__ == "__main__":

@@ -151,6 +151,10 @@ struct Row {
     /// copies too), where it spent any.
     wait_ms: Option<BTreeMap<String, f64>>,
     driver_ms: Option<BTreeMap<String, f64>>,
+    /// Layer rows with a census: the driver's waits per step by the thread that made them
+    /// (`host_waits` counts every thread's, cubecl's collector thread's among them; issue 56's
+    /// goal is about the step's own).
+    waits_by_thread: Option<BTreeMap<String, f64>>,
 }
 
 /// One row's figures as `push` takes them.
@@ -198,6 +202,18 @@ fn ms_by_thread(calls: &CallCounts, kinds: &[CallKind]) -> BTreeMap<String, f64>
             (thread.to_string(), ms)
         })
         .filter(|(_, ms)| *ms > 0.0)
+        .collect()
+}
+
+/// The driver's waits per step by the thread that made them, for the threads that made any.
+fn waits_by_thread(calls: &CallCounts) -> BTreeMap<String, f64> {
+    calls
+        .threads()
+        .map(|thread| {
+            let waits = calls.spent_on(thread, CallKind::Wait).calls;
+            (thread.to_string(), waits as f64 / calls.steps() as f64)
+        })
+        .filter(|(_, waits)| *waits > 0.0)
         .collect()
 }
 
@@ -546,6 +562,7 @@ fn piece_rows(
             runtime_launches: None,
             wait_ms: None,
             driver_ms: None,
+            waits_by_thread: None,
         })
         .collect()
 }
@@ -818,6 +835,7 @@ fn main() {
                         runtime_launches: calls.map(|c| c.runtime_of(CallKind::Launch) as f64 / steps),
                         wait_ms: calls.map(|c| ms_by_thread(c, &[CallKind::Wait])),
                         driver_ms: calls.map(|c| ms_by_thread(c, &CallKind::ALL)),
+                        waits_by_thread: calls.map(waits_by_thread),
                     });
                 };
                 let base = MoeLayerConfig::new(m, h, EXPERTS, top_k)
@@ -1068,6 +1086,7 @@ fn main() {
                     runtime_launches: None,
                     wait_ms: None,
                     driver_ms: None,
+                    waits_by_thread: None,
                 });
             }
         }
