@@ -288,22 +288,15 @@ impl CallCounts {
         let mut total = Spent::default();
         self.times
             .values()
-            .flat_map(|calls| calls.iter())
-            .filter(|(name, _)| CallKind::of(name) == kind)
-            .for_each(|(_, s)| total.add(*s));
+            .for_each(|calls| total.add(spent_in(calls, kind)));
         total
     }
 
     /// The timed driver calls of `kind` that `thread` made, in all (not per step).
     pub fn spent_on(&self, thread: &str, kind: CallKind) -> Spent {
-        let mut total = Spent::default();
-        if let Some(calls) = self.times.get(thread) {
-            calls
-                .iter()
-                .filter(|(name, _)| CallKind::of(name) == kind)
-                .for_each(|(_, s)| total.add(*s));
-        }
-        total
+        self.times
+            .get(thread)
+            .map_or_else(Spent::default, |calls| spent_in(calls, kind))
     }
 
     /// Milliseconds per step that `thread` spent inside driver calls of `kind`.
@@ -317,6 +310,16 @@ impl CallCounts {
     pub fn per_step(&self, kind: CallKind) -> f64 {
         (self.driver_of(kind) + self.runtime_of(kind)) as f64 / self.steps as f64
     }
+}
+
+/// One thread's timed calls of `kind`, added up.
+fn spent_in(calls: &BTreeMap<String, Spent>, kind: CallKind) -> Spent {
+    let mut total = Spent::default();
+    calls
+        .iter()
+        .filter(|(name, _)| CallKind::of(name) == kind)
+        .for_each(|(_, s)| total.add(*s));
+    total
 }
 
 fn of_kind(calls: &BTreeMap<String, u64>, kind: CallKind) -> u64 {
@@ -392,11 +395,7 @@ impl CallCounts {
         for (thread, calls) in &self.times {
             let mut line = format!("    {thread:<14}");
             for kind in CallKind::ALL {
-                let mut total = Spent::default();
-                calls
-                    .iter()
-                    .filter(|(name, _)| CallKind::of(name) == kind)
-                    .for_each(|(_, s)| total.add(*s));
+                let total = spent_in(calls, kind);
                 if total.calls > 0 {
                     let n = per_step_text(total.calls, steps);
                     line.push_str(&format!("  {} {} ms ({n})", kind.name(), ms(total.ns)));

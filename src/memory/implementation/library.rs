@@ -36,17 +36,12 @@ impl Replay<'_> {
             .sum()
     }
 
-    /// The operands of a partition-scratch route's GEMMs (f32 for the other routes).
-    pub(super) fn operands(&self) -> GemmOperands {
-        self.route.operands()
-    }
-
     /// The bf16 copies of every slot's two matrices (half an element each), made by a pass's
     /// first job that converts (`gemm/operands.rs`, `PassHalves::copies`: once per lane and
     /// pass or step, the shadows' copies among the slots) unless the pass already holds
     /// them: this pass's, or the forward's kept for the step.
     pub(super) fn make_weight_copies(&mut self, step: &str) {
-        let GemmOperands::Bf16 { weights_for_step } = self.operands() else {
+        let GemmOperands::Bf16 { weights_for_step } = self.route.operands() else {
             return;
         };
         let held =
@@ -60,7 +55,7 @@ impl Replay<'_> {
     /// The end of the forward's exchange: its pass store goes with it (`ExpertGroups::pass`),
     /// while the step's is handed to the backward (`ExpertGroups::step`).
     pub(super) fn forward_weight_copies_end(&mut self) {
-        match self.operands() {
+        match self.route.operands() {
             GemmOperands::Bf16 {
                 weights_for_step: true,
             } => self.ledger.rename(WEIGHT_COPIES, SAVED_WEIGHT_COPIES),
@@ -89,7 +84,7 @@ impl Replay<'_> {
             // cuBLAS (`gemm/forward.rs`): the activation of every row in one scratch buffer;
             // both GEMMs write into the partition buffers. At bf16 the activation is bf16
             // (the second GEMM reads it) beside a bf16 copy of `T_DI`.
-            _ => match self.operands() {
+            _ => match self.route.operands() {
                 GemmOperands::F32 => rows * h,
                 GemmOperands::Bf16 { .. } => 0.5 * rows * (h + m),
             },
@@ -165,7 +160,7 @@ impl Replay<'_> {
             // `dT_DO` have bf16 copies.
             _ => {
                 let z = if recompute { rows * f } else { 0.0 };
-                match self.operands() {
+                match self.route.operands() {
                     GemmOperands::F32 => z + rows * (2.0 * h + f),
                     GemmOperands::Bf16 { .. } => z + rows * (m + 1.5 * h + 0.5 * f),
                 }

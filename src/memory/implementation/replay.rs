@@ -204,7 +204,7 @@ impl<'a> Replay<'a> {
     /// its operands in its own section (`mpipemoe-cuda`'s `gemm/dense.rs`) and lets the copies
     /// go at its end.
     pub(super) fn library_half(&self) -> f64 {
-        match self.operands() {
+        match self.route.operands() {
             GemmOperands::Bf16 { .. } => 0.5,
             GemmOperands::F32 => 0.0,
         }
