@@ -717,3 +717,60 @@ fn a_device_reduce_is_seen_through_autodiff() {
     assert!(<NdArray as MoeBackend>::has_device_reduce(&with));
     assert!(<Autodiff<NdArray> as MoeBackend>::has_device_reduce(&with));
 }
+
+/// Fallback paths fill only what a communicator lacks (`RowPaths::absent_from`): how CUDA's
+/// page-locked host rows and offload join a group of thread ranks without replacing NCCL's
+/// device rows where a communicator has them.
+#[test]
+fn fallback_paths_fill_only_what_a_communicator_lacks() {
+    let own_rows = Arc::new(Counted::default());
+    let fallback_rows = Arc::new(Counted::default());
+    let fallback_offload = Arc::new(Counted::default());
+    let own = RowPaths::new().with::<NdArray>(own_rows.clone());
+    let fallback = RowPaths::new()
+        .with::<NdArray>(fallback_rows.clone())
+        .with_offload::<NdArray>(fallback_offload.clone());
+    let same = |found: Option<Arc<dyn RowExchange<NdArray>>>, want: &Arc<Counted>| {
+        found.is_some_and(|f| std::ptr::eq(Arc::as_ptr(&f) as *const (), Arc::as_ptr(want) as *const ()))
+    };
+    // Over a communicator with rows of its own: its rows stay, the offload is added.
+    let merged = own.clone().merged(&fallback.clone().absent_from(&own));
+    assert!(
+        same(merged.get::<NdArray>(), &own_rows),
+        "the communicator's own rows were replaced"
+    );
+    let offload = merged
+        .offload::<NdArray>()
+        .expect("the fallback offload is added");
+    assert!(std::ptr::eq(
+        Arc::as_ptr(&offload) as *const (),
+        Arc::as_ptr(&fallback_offload) as *const ()
+    ));
+    // Over one without paths: both fallbacks.
+    let bare = RowPaths::new().merged(&fallback.clone().absent_from(&RowPaths::new()));
+    assert!(
+        same(bare.get::<NdArray>(), &fallback_rows),
+        "the fallback rows were not added"
+    );
+    assert!(bare.offload::<NdArray>().is_some());
+    // Another backend's entry is not this backend's: a fallback for NdArray is added beside it.
+    let other = RowPaths::new().with::<burn::backend::Flex>(Arc::new(FlexRows));
+    let beside = other.clone().merged(&fallback.absent_from(&other));
+    assert!(same(beside.get::<NdArray>(), &fallback_rows));
+    assert!(beside.get::<burn::backend::Flex>().is_some());
+}
+
+#[derive(Debug)]
+struct FlexRows;
+
+impl RowExchange<burn::backend::Flex> for FlexRows {
+    fn all_to_all(
+        &self,
+        comm: &dyn Communicator,
+        x: FloatTensor<burn::backend::Flex>,
+        send_rows: &[usize],
+        recv_rows: &[usize],
+    ) -> mpipemoe::Result<FloatTensor<burn::backend::Flex>> {
+        RowExchange::<burn::backend::Flex>::all_to_all(&HostRows, comm, x, send_rows, recv_rows)
+    }
+}

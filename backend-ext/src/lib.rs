@@ -64,6 +64,8 @@ mod driver;
 mod gemm;
 pub mod group;
 #[cfg(feature = "cuda")]
+mod host_rows;
+#[cfg(feature = "cuda")]
 mod nccl;
 #[cfg(feature = "cuda")]
 mod offload;

@@ -13,6 +13,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::FloatElement;
 use cubecl::client::ComputeClient;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
+use cubecl::server::Handle;
 use cudarc::driver::{CudaContext, CudaStream, PinnedHostSlice};
 use mpipemoe::backend::HostStore;
 use mpipemoe::comm::{OffloadPath, Offloaded};
@@ -30,7 +31,7 @@ pub(crate) struct PinnedOffload {
 }
 
 fn err(what: &str, e: impl std::fmt::Debug) -> MoeError {
-    MoeError::Memory(format!("pinned offload: {what}: {e:?}"))
+    MoeError::Memory(format!("pinned host copy: {what}: {e:?}"))
 }
 
 impl PinnedOffload {
@@ -67,6 +68,77 @@ impl PinnedOffload {
 
     fn synchronize(&self) -> Result<()> {
         self.stream.synchronize().map_err(|e| err("copy stream", e))
+    }
+
+    /// A new cubecl buffer on the calling thread's stream holding the first `bytes` bytes of
+    /// `host`, copied on this path's stream; returns once the copy is done.
+    fn copy_in(
+        &self,
+        client: &ComputeClient<CudaRuntime>,
+        host: &PinnedHostSlice<u8>,
+        bytes: usize,
+    ) -> Result<Handle> {
+        let out = client.empty(bytes.max(1));
+        if bytes == 0 {
+            return Ok(out);
+        }
+        let dst = client
+            .get_resource(out.clone())
+            .map_err(|e| err("resource of the copy's destination", e))?;
+        // The copy below runs on this path's own CUDA stream, which cubecl does not order
+        // against its streams: the slice `empty` handed out may still be read by a queued
+        // kernel of its previous tenant on this thread's cubecl stream (cubecl-cuda
+        // `memory_management` reuses a freed slice at once for the next reservation on the
+        // same stream). Waiting for that stream first orders the copy after them.
+        cubecl::future::block_on(client.sync()).map_err(|e| err("sync", e))?;
+        self.context.bind_to_thread().map_err(|e| err("context", e))?;
+        let host_bytes = host.as_slice().map_err(|e| err("pinned buffer", e))?;
+        // SAFETY: `dst` holds at least `bytes` bytes and `host` as many; the copy is waited for
+        // before the buffer is handed on and before `host` goes back to the pool.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(
+                dst.resource().ptr,
+                &host_bytes[..bytes],
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(|e| err("host to device copy", e))?;
+        self.synchronize()?;
+        Ok(out)
+    }
+
+    /// `rows` (host bytes of a `shape` tensor of `dtype`, row-major) as a contiguous tensor
+    /// on the calling thread's cubecl stream: copied into a pooled page-locked buffer on the
+    /// calling thread, then to the device on this path's stream (`copy_in`). cubecl's own
+    /// upload would hand a pageable copy to its device thread instead (`host_rows.rs`).
+    pub(crate) fn upload(
+        &self,
+        client: &ComputeClient<CudaRuntime>,
+        device: &CudaDevice,
+        rows: &[u8],
+        shape: Shape,
+        dtype: DType,
+    ) -> Result<CubeTensor<CudaRuntime>> {
+        let bytes = shape.num_elements() * dtype.size();
+        if rows.len() != bytes {
+            return Err(MoeError::Backend(format!(
+                "pinned upload: {} bytes for a {shape:?} tensor of {dtype:?} ({bytes} bytes)",
+                rows.len()
+            )));
+        }
+        let mut buffer = self.buffer(bytes.max(1))?;
+        let host = buffer.as_mut_slice().map_err(|e| err("pinned buffer", e))?;
+        host[..bytes].copy_from_slice(rows);
+        // On an error the buffer is dropped, not pooled: the DMA may still read it.
+        let out = self.copy_in(client, &buffer, bytes)?;
+        self.give_back(buffer);
+        Ok(CubeTensor::new_contiguous(
+            client.clone(),
+            device.clone(),
+            shape,
+            out,
+            dtype,
+        ))
     }
 }
 
@@ -160,43 +232,20 @@ impl<F: FloatElement> Offloaded<CudaMoe<F>> for Parked {
             .unwrap_or_else(|e| e.into_inner())
             .take()
             .ok_or_else(|| MoeError::Backend("an offloaded partition was restored twice".into()))?;
-        let out = self.client.empty(self.bytes.max(1));
-        if self.bytes > 0 {
-            let dst = self
-                .client
-                .get_resource(out.clone())
-                .map_err(|e| err("resource of the restored partition", e))?;
-            // The copy below runs on this path's own CUDA stream, which cubecl does not order
-            // against its streams: the slice `empty` handed out may still be read by a queued
-            // kernel of its previous tenant on this thread's cubecl stream (cubecl-cuda
-            // `memory_management` reuses a freed slice at once for the next reservation on the
-            // same stream). Waiting for that stream first orders the copy after them.
-            cubecl::future::block_on(self.client.sync()).map_err(|e| err("sync", e))?;
-            self.owner
-                .context
-                .bind_to_thread()
-                .map_err(|e| err("context", e))?;
-            let host_bytes = buffer.as_slice().map_err(|e| err("pinned buffer", e))?;
-            // SAFETY: `dst` holds `bytes` bytes; the copy is waited for before the tensor is
-            // handed on and before the buffer goes back to the pool.
-            unsafe {
-                cudarc::driver::result::memcpy_htod_async(
-                    dst.resource().ptr,
-                    &host_bytes[..self.bytes],
-                    self.owner.stream.cu_stream(),
-                )
-            }
-            .map_err(|e| err("host to device copy", e))?;
-            self.owner.synchronize()?;
-        }
+        let copied = self.owner.copy_in(&self.client, &buffer, self.bytes).map(|out| {
+            CubeTensor::new_contiguous(
+                self.client.clone(),
+                self.device.clone(),
+                self.shape.clone(),
+                out,
+                self.dtype,
+            )
+        });
         self.meter.host_free(self.bytes);
-        self.owner.give_back(buffer);
-        Ok(CubeTensor::new_contiguous(
-            self.client.clone(),
-            self.device.clone(),
-            self.shape.clone(),
-            out,
-            self.dtype,
-        ))
+        // A failed copy may have left the DMA reading the buffer: it is freed, not pooled.
+        if copied.is_ok() {
+            self.owner.give_back(buffer);
+        }
+        copied
     }
 }

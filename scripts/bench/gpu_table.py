@@ -13,7 +13,8 @@ column header. Rows a file lacks print as "-" (older files have no unbatched or 
 Where it has the pipeline's rows (`gpu_bench --pipeline`), a table of the layer with the
 emulated exchange at each n and executor against `max(compute, exchange)`, compute being the
 layer without an exchange at TF32 and exchange the four round trips alone (the goal: at most
-1.10). Where the file has a timed path's pieces (`experts piece`, `layer piece`), a third table says
+1.10), the rows uploaded from page-locked memory as a CUDA rank without device paths does, or
+through burn's pageable upload (`pageable` rows, each against the pageable exchange). Where the file has a timed path's pieces (`experts piece`, `layer piece`), a third table says
 where the experts' and the layer's section time goes: each piece's device ms a step, its share,
 and the host ms its calls took. Where the layer rows carry the CUPTI census's counts (host
 waits, frees, launches through the driver and the runtime, per step, and the ms each thread
@@ -167,10 +168,14 @@ def pipeline(ours, keys):
     print("|---|---|---|---|---|---|---|---|")
     for shape, tokens, k in keys:
         at = lambda what, path: next((r["median_ms"] for r in ours if (r["shape"], r["tokens"], r["top_k"], r["what"], r["path"]) == (shape, tokens, k, what, path) and r["precision"] in ("tf32", "-")), None)
-        compute, exchange = at("layer", "cublas"), at("exchange", "host loopback")
+        compute = at("layer", "cublas")
         for r in rows:
             if (r["shape"], r["tokens"], r["top_k"]) != (shape, tokens, k):
                 continue
+            # Each row against the exchange it ran: burn's pageable upload or the page-locked one
+            # (files before 2026-12-01 have only "host loopback", which was burn's upload).
+            pageable = r["path"].endswith("pageable")
+            exchange = at("exchange", "host loopback pageable") if pageable else at("exchange", "host loopback")
             bound = max(compute, exchange) if compute and exchange else None
             ratio = f"{r['median_ms'] / bound:.2f}" if bound else "-"
             c = f"{compute:.2f}" if compute else "-"

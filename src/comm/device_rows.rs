@@ -95,6 +95,15 @@ impl RowPaths {
         self
     }
 
+    /// The entries of `self` of a kind and backend that `other` has none of: fallbacks to add
+    /// to a communicator's own paths without replacing any (`self.absent_from(own)` merged
+    /// into `own` keeps every path `own` had).
+    pub fn absent_from(mut self, other: &RowPaths) -> Self {
+        self.paths
+            .retain(|p| !other.paths.iter().any(|o| (**o).type_id() == (**p).type_id()));
+        self
+    }
+
     /// Adds the path for backend `B` (replacing an earlier one for the same backend).
     pub fn with<B: Backend>(self, path: Arc<dyn RowExchange<B>>) -> Self {
         self.insert(path)

@@ -199,7 +199,8 @@ pub type AddPaths = std::sync::Arc<
 >;
 
 /// The paths `--gemm` asks for on `backend` and GPU `gpu`: cuBLAS's expert path on the CUDA
-/// backends (made once, shared by every rank thread on that GPU), nothing elsewhere.
+/// backends (made once, shared by every rank thread on that GPU), with the page-locked host
+/// rows and offload where a communicator has none of its own; nothing elsewhere.
 ///
 /// # Errors
 /// Where the backend is not available ([`BackendArg::available`], naming `--backend`), or
@@ -216,12 +217,11 @@ pub fn device_paths(backend: BackendArg, gemm: GemmArg, gpu: usize) -> Result<Ad
 
 #[cfg(feature = "cuda")]
 fn cublas_paths(gpu: usize) -> Result<AddPaths, String> {
-    let paths = mpipemoe_cuda::CublasExperts::new(gpu)
-        .map_err(|e| format!("--gemm cublas: {e} (--gemm cubecl runs without cuBLAS)"))?
-        .paths();
-    Ok(std::sync::Arc::new(move |comm| {
-        std::sync::Arc::new(mpipemoe::comm::WithRowPaths::adding(comm, paths.clone()))
-    }))
+    let path = mpipemoe_cuda::CublasExperts::new(gpu)
+        .map_err(|e| format!("--gemm cublas: {e} (--gemm cubecl runs without cuBLAS)"))?;
+    // The experts, and the page-locked host rows and offload where a communicator has none
+    // (thread ranks; NCCL's ranks keep their own).
+    Ok(std::sync::Arc::new(move |comm| path.adding_to(comm)))
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -41,11 +41,15 @@
 //! send every expert the same rows), so both sides run the same GEMM shapes. Every figure is the
 //! median of `--repeats` timed steps after two warm-up steps, a device sync after each.
 //! `--pipeline` adds, at top-1, the whole layer with the emulated exchange (`HostLoopback`: every
-//! all-to-all a device → host → device copy) at n = 1, 2, 4 and 8 with CUDA's default executor
-//! (a worker and a CUDA stream per schedule stream: `cublas threads`; n = 1 is FastMoE-style,
-//! the best other n PipeMoE) and at n = 1 in issue order (`cublas in-order`: no overlap), cuBLAS
-//! at TF32, with the exchange alone (`exchange`, four round trips of every routed row) beside it;
-//! `gpu_table.py` sets each against `max(compute, exchange)`.
+//! all-to-all a device → host → device copy, the way back from page-locked memory on a copy
+//! stream, as a CUDA rank without device paths runs it: `CublasExperts::adding_to`) at n = 1,
+//! 2, 4 and 8 with CUDA's default executor (a worker and a CUDA stream per schedule stream:
+//! `cublas threads`; n = 1 is FastMoE-style, the best other n PipeMoE), at n = 1 in issue order
+//! (`cublas in-order`: no overlap), and at n = 1 and 4 with burn's pageable upload instead
+//! (`cublas threads pageable`: cubecl's device thread copies the rows), cuBLAS at TF32, with the
+//! exchange alone beside them (`exchange`, four round trips of every routed row, `host
+//! loopback` and `host loopback pageable`); `gpu_table.py` sets each against
+//! `max(compute, exchange)`.
 //!
 //! Every layer row also counts the CUDA driver and runtime calls of three more steps, run after
 //! its timed ones, through CUPTI's callbacks (`Census`; off while anything is timed): host
@@ -1019,16 +1023,39 @@ fn main() {
                 // The pipeline at top-1 only: the paper's shapes, and top-2's exchange doubles
                 // a lent GPU's minutes for no new question.
                 if args.pipeline && top_k == 1 {
-                    let loopback = || -> Arc<dyn Communicator> {
+                    // The emulated exchange as a CUDA rank without device paths gets it
+                    // (`CublasExperts::adding_to`: the rows uploaded from page-locked memory on
+                    // a copy stream), and as burn's upload does it (`pageable`: cubecl's device
+                    // thread copies from a pageable buffer, `host_rows.rs`).
+                    let loopback =
+                        || -> Arc<dyn Communicator> { device_path.adding_to(Arc::new(HostLoopback)) };
+                    let pageable = || -> Arc<dyn Communicator> {
                         Arc::new(WithRowPaths::adding(Arc::new(HostLoopback), device_path.paths()))
                     };
                     // The exchange alone: four all-to-alls of all routed rows (two forward, two
-                    // backward), each a device -> host -> device round trip.
+                    // backward), each a device -> host -> device round trip, through burn's
+                    // upload and through the page-locked one.
                     let rows_tensor = Tensor::<Inner, 2>::random([routed, m], Distribution::Default, &device);
                     let exchange = timed(args.repeats, || {
                         for _ in 0..4 {
                             let data = rows_tensor.clone().into_data();
                             sync(Tensor::<Inner, 2>::from_data(data, &device));
+                        }
+                    });
+                    push(
+                        "exchange",
+                        "host loopback pageable",
+                        "-",
+                        Measured::times(exchange),
+                    );
+                    let comm = loopback();
+                    let exchange = timed(args.repeats, || {
+                        for _ in 0..4 {
+                            let x = rows_tensor.clone().into_primitive().tensor();
+                            let y =
+                                <Inner as mpipemoe::MoeBackend>::all_to_all(x, &[routed], &[routed], &comm)
+                                    .unwrap_or_else(|e| panic!("the emulated exchange: {e}"));
+                            sync(Tensor::<Inner, 2>::from_primitive(TensorPrimitive::Float(y)));
                         }
                     });
                     push("exchange", "host loopback", "-", Measured::times(exchange));
@@ -1037,17 +1064,31 @@ fn main() {
                     // runs in issue order, right for one rank, where nothing overlaps, but with
                     // the emulated exchange it would put every copy between the products. In
                     // issue order at n = 1 (FastMoE-style) is the reference without overlap.
+                    // `pageable` at n = 1 and 4 beside the others: what the page-locked upload
+                    // buys the overlap, in the same call.
                     let runs = [
-                        (StepExecutor::StreamThreads, "cublas threads", vec![1, 2, 4, 8]),
-                        (StepExecutor::InOrder, "cublas in-order", vec![1]),
+                        (
+                            StepExecutor::StreamThreads,
+                            "cublas threads",
+                            vec![1, 2, 4, 8],
+                            false,
+                        ),
+                        (StepExecutor::InOrder, "cublas in-order", vec![1], false),
+                        (
+                            StepExecutor::StreamThreads,
+                            "cublas threads pageable",
+                            vec![1, 4],
+                            true,
+                        ),
                     ];
-                    for (executor, label, ns) in runs {
+                    for (executor, label, ns, burns_upload) in runs {
                         for n in ns {
                             let config = tf32
                                 .clone()
                                 .with_executor(Some(executor))
                                 .with_partitions(Partitions::Fixed(n));
-                            let run = layer_ms::<B>(&config, loopback(), tokens, &bench, false);
+                            let comm = if burns_upload { pageable() } else { loopback() };
+                            let run = layer_ms::<B>(&config, comm, tokens, &bench, false);
                             push("pipeline", label, "tf32", (&run).into());
                         }
                     }

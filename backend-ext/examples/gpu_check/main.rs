@@ -50,7 +50,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use mpipemoe::backend::StepExecutor;
-use mpipemoe::comm::WithRowPaths;
 use mpipemoe::harness::{check_case, check_case_through, relative_error, Case, CheckOptions};
 use mpipemoe::memory::Strategy;
 use mpipemoe::{Communicator, ExchangePath, GemmPrecision, MoeBackend, Partitions, Shadowing};
@@ -324,10 +323,10 @@ fn main() -> ExitCode {
                     let path = cublas[usize::from(host_handover)]
                         .as_ref()
                         .map_err(|why| mpipemoe::MoeError::Backend(format!("no cuBLAS path: {why}")))?;
-                    let paths = path.paths();
-                    let wrap = |comm: Arc<dyn Communicator>| -> Arc<dyn Communicator> {
-                        Arc::new(WithRowPaths::adding(comm, paths.clone()))
-                    };
+                    // At two ranks the rows and S1-S3's offloads go through the page-locked
+                    // host paths (`CublasExperts::adding_to`), as the toy's thread ranks do.
+                    let wrap =
+                        |comm: Arc<dyn Communicator>| -> Arc<dyn Communicator> { path.adding_to(comm) };
                     let report = match fusion {
                         true => check_case_through::<Autodiff<mpipemoe_cuda::CudaMoeFusion<f32>>>(
                             &case, &options, &device, &wrap,

@@ -46,6 +46,7 @@ use mpipemoe::{Communicator, GemmPrecision, MoeError, Result};
 
 use crate::batches::Addressing;
 use crate::breakdown::Breakdown;
+use crate::offload::PinnedOffload;
 use crate::CudaMoe;
 use blas::Role;
 pub use handover::Handover;
@@ -171,6 +172,8 @@ struct Inner {
     grouped: bool,
     lanes: Mutex<HashMap<u64, Arc<Mutex<Lane>>>>,
     calls: CallCounters,
+    /// The copy stream and page-locked pool of [`CublasExperts::host_paths`].
+    host: Arc<PinnedOffload>,
 }
 
 impl std::fmt::Debug for CublasExperts {
@@ -216,6 +219,7 @@ impl CublasExperts {
         }
         let context = CudaContext::new(ordinal).map_err(|e| err("context", e))?;
         let kernels = Kernels::load(&context)?;
+        let host = Arc::new(PinnedOffload::new(context.clone())?);
         Ok(Self {
             inner: Arc::new(Inner {
                 ordinal,
@@ -225,6 +229,7 @@ impl CublasExperts {
                 grouped: options.grouped && blas::has_grouped(),
                 lanes: Mutex::new(HashMap::new()),
                 calls: CallCounters::default(),
+                host,
             }),
         })
     }
@@ -257,6 +262,25 @@ impl CublasExperts {
     /// The path as a communicator offers it, for the CUDA backend in f32.
     pub fn paths(&self) -> RowPaths {
         RowPaths::new().with_experts::<CudaMoe<f32>>(Arc::new(self.clone()))
+    }
+
+    /// What a rank of this GPU falls back on where its communicator has no path of the kind:
+    /// the rows' all-to-all through host bytes, uploaded from page-locked memory on a copy
+    /// stream instead of through cubecl's device thread, and the S1–S3 offload to page-locked
+    /// memory (`host_rows.rs`), for the CUDA backend in f32, bf16 and f16. One copy stream and
+    /// pool for every rank of the path.
+    pub fn host_paths(&self) -> RowPaths {
+        crate::host_rows::host_paths(&self.inner.host)
+    }
+
+    /// `communicator` with this path's experts ([`paths`](Self::paths)) and, for every kind it
+    /// has none of, its host paths ([`host_paths`](Self::host_paths)): NCCL's ranks keep their
+    /// device rows and offload, a group of thread ranks (or the emulated exchange) gets the
+    /// page-locked ones. What [`with_cublas`] returns.
+    pub fn adding_to(&self, communicator: Arc<dyn Communicator>) -> Arc<dyn Communicator> {
+        let own = communicator.row_paths().cloned().unwrap_or_default();
+        let added = self.paths().merged(&self.host_paths().absent_from(&own));
+        Arc::new(WithRowPaths::adding(communicator, added))
     }
 
     /// Whether any lane's spinning kernel gave up waiting for its stream (a host read per lane:
@@ -326,13 +350,13 @@ impl CublasExperts {
 /// `communicator` with the CUDA expert path of GPU `ordinal` added to the paths it offers:
 /// the layers built with it run their experts' GEMMs on cuBLAS at their config's
 /// `gemm_precision` (a group of thread ranks, a single rank, or NCCL's ranks, whose row paths
-/// stay).
+/// stay), and where the communicator has no rows' all-to-all or offload of its own, the
+/// page-locked host ones ([`CublasExperts::adding_to`]).
 ///
 /// # Errors
 /// As [`CublasExperts::new`].
 pub fn with_cublas(communicator: Arc<dyn Communicator>, ordinal: usize) -> Result<Arc<dyn Communicator>> {
-    let path = CublasExperts::new(ordinal)?;
-    Ok(Arc::new(WithRowPaths::adding(communicator, path.paths())))
+    Ok(CublasExperts::new(ordinal)?.adding_to(communicator))
 }
 
 impl Inner {
