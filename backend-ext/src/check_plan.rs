@@ -91,8 +91,10 @@ impl Plan {
 }
 
 /// The cuBLAS path's checks of one case: every precision at n = 1 and partitioned with every
-/// way `T_M` comes back, then in f32 the host hand-over, two ranks (one with a shadowed expert),
-/// the in-order executor (the arena's padded blocks) and burn's fusion around the backend.
+/// way `T_M` comes back, then in f32 the host hand-over, two ranks (one with a shadowed expert,
+/// one offloading S1's partitions, whose rows and offloads go through the page-locked host
+/// paths a group of thread ranks gets), the in-order executor (the arena's padded blocks) and
+/// burn's fusion around the backend.
 pub fn cublas_runs() -> Vec<CheckRun> {
     let f32 = GemmPrecision::F32;
     let run = |n, strategy, precision, (host_handover, ranks, shadowed, in_order, fusion)| CheckRun::Cublas {
@@ -122,6 +124,7 @@ pub fn cublas_runs() -> Vec<CheckRun> {
         run(3, Strategy::S2, f32, (true, 1, false, false, false)),
         run(1, Strategy::None, f32, (false, 2, false, false, false)),
         run(3, Strategy::S4, f32, (false, 2, true, false, false)),
+        run(2, Strategy::S1, f32, (false, 2, false, false, false)),
         run(3, Strategy::S1, f32, (false, 1, false, true, false)),
         run(2, Strategy::S3, f32, (false, 1, false, true, false)),
         run(1, Strategy::None, f32, (false, 1, false, false, true)),

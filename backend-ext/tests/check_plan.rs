@@ -67,6 +67,15 @@ fn the_cublas_checks_come_first_and_cover_each_path() {
             ..
         }
     )));
+    // Two thread ranks offloading S1's partitions: the page-locked host rows and offload.
+    assert!(has(&|r| matches!(
+        r,
+        CheckRun::Cublas {
+            ranks: 2,
+            strategy: mpipemoe::memory::Strategy::S1,
+            ..
+        }
+    )));
     assert!(has(&|r| matches!(r, CheckRun::Cublas { in_order: true, .. })));
     assert!(has(&|r| matches!(r, CheckRun::Cublas { fusion: true, .. })));
     assert_eq!(Plan::parse("cublas"), Some(Plan::Cublas));
