@@ -10,8 +10,8 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::Tensor;
 use mpipemoe::backend::HostStore;
 use mpipemoe::comm::{
-    host_all_to_all_v, post_all_to_all_v, GroupOptions, HostOffload, HostRows, OffloadPath, Offloaded,
-    PeerLayout, PeerTransport, RowExchange, RowPaths, WithRowPaths,
+    host_all_to_all_v, host_all_to_all_v_into, post_all_to_all_v, GroupOptions, HostOffload, HostRows,
+    OffloadPath, Offloaded, PeerLayout, PeerTransport, RowExchange, RowPaths, WithRowPaths,
 };
 use mpipemoe::harness::{check_case, check_case_through, Case, CheckOptions};
 use mpipemoe::memory::Restore;
@@ -83,11 +83,20 @@ proptest! {
             let send: Vec<u8> = (0..total * row_bytes).map(|b| (b * 31 + me * 7 + 1) as u8).collect();
             let (host, host_counts) = ctx.comm.all_to_all_v(&send, row_bytes, &send_counts)?;
             let posted = host_all_to_all_v(ctx.comm.as_ref(), "posted", &send, row_bytes, &send_counts, &recv_counts)?;
-            Ok((host, host_counts, posted, recv_counts))
+            // Into a caller's buffer of stale bytes (CUDA's page-locked one): every byte is
+            // written, and a buffer of another size is refused before anything is posted.
+            let mut into = vec![0xA5u8; posted.len()];
+            host_all_to_all_v_into(ctx.comm.as_ref(), "into", &send, row_bytes, &send_counts, &recv_counts, &mut into)?;
+            let mut short = vec![0u8; posted.len() + 1];
+            let refused = host_all_to_all_v_into(ctx.comm.as_ref(), "short", &send, row_bytes, &send_counts, &recv_counts, &mut short)
+                .is_err_and(|e| e.to_string().contains(&format!("a {}-byte receive buffer", posted.len() + 1)));
+            Ok((host, host_counts, posted, recv_counts, into, refused))
         }).unwrap();
-        for (host, host_counts, posted, recv_counts) in results {
+        for (host, host_counts, posted, recv_counts, into, refused) in results {
             prop_assert_eq!(host_counts, recv_counts);
-            prop_assert_eq!(posted, host);
+            prop_assert_eq!(&posted, &host);
+            prop_assert_eq!(into, host);
+            prop_assert!(refused, "a receive buffer of the wrong size was taken");
         }
     }
 }

@@ -13,11 +13,11 @@
 //! behavior", asynchronous copies). cubecl serves every stream of a device from that one
 //! thread, so while it copies a partition's rows (megabytes at the paper's shapes) no stream
 //! gets a launch, and the compute stream runs dry in the middle of the overlap the pipeline
-//! exists for. Here the calling thread (the exchange's comm worker) copies the rows into a
-//! pooled page-locked buffer and waits for the DMA itself (`PinnedOffload::upload`); cubecl's
-//! device thread only hands out the destination. The rows are read to the host as before:
-//! cubecl reads into page-locked memory already (`compute/command.rs`, `read_async`:
-//! `copies_to_bytes(descriptors, true)`).
+//! exists for. Here the host all-to-all writes the received rows straight into a pooled
+//! page-locked buffer on the calling thread (the exchange's comm worker), which then waits for
+//! the DMA itself (`PinnedOffload::upload_with`); cubecl's device thread only hands out the
+//! destination. The rows are read to the host as before: cubecl reads into page-locked memory
+//! already (`compute/command.rs`, `read_async`: `copies_to_bytes(descriptors, true)`).
 
 use std::sync::Arc;
 
@@ -25,7 +25,7 @@ use burn::tensor::{Shape, Tensor, TensorPrimitive};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::FloatElement;
 use cubecl::cuda::CudaRuntime;
-use mpipemoe::comm::{host_all_to_all_v, RowExchange, RowPaths};
+use mpipemoe::comm::{host_all_to_all_v_into, RowExchange, RowPaths};
 use mpipemoe::{Communicator, MoeError, Result};
 
 use crate::offload::{PinnedOffload, PinnedPath};
@@ -56,17 +56,21 @@ impl<F: FloatElement> RowExchange<CudaMoe<F>> for PinnedHostRows {
         };
         let (client, device, dtype) = (x.client.clone(), x.device.clone(), x.dtype);
         let data = Tensor::<CudaMoe<F>, 2>::from_primitive(TensorPrimitive::Float(x)).into_data();
-        let received = host_all_to_all_v(
-            comm,
-            "all_to_all_v",
-            data.as_bytes(),
-            width * dtype.size(),
-            send_rows,
-            recv_rows,
-        )?;
         let rows = recv_rows.iter().sum::<usize>();
+        // The peers' rows land in the page-locked buffer itself: no receive buffer to zero
+        // and copy again (`host_all_to_all_v_into` writes every byte of it).
         self.0
-            .upload(&client, &device, &received, Shape::new([rows, width]), dtype)
+            .upload_with(&client, &device, Shape::new([rows, width]), dtype, |recv| {
+                host_all_to_all_v_into(
+                    comm,
+                    "all_to_all_v",
+                    data.as_bytes(),
+                    width * dtype.size(),
+                    send_rows,
+                    recv_rows,
+                    recv,
+                )
+            })
     }
 }
 

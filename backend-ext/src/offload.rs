@@ -107,28 +107,22 @@ impl PinnedOffload {
         Ok(out)
     }
 
-    /// `rows` (host bytes of a `shape` tensor of `dtype`, row-major) as a contiguous tensor
-    /// on the calling thread's cubecl stream: copied into a pooled page-locked buffer on the
-    /// calling thread, then to the device on this path's stream (`copy_in`). cubecl's own
+    /// A contiguous `shape` tensor of `dtype` on the calling thread's cubecl stream whose bytes
+    /// `fill` writes (every one of them, row-major) into a pooled page-locked buffer on the
+    /// calling thread; they go to the device on this path's stream (`copy_in`). cubecl's own
     /// upload would hand a pageable copy to its device thread instead (`host_rows.rs`).
-    pub(crate) fn upload(
+    pub(crate) fn upload_with(
         &self,
         client: &ComputeClient<CudaRuntime>,
         device: &CudaDevice,
-        rows: &[u8],
         shape: Shape,
         dtype: DType,
+        fill: impl FnOnce(&mut [u8]) -> Result<()>,
     ) -> Result<CubeTensor<CudaRuntime>> {
         let bytes = shape.num_elements() * dtype.size();
-        if rows.len() != bytes {
-            return Err(MoeError::Backend(format!(
-                "pinned upload: {} bytes for a {shape:?} tensor of {dtype:?} ({bytes} bytes)",
-                rows.len()
-            )));
-        }
         let mut buffer = self.buffer(bytes.max(1))?;
         let host = buffer.as_mut_slice().map_err(|e| err("pinned buffer", e))?;
-        host[..bytes].copy_from_slice(rows);
+        fill(&mut host[..bytes])?;
         // On an error the buffer is dropped, not pooled: the DMA may still read it.
         let out = self.copy_in(client, &buffer, bytes)?;
         self.give_back(buffer);

@@ -20,7 +20,9 @@ pub use communicator::{Communicator, Payload};
 pub use device_rows::{HostOffload, HostRows, OffloadPath, Offloaded, RowExchange, RowPaths, WithRowPaths};
 pub use local::{in_rank_pool, GroupOptions, LocalComm, LocalGroup, RankContext};
 pub use loopback::HostLoopback;
-pub use peer::{host_all_to_all_v, post_all_to_all_v, HostPeers, PeerLayout, PeerTransport};
+pub use peer::{
+    host_all_to_all_v, host_all_to_all_v_into, post_all_to_all_v, HostPeers, PeerLayout, PeerTransport,
+};
 pub use reduce::{all_reduce_tensor, broadcast_tensor, HostReduce, TensorReduce};
 pub use single::SingleRank;
 

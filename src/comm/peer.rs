@@ -279,6 +279,56 @@ pub fn host_all_to_all_v(
     send_rows: &[usize],
     recv_rows: &[usize],
 ) -> Result<Vec<u8>> {
+    let layout = host_layout(comm, op, send, row_bytes, send_rows, recv_rows)?;
+    let mut recv = vec![0u8; layout.recv_bytes()];
+    post_all_to_all_v(
+        &mut HostPeers::new(comm, op, send, &mut recv),
+        comm.rank(),
+        &layout,
+    )?;
+    Ok(recv)
+}
+
+/// [`host_all_to_all_v`] into `recv`, which must hold exactly the `recv_rows` rows (a caller's
+/// own buffer: CUDA's page-locked one, which the rows then leave for the device without another
+/// copy). Every byte of `recv` is written.
+///
+/// # Errors
+/// As [`host_all_to_all_v`], and [`MoeError::Comm`] where `recv` is not the receive size.
+#[allow(clippy::too_many_arguments)]
+pub fn host_all_to_all_v_into(
+    comm: &dyn Communicator,
+    op: &'static str,
+    send: &[u8],
+    row_bytes: usize,
+    send_rows: &[usize],
+    recv_rows: &[usize],
+    recv: &mut [u8],
+) -> Result<()> {
+    let layout = host_layout(comm, op, send, row_bytes, send_rows, recv_rows)?;
+    if recv.len() != layout.recv_bytes() {
+        return Err(MoeError::comm(
+            op,
+            comm.rank(),
+            format!(
+                "a {}-byte receive buffer for {recv_rows:?} rows of {row_bytes} bytes ({} bytes)",
+                recv.len(),
+                layout.recv_bytes()
+            ),
+        ));
+    }
+    post_all_to_all_v(&mut HostPeers::new(comm, op, send, recv), comm.rank(), &layout)
+}
+
+/// The layout of a host all-to-all, checked against the group and the send buffer.
+fn host_layout(
+    comm: &dyn Communicator,
+    op: &'static str,
+    send: &[u8],
+    row_bytes: usize,
+    send_rows: &[usize],
+    recv_rows: &[usize],
+) -> Result<PeerLayout> {
     let layout = PeerLayout::new(send_rows, recv_rows, row_bytes)?;
     if layout.n_ranks() != comm.n_ranks() || layout.send_bytes() != send.len() {
         return Err(MoeError::comm(
@@ -291,11 +341,5 @@ pub fn host_all_to_all_v(
             ),
         ));
     }
-    let mut recv = vec![0u8; layout.recv_bytes()];
-    post_all_to_all_v(
-        &mut HostPeers::new(comm, op, send, &mut recv),
-        comm.rank(),
-        &layout,
-    )?;
-    Ok(recv)
+    Ok(layout)
 }
