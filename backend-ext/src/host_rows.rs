@@ -5,8 +5,9 @@
 //!
 //! Why not the host twin (`mpipemoe::comm::HostRows`): it hands the received rows to burn's
 //! `float_from_data`, and cubecl-runtime 0.10's `create` copies whatever bytes it is given into
-//! a fresh pageable `Vec` (`client.rs`, `do_create`: `Bytes::from_bytes_vec(data.to_vec())`),
-//! which cubecl-cuda then copies with `cuMemcpyHtoDAsync` on its device thread
+//! a fresh pageable `Vec` (`client.rs`, `do_create`, line 268:
+//! `Bytes::from_bytes_vec(data.to_vec())`), which cubecl-cuda then copies with
+//! `cuMemcpyHtoDAsync` on its device thread
 //! (`compute/command.rs`, `write_to_gpu`, line 528). From pageable memory that call is not
 //! asynchronous: the driver first copies the bytes into staging memory of its own and "may
 //! synchronize with the stream" to do so (the CUDA runtime API's "API synchronization
@@ -17,7 +18,7 @@
 //! page-locked buffer on the calling thread (the exchange's comm worker), which then waits for
 //! the DMA itself (`PinnedOffload::upload_with`); cubecl's device thread only hands out the
 //! destination. The rows are read to the host as before: cubecl reads into page-locked memory
-//! already (`compute/command.rs`, `read_async`: `copies_to_bytes(descriptors, true)`).
+//! already (`compute/command.rs`, `read_async`, line 195: `copies_to_bytes(descriptors, true)`).
 
 use std::sync::Arc;
 
