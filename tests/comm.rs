@@ -85,10 +85,11 @@ proptest! {
             let posted = host_all_to_all_v(ctx.comm.as_ref(), "posted", &send, row_bytes, &send_counts, &recv_counts)?;
             // Into a caller's buffer of stale bytes (CUDA's page-locked one): every byte is
             // written, and a buffer of another size is refused before anything is posted.
+            let layout = PeerLayout::new(&send_counts, &recv_counts, row_bytes)?;
             let mut into = vec![0xA5u8; posted.len()];
-            host_all_to_all_v_into(ctx.comm.as_ref(), "into", &send, row_bytes, &send_counts, &recv_counts, &mut into)?;
-            let mut short = vec![0u8; posted.len() + 1];
-            let refused = host_all_to_all_v_into(ctx.comm.as_ref(), "short", &send, row_bytes, &send_counts, &recv_counts, &mut short)
+            host_all_to_all_v_into(ctx.comm.as_ref(), "into", &send, &layout, &mut into)?;
+            let mut long = vec![0u8; posted.len() + 1];
+            let refused = host_all_to_all_v_into(ctx.comm.as_ref(), "long", &send, &layout, &mut long)
                 .is_err_and(|e| e.to_string().contains(&format!("a {}-byte receive buffer", posted.len() + 1)));
             Ok((host, host_counts, posted, recv_counts, into, refused))
         }).unwrap();

@@ -26,10 +26,11 @@ use burn::tensor::{Shape, Tensor, TensorPrimitive};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::FloatElement;
 use cubecl::cuda::CudaRuntime;
-use mpipemoe::comm::{host_all_to_all_v_into, RowExchange, RowPaths};
+use mpipemoe::comm::{host_all_to_all_v_into, PeerLayout, RowExchange, RowPaths};
 use mpipemoe::{Communicator, MoeError, Result};
 
 use crate::offload::{PinnedOffload, PinnedPath};
+use crate::rows::matrix_dims;
 use crate::CudaMoe;
 
 /// The host-bytes all-to-all of one GPU's ranks, uploading through page-locked memory.
@@ -44,34 +45,16 @@ impl<F: FloatElement> RowExchange<CudaMoe<F>> for PinnedHostRows {
         send_rows: &[usize],
         recv_rows: &[usize],
     ) -> Result<CubeTensor<CudaRuntime>> {
-        let dims = x.meta.shape().to_vec();
-        let [_, width] = match dims[..] {
-            [r, w] => [r, w],
-            _ => {
-                return Err(MoeError::comm(
-                    "all_to_all_v",
-                    comm.rank(),
-                    format!("rows must be a matrix, got shape {dims:?}"),
-                ))
-            }
-        };
+        let [_, width] = matrix_dims(&x, |why| MoeError::comm("all_to_all_v", comm.rank(), why))?;
         let (client, device, dtype) = (x.client.clone(), x.device.clone(), x.dtype);
+        let layout = PeerLayout::new(send_rows, recv_rows, width * dtype.size())?;
         let data = Tensor::<CudaMoe<F>, 2>::from_primitive(TensorPrimitive::Float(x)).into_data();
-        let rows = recv_rows.iter().sum::<usize>();
+        let shape = Shape::new([recv_rows.iter().sum::<usize>(), width]);
         // The peers' rows land in the page-locked buffer itself: no receive buffer to zero
         // and copy again (`host_all_to_all_v_into` writes every byte of it).
-        self.0
-            .upload_with(&client, &device, Shape::new([rows, width]), dtype, |recv| {
-                host_all_to_all_v_into(
-                    comm,
-                    "all_to_all_v",
-                    data.as_bytes(),
-                    width * dtype.size(),
-                    send_rows,
-                    recv_rows,
-                    recv,
-                )
-            })
+        self.0.upload_with(&client, &device, shape, dtype, |recv| {
+            host_all_to_all_v_into(comm, "all_to_all_v", data.as_bytes(), &layout, recv)
+        })
     }
 }
 

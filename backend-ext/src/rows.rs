@@ -144,11 +144,7 @@ impl NcclRows {
         recv_rows: &[usize],
     ) -> Result<CubeTensor<CudaRuntime>> {
         let x = burn_cubecl::kernel::into_contiguous(x);
-        let dims = x.meta.shape().to_vec();
-        let [rows, width] = match dims[..] {
-            [r, w] => [r, w],
-            _ => return Err(self.err(format!("rows must be a matrix, got shape {dims:?}"))),
-        };
+        let [rows, width] = matrix_dims(&x, |why| self.err(why))?;
         let dtype: DType = x.dtype;
         let row_bytes = width * dtype.size();
         let layout = PeerLayout::new(send_rows, recv_rows, row_bytes)?;
@@ -197,6 +193,17 @@ impl NcclRows {
             out,
             dtype,
         ))
+    }
+}
+
+/// `x`'s `[rows, width]`, or the error `err` makes of a message naming its shape.
+pub(crate) fn matrix_dims(
+    x: &CubeTensor<CudaRuntime>,
+    err: impl FnOnce(String) -> MoeError,
+) -> Result<[usize; 2]> {
+    match x.meta.shape()[..] {
+        [rows, width] => Ok([rows, width]),
+        ref dims => Err(err(format!("rows must be a matrix, got shape {dims:?}"))),
     }
 }
 

@@ -279,7 +279,9 @@ pub fn host_all_to_all_v(
     send_rows: &[usize],
     recv_rows: &[usize],
 ) -> Result<Vec<u8>> {
-    let layout = host_layout(comm, op, send, row_bytes, send_rows, recv_rows)?;
+    let layout = PeerLayout::new(send_rows, recv_rows, row_bytes)?;
+    // Checked before the receive buffer is allocated from the counts.
+    check_host_layout(comm, op, send.len(), &layout, layout.recv_bytes())?;
     let mut recv = vec![0u8; layout.recv_bytes()];
     post_all_to_all_v(
         &mut HostPeers::new(comm, op, send, &mut recv),
@@ -289,57 +291,48 @@ pub fn host_all_to_all_v(
     Ok(recv)
 }
 
-/// [`host_all_to_all_v`] into `recv`, which must hold exactly the `recv_rows` rows (a caller's
-/// own buffer: CUDA's page-locked one, which the rows then leave for the device without another
-/// copy). Every byte of `recv` is written.
+/// [`host_all_to_all_v`] of `layout`'s rows into `recv`, a caller's buffer of exactly
+/// `layout.recv_bytes()` (CUDA's page-locked one, which the rows then leave for the device
+/// without another copy). Every byte of `recv` is written.
 ///
 /// # Errors
-/// As [`host_all_to_all_v`], and [`MoeError::Comm`] where `recv` is not the receive size.
-#[allow(clippy::too_many_arguments)]
+/// [`MoeError::Comm`] where the layout is not for this group, `send` or `recv` is not its size,
+/// or a peer fails.
 pub fn host_all_to_all_v_into(
     comm: &dyn Communicator,
     op: &'static str,
     send: &[u8],
-    row_bytes: usize,
-    send_rows: &[usize],
-    recv_rows: &[usize],
+    layout: &PeerLayout,
     recv: &mut [u8],
 ) -> Result<()> {
-    let layout = host_layout(comm, op, send, row_bytes, send_rows, recv_rows)?;
-    if recv.len() != layout.recv_bytes() {
-        return Err(MoeError::comm(
-            op,
-            comm.rank(),
-            format!(
-                "a {}-byte receive buffer for {recv_rows:?} rows of {row_bytes} bytes ({} bytes)",
-                recv.len(),
-                layout.recv_bytes()
-            ),
-        ));
-    }
-    post_all_to_all_v(&mut HostPeers::new(comm, op, send, recv), comm.rank(), &layout)
+    check_host_layout(comm, op, send.len(), layout, recv.len())?;
+    post_all_to_all_v(&mut HostPeers::new(comm, op, send, recv), comm.rank(), layout)
 }
 
-/// The layout of a host all-to-all, checked against the group and the send buffer.
-fn host_layout(
+/// That `layout` is for `comm`'s group, with `send_bytes` to send and room for `recv_bytes`.
+fn check_host_layout(
     comm: &dyn Communicator,
     op: &'static str,
-    send: &[u8],
-    row_bytes: usize,
-    send_rows: &[usize],
-    recv_rows: &[usize],
-) -> Result<PeerLayout> {
-    let layout = PeerLayout::new(send_rows, recv_rows, row_bytes)?;
-    if layout.n_ranks() != comm.n_ranks() || layout.send_bytes() != send.len() {
-        return Err(MoeError::comm(
-            op,
-            comm.rank(),
-            format!(
-                "{} bytes to send with counts {send_rows:?} of {row_bytes}-byte rows in a group of {}",
-                send.len(),
-                comm.n_ranks()
-            ),
-        ));
+    send_bytes: usize,
+    layout: &PeerLayout,
+    recv_bytes: usize,
+) -> Result<()> {
+    if layout.n_ranks() == comm.n_ranks()
+        && layout.send_bytes() == send_bytes
+        && layout.recv_bytes() == recv_bytes
+    {
+        return Ok(());
     }
-    Ok(layout)
+    Err(MoeError::comm(
+        op,
+        comm.rank(),
+        format!(
+            "{send_bytes} bytes to send and a {recv_bytes}-byte receive buffer for a layout of {} \
+             and {} bytes over {} ranks, in a group of {}",
+            layout.send_bytes(),
+            layout.recv_bytes(),
+            layout.n_ranks(),
+            comm.n_ranks()
+        ),
+    ))
 }
