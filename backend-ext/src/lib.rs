@@ -25,7 +25,9 @@
 //!   rows, grouped otherwise, at the layer's
 //!   `gemm_precision`: IEEE f32, TF32 or bf16) with their activations in fused kernels, on a
 //!   stream of its own ordered against cubecl's without host waits; [`with_cublas`] adds it to
-//!   a communicator's paths.
+//!   a communicator's paths, and where the communicator has none of its own (thread ranks, one
+//!   rank), the rows' all-to-all through host bytes and the S1–S3 offload with page-locked
+//!   copies on a copy stream, off cubecl's device thread (`CublasExperts::adding_to`).
 //! - [`Breakdown`]: where a timed cuBLAS path's sections spent their time, piece by piece
 //!   (`CublasOptions::timed`, `CublasExperts::breakdown`), for the benchmark.
 //! - [`Census`] and [`CallCounts`]: every CUDA driver and runtime call of the process counted
