@@ -196,30 +196,31 @@ impl<'a> From<&'a LayerRun> for Measured<'a> {
     }
 }
 
-/// Milliseconds per step each thread spent inside the driver's calls of `kinds`, for the threads
-/// that spent any.
-fn ms_by_thread(calls: &CallCounts, kinds: &[CallKind]) -> BTreeMap<String, f64> {
+/// `value` of each thread that made timed driver calls, for the threads where it is not 0.
+fn by_thread(calls: &CallCounts, value: impl Fn(&str) -> f64) -> BTreeMap<String, f64> {
     calls
         .threads()
-        .map(|thread| {
-            let ms = kinds.iter().map(|&kind| calls.ms_per_step(thread, kind)).sum();
-            (thread.to_string(), ms)
-        })
-        .filter(|(_, ms)| *ms > 0.0)
+        .map(|thread| (thread.to_string(), value(thread)))
+        .filter(|(_, v)| *v > 0.0)
         .collect()
 }
 
-/// The driver's waits per step by the thread that made them, for the threads that made any.
-fn waits_by_thread(calls: &CallCounts) -> BTreeMap<String, f64> {
-    calls
-        .threads()
-        .map(|thread| {
-            let waits = calls.spent_on(thread, CallKind::Wait).calls;
-            (thread.to_string(), waits as f64 / calls.steps() as f64)
-        })
-        .filter(|(_, waits)| *waits > 0.0)
-        .collect()
+/// Milliseconds per step each thread spent inside the driver's calls of `kinds`.
+fn ms_by_thread(calls: &CallCounts, kinds: &[CallKind]) -> BTreeMap<String, f64> {
+    by_thread(calls, |thread| {
+        kinds.iter().map(|&kind| calls.ms_per_step(thread, kind)).sum()
+    })
 }
+
+/// The driver's waits per step by the thread that made them.
+fn waits_by_thread(calls: &CallCounts) -> BTreeMap<String, f64> {
+    by_thread(calls, |thread| {
+        calls.spent_on(thread, CallKind::Wait).calls as f64 / calls.steps() as f64
+    })
+}
+
+/// A maker of the communicator a row runs with (the emulated exchange, one way or another).
+type MakeComm<'a> = &'a dyn Fn() -> Arc<dyn Communicator>;
 
 /// Steps counted by the census after a layer row's timed ones.
 const COUNTED: u64 = 3;
@@ -1033,32 +1034,30 @@ fn main() {
                         Arc::new(WithRowPaths::adding(Arc::new(HostLoopback), device_path.paths()))
                     };
                     // The exchange alone: four all-to-alls of all routed rows (two forward, two
-                    // backward), each a device -> host -> device round trip, through burn's
-                    // upload and through the page-locked one.
+                    // backward), each a device -> host -> device round trip, through each
+                    // communicator as the layer calls it.
                     let rows_tensor = Tensor::<Inner, 2>::random([routed, m], Distribution::Default, &device);
-                    let exchange = timed(args.repeats, || {
-                        for _ in 0..4 {
-                            let data = rows_tensor.clone().into_data();
-                            sync(Tensor::<Inner, 2>::from_data(data, &device));
-                        }
-                    });
-                    push(
-                        "exchange",
-                        "host loopback pageable",
-                        "-",
-                        Measured::times(exchange),
-                    );
-                    let comm = loopback();
-                    let exchange = timed(args.repeats, || {
-                        for _ in 0..4 {
-                            let x = rows_tensor.clone().into_primitive().tensor();
-                            let y =
-                                <Inner as mpipemoe::MoeBackend>::all_to_all(x, &[routed], &[routed], &comm)
-                                    .unwrap_or_else(|e| panic!("the emulated exchange: {e}"));
-                            sync(Tensor::<Inner, 2>::from_primitive(TensorPrimitive::Float(y)));
-                        }
-                    });
-                    push("exchange", "host loopback", "-", Measured::times(exchange));
+                    let exchanges: [(&str, MakeComm<'_>); 2] = [
+                        ("host loopback", &loopback),
+                        ("host loopback pageable", &pageable),
+                    ];
+                    for (label, make) in exchanges {
+                        let comm = make();
+                        let exchange = timed(args.repeats, || {
+                            for _ in 0..4 {
+                                let x = rows_tensor.clone().into_primitive().tensor();
+                                let y = <Inner as mpipemoe::MoeBackend>::all_to_all(
+                                    x,
+                                    &[routed],
+                                    &[routed],
+                                    &comm,
+                                )
+                                .unwrap_or_else(|e| panic!("the emulated exchange: {e}"));
+                                sync(Tensor::<Inner, 2>::from_primitive(TensorPrimitive::Float(y)));
+                            }
+                        });
+                        push("exchange", label, "-", Measured::times(exchange));
+                    }
                     // The overlap needs the executor CUDA gets by default, a worker and a CUDA
                     // stream per schedule stream (`StepExecutor::for_cubecl_runtime`): `tf32`
                     // runs in issue order, right for one rank, where nothing overlaps, but with
@@ -1066,29 +1065,28 @@ fn main() {
                     // issue order at n = 1 (FastMoE-style) is the reference without overlap.
                     // `pageable` at n = 1 and 4 beside the others: what the page-locked upload
                     // buys the overlap, in the same call.
-                    let runs = [
+                    let runs: [(StepExecutor, &str, &[usize], MakeComm<'_>); 3] = [
                         (
                             StepExecutor::StreamThreads,
                             "cublas threads",
-                            vec![1, 2, 4, 8],
-                            false,
+                            &[1, 2, 4, 8],
+                            &loopback,
                         ),
-                        (StepExecutor::InOrder, "cublas in-order", vec![1], false),
+                        (StepExecutor::InOrder, "cublas in-order", &[1], &loopback),
                         (
                             StepExecutor::StreamThreads,
                             "cublas threads pageable",
-                            vec![1, 4],
-                            true,
+                            &[1, 4],
+                            &pageable,
                         ),
                     ];
-                    for (executor, label, ns, burns_upload) in runs {
-                        for n in ns {
+                    for (executor, label, ns, make) in runs {
+                        for &n in ns {
                             let config = tf32
                                 .clone()
                                 .with_executor(Some(executor))
                                 .with_partitions(Partitions::Fixed(n));
-                            let comm = if burns_upload { pageable() } else { loopback() };
-                            let run = layer_ms::<B>(&config, comm, tokens, &bench, false);
+                            let run = layer_ms::<B>(&config, make(), tokens, &bench, false);
                             push("pipeline", label, "tf32", (&run).into());
                         }
                     }
