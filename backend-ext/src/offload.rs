@@ -122,8 +122,12 @@ impl PinnedOffload {
         let bytes = shape.num_elements() * dtype.size();
         let mut buffer = self.buffer(bytes.max(1))?;
         let host = buffer.as_mut_slice().map_err(|e| err("pinned buffer", e))?;
-        fill(&mut host[..bytes])?;
-        // On an error the buffer is dropped, not pooled: the DMA may still read it.
+        if let Err(e) = fill(&mut host[..bytes]) {
+            // No copy has started: the buffer goes back to the pool.
+            self.give_back(buffer);
+            return Err(e);
+        }
+        // On a failed copy the buffer is dropped, not pooled: the DMA may still read it.
         let out = self.copy_in(client, &buffer, bytes)?;
         self.give_back(buffer);
         Ok(CubeTensor::new_contiguous(
